@@ -1,0 +1,42 @@
+# greenroom: the two README commands are `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+BIN := $(VENV)/bin
+# Where `make run` puts its per-rank files: the repo's own disk, never tmpfs.
+RUN_DIR ?= $(CURDIR)/.run/offload
+PYTEST_ARGS ?=
+IMAGE ?= greenroom
+TAG ?= $(shell $(PYTHON) -c "import tomllib;print(tomllib.load(open('pyproject.toml','rb'))['project']['version'])" 2>/dev/null || echo dev)
+BASE_IMAGE ?= nvcr.io/nvidia/pytorch:25.09-py3
+
+.PHONY: install run test system-deps image verify clean
+
+install: $(VENV)/.installed
+
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+run: install
+	$(BIN)/greenroom train --offload-train --offload-train-target disk \
+	  --stream-optimizer-state-to-disk --offload-train-disk-dir "$(RUN_DIR)"
+
+# System tools the tests use (Slurm, munge, podman/buildah/runc, helm). Installs
+# them when run as root on Debian; otherwise the tests that need them skip with a reason.
+system-deps:
+	scripts/setup-system.sh
+
+test: install system-deps
+	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" scripts/with-services.sh \
+	  $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+image:
+	scripts/build-image.sh "$(IMAGE):$(TAG)" "$(BASE_IMAGE)"
+
+clean:
+	rm -rf $(VENV) .tools .run

@@ -1,0 +1,60 @@
+"""The ``greenroom`` command: wiring only.
+
+Each subcommand lives in its own module exposing ``configure_parser(parser)`` and
+``run(args) -> int``. Only the chosen one is imported, so ``greenroom reclaim`` (run by
+init containers and Slurm prologs) never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import warnings
+
+import greenroom
+from greenroom.errors import GreenroomError
+
+COMMANDS = {
+    "train": ("greenroom.train.main", "the colocated train/sleep/rollout/wake loop"),
+    "plan": ("greenroom.plan", "print the resolved per-rank plan for these flags"),
+    "reclaim": ("greenroom.reclaim", "remove per-rank dirs whose owner died"),
+    "doctor": ("greenroom.doctor", "check a dir for offload: filesystem, space, O_DIRECT, memlock"),
+    "bench": ("greenroom.bench", "benchmarks: disk, stream, offload"),
+    "report": ("greenroom.train.report", "plot a metrics .jsonl to a PNG"),
+    "slurm": ("greenroom.slurm.cli", "render or submit the Slurm templates"),
+}
+
+
+def _one_line_warnings(message, category, filename, lineno, line=None) -> str:
+    return f"greenroom: warning: {message}\n"
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="greenroom", description=greenroom.__doc__)
+    parser.add_argument("--version", action="version", version=f"greenroom {greenroom.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, summary) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=summary, description=summary)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.configure_parser(command_parser)
+            command_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    warnings.formatwarning = _one_line_warnings
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    try:
+        return args._run(args) or 0
+    except (ValueError, GreenroomError) as e:
+        print(f"greenroom {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

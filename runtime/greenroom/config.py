@@ -1,0 +1,179 @@
+"""The seed's flags, their rules, and the validated ``OffloadConfig`` built from them.
+
+Any trainer adopts greenroom with two calls::
+
+    greenroom.add_arguments(parser)
+    config = greenroom.OffloadConfig.from_args(parser.parse_args())
+
+Every rule violation is a ``ValueError`` whose message is one line naming the flag and
+the fix; the CLI turns it into exit code 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from greenroom import fs
+
+TARGETS = ("cpu", "disk")
+MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
+# fp8 moments carry one fp32 scale per block of this many elements (see
+# greenroom.optim.codecs); plan's byte counts include it.
+FP8_SCALE_BLOCK = 128
+_MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8e4m3": 1.0 + 4 / FP8_SCALE_BLOCK,
+                 "fp8e5m2": 1.0 + 4 / FP8_SCALE_BLOCK}
+DEFAULT_CHUNK_MB = 256
+MIB = 1 << 20
+
+
+def moment_bytes_per_element(moment_dtype: str) -> float:
+    return _MOMENT_BYTES[moment_dtype]
+
+
+def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) -> float:
+    """Bytes of streamed state per parameter: the fp32 master (unless the param is its
+    own fp32 master) plus the two Adam moments."""
+    return (4.0 if master_on_disk else 0.0) + 2 * moment_bytes_per_element(moment_dtype)
+
+
+def default_disk_dir() -> str | None:
+    """``$SCRATCH/greenroom_train_offload_<uid>``, or None when $SCRATCH is unset."""
+    scratch = os.environ.get("SCRATCH")
+    if not scratch:
+        return None
+    return os.path.join(scratch, f"greenroom_train_offload_{os.getuid()}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadConfig:
+    """Validated actor-offload and optimizer-streaming settings (the seed's flags)."""
+
+    offload_train: bool = False
+    """Move the actor's device memory out while it sleeps (``--offload-train``)."""
+
+    offload_train_target: str | None = None
+    """``cpu`` (pinned host copy, default) or ``disk`` (per-rank files). None means not
+    given, which resolves to ``cpu``; an explicit value is checked against the rules."""
+
+    offload_train_disk_dir: str | None = None
+    """Root of the per-rank dirs; defaults to ``$SCRATCH/greenroom_train_offload_<uid>``."""
+
+    offload_train_disk_chunk_mb: int = DEFAULT_CHUNK_MB
+    """Size of each mechanism's pinned host staging buffer, in MiB."""
+
+    stream_optimizer_state_to_disk: bool = False
+    """Keep fp32 master params and Adam moments in per-bucket files."""
+
+    stream_optimizer_state_moment_dtype: str = "fp32"
+    """Storage dtype of the streamed Adam moments."""
+
+    no_load_optim: bool = False
+    """On resume, accept a fresh optimizer state instead of requiring the streamed one."""
+
+    allow_tmpfs: bool = False
+    """Accept a memory-backed disk dir (tests only: it defeats the purpose)."""
+
+    _target_given: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._target_given = self.offload_train_target is not None
+        target = self.offload_train_target or "cpu"
+        if target not in TARGETS:
+            raise ValueError(f"--offload-train-target: expected one of {', '.join(TARGETS)}, got {target!r}")
+        self.offload_train_target = target
+        chunk = self.offload_train_disk_chunk_mb
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise ValueError(
+                f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {chunk!r}")
+        if self.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
+            raise ValueError(
+                f"--stream-optimizer-state-moment-dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
+                f"got {self.stream_optimizer_state_moment_dtype!r}")
+        if target == "disk" and not self.offload_train:
+            raise ValueError("--offload-train-target disk requires --offload-train: add --offload-train "
+                             "(or drop --offload-train-target disk)")
+        if self.offload_train and self.stream_optimizer_state_to_disk and target != "disk":
+            raise ValueError(
+                "--stream-optimizer-state-to-disk under --offload-train requires --offload-train-target disk: "
+                "a run that cannot hold its optimizer state on the GPU will not hold a pinned host copy "
+                "of the whole actor either")
+        if self.stream_optimizer_state_to_disk and not self.offload_train and self._target_given:
+            warnings.warn("--offload-train-target is ignored without --offload-train "
+                          "(streaming alone is the disaggregated case)", stacklevel=3)
+        if self.uses_disk:
+            self._resolve_disk_dir()
+
+    def _resolve_disk_dir(self) -> None:
+        if self.offload_train_disk_dir is None:
+            self.offload_train_disk_dir = default_disk_dir()
+        if not self.offload_train_disk_dir:
+            raise ValueError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
+                             "or set $SCRATCH")
+        self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
+        mount = fs.mount_of(self.offload_train_disk_dir)
+        if mount.fstype in fs.MEMORY_FILESYSTEMS:
+            message = (f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "
+                       f"({mount.mount_point}), which keeps the data in RAM and defeats the purpose; "
+                       "point it at node-local NVMe")
+            if not self.allow_tmpfs:
+                raise ValueError(message + " (or pass --allow-tmpfs for a test)")
+            warnings.warn(message + "; continuing because of --allow-tmpfs", stacklevel=3)
+
+    @property
+    def offload_to_disk(self) -> bool:
+        return self.offload_train and self.offload_train_target == "disk"
+
+    @property
+    def uses_disk(self) -> bool:
+        """Whether any mechanism writes to ``offload_train_disk_dir``."""
+        return self.offload_to_disk or self.stream_optimizer_state_to_disk
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.offload_train_disk_chunk_mb * MIB
+
+    @property
+    def staging_bytes_per_rank(self) -> int:
+        """Pinned host staging per rank: each disk mechanism allocates its own chunk, so
+        disk offload plus streaming costs 2x the chunk."""
+        return self.chunk_bytes * (int(self.offload_to_disk) + int(self.stream_optimizer_state_to_disk))
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> "OffloadConfig":
+        return cls(
+            offload_train=ns.offload_train,
+            offload_train_target=ns.offload_train_target,
+            offload_train_disk_dir=ns.offload_train_disk_dir,
+            offload_train_disk_chunk_mb=ns.offload_train_disk_chunk_mb,
+            stream_optimizer_state_to_disk=ns.stream_optimizer_state_to_disk,
+            stream_optimizer_state_moment_dtype=ns.stream_optimizer_state_moment_dtype,
+            no_load_optim=ns.no_load_optim,
+            allow_tmpfs=ns.allow_tmpfs,
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the seed's flags (and ``--allow-tmpfs``) to any argparse parser."""
+    group = parser.add_argument_group("greenroom offload and streaming")
+    group.add_argument("--offload-train", action="store_true",
+                       help="move the actor's device memory out while it sleeps")
+    # default None: an explicit value must be told apart from the default (see the rules).
+    group.add_argument("--offload-train-target", choices=TARGETS, default=None,
+                       help="where the sleeping actor goes: cpu (pinned host copy, default) or disk")
+    group.add_argument("--offload-train-disk-dir", default=None, metavar="DIR",
+                       help="root of the per-rank dirs, on node-local NVMe "
+                            "(default $SCRATCH/greenroom_train_offload_<uid>)")
+    group.add_argument("--offload-train-disk-chunk-mb", type=int, default=DEFAULT_CHUNK_MB, metavar="MB",
+                       help="pinned host staging buffer per mechanism and rank, MiB (default %(default)s)")
+    group.add_argument("--stream-optimizer-state-to-disk", action="store_true",
+                       help="keep fp32 master params and Adam moments in per-bucket files")
+    group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",
+                       help="storage dtype of the streamed Adam moments (default fp32, bit-identical)")
+    group.add_argument("--no-load-optim", action="store_true",
+                       help="on resume, start a fresh optimizer state instead of requiring the saved one")
+    group.add_argument("--allow-tmpfs", action="store_true",
+                       help="accept a tmpfs/ramfs disk dir (tests only; it keeps the data in RAM)")
+    return parser

@@ -1,0 +1,18 @@
+"""Errors a user can act on. The CLI prints their one-line message and exits 2.
+
+Configuration mistakes are ``ValueError`` (as torch.optim does); problems with files on
+disk (no space, a truncated or foreign file, a checkpoint that does not match) are
+``GreenroomError`` subclasses so callers can tell them from bugs.
+"""
+
+
+class GreenroomError(RuntimeError):
+    """A condition the user must fix; the message says what and how."""
+
+
+class StorageError(GreenroomError):
+    """A state file cannot be created, is too short, or the disk is full."""
+
+
+class CheckpointError(GreenroomError):
+    """A checkpoint does not match the current run or fails its checksums."""

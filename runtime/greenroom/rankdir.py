@@ -1,0 +1,203 @@
+"""Per-rank directories: ``<root>/<job>/<role>/rank<NNNNN>/`` and their lifetime.
+
+A live rank holds an exclusive ``flock`` on ``<dir>/.lock`` for as long as it runs and
+records who it is in ``<dir>/owner.json``. That pair is the whole protocol with the
+janitor (``greenroom.reclaim``): a dir with an owner record and a free lock belongs to a
+dead process. At start the rank wipes whatever an earlier run left in its own dir; at
+exit (return, exception, SIGTERM, SIGINT) it removes the dir.
+
+Note [lock inode]: a reclaimer deletes a dir while holding its lock, so a starting rank
+can win a lock on a file that is being unlinked. After ``flock`` succeeds the rank checks
+that the path still names the inode it locked and starts over if not.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+
+from greenroom.errors import StorageError
+
+LOCK_NAME = ".lock"
+OWNER_NAME = "owner.json"
+DIR_MODE = 0o700
+
+
+def job_id() -> str:
+    """The id that groups one job's ranks: the scheduler's where there is one."""
+    for var in ("GREENROOM_JOB_ID", "SLURM_JOB_ID"):
+        if os.environ.get(var):
+            return os.environ[var]
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run and run != "none":
+        return f"torchrun-{run}"
+    return f"local-{uuid.uuid4().hex[:12]}"
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
+    for name, value in (("job", job), ("role", role)):
+        if not value or "/" in value or value in (".", ".."):
+            raise ValueError(f"--{name}: {value!r} is not a valid directory name")
+    return os.path.join(root, job, role, f"rank{rank:05d}")
+
+
+def _makedirs(path: str) -> None:
+    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    os.chmod(path, DIR_MODE)
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Write ``payload`` so readers see the old file or the new one, never half."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RankDir:
+    """This rank's own directory, held for the life of the process.
+
+    Args:
+        root: ``--offload-train-disk-dir``.
+        role: which model of the job (actor, critic, ...), so two never share files.
+        rank: this process's global rank.
+        job: the job id (default: from the scheduler, see ``job_id``).
+
+    Use as a context manager, or call ``open()``/``close()``. ``subdir(name)`` gives
+    each mechanism its own subdirectory (``offload/``, ``optim/``).
+    """
+
+    def __init__(self, root: str, *, role: str = "actor", rank: int = 0, job: str | None = None) -> None:
+        self.root = os.path.abspath(root)
+        self.job = job or job_id()
+        self.role = role
+        self.rank = rank
+        self.path = rank_dir_path(self.root, self.job, role, rank)
+        self._lock_fd = -1
+        self._previous_handlers: dict[int, object] = {}
+
+    # -- lifetime -----------------------------------------------------------------
+    def open(self) -> "RankDir":
+        if self._lock_fd >= 0:
+            return self
+        _makedirs(self.root)
+        while True:
+            _makedirs(self.path)
+            fd = os.open(os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise StorageError(f"{self.path} is held by a live process ({self._describe_owner()}); "
+                                   "give each rank its own --rank/--role, or stop the other run") from None
+            try:
+                same = os.stat(os.path.join(self.path, LOCK_NAME)).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # see Note [lock inode]
+        self._lock_fd = fd
+        self._wipe_contents()
+        write_json_atomic(os.path.join(self.path, OWNER_NAME), self.owner_record())
+        self._install_exit_hooks()
+        return self
+
+    def close(self) -> None:
+        """Remove the dir (and empty job/role parents) and release the lock."""
+        if self._lock_fd < 0:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        for parent in (os.path.dirname(self.path), os.path.dirname(os.path.dirname(self.path))):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break  # not empty: another rank or role of the job is still there
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+        self._restore_handlers()
+
+    def __enter__(self) -> "RankDir":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def is_open(self) -> bool:
+        return self._lock_fd >= 0
+
+    def subdir(self, name: str) -> str:
+        assert self.is_open, "open() the rank dir first"
+        path = os.path.join(self.path, name)
+        _makedirs(path)
+        return path
+
+    # -- internals ----------------------------------------------------------------
+    def owner_record(self) -> dict:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": boot_id(),
+                "start_time": time.time(), "job": self.job, "role": self.role, "rank": self.rank,
+                "uid": os.getuid()}
+
+    def _describe_owner(self) -> str:
+        try:
+            with open(os.path.join(self.path, OWNER_NAME), encoding="utf-8") as f:
+                owner = json.load(f)
+            return f"pid {owner.get('pid')} on {owner.get('host')}"
+        except (OSError, ValueError):
+            return "owner unknown"
+
+    def _wipe_contents(self) -> None:
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                if entry.name == LOCK_NAME:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+
+    def _install_exit_hooks(self) -> None:
+        atexit.register(self.close)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        # SIGTERM/SIGINT become SystemExit/KeyboardInterrupt so that `with` blocks and
+        # finally clauses run; a handler the trainer installed itself is left alone.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            current = signal.getsignal(signum)
+            if current in (signal.SIG_DFL, signal.default_int_handler):
+                self._previous_handlers[signum] = current
+                signal.signal(signum, _raise_exit)
+
+    def _restore_handlers(self) -> None:
+        atexit.unregister(self.close)
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous_handlers.items():
+                signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+
+def _raise_exit(signum, _frame) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    sys.exit(128 + signum)
