@@ -30,6 +30,7 @@ from greenroom.errors import StorageError
 LOCK_NAME = ".lock"
 OWNER_NAME = "owner.json"
 DIR_MODE = 0o700
+LOCK_WAIT_SECONDS = 3.0
 
 
 def job_id() -> str:
@@ -101,13 +102,20 @@ class RankDir:
         if self._lock_fd >= 0:
             return self
         _makedirs(self.root)
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while True:
             _makedirs(self.path)
-            fd = os.open(os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fd = os.open(os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            except FileNotFoundError:
+                continue  # a reclaimer renamed the dir away between the two calls
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
+                if time.monotonic() < deadline:  # a reclaimer holds it only while deleting
+                    time.sleep(0.1)
+                    continue
                 raise StorageError(f"{self.path} is held by a live process ({self._describe_owner()}); "
                                    "give each rank its own --rank/--role, or stop the other run") from None
             try:

@@ -1,0 +1,30 @@
+"""``greenroom bench disk|stream|offload``: one module per benchmark.
+
+Benchmarks report what they measure beside the raw figure from the same run (plain
+O_DIRECT threads for the disk, a plain pinned copy for host memory) and the ratio, so a
+number is never read without its bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "disk": ("greenroom.bench.disk", "sequential bandwidth through the I/O layer vs raw O_DIRECT"),
+    "stream": ("greenroom.bench.stream", "streamed optimizer step time vs the disk bound"),
+    "offload": ("greenroom.bench.offload", "actor sleep/wake bandwidth vs raw disk or pinned copy"),
+}
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module_name, summary) in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        bench_parser = sub.add_parser(name, help=summary, description=summary)
+        module.configure_parser(bench_parser)
+        bench_parser.set_defaults(_bench=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return args._bench(args)

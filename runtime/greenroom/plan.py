@@ -1,0 +1,121 @@
+"""``greenroom plan``: the resolved plan for a set of flags, before anything runs.
+
+Prints the per-rank dirs, the pinned staging memory per rank, the disk each rank needs
+and whether the disk dir's filesystem has room, so a user sizes a run without starting
+it. Exit 2 on a rule violation or when the free space cannot hold the state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from greenroom import fs
+from greenroom.config import OffloadConfig, add_arguments, streamed_bytes_per_param
+from greenroom.rankdir import rank_dir_path
+
+# The paused actor's own bytes per parameter: bf16 weights plus bf16 gradients. The
+# optimizer state is added on top when it is resident (not streamed).
+ACTOR_BYTES_PER_PARAM = 4.0
+RESIDENT_OPTIMIZER_BYTES_PER_PARAM = 12.0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def build_plan(config: OffloadConfig, *, world_size: int, params: int, nproc_per_node: int,
+               role: str, job: str) -> dict:
+    """The plan as a dict (what ``--json`` prints)."""
+    shard = params / world_size  # data parallelism divides the optimizer state
+    stream_per_rank = shard * streamed_bytes_per_param(config.stream_optimizer_state_moment_dtype) \
+        if config.stream_optimizer_state_to_disk else 0.0
+    offload_per_rank = 0.0
+    if config.offload_to_disk:
+        offload_per_rank = params * ACTOR_BYTES_PER_PARAM
+        if not config.stream_optimizer_state_to_disk:
+            offload_per_rank += shard * RESIDENT_OPTIMIZER_BYTES_PER_PARAM
+    per_rank = stream_per_rank + offload_per_rank
+    plan = {
+        "offload": config.offload_train_target if config.offload_train else "off",
+        "streaming": config.stream_optimizer_state_to_disk,
+        "moment_dtype": config.stream_optimizer_state_moment_dtype,
+        "world_size": world_size, "nproc_per_node": nproc_per_node, "params": params,
+        "staging_bytes_per_rank": config.staging_bytes_per_rank,
+        "chunk_bytes": config.chunk_bytes,
+        "disk_bytes_per_rank": {"streaming": int(stream_per_rank), "offload": int(offload_per_rank),
+                                "total": int(per_rank)},
+        "disk_bytes_per_node": int(per_rank * nproc_per_node),
+    }
+    if config.uses_disk:
+        root = config.offload_train_disk_dir
+        mount = fs.mount_of(root)
+        free = fs.free_bytes(root)
+        plan.update({
+            "disk_dir": root, "filesystem": mount.fstype, "mount_point": mount.mount_point,
+            "free_bytes": free,
+            "rank_dirs": [rank_dir_path(root, job, role, r) for r in range(min(world_size, nproc_per_node))],
+            "fits": free >= per_rank * nproc_per_node,
+        })
+    return plan
+
+
+def print_plan(plan: dict) -> None:
+    streaming = (f"on, moments {plan['moment_dtype']}" if plan["streaming"] else "off")
+    print(f"offload:    {plan['offload']}")
+    print(f"streaming:  {streaming}")
+    mechanisms = int(plan["offload"] == "disk") + int(plan["streaming"])
+    staging = _human(plan["staging_bytes_per_rank"])
+    if mechanisms == 2:
+        staging += f" (2 x {_human(plan['chunk_bytes'])} chunk: offload and streaming each stage their own)"
+    print(f"pinned staging per rank: {staging}")
+    if "disk_dir" not in plan:
+        print("disk:       not used")
+        return
+    d = plan["disk_bytes_per_rank"]
+    print(f"disk dir:   {plan['disk_dir']} ({plan['filesystem']} at {plan['mount_point']})")
+    print("rank dirs:  " + ", ".join(plan["rank_dirs"][:2]) + (" ..." if len(plan["rank_dirs"]) > 2 else ""))
+    print(f"disk per rank: {_human(d['total'])} (streamed state {_human(d['streaming'])}, "
+          f"paused actor {_human(d['offload'])}) for {plan['params']:,} params over {plan['world_size']} rank(s)")
+    need, free = plan["disk_bytes_per_node"], plan["free_bytes"]
+    verdict = "OK" if plan["fits"] else "DOES NOT FIT"
+    print(f"verdict:    {verdict}: {plan['nproc_per_node']} rank(s) on this node need {_human(need)}, "
+          f"{_human(free)} free")
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser)
+    parser.add_argument("--world-size", type=int, default=1, help="number of ranks (data-parallel shards)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="ranks sharing this node's disk (default: --world-size)")
+    parser.add_argument("--params", type=float, default=0, help="model parameters, e.g. 7e9")
+    parser.add_argument("--role", default="actor", help="model role: actor, critic, ...")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--world-size", args.world_size), ("--nproc-per-node", args.nproc_per_node or 1)):
+        if value <= 0:
+            raise ValueError(f"{flag} must be a positive integer, got {value}")
+    if args.params < 0:
+        raise ValueError(f"--params must be >= 0, got {args.params:g}")
+    config = OffloadConfig.from_args(args)
+    plan = build_plan(config, world_size=args.world_size, params=int(args.params),
+                      nproc_per_node=args.nproc_per_node or args.world_size, role=args.role,
+                      job=os.environ.get("GREENROOM_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "<job>")
+    if args.json:
+        print(json.dumps(plan, sort_keys=True))
+    else:
+        print_plan(plan)
+    if plan.get("fits") is False:
+        print(f"greenroom plan: error: {plan['disk_dir']} has {_human(plan['free_bytes'])} free, "
+              f"the state needs {_human(plan['disk_bytes_per_node'])}: use a larger disk, more ranks, "
+              "or narrower moments", file=sys.stderr)
+        return 2
+    return 0

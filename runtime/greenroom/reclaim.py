@@ -1,0 +1,253 @@
+"""``greenroom reclaim``: the stale-file janitor.
+
+Removes per-rank dirs (see ``greenroom.rankdir``) under ROOT whose owner died: a dir is
+a candidate only if it carries an ``owner.json``; it is stale only if nobody holds the
+flock on its ``.lock`` and it is older than ``--min-age``. The Helm init container and
+preStop hook, the janitor DaemonSet and the Slurm templates all run this.
+
+Safety rules, each enforced below:
+- a locked dir is never touched, and the lock is held while deleting, so a rank that
+  starts meanwhile waits instead of writing into a dir being removed;
+- no symlink is followed and ROOT's filesystem is never left (``st_dev`` checks, and a
+  dir holding a mount point is refused);
+- nothing without an owner record is deleted;
+- several reclaimers at once are safe: the winner renames the dir aside before deleting,
+  losers see it locked or gone.
+
+This module must not import torch: init containers and prologs run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import json
+import os
+import shutil
+import stat
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from greenroom import fs
+from greenroom.rankdir import LOCK_NAME, OWNER_NAME
+
+MAX_DEPTH = 6  # <root>/<job>/<role>/rank<N> is 3; leave room for site layouts above it
+TRASH_PREFIX = ".greenroom-reclaim-"
+
+# An owner policy sees the owner record of an unlocked dir and may answer "keep" (never
+# touch it, e.g. its pod still exists) or "stale" (reclaim now, skip --min-age); None
+# leaves the decision to the age rule.
+OwnerPolicy = Callable[[dict], "str | None"]
+
+
+@dataclass
+class Decision:
+    path: str
+    action: str  # "reclaimed", "would-reclaim", "kept", "error"
+    reason: str
+    bytes: int = 0
+    owner: dict = field(default_factory=dict)
+
+
+@dataclass
+class ReclaimReport:
+    root: str
+    dry_run: bool
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def reclaimed(self) -> list[Decision]:
+        return [d for d in self.decisions if d.action in ("reclaimed", "would-reclaim")]
+
+    @property
+    def errors(self) -> list[Decision]:
+        return [d for d in self.decisions if d.action == "error"]
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(d.bytes for d in self.reclaimed)
+
+    def as_dict(self) -> dict:
+        return {"root": self.root, "dry_run": self.dry_run, "bytes_freed": self.bytes_freed,
+                "reclaimed": len(self.reclaimed), "errors": len(self.errors),
+                "decisions": [asdict(d) for d in self.decisions]}
+
+
+def find_candidates(root: str) -> list[str]:
+    """Dirs under ``root`` (same filesystem, no symlinks) that hold an owner record."""
+    root_dev = os.lstat(root).st_dev
+    found = []
+
+    def walk(path: str, depth: int) -> None:
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            return  # vanished or unreadable: another reclaimer, or not ours
+        if any(e.name == OWNER_NAME and e.is_file(follow_symlinks=False) for e in entries):
+            found.append(path)
+            return
+        if depth == MAX_DEPTH:
+            return
+        for e in entries:
+            if e.name.startswith(TRASH_PREFIX) or not e.is_dir(follow_symlinks=False):
+                continue
+            if e.stat(follow_symlinks=False).st_dev != root_dev:
+                continue  # a mount point: another filesystem
+            walk(e.path, depth + 1)
+
+    walk(root, 0)
+    return sorted(found)
+
+
+def _tree_bytes(path: str, dev: int) -> int:
+    """Allocated bytes under ``path``; refuses a tree that crosses into another filesystem."""
+    total = 0
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(path, follow_symlinks=False):
+        for name in dirnames + filenames:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode) and st.st_dev != dev:
+                raise OSError(errno.EXDEV, f"{os.path.join(dirpath, name)} is a mount point")
+            if not stat.S_ISDIR(st.st_mode):
+                total += st.st_blocks * 512
+    return total
+
+
+def _read_owner(dir_fd: int) -> dict:
+    try:
+        fd = os.open(OWNER_NAME, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            owner = json.load(f)
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: float,
+                        policy: OwnerPolicy | None = None, now: float | None = None) -> Decision | None:
+    """Decide one candidate dir and (unless ``dry_run``) remove it. None: it vanished."""
+    now = time.time() if now is None else now
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return Decision(path, "error", f"cannot open: {e.strerror}")
+    lock_fd = -1
+    try:
+        st = os.fstat(dir_fd)
+        if st.st_dev != root_dev:
+            return Decision(path, "kept", "on another filesystem")
+        try:
+            lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass  # an owner record without a lock file: nobody can be holding it
+        if lock_fd >= 0:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return Decision(path, "kept", "locked by a live process", owner=_read_owner(dir_fd))
+            try:
+                if os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False).st_ino != os.fstat(lock_fd).st_ino:
+                    return None  # replaced under us: another reclaimer or a new owner
+            except FileNotFoundError:
+                return None
+        owner = _read_owner(dir_fd)
+        verdict = policy(owner) if policy else None
+        if verdict == "keep":
+            return Decision(path, "kept", "kept by policy (its owner still exists)", owner=owner)
+        if verdict != "stale":
+            try:
+                age = now - os.stat(OWNER_NAME, dir_fd=dir_fd, follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                return None
+            if age < min_age:
+                return Decision(path, "kept", f"younger than --min-age ({age:.0f}s < {min_age:.0f}s)", owner=owner)
+        size = _tree_bytes(path, root_dev)
+        if dry_run:
+            return Decision(path, "would-reclaim", "owner gone", bytes=size, owner=owner)
+        # Rename aside first: concurrent reclaimers and a rank starting at this path
+        # then never see a half-deleted dir.
+        trash = os.path.join(os.path.dirname(path), f"{TRASH_PREFIX}{uuid.uuid4().hex[:12]}")
+        os.rename(path, trash)
+        shutil.rmtree(trash)
+        return Decision(path, "reclaimed", "owner gone", bytes=size, owner=owner)
+    except OSError as e:
+        return Decision(path, "error", e.strerror or str(e))
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+        os.close(dir_fd)
+
+
+def _remove_empty_parents(path: str, root: str) -> None:
+    parent = os.path.dirname(path)
+    while parent.startswith(root + os.sep):
+        try:
+            os.rmdir(parent)
+        except OSError:
+            return
+        parent = os.path.dirname(parent)
+
+
+def reclaim(root: str, *, dry_run: bool = False, min_age: float = 0.0,
+            policy: OwnerPolicy | None = None) -> ReclaimReport:
+    """Reclaim stale per-rank dirs under ``root``; see the module docstring."""
+    if min_age < 0:
+        raise ValueError(f"--min-age must be >= 0 seconds, got {min_age}")
+    root = os.path.realpath(root)
+    report = ReclaimReport(root=root, dry_run=dry_run)
+    if not os.path.exists(root):
+        return report  # nothing has ever run here
+    if not os.path.isdir(root):
+        raise ValueError(f"reclaim ROOT {root} is not a directory")
+    root_dev = os.lstat(root).st_dev
+    for path in find_candidates(root):
+        decision = inspect_and_reclaim(path, root_dev, dry_run=dry_run, min_age=min_age, policy=policy)
+        if decision is None:
+            continue
+        report.decisions.append(decision)
+        if decision.action == "reclaimed":
+            _remove_empty_parents(path, root)
+    return report
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def print_report(report: ReclaimReport, *, as_json: bool, out=sys.stdout) -> None:
+    if as_json:
+        print(json.dumps(report.as_dict(), sort_keys=True), file=out)
+        return
+    for d in report.decisions:
+        who = f" (job {d.owner.get('job')}, pid {d.owner.get('pid')} on {d.owner.get('host')})" if d.owner else ""
+        size = f" {_human(d.bytes)}" if d.action != "kept" and d.action != "error" else ""
+        print(f"{d.action}: {d.path}{size}{who}: {d.reason}", file=out)
+    verb = "would free" if report.dry_run else "freed"
+    print(f"reclaim {report.root}: {len(report.reclaimed)} dir(s), {verb} {_human(report.bytes_freed)}, "
+          f"{len(report.errors)} error(s)", file=out)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", metavar="ROOT", help="the node's offload root (e.g. --offload-train-disk-dir)")
+    parser.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    parser.add_argument("--min-age", type=float, default=0.0, metavar="SECONDS",
+                        help="only reclaim dirs whose owner record is at least this old (default 0)")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    if fs.is_memory_backed(args.root) and os.path.isdir(args.root):
+        print(f"greenroom reclaim: warning: {args.root} is memory-backed (tmpfs); reclaiming anyway",
+              file=sys.stderr)
+    report = reclaim(args.root, dry_run=args.dry_run, min_age=args.min_age)
+    print_report(report, as_json=args.json)
+    return 1 if report.errors else 0
