@@ -15,7 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def disk_dir(tmp_path):
     """A fresh dir on a disk-backed filesystem (tmp_path, unless /tmp is tmpfs)."""
     if not fs.is_memory_backed(str(tmp_path)):
-        return str(tmp_path)
+        yield str(tmp_path)
+        return
     path = os.path.join(REPO, ".run", "test-tmp", uuid.uuid4().hex[:12])
     os.makedirs(path)
     yield path

@@ -234,6 +234,7 @@ class Transfer:
     chunks: int
     _remaining: int = 0
     _error: BaseException | None = None
+    _reported: bool = False
     _done: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -256,8 +257,15 @@ class Transfer:
     def wait(self) -> int:
         self._done.wait()
         if self._error is not None:
+            self._reported = True
             raise self._error
         return self.nbytes
+
+    def _wait_unreported(self) -> None:
+        """Like wait(), but an error some caller already saw is not raised twice."""
+        self._done.wait()
+        if self._error is not None and not self._reported:
+            self.wait()
 
 
 class TransferEngine:
@@ -296,7 +304,7 @@ class TransferEngine:
         """Wait for every transfer submitted so far; raises the first error."""
         pending, self._inflight = self._inflight, []
         for t in pending:
-            t.wait()
+            t._wait_unreported()
 
     def close(self) -> None:
         if self._closed:

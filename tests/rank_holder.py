@@ -1,0 +1,19 @@
+"""A real process that holds a per-rank dir: prints its path, writes a file, then waits.
+
+Used by the rank-dir and reclaim tests as the "live owner" (and, once SIGKILLed, the dead one).
+"""
+
+import sys
+import time
+
+from greenroom.rankdir import RankDir
+
+root, job, role, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with RankDir(root, job=job, role=role, rank=rank) as rank_dir:
+    with open(f"{rank_dir.subdir('offload')}/state.bin", "wb") as f:
+        f.write(b"x" * 65536)
+    print(rank_dir.path, flush=True)
+    try:
+        time.sleep(600)
+    finally:
+        print("cleanup", flush=True)

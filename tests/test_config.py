@@ -1,0 +1,112 @@
+"""The seed's flag rules: ValueError from the API, one line and exit 2 from the CLI."""
+
+import argparse
+import os
+import warnings
+
+import pytest
+
+import greenroom
+from greenroom.config import OffloadConfig
+from tests.cli_support import greenroom as run_greenroom, one_line_error
+
+
+def parse(*argv):
+    parser = greenroom.add_arguments(argparse.ArgumentParser())
+    return OffloadConfig.from_args(parser.parse_args(list(argv)))
+
+
+def test_defaults_match_the_seed(monkeypatch):
+    monkeypatch.delenv("SCRATCH", raising=False)
+    config = parse()
+    assert config.offload_train is False
+    assert config.offload_train_target == "cpu"
+    assert config.offload_train_disk_chunk_mb == 256
+    assert config.stream_optimizer_state_moment_dtype == "fp32"
+    assert config.no_load_optim is False
+    assert config.uses_disk is False
+
+
+def test_default_disk_dir_is_under_scratch_with_uid(monkeypatch, disk_dir):
+    monkeypatch.setenv("SCRATCH", disk_dir)
+    config = parse("--offload-train", "--offload-train-target", "disk")
+    assert config.offload_train_disk_dir == os.path.join(disk_dir, f"greenroom_train_offload_{os.getuid()}")
+
+
+def test_disk_target_requires_offload_train(disk_dir):
+    with pytest.raises(ValueError, match=r"^--offload-train-target disk requires --offload-train"):
+        OffloadConfig(offload_train_target="disk", offload_train_disk_dir=disk_dir)
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 1.5, True, "8"])
+def test_chunk_must_be_a_positive_integer(chunk):
+    with pytest.raises(ValueError, match=r"^--offload-train-disk-chunk-mb must be a positive integer"):
+        OffloadConfig(offload_train_disk_chunk_mb=chunk)
+
+
+def test_streaming_under_offload_requires_disk_target(disk_dir):
+    with pytest.raises(ValueError, match=r"^--stream-optimizer-state-to-disk under --offload-train requires "
+                                         r"--offload-train-target disk"):
+        OffloadConfig(offload_train=True, stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir)
+
+
+def test_streaming_alone_is_valid_and_an_explicit_target_is_ignored_with_a_warning(disk_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir)
+    with pytest.warns(UserWarning, match="--offload-train-target is ignored without --offload-train"):
+        OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_target="cpu",
+                      offload_train_disk_dir=disk_dir)
+
+
+def test_both_mechanisms_cost_two_chunks_of_staging(disk_dir):
+    both = OffloadConfig(offload_train=True, offload_train_target="disk", stream_optimizer_state_to_disk=True,
+                         offload_train_disk_dir=disk_dir, offload_train_disk_chunk_mb=64)
+    assert both.staging_bytes_per_rank == 2 * 64 << 20
+    cpu = OffloadConfig(offload_train=True)
+    assert cpu.staging_bytes_per_rank == 0
+
+
+def test_disk_mechanism_without_dir_or_scratch_is_an_error(monkeypatch):
+    monkeypatch.delenv("SCRATCH", raising=False)
+    with pytest.raises(ValueError, match=r"^no disk dir: pass --offload-train-disk-dir DIR .* or set \$SCRATCH"):
+        OffloadConfig(stream_optimizer_state_to_disk=True)
+
+
+def test_tmpfs_dir_is_refused_unless_allowed():
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    with pytest.raises(ValueError, match=r"is on tmpfs .* defeats the purpose.*--allow-tmpfs"):
+        OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir="/dev/shm/greenroom-test")
+    with pytest.warns(UserWarning, match="continuing because of --allow-tmpfs"):
+        OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir="/dev/shm/greenroom-test",
+                      allow_tmpfs=True)
+
+
+def test_unknown_moment_dtype_is_refused():
+    with pytest.raises(ValueError, match=r"^--stream-optimizer-state-moment-dtype: expected one of"):
+        OffloadConfig(stream_optimizer_state_moment_dtype="int4")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--offload-train-target", "disk"], "--offload-train-target disk requires --offload-train"),
+    (["--offload-train", "--stream-optimizer-state-to-disk"],
+     "--stream-optimizer-state-to-disk under --offload-train requires --offload-train-target disk"),
+    (["--offload-train-disk-chunk-mb", "0"], "--offload-train-disk-chunk-mb must be a positive integer"),
+    (["--stream-optimizer-state-to-disk", "--offload-train-disk-dir", "/dev/shm/gr"], "is on tmpfs"),
+])
+def test_cli_prints_one_line_and_exits_2(argv, expected):
+    proc = run_greenroom("plan", *argv)
+    assert expected in one_line_error(proc)
+
+
+def test_cli_reports_a_missing_disk_dir(monkeypatch):
+    env = {k: v for k, v in os.environ.items() if k != "SCRATCH"}
+    monkeypatch.delenv("SCRATCH", raising=False)
+    proc = run_greenroom("plan", "--stream-optimizer-state-to-disk", env=env)
+    assert "no disk dir" in one_line_error(proc)
+
+
+def test_cli_rejects_a_choice_outside_the_seed_with_exit_2():
+    proc = run_greenroom("plan", "--offload-train-target", "nvme")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,60 @@
+"""`greenroom plan`, `doctor` and `bench disk` as a user runs them."""
+
+import json
+import os
+
+from tests.cli_support import greenroom, one_line_error
+
+
+def test_version():
+    assert greenroom("--version", check_rc=0).stdout.startswith("greenroom ")
+
+
+def test_plan_reports_dirs_staging_disk_and_verdict(disk_dir):
+    proc = greenroom("plan", "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
+                     "--stream-optimizer-state-moment-dtype", "bf16", "--offload-train-disk-dir", disk_dir,
+                     "--offload-train-disk-chunk-mb", "128", "--params", "1e6", "--world-size", "2",
+                     "--role", "critic", env={"GREENROOM_JOB_ID": "job7"}, check_rc=0)
+    out = proc.stdout
+    assert "pinned staging per rank: 256.0 MiB (2 x 128.0 MiB chunk: offload and streaming each stage their own)" in out
+    assert os.path.join(disk_dir, "job7", "critic", "rank00000") in out
+    assert "verdict:    OK" in out
+    plan = json.loads(greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
+                                "--params", "1e6", "--world-size", "2",
+                                "--stream-optimizer-state-moment-dtype", "bf16", "--json", check_rc=0).stdout)
+    # bf16 moments: 4 B master + 2 x 2 B moments = 8 B/param, over 2 shards.
+    assert plan["disk_bytes_per_rank"]["streaming"] == 4_000_000
+    assert plan["staging_bytes_per_rank"] == 256 << 20 and plan["fits"] is True
+
+
+def test_plan_exits_2_when_the_state_does_not_fit(disk_dir):
+    proc = greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
+                     "--params", "1e15")
+    assert "DOES NOT FIT" in proc.stdout
+    assert "the state needs" in one_line_error(proc)
+
+
+def test_plan_without_disk_says_so():
+    out = greenroom("plan", "--offload-train", check_rc=0).stdout
+    assert "offload:    cpu" in out and "disk:       not used" in out
+
+
+def test_doctor_on_a_real_disk_and_on_a_missing_dir(disk_dir):
+    proc = greenroom("doctor", disk_dir, "--no-probe")
+    assert proc.returncode == 0 and "verdict:    OK" in proc.stdout
+    assert "is not a directory" in one_line_error(greenroom("doctor", os.path.join(disk_dir, "nope")))
+
+
+def test_doctor_flags_tmpfs():
+    if os.path.isdir("/dev/shm"):
+        proc = greenroom("doctor", "/dev/shm", "--no-probe")
+        assert proc.returncode == 1 and "NOT FIT: tmpfs keeps the data in RAM" in proc.stdout
+
+
+def test_bench_disk_json_has_raw_and_engine_figures(disk_dir):
+    result = json.loads(greenroom("bench", "disk", disk_dir, "--size", "8MiB", "--chunk-mb", "2", "--json",
+                                  check_rc=0).stdout)
+    for side in ("raw", "engine"):
+        assert result[side]["write_bytes_per_s"] > 0 and result[side]["read_bytes_per_s"] > 0
+    assert result["write_ratio"] > 0 and result["read_ratio"] > 0
+    assert os.listdir(disk_dir) == []

@@ -1,0 +1,83 @@
+"""Per-rank dir lifetime: layout, permissions, owner record, exclusive lock, removal at exit."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from greenroom.errors import StorageError
+from greenroom.rankdir import RankDir, rank_dir_path
+
+HOLDER = os.path.join(os.path.dirname(__file__), "rank_holder.py")
+
+
+def start_holder(root, job="job1", role="actor", rank=0):
+    proc = subprocess.Popen([sys.executable, HOLDER, root, job, role, str(rank)], stdout=subprocess.PIPE, text=True)
+    path = proc.stdout.readline().strip()
+    assert path, "holder did not start"
+    return proc, path
+
+
+def test_layout_permissions_and_owner_record(disk_dir):
+    with RankDir(disk_dir, job="j42", role="critic", rank=3) as rd:
+        assert rd.path == os.path.join(disk_dir, "j42", "critic", "rank00003")
+        assert stat.S_IMODE(os.stat(rd.path).st_mode) == 0o700
+        owner_path = os.path.join(rd.path, "owner.json")
+        assert stat.S_IMODE(os.stat(owner_path).st_mode) == 0o600
+        owner = json.load(open(owner_path))
+        assert owner["pid"] == os.getpid() and owner["job"] == "j42" and owner["role"] == "critic"
+        assert {"host", "boot_id", "start_time", "rank"} <= owner.keys()
+    assert not os.path.exists(os.path.join(disk_dir, "j42"))
+
+
+def test_start_wipes_what_an_earlier_run_left(disk_dir):
+    path = rank_dir_path(disk_dir, "j", "actor", 0)
+    os.makedirs(os.path.join(path, "offload"))
+    open(os.path.join(path, "offload", "stale.bin"), "wb").write(b"old")
+    with RankDir(disk_dir, job="j", rank=0) as rd:
+        assert sorted(os.listdir(rd.path)) == [".lock", "owner.json"]
+
+
+def test_two_models_of_one_job_never_share_a_dir(disk_dir):
+    with RankDir(disk_dir, job="j", role="actor") as actor, RankDir(disk_dir, job="j", role="critic") as critic:
+        assert actor.path != critic.path
+
+
+def test_a_second_owner_of_the_same_dir_is_refused(disk_dir):
+    proc, path = start_holder(disk_dir)
+    try:
+        with pytest.raises(StorageError, match=r"is held by a live process \(pid \d+ on .*\)"):
+            RankDir(disk_dir, job="job1", rank=0).open()
+        assert os.path.exists(os.path.join(path, "offload", "state.bin")), "the live owner's files were touched"
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_removes_the_dir(disk_dir, signum):
+    proc, path = start_holder(disk_dir)
+    assert os.path.isdir(path)
+    proc.send_signal(signum)
+    out, _ = proc.communicate(timeout=30)
+    assert "cleanup" in out
+    assert not os.path.exists(path)
+    assert os.listdir(disk_dir) == []
+
+
+def test_exception_removes_the_dir(disk_dir):
+    with pytest.raises(RuntimeError):
+        with RankDir(disk_dir, job="j") as rd:
+            path = rd.path
+            raise RuntimeError("trainer crashed")
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", ".."])
+def test_bad_job_or_role_names_are_refused(disk_dir, bad):
+    with pytest.raises(ValueError, match="is not a valid directory name"):
+        RankDir(disk_dir, job="j", role=bad)

@@ -1,0 +1,100 @@
+"""The janitor against real dirs and real lock-holding processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from greenroom.reclaim import reclaim
+from tests.cli_support import greenroom
+from tests.test_rankdir import start_holder
+
+
+def dead_owner(root, job="dead", rank=0):
+    """A rank dir whose owner was SIGKILLed: no cleanup ran, the lock is free."""
+    proc, path = start_holder(root, job=job, rank=rank)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert os.path.isdir(path)
+    return path
+
+
+def test_dead_owner_is_reclaimed_live_owner_is_kept(disk_dir):
+    dead = dead_owner(disk_dir)
+    live_proc, live = start_holder(disk_dir, job="live")
+    try:
+        report = reclaim(disk_dir)
+        assert [d.path for d in report.reclaimed] == [dead]
+        assert report.bytes_freed >= 65536
+        assert not os.path.exists(dead) and not os.path.exists(os.path.join(disk_dir, "dead"))
+        assert os.path.exists(os.path.join(live, "offload", "state.bin"))
+        kept = [d for d in report.decisions if d.action == "kept"]
+        assert kept[0].path == live and kept[0].reason == "locked by a live process"
+    finally:
+        live_proc.terminate()
+        live_proc.wait()
+
+
+def test_dirs_without_owner_record_are_never_touched(disk_dir):
+    os.makedirs(os.path.join(disk_dir, "someone", "data"))
+    open(os.path.join(disk_dir, "someone", "data", "precious"), "w").write("keep me")
+    report = reclaim(disk_dir)
+    assert report.decisions == []
+    assert os.path.exists(os.path.join(disk_dir, "someone", "data", "precious"))
+
+
+def test_symlinks_are_not_followed(disk_dir, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    victim = dead_owner(str(outside), job="victim")  # a stale-looking dir outside ROOT
+    root = os.path.join(disk_dir, "root")
+    os.makedirs(root)
+    os.symlink(str(outside), os.path.join(root, "link"))
+    os.symlink(victim, os.path.join(root, "rank-link"))
+    report = reclaim(root)
+    assert report.decisions == []
+    assert os.path.exists(os.path.join(victim, "offload", "state.bin"))
+
+
+def test_min_age_and_dry_run(disk_dir):
+    dead = dead_owner(disk_dir)
+    young = reclaim(disk_dir, min_age=3600)
+    assert young.reclaimed == [] and "younger than --min-age" in young.decisions[0].reason
+    dry = reclaim(disk_dir, dry_run=True)
+    assert [d.action for d in dry.decisions] == ["would-reclaim"] and os.path.isdir(dead)
+
+
+def test_concurrent_reclaimers_reclaim_each_dir_once(disk_dir):
+    dead = [dead_owner(disk_dir, job=f"dead{i}", rank=i) for i in range(6)]
+    reports = []
+    threads = [threading.Thread(target=lambda: reports.append(reclaim(disk_dir))) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "greenroom.cli", "reclaim", disk_dir, "--json"],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    outputs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    reclaimed = [d.path for r in reports for d in r.reclaimed]
+    reclaimed += [d["path"] for o in outputs for d in o["decisions"] if d["action"] == "reclaimed"]
+    assert sorted(reclaimed) == sorted(dead)
+    assert os.listdir(disk_dir) == []
+
+
+def test_cli_reports_bytes_and_json(disk_dir):
+    dead_owner(disk_dir)
+    dry = greenroom("reclaim", disk_dir, "--dry-run", check_rc=0)
+    assert "would-reclaim:" in dry.stdout and "would free" in dry.stdout
+    out = greenroom("reclaim", disk_dir, "--json", check_rc=0)
+    report = json.loads(out.stdout)
+    assert report["reclaimed"] == 1 and report["bytes_freed"] >= 65536
+
+
+def test_cli_missing_root_is_nothing_to_do_and_a_file_root_is_an_error(disk_dir):
+    greenroom("reclaim", os.path.join(disk_dir, "never-created"), check_rc=0)
+    path = os.path.join(disk_dir, "file")
+    open(path, "w").close()
+    proc = greenroom("reclaim", path)
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr and "Traceback" not in proc.stderr
