@@ -112,3 +112,19 @@ def test_io_errors_reach_the_caller(disk_dir):
         transfer = engine.write(torch.zeros(1 << 16, dtype=torch.uint8), f, 0)
         with pytest.raises(OSError):
             transfer.wait()
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_round_trip_bit_exact_through_pinned_staging(disk_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU machine)")
+    with TransferEngine(1 << 20, depth=4) as engine:
+        assert engine.staging.pinned
+        for n in ODD_SIZES:
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+            with StateFile(os.path.join(disk_dir, f"g{n}"), n) as f:
+                src.add_(1)  # queued on the current stream: the write must see it
+                engine.write(src, f, 0).wait()
+                back = torch.zeros_like(src)
+                engine.read(back, f, 0).wait()
+            assert torch.equal(src, back), n
