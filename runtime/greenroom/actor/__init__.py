@@ -1,0 +1,60 @@
+"""Actor offload: a sleep/wake pair that moves all of the actor's device memory to host
+memory or to per-rank files and brings it back bit-identical.
+
+    offloader = greenroom.actor.build_offloader(config, rank_dir, device=device)
+    offloader.track(model, optimizer)
+    with offloader.asleep():
+        rollout()          # has the memory the actor gave back
+
+On CUDA the process must start with ``launch_env(config, rank)`` (torch_memory_saver's
+hook); elsewhere, or without the hook, the portable backend runs. See docs/offload.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from greenroom.actor.launch import check_disk_support, hook_library, hooks_loaded, launch_env, relaunch_with
+from greenroom.actor.offloader import Offloader, PhaseStats, PortableOffloader
+from greenroom.config import OffloadConfig
+
+BACKENDS = ("auto", "tms", "portable")
+
+
+def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.device | str = "cpu",
+                    backend: str = "auto", mover: str | None = None) -> Offloader:
+    """The offloader these settings call for.
+
+    Args:
+        config: the validated flags; ``--offload-train`` off gives a resident no-op.
+        rank_dir: the open ``greenroom.rankdir.RankDir`` (needed for the disk target).
+        device: the actor's device.
+        backend: ``tms`` (CUDA, hook preloaded), ``portable``, or ``auto``: tms where the
+            hook is loaded on CUDA, portable otherwise.
+        mover: for tms, who copies the bytes (``greenroom`` or ``tms``, see
+            ``greenroom.actor.tms``); default: what ``launch_env`` set.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"--offload-backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    device = torch.device(device)
+    if not config.offload_train:
+        return Offloader(target=config.offload_train_target, device=device)
+    offload_dir = rank_dir.subdir("offload") if config.offload_to_disk else None
+    if backend == "auto":
+        backend = "tms" if device.type == "cuda" and hooks_loaded() else "portable"
+        if device.type == "cuda" and backend == "portable":
+            warnings.warn("torch_memory_saver's hook is not preloaded: using the portable backend "
+                          "(device addresses change across sleep; start with launch_env to keep them)")
+    if backend == "tms":
+        from greenroom.actor.tms import TmsOffloader
+
+        return TmsOffloader(target=config.offload_train_target, device=device, offload_dir=offload_dir,
+                            chunk_bytes=config.chunk_bytes, mover=mover)
+    return PortableOffloader(target=config.offload_train_target, device=device, offload_dir=offload_dir,
+                             chunk_bytes=config.chunk_bytes)
+
+
+__all__ = ["BACKENDS", "Offloader", "PhaseStats", "PortableOffloader", "build_offloader", "check_disk_support",
+           "hook_library", "hooks_loaded", "launch_env", "relaunch_with"]

@@ -1,0 +1,75 @@
+"""What the actor holds: the unique storages behind its params, grads, buffers and the
+optimizer's resident state.
+
+Offloading works on storages, not tensors: two tensors that view one storage (a grad
+that is a view into a DDP bucket, an FSDP2 shard inside its padded flat buffer) move
+once, and every view stays valid because the storage object itself is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class Tracked:
+    """One storage the actor owns."""
+
+    storage: torch.UntypedStorage
+    """The storage object; kept so every tensor that views it stays valid."""
+
+    nbytes: int
+    """Its size when awake."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    def bytes_view(self) -> torch.Tensor:
+        """A flat uint8 tensor over the whole storage (for the I/O layer)."""
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage, 0, (self.nbytes,))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # An FSDP2 param is a DTensor: what this rank holds is its local shard.
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t
+
+
+def _tensors_of(source) -> Iterator[torch.Tensor]:
+    if isinstance(source, torch.nn.Module):
+        for p in source.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        yield from source.buffers()
+    elif isinstance(source, torch.optim.Optimizer):
+        for state in source.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+    elif isinstance(source, torch.Tensor):
+        yield source
+    else:
+        for item in source:
+            yield from _tensors_of(item)
+
+
+def collect(sources: Iterable) -> list[Tracked]:
+    """The unique, non-empty storages behind ``sources`` (modules, optimizers, tensors
+    or iterables of them), in a stable order (first seen first)."""
+    seen: set[int] = set()
+    out: list[Tracked] = []
+    for source in sources:
+        for t in _tensors_of(source):
+            storage = _local(t.detach()).untyped_storage()
+            key = storage._cdata
+            if key in seen:
+                continue
+            seen.add(key)
+            if storage.nbytes() > 0:
+                out.append(Tracked(storage=storage, nbytes=storage.nbytes()))
+    return out

@@ -1,0 +1,72 @@
+"""``greenroom train``: the colocated RL job, with actor offload and optimizer streaming.
+
+Per iteration: the actor syncs its weights into the rollout engine and sleeps; the
+engine generates completions with a KV cache in the memory the actor gave back; the
+completions are scored on the reversal task; the actor wakes and takes PPO-clipped
+policy-gradient steps. Runs as one process or under torchrun (DDP or FSDP2; gloo on
+the CPU, nccl on CUDA), each rank with its own per-rank dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import greenroom
+from greenroom.train.model import ModelConfig
+from greenroom.train.task import TaskConfig
+from greenroom.train.trainer import TrainConfig, Trainer
+
+# Slotted dataclasses keep no class-level defaults: read them from instances.
+_TRAIN, _MODEL, _TASK = TrainConfig(), ModelConfig(), TaskConfig()
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    greenroom.add_arguments(parser)
+    run = parser.add_argument_group("run")
+    run.add_argument("--iterations", type=int, default=_TRAIN.iterations,
+                     help="total iterations (a resumed run continues up to this count; default %(default)s)")
+    run.add_argument("--role", default="actor", help="which model of the job this is (names its per-rank dir)")
+    run.add_argument("--save", metavar="DIR", help="write model and optimizer state here at the end")
+    run.add_argument("--load", metavar="DIR", help="resume from a --save dir (same topology)")
+    run.add_argument("--metrics", metavar="PATH", default=_TRAIN.metrics,
+                     help="JSON lines, one per iteration (default %(default)s)")
+    run.add_argument("--seed", type=int, default=_TRAIN.seed)
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    run.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                     help="data parallelism under torchrun: DDP or FSDP2 (default %(default)s)")
+    run.add_argument("--offload-backend", choices=("auto", "tms", "portable"), default="auto",
+                     help="actor offload backend (default: torch_memory_saver on CUDA, portable elsewhere)")
+    run.add_argument("--offload-mover", choices=("greenroom", "tms"), default="greenroom",
+                     help="on torch_memory_saver: who copies the bytes (see docs/offload.md)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars (summary lines only)")
+    opt = parser.add_argument_group("policy optimisation")
+    opt.add_argument("--lr", type=float, default=_TRAIN.lr)
+    opt.add_argument("--prompts", type=int, default=_TRAIN.prompts, help="prompts per rank per iteration")
+    opt.add_argument("--group-size", type=int, default=_TRAIN.group_size, help="completions per prompt")
+    opt.add_argument("--minibatches", type=int, default=_TRAIN.minibatches,
+                     help="optimizer steps per iteration")
+    opt.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameter dtype")
+    sizes = parser.add_argument_group("model and task sizes")
+    sizes.add_argument("--d-model", type=int, default=_MODEL.d_model)
+    sizes.add_argument("--n-layers", type=int, default=_MODEL.n_layers)
+    sizes.add_argument("--n-heads", type=int, default=_MODEL.n_heads)
+    sizes.add_argument("--digits", type=int, default=_TASK.digits, help="length of the string to reverse")
+
+
+def run(args: argparse.Namespace) -> int:
+    offload = greenroom.OffloadConfig.from_args(args)
+    task = TaskConfig(digits=args.digits)
+    from greenroom.train.task import VOCAB_SIZE
+
+    model = ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers,
+                        n_heads=args.n_heads, max_seq_len=task.seq_len)
+    config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save, load=args.load,
+                         metrics=args.metrics, seed=args.seed, device=args.device, parallel=args.parallel,
+                         offload_backend=args.offload_backend, offload_mover=args.offload_mover,
+                         progress=not args.no_progress, lr=args.lr, prompts=args.prompts,
+                         group_size=args.group_size, minibatches=args.minibatches, dtype=args.dtype)
+    rank = int(os.environ.get("RANK", "0"))
+    with Trainer(config, offload=offload, model=model, task=task, rank=rank) as trainer:
+        trainer.train()
+    return 0

@@ -1,0 +1,342 @@
+"""The colocated train/sleep/rollout/wake loop behind ``greenroom train``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from greenroom import actor
+from greenroom.actor.memory import RssSampler, device_used_bytes
+from greenroom.config import OffloadConfig
+from greenroom.errors import GreenroomError
+from greenroom.rankdir import RankDir
+from greenroom.train import checkpoint
+from greenroom.train.model import ModelConfig, Transformer
+from greenroom.train.rollout import RolloutEngine
+from greenroom.train.task import TaskConfig, reward, sample_prompts
+
+GB = 1e9
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Settings of the loop (the model's and the task's are separate)."""
+
+    iterations: int = 100
+    """Total iterations; a resumed run continues up to this count."""
+
+    role: str = "actor"
+    """Which model of the job this is; part of the per-rank dir path."""
+
+    save: str | None = None
+    """Dir to write model and optimizer state to at the end."""
+
+    load: str | None = None
+    """Dir of a previous ``save`` to resume from (same topology)."""
+
+    metrics: str = ".run/train-metrics.jsonl"
+    """JSON lines file, one object per iteration (rank 0 writes it)."""
+
+    seed: int = 0
+    """Seeds the initial weights and, per iteration and rank, the prompts and sampling."""
+
+    device: str = "auto"
+    """``cpu``, ``cuda``, or ``auto`` (cuda when available)."""
+
+    parallel: str = "ddp"
+    """``ddp`` or ``fsdp`` (FSDP2) under torchrun."""
+
+    offload_backend: str = "auto"
+    """``tms``, ``portable`` or ``auto``; see ``greenroom.actor.build_offloader``."""
+
+    offload_mover: str = "greenroom"
+    """On torch_memory_saver: ``greenroom`` (overlapped I/O layer) or ``tms`` (its own copy)."""
+
+    progress: bool = True
+    """Show a progress bar per phase."""
+
+    lr: float = 3e-3
+    """AdamW learning rate."""
+
+    prompts: int = 32
+    """Prompts per rank per iteration."""
+
+    group_size: int = 8
+    """Completions sampled per prompt; their mean reward is the baseline."""
+
+    minibatches: int = 4
+    """Optimizer steps per iteration, each over an equal share of the completions."""
+
+    dtype: str = "fp32"
+    """Parameter dtype: ``fp32`` or ``bf16``."""
+
+    clip: float = 0.2
+    """PPO ratio clip."""
+
+    def __post_init__(self) -> None:
+        for name in ("iterations", "prompts", "group_size", "minibatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if (self.prompts * self.group_size) % self.minibatches:
+            raise ValueError(f"--minibatches {self.minibatches} must divide --prompts x --group-size "
+                             f"({self.prompts * self.group_size})")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+
+
+def policy_loss(model, prompts, completions, old_logp, advantages, clip: float) -> torch.Tensor:
+    """PPO's clipped surrogate over the completion tokens."""
+    device = old_logp.device
+    seq = torch.cat([prompts, completions], dim=1).to(device)
+    logits = model(seq[:, :-1])[:, prompts.shape[1] - 1:]
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(2, completions.to(device).unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - old_logp)
+    a = advantages.unsqueeze(1)
+    return -torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a).mean()
+
+
+class Trainer:
+    """One rank of the job. Use as a context manager: ``__exit__`` closes the
+    offloader, the optimizer's files and the per-rank dir, whatever happened."""
+
+    def __init__(self, config: TrainConfig, *, offload: OffloadConfig, model: ModelConfig, task: TaskConfig,
+                 rank: int = 0) -> None:
+        self.config, self.offload, self.model_config, self.task = config, offload, model, task
+        self.rank = rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.device = self._resolve_device()
+        self._stack = contextlib.ExitStack()
+        self.rank_dir: RankDir | None = None
+
+    def _resolve_device(self) -> torch.device:
+        wanted = self.config.device
+        if wanted == "auto":
+            wanted = "cuda" if torch.cuda.is_available() else "cpu"
+        if wanted == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda: no CUDA device is available")
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+
+    # -- setup and teardown ---------------------------------------------------------
+    def __enter__(self) -> "Trainer":
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _open(self) -> None:
+        c, offload = self.config, self.offload
+        if self.device.type == "cuda" and offload.offload_train and c.offload_backend != "portable":
+            # Before any CUDA allocation: torch_memory_saver's hook must be preloaded.
+            actor.relaunch_with(actor.launch_env(offload, self.rank, role=c.role, mover=c.offload_mover))
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            self._stack.callback(dist.destroy_process_group)
+        if offload.uses_disk:
+            self.rank_dir = RankDir(offload.offload_train_disk_dir, role=c.role, rank=self.rank).open()
+            self._stack.callback(self.rank_dir.close)
+        self.memory = RssSampler()
+        self._stack.callback(self.memory.close)
+        self.offloader = actor.build_offloader(offload, self.rank_dir, device=self.device,
+                                               backend=c.offload_backend, mover=c.offload_mover)
+        self._stack.callback(self.offloader.close)
+        dtype = torch.bfloat16 if c.dtype == "bf16" else torch.float32
+        torch.manual_seed(c.seed)
+        self.model = Transformer(self.model_config).to(self.device, dtype)
+        with self.offloader.rollout_region():
+            self.engine = RolloutEngine(self.model_config, device=self.device)
+            self.engine.model.to(dtype)
+        self.policy = self._parallelize(self.model)
+        self.optimizer = self._build_optimizer()
+        self.offloader.track(self.model, self.optimizer)
+        self.metrics_file = None
+        if self.rank == 0 and c.metrics:
+            os.makedirs(os.path.dirname(os.path.abspath(c.metrics)), exist_ok=True)
+            self.metrics_file = self._stack.enter_context(open(c.metrics, "a" if c.load else "w", encoding="utf-8"))
+        self.start_time = time.perf_counter()
+
+    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.world_size == 1:
+            return model
+        if self.config.parallel == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Bucket views: the grads the offloader moves are the DDP buckets themselves.
+        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        params = list(self.model.parameters())
+        if self.offload.stream_optimizer_state_to_disk:
+            try:
+                from greenroom.optim import StreamingAdam
+            except ImportError:
+                raise GreenroomError("--stream-optimizer-state-to-disk needs greenroom.optim.StreamingAdam, "
+                                     "which this install lacks") from None
+            optimizer = StreamingAdam.from_config(params, self.offload, self.rank_dir.subdir("optim"),
+                                                  lr=self.config.lr)
+            if hasattr(optimizer, "close"):
+                self._stack.callback(optimizer.close)
+            return optimizer
+        return torch.optim.AdamW(params, lr=self.config.lr)
+
+    # -- the loop -------------------------------------------------------------------
+    def train(self) -> None:
+        c = self.config
+        start = 0
+        if c.load:
+            start = checkpoint.load(c.load, model=self.model, optimizer=self.optimizer,
+                                    streaming=self.offload.stream_optimizer_state_to_disk,
+                                    no_load_optim=self.offload.no_load_optim, rank=self.rank,
+                                    world_size=self.world_size)
+        self._say(self._header(start))
+        for it in range(start, c.iterations):
+            self._log(self.iteration(it))
+        if c.save:
+            checkpoint.save(c.save, model=self.model, optimizer=self.optimizer,
+                            streaming=self.offload.stream_optimizer_state_to_disk, iteration=c.iterations,
+                            rank=self.rank, world_size=self.world_size, barrier=self._barrier)
+            self._say(f"saved iteration {c.iterations} to {c.save}")
+        if self.metrics_file is not None:
+            self._say(f"metrics: {os.path.abspath(c.metrics)} (plot with: greenroom report {c.metrics})")
+
+    def iteration(self, it: int) -> dict:
+        c = self.config
+        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.rank * 7_919 + it)
+        events: list[dict] = []
+        self.memory.reset_peak()
+        peaks = {"device": 0}
+
+        def mark(phase: str, began: float) -> None:
+            used = device_used_bytes(self.device)
+            resident = self.offloader.resident_bytes()
+            peaks["device"] = max(peaks["device"], used if used is not None else resident)
+            events.append({"phase": phase, "start": began - self.start_time,
+                           "end": time.perf_counter() - self.start_time, "host_rss": self.memory.rss(),
+                           "device_used": used, "actor_resident": resident})
+
+        t = time.perf_counter()
+        self.engine.sync_from(self.model)
+        mark("sync", t)
+        t = time.perf_counter()
+        slept = self.offloader.sleep()
+        mark("sleep", t)
+        t = time.perf_counter()
+        with self.offloader.rollout_region():
+            prompts = sample_prompts(self.task, c.prompts, gen).repeat_interleave(c.group_size, dim=0)
+            completions, old_logp = self.engine.generate(prompts, self.task.digits, gen)
+            rewards = reward(prompts, completions)
+            mark("rollout", t)
+        t = time.perf_counter()
+        woke = self.offloader.wake()
+        mark("wake", t)
+        t = time.perf_counter()
+        loss_sum = self._train_step(prompts, completions, old_logp, rewards, gen)
+        mark("train", t)
+        reward_mean, loss_mean = self._mean_over_ranks(rewards.mean().item(), loss_sum / c.minibatches)
+        phase = {e["phase"]: e["end"] - e["start"] for e in events}
+        return {
+            "iteration": it + 1, "iterations": c.iterations, "reward": reward_mean, "loss": loss_mean,
+            "train_s": phase["train"], "rollout_s": phase["rollout"], "sync_s": phase["sync"],
+            "sleep_s": slept.seconds, "sleep_bytes": slept.nbytes, "sleep_gbps": slept.bytes_per_s / GB,
+            "wake_s": woke.seconds, "wake_bytes": woke.nbytes, "wake_gbps": woke.bytes_per_s / GB,
+            "kv_cache_bytes": self.engine.last_cache_bytes, "peak_device_bytes": peaks["device"],
+            "peak_host_rss": self.memory.peak, "device": str(self.device), "world_size": self.world_size,
+            "backend": self.offloader.backend, "events": events,
+        }
+
+    def _train_step(self, prompts, completions, old_logp, rewards, gen) -> float:
+        c = self.config
+        grouped = rewards.view(c.prompts, c.group_size)
+        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+        order = torch.randperm(prompts.shape[0], generator=gen)
+        size = prompts.shape[0] // c.minibatches
+        loss_sum = 0.0
+        bar = self._bar(c.minibatches, "train")
+        for i in range(c.minibatches):
+            idx = order[i * size:(i + 1) * size]
+            # Zeroed in place, not dropped: the grads stay part of what the actor holds.
+            self.optimizer.zero_grad(set_to_none=False)
+            loss = policy_loss(self.policy, prompts[idx], completions[idx], old_logp[idx].to(self.device),
+                               advantages[idx].to(self.device), c.clip)
+            loss.backward()
+            self.optimizer.step()
+            loss_sum += loss.item()
+            bar.update()
+        bar.close()
+        return loss_sum
+
+    # -- reporting ------------------------------------------------------------------
+    def _bar(self, total: int, desc: str):
+        return tqdm(total=total, desc=f"  {desc}", leave=False, dynamic_ncols=True,
+                    disable=not self.config.progress or self.rank != 0, file=sys.stderr)
+
+    def _header(self, start: int) -> str:
+        o = self.offload
+        parts = [f"greenroom train: {self.model_config.num_params():,} params on {self.device}",
+                 f"{self.world_size} rank(s)", f"offload {o.offload_train_target + ' (' + self.offloader.backend + ')' if o.offload_train else 'off'}",
+                 f"streaming {'on (' + o.stream_optimizer_state_moment_dtype + ' moments)' if o.stream_optimizer_state_to_disk else 'off'}"]
+        if o.staging_bytes_per_rank:
+            count = o.staging_bytes_per_rank // o.chunk_bytes
+            parts.append(f"staging {count} x {o.offload_train_disk_chunk_mb} MiB host memory per rank"
+                         + (" (one per mechanism)" if count > 1 else ""))
+        if self.rank_dir is not None:
+            parts.append(f"rank dir {self.rank_dir.path}")
+        if start:
+            parts.append(f"resuming at iteration {start + 1}")
+        return ", ".join(parts)
+
+    def _log(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        line = (f"iter {record['iteration']:>3}/{record['iterations']}  reward {record['reward']:.3f}  "
+                f"loss {record['loss']:+.4f}  train {record['train_s']:.2f}s  rollout {record['rollout_s']:.2f}s  "
+                f"sleep {record['sleep_s']:.3f}s ({record['sleep_gbps']:.2f} GB/s)  "
+                f"wake {record['wake_s']:.3f}s ({record['wake_gbps']:.2f} GB/s)  "
+                f"peak dev {record['peak_device_bytes'] / GB:.3f} GB  host {record['peak_host_rss'] / GB:.2f} GB")
+        self._say(line)
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+
+    def _say(self, line: str) -> None:
+        if self.rank == 0:
+            tqdm.write(line, file=sys.stdout)
+            sys.stdout.flush()
+
+    def _mean_over_ranks(self, *values: float) -> list[float]:
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t)
+        return (t / self.world_size).tolist()
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
