@@ -1,0 +1,151 @@
+"""``greenroom bench offload``: actor sleep/wake time and bandwidth for G GiB.
+
+The actor here is G GiB of random bytes in 1 GiB tensors on the device (CUDA when
+available). Each cycle sleeps and wakes it through the offloader ``greenroom train``
+uses; the bound beside it comes from the same run: the raw disk (plain O_DIRECT
+threads, ``greenroom.bench.disk.raw_bandwidth``) for the disk target, a plain copy of
+the same tensors into one pinned buffer for the cpu target. After the last wake every
+tensor is compared with ``torch.equal`` against a copy kept in memory the offloader
+never touches (the rollout region), so a fast but wrong backend cannot pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from greenroom.config import DEFAULT_CHUNK_MB, MIB, OffloadConfig
+
+GIB = 1 << 30
+GB = 1e9
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gib", type=float, default=4.0, help="GiB of actor memory (default %(default)s)")
+    parser.add_argument("--target", choices=("cpu", "disk"), default="disk")
+    parser.add_argument("--dir", help="disk dir for the per-rank files (node-local NVMe; needed for disk)")
+    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="staging chunk, MiB")
+    parser.add_argument("--cycles", type=int, default=2, help="sleep/wake cycles (default %(default)s)")
+    parser.add_argument("--backend", choices=("auto", "tms", "portable"), default="auto")
+    parser.add_argument("--mover", choices=("greenroom", "tms"), default="greenroom",
+                        help="on torch_memory_saver: who copies the bytes (default %(default)s)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _pinned_copy_bandwidth(tensors, torch) -> dict:
+    """A plain copy of the same tensors out to one pinned buffer and back."""
+    cuda = tensors[0].is_cuda
+    buf = torch.empty(tensors[0].numel(), dtype=torch.uint8, pin_memory=cuda)
+    buf.fill_(0)
+    total = sum(t.numel() for t in tensors)
+
+    def timed(fn) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for t in tensors:
+            fn(t)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    out_s = timed(lambda t: buf[:t.numel()].copy_(t, non_blocking=cuda))
+    in_s = timed(lambda t: t.copy_(buf[:t.numel()], non_blocking=cuda))
+    return {"out_bytes_per_s": total / out_s, "in_bytes_per_s": total / in_s}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import torch
+
+    from greenroom import actor
+    from greenroom.actor.memory import RssSampler
+    from greenroom.bench.disk import raw_bandwidth
+    from greenroom.rankdir import RankDir
+
+    device = torch.device("cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()))
+                          else "cpu")
+    config = OffloadConfig(offload_train=True, offload_train_target=args.target, offload_train_disk_dir=args.dir,
+                           offload_train_disk_chunk_mb=args.chunk_mb)
+    if device.type == "cuda" and args.backend != "portable":
+        actor.relaunch_with(actor.launch_env(config, 0, role="bench", mover=args.mover))
+    size = int(args.gib * GIB)
+    rank_dir = RankDir(config.offload_train_disk_dir, role="bench").open() if config.uses_disk else None
+    sampler = RssSampler()
+    try:
+        offloader = actor.build_offloader(config, rank_dir, device=device, backend=args.backend, mover=args.mover)
+        with offloader:
+            sizes = [min(GIB, size - start) for start in range(0, size, GIB)]
+            tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, device=device) for n in sizes]
+            with offloader.rollout_region():
+                reference = [t.clone() for t in tensors]
+            offloader.track(tensors)
+            if config.offload_to_disk:
+                raw = raw_bandwidth(rank_dir.subdir("raw"), size)
+                bound = {"write_bytes_per_s": raw.write_bytes_per_s, "read_bytes_per_s": raw.read_bytes_per_s,
+                         "o_direct": raw.o_direct}
+                out_key, in_key = "write_bytes_per_s", "read_bytes_per_s"
+            else:
+                bound = _pinned_copy_bandwidth(tensors, torch)
+                out_key, in_key = "out_bytes_per_s", "in_bytes_per_s"
+            rss_before = sampler.reset_peak()
+            cycles = []
+            for _ in range(args.cycles):
+                sampler.reset_peak()
+                slept = offloader.sleep()
+                asleep_rss = sampler.rss()
+                woke = offloader.wake()
+                cycles.append({"sleep_s": slept.seconds, "wake_s": woke.seconds,
+                               "sleep_bytes_per_s": slept.bytes_per_s, "wake_bytes_per_s": woke.bytes_per_s,
+                               "peak_host_rss": sampler.reset_peak(), "asleep_host_rss": asleep_rss})
+            bit_exact = all(torch.equal(t, r) for t, r in zip(tensors, reference))
+            backend = offloader.backend
+            mover = getattr(offloader, "mover", "greenroom")
+    finally:
+        sampler.close()
+        if rank_dir is not None:
+            rank_dir.close()
+    best = max(cycles[1:] or cycles, key=lambda c: c["sleep_bytes_per_s"] + c["wake_bytes_per_s"])
+    return {
+        "gib": args.gib, "bytes": size, "target": args.target, "device": str(device), "backend": backend,
+        "mover": mover, "chunk_mb": args.chunk_mb, "dir": config.offload_train_disk_dir, "cycles": cycles,
+        "bound": bound, "bit_exact": bit_exact,
+        "sleep_ratio": best["sleep_bytes_per_s"] / bound[out_key],
+        "wake_ratio": best["wake_bytes_per_s"] / bound[in_key],
+        "host_rss_before": rss_before, "peak_host_rss": max(c["peak_host_rss"] for c in cycles),
+        # The disk target's promise: host memory within the staging chunk plus 1 GiB.
+        "host_rss_budget": (rss_before + args.chunk_mb * MIB + GIB) if args.target == "disk" else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gib <= 0 or args.cycles <= 0:
+        raise ValueError("bench offload: --gib and --cycles must be positive")
+    if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):
+        raise ValueError("bench offload --target disk needs --dir DIR on node-local NVMe (or $SCRATCH)")
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0 if result["bit_exact"] else 1
+    r = result
+    print(f"bench offload: {r['gib']:g} GiB on {r['device']}, target {r['target']}, backend {r['backend']} "
+          f"(mover {r['mover']}), chunk {r['chunk_mb']} MiB")
+    b = r["bound"]
+    if r["target"] == "disk":
+        print(f"  raw disk ({'O_DIRECT' if b['o_direct'] else 'buffered'}): write {b['write_bytes_per_s'] / GB:.2f} GB/s, "
+              f"read {b['read_bytes_per_s'] / GB:.2f} GB/s")
+    else:
+        print(f"  plain pinned copy: out {b['out_bytes_per_s'] / GB:.2f} GB/s, in {b['in_bytes_per_s'] / GB:.2f} GB/s")
+    for i, c in enumerate(r["cycles"], 1):
+        print(f"  cycle {i}: sleep {c['sleep_s']:.2f}s ({c['sleep_bytes_per_s'] / GB:.2f} GB/s)  "
+              f"wake {c['wake_s']:.2f}s ({c['wake_bytes_per_s'] / GB:.2f} GB/s)  "
+              f"peak host RSS {c['peak_host_rss'] / GB:.2f} GB")
+    print(f"  best cycle vs bound: sleep {r['sleep_ratio']:.2f}, wake {r['wake_ratio']:.2f}; "
+          f"bit-exact: {r['bit_exact']}")
+    if r["host_rss_budget"] is not None:
+        verdict = "within" if r["peak_host_rss"] <= r["host_rss_budget"] else "OVER"
+        print(f"  peak host RSS {r['peak_host_rss'] / GB:.2f} GB, {verdict} the budget "
+              f"{r['host_rss_budget'] / GB:.2f} GB (start + chunk + 1 GiB)")
+    return 0 if r["bit_exact"] else 1
