@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -145,15 +146,25 @@ class PortableOffloader(Offloader):
             self._mover = DiskMover(offload_dir, chunk_bytes)
         else:
             self._mover = HostMover()
+        self._warned = False
 
     def _sleep(self, tracked: list[tracking.Tracked]) -> None:
         self._mover.save(tracked)
+        pinned = [t for t in tracked if not t.storage.resizable()]
+        if pinned and not self._warned:
+            # A storage torch does not own (from_blob, numpy, some loaders) cannot be
+            # shrunk: it is still saved and restored, but stays resident.
+            warnings.warn(f"actor offload: {len(pinned)} storages ({sum(t.nbytes for t in pinned)} bytes) are "
+                          "not resizable and stay resident while the actor sleeps")
+            self._warned = True
         for t in tracked:
-            t.storage.resize_(0)
+            if t.storage.resizable():
+                t.storage.resize_(0)
 
     def _wake(self, tracked: list[tracking.Tracked]) -> None:
         for t in tracked:
-            t.storage.resize_(t.nbytes)
+            if t.storage.nbytes() != t.nbytes:
+                t.storage.resize_(t.nbytes)
         self._mover.restore(tracked)
 
     @property

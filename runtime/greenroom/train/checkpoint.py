@@ -88,4 +88,9 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
                 f"--load {directory}: the optimizer state was streamed (saved with "
                 "--stream-optimizer-state-to-disk); add that flag to resume it, or pass --no-load-optim")
         optimizer.load_state_dict(torch.load(os.path.join(path, "optim.pt"), weights_only=False))
+        # Storages torch.load made are not resizable: own copies let offload free them.
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.clone()
     return int(meta["iteration"])
