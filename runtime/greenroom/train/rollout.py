@@ -19,8 +19,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 class RolloutEngine:
-    def __init__(self, config: ModelConfig, *, device: torch.device) -> None:
-        self.model = Transformer(config).to(device).requires_grad_(False).eval()
+    def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        self.model = Transformer(config).to(device, dtype).requires_grad_(False).eval()
         self.device = device
         self.last_cache_bytes = 0
 

@@ -160,10 +160,10 @@ class Trainer:
         self._stack.callback(self.offloader.close)
         dtype = torch.bfloat16 if c.dtype == "bf16" else torch.float32
         torch.manual_seed(c.seed)
-        self.model = Transformer(self.model_config).to(self.device, dtype)
-        with self.offloader.rollout_region():
-            self.engine = RolloutEngine(self.model_config, device=self.device)
-            self.engine.model.to(dtype)
+        with self.device:  # built in place: a multi-billion model never exists on the host
+            self.model = Transformer(self.model_config).to(dtype)
+            with self.offloader.rollout_region():
+                self.engine = RolloutEngine(self.model_config, device=self.device, dtype=dtype)
         self.policy = self._parallelize(self.model)
         self.optimizer = self._build_optimizer()
         self.offloader.track(self.model, self.optimizer)
