@@ -32,7 +32,7 @@ class RolloutEngine:
             mine[name.removeprefix("module.")].copy_(full_tensor(p.detach()))
 
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, new_tokens: int, generator: torch.Generator):
+    def generate(self, prompts: torch.Tensor, new_tokens: int, generator: torch.Generator, on_token=None):
         """Sample ``new_tokens`` per prompt at temperature 1.
 
         Returns the completions and the log-probability of each sampled token under
@@ -50,6 +50,8 @@ class RolloutEngine:
             choice = torch.multinomial(logp.exp().cpu(), 1, generator=generator).to(self.device)
             tokens.append(choice)
             logprobs.append(logp.gather(1, choice))
+            if on_token is not None:
+                on_token()
             if step + 1 < new_tokens:
                 logits = self.model(choice, cache)[:, -1]
         del cache

@@ -245,16 +245,20 @@ class Trainer:
         self.engine.sync_from(self.model)
         mark("sync", t)
         t = time.perf_counter()
-        slept = self.offloader.sleep()
+        with self._bar(1, "sleep") as bar:
+            slept = self.offloader.sleep()
+            bar.update()
         mark("sleep", t)
         t = time.perf_counter()
-        with self.offloader.rollout_region():
+        with self.offloader.rollout_region(), self._bar(self.task.digits, "rollout") as bar:
             prompts = sample_prompts(self.task, c.prompts, gen).repeat_interleave(c.group_size, dim=0)
-            completions, old_logp = self.engine.generate(prompts, self.task.digits, gen)
+            completions, old_logp = self.engine.generate(prompts, self.task.digits, gen, on_token=bar.update)
             rewards = reward(prompts, completions)
             mark("rollout", t)
         t = time.perf_counter()
-        woke = self.offloader.wake()
+        with self._bar(1, "wake") as bar:
+            woke = self.offloader.wake()
+            bar.update()
         mark("wake", t)
         t = time.perf_counter()
         loss_sum = self._train_step(prompts, completions, old_logp, rewards, gen)
