@@ -25,6 +25,7 @@ The rollout allocates under a separate tag (``rollout_region``), which is never 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -55,6 +56,8 @@ class TmsOffloader(Offloader):
         from torch_memory_saver import torch_memory_saver  # CUDA only: needs libcuda
 
         self._tms = torch_memory_saver
+        # torch_memory_saver's own share of the last transition (all of it for mover tms).
+        self.pause_seconds = self.resume_seconds = 0.0
         if self.mover == "tms":
             self._mover = None
             if target == "disk":
@@ -68,10 +71,14 @@ class TmsOffloader(Offloader):
         if self._mover is not None:
             self._mover.save(tracked)
         torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
         self._tms.pause(ACTOR_TAG)
+        self.pause_seconds = time.perf_counter() - start
 
     def _wake(self, tracked: list[Tracked]) -> None:
+        start = time.perf_counter()
         self._tms.resume(ACTOR_TAG)
+        self.resume_seconds = time.perf_counter() - start
         if self._mover is not None:
             self._mover.restore(tracked)
 

@@ -102,7 +102,9 @@ def measure(args: argparse.Namespace) -> dict:
                 woke = offloader.wake()
                 cycles.append({"sleep_s": slept.seconds, "wake_s": woke.seconds,
                                "sleep_bytes_per_s": slept.bytes_per_s, "wake_bytes_per_s": woke.bytes_per_s,
-                               "peak_host_rss": sampler.reset_peak(), "asleep_host_rss": asleep_rss})
+                               "peak_host_rss": sampler.reset_peak(), "asleep_host_rss": asleep_rss,
+                               "tms_pause_s": getattr(offloader, "pause_seconds", None),
+                               "tms_resume_s": getattr(offloader, "resume_seconds", None)})
             bit_exact = all(torch.equal(t, r) for t, r in zip(tensors, reference))
             backend = offloader.backend
             mover = getattr(offloader, "mover", "greenroom")
