@@ -1,0 +1,42 @@
+"""``greenroom bench offload`` on the CPU, small: it reports its bound and checks bytes.
+
+(Speed is what the benchmark measures, on the GPU machine; here only its contract.)
+"""
+
+import argparse
+import json
+import os
+
+import pytest
+
+from greenroom.bench import offload
+
+
+def args(**kw):
+    parser = argparse.ArgumentParser()
+    offload.configure_parser(parser)
+    ns = parser.parse_args([])
+    ns.__dict__.update(kw)
+    return ns
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target, capsys):
+    rc = offload.run(args(gib=1 / 32, target=target, dir=disk_dir, chunk_mb=4, cycles=2, json=True))
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bit_exact"] is True
+    assert result["backend"] == "portable" and len(result["cycles"]) == 2
+    assert result["sleep_ratio"] > 0 and result["wake_ratio"] > 0
+    if target == "disk":
+        assert {"write_bytes_per_s", "read_bytes_per_s"} <= result["bound"].keys()
+        assert result["host_rss_budget"] is not None
+    else:
+        assert {"out_bytes_per_s", "in_bytes_per_s"} <= result["bound"].keys()
+    assert os.listdir(disk_dir) == []
+
+
+def test_disk_target_without_a_dir_is_a_one_line_error(monkeypatch):
+    monkeypatch.delenv("SCRATCH", raising=False)
+    with pytest.raises(ValueError, match="needs --dir DIR"):
+        offload.run(args(target="disk", dir=None))

@@ -1,0 +1,38 @@
+"""``greenroom report``: a metrics file from a real ``greenroom train`` run becomes a PNG."""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args):
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")}
+    return subprocess.run([sys.executable, "-m", "greenroom.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_report_draws_a_png_from_a_train_run(disk_dir):
+    metrics = os.path.join(disk_dir, "m.jsonl")
+    run = cli("train", "--iterations", "2", "--prompts", "4", "--group-size", "2", "--minibatches", "1",
+              "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
+              os.path.join(disk_dir, "o"), "--metrics", metrics, "--no-progress")
+    assert run.returncode == 0, run.stderr
+    result = cli("report", metrics, "-o", os.path.join(disk_dir, "r.png"))
+    assert result.returncode == 0, result.stderr
+    assert "2 iterations" in result.stdout
+    with open(os.path.join(disk_dir, "r.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_file_that_is_not_metrics_is_one_line_exit_2(disk_dir):
+    bad = os.path.join(disk_dir, "bad.jsonl")
+    with open(bad, "w") as f:
+        f.write('{"reward": 1}\n')
+    result = cli("report", bad)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"greenroom report: error: {bad}:1: not a greenroom train metrics line"
+    assert not os.path.exists(os.path.join(disk_dir, "bad.png"))
+    missing = cli("report", os.path.join(disk_dir, "none.jsonl"))
+    assert missing.returncode == 2 and "no such metrics file" in missing.stderr
