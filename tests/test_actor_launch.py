@@ -124,3 +124,19 @@ def test_tms_backend_without_the_preloaded_hook_says_how_to_start(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     with pytest.raises(GreenroomError, match="launch_env"):
         actor.build_offloader(OffloadConfig(offload_train=True), backend="tms", device="cpu")
+
+
+def test_relaunch_re_executes_the_same_command_under_the_new_environment():
+    code = """
+import os, sys
+from greenroom.actor import relaunch_with
+print(os.getpid(), os.environ.get("GREENROOM_TEST_VAR"), sys.argv[1:], flush=True)
+relaunch_with({"GREENROOM_TEST_VAR": "set"})
+"""
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")}
+    env.pop("GREENROOM_TEST_VAR", None)
+    out = subprocess.run([sys.executable, "-c", code, "arg1"], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split("\n")
+    first, second = out[0].split(" ", 2), out[1].split(" ", 2)
+    assert first[0] == second[0]  # same pid: torchrun and Slurm keep tracking the rank
+    assert first[1:] == ["None", "['arg1']"] and second[1:] == ["set", "['arg1']"]
