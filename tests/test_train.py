@@ -201,3 +201,21 @@ def test_offload_does_not_change_the_result(disk_dir, ranks, parallel):
            os.path.join(disk_dir, "offload"), "--save", offloaded], ranks=ranks)
     for rank in range(ranks):
         assert_same_state(load_state(resident, rank), load_state(offloaded, rank))
+
+
+def test_sigterm_mid_run_reclaims_every_per_rank_file(disk_dir):
+    import signal
+
+    root = os.path.join(disk_dir, "offload")
+    cmd = [sys.executable, "-m", "greenroom.cli", "train", *SMALL, "--iterations", "100000", "--offload-train",
+           "--offload-train-target", "disk", "--offload-train-disk-dir", root,
+           "--metrics", os.path.join(disk_dir, "m.jsonl")]
+    child = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    for line in child.stdout:
+        if line.startswith("iter "):
+            break
+    assert any(name.startswith("rank") for _, dirs, _ in os.walk(root) for name in dirs)
+    child.send_signal(signal.SIGTERM)
+    child.wait(timeout=60)
+    assert child.returncode == 128 + signal.SIGTERM
+    assert os.listdir(root) == []
