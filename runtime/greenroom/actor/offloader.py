@@ -113,8 +113,9 @@ class Offloader:
         return 0
 
     def close(self) -> None:
-        if self.is_asleep:
-            self.wake()
+        """Release files and host copies. Closing while asleep discards the sleeping
+        state (the process is going away: reading it back would only cost time)."""
+        self._asleep = None
 
     def __enter__(self) -> "Offloader":
         return self

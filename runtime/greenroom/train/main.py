@@ -14,7 +14,7 @@ import os
 
 import greenroom
 from greenroom.train.model import ModelConfig
-from greenroom.train.task import TaskConfig
+from greenroom.train.task import VOCAB_SIZE, TaskConfig
 from greenroom.train.trainer import TrainConfig, Trainer
 
 # Slotted dataclasses keep no class-level defaults: read them from instances.
@@ -57,8 +57,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     offload = greenroom.OffloadConfig.from_args(args)
     task = TaskConfig(digits=args.digits)
-    from greenroom.train.task import VOCAB_SIZE
-
     model = ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers,
                         n_heads=args.n_heads, max_seq_len=task.seq_len)
     config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save, load=args.load,

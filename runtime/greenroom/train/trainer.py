@@ -303,9 +303,10 @@ class Trainer:
 
     def _header(self, start: int) -> str:
         o = self.offload
+        offload = f"{o.offload_train_target} ({self.offloader.backend})" if o.offload_train else "off"
+        streaming = f"on ({o.stream_optimizer_state_moment_dtype} moments)" if o.stream_optimizer_state_to_disk else "off"
         parts = [f"greenroom train: {self.model_config.num_params():,} params on {self.device}",
-                 f"{self.world_size} rank(s)", f"offload {o.offload_train_target + ' (' + self.offloader.backend + ')' if o.offload_train else 'off'}",
-                 f"streaming {'on (' + o.stream_optimizer_state_moment_dtype + ' moments)' if o.stream_optimizer_state_to_disk else 'off'}"]
+                 f"{self.world_size} rank(s)", f"offload {offload}", f"streaming {streaming}"]
         if o.staging_bytes_per_rank:
             count = o.staging_bytes_per_rank // o.chunk_bytes
             parts.append(f"staging {count} x {o.offload_train_disk_chunk_mb} MiB host memory per rank"
