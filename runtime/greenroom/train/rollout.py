@@ -20,7 +20,11 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 class RolloutEngine:
     def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
-        self.model = Transformer(config).to(device, dtype).requires_grad_(False).eval()
+        # Built on the meta device and materialised in its dtype: its weights are only
+        # ever what sync_from copies in, so no initial values (or fp32 copy) are made.
+        with torch.device("meta"):
+            model = Transformer(config).to(dtype)
+        self.model = model.to_empty(device=device).requires_grad_(False).eval()
         self.device = device
         self.last_cache_bytes = 0
 
