@@ -1,0 +1,1 @@
+"""Slurm: the sbatch templates, ``greenroom slurm render|submit`` and a submitit API."""

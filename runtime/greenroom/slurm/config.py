@@ -1,0 +1,366 @@
+"""The Slurm job a user describes in YAML, validated before anything is rendered.
+
+``load_config(path)`` reads the YAML into ``SlurmJobConfig`` (with ``TrainArgs`` and an
+optional ``ContainerConfig`` nested in it). Every mistake is a ``ValueError`` whose one
+line names the file, the key, the bad value and the fix, so ``greenroom slurm`` exits 2
+before ``sbatch`` ever sees the script.
+
+Values that end up on ``#SBATCH`` lines are checked to be single shell-safe words:
+``sbatch`` parses those lines itself, not through a shell, so quoting cannot save a
+value with spaces there. Values that end up in shell commands are quoted with
+``shlex.quote`` by ``greenroom.slurm.render``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import warnings
+from dataclasses import dataclass, field
+
+import yaml
+
+from greenroom import fs
+from greenroom.config import DEFAULT_CHUNK_MB, MOMENT_DTYPES, TARGETS, OffloadConfig
+
+LAUNCHERS = ("srun", "torchrun")
+CONTAINER_RUNTIMES = ("pyxis", "apptainer")
+DEFAULT_TEMPLATE = "sbatch.sh.j2"
+# One #SBATCH word: what partition, account, QoS, job and node names are made of.
+_SBATCH_WORD = re.compile(r"^[A-Za-z0-9_.,:=%@/+\-\[\]]+$")
+_MEMORY = re.compile(r"^[0-9]+[KMGT]?$")
+# Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+_TIME = re.compile(r"^(?:(?P<d>[0-9]+)-(?P<dh>[0-9]+)(?::(?P<dm>[0-9]+)(?::(?P<ds>[0-9]+))?)?"
+                   r"|(?P<a>[0-9]+)(?::(?P<b>[0-9]+)(?::(?P<c>[0-9]+))?)?)$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_SIGNAL_SECONDS = 65535  # sbatch --signal's upper bound
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainArgs:
+    """What the job's ``greenroom train`` is told: the seed's flags passed through as
+    the exact flags, plus the run's own. ``--offload-train-disk-dir`` is not here: the
+    job derives it from the node-local scratch dir at run time."""
+
+    offload_train: bool = True
+    """``--offload-train``."""
+
+    offload_train_target: str = "disk"
+    """``--offload-train-target`` (cpu or disk)."""
+
+    offload_train_disk_chunk_mb: int = DEFAULT_CHUNK_MB
+    """``--offload-train-disk-chunk-mb``: pinned staging buffer per mechanism and rank."""
+
+    stream_optimizer_state_to_disk: bool = True
+    """``--stream-optimizer-state-to-disk``."""
+
+    stream_optimizer_state_moment_dtype: str = "fp32"
+    """``--stream-optimizer-state-moment-dtype``."""
+
+    no_load_optim: bool = False
+    """``--no-load-optim``: on resume accept a fresh optimizer state."""
+
+    iterations: int | None = None
+    """``--iterations`` (None: the trainer's default)."""
+
+    role: str = "actor"
+    """``--role``: names the per-rank dirs, so two models of one job never share files."""
+
+    checkpoint_dir: str | None = None
+    """``--save`` dir on shared storage; a requeued job resumes from it with ``--load``
+    once it holds a complete checkpoint (its ``meta.json``)."""
+
+    extra_args: list[str] = field(default_factory=list)
+    """Further ``greenroom train`` arguments, passed through verbatim (each quoted)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ContainerConfig:
+    """Run every step inside a container image."""
+
+    runtime: str
+    """``pyxis`` (``srun --container-image``, enroot) or ``apptainer`` (``apptainer exec``)."""
+
+    image: str
+    """The image: a pyxis/enroot image reference or squashfs, or an apptainer .sif."""
+
+    mounts: list[str] = field(default_factory=list)
+    """Extra ``SRC:DST[:FLAGS]`` mounts; the scratch dir is always mounted at its own path."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SlurmJobConfig:
+    """One Slurm job running ``greenroom train`` (see deploy/slurm/examples/)."""
+
+    job_name: str = "greenroom"
+    """``--job-name``; also names the log files."""
+
+    nodes: int = 1
+    """``--nodes``."""
+
+    gpus_per_node: int = 0
+    """``--gpus-per-node`` (0: a CPU job, no GPU request)."""
+
+    tasks_per_node: int | None = None
+    """Trainer processes per node (default: ``gpus_per_node``, or 1 on a CPU job). With the
+    srun launcher they are Slurm tasks; with torchrun, torchrun's ``--nproc-per-node``."""
+
+    cpus_per_task: int = 1
+    """CPUs per trainer process."""
+
+    mem: str | None = None
+    """``--mem`` per node, e.g. ``64G`` (None: the partition's default; ``0``: all)."""
+
+    time: str = "01:00:00"
+    """``--time`` in any Slurm form (``MM``, ``HH:MM:SS``, ``D-HH:MM:SS`` ...)."""
+
+    partition: str | None = None
+    """``--partition``."""
+
+    account: str | None = None
+    """``--account``."""
+
+    qos: str | None = None
+    """``--qos``."""
+
+    exclusive: bool = False
+    """``--exclusive``: no other job on the nodes (and their NVMe)."""
+
+    launcher: str = "srun"
+    """``srun``: one task per process, RANK/LOCAL_RANK/WORLD_SIZE from SLURM_PROCID/
+    SLURM_LOCALID/SLURM_NTASKS; ``torchrun``: one torchrun per node, rendezvous at the
+    job's first node."""
+
+    master_port: int | None = None
+    """Rendezvous port (default: 20000 + job id % 20000, so jobs sharing a node differ)."""
+
+    preempt_signal: str = "USR1"
+    """Signal Slurm sends the batch script before the time limit or a preemption
+    (``--signal=B:<sig>@<seconds>``); the script then stops the trainer and requeues."""
+
+    preempt_signal_seconds: int = 120
+    """How long before the end the signal comes."""
+
+    max_restarts: int = 3
+    """Requeues after the preemption signal, counted by SLURM_RESTART_COUNT (0: never)."""
+
+    scratch_dir: str | None = None
+    """Node-local scratch root (NVMe; a job_container/tmpfs per-job /tmp is on disk and
+    fine, /dev/shm is not). None: ``$SCRATCH`` on the node at run time. The per-rank
+    dirs live in ``<scratch>/greenroom_train_offload_<uid>/<job>/<role>/rank<N>``."""
+
+    log_dir: str = "logs"
+    """Where ``<job_name>-<jobid>.out`` (the batch script) and one file per task and
+    restart go; created by ``greenroom slurm submit``."""
+
+    greenroom: str = "greenroom"
+    """The command that runs greenroom on the nodes, e.g. ``/opt/venv/bin/greenroom``
+    or ``python3 -m greenroom.cli`` (split like a shell would, each word quoted)."""
+
+    torchrun: str = "torchrun"
+    """The torchrun command (launcher ``torchrun`` only)."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment exported to every step (values quoted)."""
+
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before the steps (``module load ...``), verbatim."""
+
+    sbatch_extra: dict[str, str | bool] = field(default_factory=dict)
+    """Further ``#SBATCH`` options: ``{constraint: nvme}`` gives ``--constraint=nvme``,
+    ``true`` gives a bare flag."""
+
+    template: str = DEFAULT_TEMPLATE
+    """The template: a name from the shipped templates or a path to your own .j2."""
+
+    container: ContainerConfig | None = None
+    """Run the steps in a container (pyxis or apptainer)."""
+
+    train: TrainArgs = field(default_factory=TrainArgs)
+    """The trainer's flags."""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "cpus_per_task"):
+            _positive_int(name, getattr(self, name))
+        _non_negative_int("gpus_per_node", self.gpus_per_node)
+        _non_negative_int("max_restarts", self.max_restarts)
+        if self.tasks_per_node is None:
+            self.tasks_per_node = self.gpus_per_node or 1
+        _positive_int("tasks_per_node", self.tasks_per_node)
+        if self.gpus_per_node and self.tasks_per_node > self.gpus_per_node:
+            raise ValueError(f"tasks_per_node: {self.tasks_per_node} processes cannot each have a GPU of "
+                             f"gpus_per_node {self.gpus_per_node}; use at most one process per GPU")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.master_port is not None:
+            _positive_int("master_port", self.master_port)
+            if not 1024 <= self.master_port <= 65535:
+                raise ValueError(f"master_port must be in 1024..65535, got {self.master_port}")
+        for name in ("job_name", "partition", "account", "qos"):
+            value = getattr(self, name)
+            if value is not None:
+                _sbatch_word(name, value)
+        if self.mem is not None:
+            self.mem = str(self.mem)
+            if not _MEMORY.match(self.mem):
+                raise ValueError(f"mem: expected a size like 64G or 65536 (MiB), got {self.mem!r}")
+        time_minutes(self.time)
+        try:
+            signal.Signals[f"SIG{self.preempt_signal}"]
+        except (KeyError, TypeError):
+            raise ValueError(f"preempt_signal: expected a signal name like USR1 (without SIG), "
+                             f"got {self.preempt_signal!r}") from None
+        _positive_int("preempt_signal_seconds", self.preempt_signal_seconds)
+        if self.preempt_signal_seconds > MAX_SIGNAL_SECONDS:
+            raise ValueError(f"preempt_signal_seconds must be at most {MAX_SIGNAL_SECONDS}, "
+                             f"got {self.preempt_signal_seconds}")
+        for name, value in self.env.items():
+            if not isinstance(name, str) or not _ENV_NAME.match(name):
+                raise ValueError(f"env: {name!r} is not a valid environment variable name")
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError(f"env.{name}: expected a string, got {value!r}")
+            self.env[name] = str(value)
+        for key, value in self.sbatch_extra.items():
+            _sbatch_word("sbatch_extra key", str(key))
+            if value is not True:
+                _sbatch_word(f"sbatch_extra.{key}", str(value))
+        for name in ("greenroom", "torchrun", "template"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{name}: expected a non-empty string, got {value!r}")
+        _sbatch_word("log_dir", self.log_dir)
+        if not all(isinstance(line, str) for line in self.setup):
+            raise ValueError(f"setup: expected a list of shell lines, got {self.setup!r}")
+        if self.scratch_dir is not None:
+            check_scratch_dir(self.scratch_dir)
+        _check_train(self.train)
+        if self.container is not None:
+            if self.container.runtime not in CONTAINER_RUNTIMES:
+                raise ValueError(f"container.runtime: expected one of {', '.join(CONTAINER_RUNTIMES)}, "
+                                 f"got {self.container.runtime!r}")
+            if not isinstance(self.container.image, str) or not self.container.image:
+                raise ValueError("container.image: expected an image reference or path")
+            for mount in self.container.mounts:
+                if not isinstance(mount, str) or ":" not in mount or "," in mount:
+                    raise ValueError(f"container.mounts: expected SRC:DST[:FLAGS] (no commas), got {mount!r}")
+
+    @property
+    def processes(self) -> int:
+        """World size: trainer processes in the whole job."""
+        return self.nodes * self.tasks_per_node
+
+
+def check_scratch_dir(path: str) -> None:
+    """Refuse a relative or memory-backed scratch dir (tmpfs keeps the data in RAM)."""
+    if not isinstance(path, str) or not os.path.isabs(path):
+        raise ValueError(f"scratch_dir: expected an absolute path on node-local NVMe, got {path!r}")
+    if fs.is_memory_backed(path):
+        mount = fs.mount_of(path)
+        raise ValueError(f"scratch_dir: {path} is on {mount.fstype} ({mount.mount_point}), which keeps the "
+                         "offloaded data in RAM; point it at node-local NVMe")
+
+
+def _check_train(train: TrainArgs) -> None:
+    if train.offload_train_target not in TARGETS:
+        raise ValueError(f"train.offload_train_target: expected one of {', '.join(TARGETS)}, "
+                         f"got {train.offload_train_target!r}")
+    if train.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
+        raise ValueError(f"train.stream_optimizer_state_moment_dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
+                         f"got {train.stream_optimizer_state_moment_dtype!r}")
+    _positive_int("train.offload_train_disk_chunk_mb", train.offload_train_disk_chunk_mb)
+    if train.iterations is not None:
+        _positive_int("train.iterations", train.iterations)
+    if not isinstance(train.role, str) or not train.role or "/" in train.role:
+        raise ValueError(f"train.role: {train.role!r} is not a valid directory name")
+    if not isinstance(train.extra_args, list) or not all(isinstance(a, str) for a in train.extra_args):
+        raise ValueError(f"train.extra_args: expected a list of strings, got {train.extra_args!r}")
+    # The trainer's own pairing rules, checked here so a bad pair fails before submission.
+    # The disk dir is only known on the node: "/" stands in for it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            OffloadConfig(offload_train=train.offload_train, offload_train_target=train.offload_train_target,
+                          offload_train_disk_dir="/", allow_tmpfs=True,
+                          offload_train_disk_chunk_mb=train.offload_train_disk_chunk_mb,
+                          stream_optimizer_state_to_disk=train.stream_optimizer_state_to_disk,
+                          stream_optimizer_state_moment_dtype=train.stream_optimizer_state_moment_dtype,
+                          no_load_optim=train.no_load_optim)
+        except ValueError as e:
+            raise ValueError(f"train: {e}") from None
+
+
+def time_minutes(value: str) -> int:
+    """Minutes in a Slurm ``--time`` value (rounded up), validating it."""
+    m = _TIME.match(str(value))
+    if not m:
+        raise ValueError(f"time: expected a Slurm time like 04:00:00 or 1-12:00:00, got {value!r}")
+    if m["d"] is not None:
+        seconds = ((int(m["d"]) * 24 + int(m["dh"])) * 60 + int(m["dm"] or 0)) * 60 + int(m["ds"] or 0)
+    elif m["c"] is not None:
+        seconds = (int(m["a"]) * 60 + int(m["b"])) * 60 + int(m["c"])
+    else:
+        seconds = int(m["a"]) * 60 + int(m["b"] or 0)
+    if seconds <= 0:
+        raise ValueError(f"time: must be longer than zero, got {value!r}")
+    return -(-seconds // 60)
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def _sbatch_word(name: str, value) -> None:
+    if not isinstance(value, str) or not _SBATCH_WORD.match(value):
+        raise ValueError(f"{name}: {value!r} must be one word of letters, digits and _.,:=%@/+-[] "
+                         "(it goes on an #SBATCH line)")
+
+
+def _build(cls, data, where: str):
+    """``cls(**data)`` with unknown keys and wrong shapes reported by their YAML path."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'the config'}: expected a mapping of keys, got {type(data).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"unknown key {where}{key!r}; known keys: {', '.join(sorted(known))}")
+    kwargs = dict(data)
+    if cls is SlurmJobConfig:
+        if "train" in kwargs:
+            kwargs["train"] = _build(TrainArgs, kwargs["train"] or {}, "train.")
+        if kwargs.get("container") is not None:
+            kwargs["container"] = _build(ContainerConfig, kwargs["container"], "container.")
+    for name, kind in (("env", dict), ("sbatch_extra", dict), ("setup", list), ("mounts", list)):
+        if name in kwargs and name in known and not isinstance(kwargs[name], kind):
+            raise ValueError(f"{where}{name}: expected a {'mapping' if kind is dict else 'list'}, "
+                             f"got {kwargs[name]!r}")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key is missing
+        raise ValueError(f"{where or 'the config'}: {e}") from None
+
+
+def config_from_dict(data: dict) -> SlurmJobConfig:
+    return _build(SlurmJobConfig, data, "")
+
+
+def load_config(path: str) -> SlurmJobConfig:
+    """Read and validate a job YAML; errors name the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    try:
+        return config_from_dict(data if data is not None else {})
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

@@ -1,0 +1,155 @@
+"""Render a ``SlurmJobConfig`` to an sbatch script.
+
+The templates (``greenroom/slurm/templates/``) hold the layout and a few switches; this
+module builds every value that lands in them and quotes each shell word with
+``shlex.quote``, so a path with a space or a ``$`` in a user's value never changes the
+script's meaning. Jinja runs with ``StrictUndefined``: a misspelt variable is an error,
+not an empty string.
+
+``setup_lines`` renders only the environment/reclaim part, which the submitit executor
+(``greenroom.slurm.submitit_api``) runs as its ``slurm_setup``: both paths prepare the
+nodes the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import jinja2
+
+from greenroom.slurm.config import SlurmJobConfig
+
+TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
+SETUP_TEMPLATE = "_setup.sh.j2"
+
+
+def shipped_templates() -> list[str]:
+    return sorted(name for name in os.listdir(TEMPLATE_DIR) if name.endswith(".j2") and not name.startswith("_"))
+
+
+def _quote_words(command: str) -> str:
+    return " ".join(shlex.quote(word) for word in shlex.split(command))
+
+
+def train_args(config: SlurmJobConfig) -> list[str]:
+    """``greenroom train``'s arguments (after ``train``), as the exact seed flags."""
+    t = config.train
+    args: list[str] = []
+    if t.offload_train:
+        args += ["--offload-train", "--offload-train-target", t.offload_train_target]
+    args += ["--offload-train-disk-chunk-mb", str(t.offload_train_disk_chunk_mb)]
+    if t.stream_optimizer_state_to_disk:
+        args += ["--stream-optimizer-state-to-disk",
+                 "--stream-optimizer-state-moment-dtype", t.stream_optimizer_state_moment_dtype]
+    if t.no_load_optim:
+        args.append("--no-load-optim")
+    if t.iterations is not None:
+        args += ["--iterations", str(t.iterations)]
+    args += ["--role", t.role]
+    if t.checkpoint_dir:
+        args += ["--save", t.checkpoint_dir]
+    return args + list(t.extra_args)
+
+
+def sbatch_options(config: SlurmJobConfig) -> list[str]:
+    """The ``#SBATCH`` options, in a fixed order (values were checked to be single words)."""
+    per_node = config.tasks_per_node if config.launcher == "srun" else 1
+    cpus = config.cpus_per_task * (config.tasks_per_node if config.launcher == "torchrun" else 1)
+    options = [f"--job-name={config.job_name}", f"--nodes={config.nodes}", f"--ntasks-per-node={per_node}",
+               f"--cpus-per-task={cpus}"]
+    if config.gpus_per_node:
+        options.append(f"--gpus-per-node={config.gpus_per_node}")
+    if config.mem is not None:
+        options.append(f"--mem={config.mem}")
+    options.append(f"--time={config.time}")
+    for name in ("partition", "account", "qos"):
+        if getattr(config, name) is not None:
+            options.append(f"--{name}={getattr(config, name)}")
+    if config.exclusive:
+        options.append("--exclusive")
+    # B: sends the signal to the batch shell only; it decides what the trainer gets.
+    options.append(f"--signal=B:{config.preempt_signal}@{config.preempt_signal_seconds}")
+    if config.max_restarts:
+        options.append("--requeue")
+    # Append: a requeued job keeps one batch log with every restart in it.
+    options += ["--open-mode=append", f"--output={config.log_dir}/%x-%j.out"]
+    for key in sorted(config.sbatch_extra):
+        value = config.sbatch_extra[key]
+        options.append(f"--{key}" if value is True else f"--{key}={value}")
+    return options
+
+
+def _container_parts(config: SlurmJobConfig) -> tuple[str, str]:
+    """(srun flags, command prefix) that put a step inside the container; empty without one."""
+    c = config.container
+    if c is None:
+        return "", ""
+    extra = "".join("," + shlex.quote(m) for m in c.mounts)
+    # Each part ends in a space so the template can put it straight before the command.
+    if c.runtime == "pyxis":
+        return (f'--container-image={shlex.quote(c.image)} '
+                f'--container-mounts="$GREENROOM_SCRATCH:$GREENROOM_SCRATCH"{extra} '), ""
+    binds = "".join(f" --bind {shlex.quote(m)}" for m in c.mounts)
+    nv = " --nv" if config.gpus_per_node else ""
+    return "", f'apptainer exec{nv} --bind "$GREENROOM_SCRATCH"{binds} {shlex.quote(c.image)} '
+
+
+def context(config: SlurmJobConfig, *, source: str) -> dict:
+    srun_container, exec_container = _container_parts(config)
+    t = config.train
+    return {
+        "source": source,
+        "sbatch_options": sbatch_options(config),
+        "exports": [f"{name}={shlex.quote(value)}" for name, value in sorted(config.env.items())],
+        "scratch": shlex.quote(config.scratch_dir) if config.scratch_dir else None,
+        "log_dir": shlex.quote(config.log_dir),
+        "master_port": str(config.master_port) if config.master_port else "$((20000 + SLURM_JOB_ID % 20000))",
+        "setup": config.setup,
+        "greenroom": _quote_words(config.greenroom),
+        "torchrun": _quote_words(config.torchrun),
+        "train_args": " ".join(shlex.quote(a) for a in train_args(config)),
+        "checkpoint": shlex.quote(t.checkpoint_dir) if t.checkpoint_dir else None,
+        "launcher": config.launcher,
+        "tasks_per_node": config.tasks_per_node,
+        "preempt_signal": config.preempt_signal,
+        "max_restarts": config.max_restarts,
+        "srun_container": srun_container,
+        "exec_container": exec_container,
+    }
+
+
+def _environment(config: SlurmJobConfig) -> jinja2.Environment:
+    loaders: list[jinja2.BaseLoader] = [jinja2.FileSystemLoader(TEMPLATE_DIR)]
+    if os.sep in config.template or config.template not in shipped_templates():
+        # A user's own template may still include the shipped _setup.sh.j2.
+        loaders.insert(0, jinja2.FileSystemLoader(os.path.dirname(os.path.abspath(config.template))))
+    return jinja2.Environment(loader=jinja2.ChoiceLoader(loaders), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                              autoescape=False)
+
+
+def _get_template(config: SlurmJobConfig, name: str) -> jinja2.Template:
+    try:
+        return _environment(config).get_template(name)
+    except jinja2.TemplateNotFound:
+        raise ValueError(f"template: no template {config.template!r}; shipped templates: "
+                         f"{', '.join(shipped_templates())}, or give a path to your own .j2") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"template {config.template}: line {e.lineno}: {e.message}") from None
+
+
+def render(config: SlurmJobConfig, *, source: str = "CONFIG.yaml") -> str:
+    """The sbatch script for ``config``; ``source`` names the config in its header."""
+    name = config.template if config.template in shipped_templates() else os.path.basename(config.template)
+    template = _get_template(config, name)
+    try:
+        return template.render(context(config, source=source))
+    except jinja2.UndefinedError as e:
+        raise ValueError(f"template {config.template}: {e.message}") from None
+
+
+def setup_lines(config: SlurmJobConfig) -> list[str]:
+    """The script's environment and reclaim section, as lines for submitit's setup."""
+    text = _get_template(config, SETUP_TEMPLATE).render(context(config, source="submitit"))
+    return text.rstrip("\n").split("\n")

@@ -1,0 +1,94 @@
+"""Submit the same job from Python with submitit, for notebooks and sweeps.
+
+``submit_train(config, folder)`` takes the ``SlurmJobConfig`` the YAML path uses and
+submits ``greenroom train`` through ``submitit.AutoExecutor``. The executor runs the
+sbatch template's own environment and reclaim section (``render.setup_lines``) as its
+setup, and the same ``srun --kill-on-bad-exit``, so the nodes are prepared exactly as
+for ``greenroom slurm submit``. Each submitit task runs the trainer in-process with
+RANK/LOCAL_RANK/WORLD_SIZE from ``submitit.JobEnvironment``::
+
+    from greenroom.slurm.config import load_config
+    from greenroom.slurm.submitit_api import submit_train
+
+    job = submit_train(load_config("deploy/slurm/examples/single-node.yaml"), "logs/submitit")
+    job.result()                     # waits; raises if a rank failed
+    print(job.stdout(), job_state(job.job_id))
+
+Preemption is submitit's own business on this path (its USR2 signal and requeue), and
+containers are not supported here: use ``greenroom slurm submit`` for those.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import submitit
+
+from greenroom.errors import GreenroomError
+from greenroom.slurm.config import SlurmJobConfig, time_minutes
+from greenroom.slurm.render import setup_lines, train_args
+from greenroom.slurm.sbatch import job_state
+
+__all__ = ["TrainTask", "executor_for", "submit_train", "job_state"]
+
+
+@dataclass(frozen=True)
+class TrainTask:
+    """What each submitit task runs: ``greenroom train`` with this rank's environment."""
+
+    args: tuple[str, ...]
+    """``greenroom train`` arguments (``render.train_args``)."""
+
+    checkpoint_dir: str | None = None
+    """Resume from here when it holds a complete checkpoint (as the template does)."""
+
+    def __call__(self) -> int:
+        env = submitit.JobEnvironment()
+        os.environ.update(RANK=str(env.global_rank), LOCAL_RANK=str(env.local_rank),
+                          WORLD_SIZE=str(env.num_tasks))
+        # Exported by the setup lines on the node: the per-user root under the scratch dir.
+        argv = ["train", *self.args, "--offload-train-disk-dir", os.environ["GREENROOM_OFFLOAD_ROOT"]]
+        if self.checkpoint_dir and os.path.exists(os.path.join(self.checkpoint_dir, "meta.json")):
+            argv += ["--load", self.checkpoint_dir]
+        from greenroom.cli import main
+
+        rc = main(argv)
+        if rc:
+            raise GreenroomError(f"greenroom train exited with {rc} on rank {env.global_rank}")
+        return rc
+
+
+def executor_for(config: SlurmJobConfig, folder: str) -> submitit.AutoExecutor:
+    """An AutoExecutor with the job's resources, setup lines and srun arguments."""
+    if config.container is not None:
+        raise ValueError("container: not supported through submitit; use `greenroom slurm submit`")
+    if config.launcher != "srun":
+        raise ValueError("launcher: submitit starts one task per process itself; use launcher: srun")
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    extra = {key: value for key, value in config.sbatch_extra.items()}
+    if config.qos:
+        extra["qos"] = config.qos
+    if config.exclusive:
+        extra["exclusive"] = True
+    executor.update_parameters(
+        name=config.job_name, nodes=config.nodes, tasks_per_node=config.tasks_per_node,
+        cpus_per_task=config.cpus_per_task, timeout_min=time_minutes(config.time),
+        slurm_setup=setup_lines(config), slurm_srun_args=["--kill-on-bad-exit=1"],
+        slurm_signal_delay_s=config.preempt_signal_seconds,
+        slurm_additional_parameters=extra,
+    )
+    if config.gpus_per_node:
+        executor.update_parameters(gpus_per_node=config.gpus_per_node)
+    if config.mem is not None:
+        executor.update_parameters(slurm_mem=config.mem)
+    for name in ("partition", "account"):
+        if getattr(config, name):
+            executor.update_parameters(**{f"slurm_{name}": getattr(config, name)})
+    return executor
+
+
+def submit_train(config: SlurmJobConfig, folder: str) -> submitit.Job:
+    """Submit ``greenroom train`` for ``config``; the job's logs live under ``folder``."""
+    task = TrainTask(args=tuple(train_args(config)), checkpoint_dir=config.train.checkpoint_dir)
+    return executor_for(config, folder).submit(task)
