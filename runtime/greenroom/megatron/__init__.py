@@ -1,0 +1,16 @@
+"""megatron-core integration: stream a DistributedOptimizer's fp32 mains and Adam moments.
+
+    with greenroom.megatron.streaming(config, rank_dir):
+        optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+    ...
+    greenroom.megatron.save_checkpoint(optimizer, checkpoint_dir)      # beside megatron's save
+    greenroom.megatron.load_checkpoint(optimizer, checkpoint_dir, no_load_optim=False)
+
+The state lives in the bucket files of greenroom.optim's engine. See docs/megatron.md.
+"""
+
+from greenroom.megatron.optimizer import (DEFAULT_BUCKET_NUMEL, StreamingDistributedOptimizer, StreamingSettings,
+                                          streaming, streaming_members)
+
+__all__ = ["DEFAULT_BUCKET_NUMEL", "StreamingDistributedOptimizer", "StreamingSettings", "streaming",
+           "streaming_members"]

@@ -1,0 +1,96 @@
+"""What streaming supports on megatron-core, checked at setup with one line per refusal.
+
+Streaming replaces the DistributedOptimizer's fp32 main shards and Adam moments; every
+combination below either keeps that state somewhere else (CPU offload, the
+precision-aware optimizer, Megatron FSDP), holds params in a form the bucket files do
+not describe (fp8/fp4 params), or is not the Adam update the engine computes.
+
+The checks read config attributes with ``getattr`` so that they work on every
+megatron-core release we support (0.16 on Python 3.11, 0.17+ on 3.12), where fields
+were added over time.
+"""
+
+from __future__ import annotations
+
+
+def check_optimizer_config(config) -> None:
+    """Refuse an ``OptimizerConfig`` that streaming cannot serve (``ValueError``)."""
+    if not getattr(config, "use_distributed_optimizer", False):
+        raise ValueError("optimizer streaming needs megatron's DistributedOptimizer: set "
+                         "OptimizerConfig.use_distributed_optimizer=True (--use-distributed-optimizer)")
+    if getattr(config, "use_layer_wise_distributed_optimizer", False):
+        raise ValueError("optimizer streaming does not support the layer-wise distributed optimizer: "
+                         "set use_layer_wise_distributed_optimizer=False")
+    if getattr(config, "optimizer", "adam") != "adam":
+        raise ValueError(f"optimizer streaming supports Adam only, got OptimizerConfig.optimizer="
+                         f"{config.optimizer!r}: use --optimizer adam or turn streaming off")
+    if not getattr(config, "decoupled_weight_decay", True) and getattr(config, "weight_decay", 0.0) != 0.0:
+        raise ValueError("optimizer streaming computes AdamW (decoupled weight decay): set "
+                         "OptimizerConfig.decoupled_weight_decay=True or weight_decay=0")
+    if getattr(config, "optimizer_cpu_offload", False):
+        raise ValueError("optimizer streaming and CPU optimizer offload both move the optimizer state: "
+                         "drop --optimizer-cpu-offload (optimizer_cpu_offload=False)")
+    if getattr(config, "use_precision_aware_optimizer", False):
+        raise ValueError("optimizer streaming replaces the precision-aware optimizer's state: drop "
+                         "--use-precision-aware-optimizer and choose the moment dtype with "
+                         "--stream-optimizer-state-moment-dtype")
+    if getattr(config, "optimizer_cuda_graph", False):
+        raise ValueError("optimizer streaming reads buckets from disk inside the step, which a CUDA graph "
+                         "cannot capture: set optimizer_cuda_graph=False")
+    for name in ("main_params_dtype", "main_grads_dtype"):
+        dtype = getattr(config, name, None)
+        if dtype is not None and str(dtype) != "torch.float32":
+            raise ValueError(f"optimizer streaming keeps fp32 main params and grads: set "
+                             f"OptimizerConfig.{name}=torch.float32 (got {dtype})")
+
+
+def check_ddp_config(ddp_config) -> None:
+    """Refuse a ``DistributedDataParallelConfig`` that streaming cannot serve."""
+    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "use_custom_fsdp", False):
+        raise ValueError("optimizer streaming does not support Megatron FSDP (its main weights live in "
+                         "the FSDP buffers): set use_megatron_fsdp=False and use DDP with the "
+                         "distributed optimizer")
+    if getattr(ddp_config, "fp8_param_gather", False):
+        raise ValueError("optimizer streaming does not support fp8 params (fp8_param_gather / --fp8-param-gather): "
+                         "keep the params in bf16 or fp16")
+    if getattr(ddp_config, "fp4_param_gather", False):
+        raise ValueError("optimizer streaming does not support fp4 params (fp4_param_gather): "
+                         "keep the params in bf16 or fp16")
+    if not getattr(ddp_config, "use_distributed_optimizer", True):
+        raise ValueError("optimizer streaming needs megatron's DistributedOptimizer: set "
+                         "DistributedDataParallelConfig.use_distributed_optimizer=True")
+
+
+def check_transformer_config(transformer_config) -> None:
+    """Refuse fp8 model params declared on the model's ``TransformerConfig``."""
+    if getattr(transformer_config, "fp8_param", False):
+        raise ValueError("optimizer streaming does not support fp8 params (TransformerConfig.fp8_param / "
+                         "--fp8-param-gather): keep the params in bf16 or fp16")
+
+
+def check_optimizer(optimizer) -> None:
+    """Refuse an optimizer object that is not (a chain of) DistributedOptimizer with Adam.
+
+    Accepts megatron's ``ChainedOptimizer`` (what ``get_megatron_optimizer`` returns) and
+    checks every member.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(member, DistributedOptimizer):
+            raise ValueError(f"optimizer streaming needs megatron's DistributedOptimizer, got "
+                             f"{type(member).__name__}: set use_distributed_optimizer=True")
+        check_optimizer_config(member.config)
+        if getattr(member, "ddp_config", None) is not None:
+            check_ddp_config(member.ddp_config)
+        inner = getattr(member, "optimizer", None)
+        if inner is not None and not _is_adam(inner):
+            raise ValueError(f"optimizer streaming supports Adam only, the DistributedOptimizer wraps "
+                             f"{type(inner).__name__}: use --optimizer adam")
+
+
+def _is_adam(inner) -> bool:
+    import torch
+
+    # TE's and Apex's FusedAdam carry their own name; torch's Adam/AdamW are the fallback.
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or type(inner).__name__ == "FusedAdam"

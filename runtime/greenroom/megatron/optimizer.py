@@ -1,0 +1,338 @@
+"""``StreamingDistributedOptimizer``: megatron's DistributedOptimizer with streamed state.
+
+It is megatron-core's own ``DistributedOptimizer`` class with four methods changed, so
+everything around the update (grad reduce-scatter, copying grads into main grads, loss
+scaling, grad clipping, the param all-gather) is megatron's, unchanged:
+
+``_build_model_and_main_param_groups`` (construction)
+    Megatron builds one fp32 main shard per 16-bit param, all at once. Here its own
+    builder runs on one param at a time and each new main shard goes straight into the
+    bucket files, after which its device storage is freed (``resize_(0)``). The peak is
+    the largest single shard; the tensor objects stay (megatron and its grad clipping
+    attach ``.grad`` to them and read their tensor-parallel attributes).
+
+``step_with_ready_grads``
+    Replaces the inner ``optimizer.step()`` plus ``_copy_main_params_to_model_params``
+    with the bucket engine: one bucket of mains and moments on the GPU at a time, updated
+    with torch's Adam kernel under the inner optimizer's hyperparameters and
+    implementation, the new mains cast into the 16-bit param buffer, the bucket written
+    back. Native-fp32 params step under a small resident Adam of the same kind.
+
+``state_dict`` / ``load_state_dict`` / ``sharded_state_dict``
+    Carry the non-streamed parts (param groups, the step, the grad scaler) through
+    megatron's checkpoint flow; the streamed state is written beside the checkpoint by
+    ``greenroom.megatron.save_checkpoint`` (see docs/megatron.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from dataclasses import dataclass
+
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from greenroom.config import OffloadConfig
+from greenroom.errors import CheckpointError
+from greenroom.megatron import checks
+from greenroom.megatron.layout import ShardEntry, Topology, current_topology
+from greenroom.megatron.store import ShardStore
+
+DEFAULT_BUCKET_NUMEL = 200_000_000
+# sharded_state_dict's marker for "param state lives in greenroom's files".
+SHARDING_TYPE = "greenroom_streamed"
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamingSettings:
+    """How one DistributedOptimizer streams its state."""
+
+    config: OffloadConfig
+    """The validated flags (moment dtype, chunk size, disk dir)."""
+
+    rank_dir: object
+    """This rank's open ``greenroom.rankdir.RankDir``; the files go in ``optim/``."""
+
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    """Elements per bucket, independent of DDP's buckets; a larger shard is its own."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_numel, bool) or not isinstance(self.bucket_numel, int) or self.bucket_numel <= 0:
+            raise ValueError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
+
+
+# The settings for the DistributedOptimizer being constructed in this context; its
+# classmethod builder has no instance to read them from.
+_BUILDING: contextvars.ContextVar = contextvars.ContextVar("greenroom_megatron_building", default=None)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Building:
+    settings: StreamingSettings
+    model_chunks: list
+    store: ShardStore | None = None
+
+
+class StreamingDistributedOptimizer(DistributedOptimizer):
+    """A DistributedOptimizer whose 16-bit params' fp32 mains and Adam moments stream.
+
+    Built by megatron itself inside ``greenroom.megatron.streaming(...)``; see there.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        settings = _SETTINGS.get()
+        if settings is None:
+            raise RuntimeError("construct StreamingDistributedOptimizer through greenroom.megatron.streaming()")
+        config = kwargs["config"] if "config" in kwargs else args[1]
+        model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[4]
+        checks.check_optimizer_config(config)
+        checks.check_ddp_config(model_chunks[0].ddp_config)
+        building = _Building(settings=settings, model_chunks=model_chunks)
+        token = _BUILDING.set(building)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            if building.store is not None:
+                building.store.close()
+            raise
+        finally:
+            _BUILDING.reset(token)
+        if self.is_stub_optimizer:
+            self._greenroom = None
+            return
+        checks.check_optimizer(self)
+        store = building.store
+        self._greenroom = store
+        self._resident = _resident_adam(self.optimizer, self.shard_fp32_groups)
+        store.bind(topology=current_topology(self.data_parallel_group))
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def _build_model_and_main_param_groups(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
+        building = _BUILDING.get()
+        if building is None:
+            return super()._build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map, opt_group_ranges,
+                                                             config)
+        entries = _planned_entries(gbuf_ranges, param_gbuf_map, opt_group_ranges, building.model_chunks)
+        building.store = ShardStore.create(entries, building.settings)
+        result = tuple([] for _ in range(5))
+        streamed = 0
+        for group_range in opt_group_ranges:
+            per_group = tuple([] for _ in range(5))
+            for model_param in group_range["params"]:
+                # Megatron's own builder on a group of one: its main shard is the only
+                # fp32 copy on the device until it is written out below.
+                one = [{"params": [model_param], "orig_group": {"params": []},
+                        "orig_group_idx": group_range.get("orig_group_idx")}]
+                built = super()._build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map, one, config)
+                for acc, lists in zip(per_group, built):
+                    acc.extend(lists[0])
+                for main in built[4][0]:
+                    building.store.fill_master(streamed, main)
+                    main.untyped_storage().resize_(0)
+                    streamed += 1
+            for acc, lists in zip(result, per_group):
+                acc.append(lists)
+            # The order megatron gives the inner optimizer: fp32 shards, then the mains.
+            group_range["orig_group"]["params"] = [*per_group[3], *per_group[4]]
+        building.store.finish_fill()
+        return result
+
+    # -- the step -----------------------------------------------------------------
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        if self.is_stub_optimizer:
+            return super().step_with_ready_grads()
+        # The inner optimizer's step and the copy of the mains into the param buffer
+        # happen inside the bucket loop; what follows them (the param all-gather) is
+        # megatron's own.
+        inner, self.optimizer = self.optimizer, _AlreadyStepped(self.optimizer)
+        try:
+            self._stream_step(inner)
+            return super().step_with_ready_grads()
+        finally:
+            self.optimizer = inner
+
+    def _stream_step(self, inner) -> None:
+        _sync_hyperparams(inner, self._resident)
+        if self._resident is not None:
+            self._resident.step()
+        self._greenroom.step(groups=inner.param_groups, mains=self.shard_fp32_from_float16_groups,
+                             write_model=self._model_shard_for, defaults=inner.defaults)
+
+    def _model_shard_for(self, group: int, index: int) -> torch.Tensor:
+        """The slice of the 16-bit param buffer that main shard (group, index) feeds."""
+        return self._param_buffer_slice(self.model_float16_groups[group][index])
+
+    def _param_buffer_slice(self, model_param) -> torch.Tensor:
+        # Where megatron's own copy writes: the param's range in its DDP bucket's buffer,
+        # which the all-gather then sends.
+        world = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+        gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
+        return self.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world.start:world.end]
+
+    def _copy_main_params_to_model_params(self) -> None:
+        # Streamed mains were cast into the param buffer bucket by bucket; only the
+        # resident fp32 shards remain, and they alias the model params.
+        for shards, params in zip(self.shard_fp32_groups, self.model_fp32_groups):
+            for shard, model_param in zip(shards, params):
+                self._param_buffer_slice(model_param).copy_(shard)
+
+    def _copy_model_params_to_main_params(self, state_dict=None) -> None:
+        raise CheckpointError("the streamed DistributedOptimizer cannot re-initialise its fp32 mains from the "
+                              "model weights (reload_model_params): load the optimizer with "
+                              "greenroom.megatron.load_checkpoint, or build it again")
+
+    # -- checkpoints (the non-streamed parts) ---------------------------------------
+    def state_dict(self):
+        inner = self.optimizer
+        groups = []
+        for group in inner.param_groups:
+            groups.append({k: v for k, v in group.items() if k != "params"})
+        state = {"optimizer": {"param_groups": groups},
+                 "greenroom": {"streamed": True, "steps": self._greenroom.step_count,
+                               "resident": self._resident.state_dict() if self._resident else None}}
+        if self.grad_scaler:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        marker = state_dict.get("greenroom")
+        if not marker or not marker.get("streamed"):
+            raise CheckpointError(
+                "this optimizer checkpoint was written without greenroom streaming: its Adam state cannot "
+                "be read into the streamed optimizer; resume with no_load_optim (fresh optimizer state), "
+                "or turn --stream-optimizer-state-to-disk off")
+        for group, saved in zip(self.optimizer.param_groups, state_dict["optimizer"]["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if self._resident is not None and marker.get("resident") is not None:
+            self._resident.load_state_dict(marker["resident"])
+        if self.grad_scaler and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
+                           sharding_type=None, metadata=None):
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        state = self.state_dict()
+        # Like megatron's own dp-dependent formats: one object per DP group, saved by
+        # DP rank 0. The streamed tensors are not in it (see save_checkpoint).
+        sharded = {key: ShardedObject(f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx}.{key}",
+                                      value, (1,), (0,),
+                                      replica_id=(self.distributed_optimizer_instance_id, 0,
+                                                  self.data_parallel_group.rank()))
+                   for key, value in state.items()}
+        sharded["param_state_sharding_type"] = SHARDING_TYPE
+        return sharded
+
+    # -- lifetime -----------------------------------------------------------------
+    @property
+    def streamed_store(self) -> ShardStore:
+        return self._greenroom
+
+    def close(self) -> None:
+        """Release the bucket files' handles and the staging memory."""
+        if self._greenroom is not None:
+            self._greenroom.close()
+
+
+class _AlreadyStepped:
+    """Stands in for the inner optimizer during megatron's step_with_ready_grads, whose
+    ``optimizer.step()`` already ran in the bucket loop."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def step(self, closure=None) -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _planned_entries(gbuf_ranges, param_gbuf_map, opt_group_ranges, model_chunks) -> list[ShardEntry]:
+    names = {}
+    for chunk_index, chunk in enumerate(model_chunks):
+        prefix = f"chunk{chunk_index}." if len(model_chunks) > 1 else ""
+        for name, param in chunk.named_parameters():
+            names.setdefault(param, prefix + name)
+    entries = []
+    for group, group_range in enumerate(opt_group_ranges):
+        index = 0
+        for model_param in group_range["params"]:
+            if model_param.dtype not in (torch.float16, torch.bfloat16):
+                continue
+            gbuf_index, dtype, bucket_index = param_gbuf_map[model_param]
+            shard = gbuf_ranges[gbuf_index][dtype][bucket_index]["param_map"][model_param]["param"]
+            entries.append(ShardEntry(name=names.get(model_param, f"group{group}.param{index}"), group=group,
+                                      index=index, shape=tuple(model_param.shape), start=shard.start,
+                                      numel=shard.size))
+            index += 1
+    return entries
+
+
+def _resident_adam(inner, shard_fp32_groups):
+    """A torch Adam of the inner optimizer's kind over the native-fp32 shards, or None."""
+    groups = [{"params": list(shards), **{k: v for k, v in group.items() if k != "params"}}
+              for shards, group in zip(shard_fp32_groups, inner.param_groups)]
+    if not any(g["params"] for g in groups):
+        return None
+    accepted = inspect.signature(type(inner).__init__).parameters
+    return type(inner)(groups, **{k: v for k, v in inner.defaults.items() if k in accepted and k != "params"})
+
+
+def _sync_hyperparams(inner, resident) -> None:
+    # LR schedulers write lr and weight_decay into megatron's (the inner) groups.
+    if resident is None:
+        return
+    for source, target in zip(inner.param_groups, resident.param_groups):
+        for key, value in source.items():
+            if key != "params":
+                target[key] = value
+
+
+_SETTINGS: contextvars.ContextVar = contextvars.ContextVar("greenroom_megatron_settings", default=None)
+
+
+@contextlib.contextmanager
+def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+    """Every DistributedOptimizer megatron-core builds inside this block streams its state.
+
+        with greenroom.megatron.streaming(config, rank_dir):
+            optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+
+    The block swaps megatron's ``DistributedOptimizer`` name for the streaming subclass
+    while it lasts; the optimizer objects it returns are ordinary DistributedOptimizers
+    (and ChainedOptimizers of them) to the rest of megatron.
+    """
+    settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel)
+    if not config.stream_optimizer_state_to_disk:
+        raise ValueError("greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "
+                         "(OffloadConfig.stream_optimizer_state_to_disk=True)")
+    import megatron.core.optimizer as mcore_optimizer
+
+    token = _SETTINGS.set(settings)
+    saved = mcore_optimizer.DistributedOptimizer
+    mcore_optimizer.DistributedOptimizer = StreamingDistributedOptimizer
+    try:
+        yield settings
+    finally:
+        mcore_optimizer.DistributedOptimizer = saved
+        _SETTINGS.reset(token)
+
+
+def streaming_members(optimizer) -> list[StreamingDistributedOptimizer]:
+    """The streaming DistributedOptimizers inside ``optimizer`` (a chain or a single one)."""
+    members = [m for m in getattr(optimizer, "chained_optimizers", [optimizer])
+               if isinstance(m, StreamingDistributedOptimizer) and m._greenroom is not None]
+    if not members:
+        raise ValueError("this optimizer does not stream: build it inside greenroom.megatron.streaming(...)")
+    return members
+
+
+__all__ = ["DEFAULT_BUCKET_NUMEL", "StreamingDistributedOptimizer", "StreamingSettings", "Topology", "streaming",
+           "streaming_members"]

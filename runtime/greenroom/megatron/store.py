@@ -1,0 +1,2 @@
+class ShardStore:
+    pass

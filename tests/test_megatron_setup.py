@@ -1,0 +1,128 @@
+"""Megatron-core streaming: every unsupported combination is refused at setup, on the CPU.
+
+megatron-core's DDP needs CUDA, so a real DistributedOptimizer is built only on the GPU
+machine (tests/test_megatron_gpu.py). Here the configs are megatron's own dataclasses;
+where a refusal needs a model chunk, a SimpleNamespace carrying a real
+DistributedDataParallelConfig stands in for the DDP-wrapped chunk (the only attribute
+the check reads), because the real one cannot be built without CUDA.
+"""
+
+import types
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import megatron.core.optimizer as mcore_optimizer
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+from greenroom.config import OffloadConfig
+from greenroom.megatron import checks
+from greenroom.megatron.optimizer import StreamingDistributedOptimizer, StreamingSettings, streaming
+
+
+def _config(**overrides) -> OptimizerConfig:
+    settings = dict(optimizer="adam", bf16=True, use_distributed_optimizer=True, lr=1e-3)
+    late = {k: overrides.pop(k) for k in ("use_precision_aware_optimizer",) if k in overrides}
+    settings.update(overrides)
+    config = OptimizerConfig(**settings)
+    # megatron 0.16 checks the Transformer Engine version when the precision-aware
+    # optimizer is set at construction; set it afterwards, as a run with TE would have it.
+    for key, value in late.items():
+        setattr(config, key, value)
+    return config
+
+
+def _offload(disk_dir, **overrides) -> OffloadConfig:
+    return OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir, **overrides)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(use_distributed_optimizer=False), "needs megatron's DistributedOptimizer: set OptimizerConfig.use_distributed_optimizer=True"),
+    (dict(optimizer="sgd"), "supports Adam only, got OptimizerConfig.optimizer='sgd'"),
+    (dict(optimizer_cpu_offload=True), "drop --optimizer-cpu-offload"),
+    (dict(use_precision_aware_optimizer=True), "drop --use-precision-aware-optimizer"),
+    (dict(decoupled_weight_decay=False, weight_decay=0.1), "set OptimizerConfig.decoupled_weight_decay=True"),
+])
+def test_optimizer_config_refusals_name_the_setting(overrides, message):
+    with pytest.raises(ValueError, match="^optimizer streaming") as info:
+        checks.check_optimizer_config(_config(**overrides))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_plain_adam_config_passes():
+    checks.check_optimizer_config(_config())
+    checks.check_optimizer_config(_config(decoupled_weight_decay=False, weight_decay=0.0))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(use_megatron_fsdp=True), "does not support Megatron FSDP"),
+    (dict(fp8_param_gather=True), "does not support fp8 params"),
+    (dict(use_distributed_optimizer=False), "set DistributedDataParallelConfig.use_distributed_optimizer=True"),
+])
+def test_ddp_config_refusals_name_the_setting(overrides, message):
+    with pytest.raises(ValueError, match=message) as info:
+        checks.check_ddp_config(DistributedDataParallelConfig(**overrides))
+    assert "\n" not in str(info.value)
+
+
+def test_fp8_params_on_the_transformer_config_are_refused():
+    with pytest.raises(ValueError, match="does not support fp8 params"):
+        checks.check_transformer_config(types.SimpleNamespace(fp8_param=True))
+    checks.check_transformer_config(types.SimpleNamespace(fp8_param=False))
+
+
+def test_an_optimizer_that_is_not_a_distributed_optimizer_is_refused():
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="needs megatron's DistributedOptimizer, got AdamW"):
+        checks.check_optimizer(adam)
+
+
+def test_streaming_block_needs_the_streaming_flag(disk_dir):
+    with pytest.raises(ValueError, match="needs --stream-optimizer-state-to-disk"):
+        with streaming(OffloadConfig(), rank_dir=None):
+            pass
+
+
+def test_streaming_block_swaps_megatrons_class_only_while_it_lasts(disk_dir):
+    stock = mcore_optimizer.DistributedOptimizer
+    with streaming(_offload(disk_dir), rank_dir=None) as settings:
+        assert mcore_optimizer.DistributedOptimizer is StreamingDistributedOptimizer
+        assert issubclass(StreamingDistributedOptimizer, stock)
+        assert settings.bucket_numel == 200_000_000
+    assert mcore_optimizer.DistributedOptimizer is stock
+
+
+@pytest.mark.parametrize(("config", "chunk", "message"), [
+    (dict(optimizer="sgd"), dict(), "supports Adam only"),
+    (dict(optimizer_cpu_offload=True), dict(), "CPU optimizer offload"),
+    (dict(use_precision_aware_optimizer=True), dict(), "precision-aware optimizer"),
+    (dict(), dict(use_megatron_fsdp=True), "Megatron FSDP"),
+    (dict(), dict(fp8_param_gather=True), "fp8 params"),
+])
+def test_construction_refuses_before_allocating_anything(disk_dir, config, chunk, message):
+    model_chunk = types.SimpleNamespace(ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                                 **chunk))
+    with streaming(_offload(disk_dir), rank_dir=None):
+        with pytest.raises(ValueError, match=message):
+            StreamingDistributedOptimizer(None, _config(**config), None, None, model_chunks=[model_chunk],
+                                          per_model_buffers=None, data_parallel_group=None,
+                                          data_parallel_group_gloo=None, data_parallel_group_idx=0,
+                                          distributed_optimizer_instance_id=0)
+
+
+def test_construction_outside_the_block_says_how():
+    with pytest.raises(RuntimeError, match="through greenroom.megatron.streaming"):
+        StreamingDistributedOptimizer(None, _config(), None, None, model_chunks=[])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bucket_numel_must_be_a_positive_integer(disk_dir, bad):
+    with pytest.raises(ValueError, match="bucket_numel must be a positive integer"):
+        StreamingSettings(config=_offload(disk_dir), rank_dir=None, bucket_numel=bad)
