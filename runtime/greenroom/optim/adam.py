@@ -1,0 +1,252 @@
+"""``StreamingAdam``: AdamW whose fp32 masters and moments live in per-bucket files.
+
+Which state streams, per param (of this rank's local shard, for FSDP2 DTensors):
+
+- bf16/fp16 params: an fp32 master and both moments stream (12 B/param in fp32); after
+  its bucket's update the param gets the new master cast to its dtype.
+- fp32 params: both moments stream (8 B/param); the param is its own master.
+- fp32 params of at most ``resident_numel`` elements (a router's expert_bias, an SSM's
+  A_log): tiny, so their state stays on the device in ``self.state`` and the same
+  kernel updates them without any I/O.
+
+The step walks the buckets with ``BucketStore.stream`` and applies ``_bucket_adam_step``
+(torch's AdamW functional) to each; see docs/streaming.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable
+
+import torch
+
+from greenroom.config import MIB, OffloadConfig
+from greenroom.errors import GreenroomError
+from greenroom.optim.kernel import _bucket_adam_step, choose_implementation, new_step
+from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
+from greenroom.rankdir import RankDir
+
+# fp32 params up to this many elements keep their Adam state on the device (256 KiB per
+# moment): expert biases and A_log vectors are far below it, weight matrices far above.
+RESIDENT_NUMEL = 65_536
+_STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), or the tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t
+
+
+class StreamingAdam(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with its state streamed from per-bucket files.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        state_dir: the dir for the bucket files: a path, or a ``RankDir`` (its
+            ``optim/`` subdir is used; the files go when the rank dir does).
+        bucket_numel: elements per bucket (a larger param gets a bucket of its own).
+        moment_dtype: storage dtype of both moments, ``greenroom.config.MOMENT_DTYPES``.
+        chunk_mb: the pinned host staging of this optimizer's I/O, MiB.
+        resident_numel: fp32 params of at most this many elements stay resident.
+        fused, foreach: torch's AdamW implementation to use; default fused on CUDA,
+            foreach on the CPU. Bit-exactness holds against ``torch.optim.AdamW`` with
+            the same choice.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, state_dir: str | RankDir,
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, moment_dtype: str = "fp32", chunk_mb: int = 256,
+                 resident_numel: int = RESIDENT_NUMEL, fused: bool | None = None,
+                 foreach: bool | None = None) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"StreamingAdam: invalid lr {lr!r}: must be >= 0")
+        if not 0.0 <= eps:
+            raise ValueError(f"StreamingAdam: invalid eps {eps!r}: must be >= 0")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"StreamingAdam: invalid betas[{i}] {beta!r}: must be in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"StreamingAdam: invalid weight_decay {weight_decay!r}: must be >= 0")
+        if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, int) or chunk_mb <= 0:
+            raise ValueError(f"StreamingAdam: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
+        self._store: BucketStore | None = None
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if isinstance(state_dir, RankDir):
+            state_dir = state_dir.subdir("optim")
+        self.state_dir = str(state_dir)
+        self.resident_numel = resident_numel
+        self.streamed: list[torch.Tensor] = []  # the param of each store entry
+        self.resident: list[torch.Tensor] = []
+        entries = []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                local = local_tensor(p)
+                if p.dtype not in _STREAMED_DTYPES:
+                    raise ValueError(f"StreamingAdam: param {gi}.{pi} is {p.dtype}; streaming supports "
+                                     "fp32, bf16 and fp16 params")
+                if local.numel() == 0:
+                    continue  # an empty shard (FSDP2 on more ranks than rows) has no state
+                if p.dtype == torch.float32 and local.numel() <= resident_numel:
+                    self.resident.append(p)
+                    continue
+                entries.append(Entry(name=f"{gi}.{pi}", shape=tuple(local.shape), group=gi,
+                                     master=p.dtype != torch.float32))
+                self.streamed.append(p)
+        devices = {local_tensor(p).device for p in self.streamed + self.resident}
+        if len(devices) > 1:
+            raise ValueError(f"StreamingAdam: params are on several devices ({sorted(map(str, devices))}); "
+                             "one optimizer streams for one device")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.fused, self.foreach = choose_implementation(self.device, fused=fused, foreach=foreach)
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
+                                  device=self.device, chunk_bytes=chunk_mb * MIB)
+        self._grad_scratch: torch.Tensor | None = None
+        self.initialize_state()
+
+    @classmethod
+    def from_config(cls, params: Iterable, config: OffloadConfig, rank_dir: str | RankDir,
+                    **kwargs) -> "StreamingAdam":
+        """Build from the seed's flags: moment dtype and chunk size from ``config``;
+        ``kwargs`` are the AdamW hyperparameters (and ``bucket_numel`` etc.)."""
+        if not config.stream_optimizer_state_to_disk:
+            raise ValueError("StreamingAdam.from_config: the config does not set --stream-optimizer-state-to-disk")
+        return cls(params, state_dir=rank_dir, moment_dtype=config.stream_optimizer_state_moment_dtype,
+                   chunk_mb=config.offload_train_disk_chunk_mb, **kwargs)
+
+    # -- facts ------------------------------------------------------------------------
+    @property
+    def store(self) -> BucketStore:
+        assert self._store is not None, "StreamingAdam is closed"
+        return self._store
+
+    @property
+    def moment_dtype(self) -> str:
+        return self.store.moment_dtype
+
+    def param_key(self, p: torch.Tensor) -> str:
+        """``group.index`` of a param: how checkpoints name it."""
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return f"{gi}.{pi}"
+        raise KeyError("not a param of this optimizer")
+
+    # -- state ------------------------------------------------------------------------
+    def initialize_state(self) -> None:
+        """Fresh state: masters from the params, zero moments, no steps taken."""
+        self.state.clear()
+        self.store.initialize(lambda i: local_tensor(self.streamed[i]))
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._store is not None:
+            raise ValueError("StreamingAdam: add_param_group after construction is not supported (the bucket "
+                             "layout is fixed): pass every param group to the constructor")
+        super().add_param_group(param_group)
+
+    def state_dict(self):
+        raise GreenroomError("StreamingAdam.state_dict(): the streamed state lives in its bucket files and "
+                             "would be silently dropped; use save_checkpoint(path) / load_checkpoint(path)")
+
+    def load_state_dict(self, state_dict) -> None:
+        raise GreenroomError("StreamingAdam.load_state_dict(): the streamed state is restored with "
+                             "load_checkpoint(path) (written by save_checkpoint), not from a state dict")
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write the state to ``path`` (synchronously, atomically); see ``optim.checkpoint``."""
+        from greenroom.optim.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load_checkpoint(self, path: str, no_load_optim: bool = False) -> None:
+        """Restore the state saved at ``path``, verified first; see ``optim.checkpoint``."""
+        from greenroom.optim.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path, no_load_optim=no_load_optim)
+
+    # -- the step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_resident()
+        store = self.store
+        needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
+        for bucket_state in store.stream(needed):
+            self._step_bucket(bucket_state)
+        return loss
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = new_step(local_tensor(p).device, fused=self.fused)
+        return state
+
+    def _step_resident(self) -> None:
+        for group in self.param_groups:
+            params, grads, avgs, sqs, steps = [], [], [], [], []
+            members = {id(p) for p in group["params"]}
+            for p in self.resident:
+                if id(p) not in members or p.grad is None:
+                    continue
+                state = self._state_of(p)
+                local = local_tensor(p)
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+                params.append(local)
+                grads.append(local_tensor(p.grad))
+                avgs.append(state["exp_avg"])
+                sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            _bucket_adam_step(params, grads, avgs, sqs, steps, group=group, fused=self.fused, foreach=self.foreach)
+
+    def _step_bucket(self, bucket_state) -> None:
+        bucket = bucket_state.bucket
+        entries = self.store.entries
+        group = self.param_groups[entries[bucket.entries[0]].group]
+        masters = bucket_state.views(bucket_state.master) if bucket.master is not None else None
+        grad_views = bucket_state.views(self._grads_for(bucket.numel)) if masters is not None else None
+        avgs = bucket_state.views(bucket_state.exp_avg)
+        sqs = bucket_state.views(bucket_state.exp_avg_sq)
+        todo = []  # (list position, param) of the params with a grad
+        lists = ([], [], [], [], [])
+        for k, i in enumerate(bucket.entries):
+            p = self.streamed[i]
+            if p.grad is None:
+                continue
+            grad = local_tensor(p.grad)
+            if masters is None:
+                target = local_tensor(p)
+            else:
+                target = masters[k]
+                grad = grad_views[k].copy_(grad)  # fp32 grads for the fp32 master, on the device
+            todo.append((k, p))
+            for lst, t in zip(lists, (target, grad, avgs[k], sqs[k], self._state_of(p)["step"])):
+                lst.append(t)
+        _bucket_adam_step(*lists, group=group, fused=self.fused, foreach=self.foreach)
+        if masters is not None:
+            for k, p in todo:
+                local_tensor(p).copy_(masters[k])  # the new master, cast to the param's dtype
+
+    def _grads_for(self, numel: int) -> torch.Tensor:
+        if self._grad_scratch is None or self._grad_scratch.numel() < numel:
+            largest = max(b.numel for b in self.store.buckets if b.master is not None)
+            self._grad_scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
+        return self._grad_scratch[:numel]
+
+    # -- lifetime ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Drain I/O and release the files and device buffers (the files stay until the
+        rank dir goes)."""
+        if self._store is not None:
+            store, self._store = self._store, None
+            store.close()
+            self._grad_scratch = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_store", None) is not None:
+            self.close()  # the store's I/O threads would otherwise outlive it

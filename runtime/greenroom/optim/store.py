@@ -1,0 +1,363 @@
+"""The bucket store: streamed optimizer state in per-bucket files, one bucket on the device.
+
+This is the engine that ``StreamingAdam`` and the Megatron integration share. Public API::
+
+    entries = [Entry(name="w", shape=(4096, 4096), group=0, master=True), ...]
+    store = BucketStore(entries, directory, bucket_numel=200_000_000, moment_dtype="bf16",
+                        device=torch.device("cuda"), chunk_bytes=256 << 20)
+    store.initialize(lambda i: tensors[i])   # fill masters bucket by bucket, moments zero
+    for state in store.stream():             # or store.stream([indices of the buckets needed])
+        # state.bucket: the Bucket; state.master / exp_avg / exp_avg_sq: flat fp32 device
+        # tensors of the bucket (master is None for a bucket of fp32 params that are their
+        # own master); state.views(state.master) cuts one into per-entry views of the
+        # entries' shapes. Update them in place; the iterator writes them back when the
+        # loop asks for the next bucket.
+        ...
+    store.close()                            # drains I/O; the files stay (RankDir owns them)
+
+- ``Entry``: one tensor's worth of state (name, shape, param group, whether an fp32
+  master is stored). Buckets take consecutive entries of the same group and master kind
+  up to ``bucket_numel`` elements; an entry larger than the cap is its own bucket.
+- Each bucket is one preallocated file ``bucket-NNNNN.bin`` of 4 KiB-aligned segments
+  ``[master | exp_avg | exp_avg_sq]`` (no master segment when ``master`` is false); the
+  moment segments use the ``codecs`` of ``moment_dtype``. ``store.layout()`` describes it
+  all as JSON (the checkpoint manifest embeds it).
+- ``stream()`` keeps two device slots of one bucket file each: while the caller updates
+  bucket i in one, the read of bucket i+1 fills the other, and the write-back of bucket
+  i-1 drains before that read starts (both through the one ``TransferEngine``, whose
+  staging is the chunk). Peak device memory is two bucket files plus, for narrow
+  moments, one fp32 bucket of each moment: flat in the total state size.
+- ``initialize()`` is bounded the same way: one bucket is assembled on the device,
+  written to its final file, synced and its pages dropped before the next one starts;
+  no copy of the whole state ever exists on the device or the host.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from greenroom.diskio import StateFile, TransferEngine, align_up
+from greenroom.optim.codecs import moment_codecs
+
+DEFAULT_BUCKET_NUMEL = 200_000_000
+FILE_PATTERN = "bucket-{:05d}.bin"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Entry:
+    """One tensor whose optimizer state streams."""
+
+    name: str
+    """A stable name (the param's name, or ``group.index``): recorded in the layout."""
+
+    shape: tuple[int, ...]
+    """The (local shard's) shape; the state has this many elements."""
+
+    group: int = 0
+    """Param group index: a bucket never mixes groups (one lr and weight decay each)."""
+
+    master: bool = True
+    """Store an fp32 master copy (16-bit params); False when the fp32 param is its own."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """A 4 KiB-aligned range of a bucket file."""
+
+    offset: int
+    """Byte offset in the file (a multiple of 4096)."""
+
+    nbytes: int
+    """Bytes of data (the codec's size, before alignment)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bucket:
+    """Consecutive entries whose state lives in one file."""
+
+    index: int
+    """Position in the store; the file is ``FILE_PATTERN.format(index)``."""
+
+    entries: tuple[int, ...]
+    """Indices into the store's entries, in order."""
+
+    numel: int
+    """Total elements of the entries."""
+
+    master: Segment | None
+    """The fp32 master segment, or None for fp32 params that are their own master."""
+
+    exp_avg: Segment
+    """First moment."""
+
+    exp_avg_sq: Segment
+    """Second moment."""
+
+    file_bytes: int
+    """Size of the file (aligned)."""
+
+    offsets: tuple[int, ...] = field(default=())
+    """Element offset of each entry within the bucket's flat tensors."""
+
+
+@dataclass(eq=False, slots=True)
+class BucketState:
+    """One bucket's state on the device, as ``BucketStore.stream`` yields it."""
+
+    bucket: Bucket
+    master: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    _shapes: list[tuple[int, ...]]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-entry views of one of the bucket's flat tensors, in the entries' shapes."""
+        out = []
+        for start, shape in zip(self.bucket.offsets, self._shapes):
+            n = math.prod(shape)
+            out.append(flat[start:start + n].view(shape))
+        return out
+
+
+def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str) -> list[Bucket]:
+    """Group consecutive entries (same group and master kind) into buckets of at most
+    ``bucket_numel`` elements; an entry larger than the cap gets a bucket of its own."""
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel <= 0:
+        raise ValueError(f"bucket_numel must be a positive integer, got {bucket_numel!r}")
+    avg_codec, sq_codec = moment_codecs(moment_dtype)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_numel = 0
+    for i, entry in enumerate(entries):
+        if entry.numel == 0:
+            raise ValueError(f"entry {entry.name!r} has no elements: leave it out of the store")
+        same_kind = current and (entries[current[0]].group, entries[current[0]].master) == (entry.group, entry.master)
+        if current and (not same_kind or current_numel + entry.numel > bucket_numel):
+            groups.append(current)
+            current, current_numel = [], 0
+        current.append(i)
+        current_numel += entry.numel
+    if current:
+        groups.append(current)
+    buckets = []
+    for index, members in enumerate(groups):
+        offsets, numel = [], 0
+        for i in members:
+            offsets.append(numel)
+            numel += entries[i].numel
+        cursor = 0
+        master = None
+        if entries[members[0]].master:
+            master = Segment(offset=0, nbytes=numel * 4)
+            cursor = align_up(master.nbytes)
+        exp_avg = Segment(offset=cursor, nbytes=avg_codec.nbytes(numel))
+        cursor = align_up(cursor + exp_avg.nbytes)
+        exp_avg_sq = Segment(offset=cursor, nbytes=sq_codec.nbytes(numel))
+        cursor = align_up(cursor + exp_avg_sq.nbytes)
+        buckets.append(Bucket(index=index, entries=tuple(members), numel=numel, master=master,
+                              exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, file_bytes=cursor, offsets=tuple(offsets)))
+    return buckets
+
+
+class _Slot:
+    """A device buffer holding one bucket file's bytes, and the write still reading it."""
+
+    __slots__ = ("raw", "write")
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.write = None
+
+    def wait_write(self) -> None:
+        if self.write is not None:
+            write, self.write = self.write, None
+            write.wait()
+
+
+class BucketStore:
+    """Per-bucket state files for ``entries`` in ``directory``, streamed to ``device``.
+
+    Args:
+        entries: the tensors whose state streams, in order.
+        directory: where the bucket files go (``RankDir.subdir("optim")``); created files
+            are preallocated, and existing ones of the right size are reused in place.
+        bucket_numel: element cap per bucket.
+        moment_dtype: storage dtype of both moments (``greenroom.config.MOMENT_DTYPES``).
+        device: where the state is updated (the params' device).
+        chunk_bytes: staging host memory of the store's own ``TransferEngine``.
+        engine: share an existing engine instead (``chunk_bytes`` is then ignored).
+    """
+
+    def __init__(self, entries: Sequence[Entry], directory: str, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                 moment_dtype: str = "fp32", device: torch.device | str = "cpu", chunk_bytes: int = 256 << 20,
+                 engine: TransferEngine | None = None) -> None:
+        self.entries = list(entries)
+        self.directory = directory
+        self.bucket_numel = bucket_numel
+        self.moment_dtype = moment_dtype
+        self.device = torch.device(device)
+        self.avg_codec, self.sq_codec = moment_codecs(moment_dtype)
+        self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype)
+        self._own_engine = engine is None
+        self.engine = engine if engine is not None else TransferEngine(chunk_bytes)
+        self.files: list[StateFile] = []
+        try:
+            for bucket in self.buckets:
+                self.files.append(StateFile(self.path(bucket.index), bucket.file_bytes))
+        except BaseException:
+            self.close()
+            raise
+        self._slots: list[_Slot] = []
+        self._scratch: dict[str, torch.Tensor] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # -- facts ----------------------------------------------------------------------
+    def path(self, index: int) -> str:
+        return os.path.join(self.directory, FILE_PATTERN.format(index))
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of all bucket files (what one full step reads, and writes)."""
+        return sum(b.file_bytes for b in self.buckets)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max((b.file_bytes for b in self.buckets), default=0)
+
+    def layout(self) -> dict:
+        """The layout as JSON: what a checkpoint must match to be read back."""
+        return {
+            "bucket_numel": self.bucket_numel,
+            "moment_dtype": self.moment_dtype,
+            "master_dtype": "fp32",
+            "entries": [{"name": e.name, "shape": list(e.shape), "group": e.group, "master": e.master}
+                        for e in self.entries],
+            "buckets": [{"file": FILE_PATTERN.format(b.index), "entries": list(b.entries), "numel": b.numel,
+                         "file_bytes": b.file_bytes,
+                         "segments": {name: None if seg is None else [seg.offset, seg.nbytes]
+                                      for name, seg in (("master", b.master), ("exp_avg", b.exp_avg),
+                                                        ("exp_avg_sq", b.exp_avg_sq))}}
+                        for b in self.buckets],
+        }
+
+    # -- initialization -------------------------------------------------------------
+    def initialize(self, source: Callable[[int], torch.Tensor] | Sequence[torch.Tensor]) -> None:
+        """Fill every bucket: masters from ``source`` (entry index -> a tensor of the entry's
+        shape, any dtype and device, read one at a time), moments zero. Bounded: one
+        bucket at a time on the device, each file synced and its pages dropped."""
+        get = source if callable(source) else source.__getitem__
+        slot = self._slot(0)
+        for bucket, file in zip(self.buckets, self.files):
+            raw = slot.raw[:bucket.file_bytes]
+            raw.zero_()  # zero bytes decode to zero moments in every codec
+            if bucket.master is not None:
+                master = self._master_view(raw, bucket)
+                for i, start in zip(bucket.entries, bucket.offsets):
+                    n = self.entries[i].numel
+                    master[start:start + n].copy_(get(i).detach().reshape(-1))
+            self.engine.write(raw, file, 0).wait()
+            self.bytes_written += bucket.file_bytes
+            file.sync()
+
+    # -- the step -------------------------------------------------------------------
+    def stream(self, indices: Sequence[int] | None = None) -> Iterator[BucketState]:
+        """Yield the buckets ``indices`` (default all, in order) on the device, reading
+        ahead one and writing back behind; all writes are drained when it finishes."""
+        order = list(range(len(self.buckets))) if indices is None else list(indices)
+        if not order:
+            return
+        slots = [self._slot(0), self._slot(1)]
+        pending = self._submit_read(order[0], slots[0])
+        try:
+            for k, index in enumerate(order):
+                slot = slots[k % 2]
+                pending.wait()
+                if k + 1 < len(order):
+                    ahead = slots[(k + 1) % 2]
+                    ahead.wait_write()  # bucket k-1 leaves that slot before k+1 comes in
+                    pending = self._submit_read(order[k + 1], ahead)
+                state = self._decode(index, slot)
+                yield state
+                self._encode(state, slot)
+                slot.write = self.engine.write(slot.raw[:state.bucket.file_bytes], self.files[index], 0)
+                self.bytes_written += state.bucket.file_bytes
+        finally:
+            self.engine.drain()
+            for slot in slots:
+                slot.write = None
+
+    def _submit_read(self, index: int, slot: _Slot):
+        bucket = self.buckets[index]
+        self.bytes_read += bucket.file_bytes
+        return self.engine.read(slot.raw[:bucket.file_bytes], self.files[index], 0)
+
+    def _decode(self, index: int, slot: _Slot) -> BucketState:
+        bucket = self.buckets[index]
+        raw = slot.raw
+        master = self._master_view(raw, bucket) if bucket.master is not None else None
+        moments = []
+        for codec, seg, key in ((self.avg_codec, bucket.exp_avg, "exp_avg"),
+                                (self.sq_codec, bucket.exp_avg_sq, "exp_avg_sq")):
+            seg_raw = raw[seg.offset:seg.offset + seg.nbytes]
+            if codec.identity:
+                moments.append(codec.view(seg_raw, bucket.numel))
+            else:
+                work = self._scratch_tensor(key)[:bucket.numel]
+                codec.decode(seg_raw, work)
+                moments.append(work)
+        shapes = [self.entries[i].shape for i in bucket.entries]
+        return BucketState(bucket=bucket, master=master, exp_avg=moments[0], exp_avg_sq=moments[1], _shapes=shapes)
+
+    def _encode(self, state: BucketState, slot: _Slot) -> None:
+        bucket = state.bucket
+        for codec, seg, work in ((self.avg_codec, bucket.exp_avg, state.exp_avg),
+                                 (self.sq_codec, bucket.exp_avg_sq, state.exp_avg_sq)):
+            if not codec.identity:
+                codec.encode(work, slot.raw[seg.offset:seg.offset + seg.nbytes])
+
+    # -- buffers --------------------------------------------------------------------
+    @staticmethod
+    def _master_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        return raw[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.float32)
+
+    def _slot(self, i: int) -> _Slot:
+        while len(self._slots) <= i:
+            self._slots.append(_Slot(self.max_bucket_bytes, self.device))
+        return self._slots[i]
+
+    def _scratch_tensor(self, key: str) -> torch.Tensor:
+        if key not in self._scratch:
+            numel = max(b.numel for b in self.buckets)
+            self._scratch[key] = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return self._scratch[key]
+
+    def device_bytes(self) -> int:
+        """Device memory the store holds now (slots and scratch)."""
+        return sum(s.raw.numel() for s in self._slots) + sum(t.numel() * 4 for t in self._scratch.values())
+
+    def close(self) -> None:
+        """Drain I/O, close the files (they stay on disk) and free the device buffers."""
+        try:
+            if self._own_engine:
+                self.engine.close()
+            else:
+                self.engine.drain()
+        finally:
+            for f in self.files:
+                f.close()
+            self._slots.clear()
+            self._scratch.clear()
+
+
+__all__ = ["Bucket", "BucketState", "BucketStore", "DEFAULT_BUCKET_NUMEL", "Entry", "FILE_PATTERN", "Segment",
+           "build_buckets"]
