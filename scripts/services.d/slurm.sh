@@ -44,6 +44,10 @@ ReturnToService=2
 MailProg=/bin/true
 KillWait=10
 MinJobAge=3600
+# A requeued job waits out its credential lifetime (default 120 s) before it may start
+# again, and the periodic scheduler runs every 60 s: shorten both for the requeue test.
+AuthInfo=cred_expire=10
+SchedulerParameters=sched_interval=2
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid

@@ -29,7 +29,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    script = render(config, source=args.config)
+    try:
+        script = render(config, source=args.config)
+    except ValueError as e:  # a missing or broken template: name the config that chose it
+        raise ValueError(f"{args.config}: {e}") from None
     if args.slurm_command == "render":
         if args.output:
             sbatch.write_script(args.output, script)

