@@ -1,0 +1,327 @@
+"""Checkpoints of the streamed state: a manifest, the bucket files, and the small resident state.
+
+A checkpoint is a directory::
+
+    manifest.json      format version, dtypes, bucket layout, topology, steps, checksums
+    bucket-NNNNN.bin   byte copies of the live bucket files
+    resident.pt        step counters and the resident (tiny fp32) params' moments
+
+``save_checkpoint`` is synchronous (the step cannot overwrite a bucket while it is being
+copied) and atomic: everything goes into ``<path>.tmp-<pid>``, which is fsynced and
+then swapped with ``<path>`` (``renameat2(RENAME_EXCHANGE)`` where the kernel has it), so
+an interrupted save leaves the previous checkpoint as it was. Bytes move with
+``copy_file_range``, which reflinks on filesystems that can (XFS, btrfs) and copies inside
+the kernel elsewhere. Each 64 MiB piece is read once to take its CRC-32 and then copied
+from the page cache, so the disk reads each byte once; both files' pages are dropped
+piece by piece, so the copy does not grow the page cache either.
+
+``load_checkpoint`` checks everything before it reads a byte of state, in this order:
+the manifest exists (else the checkpoint predates streaming: refused unless
+``no_load_optim``), the dtypes, the topology, the layout, the file sizes and every
+checksum. Only then are the files copied into the live ones.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import glob
+import json
+import os
+import shutil
+import warnings
+import zlib
+
+import torch
+
+from greenroom.errors import CheckpointError
+from greenroom.optim.adam import local_tensor
+from greenroom.rankdir import write_json_atomic
+
+MANIFEST = "manifest.json"
+RESIDENT = "resident.pt"
+FORMAT = "greenroom-streamed-adam"
+VERSION = 1
+PIECE = 64 << 20
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+# -- what the checkpoint records ------------------------------------------------------
+def topology(opt) -> dict:
+    """World size, rank, and the shard identity of every DTensor (FSDP2) param."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    shards = {}
+    for p in opt.streamed + opt.resident:
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            shards[opt.param_key(p)] = {"global_shape": list(p.shape),
+                                        "placements": [str(pl) for pl in p.placements],
+                                        "mesh": mesh.mesh.flatten().tolist(),
+                                        "coordinate": mesh.get_coordinate()}
+    return {"world_size": dist.get_world_size() if initialized else 1,
+            "rank": dist.get_rank() if initialized else 0, "shards": shards}
+
+
+def _hyperparameters(opt) -> list[dict]:
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+            for g in opt.param_groups]
+
+
+def _resident_state(opt) -> dict:
+    steps, moments = {}, {}
+    for p, state in opt.state.items():
+        key = opt.param_key(p)
+        steps[key] = state["step"].detach().cpu()
+        if "exp_avg" in state:
+            moments[key] = {"exp_avg": state["exp_avg"].detach().cpu(),
+                            "exp_avg_sq": state["exp_avg_sq"].detach().cpu()}
+    return {"steps": steps, "moments": moments}
+
+
+# -- save ------------------------------------------------------------------------------
+def save_checkpoint(opt, path: str) -> None:
+    """Write ``opt``'s whole state to the directory ``path``, replacing it atomically."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    for stale in glob.glob(glob.escape(path) + ".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted save
+    tmp = f"{path}.tmp-{os.getpid()}"
+    os.makedirs(tmp, mode=0o700)
+    try:
+        store = opt.store
+        store.engine.drain()
+        files = {}
+        for bucket in store.buckets:
+            name = os.path.basename(store.path(bucket.index))
+            files[name] = {"bytes": bucket.file_bytes,
+                           "crc32": copy_file(store.path(bucket.index), os.path.join(tmp, name), bucket.file_bytes)}
+        resident = _resident_state(opt)
+        torch.save(resident, os.path.join(tmp, RESIDENT))
+        size = os.path.getsize(os.path.join(tmp, RESIDENT))
+        files[RESIDENT] = {"bytes": size, "crc32": file_crc32(os.path.join(tmp, RESIDENT), size)}
+        manifest = {"format": FORMAT, "version": VERSION, "master_dtype": "fp32",
+                    "moment_dtype": store.moment_dtype, "layout": store.layout(), "topology": topology(opt),
+                    "param_groups": _hyperparameters(opt),
+                    "steps": {k: float(v) for k, v in resident["steps"].items()}, "files": files}
+        write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+        _fsync_dir(tmp)
+        _swap_into_place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_into_place(tmp: str, path: str) -> None:
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif _exchange(tmp, path):
+        shutil.rmtree(tmp)  # now the previous checkpoint
+    else:
+        # No RENAME_EXCHANGE: a crash between the two renames leaves <path>.old-<pid>.
+        old = f"{path}.old-{os.getpid()}"
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _exchange(a: str, b: str) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- byte movement ---------------------------------------------------------------------
+def copy_file(src: str, dst: str, size: int) -> str:
+    """Copy ``size`` bytes of ``src`` over ``dst`` (created or overwritten in place);
+    returns the CRC-32 of the bytes as 8 hex digits. Pages are dropped as it goes."""
+    crc = 0
+    buf = bytearray(min(PIECE, max(size, 1)))
+    src_fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(dst_fd, size)
+            kernel_copy = hasattr(os, "copy_file_range")
+            for off in range(0, size, PIECE):
+                n = min(PIECE, size - off)
+                view = memoryview(buf)[:n]
+                _read_exact(src_fd, view, off, src)
+                if kernel_copy:
+                    kernel_copy = _copy_range(src_fd, dst_fd, n, off)
+                if not kernel_copy:
+                    _write_exact(dst_fd, view, off)
+                crc = zlib.crc32(view, crc)
+                os.fdatasync(dst_fd)
+                for fd in (src_fd, dst_fd):
+                    os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+    return f"{crc:08x}"
+
+
+def _copy_range(src_fd: int, dst_fd: int, n: int, off: int) -> bool:
+    """copy_file_range of one piece; False when the filesystem cannot (then we write)."""
+    done = 0
+    try:
+        while done < n:
+            moved = os.copy_file_range(src_fd, dst_fd, n - done, off + done, off + done)
+            if moved == 0:
+                return False
+            done += moved
+    except OSError as e:
+        if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL) and done == 0:
+            return False
+        raise
+    return True
+
+
+def _write_exact(fd: int, view: memoryview, off: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], off + done)
+
+
+def _read_exact(fd: int, view: memoryview, off: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], off + done)
+        if n == 0:
+            raise CheckpointError(f"{path}: ends at byte {off + done}, expected {len(view) - done} more (truncated)")
+        done += n
+
+
+def file_crc32(path: str, size: int) -> str:
+    """CRC-32 of the first ``size`` bytes of ``path`` (8 hex digits), pages dropped."""
+    crc = 0
+    buf = bytearray(min(PIECE, max(size, 1)))
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for off in range(0, size, PIECE):
+            view = memoryview(buf)[:min(PIECE, size - off)]
+            _read_exact(fd, view, off, path)
+            crc = zlib.crc32(view, crc)
+            os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return f"{crc:08x}"
+
+
+# -- load ------------------------------------------------------------------------------
+def load_checkpoint(opt, path: str, *, no_load_optim: bool = False) -> None:
+    """Restore ``opt`` from ``path`` after verifying it matches; see the module docstring."""
+    if no_load_optim:
+        warnings.warn(f"no_load_optim: not loading the optimizer state from {path}; starting a fresh "
+                      "optimizer state (masters from the current params, zero moments, step 0)", stacklevel=3)
+        opt.initialize_state()
+        return
+    manifest = read_manifest(path)
+    verify(opt, path, manifest)
+    store = opt.store
+    for bucket in store.buckets:
+        name = os.path.basename(store.path(bucket.index))
+        copy_file(os.path.join(path, name), store.path(bucket.index), bucket.file_bytes)
+    resident = torch.load(os.path.join(path, RESIDENT), weights_only=True)
+    params = {opt.param_key(p): p for g in opt.param_groups for p in g["params"]}
+    opt.state.clear()
+    for key, step in resident["steps"].items():
+        p = params[key]
+        state = opt._state_of(p)
+        state["step"].copy_(step)
+        if key in resident["moments"]:
+            local = local_tensor(p)
+            state["exp_avg"] = resident["moments"][key]["exp_avg"].to(local.device)
+            state["exp_avg_sq"] = resident["moments"][key]["exp_avg_sq"].to(local.device)
+    for group, saved in zip(opt.param_groups, manifest["param_groups"]):
+        for k, v in saved.items():
+            group[k] = tuple(v) if isinstance(v, list) else v
+
+
+def read_manifest(path: str) -> dict:
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(
+            f"{path}: no streamed optimizer state ({MANIFEST} missing: written before streaming was enabled, "
+            "or not a StreamingAdam checkpoint); pass no_load_optim=True (--no-load-optim) to accept a fresh "
+            "optimizer state")
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{manifest_path}: not valid JSON ({e}); the checkpoint is damaged") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r} version "
+                              f"{manifest.get('version')!r}, this greenroom reads {FORMAT!r} version {VERSION}")
+    return manifest
+
+
+def verify(opt, path: str, manifest: dict) -> None:
+    """Raise ``CheckpointError`` naming the first thing in which ``path`` differs from ``opt``."""
+    store = opt.store
+    for key, ours in (("master_dtype", "fp32"), ("moment_dtype", store.moment_dtype)):
+        if manifest[key] != ours:
+            raise CheckpointError(
+                f"{path}: written with {key.replace('_', ' ')} {manifest[key]}, this run uses {ours}; bytes "
+                f"written as {manifest[key]} cannot be read as {ours}: resume with "
+                f"--stream-optimizer-state-moment-dtype {manifest[key]} (or pass --no-load-optim)")
+    _verify_topology(path, manifest["topology"], topology(opt))
+    _verify_layout(path, manifest["layout"], store.layout())
+    for name, meta in manifest["files"].items():
+        file_path = os.path.join(path, name)
+        if not os.path.isfile(file_path):
+            raise CheckpointError(f"{path}: {name} is missing; the checkpoint is incomplete")
+        actual = os.path.getsize(file_path)
+        if actual != meta["bytes"]:
+            raise CheckpointError(f"{file_path}: {actual} bytes, the manifest says {meta['bytes']} (truncated?)")
+        crc = file_crc32(file_path, meta["bytes"])
+        if crc != meta["crc32"]:
+            raise CheckpointError(f"{file_path}: checksum {crc} does not match the manifest's {meta['crc32']}; "
+                                  "the file is corrupt: restore it or load an older checkpoint")
+
+
+def _verify_topology(path: str, saved: dict, ours: dict) -> None:
+    for key in ("world_size", "rank"):
+        if saved[key] != ours[key]:
+            raise CheckpointError(f"{path}: saved with {key.replace('_', ' ')} {saved[key]}, this run has "
+                                  f"{ours[key]}; resume is same-topology only (the files hold one rank's shard)")
+    for name in sorted(set(saved["shards"]) | set(ours["shards"])):
+        a, b = saved["shards"].get(name), ours["shards"].get(name)
+        if a != b:
+            raise CheckpointError(f"{path}: param {name} was sharded as {a}, this run shards it as {b}; resume is "
+                                  "same-topology only")
+
+
+def _verify_layout(path: str, saved: dict, ours: dict) -> None:
+    if saved["bucket_numel"] != ours["bucket_numel"]:
+        raise CheckpointError(f"{path}: layout differs: saved with bucket_numel {saved['bucket_numel']}, this run "
+                              f"has {ours['bucket_numel']}; use the same bucket_numel")
+    if len(saved["entries"]) != len(ours["entries"]):
+        raise CheckpointError(f"{path}: layout differs: {len(saved['entries'])} streamed params saved, this run "
+                              f"has {len(ours['entries'])}")
+    for a, b in zip(saved["entries"], ours["entries"]):
+        if a != b:
+            raise CheckpointError(f"{path}: layout differs at param {a['name']}: saved {a}, this run has {b}")
+    if saved["buckets"] != ours["buckets"]:
+        raise CheckpointError(f"{path}: layout differs: the bucket files do not match this run's buckets")
