@@ -126,3 +126,11 @@ def test_construction_outside_the_block_says_how():
 def test_bucket_numel_must_be_a_positive_integer(disk_dir, bad):
     with pytest.raises(ValueError, match="bucket_numel must be a positive integer"):
         StreamingSettings(config=_offload(disk_dir), rank_dir=None, bucket_numel=bad)
+
+
+def test_an_inner_optimizer_other_than_torch_adam_is_refused():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(ValueError, match="supports torch's Adam/AdamW, the DistributedOptimizer wraps torch.optim.sgd.SGD"):
+        checks.check_inner_optimizer(sgd)
+    checks.check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]))
+    checks.check_inner_optimizer(None)

@@ -83,14 +83,20 @@ def check_optimizer(optimizer) -> None:
         check_optimizer_config(member.config)
         if getattr(member, "ddp_config", None) is not None:
             check_ddp_config(member.ddp_config)
-        inner = getattr(member, "optimizer", None)
-        if inner is not None and not _is_adam(inner):
-            raise ValueError(f"optimizer streaming supports Adam only, the DistributedOptimizer wraps "
-                             f"{type(inner).__name__}: use --optimizer adam")
+        check_inner_optimizer(getattr(member, "optimizer", None))
 
 
-def _is_adam(inner) -> bool:
+def check_inner_optimizer(inner) -> None:
+    """Refuse an inner optimizer other than torch's Adam/AdamW (None: a stub, accepted).
+
+    The streamed update calls torch's AdamW functional with the inner optimizer's
+    settings, so it is bit-identical to torch's Adam; megatron picks TE's or Apex's
+    FusedAdam when they are installed, whose arithmetic and state layout differ.
+    """
     import torch
 
-    # TE's and Apex's FusedAdam carry their own name; torch's Adam/AdamW are the fallback.
-    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or type(inner).__name__ == "FusedAdam"
+    if inner is None or isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    raise ValueError(f"optimizer streaming supports torch's Adam/AdamW, the DistributedOptimizer wraps "
+                     f"{type(inner).__module__}.{type(inner).__name__}: use --optimizer adam without "
+                     "Transformer Engine's or Apex's FusedAdam")

@@ -45,16 +45,24 @@ class ShardEntry:
         return out
 
 
-def float16_shard_entries(optimizer) -> list[ShardEntry]:
-    """The streamed shards of a built (or building) DistributedOptimizer, in order."""
-    names = _param_names(optimizer.model_chunks)
+def plan_entries(gbuf_ranges, param_gbuf_map, opt_group_ranges, model_chunks) -> list[ShardEntry]:
+    """The streamed shards, from the ranges megatron computes before it builds any main
+    shard (``gbuf_ranges``, ``param_gbuf_map``, ``opt_group_ranges``), in its order."""
+    import torch
+
+    names = _param_names(model_chunks)
     entries = []
-    for group, params in enumerate(optimizer.model_float16_groups):
-        for index, model_param in enumerate(params):
-            shard = optimizer._get_model_param_range_map(model_param)["param"]
-            entries.append(ShardEntry(name=names.get(model_param, f"param{group}.{index}"), group=group,
+    for group, group_range in enumerate(opt_group_ranges):
+        index = 0
+        for model_param in group_range["params"]:
+            if model_param.dtype not in (torch.float16, torch.bfloat16):
+                continue  # native fp32: resident, not streamed
+            gbuf_index, dtype, bucket_index = param_gbuf_map[model_param]
+            shard = gbuf_ranges[gbuf_index][dtype][bucket_index]["param_map"][model_param]["param"]
+            entries.append(ShardEntry(name=names.get(model_param, f"group{group}.param{index}"), group=group,
                                       index=index, shape=tuple(model_param.shape), start=shard.start,
                                       numel=shard.size))
+            index += 1
     return entries
 
 
@@ -124,11 +132,12 @@ def current_topology(data_parallel_group=None) -> Topology:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    initialised = ps.model_parallel_is_initialized()
+
     def query(size_fn: str, rank_fn: str) -> tuple[int, int]:
-        try:
-            return int(getattr(ps, size_fn)()), int(getattr(ps, rank_fn)())
-        except (AssertionError, AttributeError, RuntimeError):
-            return 1, 0  # model parallel not initialised (a single-process test)
+        if not initialised:
+            return 1, 0  # a single process without megatron's groups
+        return int(getattr(ps, size_fn)()), int(getattr(ps, rank_fn)())
 
     tp, tp_rank = query("get_tensor_model_parallel_world_size", "get_tensor_model_parallel_rank")
     pp, pp_rank = query("get_pipeline_model_parallel_world_size", "get_pipeline_model_parallel_rank")

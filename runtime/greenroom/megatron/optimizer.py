@@ -34,11 +34,14 @@ from dataclasses import dataclass
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from torch.optim.optimizer import _default_to_fused_or_foreach
+
 from greenroom.config import OffloadConfig
 from greenroom.errors import CheckpointError
 from greenroom.megatron import checks
-from greenroom.megatron.layout import ShardEntry, Topology, current_topology
-from greenroom.megatron.store import ShardStore
+from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
+from greenroom.optim import kernel
+from greenroom.optim.store import BucketStore, Entry
 
 DEFAULT_BUCKET_NUMEL = 200_000_000
 # sharded_state_dict's marker for "param state lives in greenroom's files".
@@ -72,7 +75,8 @@ _BUILDING: contextvars.ContextVar = contextvars.ContextVar("greenroom_megatron_b
 class _Building:
     settings: StreamingSettings
     model_chunks: list
-    store: ShardStore | None = None
+    entries: list | None = None
+    store: BucketStore | None = None
 
 
 class StreamingDistributedOptimizer(DistributedOptimizer):
@@ -89,6 +93,7 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[4]
         checks.check_optimizer_config(config)
         checks.check_ddp_config(model_chunks[0].ddp_config)
+        checks.check_inner_optimizer(kwargs["optimizer"] if "optimizer" in kwargs else args[0])
         building = _Building(settings=settings, model_chunks=model_chunks)
         token = _BUILDING.set(building)
         try:
@@ -102,11 +107,12 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         if self.is_stub_optimizer:
             self._greenroom = None
             return
-        checks.check_optimizer(self)
-        store = building.store
-        self._greenroom = store
+        self._greenroom = building.store
+        self.shard_entries: list[ShardEntry] = building.entries
+        self.streamed_steps = 0
+        self.settings = settings
+        self.topology: Topology = current_topology(self.data_parallel_group)
         self._resident = _resident_adam(self.optimizer, self.shard_fp32_groups)
-        store.bind(topology=current_topology(self.data_parallel_group))
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -115,29 +121,35 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         if building is None:
             return super()._build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map, opt_group_ranges,
                                                              config)
-        entries = _planned_entries(gbuf_ranges, param_gbuf_map, opt_group_ranges, building.model_chunks)
-        building.store = ShardStore.create(entries, building.settings)
-        result = tuple([] for _ in range(5))
-        streamed = 0
-        for group_range in opt_group_ranges:
-            per_group = tuple([] for _ in range(5))
-            for model_param in group_range["params"]:
-                # Megatron's own builder on a group of one: its main shard is the only
-                # fp32 copy on the device until it is written out below.
-                one = [{"params": [model_param], "orig_group": {"params": []},
-                        "orig_group_idx": group_range.get("orig_group_idx")}]
-                built = super()._build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map, one, config)
-                for acc, lists in zip(per_group, built):
-                    acc.extend(lists[0])
-                for main in built[4][0]:
-                    building.store.fill_master(streamed, main)
-                    main.untyped_storage().resize_(0)
-                    streamed += 1
-            for acc, lists in zip(result, per_group):
-                acc.append(lists)
+        entries = plan_entries(gbuf_ranges, param_gbuf_map, opt_group_ranges, building.model_chunks)
+        settings = building.settings
+        device = torch.device("cuda", torch.cuda.current_device())
+        building.entries = entries
+        building.store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
+                                     settings.rank_dir.subdir("optim"), bucket_numel=settings.bucket_numel,
+                                     moment_dtype=settings.config.stream_optimizer_state_moment_dtype,
+                                     device=device, chunk_bytes=settings.config.chunk_bytes)
+        result = tuple([[] for _ in opt_group_ranges] for _ in range(5))
+        mains = _one_at_a_time(super()._build_model_and_main_param_groups, gbuf_ranges, param_gbuf_map,
+                               opt_group_ranges, config, result)
+        previous = []
+
+        def next_main(i: int) -> torch.Tensor:
+            # The engine copies main i into its bucket before asking for i + 1, on the
+            # same stream, so main i - 1's memory can go back to the allocator now.
+            for main in previous:
+                main.untyped_storage().resize_(0)
+            previous[:] = [next(mains)]
+            return previous[0]
+
+        building.store.initialize(next_main)
+        for main in previous:
+            main.untyped_storage().resize_(0)
+        for _ in mains:  # native-fp32 params after the last 16-bit one
+            raise AssertionError("a 16-bit param was not planned as an entry")
+        for group_range, fp32_shards, mains_of_group in zip(opt_group_ranges, result[3], result[4]):
             # The order megatron gives the inner optimizer: fp32 shards, then the mains.
-            group_range["orig_group"]["params"] = [*per_group[3], *per_group[4]]
-        building.store.finish_fill()
+            group_range["orig_group"]["params"] = [*fp32_shards, *mains_of_group]
         return result
 
     # -- the step -----------------------------------------------------------------
@@ -159,8 +171,46 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         _sync_hyperparams(inner, self._resident)
         if self._resident is not None:
             self._resident.step()
-        self._greenroom.step(groups=inner.param_groups, mains=self.shard_fp32_from_float16_groups,
-                             write_model=self._model_shard_for, defaults=inner.defaults)
+        mains = [main for group in self.shard_fp32_from_float16_groups for main in group]
+        fused, foreach = _implementation(inner, mains)
+        count = self.streamed_steps
+        for state in self._greenroom.stream():
+            members = state.bucket.entries
+            group = inner.param_groups[self.shard_entries[members[0]].group]
+            grads = [self._main(i).grad for i in members]
+            # Each streamed shard has had the same number of steps (megatron gives every
+            # main a grad each step); torch counts per param, so one counter each.
+            steps = [kernel.new_step(state.master.device, fused=fused) + count for _ in members]
+            masters = state.views(state.master)
+            kernel._bucket_adam_step(masters, grads, state.views(state.exp_avg), state.views(state.exp_avg_sq),
+                                     steps, group=group, fused=fused, foreach=foreach)
+            for i, master in zip(members, masters):
+                entry = self.shard_entries[i]
+                self._model_shard_for(entry.group, entry.index).copy_(master)
+        self.streamed_steps = count + 1
+
+    def reset_state(self) -> None:
+        """A fresh optimizer state: fp32 mains from the current 16-bit weights (bucket by
+        bucket, as at construction), zero moments, no steps taken."""
+        entries = self.shard_entries
+        self._greenroom.initialize(lambda i: self._model_shard_for(entries[i].group, entries[i].index))
+        if self._resident is not None:
+            self._resident.state.clear()
+        self.streamed_steps = 0
+
+    def _main(self, i: int) -> torch.Tensor:
+        entry = self.shard_entries[i]
+        return self.shard_fp32_from_float16_groups[entry.group][entry.index]
+
+    def streamed_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Entry ``i``'s fp32 main, exp_avg and exp_avg_sq, decoded, on the host (for tests
+        and inspection: it reads the entry's whole bucket)."""
+        bucket = next(b for b in self._greenroom.buckets if i in b.entries)
+        for state in self._greenroom.stream([bucket.index]):
+            k = bucket.entries.index(i)
+            return tuple(state.views(t)[k].detach().cpu().clone()
+                         for t in (state.master, state.exp_avg, state.exp_avg_sq))
+        raise AssertionError
 
     def _model_shard_for(self, group: int, index: int) -> torch.Tensor:
         """The slice of the 16-bit param buffer that main shard (group, index) feeds."""
@@ -192,7 +242,7 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         for group in inner.param_groups:
             groups.append({k: v for k, v in group.items() if k != "params"})
         state = {"optimizer": {"param_groups": groups},
-                 "greenroom": {"streamed": True, "steps": self._greenroom.step_count,
+                 "greenroom": {"streamed": True, "steps": self.streamed_steps,
                                "resident": self._resident.state_dict() if self._resident else None}}
         if self.grad_scaler:
             state["grad_scaler"] = self.grad_scaler.state_dict()
@@ -229,7 +279,7 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
 
     # -- lifetime -----------------------------------------------------------------
     @property
-    def streamed_store(self) -> ShardStore:
+    def streamed_store(self) -> BucketStore:
         return self._greenroom
 
     def close(self) -> None:
@@ -254,25 +304,26 @@ class _AlreadyStepped:
         return getattr(self._inner, name)
 
 
-def _planned_entries(gbuf_ranges, param_gbuf_map, opt_group_ranges, model_chunks) -> list[ShardEntry]:
-    names = {}
-    for chunk_index, chunk in enumerate(model_chunks):
-        prefix = f"chunk{chunk_index}." if len(model_chunks) > 1 else ""
-        for name, param in chunk.named_parameters():
-            names.setdefault(param, prefix + name)
-    entries = []
-    for group, group_range in enumerate(opt_group_ranges):
-        index = 0
+def _one_at_a_time(build, gbuf_ranges, param_gbuf_map, opt_group_ranges, config, result):
+    """Run megatron's builder on one param at a time, collecting its five group lists into
+    ``result``; yields each 16-bit param's new fp32 main shard as soon as it exists."""
+    for g, group_range in enumerate(opt_group_ranges):
         for model_param in group_range["params"]:
-            if model_param.dtype not in (torch.float16, torch.bfloat16):
-                continue
-            gbuf_index, dtype, bucket_index = param_gbuf_map[model_param]
-            shard = gbuf_ranges[gbuf_index][dtype][bucket_index]["param_map"][model_param]["param"]
-            entries.append(ShardEntry(name=names.get(model_param, f"group{group}.param{index}"), group=group,
-                                      index=index, shape=tuple(model_param.shape), start=shard.start,
-                                      numel=shard.size))
-            index += 1
-    return entries
+            one = [{"params": [model_param], "orig_group": {"params": []},
+                    "orig_group_idx": group_range.get("orig_group_idx")}]
+            built = build(gbuf_ranges, param_gbuf_map, one, config)
+            for acc, lists in zip(result, built):
+                acc[g].extend(lists[0])
+            yield from built[4][0]
+
+
+def _implementation(inner, params) -> tuple[bool, bool]:
+    """(fused, foreach) as the inner torch optimizer resolves them for these params."""
+    fused, foreach = inner.defaults.get("fused"), inner.defaults.get("foreach")
+    if fused is None and foreach is None:
+        # torch's own default: foreach on CUDA; fused only when asked for.
+        fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+    return bool(fused), bool(foreach)
 
 
 def _resident_adam(inner, shard_fp32_groups):

@@ -1,0 +1,150 @@
+"""Peak HBM and timing of megatron's DistributedOptimizer with and without streaming.
+
+    python -m greenroom.megatron.bench --mode stock|stream --hidden 2048 --layers 16 \
+        --dir /root/gr --steps 2 [--offload] [--json]
+
+One mode per process, so each starts from an empty CUDA allocator. Prints the peak HBM
+while the optimizer is built (above what the model and its DDP buffers hold), the peak
+HBM during ``optimizer.step()`` (absolute, and above what was allocated when it began),
+step seconds, and with ``--offload`` the actor's sleep/wake seconds to disk through
+``greenroom.actor`` (portable backend) with the optimizer's resident state tracked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from greenroom import config as gconfig
+from greenroom.megatron import demo
+
+GIB = 1 << 30
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=("stock", "stream"), required=True)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--dir", required=True, help="disk dir for the bucket files and the offload files")
+    parser.add_argument("--moment-dtype", default="fp32", choices=gconfig.MOMENT_DTYPES)
+    parser.add_argument("--offload", action="store_true", help="also time a sleep/wake cycle to disk")
+    parser.add_argument("--json", action="store_true")
+
+
+def _gib(n: int) -> float:
+    return round(n / GIB, 3)
+
+
+def run(args) -> int:
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from greenroom.megatron import streaming, streaming_members
+    from greenroom.rankdir import RankDir
+
+    demo.init_single_gpu()
+    size = demo.ModelSize(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
+                          seq=args.seq, batch=1)
+    offload = gconfig.OffloadConfig(offload_train=args.offload, offload_train_target="disk" if args.offload else None,
+                                    offload_train_disk_dir=args.dir,
+                                    stream_optimizer_state_to_disk=args.mode == "stream",
+                                    stream_optimizer_state_moment_dtype=args.moment_dtype)
+    with RankDir(args.dir, role=f"bench-{args.mode}") as rank_dir:
+        model = demo.build_model(size)
+        params = sum(p.numel() for p in model.parameters())
+        torch.cuda.synchronize()
+        before_init = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        if args.mode == "stream":
+            with streaming(offload, rank_dir):
+                optimizer = get_megatron_optimizer(demo.optimizer_config(), [model])
+        else:
+            optimizer = get_megatron_optimizer(demo.optimizer_config(), [model])
+        torch.cuda.synchronize()
+        init_seconds = time.perf_counter() - t0
+        result = {"mode": args.mode, "params": params, "moment_dtype": args.moment_dtype,
+                  "init_seconds": round(init_seconds, 3),
+                  "init_peak_above_model_gib": _gib(torch.cuda.max_memory_allocated() - before_init),
+                  "after_init_above_model_gib": _gib(torch.cuda.memory_allocated() - before_init)}
+        if args.mode == "stream":
+            member = streaming_members(optimizer)[0]
+            result["largest_shard_fp32_gib"] = _gib(4 * max(e.numel for e in member.shard_entries))
+            result["buckets"] = len(member.streamed_store.buckets)
+            result["bucket_file_gib"] = _gib(member.streamed_store.max_bucket_bytes)
+        steps = []
+        for step in range(args.steps):
+            # A hook times the optimizer step alone, after forward and backward.
+            steps.append(_timed_step(model, optimizer, size, step))
+        result["step_seconds"] = [s["seconds"] for s in steps]
+        result["step_peak_gib"] = max(s["peak"] for s in steps)
+        result["step_peak_above_start_gib"] = max(s["above"] for s in steps)
+        result["allocated_at_step_start_gib"] = steps[-1]["start"]
+        if args.offload:
+            result.update(_sleep_wake(offload, rank_dir, model, optimizer, args.mode))
+    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    return 0
+
+
+def _timed_step(model, optimizer, size, step) -> dict:
+    real_step = optimizer.step
+    record = {}
+
+    def timed():
+        torch.cuda.synchronize()
+        record["start"] = _gib(torch.cuda.memory_allocated())
+        start_bytes = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = real_step()
+        torch.cuda.synchronize()
+        record["seconds"] = round(time.perf_counter() - t0, 3)
+        record["peak"] = _gib(torch.cuda.max_memory_allocated())
+        record["above"] = _gib(torch.cuda.max_memory_allocated() - start_bytes)
+        return out
+
+    optimizer.step = timed
+    try:
+        demo.train_step(model, optimizer, size, step)
+    finally:
+        del optimizer.step
+    return record
+
+
+def _sleep_wake(offload, rank_dir, model, optimizer, mode) -> dict:
+    from greenroom.actor import build_offloader
+
+    sources = [model, [b.grad_data for b in model.buffers]]
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if mode == "stream":
+            if member._resident is not None:
+                sources.append(member._resident)
+        else:
+            sources.append(member.optimizer)
+            sources.append([m for group in member.shard_fp32_from_float16_groups for m in group])
+    offloader = build_offloader(offload, rank_dir, device="cuda", backend="portable")
+    offloader.track(*sources)
+    tracked_bytes = offloader.resident_bytes()
+    sleep = offloader.sleep()
+    asleep_allocated = torch.cuda.memory_allocated()
+    wake = offloader.wake()
+    offloader.close()
+    return {"offload_bytes_gib": _gib(tracked_bytes), "sleep_seconds": round(sleep.seconds, 3),
+            "wake_seconds": round(wake.seconds, 3), "allocated_asleep_gib": _gib(asleep_allocated)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m greenroom.megatron.bench", description=__doc__.splitlines()[0])
+    configure_parser(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The streamed state of a megatron-core checkpoint, written beside megatron's own files.
+
+megatron's checkpoint flow (``dist_checkpointing.save`` of the model's and the
+optimizer's ``sharded_state_dict``) carries the optimizer's small state: param groups,
+the step, the grad scaler, the resident fp32 Adam. The bucket files are not tensors
+megatron knows, so ``save_checkpoint`` copies them beside it, synchronously (the next
+step would overwrite a bucket still being copied; call it outside async save, after
+megatron's save has been scheduled)::
+
+    <checkpoint>/greenroom_optim/opt<K>.rank<NNNNN>/                 greenroom.optim's checkpoint
+    <checkpoint>/greenroom_optim/opt<K>.rank<NNNNN>.megatron.json    topology and DP-shard layout
+
+``K`` is the DistributedOptimizer's position in megatron's ChainedOptimizer, ``NNNNN``
+the global rank. The directory is a checkpoint of ``greenroom.optim`` (its manifest
+records the dtypes, the bucket layout, the world size and rank, a CRC-32 per file, and
+its load refuses bytes of another dtype, layout or checksum). The ``.megatron.json``
+beside it adds what only megatron knows: TP/PP/DP/EP/CP sizes and ranks, and which slice
+of which param each streamed shard is. ``load_checkpoint`` checks that first, so a
+changed parallel layout is named, then lets ``greenroom.optim`` verify and copy.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import warnings
+
+import torch
+
+from greenroom.errors import CheckpointError
+from greenroom.megatron.layout import ShardEntry, Topology
+from greenroom.optim import checkpoint as engine_checkpoint
+from greenroom.optim import kernel
+from greenroom.rankdir import write_json_atomic
+
+SUBDIR = "greenroom_optim"
+SIDECAR_FORMAT = "greenroom-megatron-shards"
+SIDECAR_VERSION = 1
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+def state_dir(checkpoint_dir: str, index: int, rank: int) -> str:
+    return os.path.join(checkpoint_dir, SUBDIR, f"opt{index}.rank{rank:05d}")
+
+
+def sidecar_record(topology: Topology, entries: list[ShardEntry]) -> dict:
+    return {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "topology": topology.record(),
+            "shards": [e.record() for e in entries]}
+
+
+def verify_sidecar(path: str, saved: dict, topology: Topology, entries: list[ShardEntry]) -> None:
+    """Raise ``CheckpointError`` naming how the saved parallel layout differs from this run's."""
+    if saved.get("format") != SIDECAR_FORMAT or saved.get("version") != SIDECAR_VERSION:
+        raise CheckpointError(f"{path}: format {saved.get('format')!r} version {saved.get('version')!r}, this "
+                              f"greenroom reads {SIDECAR_FORMAT!r} version {SIDECAR_VERSION}")
+    mismatch = topology.mismatch(Topology.from_record(saved["topology"]))
+    if mismatch:
+        raise CheckpointError(f"{path}: {mismatch}")
+    ours = [e.record() for e in entries]
+    if len(saved["shards"]) != len(ours):
+        raise CheckpointError(f"{path}: layout differs: {len(saved['shards'])} streamed param shards saved, this "
+                              f"run has {len(ours)} (a different model or parameter grouping)")
+    for a, b in zip(saved["shards"], ours):
+        if a != b:
+            raise CheckpointError(f"{path}: layout differs at {a['name']}: saved shard {a}, this run has {b} "
+                                  "(a different model, parameter grouping or DDP bucketing)")
+
+
+def locate(checkpoint_dir: str, index: int, rank: int, *, no_load_optim: bool) -> tuple[str, dict] | None:
+    """The state dir and sidecar record of optimizer ``index`` on ``rank``; None (with a
+    warning) when the checkpoint has no streamed state and ``no_load_optim`` is set."""
+    if no_load_optim:
+        warnings.warn(f"no_load_optim: not loading the streamed optimizer state from {checkpoint_dir}; starting "
+                      "a fresh optimizer state (fp32 mains from the current weights, zero moments, step 0)",
+                      stacklevel=3)
+        return None
+    root = os.path.join(checkpoint_dir, SUBDIR)
+    if not os.path.isdir(root):
+        raise CheckpointError(
+            f"{checkpoint_dir}: no streamed optimizer state ({SUBDIR}/ missing: written before streaming was "
+            "enabled, or without greenroom.megatron.save_checkpoint); pass no_load_optim=True (--no-load-optim) "
+            "to accept a fresh optimizer state")
+    path = state_dir(checkpoint_dir, index, rank)
+    sidecar = path + ".megatron.json"
+    if not os.path.isfile(sidecar):
+        others = sorted(glob.glob(os.path.join(glob.escape(root), "*.megatron.json")))
+        written = f"; it was written by {len(others)} optimizer shard(s)" if others else ""
+        if others:
+            with open(others[0], encoding="utf-8") as f:
+                saved = Topology.from_record(json.load(f)["topology"])
+            written += f" with tp {saved.tp}, pp {saved.pp}, dp {saved.dp}, ep {saved.ep}, cp {saved.cp}"
+        raise CheckpointError(f"{checkpoint_dir}: no streamed state for optimizer {index} of rank {rank}{written}; "
+                              "resume with the same TP/PP/DP/EP/CP sizes, or pass no_load_optim")
+    try:
+        with open(sidecar, encoding="utf-8") as f:
+            return path, json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{sidecar}: not valid JSON ({e}); the checkpoint is damaged") from None
+
+
+def save_checkpoint(optimizer, checkpoint_dir: str) -> None:
+    """Write the streamed state of every streaming DistributedOptimizer in ``optimizer``
+    (a ChainedOptimizer or one) beside megatron's checkpoint in ``checkpoint_dir``."""
+    from greenroom.megatron.optimizer import streaming_members
+
+    rank = _global_rank()
+    for index, member in enumerate(streaming_members(optimizer)):
+        path = state_dir(checkpoint_dir, index, rank)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        # The sidecar first: an interrupted save then leaves a sidecar matching this run
+        # beside the previous state dir, which greenroom.optim still verifies whole.
+        write_json_atomic(path + ".megatron.json", sidecar_record(member.topology, member.shard_entries))
+        engine_checkpoint.save_checkpoint(_EngineView(member), path)
+
+
+def load_checkpoint(optimizer, checkpoint_dir: str, *, no_load_optim: bool = False) -> None:
+    """Restore the streamed state saved by ``save_checkpoint``, verified first.
+
+    Call it after megatron has loaded the model weights and the optimizer's state dict.
+    With ``no_load_optim`` the streamed state starts fresh from the current weights.
+    """
+    from greenroom.megatron.optimizer import streaming_members
+
+    rank = _global_rank()
+    for index, member in enumerate(streaming_members(optimizer)):
+        found = locate(checkpoint_dir, index, rank, no_load_optim=no_load_optim)
+        if found is None:
+            member.reset_state()
+            continue
+        path, saved = found
+        verify_sidecar(path + ".megatron.json", saved, member.topology, member.shard_entries)
+        view = _EngineView(member)
+        engine_checkpoint.load_checkpoint(view, path)
+        view.write_back()
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _EngineView:
+    """One streaming DistributedOptimizer as ``greenroom.optim.checkpoint`` reads a
+    StreamingAdam: its store, its streamed and resident params with stable keys, their
+    per-param state (step counters; the resident moments) and its hyperparameters."""
+
+    def __init__(self, member) -> None:
+        self.member = member
+        self.store = member.streamed_store
+        self.streamed = [member._main(i) for i in range(len(member.shard_entries))]
+        self.resident = [p for group in member.shard_fp32_groups for p in group]
+        self._keys = {id(p): f"main.{e.group}.{e.index}" for p, e in zip(self.streamed, member.shard_entries)}
+        for g, group in enumerate(member.shard_fp32_groups):
+            for i, p in enumerate(group):
+                self._keys[id(p)] = f"fp32.{g}.{i}"
+        # Each group's params and its JSON-ready hyperparameters (megatron's groups also
+        # carry config objects, which stay out of the manifest).
+        self.param_groups = [{"params": [*fp32, *mains],
+                              **{k: v for k, v in group.items() if k != "params" and _jsonable(v)}}
+                             for group, fp32, mains in zip(member.optimizer.param_groups, member.shard_fp32_groups,
+                                                           member.shard_fp32_from_float16_groups)]
+        self.state: dict = {}
+        for p in self.streamed:
+            self.state[p] = {"step": torch.tensor(float(member.streamed_steps))}
+        resident = member._resident
+        for p in self.resident:
+            if resident is not None and resident.state.get(p):
+                self.state[p] = dict(resident.state[p])
+
+    def param_key(self, p: torch.Tensor) -> str:
+        return self._keys[id(p)]
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        state = self.state.setdefault(p, {})
+        if not state:
+            state["step"] = kernel.new_step(torch.device("cpu"), fused=False)
+        return state
+
+    def initialize_state(self) -> None:
+        self.member.reset_state()
+
+    def write_back(self) -> None:
+        """Put what ``load_checkpoint`` restored into the megatron optimizer."""
+        member = self.member
+        steps = {float(self.state[p]["step"]) for p in self.streamed if p in self.state}
+        if len(steps) > 1:
+            raise CheckpointError(f"the streamed shards were saved at different steps {sorted(steps)}; the "
+                                  "checkpoint is not one a streaming DistributedOptimizer wrote")
+        member.streamed_steps = int(steps.pop()) if steps else 0
+        if member._resident is not None:
+            member._resident.state.clear()
+            for p in self.resident:
+                if p in self.state:
+                    member._resident.state[p] = self.state[p]
+        for group, saved in zip(member.optimizer.param_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _jsonable(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, _JSON_SCALARS) for v in value)
+    return isinstance(value, _JSON_SCALARS)
