@@ -1,0 +1,202 @@
+"""``greenroom bench stream``: streamed optimizer step time against the disk bound.
+
+Builds a ``StreamingAdam`` for ``--params`` parameters (bf16 params by default, so the
+fp32 master and both moments stream: 12 B/param in fp32), times ``--steps`` steps and
+prints, beside the raw disk bandwidth measured in the same run with plain O_DIRECT
+threads (``greenroom.bench.disk.raw_bandwidth``):
+
+- step seconds, bytes read and written per step, achieved GB/s;
+- the disk bound ``read / raw read bw + written / raw write bw`` and the ratio step/bound;
+- peak device memory during the step above what the params and grads hold (flat in N:
+  the store's two bucket slots, the scratch, the kernel's temporaries), and during init;
+- peak host RSS (sampled) and page-cache growth (``Cached`` in /proc/meminfo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+
+from greenroom import fs
+from greenroom.config import DEFAULT_CHUNK_MB, MIB, MOMENT_DTYPES
+from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
+
+GB = 1e9
+PARAM_NUMEL = 50_000_000
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", type=float, required=True, metavar="N",
+                        help="parameters to optimize (1e9, 2e9, ...)")
+    parser.add_argument("--dir", required=True, metavar="DIR", help="a dir on node-local NVMe for the bucket files")
+    parser.add_argument("--moment-dtype", choices=MOMENT_DTYPES, default="fp32", help="moment storage dtype")
+    parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
+                        help="bf16: master + moments stream (12 B/param in fp32); fp32: moments only")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps (default %(default)s)")
+    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="elements per bucket")
+    parser.add_argument("--param-numel", type=int, default=PARAM_NUMEL, help="elements per param tensor")
+    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="pinned staging, MiB")
+    parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB the raw disk probe moves each way")
+    parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _cached_bytes() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("/proc/meminfo has no Cached line")
+
+
+class _HostSampler:
+    """Peak RSS and page cache while a phase runs, sampled every 20 ms."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self.rss_peak = self._process.memory_info().rss
+        self.cached_before = _cached_bytes()
+        self.cached_peak = self.cached_before
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self._sample()
+
+    def _sample(self) -> None:
+        self.rss_peak = max(self.rss_peak, self._process.memory_info().rss)
+        self.cached_peak = max(self.cached_peak, _cached_bytes())
+
+    def __enter__(self) -> "_HostSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.params < 1 or args.params != int(args.params):
+        raise ValueError(f"--params: expected a positive whole number of parameters, got {args.params!r}")
+    for flag in ("steps", "bucket_numel", "param_numel", "chunk_mb"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if not os.path.isdir(args.dir):
+        raise ValueError(f"--dir {args.dir} is not a directory")
+    if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
+        raise ValueError(f"--dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps the data in RAM; "
+                         "point it at node-local NVMe (or pass --allow-tmpfs for a test)")
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import torch
+
+    from greenroom.bench.disk import raw_bandwidth
+    from greenroom.optim import StreamingAdam
+    from greenroom.rankdir import RankDir
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    n = int(args.params)
+    raw = raw_bandwidth(args.dir, max(int(args.raw_gib * (1 << 30)), 1 << 20))
+    dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
+    sizes = [min(args.param_numel, n - start) for start in range(0, n, args.param_numel)]
+    params = [torch.nn.Parameter(torch.empty(s, dtype=dtype, device=device).normal_()) for s in sizes]
+    for p in params:
+        p.grad = torch.empty_like(p).normal_()
+
+    def allocated() -> int | None:
+        if not cuda:
+            return None
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+
+    with RankDir(args.dir, role="bench-stream") as rank_dir:
+        base = allocated()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        with _HostSampler() as init_host:
+            start = time.perf_counter()
+            opt = StreamingAdam(params, lr=1e-4, weight_decay=0.01, state_dir=rank_dir,
+                                bucket_numel=args.bucket_numel, moment_dtype=args.moment_dtype,
+                                chunk_mb=args.chunk_mb, resident_numel=0)
+            allocated()
+            init_seconds = time.perf_counter() - start
+        init_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+        try:
+            steps = []
+            rss_before = init_host._process.memory_info().rss
+            with _HostSampler() as host:
+                for _ in range(args.steps):
+                    read0, written0 = opt.store.bytes_read, opt.store.bytes_written
+                    before = allocated()
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats(device)
+                    start = time.perf_counter()
+                    opt.step()
+                    allocated()
+                    seconds = time.perf_counter() - start
+                    steps.append({"seconds": seconds, "bytes_read": opt.store.bytes_read - read0,
+                                  "bytes_written": opt.store.bytes_written - written0,
+                                  "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before
+                                                        if cuda else None)})
+            state_bytes = opt.store.state_bytes
+            buckets = len(opt.store.buckets)
+            largest_bucket = opt.store.max_bucket_bytes
+            direct = all(f.direct for f in opt.store.files)
+        finally:
+            opt.close()
+
+    last = steps[-1]
+    bound = last["bytes_read"] / raw.read_bytes_per_s + last["bytes_written"] / raw.write_bytes_per_s
+    staging = args.chunk_mb * MIB
+    return {
+        "params": n, "param_dtype": args.param_dtype, "moment_dtype": args.moment_dtype, "device": str(device),
+        "dir": os.path.abspath(args.dir), "filesystem": fs.mount_of(args.dir).fstype, "o_direct": direct,
+        "bucket_numel": args.bucket_numel, "buckets": buckets, "largest_bucket_bytes": largest_bucket,
+        "state_bytes": state_bytes, "chunk_bytes": staging,
+        "raw_read_bytes_per_s": raw.read_bytes_per_s, "raw_write_bytes_per_s": raw.write_bytes_per_s,
+        "init_seconds": init_seconds, "init_peak_device_bytes": init_peak,
+        "step_seconds": last["seconds"], "steps": steps,
+        "bytes_read": last["bytes_read"], "bytes_written": last["bytes_written"],
+        "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
+        "disk_bound_seconds": bound, "ratio": last["seconds"] / bound,
+        "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
+        "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.rss_peak,
+        "host_rss_budget_bytes": rss_before + staging + (1 << 30),
+        "page_cache_growth_bytes": host.cached_peak - host.cached_before,
+        "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    r = result
+    print(f"bench stream: {r['params']:,} {r['param_dtype']} params, {r['moment_dtype']} moments, on {r['device']}; "
+          f"{r['buckets']} buckets of <= {r['bucket_numel']:,} elements, state {r['state_bytes'] / GB:.2f} GB "
+          f"in {r['dir']} ({r['filesystem']}, O_DIRECT {'on' if r['o_direct'] else 'off'})")
+    print(f"raw disk (same run): read {r['raw_read_bytes_per_s'] / GB:.2f} GB/s, "
+          f"write {r['raw_write_bytes_per_s'] / GB:.2f} GB/s")
+    print(f"init: {r['init_seconds']:.2f} s" + (f", peak device {r['init_peak_device_bytes'] / GB:.2f} GB"
+                                               if r["init_peak_device_bytes"] is not None else ""))
+    for i, s in enumerate(r["steps"], 1):
+        print(f"step {i}: {s['seconds']:.2f} s, read {s['bytes_read'] / GB:.2f} GB, written "
+              f"{s['bytes_written'] / GB:.2f} GB, {(s['bytes_read'] + s['bytes_written']) / s['seconds'] / GB:.2f} GB/s"
+              + (f", peak device +{s['peak_device_bytes'] / GB:.2f} GB" if s["peak_device_bytes"] is not None else ""))
+    print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
+    print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
+          f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
+    return 0
