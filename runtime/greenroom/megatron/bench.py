@@ -121,9 +121,12 @@ def _timed_step(model, optimizer, size, step) -> dict:
 def _sleep_wake(offload, rank_dir, model, optimizer, mode) -> dict:
     from greenroom.actor import build_offloader
 
-    sources = [model, [b.grad_data for b in model.buffers]]
+    # megatron's DDP shadows Module.buffers with its list of param-and-grad buffers:
+    # track the wrapped module's params (views of the param buffer) and the grad buffers.
+    sources = [model.module, [b.grad_data for b in model.buffers]]
     for member in getattr(optimizer, "chained_optimizers", [optimizer]):
         if mode == "stream":
+            member.release_device_buffers()
             if member._resident is not None:
                 sources.append(member._resident)
         else:

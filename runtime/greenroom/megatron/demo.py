@@ -57,6 +57,7 @@ def build_model(size: ModelSize, *, seed: int = 1234):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(seed)
@@ -67,11 +68,15 @@ def build_model(size: ModelSize, *, seed: int = 1234):
     with torch.device("cuda"):
         gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                        vocab_size=size.vocab, max_sequence_length=size.seq)
-        # A native-fp32 parameter, as a router's expert_bias or an SSM's A_log would be.
-        gpt.register_parameter("aux_fp32", torch.nn.Parameter(torch.full((40,), 0.5, dtype=torch.float32)))
+    # As megatron's training does: every param (the local spec's norms too) in bf16, and
+    # the inputs and outputs cast at the model's edges.
+    module = Float16Module(config, gpt)
+    # A native-fp32 parameter, as a router's expert_bias or an SSM's A_log would be.
+    gpt.register_parameter("aux_fp32", torch.nn.Parameter(torch.full((40,), 0.5, dtype=torch.float32,
+                                                                      device="cuda")))
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=False)
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
 
 
 def optimizer_config(**overrides):
@@ -98,7 +103,7 @@ def train_step(model, optimizer, size: ModelSize, step: int) -> float:
     optimizer.zero_grad()
     data = batch(size, step)
     losses = model(data["input_ids"], data["position_ids"], data["attention_mask"], labels=data["labels"])
-    aux = model.module.aux_fp32
+    aux = model.module.module.aux_fp32
     loss = losses.float().mean() + (aux * aux).sum() * 1e-2
     loss.backward()
     model.finish_grad_sync()

@@ -282,6 +282,14 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
     def streamed_store(self) -> BucketStore:
         return self._greenroom
 
+    def release_device_buffers(self) -> None:
+        """Give the bucket store's device slots back (before the actor sleeps): between
+        steps they hold nothing that is not in the files; the next step makes them again."""
+        self._greenroom.engine.drain()
+        # The store re-creates its slots and scratch lazily (BucketStore._slot).
+        self._greenroom._slots.clear()
+        self._greenroom._scratch.clear()
+
     def close(self) -> None:
         """Release the bucket files' handles and the staging memory."""
         if self._greenroom is not None:
@@ -333,7 +341,12 @@ def _resident_adam(inner, shard_fp32_groups):
     if not any(g["params"] for g in groups):
         return None
     accepted = inspect.signature(type(inner).__init__).parameters
-    return type(inner)(groups, **{k: v for k, v in inner.defaults.items() if k in accepted and k != "params"})
+    placeholder = torch.empty(0, device=groups[0]["params"][0].device if groups[0]["params"] else "cpu")
+    resident = type(inner)([placeholder], **{k: v for k, v in inner.defaults.items() if k in accepted})
+    # The shards are views of the model params (not leaves), which torch's constructor
+    # refuses; megatron hands them to its inner optimizer the same way.
+    resident.param_groups = groups
+    return resident
 
 
 def _sync_hyperparams(inner, resident) -> None:
