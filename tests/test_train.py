@@ -219,3 +219,16 @@ def test_sigterm_mid_run_reclaims_every_per_rank_file(disk_dir):
     child.wait(timeout=60)
     assert child.returncode == 128 + signal.SIGTERM
     assert os.listdir(root) == []
+
+
+@needs_streaming
+def test_fp32_streaming_trains_bit_identically_to_resident_adamw(disk_dir):
+    common = [*SMALL, "--metrics", os.path.join(disk_dir, "m.jsonl"), "--offload-train", "--offload-train-target",
+              "disk", "--offload-train-disk-dir", os.path.join(disk_dir, "offload")]
+    resident, streamed = os.path.join(disk_dir, "resident"), os.path.join(disk_dir, "streamed")
+    train([*common, "--save", resident])
+    train([*common, "--stream-optimizer-state-to-disk", "--save", streamed])
+    model_a, _ = load_state(resident)
+    model_b, _ = load_state(streamed)
+    for k in model_a:
+        assert torch.equal(model_a[k], model_b[k]), k

@@ -76,6 +76,8 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
             _local(t).copy_(state[name])
     if no_load_optim:
         warnings.warn(f"--no-load-optim: starting a fresh optimizer state instead of the one in {directory}")
+        if streaming:
+            optimizer.initialize_state()  # its masters were filled from the weights before they loaded
     elif streaming:
         if not os.path.isdir(os.path.join(path, "optim")):
             raise CheckpointError(

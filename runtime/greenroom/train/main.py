@@ -42,6 +42,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--no-progress", action="store_true", help="no progress bars (summary lines only)")
     opt = parser.add_argument_group("policy optimisation")
     opt.add_argument("--lr", type=float, default=_TRAIN.lr)
+    opt.add_argument("--weight-decay", type=float, default=_TRAIN.weight_decay, help="AdamW decoupled weight decay")
     opt.add_argument("--prompts", type=int, default=_TRAIN.prompts, help="prompts per rank per iteration")
     opt.add_argument("--group-size", type=int, default=_TRAIN.group_size, help="completions per prompt")
     opt.add_argument("--minibatches", type=int, default=_TRAIN.minibatches,
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save, load=args.load,
                          metrics=args.metrics, seed=args.seed, device=args.device, parallel=args.parallel,
                          offload_backend=args.offload_backend, offload_mover=args.offload_mover,
-                         progress=not args.no_progress, lr=args.lr, prompts=args.prompts,
+                         progress=not args.no_progress, lr=args.lr, weight_decay=args.weight_decay, prompts=args.prompts,
                          group_size=args.group_size, minibatches=args.minibatches, dtype=args.dtype)
     rank = int(os.environ.get("RANK", "0"))
     with Trainer(config, offload=offload, model=model, task=task, rank=rank) as trainer:

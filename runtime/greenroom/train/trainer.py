@@ -68,6 +68,9 @@ class TrainConfig:
     lr: float = 3e-3
     """AdamW learning rate."""
 
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (given to either optimizer: their defaults differ)."""
+
     prompts: int = 32
     """Prompts per rank per iteration."""
 
@@ -200,11 +203,15 @@ class Trainer:
                 raise GreenroomError("--stream-optimizer-state-to-disk needs greenroom.optim.StreamingAdam, "
                                      "which this install lacks") from None
             optimizer = StreamingAdam.from_config(params, self.offload, self.rank_dir.subdir("optim"),
-                                                  lr=self.config.lr)
+                                                  lr=self.config.lr, weight_decay=self.config.weight_decay)
             if hasattr(optimizer, "close"):
                 self._stack.callback(optimizer.close)
             return optimizer
-        return torch.optim.AdamW(params, lr=self.config.lr)
+        # The same implementation StreamingAdam uses (fused on CUDA, foreach elsewhere), so
+        # fp32 streaming on or off trains bit-identically.
+        cuda = self.device.type == "cuda"
+        return torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay, fused=cuda,
+                                 foreach=not cuda)
 
     # -- the loop -------------------------------------------------------------------
     def train(self) -> None:
