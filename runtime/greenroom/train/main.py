@@ -63,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save, load=args.load,
                          metrics=args.metrics, seed=args.seed, device=args.device, parallel=args.parallel,
                          offload_backend=args.offload_backend, offload_mover=args.offload_mover,
-                         progress=not args.no_progress, lr=args.lr, weight_decay=args.weight_decay, prompts=args.prompts,
-                         group_size=args.group_size, minibatches=args.minibatches, dtype=args.dtype)
+                         progress=not args.no_progress, lr=args.lr, weight_decay=args.weight_decay,
+                         prompts=args.prompts, group_size=args.group_size, minibatches=args.minibatches,
+                         dtype=args.dtype)
     rank = int(os.environ.get("RANK", "0"))
     with Trainer(config, offload=offload, model=model, task=task, rank=rank) as trainer:
         trainer.train()
