@@ -60,7 +60,7 @@ def topology(opt) -> dict:
             shards[opt.param_key(p)] = {"global_shape": list(p.shape),
                                         "placements": [str(pl) for pl in p.placements],
                                         "mesh": mesh.mesh.flatten().tolist(),
-                                        "coordinate": mesh.get_coordinate()}
+                                        "coordinate": list(mesh.get_coordinate() or ())}
     return {"world_size": dist.get_world_size() if initialized else 1,
             "rank": dist.get_rank() if initialized else 0, "shards": shards}
 
