@@ -7,6 +7,7 @@ after every step their params, fp32 mains and both Adam moments are compared wit
 ``torch.equal``, including across a save/load of the streaming run in the middle.
 """
 
+import os
 import warnings
 
 import pytest
@@ -25,7 +26,7 @@ with warnings.catch_warnings():
 
 from greenroom.config import OffloadConfig
 from greenroom.errors import CheckpointError
-from greenroom.megatron import demo, load_checkpoint, save_checkpoint, streaming, streaming_members
+from greenroom.megatron import close, demo, load_checkpoint, save_checkpoint, streaming, streaming_members
 from greenroom.rankdir import RankDir
 
 SIZE = demo.ModelSize(hidden=256, layers=2, heads=4, vocab=1024, seq=64, batch=2)
@@ -87,7 +88,7 @@ def test_streaming_is_bit_identical_to_stock_across_a_save_and_load(disk_dir):
         save_checkpoint(optimizer, checkpoint)
         weights = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
         plain_state = optimizer.state_dict()
-        optimizer.close()
+        close(optimizer)
     del model, optimizer
     with RankDir(disk_dir, role="second") as second:
         model, optimizer = _streamed(config, second)
@@ -97,7 +98,7 @@ def test_streaming_is_bit_identical_to_stock_across_a_save_and_load(disk_dir):
         for step in range(3, 6):
             assert demo.train_step(stock_model, stock_opt, SIZE, step) == demo.train_step(model, optimizer, SIZE, step)
             _assert_same(stock_model, stock_opt, model, optimizer)
-        optimizer.close()
+        close(optimizer)
 
 
 def test_a_checkpoint_without_streamed_state_is_refused_unless_no_load_optim(disk_dir):
@@ -111,7 +112,7 @@ def test_a_checkpoint_without_streamed_state_is_refused_unless_no_load_optim(dis
             load_checkpoint(optimizer, f"{disk_dir}/stock-ckpt")
         with pytest.warns(UserWarning, match="fresh optimizer state"):
             load_checkpoint(optimizer, f"{disk_dir}/stock-ckpt", no_load_optim=True)
-        optimizer.close()
+        close(optimizer)
 
 
 def test_moments_written_as_bf16_are_not_read_as_fp32(disk_dir):
@@ -119,9 +120,41 @@ def test_moments_written_as_bf16_are_not_read_as_fp32(disk_dir):
         model, optimizer = _streamed(_offload(disk_dir, stream_optimizer_state_moment_dtype="bf16"), rank_dir)
         demo.train_step(model, optimizer, SIZE, 0)
         save_checkpoint(optimizer, f"{disk_dir}/bf16-ckpt")
-        optimizer.close()
+        close(optimizer)
     with RankDir(disk_dir, role="fp32") as rank_dir:
         model, optimizer = _streamed(_offload(disk_dir), rank_dir)
         with pytest.raises(CheckpointError, match="bf16"):
             load_checkpoint(optimizer, f"{disk_dir}/bf16-ckpt")
-        optimizer.close()
+        close(optimizer)
+
+
+def test_megatrons_checkpoint_flow_carries_the_small_state_and_resume_stays_bit_identical(disk_dir):
+    from megatron.core import dist_checkpointing
+
+    stock_model, stock_opt = _stock()
+    config = _offload(disk_dir)
+    checkpoint = f"{disk_dir}/dist-ckpt"
+    with RankDir(disk_dir, role="dist-first") as first:
+        model, optimizer = _streamed(config, first)
+        for step in range(2):
+            demo.train_step(stock_model, stock_opt, SIZE, step)
+            demo.train_step(model, optimizer, SIZE, step)
+        os.makedirs(checkpoint)
+        model_sd = model.sharded_state_dict()
+        dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, checkpoint)
+        save_checkpoint(optimizer, checkpoint)
+        close(optimizer)
+    del model, optimizer
+    with RankDir(disk_dir, role="dist-second") as second:
+        model, optimizer = _streamed(config, second)
+        model_sd = model.sharded_state_dict()
+        loaded = dist_checkpointing.load({"model": model_sd,
+                                          "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)},
+                                         checkpoint)
+        model.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        load_checkpoint(optimizer, checkpoint)
+        for step in range(2, 5):
+            assert demo.train_step(stock_model, stock_opt, SIZE, step) == demo.train_step(model, optimizer, SIZE, step)
+            _assert_same(stock_model, stock_opt, model, optimizer)
+        close(optimizer)

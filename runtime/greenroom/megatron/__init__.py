@@ -11,7 +11,7 @@ The state lives in the bucket files of greenroom.optim's engine. See docs/megatr
 
 from greenroom.megatron.checkpoint import load_checkpoint, save_checkpoint
 from greenroom.megatron.optimizer import (DEFAULT_BUCKET_NUMEL, StreamingDistributedOptimizer, StreamingSettings,
-                                          streaming, streaming_members)
+                                          close, streaming, streaming_members)
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "StreamingDistributedOptimizer", "StreamingSettings", "load_checkpoint",
+__all__ = ["DEFAULT_BUCKET_NUMEL", "StreamingDistributedOptimizer", "StreamingSettings", "close", "load_checkpoint",
            "save_checkpoint", "streaming", "streaming_members"]

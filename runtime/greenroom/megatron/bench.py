@@ -46,7 +46,7 @@ def _gib(n: int) -> float:
 def run(args) -> int:
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from greenroom.megatron import streaming, streaming_members
+    from greenroom.megatron import close, streaming, streaming_members
     from greenroom.rankdir import RankDir
 
     demo.init_single_gpu()
@@ -89,6 +89,8 @@ def run(args) -> int:
         result["allocated_at_step_start_gib"] = steps[-1]["start"]
         if args.offload:
             result.update(_sleep_wake(offload, rank_dir, model, optimizer, args.mode))
+        if args.mode == "stream":
+            close(optimizer)
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return 0
 

@@ -398,5 +398,12 @@ def streaming_members(optimizer) -> list[StreamingDistributedOptimizer]:
     return members
 
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "StreamingDistributedOptimizer", "StreamingSettings", "Topology", "streaming",
+def close(optimizer) -> None:
+    """Drain and release the bucket stores of every streaming member of ``optimizer``
+    (their files stay until the rank dir goes)."""
+    for member in streaming_members(optimizer):
+        member.close()
+
+
+__all__ = ["DEFAULT_BUCKET_NUMEL", "StreamingDistributedOptimizer", "StreamingSettings", "Topology", "close", "streaming",
            "streaming_members"]
