@@ -7,7 +7,9 @@ back. Every cast runs on the tensor's own device (the GPU in training), never th
     The bytes of the fp32 tensor: the segment *is* the working tensor, so no copy is
     made and the results are bit-identical to keeping the state resident.
 ``bf16`` / ``fp16``
-    A round-to-nearest cast; 2 bytes per element.
+    A round-to-nearest cast; 2 bytes per element. fp16 stores the second moment as its
+    square root: squared grads fall below fp16's smallest subnormal (6e-8) all the time,
+    and a second moment flushed to zero turns the update into ``exp_avg / eps``.
 ``fp8e4m3`` / ``fp8e5m2``
     Per-block scaling: the flat moment is cut into blocks of ``FP8_SCALE_BLOCK``
     elements; each block stores its elements divided by a per-block fp32 scale, and the
@@ -15,9 +17,11 @@ back. Every cast runs on the tensor's own device (the GPU in training), never th
     holds ``1 + 4 / FP8_SCALE_BLOCK`` bytes per element, as ``greenroom plan`` counts.
 
 Note [fp8 scales]: a scale is the power of two that brings the block's largest
-magnitude just under the format's maximum. A power of two makes the division exact
-(only the cast to fp8 rounds) and makes decode-then-encode reproduce the same bytes,
-so a bucket whose params had no grad this step is written back unchanged. The second
+magnitude into ``[fmax / 2, fmax]`` after the cast (halved once more when the largest
+element rounds down to exactly ``fmax / 2``). A power of two makes the division exact
+(only the cast to fp8 rounds), and this canonical choice makes decode-then-encode
+reproduce the same bytes, so a bucket whose params had no grad this step is written
+back unchanged. The second
 moment is stored as its square root (and squared on decode): Adam only ever uses
 ``sqrt(exp_avg_sq)``, and the root halves the dynamic range a block has to span, so far
 fewer small entries of a block flush to zero next to its largest one.
@@ -38,8 +42,8 @@ class MomentCodec:
 
     Args:
         name: one of ``greenroom.config.MOMENT_DTYPES``.
-        sqrt: store the square root (for the second moment of an fp8 codec, see
-            Note [fp8 scales]); ignored by the other codecs.
+        sqrt: store the square root (the second moment of the fp16 and fp8 codecs, see
+            Note [fp8 scales]); ignored for fp32 and bf16, whose range needs no help.
     """
 
     __slots__ = ("name", "dtype", "fp8", "sqrt")
@@ -50,7 +54,7 @@ class MomentCodec:
         self.name = name
         self.fp8 = name in _FP8_DTYPES
         self.dtype = _FP8_DTYPES[name] if self.fp8 else _CAST_DTYPES[name]
-        self.sqrt = sqrt and self.fp8
+        self.sqrt = sqrt and name != "fp32" and name != "bf16"
 
     @property
     def identity(self) -> bool:
@@ -72,21 +76,26 @@ class MomentCodec:
     def encode(self, src: torch.Tensor, raw: torch.Tensor) -> None:
         """Store flat fp32 ``src`` into the uint8 segment ``raw`` (same device)."""
         numel = src.numel()
+        values = src.sqrt() if self.sqrt else src
         if not self.fp8:
-            raw[:numel * self.dtype.itemsize].view(self.dtype).copy_(src)
+            raw[:numel * self.dtype.itemsize].view(self.dtype).copy_(values)
             return
         blocks = _blocks(numel)
-        values = src.sqrt() if self.sqrt else src
         padded = torch.zeros(blocks * FP8_SCALE_BLOCK, dtype=torch.float32, device=src.device)
         padded[:numel].copy_(values)
         padded = padded.view(blocks, FP8_SCALE_BLOCK)
         absmax = padded.abs().amax(dim=1)
         fmax = torch.finfo(self.dtype).max
-        # The smallest power of two s with absmax / s <= fmax; all-zero blocks get 1.
+        # A power of two s with absmax / s in [fmax / 2, fmax): frexp's mantissa is in
+        # [0.5, 1). All-zero blocks get 1.
         _, exponent = torch.frexp(absmax / fmax)
-        scale = torch.where(absmax > 0, torch.ldexp(torch.ones_like(absmax), exponent), torch.ones_like(absmax))
-        over = absmax / scale > fmax  # frexp's mantissa is in [0.5, 1): at most one doubling
-        scale = torch.where(over, scale * 2, scale)
+        ones = torch.ones_like(absmax)
+        scale = torch.where(absmax > 0, torch.ldexp(ones, exponent), ones)
+        scale = torch.where(absmax / scale > fmax, scale * 2, scale)  # the division above rounded up
+        # Canonical form (see Note [fp8 scales]): if the largest element rounded down to
+        # exactly fmax / 2, halve the scale, as encoding the decoded block would.
+        largest = (padded / scale[:, None]).to(self.dtype).to(torch.float32).abs().amax(dim=1)
+        scale = torch.where((largest <= fmax / 2) & (largest > 0), scale / 2, scale)
         data = raw[:blocks * FP8_SCALE_BLOCK].view(self.dtype).view(blocks, FP8_SCALE_BLOCK)
         data.copy_(padded / scale[:, None])
         raw[blocks * FP8_SCALE_BLOCK:blocks * (FP8_SCALE_BLOCK + 4)].view(torch.float32).copy_(scale)
@@ -96,15 +105,13 @@ class MomentCodec:
         numel = dst.numel()
         if not self.fp8:
             dst.copy_(raw[:numel * self.dtype.itemsize].view(self.dtype))
-            return
-        blocks = _blocks(numel)
-        data = raw[:blocks * FP8_SCALE_BLOCK].view(self.dtype).view(blocks, FP8_SCALE_BLOCK)
-        scale = raw[blocks * FP8_SCALE_BLOCK:blocks * (FP8_SCALE_BLOCK + 4)].view(torch.float32)
-        values = (data.to(torch.float32) * scale[:, None]).view(-1)[:numel]
-        if self.sqrt:
-            torch.mul(values, values, out=dst)
         else:
-            dst.copy_(values)
+            blocks = _blocks(numel)
+            data = raw[:blocks * FP8_SCALE_BLOCK].view(self.dtype).view(blocks, FP8_SCALE_BLOCK)
+            scale = raw[blocks * FP8_SCALE_BLOCK:blocks * (FP8_SCALE_BLOCK + 4)].view(torch.float32)
+            dst.copy_((data.to(torch.float32) * scale[:, None]).view(-1)[:numel])
+        if self.sqrt:
+            dst.mul_(dst)  # squared in fp32: exact, so encoding it again gives the same bytes
 
 
 def _blocks(numel: int) -> int:
