@@ -1,0 +1,32 @@
+"""``greenroom bench stream`` on the CPU: the report's contract (not its speed) and bad input."""
+
+import json
+import os
+
+from tests.cli_support import greenroom, one_line_error
+
+SMALL = ["--params", "2000000", "--bucket-numel", "600000", "--param-numel", "450000", "--chunk-mb", "8",
+         "--raw-gib", "0.03125", "--steps", "2"]
+
+
+def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
+    proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--moment-dtype", "bf16", "--json", check_rc=0)
+    r = json.loads(proc.stdout)
+    for key in ("step_seconds", "disk_bound_seconds", "ratio", "bytes_read", "bytes_written", "achieved_bytes_per_s",
+                "raw_read_bytes_per_s", "raw_write_bytes_per_s", "host_rss_peak_bytes", "page_cache_growth_bytes",
+                "peak_device_step_bytes", "init_peak_device_bytes"):
+        assert key in r
+    # bf16 params: fp32 master (4 B) + two bf16 moments (2 B each) per param, all read and written
+    assert r["buckets"] == 5 and r["bytes_read"] == r["bytes_written"] == r["state_bytes"]
+    assert 8 * 2_000_000 <= r["state_bytes"] < 8 * 2_000_000 + 5 * 3 * 4096
+    assert r["ratio"] == r["step_seconds"] / r["disk_bound_seconds"]
+    assert len(r["steps"]) == 2
+    assert os.listdir(disk_dir) == []  # the bench's rank dir is gone
+
+
+def test_bench_stream_text_report_and_bad_input(disk_dir):
+    proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--param-dtype", "fp32", check_rc=0)
+    assert "disk bound" in proc.stdout and "step/bound" in proc.stdout and "page cache growth" in proc.stdout
+    assert "--params" in one_line_error(greenroom("bench", "stream", "--params", "1.5", "--dir", disk_dir))
+    assert "--dir" in one_line_error(greenroom("bench", "stream", "--params", "10", "--dir",
+                                               os.path.join(disk_dir, "missing")))
