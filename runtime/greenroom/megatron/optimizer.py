@@ -1,7 +1,7 @@
 """``StreamingDistributedOptimizer``: megatron's DistributedOptimizer with streamed state.
 
-It is megatron-core's own ``DistributedOptimizer`` class with four methods changed, so
-everything around the update (grad reduce-scatter, copying grads into main grads, loss
+It is megatron-core's own ``DistributedOptimizer`` class with the methods below changed,
+so everything around the update (grad reduce-scatter, copying grads into main grads, loss
 scaling, grad clipping, the param all-gather) is megatron's, unchanged:
 
 ``_build_model_and_main_param_groups`` (construction)
@@ -17,6 +17,10 @@ scaling, grad clipping, the param all-gather) is megatron's, unchanged:
     with torch's Adam kernel under the inner optimizer's hyperparameters and
     implementation, the new mains cast into the 16-bit param buffer, the bucket written
     back. Native-fp32 params step under a small resident Adam of the same kind.
+
+``_copy_main_params_to_model_params`` / ``_copy_model_params_to_main_params``
+    The first copies only the resident fp32 shards (the streamed ones were cast into
+    the param buffer in the bucket loop); the second is refused with a message.
 
 ``state_dict`` / ``load_state_dict`` / ``sharded_state_dict``
     Carry the non-streamed parts (param groups, the step, the grad scaler) through
