@@ -25,7 +25,9 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
 
 
 def test_bench_stream_text_report_and_bad_input(disk_dir):
-    proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--param-dtype", "fp32", check_rc=0)
+    proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--param-dtype", "fp32", "--checkpoint",
+                     check_rc=0)
+    assert "verified load" in proc.stdout
     assert "disk bound" in proc.stdout and "step/bound" in proc.stdout and "page cache growth" in proc.stdout
     assert "--params" in one_line_error(greenroom("bench", "stream", "--params", "1.5", "--dir", disk_dir))
     assert "--dir" in one_line_error(greenroom("bench", "stream", "--params", "10", "--dir",

@@ -9,7 +9,9 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
 - the disk bound ``read / raw read bw + written / raw write bw`` and the ratio step/bound;
 - peak device memory during the step above what the params and grads hold (flat in N:
   the store's two bucket slots, the scratch, the kernel's temporaries), and during init;
-- peak host RSS (sampled) and page-cache growth (``Cached`` in /proc/meminfo).
+- peak host RSS (sampled) and page-cache growth (``Cached`` in /proc/meminfo);
+- with ``--checkpoint``, the seconds of a synchronous ``save_checkpoint`` and of a
+  verified ``load_checkpoint`` of the whole state.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="pinned staging, MiB")
     parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB the raw disk probe moves each way")
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="also time save_checkpoint and load_checkpoint (a dir beside the bucket files)")
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -149,6 +153,7 @@ def measure(args: argparse.Namespace) -> dict:
                                   "bytes_written": opt.store.bytes_written - written0,
                                   "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before
                                                         if cuda else None)})
+            checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint")) if args.checkpoint else None
             state_bytes = opt.store.state_bytes
             buckets = len(opt.store.buckets)
             largest_bucket = opt.store.max_bucket_bytes
@@ -175,7 +180,22 @@ def measure(args: argparse.Namespace) -> dict:
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
         "page_cache_growth_bytes": host.cached_peak - host.cached_before,
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
+        "checkpoint": checkpoint,
     }
+
+
+def _time_checkpoint(opt, directory: str) -> dict:
+    """Seconds of a synchronous save and of a verified load of the whole state."""
+    path = os.path.join(directory, "optim")
+    with _HostSampler() as host:
+        start = time.perf_counter()
+        opt.save_checkpoint(path)
+        save = time.perf_counter() - start
+        start = time.perf_counter()
+        opt.load_checkpoint(path)
+        load = time.perf_counter() - start
+    return {"save_seconds": save, "load_seconds": load, "bytes": opt.store.state_bytes,
+            "page_cache_growth_bytes": host.cached_peak - host.cached_before}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,6 +217,10 @@ def run(args: argparse.Namespace) -> int:
               f"{s['bytes_written'] / GB:.2f} GB, {(s['bytes_read'] + s['bytes_written']) / s['seconds'] / GB:.2f} GB/s"
               + (f", peak device +{s['peak_device_bytes'] / GB:.2f} GB" if s["peak_device_bytes"] is not None else ""))
     print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
+    if r["checkpoint"] is not None:
+        c = r["checkpoint"]
+        print(f"checkpoint of {c['bytes'] / GB:.2f} GB: save {c['save_seconds']:.2f} s "
+              f"({c['bytes'] / c['save_seconds'] / GB:.2f} GB/s), verified load {c['load_seconds']:.2f} s")
     print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
           f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
     return 0
