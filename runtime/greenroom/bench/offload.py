@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
           f"(mover {r['mover']}), chunk {r['chunk_mb']} MiB")
     b = r["bound"]
     if r["target"] == "disk":
-        print(f"  raw disk ({'O_DIRECT' if b['o_direct'] else 'buffered'}): write {b['write_bytes_per_s'] / GB:.2f} GB/s, "
+        mode = "O_DIRECT" if b["o_direct"] else "buffered"
+        print(f"  raw disk ({mode}): write {b['write_bytes_per_s'] / GB:.2f} GB/s, "
               f"read {b['read_bytes_per_s'] / GB:.2f} GB/s")
     else:
         print(f"  plain pinned copy: out {b['out_bytes_per_s'] / GB:.2f} GB/s, in {b['in_bytes_per_s'] / GB:.2f} GB/s")

@@ -7,12 +7,10 @@ import json
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from greenroom import actor
@@ -311,7 +309,9 @@ class Trainer:
     def _header(self, start: int) -> str:
         o = self.offload
         offload = f"{o.offload_train_target} ({self.offloader.backend})" if o.offload_train else "off"
-        streaming = f"on ({o.stream_optimizer_state_moment_dtype} moments)" if o.stream_optimizer_state_to_disk else "off"
+        streaming = "off"
+        if o.stream_optimizer_state_to_disk:
+            streaming = f"on ({o.stream_optimizer_state_moment_dtype} moments)"
         parts = [f"greenroom train: {self.model_config.num_params():,} params on {self.device}",
                  f"{self.world_size} rank(s)", f"offload {offload}", f"streaming {streaming}"]
         if o.staging_bytes_per_rank:
