@@ -60,7 +60,7 @@ def test_only(script: str) -> str:
 
 
 def job_info(job_id: str) -> dict[str, str]:
-    """``scontrol show job -o`` as a dict (JobState, RestartCnt, ExitCode, ...)."""
+    """``scontrol show job -o`` as a dict (JobState, Restarts, ExitCode, ...)."""
     proc = _run([_tool("scontrol"), "show", "job", "-o", str(job_id)])
     return dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
 
@@ -69,10 +69,14 @@ def job_state(job_id: str) -> str:
     return job_info(job_id).get("JobState", "UNKNOWN")
 
 
-def cancel(job_id: str, *, signal: str | None = None, full: bool = False) -> None:
+def cancel(job_id: str, *, signal: str | None = None, batch: bool = False, full: bool = False) -> None:
+    """``scancel``; with ``signal``, only signal: the steps, or the batch shell
+    (``batch``), or both (``full``)."""
     argv = [_tool("scancel")]
     if signal:
         argv.append(f"--signal={signal}")
+    if batch:
+        argv.append("--batch")
     if full:
         argv.append("--full")
     _run([*argv, str(job_id)])
