@@ -73,7 +73,8 @@ def test_fp8_bucket_of_a_param_without_grad_is_written_back_unchanged(disk_dir):
     moments = [opt.store.buckets[0].exp_avg, opt.store.buckets[0].exp_avg_sq]
     for seg in moments:  # b's whole blocks (past the block a shares with it) are the same bytes
         first_block = (start + FP8_SCALE_BLOCK - 1) // FP8_SCALE_BLOCK
-        lo, hi = seg.offset + first_block * FP8_SCALE_BLOCK, seg.offset + (start + length) // FP8_SCALE_BLOCK * FP8_SCALE_BLOCK
+        last_block = (start + length) // FP8_SCALE_BLOCK
+        lo, hi = seg.offset + first_block * FP8_SCALE_BLOCK, seg.offset + last_block * FP8_SCALE_BLOCK
         assert before[lo:hi] == after[lo:hi]
     opt.close()
 
