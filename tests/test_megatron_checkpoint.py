@@ -2,19 +2,25 @@
 
 The state dirs themselves are greenroom.optim checkpoints (tested with StreamingAdam in
 the optim tests); here: where a megatron checkpoint's streamed state is looked up, what
-a checkpoint without it does, and how a changed parallel layout or shard list is named.
+a checkpoint without it does, how a changed parallel layout or shard list is named, and
+the view through which greenroom.optim's checkpoint reads and restores a streaming
+DistributedOptimizer's state (on a stand-in for the optimizer, see _StandIn).
 """
 
 import json
 import os
+import types
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 
 from greenroom.errors import CheckpointError
-from greenroom.megatron.checkpoint import SUBDIR, locate, sidecar_record, state_dir, verify_sidecar
+from greenroom.megatron.checkpoint import SUBDIR, _EngineView, locate, sidecar_record, state_dir, verify_sidecar
 from greenroom.megatron.layout import ShardEntry, Topology
+from greenroom.optim import checkpoint as engine_checkpoint
+from greenroom.optim.store import BucketStore, Entry
 from greenroom.rankdir import write_json_atomic
 
 ENTRIES = [ShardEntry(name="embedding.word_embeddings.weight", group=0, index=0, shape=(1024, 256), start=0,
@@ -97,3 +103,80 @@ def test_the_sidecar_is_plain_json(disk_dir):
         record = json.load(f)
     assert record["topology"]["tp"] == 2
     assert [s["name"] for s in record["shards"]] == [e.name for e in ENTRIES]
+
+
+class _StandIn:
+    """Stands in for a StreamingDistributedOptimizer, which needs CUDA to exist: the
+    attributes the checkpoint view reads, over a real BucketStore with real files."""
+
+    def __init__(self, directory, entries, *, lr):
+        os.makedirs(directory, exist_ok=True)
+        self.shard_entries = entries
+        self.streamed_store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
+                                          directory, bucket_numel=300_000, chunk_bytes=1 << 20)
+        self.shard_fp32_from_float16_groups = [[], []]
+        for e in entries:
+            main = torch.zeros(e.numel)
+            main.untyped_storage().resize_(0)  # as the real one leaves its main shards
+            self.shard_fp32_from_float16_groups[e.group].append(main)
+        self.shard_fp32_groups = [[torch.zeros(40)], []]
+        self._resident = torch.optim.AdamW(self.shard_fp32_groups[0], lr=lr)
+        self.optimizer = types.SimpleNamespace(param_groups=[
+            {"params": [], "lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01,
+             "default_config": object()},  # megatron's groups carry objects JSON cannot hold
+            {"params": [], "lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}])
+        self.streamed_steps = 0
+        self.topology = Topology()
+
+    def _main(self, i):
+        e = self.shard_entries[i]
+        return self.shard_fp32_from_float16_groups[e.group][e.index]
+
+    def reset_state(self):
+        raise AssertionError("not expected here")
+
+
+def test_streamed_state_round_trips_through_greenroom_optims_checkpoint(disk_dir):
+    saved = _StandIn(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3)
+    saved.streamed_store.initialize(lambda i: torch.full((ENTRIES[i].numel,), float(i + 1)))
+    for state in saved.streamed_store.stream():
+        state.exp_avg.uniform_()
+        state.exp_avg_sq.uniform_()
+    saved.shard_fp32_groups[0][0].grad = torch.ones(40)
+    saved._resident.step()
+    saved.streamed_steps = 3
+    saved.optimizer.param_groups[1]["lr"] = 5e-4  # a scheduler moved it
+    engine_checkpoint.save_checkpoint(_EngineView(saved), os.path.join(disk_dir, "ckpt"))
+
+    loaded = _StandIn(os.path.join(disk_dir, "b"), ENTRIES, lr=1e-3)
+    loaded.streamed_store.initialize(lambda i: torch.zeros(ENTRIES[i].numel))
+    view = _EngineView(loaded)
+    engine_checkpoint.load_checkpoint(view, os.path.join(disk_dir, "ckpt"))
+    view.write_back()
+
+    assert loaded.streamed_steps == 3
+    assert loaded.optimizer.param_groups[1]["lr"] == 5e-4
+    assert loaded.optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    ref, ours = saved._resident.state[saved.shard_fp32_groups[0][0]], loaded._resident.state[loaded.shard_fp32_groups[0][0]]
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(ref[key], ours[key])
+    for a, b in zip(saved.streamed_store.stream(), loaded.streamed_store.stream()):
+        for x, y in ((a.master, b.master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
+            assert torch.equal(x, y)
+    saved.streamed_store.close()
+    loaded.streamed_store.close()
+
+
+def test_moments_saved_as_bf16_are_not_read_as_fp32(disk_dir):
+    saved = _StandIn(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3)
+    saved.streamed_store.close()
+    saved.streamed_store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in ENTRIES],
+                                       os.path.join(disk_dir, "a"), bucket_numel=300_000, moment_dtype="bf16",
+                                       chunk_bytes=1 << 20)
+    saved.streamed_store.initialize(lambda i: torch.ones(ENTRIES[i].numel))
+    engine_checkpoint.save_checkpoint(_EngineView(saved), os.path.join(disk_dir, "ckpt"))
+    loaded = _StandIn(os.path.join(disk_dir, "b"), ENTRIES, lr=1e-3)
+    with pytest.raises(CheckpointError, match="moment dtype bf16, this run uses fp32"):
+        engine_checkpoint.load_checkpoint(_EngineView(loaded), os.path.join(disk_dir, "ckpt"))
+    saved.streamed_store.close()
+    loaded.streamed_store.close()
