@@ -61,8 +61,10 @@ def image():
     subprocess.run(["podman", "rmi", "-f", IMAGE], env=ENV, capture_output=True)
 
 
-def _run(image, *argv, volume=None):
+def _run(image, *argv, volume=None, user=None):
     cmd = list(RUN)
+    if user:
+        cmd += ["--user", user]
     if volume:
         cmd += ["-v", f"{volume}:/data"]
     return subprocess.run(cmd + [image, *argv], env=ENV, capture_output=True, text=True)
@@ -90,8 +92,8 @@ def test_reclaim_dry_run_in_the_image_sees_a_dead_ranks_dir_and_keeps_it(image, 
     with open(os.path.join(dead, "owner.json"), "w") as f:
         json.dump({"pid": 999999, "host": "gone", "job": "job1"}, f)
     open(os.path.join(dead, ".lock"), "w").close()
-    os.chmod(disk_dir, 0o777)
-    out = _run(image, "greenroom", "reclaim", "--dry-run", "--json", "/data", volume=disk_dir)
+    # As root, like the chart's init container that runs reclaim on a node root.
+    out = _run(image, "greenroom", "reclaim", "--dry-run", "--json", "/data", volume=disk_dir, user="0:0")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["dry_run"] is True
