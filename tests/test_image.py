@@ -113,3 +113,22 @@ def test_one_iteration_of_greenroom_train_with_disk_offload_into_a_host_dir(imag
     # The rank wrote its files under the mounted dir and removed them at exit.
     assert os.path.isdir(os.path.join(disk_dir, "offload"))
     assert glob.glob(os.path.join(disk_dir, "offload", "*", "actor", "rank*")) == []
+
+
+def test_image_scripts_pass_shellcheck():
+    shellcheck = require_tool("shellcheck")
+    scripts = ["scripts/build-image.sh", "images/ci-base.sh", "scripts/setup.d/20-helm.sh",
+               "scripts/setup.d/30-containers.sh"]
+    out = subprocess.run([shellcheck, *scripts], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "usage: scripts/build-image.sh IMAGE:TAG BASE_IMAGE"),  # a missing argument
+    (["x:1", "base"], "build-image: GREENROOM_BUILD_ENGINE=kaniko is not docker, podman or buildah"),
+])
+def test_build_script_refuses_bad_input_in_one_line(argv, message):
+    env = dict(os.environ, GREENROOM_BUILD_ENGINE="kaniko")
+    out = subprocess.run(["scripts/build-image.sh", *argv], cwd=REPO, capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == message
