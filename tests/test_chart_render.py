@@ -262,3 +262,16 @@ def test_chart_readme_documents_every_value():
 
     missing = [k for k in keys(values) if f"`{k}`" not in readme]
     assert not missing, f"README.md lacks {missing}"
+
+
+def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
+    from greenroom.reclaim import configure_parser
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    configure_parser(parser)
+    if "--kubernetes" not in parser._option_string_actions:
+        pytest.skip("greenroom reclaim has no --kubernetes yet (issue 9): the janitor DaemonSet needs it")
+    (ds,) = by_kind(manifests("janitor.yaml"), "DaemonSet")
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    argv = [a.replace("$(NODE_NAME)", "node-1") for a in c["command"][2:]]
+    args = parser.parse_args(argv)
+    assert args.root == "/greenroom/node"
