@@ -9,6 +9,7 @@ API schemas, flags, security settings), not how a cluster schedules or runs it.
 import argparse
 import os
 import subprocess
+import tarfile
 
 import pytest
 import yaml
@@ -275,3 +276,12 @@ def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
     argv = [a.replace("$(NODE_NAME)", "node-1") for a in c["command"][2:]]
     args = parser.parse_args(argv)
     assert args.root == "/greenroom/node"
+
+
+def test_helm_package_leaves_the_ci_values_out(tmp_path):
+    out = helm("package", CHART, "--destination", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    with tarfile.open(tmp_path / "greenroom-0.1.0.tgz") as tgz:
+        names = tgz.getnames()
+    assert "greenroom/values.schema.json" in names and "greenroom/README.md" in names
+    assert not [n for n in names if n.startswith("greenroom/ci/")]
