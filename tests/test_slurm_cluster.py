@@ -215,6 +215,17 @@ def test_two_task_job_with_disk_offload_and_streaming_succeeds_and_leaves_no_fil
     assert not os.path.exists(os.path.join(offload_root(disk_dir), job)), "per-rank dirs left after the job"
 
 
+def test_torchrun_launcher_runs_one_torchrun_starting_two_ranks(tmp_path, disk_dir):
+    data = job_data(tmp_path, disk_dir, "torchrun", iterations=3, launcher="torchrun",
+                    torchrun=f"{sys.executable} -m torch.distributed.run")
+    job = submit(tmp_path, data)
+    info = wait_done(tmp_path, "torchrun", job)
+    text = logs(tmp_path, "torchrun", job)
+    assert info["JobState"] == "COMPLETED" and info["NumTasks"] == "1", text
+    assert "2 rank(s), offload disk" in text and "streaming on" in text and "iter   3/3" in text
+    assert not os.path.exists(os.path.join(offload_root(disk_dir), job))
+
+
 def test_killed_jobs_files_go_at_the_next_jobs_reclaim_while_a_running_jobs_stay(tmp_path, disk_dir):
     # B: running on the same node and the same scratch root all along.
     running = submit(tmp_path, job_data(tmp_path, disk_dir, "running", iterations=FOREVER, streaming=False))

@@ -149,7 +149,7 @@ def test_time_minutes_reads_every_slurm_form():
 
 BAD_VALUES = [
     ({"gpus_per_nod": 8}, "unknown key 'gpus_per_nod'"),
-    ({"train": {"offload_train_dir": "/x"}}, "unknown key train.'offload_train_dir'"),
+    ({"train": {"offload_train_dir": "/x"}}, "unknown key 'train.offload_train_dir'"),
     ({"gpus_per_node": -1}, "gpus_per_node must be a non-negative integer, got -1"),
     ({"gpus_per_node": "eight"}, "gpus_per_node must be a non-negative integer, got 'eight'"),
     ({"gpus_per_node": 2.5}, "gpus_per_node must be a non-negative integer, got 2.5"),

@@ -330,7 +330,7 @@ def _build(cls, data, where: str):
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in known:
-            raise ValueError(f"unknown key {where}{key!r}; known keys: {', '.join(sorted(known))}")
+            raise ValueError(f"unknown key '{where}{key}'; known keys: {', '.join(sorted(known))}")
     kwargs = dict(data)
     if cls is SlurmJobConfig:
         if "train" in kwargs:
