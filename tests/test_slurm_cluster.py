@@ -201,7 +201,9 @@ def test_fake_gpus_reach_the_job_as_cuda_visible_devices(tmp_path):
 # -- jobs running greenroom train ---------------------------------------------------------
 
 def test_two_task_job_with_disk_offload_and_streaming_succeeds_and_leaves_no_files(tmp_path, disk_dir):
-    job = submit(tmp_path, job_data(tmp_path, disk_dir, "ok", iterations=40))
+    # Two fake GPUs: the GPU-shaped script (--gpus-per-node, its steps) runs for real; the
+    # trainer itself falls back to the CPU, which has no CUDA here.
+    job = submit(tmp_path, job_data(tmp_path, disk_dir, "ok", iterations=40, gpus_per_node=2))
     dirs = wait_ranks_running(tmp_path, disk_dir, "ok", job, subdirs=("offload", "optim"))
     assert [os.path.basename(d) for d in dirs] == ["rank00000", "rank00001"]
     for d in dirs:
