@@ -129,3 +129,19 @@ def test_cuda_tensors_round_trip_bit_exact_through_pinned_staging(disk_dir):
                 back = torch.zeros_like(src)
                 engine.read(back, f, 0).wait()
             assert torch.equal(src, back), n
+
+
+def test_engine_keeps_no_reference_to_a_finished_transfer(disk_dir):
+    import gc
+    import weakref
+
+    with TransferEngine(1 << 16) as engine, StateFile(os.path.join(disk_dir, "ref"), 1 << 16) as f:
+        tensor = torch.ones(1 << 16, dtype=torch.uint8)
+        ref = weakref.ref(tensor)
+        engine.write(tensor, f, 0).wait()
+        engine.drain()
+        del tensor
+        gc.collect()
+        # The caller's memory must be freeable once its transfer is done (a sleeping
+        # actor gives its device memory back this way).
+        assert ref() is None

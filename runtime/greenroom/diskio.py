@@ -347,23 +347,28 @@ class TransferEngine:
             job = self._jobs.get()
             if job is None:
                 return
-            kind, data, file, offset, transfer, ready = job
-            stream = None
-            if data.is_cuda:
-                stream = copy_streams.setdefault(data.device, torch.cuda.Stream(data.device))
-                stream.wait_event(ready)
-            step = self.staging.buffer_bytes
-            for start in range(0, transfer.nbytes, step):
-                n = min(step, transfer.nbytes - start)
-                slot = self.staging.acquire()
-                piece = data[start:start + n]
-                if kind == "write":
-                    done_copy = self._stage_out(piece, slot, stream)
-                    task = self._write_chunk
-                else:
-                    done_copy = None
-                    task = self._read_chunk
-                self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
+            # One call per job, so the driver holds no reference to a finished job's
+            # tensor while it waits for the next (the caller may free that memory).
+            self._split_into_chunks(*job, copy_streams)
+            del job
+
+    def _split_into_chunks(self, kind, data, file, offset, transfer, ready, copy_streams) -> None:
+        stream = None
+        if data.is_cuda:
+            stream = copy_streams.setdefault(data.device, torch.cuda.Stream(data.device))
+            stream.wait_event(ready)
+        step = self.staging.buffer_bytes
+        for start in range(0, transfer.nbytes, step):
+            n = min(step, transfer.nbytes - start)
+            slot = self.staging.acquire()
+            piece = data[start:start + n]
+            if kind == "write":
+                done_copy = self._stage_out(piece, slot, stream)
+                task = self._write_chunk
+            else:
+                done_copy = None
+                task = self._read_chunk
+            self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
 
     def _stage_out(self, piece: torch.Tensor, slot: int, stream) -> torch.cuda.Event | None:
         buf = self.staging.buffers[slot]
