@@ -163,9 +163,12 @@ class RankDir:
 
     # -- internals ----------------------------------------------------------------
     def owner_record(self) -> dict:
-        return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": boot_id(),
-                "start_time": time.time(), "job": self.job, "role": self.role, "rank": self.rank,
-                "uid": os.getuid()}
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": boot_id(),
+                  "start_time": time.time(), "job": self.job, "role": self.role, "rank": self.rank,
+                  "uid": os.getuid()}
+        if os.environ.get("GREENROOM_POD_UID"):  # set by the Helm chart (downward API)
+            record["pod_uid"] = os.environ["GREENROOM_POD_UID"]
+        return record
 
     def _describe_owner(self) -> str:
         try:

@@ -38,10 +38,10 @@ from greenroom.rankdir import LOCK_NAME, OWNER_NAME
 MAX_DEPTH = 6  # <root>/<job>/<role>/rank<N> is 3; leave room for site layouts above it
 TRASH_PREFIX = ".greenroom-reclaim-"
 
-# An owner policy sees the owner record of an unlocked dir and may answer "keep" (never
-# touch it, e.g. its pod still exists) or "stale" (reclaim now, skip --min-age); None
-# leaves the decision to the age rule.
-OwnerPolicy = Callable[[dict], "str | None"]
+# An owner policy sees an unlocked dir's path and owner record and may answer "keep"
+# (never touch it, e.g. its pod still exists) or "stale" (reclaim now, skip --min-age);
+# None leaves the decision to the age rule.
+OwnerPolicy = Callable[[str, dict], "str | None"]
 
 
 @dataclass
@@ -156,7 +156,7 @@ def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: flo
             except FileNotFoundError:
                 return None
         owner = _read_owner(dir_fd)
-        verdict = policy(owner) if policy else None
+        verdict = policy(path, owner) if policy else None
         if verdict == "keep":
             return Decision(path, "kept", "kept by policy (its owner still exists)", owner=owner)
         if verdict != "stale":
@@ -242,9 +242,26 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-age", type=float, default=0.0, metavar="SECONDS",
                         help="only reclaim dirs whose owner record is at least this old (default 0)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    k8s = parser.add_argument_group("Kubernetes janitor (see greenroom.k8s_janitor)")
+    k8s.add_argument("--kubernetes", action="store_true",
+                     help="also ask the API server which pods on this node still exist")
+    k8s.add_argument("--node-name", default=None, help="this node's name (default $NODE_NAME)")
+    k8s.add_argument("--interval", type=float, default=None, metavar="SECONDS",
+                     help="repeat every SECONDS (default: one pass)")
+    k8s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                     help="serve Prometheus counters on this port")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kubernetes:
+        from greenroom.k8s_janitor import JanitorConfig, run_janitor
+
+        return run_janitor(JanitorConfig(
+            root=args.root, node_name=args.node_name or os.environ.get("NODE_NAME", ""),
+            interval=args.interval, metrics_port=args.metrics_port or 0, min_age=args.min_age,
+            dry_run=args.dry_run, as_json=args.json))
+    if args.interval is not None or args.metrics_port is not None or args.node_name is not None:
+        raise ValueError("--interval, --metrics-port and --node-name need --kubernetes")
     if fs.is_memory_backed(args.root) and os.path.isdir(args.root):
         print(f"greenroom reclaim: warning: {args.root} is memory-backed (tmpfs); reclaiming anyway",
               file=sys.stderr)

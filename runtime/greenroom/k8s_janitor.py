@@ -1,0 +1,325 @@
+"""``greenroom reclaim ROOT --kubernetes``: the janitor that knows which pods still exist.
+
+The lock rule (``greenroom.reclaim``) only knows that no process holds a dir. On a
+Kubernetes node we know more, through the pods bound to this node (field selector
+``spec.nodeName``, the node name from the downward API):
+
+- a dir whose owner record names a pod UID (``pod_uid``, written by ``RankDir`` from
+  ``$GREENROOM_POD_UID``, which the chart sets from ``metadata.uid``) that no longer
+  exists is stale at once, without waiting for ``--min-age``;
+- a dir of a pod that still exists and has not finished is never touched, even with its
+  lock free: the pod is between container restarts and will come back to its files;
+- a dir without a pod UID, or of a pod that has finished (Succeeded/Failed, it cannot
+  restart), is left to the lock rule and ``--min-age``.
+
+Every reclaim becomes a Kubernetes Event on the Node (reason ``StaleOffloadReclaimed``,
+bytes freed, the pod and job it belonged to) and moves Prometheus counters served on
+``--metrics-port``. Without API access (no in-cluster service account and no kubeconfig,
+or a 401/403) the janitor falls back to the lock rule and says so once. A failed pod
+listing (API unreachable, 5xx, 429) skips that pass, since without the listing a
+restarting pod's dir cannot be told from a dead one's, and the next pass is retried
+with exponential backoff.
+
+Imports no torch: the janitor image runs only this.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from greenroom import fs
+from greenroom.reclaim import Decision, ReclaimReport, print_report, reclaim
+
+EVENT_REASON = "StaleOffloadReclaimed"
+COMPONENT = "greenroom-janitor"
+# Events about cluster-scoped objects (a Node) live in "default", as the kubelet's do.
+EVENT_NAMESPACE = "default"
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+MAX_BACKOFF_SECONDS = 300.0
+REQUEST_TIMEOUT = (5, 30)  # connect, read: a hung API server must not hang the janitor
+
+
+@dataclass(kw_only=True, slots=True)
+class JanitorConfig:
+    """What one janitor process does."""
+
+    root: str
+    """The node's offload root (the chart's hostPath, mounted into the janitor)."""
+    node_name: str
+    """This node's name (``--node-name``, from the downward API ``spec.nodeName``)."""
+    interval: float | None = None
+    """Seconds between passes; None runs one pass and exits."""
+    metrics_port: int = 0
+    """Port of the Prometheus text endpoint; 0 serves none."""
+    metrics_address: str = "0.0.0.0"
+    """Address the metrics endpoint binds (loopback in tests)."""
+    min_age: float = 0.0
+    """``--min-age`` for dirs the pod rule leaves to the lock rule."""
+    dry_run: bool = False
+    """Decide and report, remove nothing, emit no Events."""
+    as_json: bool = False
+    """Print each pass's report as one JSON object."""
+
+
+@dataclass(slots=True)
+class PodInfo:
+    name: str
+    namespace: str
+    phase: str
+    job: str = ""
+
+
+class ApiUnavailable(Exception):
+    """The pod listing failed in a way that may pass (unreachable, 5xx, 429)."""
+
+
+class NoApiAccess(Exception):
+    """No credentials, or the API refuses this identity (401/403): use the lock rule."""
+
+
+class Metrics:
+    """The janitor's Prometheus counters, in a registry of their own."""
+
+    def __init__(self, root: str) -> None:
+        self.registry = CollectorRegistry()
+        self.dirs = Counter("greenroom_reclaim_dirs", "Per-rank dirs reclaimed", registry=self.registry)
+        self.bytes = Counter("greenroom_reclaim_bytes", "Bytes freed by reclaiming per-rank dirs",
+                             registry=self.registry)
+        self.errors = Counter("greenroom_reclaim_errors", "Errors, by where they happened",
+                              ["kind"], registry=self.registry)
+        for kind in ("reclaim", "api", "event"):
+            self.errors.labels(kind)  # exported at 0 from the start, so rate() works
+        self.passes = Counter("greenroom_reclaim_passes", "Reclaim passes completed", registry=self.registry)
+        self.free = Gauge("greenroom_reclaim_root_free_bytes", "Free bytes on the offload root's filesystem",
+                          registry=self.registry)
+        self.free.set_function(lambda: fs.free_bytes(root))
+
+    def record(self, report: ReclaimReport) -> None:
+        if report.dry_run:
+            return
+        self.dirs.inc(len(report.reclaimed))
+        self.bytes.inc(report.bytes_freed)
+        self.errors.labels("reclaim").inc(len(report.errors))
+        self.passes.inc()
+
+
+def load_api() -> k8s.CoreV1Api:
+    """The in-cluster service account's API, else the kubeconfig's; NoApiAccess if neither."""
+    try:
+        k8s_config.load_incluster_config()
+    except k8s_config.ConfigException:
+        try:
+            # $KUBECONFIG read now, not when the client was imported.
+            k8s_config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
+        except (k8s_config.ConfigException, OSError) as e:
+            raise NoApiAccess(f"no in-cluster service account and no usable kubeconfig ({e})") from None
+    configuration = k8s.Configuration.get_default_copy()
+    configuration.retries = 0  # our loop backs off; urllib3's own retries would only delay that
+    return k8s.CoreV1Api(k8s.ApiClient(configuration))
+
+
+def list_node_pods(api: k8s.CoreV1Api, node_name: str) -> dict[str, PodInfo]:
+    """Pods bound to ``node_name``, by UID."""
+    try:
+        pods = api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}",
+                                               _request_timeout=REQUEST_TIMEOUT)
+    except k8s.ApiException as e:
+        if e.status in (401, 403):
+            raise NoApiAccess(f"the API refused to list pods (HTTP {e.status} {e.reason}): the janitor's "
+                              "ServiceAccount needs the ClusterRole with list on pods") from None
+        raise ApiUnavailable(f"listing pods failed: HTTP {e.status} {e.reason}") from None
+    except (urllib3.exceptions.HTTPError, OSError) as e:
+        raise ApiUnavailable(f"listing pods failed: {type(e).__name__}: {e}") from None
+    found = {}
+    for pod in pods.items or []:
+        meta = pod.metadata
+        labels = meta.labels or {}
+        job = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name") or ""
+        found[meta.uid] = PodInfo(meta.name, meta.namespace, (pod.status.phase if pod.status else "") or "",
+                                  job)
+    return found
+
+
+@dataclass
+class PodRule:
+    """The owner policy for ``greenroom.reclaim``: decides by the pod named in the record."""
+
+    pods: dict[str, PodInfo]
+    # Pods seen in earlier passes, so an Event can name a pod after it is gone.
+    seen: dict[str, PodInfo] = field(default_factory=dict)
+
+    def __call__(self, path: str, owner: dict) -> str | None:
+        uid = owner.get("pod_uid")
+        if not uid:
+            # The chart mounts each pod's dir at <root>/<pod uid>/ (subPathExpr): a record
+            # written without $GREENROOM_POD_UID still sits under its live pod's UID.
+            if any(part in self.pods and self.pods[part].phase not in TERMINAL_PHASES
+                   for part in path.split(os.sep)):
+                return "keep"
+            return None
+        pod = self.pods.get(uid)
+        if pod is None:
+            return "stale"
+        return None if pod.phase in TERMINAL_PHASES else "keep"
+
+    def describe(self, owner: dict) -> str:
+        uid = owner.get("pod_uid")
+        pod = self.seen.get(uid) if uid else None
+        who = f"pod {pod.namespace}/{pod.name} (uid {uid})" if pod else (f"pod uid {uid}" if uid else "no pod")
+        return f"{who}, job {owner.get('job', 'unknown')}"
+
+
+def _event(node_name: str, decision: Decision, rule: PodRule | None) -> k8s.CoreV1Event:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    belonged = rule.describe(decision.owner) if rule else f"job {decision.owner.get('job', 'unknown')}"
+    return k8s.CoreV1Event(
+        metadata=k8s.V1ObjectMeta(name=f"{node_name}.greenroom-{uuid.uuid4().hex[:16]}",
+                                  namespace=EVENT_NAMESPACE,
+                                  annotations={"greenroom.dev/bytes-freed": str(decision.bytes),
+                                               "greenroom.dev/pod-uid": str(decision.owner.get("pod_uid", "")),
+                                               "greenroom.dev/job": str(decision.owner.get("job", ""))}),
+        involved_object=k8s.V1ObjectReference(api_version="v1", kind="Node", name=node_name, uid=node_name),
+        reason=EVENT_REASON, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
+        message=f"reclaimed {decision.path}: {decision.bytes} bytes freed, {belonged}",
+        source=k8s.V1EventSource(component=COMPONENT, host=node_name),
+        reporting_component=COMPONENT, reporting_instance=node_name)
+
+
+class Janitor:
+    """One node's janitor: passes of reclaim with the pod rule, Events and metrics."""
+
+    def __init__(self, config: JanitorConfig, *, err=sys.stderr, out=sys.stdout) -> None:
+        self.config = config
+        self.metrics = Metrics(config.root)
+        self.err, self.out = err, out
+        self.api: k8s.CoreV1Api | None = None
+        self.lock_rule_only = False
+        self.failures = 0
+        self.seen: dict[str, PodInfo] = {}
+        self.stop = threading.Event()
+
+    def _fall_back(self, why: str) -> None:
+        self.lock_rule_only = True
+        self.api = None
+        print(f"greenroom reclaim: warning: no Kubernetes API access: {why}; "
+              "falling back to the lock rule (--min-age applies to every dir)", file=self.err, flush=True)
+
+    def connect(self) -> None:
+        try:
+            self.api = load_api()
+        except NoApiAccess as e:
+            self._fall_back(str(e))
+
+    def one_pass(self) -> ReclaimReport | None:
+        """Reclaim once; None when the pod listing failed and the pass was skipped."""
+        rule = None
+        if not self.lock_rule_only:
+            try:
+                pods = list_node_pods(self.api, self.config.node_name)
+            except NoApiAccess as e:
+                self._fall_back(str(e))
+            except ApiUnavailable:
+                self.metrics.errors.labels("api").inc()
+                raise
+            else:
+                self.seen.update(pods)
+                rule = PodRule(pods, self.seen)
+        report = reclaim(self.config.root, dry_run=self.config.dry_run, min_age=self.config.min_age,
+                         policy=rule)
+        self.metrics.record(report)
+        print_report(report, as_json=self.config.as_json, out=self.out)
+        self.out.flush()
+        if self.api is not None and not self.config.dry_run:
+            for decision in report.reclaimed:
+                self._emit(decision, rule)
+        return report
+
+    def _emit(self, decision: Decision, rule: PodRule | None) -> None:
+        try:
+            self.api.create_namespaced_event(EVENT_NAMESPACE, _event(self.config.node_name, decision, rule),
+                                             _request_timeout=REQUEST_TIMEOUT)
+        except (k8s.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
+            # The files are gone either way; a lost Event is counted, never fatal.
+            self.metrics.errors.labels("event").inc()
+            print(f"greenroom reclaim: warning: could not post the {EVENT_REASON} event for {decision.path}: "
+                  f"{getattr(e, 'status', '')} {getattr(e, 'reason', e)}", file=self.err, flush=True)
+
+    def next_delay(self) -> float:
+        interval = self.config.interval or 0.0
+        if self.failures == 0:
+            return interval
+        return min(interval * 2 ** self.failures, max(interval, MAX_BACKOFF_SECONDS))
+
+    def serve(self) -> int:
+        """The periodic loop; returns when ``stop`` is set (SIGTERM/SIGINT)."""
+        while not self.stop.is_set():
+            try:
+                self.one_pass()
+                self.failures = 0
+            except ApiUnavailable as e:
+                self.failures += 1
+                delay = self.next_delay()
+                print(f"greenroom reclaim: warning: {e}; skipping this pass (a pod between restarts cannot be "
+                      f"told from a gone one), retrying in {delay:.1f}s", file=self.err, flush=True)
+            self.stop.wait(self.next_delay())
+        return 0
+
+
+def check_root(root: str) -> None:
+    """One line per problem with the node root; ValueError (exit 2)."""
+    no_permission = (f"reclaim ROOT {root}: no permission to read and delete in it (uid {os.getuid()}); "
+                     "run the janitor as the trainers' uid or as root")
+    try:
+        os.stat(root)
+    except PermissionError:
+        raise ValueError(no_permission) from None
+    except FileNotFoundError:
+        raise ValueError(f"reclaim ROOT {root} does not exist: mount the node's offload root there "
+                         "(the chart's hostPath)") from None
+    if not os.path.isdir(root):
+        raise ValueError(f"reclaim ROOT {root} is not a directory: pass the node's offload root")
+    if fs.is_memory_backed(root):
+        raise ValueError(f"reclaim ROOT {root} is on {fs.mount_of(root).fstype}: the node root must be on "
+                         "node-local disk (NVMe); point the janitor at the same hostPath the trainers use")
+    if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+        raise ValueError(no_permission)
+
+
+def run_janitor(config: JanitorConfig) -> int:
+    """``greenroom reclaim ROOT --kubernetes``: one pass, or a loop with ``interval``."""
+    if not config.node_name:
+        raise ValueError("--node-name is required with --kubernetes (the chart passes $(NODE_NAME) from "
+                         "the downward API spec.nodeName)")
+    if config.interval is not None and config.interval <= 0:
+        raise ValueError(f"--interval must be > 0 seconds, got {config.interval}")
+    if not 0 <= config.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be 0 (off) or a TCP port, got {config.metrics_port}")
+    check_root(config.root)
+    janitor = Janitor(config)
+    janitor.connect()
+    if config.interval is None:
+        try:
+            report = janitor.one_pass()
+        except ApiUnavailable as e:
+            raise ValueError(f"{e} (is the API server reachable from this node? check the kubeconfig or "
+                             "the in-cluster service account)") from None
+        return 1 if report.errors else 0
+    if config.metrics_port:
+        try:
+            start_http_server(config.metrics_port, addr=config.metrics_address, registry=janitor.metrics.registry)
+        except OSError as e:
+            raise ValueError(f"--metrics-port {config.metrics_port}: cannot listen ({e.strerror})") from None
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: janitor.stop.set())
+    return janitor.serve()

@@ -1,0 +1,370 @@
+"""``greenroom reclaim ROOT --kubernetes``: the pod rule, Events, metrics, fallback, bad input.
+
+No Kubernetes API server can run here, so the API is a small in-process HTTP server
+(``http.server`` on 127.0.0.1, in a thread) that speaks the two paths the janitor uses:
+``GET /api/v1/pods?fieldSelector=spec.nodeName=...`` and
+``POST /api/v1/namespaces/default/events``. The janitor talks to it with the REAL
+``kubernetes`` Python client, configured through a kubeconfig, over loopback. That fake
+server is the only stand-in: the dirs are real, their locks are held by real processes
+(``tests/rank_holder.py`` holding a ``RankDir``), the metrics are scraped over HTTP.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from greenroom.k8s_janitor import Janitor, JanitorConfig
+from tests.cli_support import REPO, greenroom, one_line_error
+
+HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
+NODE = "gpu-node-7"
+
+
+class FakeApi:
+    """Pods bound to nodes, the Events posted, and a number of failures to answer first."""
+
+    def __init__(self) -> None:
+        self.pods: list[dict] = []
+        self.events: list[dict] = []
+        self.selectors: list[str] = []
+        self.fail_next = 0
+        self.fail_status = 500
+        handler = self._handler()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def add_pod(self, uid: str, name: str, phase: str = "Running", node: str = NODE) -> None:
+        self.pods.append({"metadata": {"uid": uid, "name": name, "namespace": "train",
+                                       "labels": {"batch.kubernetes.io/job-name": "grpo"}},
+                          "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "greenroom"}]},
+                          "status": {"phase": phase}})
+
+    def _handler(self):
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                url = urllib.parse.urlparse(self.path)
+                if url.path != "/api/v1/pods":
+                    return self._send(404, {"kind": "Status", "code": 404})
+                if api.fail_next:
+                    api.fail_next -= 1
+                    return self._send(api.fail_status, {"kind": "Status", "code": api.fail_status})
+                selector = urllib.parse.parse_qs(url.query).get("fieldSelector", [""])[0]
+                api.selectors.append(selector)
+                node = selector.removeprefix("spec.nodeName=")
+                items = [p for p in api.pods if p["spec"]["nodeName"] == node]
+                self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                                 "items": items})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/api/v1/namespaces/default/events":
+                    return self._send(404, {"kind": "Status", "code": 404})
+                api.events.append(body)
+                self._send(201, body)
+
+        return Handler
+
+    def kubeconfig(self, directory: str) -> str:
+        path = os.path.join(directory, "kubeconfig")
+        with open(path, "w") as f:
+            json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "fake",
+                       "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                       "users": [{"name": "janitor", "user": {"token": "t"}}],
+                       "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "janitor"}}]}, f)
+        return path
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def api(tmp_path, monkeypatch):
+    fake = FakeApi()
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", fake.kubeconfig(str(tmp_path)))
+    yield fake
+    fake.close()
+
+
+def hold(root: str, pod_uid: str | None, job: str):
+    """A real process holding a rank dir under the chart's layout ``<root>/<pod uid>/``."""
+    env = dict(os.environ)
+    env.pop("GREENROOM_POD_UID", None)
+    if pod_uid:
+        env["GREENROOM_POD_UID"] = pod_uid
+    base = os.path.join(root, pod_uid or "no-pod")
+    proc = subprocess.Popen([sys.executable, HOLDER, base, job, "actor", "0"], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    path = proc.stdout.readline().strip()
+    assert path, "holder did not start"
+    return proc, path
+
+
+def dead(root: str, pod_uid: str | None, job: str) -> str:
+    """A rank dir whose owner was SIGKILLed: no cleanup ran, the lock is free."""
+    proc, path = hold(root, pod_uid, job)
+    proc.kill()
+    proc.wait()
+    return path
+
+
+def decisions(report) -> dict:
+    return {d.path: (d.action, d.reason) for d in report.decisions}
+
+
+def test_pod_rule_keeps_existing_pods_and_reclaims_gone_ones_at_once(api, disk_dir):
+    api.add_pod("uid-restarting", "grpo-0")  # still exists, between container restarts
+    api.add_pod("uid-live", "grpo-1")
+    api.add_pod("uid-done", "grpo-2", phase="Succeeded")
+    api.add_pod("uid-elsewhere", "grpo-3", node="other-node")  # not this node's pod
+    restarting = dead(disk_dir, "uid-restarting", "grpo")
+    gone = dead(disk_dir, "uid-gone", "grpo")
+    done = dead(disk_dir, "uid-done", "grpo")
+    elsewhere = dead(disk_dir, "uid-elsewhere", "grpo")
+    no_pod = dead(disk_dir, None, "slurm-1")
+    live_proc, live = hold(disk_dir, "uid-live", "grpo")
+    gone_locked_proc, gone_locked = hold(disk_dir, "uid-gone-but-running", "grpo")
+    try:
+        # --min-age an hour: only the pod rule may reclaim young dirs.
+        janitor = Janitor(JanitorConfig(root=disk_dir, node_name=NODE, min_age=3600),
+                          out=open(os.devnull, "w"))
+        janitor.connect()
+        report = janitor.one_pass()
+        got = decisions(report)
+        assert api.selectors == [f"spec.nodeName={NODE}"]
+        assert got[restarting] == ("kept", "kept by policy (its owner still exists)")
+        assert got[live] == ("kept", "locked by a live process")
+        assert got[gone_locked] == ("kept", "locked by a live process")
+        for young in (done, no_pod):  # left to the lock rule and --min-age
+            assert got[young][0] == "kept" and "younger than --min-age" in got[young][1]
+        assert got[gone] == ("reclaimed", "owner gone") and got[elsewhere] == ("reclaimed", "owner gone")
+        assert not os.path.exists(gone) and not os.path.exists(elsewhere)
+        for kept in (restarting, live, gone_locked, done, no_pod):
+            assert os.path.exists(os.path.join(kept, "offload", "state.bin")), kept
+        freed = {d.path: d.bytes for d in report.reclaimed}
+        assert all(b >= 65536 for b in freed.values())
+
+        assert len(api.events) == 2
+        by_uid = {e["metadata"]["annotations"]["greenroom.dev/pod-uid"]: e for e in api.events}
+        event = by_uid["uid-gone"]
+        assert event["reason"] == "StaleOffloadReclaimed" and event["type"] == "Normal"
+        assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": NODE}
+        assert event["metadata"]["annotations"]["greenroom.dev/bytes-freed"] == str(freed[gone])
+        assert event["metadata"]["annotations"]["greenroom.dev/job"] == "grpo"
+        assert f"{freed[gone]} bytes freed" in event["message"] and "uid-gone" in event["message"]
+        # A pod seen in an earlier listing is named in the Event once it is gone.
+        api.pods = [p for p in api.pods if p["metadata"]["uid"] != "uid-restarting"]
+        report = janitor.one_pass()
+        assert [d.path for d in report.reclaimed] == [restarting]
+        assert "pod train/grpo-0 (uid uid-restarting), job grpo" in api.events[-1]["message"]
+
+        values = metric_values(janitor.metrics.registry)
+        assert values["greenroom_reclaim_dirs_total"] == 3
+        assert values["greenroom_reclaim_bytes_total"] == sum(freed.values()) + report.bytes_freed
+        assert values['greenroom_reclaim_errors_total{kind="reclaim"}'] == 0
+    finally:
+        for proc in (live_proc, gone_locked_proc):
+            proc.terminate()
+            proc.wait()
+
+
+def metric_values(registry) -> dict:
+    from prometheus_client import generate_latest
+
+    return parse_metrics(generate_latest(registry).decode())
+
+
+def parse_metrics(text: str) -> dict:
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return parse_metrics(response.read().decode())
+
+
+def wait_for(condition, what: str):
+    """Poll ``condition`` until it is truthy; a generous bound only catches a hung janitor."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+        except OSError:  # the metrics endpoint is not up yet
+            value = None
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"janitor never got to: {what}")
+
+
+def start_cli(root: str, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.Popen([sys.executable, "-m", "greenroom.cli", "reclaim", root, "--kubernetes",
+                             "--node-name", NODE, "--interval", "0.05", "--metrics-port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+
+
+def stop(proc: subprocess.Popen) -> tuple[str, str]:
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return out, err
+
+
+def test_loop_survives_api_errors_with_backoff_then_reclaims_and_serves_metrics(api, disk_dir):
+    api.fail_next = 3  # the API server answers 500 three times, then recovers
+    gone = dead(disk_dir, "uid-gone", "grpo")
+    port = free_port()
+    proc = start_cli(disk_dir, port)
+    try:
+        wait_for(lambda: api.events, "an Event after the API recovered")
+        values = wait_for(lambda: (v := scrape(port)).get("greenroom_reclaim_dirs_total") and v,
+                          "the reclaimed dir in the metrics")
+    finally:
+        out, err = stop(proc)
+    assert not os.path.exists(gone)
+    assert values["greenroom_reclaim_dirs_total"] == 1
+    assert values["greenroom_reclaim_bytes_total"] >= 65536
+    assert values['greenroom_reclaim_errors_total{kind="api"}'] == 3
+    assert values["greenroom_reclaim_root_free_bytes"] > 0
+    retries = [line for line in err.splitlines() if "skipping this pass" in line]
+    assert len(retries) == 3 and "HTTP 500" in retries[0]
+    # Exponential backoff: each retry waits twice as long as the one before.
+    assert [line.rsplit("retrying in ", 1)[1] for line in retries] == ["0.1s", "0.2s", "0.4s"]
+    assert "Traceback" not in err
+    assert f"reclaimed: {gone}" in out
+
+
+def test_without_api_access_falls_back_to_the_lock_rule_and_says_so_once(disk_dir, tmp_path):
+    env = {"KUBECONFIG": str(tmp_path / "absent"), "KUBERNETES_SERVICE_HOST": ""}
+    gone = dead(disk_dir, "uid-gone", "grpo")
+    port = free_port()
+    proc = start_cli(disk_dir, port, env=env)
+    try:
+        wait_for(lambda: scrape(port).get("greenroom_reclaim_passes_total", 0) >= 3, "three passes")
+    finally:
+        out, err = stop(proc)
+    assert not os.path.exists(gone)  # the lock rule reclaims a dead owner's dir
+    notes = [line for line in err.splitlines() if "no Kubernetes API access" in line]
+    assert len(notes) == 1 and "falling back to the lock rule" in notes[0]
+
+
+def test_forbidden_listing_falls_back_to_the_lock_rule(api, disk_dir):
+    api.fail_next, api.fail_status = 10**6, 403
+    young = dead(disk_dir, "uid-gone", "grpo")
+    proc = greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE, "--min-age", "3600",
+                     env={"KUBECONFIG": os.environ["KUBECONFIG"]}, check_rc=0)
+    assert "HTTP 403" in proc.stderr and "ClusterRole" in proc.stderr and "lock rule" in proc.stderr
+    assert os.path.exists(young)  # no pod listing: --min-age applies, nothing is reclaimed early
+    assert api.events == []
+
+
+def test_bad_input_is_one_line_and_exit_2(disk_dir, tmp_path):
+    env = {"KUBECONFIG": str(tmp_path / "absent"), "KUBERNETES_SERVICE_HOST": "", "NODE_NAME": ""}
+    a_file = os.path.join(disk_dir, "file")
+    open(a_file, "w").close()
+    line = one_line_error(greenroom("reclaim", a_file, "--kubernetes", "--node-name", NODE, env=env))
+    assert "is not a directory" in line
+    line = one_line_error(greenroom("reclaim", os.path.join(disk_dir, "nope"), "--kubernetes",
+                                    "--node-name", NODE, env=env))
+    assert "does not exist" in line and "hostPath" in line
+    line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", env=env))
+    assert "--node-name is required" in line
+    line = one_line_error(greenroom("reclaim", disk_dir, "--interval", "5", env=env))
+    assert "need --kubernetes" in line
+    line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE,
+                                    "--interval", "0", env=env))
+    assert "--interval must be > 0" in line
+
+
+def test_tmpfs_root_is_refused(tmp_path):
+    from greenroom import fs
+
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and fs.is_memory_backed(shm)):
+        pytest.skip("no tmpfs at /dev/shm on this machine")
+    root = os.path.join(shm, f"greenroom-janitor-{os.getpid()}")
+    os.makedirs(root, exist_ok=True)
+    try:
+        line = one_line_error(greenroom("reclaim", root, "--kubernetes", "--node-name", NODE,
+                                        env={"KUBECONFIG": str(tmp_path / "absent")}))
+        assert "is on tmpfs" in line and "NVMe" in line
+    finally:
+        os.rmdir(root)
+
+
+def test_root_without_permission_is_refused(disk_dir, tmp_path):
+    """The CLI in a forked child that drops to uid nobody (root passes every permission check)."""
+    from greenroom.cli import main
+
+    locked = os.path.join(disk_dir, "locked")
+    os.makedirs(locked, mode=0o700)  # owned by us, closed to everyone else
+    if os.getuid() != 0:
+        os.chmod(locked, 0o500)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        rc = 70
+        try:
+            os.dup2(write_end, 2)
+            sys.stderr = os.fdopen(2, "w")  # pytest captures sys.stderr; the CLI writes there
+            if os.getuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            os.environ["KUBECONFIG"] = str(tmp_path / "absent")
+            rc = main(["reclaim", locked, "--kubernetes", "--node-name", NODE])
+        finally:
+            sys.stderr.flush()
+            os._exit(rc)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        stderr = f.read()
+    _, status = os.waitpid(pid, 0)
+    line = one_line_error(subprocess.CompletedProcess([], os.waitstatus_to_exitcode(status), "", stderr))
+    assert "no permission" in line and locked in line
+
+
+def test_unreachable_api_is_one_line_in_a_single_pass(disk_dir, tmp_path):
+    fake = FakeApi()
+    config = fake.kubeconfig(str(tmp_path))
+    fake.close()  # nothing listens on that port any more
+    proc = greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE,
+                     env={"KUBECONFIG": config, "KUBERNETES_SERVICE_HOST": ""})
+    line = one_line_error(proc)
+    assert "listing pods failed" in line and "reachable" in line
