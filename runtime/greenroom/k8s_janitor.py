@@ -189,7 +189,7 @@ def _event(node_name: str, decision: Decision, rule: PodRule | None) -> k8s.Core
                                   annotations={"greenroom.dev/bytes-freed": str(decision.bytes),
                                                "greenroom.dev/pod-uid": str(decision.owner.get("pod_uid", "")),
                                                "greenroom.dev/job": str(decision.owner.get("job", ""))}),
-        involved_object=k8s.V1ObjectReference(api_version="v1", kind="Node", name=node_name, uid=node_name),
+        involved_object=k8s.V1ObjectReference(api_version="v1", kind="Node", name=node_name),
         reason=EVENT_REASON, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
         message=f"reclaimed {decision.path}: {decision.bytes} bytes freed, {belonged}",
         source=k8s.V1EventSource(component=COMPONENT, host=node_name),
