@@ -368,3 +368,17 @@ def test_unreachable_api_is_one_line_in_a_single_pass(disk_dir, tmp_path):
                      env={"KUBECONFIG": config, "KUBERNETES_SERVICE_HOST": ""})
     line = one_line_error(proc)
     assert "listing pods failed" in line and "reachable" in line
+
+
+def test_an_unreadable_listing_skips_the_pass_and_counts_an_api_error(api, disk_dir):
+    from greenroom.k8s_janitor import ApiUnavailable
+
+    gone = dead(disk_dir, "uid-gone", "grpo")
+    api.add_pod("uid-other", "broken")
+    del api.pods[0]["spec"]["containers"]  # a reply the client's Pod model rejects
+    janitor = Janitor(JanitorConfig(root=disk_dir, node_name=NODE), out=open(os.devnull, "w"))
+    janitor.connect()
+    with pytest.raises(ApiUnavailable, match="unreadable reply"):
+        janitor.one_pass()
+    assert os.path.exists(gone)  # nothing is decided without a listing
+    assert metric_values(janitor.metrics.registry)['greenroom_reclaim_errors_total{kind="api"}'] == 1

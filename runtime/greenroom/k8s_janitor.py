@@ -141,6 +141,8 @@ def list_node_pods(api: k8s.CoreV1Api, node_name: str) -> dict[str, PodInfo]:
         raise ApiUnavailable(f"listing pods failed: HTTP {e.status} {e.reason}") from None
     except (urllib3.exceptions.HTTPError, OSError) as e:
         raise ApiUnavailable(f"listing pods failed: {type(e).__name__}: {e}") from None
+    except ValueError as e:  # a reply the client's models reject (a proxy's error page, ...)
+        raise ApiUnavailable(f"listing pods failed: unreadable reply ({str(e).splitlines()[0]})") from None
     found = {}
     for pod in pods.items or []:
         meta = pod.metadata
