@@ -67,8 +67,15 @@ def test_min_age_and_dry_run(disk_dir):
 
 def test_concurrent_reclaimers_reclaim_each_dir_once(disk_dir):
     dead = [dead_owner(disk_dir, job=f"dead{i}", rank=i) for i in range(6)]
-    reports = []
-    threads = [threading.Thread(target=lambda: reports.append(reclaim(disk_dir))) for _ in range(2)]
+    reports, failures = [], []
+
+    def reclaimer():
+        try:
+            reports.append(reclaim(disk_dir))
+        except BaseException as e:  # a thread's exception would otherwise only warn
+            failures.append(e)
+
+    threads = [threading.Thread(target=reclaimer) for _ in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "greenroom.cli", "reclaim", disk_dir, "--json"],
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     for t in threads:
@@ -76,6 +83,7 @@ def test_concurrent_reclaimers_reclaim_each_dir_once(disk_dir):
     for t in threads:
         t.join()
     outputs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert failures == []
     assert all(p.returncode == 0 for p in procs)
     reclaimed = [d.path for r in reports for d in r.reclaimed]
     reclaimed += [d["path"] for o in outputs for d in o["decisions"] if d["action"] == "reclaimed"]

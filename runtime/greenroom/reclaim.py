@@ -95,8 +95,11 @@ def find_candidates(root: str) -> list[str]:
         for e in entries:
             if e.name.startswith(TRASH_PREFIX) or not e.is_dir(follow_symlinks=False):
                 continue
-            if e.stat(follow_symlinks=False).st_dev != root_dev:
-                continue  # a mount point: another filesystem
+            try:
+                if e.stat(follow_symlinks=False).st_dev != root_dev:
+                    continue  # a mount point: another filesystem
+            except FileNotFoundError:
+                continue  # another reclaimer moved it aside just now
             walk(e.path, depth + 1)
 
     walk(root, 0)
