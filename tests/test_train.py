@@ -232,3 +232,36 @@ def test_fp32_streaming_trains_bit_identically_to_resident_adamw(disk_dir):
     model_b, _ = load_state(streamed)
     for k in model_a:
         assert torch.equal(model_a[k], model_b[k]), k
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sigterm_with_save_checkpoints_first_and_the_rerun_resumes(disk_dir, ranks):
+    """Slurm preemption: SIGTERM to every rank; with --save the run finishes its iteration,
+    saves, exits 143, and the requeued run resumes from that iteration with --load."""
+    import signal
+
+    save = os.path.join(disk_dir, "ckpt")
+    args = [*SMALL, "--iterations", "100000", "--save", save, "--metrics", os.path.join(disk_dir, "m.jsonl"),
+            "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
+            os.path.join(disk_dir, "offload")]
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "greenroom.cli", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "greenroom.cli", "train", *args]
+    child = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                             start_new_session=True)
+    for line in child.stdout:
+        if line.startswith("iter "):
+            break
+    os.killpg(child.pid, signal.SIGTERM)  # every rank gets it, as from scancel --signal=TERM
+    out, err = child.communicate(timeout=120)
+    assert "preempted: saved iteration" in out, err
+    if ranks == 1:
+        assert child.returncode == 128 + signal.SIGTERM
+    meta = json.load(open(os.path.join(save, "meta.json")))
+    assert 0 < meta["iteration"] < 100000
+    resumed = train([*SMALL, "--iterations", str(meta["iteration"] + 1), "--load", save,
+                     "--metrics", os.path.join(disk_dir, "m2.jsonl")], ranks=ranks)
+    assert [r["iteration"] for r in records(os.path.join(disk_dir, "m2.jsonl"))] == [meta["iteration"] + 1]
+    assert resumed.returncode == 0

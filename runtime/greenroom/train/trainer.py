@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ from greenroom.train import checkpoint
 from greenroom.train.model import ModelConfig, Transformer
 from greenroom.train.rollout import RolloutEngine
 from greenroom.train.task import TaskConfig, reward, sample_prompts
+
+PREEMPTED_EXIT = 128 + signal.SIGTERM
 
 GB = 1e9
 
@@ -221,13 +225,17 @@ class Trainer:
                                     no_load_optim=self.offload.no_load_optim, rank=self.rank,
                                     world_size=self.world_size)
         self._say(self._header(start))
-        for it in range(start, c.iterations):
-            self._log(self.iteration(it))
-        if c.save:
-            checkpoint.save(c.save, model=self.model, optimizer=self.optimizer,
-                            streaming=self.offload.stream_optimizer_state_to_disk, iteration=c.iterations,
-                            rank=self.rank, world_size=self.world_size, barrier=self._barrier)
-            self._say(f"saved iteration {c.iterations} to {c.save}")
+        with self._preemption_deferred() as preempted:
+            for it in range(start, c.iterations):
+                self._log(self.iteration(it))
+                if preempted() and it + 1 < c.iterations:
+                    # Save where every rank agrees to stop, then exit as SIGTERM would:
+                    # the scheduler requeues and the next run resumes with --load.
+                    self._save(it + 1)
+                    self._say(f"preempted: saved iteration {it + 1}, exiting")
+                    raise SystemExit(PREEMPTED_EXIT)
+            if c.save:
+                self._save(c.iterations)
         if self.metrics_file is not None:
             self._say(f"metrics: {os.path.abspath(c.metrics)} (plot with: greenroom report {c.metrics})")
 
@@ -348,6 +356,42 @@ class Trainer:
         t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
         dist.all_reduce(t)
         return (t / self.world_size).tolist()
+
+    def _save(self, iteration: int) -> None:
+        checkpoint.save(self.config.save, model=self.model, optimizer=self.optimizer,
+                        streaming=self.offload.stream_optimizer_state_to_disk, iteration=iteration,
+                        rank=self.rank, world_size=self.world_size, barrier=self._barrier)
+        self._say(f"saved iteration {iteration} to {self.config.save}")
+
+    @contextlib.contextmanager
+    def _preemption_deferred(self):
+        """With ``--save``, SIGTERM (Slurm's preemption signal, forwarded by our sbatch
+        template) is held until the end of the iteration, so a checkpoint is written
+        first. Ranks see the signal at different moments, so they agree through an
+        all-reduce at each boundary; without ``--save`` SIGTERM keeps its meaning."""
+        received = []
+        if not self.config.save or threading.current_thread() is not threading.main_thread():
+            yield lambda: False
+            return
+
+        def agreed() -> bool:
+            flag = float(bool(received))
+            return self._max_over_ranks(flag) > 0
+
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+        try:
+            yield agreed
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if received:  # arrived during the last iteration: the final save ran, now exit
+            raise SystemExit(PREEMPTED_EXIT)
+
+    def _max_over_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
 
     def _barrier(self) -> None:
         if self.world_size > 1:
