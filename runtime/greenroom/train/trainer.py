@@ -351,11 +351,14 @@ class Trainer:
             sys.stdout.flush()
 
     def _mean_over_ranks(self, *values: float) -> list[float]:
+        return [v / self.world_size for v in self._reduce_over_ranks(values, dist.ReduceOp.SUM)]
+
+    def _reduce_over_ranks(self, values, op) -> list[float]:
         if self.world_size == 1:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t)
-        return (t / self.world_size).tolist()
+        dist.all_reduce(t, op=op)
+        return t.tolist()
 
     def _save(self, iteration: int) -> None:
         checkpoint.save(self.config.save, model=self.model, optimizer=self.optimizer,
@@ -375,8 +378,8 @@ class Trainer:
             return
 
         def agreed() -> bool:
-            flag = float(bool(received))
-            return self._max_over_ranks(flag) > 0
+            [flag] = self._reduce_over_ranks([float(bool(received))], dist.ReduceOp.MAX)
+            return flag > 0
 
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
         try:
@@ -385,13 +388,6 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous)
         if received:  # arrived during the last iteration: the final save ran, now exit
             raise SystemExit(PREEMPTED_EXIT)
-
-    def _max_over_ranks(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
 
     def _barrier(self) -> None:
         if self.world_size > 1:
