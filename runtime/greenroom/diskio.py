@@ -44,12 +44,6 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError
 
 
 class StateFile:
@@ -115,8 +109,8 @@ class StateFile:
                 os.unlink(self.path)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StorageError(
-                    f"{self.path}: not enough space to preallocate {_human(self.allocated)} "
-                    f"({_human(fs.free_bytes(os.path.dirname(self.path)))} free on "
+                    f"{self.path}: not enough space to preallocate {fs.human_bytes(self.allocated)} "
+                    f"({fs.human_bytes(fs.free_bytes(os.path.dirname(self.path)))} free on "
                     f"{fs.mount_of(self.path).mount_point}); free space or point "
                     "--offload-train-disk-dir at a larger disk") from None
             raise

@@ -24,6 +24,15 @@ class MountInfo:
     source: str
 
 
+def human_bytes(n: float) -> str:
+    """``4.0 GiB``-style sizes for messages and reports (whole bytes below 1 KiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
 def nearest_existing(path: str) -> str:
     """The path itself, or its closest ancestor that exists (the dir may not exist yet)."""
     path = os.path.abspath(path)

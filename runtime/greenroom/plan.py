@@ -22,12 +22,6 @@ ACTOR_BYTES_PER_PARAM = 4.0
 RESIDENT_OPTIMIZER_BYTES_PER_PARAM = 12.0
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def build_plan(config: OffloadConfig, *, world_size: int, params: int, nproc_per_node: int,
@@ -71,9 +65,9 @@ def print_plan(plan: dict) -> None:
     print(f"offload:    {plan['offload']}")
     print(f"streaming:  {streaming}")
     mechanisms = int(plan["offload"] == "disk") + int(plan["streaming"])
-    staging = _human(plan["staging_bytes_per_rank"])
+    staging = fs.human_bytes(plan["staging_bytes_per_rank"])
     if mechanisms == 2:
-        staging += f" (2 x {_human(plan['chunk_bytes'])} chunk: offload and streaming each stage their own)"
+        staging += f" (2 x {fs.human_bytes(plan['chunk_bytes'])} chunk: offload and streaming each stage their own)"
     print(f"pinned staging per rank: {staging}")
     if "disk_dir" not in plan:
         print("disk:       not used")
@@ -81,12 +75,12 @@ def print_plan(plan: dict) -> None:
     d = plan["disk_bytes_per_rank"]
     print(f"disk dir:   {plan['disk_dir']} ({plan['filesystem']} at {plan['mount_point']})")
     print("rank dirs:  " + ", ".join(plan["rank_dirs"][:2]) + (" ..." if len(plan["rank_dirs"]) > 2 else ""))
-    print(f"disk per rank: {_human(d['total'])} (streamed state {_human(d['streaming'])}, "
-          f"paused actor {_human(d['offload'])}) for {plan['params']:,} params over {plan['world_size']} rank(s)")
+    print(f"disk per rank: {fs.human_bytes(d['total'])} (streamed state {fs.human_bytes(d['streaming'])}, "
+          f"paused actor {fs.human_bytes(d['offload'])}) for {plan['params']:,} params over {plan['world_size']} rank(s)")
     need, free = plan["disk_bytes_per_node"], plan["free_bytes"]
     verdict = "OK" if plan["fits"] else "DOES NOT FIT"
-    print(f"verdict:    {verdict}: {plan['nproc_per_node']} rank(s) on this node need {_human(need)}, "
-          f"{_human(free)} free")
+    print(f"verdict:    {verdict}: {plan['nproc_per_node']} rank(s) on this node need {fs.human_bytes(need)}, "
+          f"{fs.human_bytes(free)} free")
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -114,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_plan(plan)
     if plan.get("fits") is False:
-        print(f"greenroom plan: error: {plan['disk_dir']} has {_human(plan['free_bytes'])} free, "
-              f"the state needs {_human(plan['disk_bytes_per_node'])}: use a larger disk, more ranks, "
+        print(f"greenroom plan: error: {plan['disk_dir']} has {fs.human_bytes(plan['free_bytes'])} free, "
+              f"the state needs {fs.human_bytes(plan['disk_bytes_per_node'])}: use a larger disk, more ranks, "
               "or narrower moments", file=sys.stderr)
         return 2
     return 0

@@ -218,12 +218,6 @@ def reclaim(root: str, *, dry_run: bool = False, min_age: float = 0.0,
     return report
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def print_report(report: ReclaimReport, *, as_json: bool, out=sys.stdout) -> None:
@@ -232,10 +226,10 @@ def print_report(report: ReclaimReport, *, as_json: bool, out=sys.stdout) -> Non
         return
     for d in report.decisions:
         who = f" (job {d.owner.get('job')}, pid {d.owner.get('pid')} on {d.owner.get('host')})" if d.owner else ""
-        size = f" {_human(d.bytes)}" if d.action != "kept" and d.action != "error" else ""
+        size = f" {fs.human_bytes(d.bytes)}" if d.action != "kept" and d.action != "error" else ""
         print(f"{d.action}: {d.path}{size}{who}: {d.reason}", file=out)
     verb = "would free" if report.dry_run else "freed"
-    print(f"reclaim {report.root}: {len(report.reclaimed)} dir(s), {verb} {_human(report.bytes_freed)}, "
+    print(f"reclaim {report.root}: {len(report.reclaimed)} dir(s), {verb} {fs.human_bytes(report.bytes_freed)}, "
           f"{len(report.errors)} error(s)", file=out)
 
 
