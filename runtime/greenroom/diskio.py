@@ -46,6 +46,30 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
 
 
 
+def pwrite_all(fd: int, buf: memoryview, offset: int, path: str) -> int:
+    """Write all of ``buf`` at ``offset``, retrying short writes; returns ``len(buf)``."""
+    done = 0
+    while done < len(buf):
+        n = os.pwrite(fd, buf[done:], offset + done)
+        if n == 0:
+            raise StorageError(f"{path}: write returned 0 bytes at offset {offset + done}")
+        done += n
+    return done
+
+
+def pread_all(fd: int, buf: memoryview, offset: int, path: str, *, error: type = StorageError) -> int:
+    """Fill all of ``buf`` from ``offset``, retrying short reads; a file that ends
+    first raises ``error`` (the caller's kind: a state file or a checkpoint)."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            raise error(f"{path}: file ended at offset {offset + done}, "
+                        f"expected {len(buf) - done} more bytes (truncated?)")
+        done += n
+    return done
+
+
 class StateFile:
     """A fixed-size file of state with positional I/O.
 
@@ -119,12 +143,7 @@ class StateFile:
     def write(self, buf: memoryview, file_offset: int) -> int:
         """Write all of ``buf`` at ``file_offset``; returns the bytes written."""
         self._check_range(len(buf), file_offset)
-        done = 0
-        while done < len(buf):
-            n = os.pwrite(self.fd, buf[done:], file_offset + done)
-            if n == 0:
-                raise StorageError(f"{self.path}: write returned 0 bytes at offset {file_offset + done}")
-            done += n
+        done = pwrite_all(self.fd, buf, file_offset, self.path)
         if not self.direct:
             # Push the pages out and drop them so the page cache does not hold the state.
             os.fdatasync(self.fd)
@@ -134,13 +153,7 @@ class StateFile:
     def read(self, buf: memoryview, file_offset: int) -> int:
         """Fill all of ``buf`` from ``file_offset``; returns the bytes read."""
         self._check_range(len(buf), file_offset)
-        done = 0
-        while done < len(buf):
-            n = os.preadv(self.fd, [buf[done:]], file_offset + done)
-            if n == 0:
-                raise StorageError(f"{self.path}: file ended at offset {file_offset + done}, "
-                                   f"expected {len(buf) - done} more bytes (truncated?)")
-            done += n
+        done = pread_all(self.fd, buf, file_offset, self.path)
         if not self.direct:
             os.posix_fadvise(self.fd, file_offset, done, os.POSIX_FADV_DONTNEED)
         return done

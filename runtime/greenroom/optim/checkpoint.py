@@ -34,6 +34,7 @@ import zlib
 
 import torch
 
+from greenroom.diskio import pread_all, pwrite_all
 from greenroom.errors import CheckpointError
 from greenroom.optim.adam import local_tensor
 from greenroom.rankdir import write_json_atomic
@@ -166,11 +167,11 @@ def copy_file(src: str, dst: str, size: int) -> str:
             for off in range(0, size, PIECE):
                 n = min(PIECE, size - off)
                 view = memoryview(buf)[:n]
-                _read_exact(src_fd, view, off, src)
+                pread_all(src_fd, view, off, src, error=CheckpointError)
                 if kernel_copy:
                     kernel_copy = _copy_range(src_fd, dst_fd, n, off)
                 if not kernel_copy:
-                    _write_exact(dst_fd, view, off)
+                    pwrite_all(dst_fd, view, off, dst)
                 crc = zlib.crc32(view, crc)
                 os.fdatasync(dst_fd)
                 for fd in (src_fd, dst_fd):
@@ -198,21 +199,6 @@ def _copy_range(src_fd: int, dst_fd: int, n: int, off: int) -> bool:
     return True
 
 
-def _write_exact(fd: int, view: memoryview, off: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], off + done)
-
-
-def _read_exact(fd: int, view: memoryview, off: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], off + done)
-        if n == 0:
-            raise CheckpointError(f"{path}: ends at byte {off + done}, expected {len(view) - done} more (truncated)")
-        done += n
-
-
 def file_crc32(path: str, size: int) -> str:
     """CRC-32 of the first ``size`` bytes of ``path`` (8 hex digits), pages dropped."""
     crc = 0
@@ -221,7 +207,7 @@ def file_crc32(path: str, size: int) -> str:
     try:
         for off in range(0, size, PIECE):
             view = memoryview(buf)[:min(PIECE, size - off)]
-            _read_exact(fd, view, off, path)
+            pread_all(fd, view, off, path, error=CheckpointError)
             crc = zlib.crc32(view, crc)
             os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_DONTNEED)
     finally:
