@@ -120,7 +120,7 @@ class _StandIn:
             main.untyped_storage().resize_(0)  # as the real one leaves its main shards
             self.shard_fp32_from_float16_groups[e.group].append(main)
         self.shard_fp32_groups = [[torch.zeros(40)], []]
-        self._resident = torch.optim.AdamW(self.shard_fp32_groups[0], lr=lr)
+        self.resident_optimizer = torch.optim.AdamW(self.shard_fp32_groups[0], lr=lr)
         self.optimizer = types.SimpleNamespace(param_groups=[
             {"params": [], "lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01,
              "default_config": object()},  # megatron's groups carry objects JSON cannot hold
@@ -128,7 +128,7 @@ class _StandIn:
         self.streamed_steps = 0
         self.topology = Topology()
 
-    def _main(self, i):
+    def main_shard(self, i):
         e = self.shard_entries[i]
         return self.shard_fp32_from_float16_groups[e.group][e.index]
 
@@ -143,7 +143,7 @@ def test_streamed_state_round_trips_through_greenroom_optims_checkpoint(disk_dir
         state.exp_avg.uniform_()
         state.exp_avg_sq.uniform_()
     saved.shard_fp32_groups[0][0].grad = torch.ones(40)
-    saved._resident.step()
+    saved.resident_optimizer.step()
     saved.streamed_steps = 3
     saved.optimizer.param_groups[1]["lr"] = 5e-4  # a scheduler moved it
     engine_checkpoint.save_checkpoint(_EngineView(saved), os.path.join(disk_dir, "ckpt"))
@@ -157,7 +157,7 @@ def test_streamed_state_round_trips_through_greenroom_optims_checkpoint(disk_dir
     assert loaded.streamed_steps == 3
     assert loaded.optimizer.param_groups[1]["lr"] == 5e-4
     assert loaded.optimizer.param_groups[0]["betas"] == (0.9, 0.95)
-    ref, ours = saved._resident.state[saved.shard_fp32_groups[0][0]], loaded._resident.state[loaded.shard_fp32_groups[0][0]]
+    ref, ours = saved.resident_optimizer.state[saved.shard_fp32_groups[0][0]], loaded.resident_optimizer.state[loaded.shard_fp32_groups[0][0]]
     for key in ("step", "exp_avg", "exp_avg_sq"):
         assert torch.equal(ref[key], ours[key])
     for a, b in zip(saved.streamed_store.stream(), loaded.streamed_store.stream()):

@@ -70,7 +70,7 @@ def _assert_same(stock_model, stock_opt, model, optimizer):
         for shards, ours in zip(ref.shard_fp32_groups, member.shard_fp32_groups):
             for a, b in zip(shards, ours):
                 assert torch.equal(a, b)
-                assert torch.equal(ref.optimizer.state[a]["exp_avg_sq"], member._resident.state[b]["exp_avg_sq"])
+                assert torch.equal(ref.optimizer.state[a]["exp_avg_sq"], member.resident_optimizer.state[b]["exp_avg_sq"])
 
 
 def test_streaming_is_bit_identical_to_stock_across_a_save_and_load(disk_dir):
@@ -140,18 +140,20 @@ def test_megatrons_checkpoint_flow_carries_the_small_state_and_resume_stays_bit_
             demo.train_step(stock_model, stock_opt, SIZE, step)
             demo.train_step(model, optimizer, SIZE, step)
         os.makedirs(checkpoint)
-        model_sd = model.sharded_state_dict()
+        # megatron's training loop checkpoints the model inside its DDP wrapper (its keys
+        # carry no ``module.`` prefix), and loads it back the same way.
+        model_sd = model.module.sharded_state_dict()
         dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, checkpoint)
         save_checkpoint(optimizer, checkpoint)
         close(optimizer)
     del model, optimizer
     with RankDir(disk_dir, role="dist-second") as second:
         model, optimizer = _streamed(config, second)
-        model_sd = model.sharded_state_dict()
+        model_sd = model.module.sharded_state_dict()
         loaded = dist_checkpointing.load({"model": model_sd,
                                           "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)},
                                          checkpoint)
-        model.load_state_dict(loaded["model"])
+        model.module.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
         load_checkpoint(optimizer, checkpoint)
         for step in range(2, 5):

@@ -128,9 +128,9 @@ def _sleep_wake(offload, rank_dir, model, optimizer, mode) -> dict:
     sources = [model.module, [b.grad_data for b in model.buffers]]
     for member in getattr(optimizer, "chained_optimizers", [optimizer]):
         if mode == "stream":
-            member.release_device_buffers()
-            if member._resident is not None:
-                sources.append(member._resident)
+            member.streamed_store.release_device_buffers()
+            if member.resident_optimizer is not None:
+                sources.append(member.resident_optimizer)
         else:
             sources.append(member.optimizer)
             sources.append([m for group in member.shard_fp32_from_float16_groups for m in group])

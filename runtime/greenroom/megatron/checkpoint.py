@@ -149,7 +149,7 @@ class _EngineView:
     def __init__(self, member) -> None:
         self.member = member
         self.store = member.streamed_store
-        self.streamed = [member._main(i) for i in range(len(member.shard_entries))]
+        self.streamed = [member.main_shard(i) for i in range(len(member.shard_entries))]
         self.resident = [p for group in member.shard_fp32_groups for p in group]
         self._keys = {id(p): f"main.{e.group}.{e.index}" for p, e in zip(self.streamed, member.shard_entries)}
         for g, group in enumerate(member.shard_fp32_groups):
@@ -164,7 +164,7 @@ class _EngineView:
         self.state: dict = {}
         for p in self.streamed:
             self.state[p] = {"step": torch.tensor(float(member.streamed_steps))}
-        resident = member._resident
+        resident = member.resident_optimizer
         for p in self.resident:
             if resident is not None and resident.state.get(p):
                 self.state[p] = dict(resident.state[p])
@@ -189,11 +189,11 @@ class _EngineView:
             raise CheckpointError(f"the streamed shards were saved at different steps {sorted(steps)}; the "
                                   "checkpoint is not one a streaming DistributedOptimizer wrote")
         member.streamed_steps = int(steps.pop()) if steps else 0
-        if member._resident is not None:
-            member._resident.state.clear()
+        if member.resident_optimizer is not None:
+            member.resident_optimizer.state.clear()
             for p in self.resident:
                 if p in self.state:
-                    member._resident.state[p] = self.state[p]
+                    member.resident_optimizer.state[p] = self.state[p]
         for group, saved in zip(member.optimizer.param_groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -116,7 +116,7 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         self.streamed_steps = 0
         self.settings = settings
         self.topology: Topology = current_topology(self.data_parallel_group)
-        self._resident = _resident_adam(self.optimizer, self.shard_fp32_groups)
+        self.resident_optimizer = _resident_adam(self.optimizer, self.shard_fp32_groups)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -172,21 +172,21 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
             self.optimizer = inner
 
     def _stream_step(self, inner) -> None:
-        _sync_hyperparams(inner, self._resident)
-        if self._resident is not None:
-            self._resident.step()
+        _sync_hyperparams(inner, self.resident_optimizer)
+        if self.resident_optimizer is not None:
+            self.resident_optimizer.step()
         mains = [main for group in self.shard_fp32_from_float16_groups for main in group]
         fused, foreach = _implementation(inner, mains)
         count = self.streamed_steps
         for state in self._greenroom.stream():
             members = state.bucket.entries
             group = inner.param_groups[self.shard_entries[members[0]].group]
-            grads = [self._main(i).grad for i in members]
+            grads = [self.main_shard(i).grad for i in members]
             # Each streamed shard has had the same number of steps (megatron gives every
             # main a grad each step); torch counts per param, so one counter each.
             steps = [kernel.new_step(state.master.device, fused=fused) + count for _ in members]
             masters = state.views(state.master)
-            kernel._bucket_adam_step(masters, grads, state.views(state.exp_avg), state.views(state.exp_avg_sq),
+            kernel.bucket_adam_step(masters, grads, state.views(state.exp_avg), state.views(state.exp_avg_sq),
                                      steps, group=group, fused=fused, foreach=foreach)
             for i, master in zip(members, masters):
                 entry = self.shard_entries[i]
@@ -198,11 +198,11 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         bucket, as at construction), zero moments, no steps taken."""
         entries = self.shard_entries
         self._greenroom.initialize(lambda i: self._model_shard_for(entries[i].group, entries[i].index))
-        if self._resident is not None:
-            self._resident.state.clear()
+        if self.resident_optimizer is not None:
+            self.resident_optimizer.state.clear()
         self.streamed_steps = 0
 
-    def _main(self, i: int) -> torch.Tensor:
+    def main_shard(self, i: int) -> torch.Tensor:
         entry = self.shard_entries[i]
         return self.shard_fp32_from_float16_groups[entry.group][entry.index]
 
@@ -247,7 +247,7 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
             groups.append({k: v for k, v in group.items() if k != "params"})
         state = {"optimizer": {"param_groups": groups},
                  "greenroom": {"streamed": True, "steps": self.streamed_steps,
-                               "resident": self._resident.state_dict() if self._resident else None}}
+                               "resident": self.resident_optimizer.state_dict() if self.resident_optimizer else None}}
         if self.grad_scaler:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
@@ -261,8 +261,8 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
                 "or turn --stream-optimizer-state-to-disk off")
         for group, saved in zip(self.optimizer.param_groups, state_dict["optimizer"]["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        if self._resident is not None and marker.get("resident") is not None:
-            self._resident.load_state_dict(marker["resident"])
+        if self.resident_optimizer is not None and marker.get("resident") is not None:
+            self.resident_optimizer.load_state_dict(marker["resident"])
         if self.grad_scaler and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
@@ -285,14 +285,6 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
     @property
     def streamed_store(self) -> BucketStore:
         return self._greenroom
-
-    def release_device_buffers(self) -> None:
-        """Give the bucket store's device slots back (before the actor sleeps): between
-        steps they hold nothing that is not in the files; the next step makes them again."""
-        self._greenroom.engine.drain()
-        # The store re-creates its slots and scratch lazily (BucketStore._slot).
-        self._greenroom._slots.clear()
-        self._greenroom._scratch.clear()
 
     def close(self) -> None:
         """Release the bucket files' handles and the staging memory."""
@@ -396,7 +388,7 @@ def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BU
 def streaming_members(optimizer) -> list[StreamingDistributedOptimizer]:
     """The streaming DistributedOptimizers inside ``optimizer`` (a chain or a single one)."""
     members = [m for m in getattr(optimizer, "chained_optimizers", [optimizer])
-               if isinstance(m, StreamingDistributedOptimizer) and m._greenroom is not None]
+               if isinstance(m, StreamingDistributedOptimizer) and m.streamed_store is not None]
     if not members:
         raise ValueError("this optimizer does not stream: build it inside greenroom.megatron.streaming(...)")
     return members

@@ -9,7 +9,7 @@ Which state streams, per param (of this rank's local shard, for FSDP2 DTensors):
   A_log): tiny, so their state stays on the device in ``self.state`` and the same
   kernel updates them without any I/O.
 
-The step walks the buckets with ``BucketStore.stream`` and applies ``_bucket_adam_step``
+The step walks the buckets with ``BucketStore.stream`` and applies ``bucket_adam_step``
 (torch's AdamW functional) to each; see docs/streaming.md.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from greenroom.config import MIB, OffloadConfig
 from greenroom.errors import GreenroomError
-from greenroom.optim.kernel import _bucket_adam_step, choose_implementation, new_step
+from greenroom.optim.kernel import bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.rankdir import RankDir
 
@@ -202,7 +202,7 @@ class StreamingAdam(torch.optim.Optimizer):
                 avgs.append(state["exp_avg"])
                 sqs.append(state["exp_avg_sq"])
                 steps.append(state["step"])
-            _bucket_adam_step(params, grads, avgs, sqs, steps, group=group, fused=self.fused, foreach=self.foreach)
+            bucket_adam_step(params, grads, avgs, sqs, steps, group=group, fused=self.fused, foreach=self.foreach)
 
     def _step_bucket(self, bucket_state) -> None:
         bucket = bucket_state.bucket
@@ -227,7 +227,7 @@ class StreamingAdam(torch.optim.Optimizer):
             todo.append((k, p))
             for lst, t in zip(lists, (target, grad, avgs[k], sqs[k], self._state_of(p)["step"])):
                 lst.append(t)
-        _bucket_adam_step(*lists, group=group, fused=self.fused, foreach=self.foreach)
+        bucket_adam_step(*lists, group=group, fused=self.fused, foreach=self.foreach)
         if masters is not None:
             for k, p in todo:
                 local_tensor(p).copy_(masters[k])  # the new master, cast to the param's dtype

@@ -31,7 +31,7 @@ def new_step(device: torch.device, *, fused: bool) -> torch.Tensor:
     return torch.tensor(0.0, dtype=_get_scalar_dtype())
 
 
-def _bucket_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+def bucket_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                       exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
                       steps: Sequence[torch.Tensor], *, group: dict, fused: bool, foreach: bool) -> None:
     """One AdamW step (decoupled weight decay) of the given tensors, in place.

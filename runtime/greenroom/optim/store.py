@@ -345,18 +345,25 @@ class BucketStore:
         """Device memory the store holds now (slots and scratch)."""
         return sum(s.raw.numel() for s in self._slots) + sum(t.numel() * 4 for t in self._scratch.values())
 
+    def release_device_buffers(self) -> None:
+        """Drain I/O and give the device slots and scratch back (before the actor sleeps,
+        say): between steps they hold nothing the files lack, and ``stream`` and
+        ``initialize`` make them again when next needed."""
+        try:
+            self.engine.drain()
+        finally:
+            self._slots.clear()
+            self._scratch.clear()
+
     def close(self) -> None:
         """Drain I/O, close the files (they stay on disk) and free the device buffers."""
         try:
+            self.release_device_buffers()
+        finally:
             if self._own_engine:
                 self.engine.close()
-            else:
-                self.engine.drain()
-        finally:
             for f in self.files:
                 f.close()
-            self._slots.clear()
-            self._scratch.clear()
 
 
 __all__ = ["Bucket", "BucketState", "BucketStore", "DEFAULT_BUCKET_NUMEL", "Entry", "FILE_PATTERN", "Segment",
