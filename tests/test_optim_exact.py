@@ -172,3 +172,19 @@ def test_initialization_holds_one_bucket(disk_dir):
     # after init only one slot (one bucket file's bytes) exists: not the whole state
     assert opt.store.device_bytes() == opt.store.max_bucket_bytes < opt.store.state_bytes / 3
     opt.close()
+
+
+def test_released_device_buffers_come_back_and_the_steps_stay_exact(disk_dir):
+    # What a sleeping actor does between steps: give the store's slots and scratch back.
+    ours, ref_params = twins(ODD_SHAPES)
+    opt = StreamingAdam(ours, lr=1e-2, weight_decay=0.01, state_dir=disk_dir, bucket_numel=1500,
+                        resident_numel=0)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01, foreach=True)
+    for step in range(3):
+        opt.store.release_device_buffers()
+        assert opt.store.device_bytes() == 0
+        set_grads(ours, ref_params, step=step)
+        opt.step()
+        ref.step()
+        assert_state_equal(opt, ref, ours, ref_params)
+    opt.close()
