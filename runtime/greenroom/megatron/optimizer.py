@@ -187,7 +187,7 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
             steps = [kernel.new_step(state.master.device, fused=fused) + count for _ in members]
             masters = state.views(state.master)
             kernel.bucket_adam_step(masters, grads, state.views(state.exp_avg), state.views(state.exp_avg_sq),
-                                     steps, group=group, fused=fused, foreach=foreach)
+                                    steps, group=group, fused=fused, foreach=foreach)
             for i, master in zip(members, masters):
                 entry = self.shard_entries[i]
                 self._model_shard_for(entry.group, entry.index).copy_(master)
@@ -247,7 +247,8 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
             groups.append({k: v for k, v in group.items() if k != "params"})
         state = {"optimizer": {"param_groups": groups},
                  "greenroom": {"streamed": True, "steps": self.streamed_steps,
-                               "resident": self.resident_optimizer.state_dict() if self.resident_optimizer else None}}
+                               "resident": (self.resident_optimizer.state_dict()
+                                            if self.resident_optimizer else None)}}
         if self.grad_scaler:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state

@@ -32,8 +32,8 @@ def new_step(device: torch.device, *, fused: bool) -> torch.Tensor:
 
 
 def bucket_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                      exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
-                      steps: Sequence[torch.Tensor], *, group: dict, fused: bool, foreach: bool) -> None:
+                     exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+                     steps: Sequence[torch.Tensor], *, group: dict, fused: bool, foreach: bool) -> None:
     """One AdamW step (decoupled weight decay) of the given tensors, in place.
 
     ``params`` are the fp32 tensors updated (a bucket's master views, or fp32 params
