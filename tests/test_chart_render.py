@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.chart_support import CHART, CI_VALUES, by_kind, container, helm, manifests, pod_spec, render
-from tests.conftest import require_tool
+from tests.conftest import REPO, require_tool
 
 pytestmark = pytest.mark.helm
 
@@ -285,3 +285,32 @@ def test_helm_package_leaves_the_ci_values_out(tmp_path):
         names = tgz.getnames()
     assert "greenroom/values.schema.json" in names and "greenroom/README.md" in names
     assert not [n for n in names if n.startswith("greenroom/ci/")]
+
+
+def _flags_from_values(values_file: str):
+    """The seed flags the chart's values describe, as ``OffloadFlags`` (the Python side
+    of the mapping, so the chart's template is checked against ``to_argv``)."""
+    from greenroom.config import OffloadFlags
+    with open(os.path.join(REPO, "deploy", "helm", "greenroom", "values.yaml")) as f:
+        v = yaml.safe_load(f)
+    with open(os.path.join(REPO, "deploy", "helm", "greenroom", "ci", values_file)) as f:
+        for key, value in (yaml.safe_load(f) or {}).items():
+            v[key] = {**v[key], **value} if isinstance(value, dict) and isinstance(v.get(key), dict) else value
+    return OffloadFlags(offload_train=v["offload"]["train"],
+                        offload_train_target=v["offload"]["target"] if v["offload"]["train"] else None,
+                        offload_train_disk_dir=v["storage"]["mountPath"],
+                        offload_train_disk_chunk_mb=v["offload"]["diskChunkMb"],
+                        stream_optimizer_state_to_disk=v["streamOptimizerState"]["toDisk"],
+                        stream_optimizer_state_moment_dtype=v["streamOptimizerState"]["momentDtype"],
+                        no_load_optim=v["noLoadOptim"])
+
+
+@pytest.mark.parametrize("values", CI_VALUES)
+def test_the_charts_seed_flags_are_exactly_offload_flags_to_argv(values):
+    if values == "custom-command.yaml":
+        pytest.skip("custom-command.yaml replaces the trainer command: the chart renders no seed flags")
+    trainer = container(pod_spec(manifests(values)), "trainer")
+    argv = trainer.get("args") or trainer["command"]
+    train = argv[argv.index("train") + 1:]
+    expected = _flags_from_values(values).to_argv()
+    assert train[:len(expected)] == expected

@@ -110,3 +110,26 @@ def test_cli_reports_a_missing_disk_dir(monkeypatch):
 def test_cli_rejects_a_choice_outside_the_seed_with_exit_2():
     proc = run_greenroom("plan", "--offload-train-target", "nvme")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flags", [
+    dict(),
+    dict(offload_train=True),
+    dict(offload_train=True, offload_train_target="disk", offload_train_disk_dir="/nvme/x",
+         offload_train_disk_chunk_mb=64, stream_optimizer_state_to_disk=True,
+         stream_optimizer_state_moment_dtype="bf16", no_load_optim=True),
+    dict(stream_optimizer_state_to_disk=True, offload_train_disk_dir="/nvme/x", allow_tmpfs=True),
+])
+def test_to_argv_parses_back_to_the_same_flags(flags):
+    from greenroom.config import OffloadFlags
+    original = OffloadFlags(**flags)
+    ns = greenroom.add_arguments(argparse.ArgumentParser()).parse_args(original.to_argv())
+    assert OffloadFlags.from_args(ns) == original
+
+
+def test_offload_flags_check_the_rules_without_touching_the_filesystem():
+    from greenroom.config import OffloadFlags
+    # A dir that cannot exist here is fine: only OffloadConfig resolves and checks it.
+    OffloadFlags(stream_optimizer_state_to_disk=True, offload_train_disk_dir="/dev/shm/on-the-node")
+    with pytest.raises(ValueError, match="requires --offload-train-target disk"):
+        OffloadFlags(offload_train=True, stream_optimizer_state_to_disk=True)

@@ -7,6 +7,16 @@ Any trainer adopts greenroom with two calls::
 
 Every rule violation is a ``ValueError`` whose message is one line naming the flag and
 the fix; the CLI turns it into exit code 2 without a traceback.
+
+Two layers, so that the flags are spelled out once:
+
+``OffloadFlags``
+    The flags and their pairing rules, and nothing else: no filesystem is looked at, so
+    a job description made far from the nodes (a Slurm YAML, the Helm values) checks
+    itself with it, and ``to_argv()`` is the one flag-to-argv mapping.
+``OffloadConfig``
+    The flags as a process on the node uses them: the disk dir resolved (``$SCRATCH``
+    default, absolute) and refused when memory-backed.
 """
 
 from __future__ import annotations
@@ -48,8 +58,8 @@ def default_disk_dir() -> str | None:
 
 
 @dataclass(kw_only=True, slots=True)
-class OffloadConfig:
-    """Validated actor-offload and optimizer-streaming settings (the seed's flags)."""
+class OffloadFlags:
+    """The seed's flags, checked against their pairing rules; no filesystem access."""
 
     offload_train: bool = False
     """Move the actor's device memory out while it sleeps (``--offload-train``)."""
@@ -76,7 +86,7 @@ class OffloadConfig:
     allow_tmpfs: bool = False
     """Accept a memory-backed disk dir (tests only: it defeats the purpose)."""
 
-    _target_given: bool = field(default=False, init=False, repr=False)
+    _target_given: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._target_given = self.offload_train_target is not None
@@ -103,24 +113,25 @@ class OffloadConfig:
         if self.stream_optimizer_state_to_disk and not self.offload_train and self._target_given:
             warnings.warn("--offload-train-target is ignored without --offload-train "
                           "(streaming alone is the disaggregated case)", stacklevel=3)
-        if self.uses_disk:
-            self._resolve_disk_dir()
 
-    def _resolve_disk_dir(self) -> None:
-        if self.offload_train_disk_dir is None:
-            self.offload_train_disk_dir = default_disk_dir()
-        if not self.offload_train_disk_dir:
-            raise ValueError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
-                             "or set $SCRATCH")
-        self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
-        mount = fs.mount_of(self.offload_train_disk_dir)
-        if mount.fstype in fs.MEMORY_FILESYSTEMS:
-            message = (f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "
-                       f"({mount.mount_point}), which keeps the data in RAM and defeats the purpose; "
-                       "point it at node-local NVMe")
-            if not self.allow_tmpfs:
-                raise ValueError(message + " (or pass --allow-tmpfs for a test)")
-            warnings.warn(message + "; continuing because of --allow-tmpfs", stacklevel=3)
+    def to_argv(self, *, disk_dir: bool = True) -> list[str]:
+        """The flags as ``greenroom train`` (or any ``add_arguments`` parser) takes them,
+        every value said explicitly so a job script or pod spec shows what runs; parsing
+        the result gives these flags back. ``disk_dir=False`` leaves out
+        ``--offload-train-disk-dir`` for launchers that only know it on the node."""
+        argv: list[str] = []
+        if self.offload_train:
+            argv += ["--offload-train", "--offload-train-target", self.offload_train_target]
+        if disk_dir and self.offload_train_disk_dir is not None:
+            argv += ["--offload-train-disk-dir", self.offload_train_disk_dir]
+        argv += ["--offload-train-disk-chunk-mb", str(self.offload_train_disk_chunk_mb)]
+        if self.stream_optimizer_state_to_disk:
+            argv += ["--stream-optimizer-state-to-disk",
+                     "--stream-optimizer-state-moment-dtype", self.stream_optimizer_state_moment_dtype]
+        for name in ("no_load_optim", "allow_tmpfs"):
+            if getattr(self, name):
+                argv.append("--" + name.replace("_", "-"))
+        return argv
 
     @property
     def offload_to_disk(self) -> bool:
@@ -142,17 +153,41 @@ class OffloadConfig:
         return self.chunk_bytes * (int(self.offload_to_disk) + int(self.stream_optimizer_state_to_disk))
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace) -> "OffloadConfig":
-        return cls(
-            offload_train=ns.offload_train,
-            offload_train_target=ns.offload_train_target,
-            offload_train_disk_dir=ns.offload_train_disk_dir,
-            offload_train_disk_chunk_mb=ns.offload_train_disk_chunk_mb,
-            stream_optimizer_state_to_disk=ns.stream_optimizer_state_to_disk,
-            stream_optimizer_state_moment_dtype=ns.stream_optimizer_state_moment_dtype,
-            no_load_optim=ns.no_load_optim,
-            allow_tmpfs=ns.allow_tmpfs,
-        )
+    def from_args(cls, ns: argparse.Namespace):
+        return cls(**{name: getattr(ns, name) for name in FLAG_FIELDS})
+
+
+# The dataclass fields that are flags, in flag order (``--`` + the name with dashes).
+FLAG_FIELDS = ("offload_train", "offload_train_target", "offload_train_disk_dir", "offload_train_disk_chunk_mb",
+               "stream_optimizer_state_to_disk", "stream_optimizer_state_moment_dtype", "no_load_optim",
+               "allow_tmpfs")
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadConfig(OffloadFlags):
+    """The flags as a rank uses them: the rules, then the disk dir resolved and checked."""
+
+    def __post_init__(self) -> None:
+        # Explicit base call: zero-argument super() breaks in a slots dataclass.
+        OffloadFlags.__post_init__(self)
+        if self.uses_disk:
+            self._resolve_disk_dir()
+
+    def _resolve_disk_dir(self) -> None:
+        if self.offload_train_disk_dir is None:
+            self.offload_train_disk_dir = default_disk_dir()
+        if not self.offload_train_disk_dir:
+            raise ValueError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
+                             "or set $SCRATCH")
+        self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
+        mount = fs.mount_of(self.offload_train_disk_dir)
+        if mount.fstype in fs.MEMORY_FILESYSTEMS:
+            message = (f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "
+                       f"({mount.mount_point}), which keeps the data in RAM and defeats the purpose; "
+                       "point it at node-local NVMe")
+            if not self.allow_tmpfs:
+                raise ValueError(message + " (or pass --allow-tmpfs for a test)")
+            warnings.warn(message + "; continuing because of --allow-tmpfs", stacklevel=3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from greenroom import fs
-from greenroom.config import DEFAULT_CHUNK_MB, MOMENT_DTYPES, TARGETS, OffloadConfig
+from greenroom.config import DEFAULT_CHUNK_MB, MOMENT_DTYPES, TARGETS, OffloadFlags
 
 LAUNCHERS = ("srun", "torchrun")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
@@ -74,6 +74,18 @@ class TrainArgs:
 
     extra_args: list[str] = field(default_factory=list)
     """Further ``greenroom train`` arguments, passed through verbatim (each quoted)."""
+
+    def offload_flags(self) -> OffloadFlags:
+        """The seed's flags of this job (the disk dir is only known on the node)."""
+        with warnings.catch_warnings():
+            # The YAML always has a target (its default): "ignored without --offload-train"
+            # would be noise here; the rendered flags leave it out in that case.
+            warnings.simplefilter("ignore")
+            return OffloadFlags(offload_train=self.offload_train, offload_train_target=self.offload_train_target,
+                                offload_train_disk_chunk_mb=self.offload_train_disk_chunk_mb,
+                                stream_optimizer_state_to_disk=self.stream_optimizer_state_to_disk,
+                                stream_optimizer_state_moment_dtype=self.stream_optimizer_state_moment_dtype,
+                                no_load_optim=self.no_load_optim)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -277,18 +289,10 @@ def _check_train(train: TrainArgs) -> None:
     if not isinstance(train.extra_args, list) or not all(isinstance(a, str) for a in train.extra_args):
         raise ValueError(f"train.extra_args: expected a list of strings, got {train.extra_args!r}")
     # The trainer's own pairing rules, checked here so a bad pair fails before submission.
-    # The disk dir is only known on the node: "/" stands in for it.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            OffloadConfig(offload_train=train.offload_train, offload_train_target=train.offload_train_target,
-                          offload_train_disk_dir="/", allow_tmpfs=True,
-                          offload_train_disk_chunk_mb=train.offload_train_disk_chunk_mb,
-                          stream_optimizer_state_to_disk=train.stream_optimizer_state_to_disk,
-                          stream_optimizer_state_moment_dtype=train.stream_optimizer_state_moment_dtype,
-                          no_load_optim=train.no_load_optim)
-        except ValueError as e:
-            raise ValueError(f"train: {e}") from None
+    try:
+        train.offload_flags()
+    except ValueError as e:
+        raise ValueError(f"train: {e}") from None
 
 
 def time_minutes(value: str) -> int:

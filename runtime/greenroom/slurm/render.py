@@ -35,15 +35,7 @@ def _quote_words(command: str) -> str:
 def train_args(config: SlurmJobConfig) -> list[str]:
     """``greenroom train``'s arguments (after ``train``), as the exact seed flags."""
     t = config.train
-    args: list[str] = []
-    if t.offload_train:
-        args += ["--offload-train", "--offload-train-target", t.offload_train_target]
-    args += ["--offload-train-disk-chunk-mb", str(t.offload_train_disk_chunk_mb)]
-    if t.stream_optimizer_state_to_disk:
-        args += ["--stream-optimizer-state-to-disk",
-                 "--stream-optimizer-state-moment-dtype", t.stream_optimizer_state_moment_dtype]
-    if t.no_load_optim:
-        args.append("--no-load-optim")
+    args = t.offload_flags().to_argv(disk_dir=False)
     if t.iterations is not None:
         args += ["--iterations", str(t.iterations)]
     args += ["--role", t.role]
