@@ -44,32 +44,43 @@ def train_args(config: SlurmJobConfig) -> list[str]:
     return args + list(t.extra_args)
 
 
-def sbatch_options(config: SlurmJobConfig) -> list[str]:
-    """The ``#SBATCH`` options, in a fixed order (values were checked to be single words)."""
+def resource_options(config: SlurmJobConfig) -> dict[str, str | bool]:
+    """The job's resources as sbatch long options (``True``: a bare flag), in a fixed
+    order. The one mapping from the config to Slurm: the script's ``#SBATCH`` lines and
+    submitit's executor parameters are both made from it."""
     per_node = config.tasks_per_node if config.launcher == "srun" else 1
     cpus = config.cpus_per_task * (config.tasks_per_node if config.launcher == "torchrun" else 1)
-    options = [f"--job-name={config.job_name}", f"--nodes={config.nodes}", f"--ntasks-per-node={per_node}",
-               f"--cpus-per-task={cpus}"]
+    options: dict[str, str | bool] = {"job-name": config.job_name, "nodes": str(config.nodes),
+                                      "ntasks-per-node": str(per_node), "cpus-per-task": str(cpus)}
     if config.gpus_per_node:
-        options.append(f"--gpus-per-node={config.gpus_per_node}")
+        options["gpus-per-node"] = str(config.gpus_per_node)
     if config.mem is not None:
-        options.append(f"--mem={config.mem}")
-    options.append(f"--time={config.time}")
+        options["mem"] = config.mem
+    options["time"] = config.time
     for name in ("partition", "account", "qos"):
         if getattr(config, name) is not None:
-            options.append(f"--{name}={getattr(config, name)}")
+            options[name] = getattr(config, name)
     if config.exclusive:
-        options.append("--exclusive")
-    # B: sends the signal to the batch shell only; it decides what the trainer gets.
-    options.append(f"--signal=B:{config.preempt_signal}@{config.preempt_signal_seconds}")
-    if config.max_restarts:
-        options.append("--requeue")
-    # Append: a requeued job keeps one batch log with every restart in it.
-    options += ["--open-mode=append", f"--output={config.log_dir}/%x-%j.out"]
+        options["exclusive"] = True
     for key in sorted(config.sbatch_extra):
-        value = config.sbatch_extra[key]
-        options.append(f"--{key}" if value is True else f"--{key}={value}")
+        options[key] = config.sbatch_extra[key]
     return options
+
+
+def sbatch_options(config: SlurmJobConfig) -> list[str]:
+    """The ``#SBATCH`` options: the resources, then what only the batch script does
+    (values were checked to be single words)."""
+    options = dict(resource_options(config))
+    extra = {key: options.pop(key) for key in config.sbatch_extra}
+    # B: sends the signal to the batch shell only; it decides what the trainer gets.
+    options["signal"] = f"B:{config.preempt_signal}@{config.preempt_signal_seconds}"
+    if config.max_restarts:
+        options["requeue"] = True
+    # Append: a requeued job keeps one batch log with every restart in it.
+    options["open-mode"] = "append"
+    options["output"] = f"{config.log_dir}/%x-%j.out"
+    options.update(extra)
+    return [f"--{key}" if value is True else f"--{key}={value}" for key, value in options.items()]
 
 
 def _container_parts(config: SlurmJobConfig) -> tuple[str, str]:

@@ -27,10 +27,16 @@ import submitit
 
 from greenroom.errors import GreenroomError
 from greenroom.slurm.config import SlurmJobConfig, time_minutes
-from greenroom.slurm.render import setup_lines, train_args
+from greenroom.slurm.render import resource_options, setup_lines, train_args
 from greenroom.slurm.sbatch import job_state
 
 __all__ = ["TrainTask", "executor_for", "submit_train", "job_state"]
+
+# sbatch options that submitit takes as named parameters (it writes those lines itself);
+# the rest of ``render.resource_options`` goes through as additional parameters.
+_SUBMITIT_NAMES = {"job-name": "name", "nodes": "nodes", "ntasks-per-node": "tasks_per_node",
+                   "cpus-per-task": "cpus_per_task", "gpus-per-node": "gpus_per_node", "mem": "slurm_mem",
+                   "partition": "slurm_partition", "account": "slurm_account"}
 
 
 @dataclass(frozen=True)
@@ -66,25 +72,17 @@ def executor_for(config: SlurmJobConfig, folder: str) -> submitit.AutoExecutor:
     if config.launcher != "srun":
         raise ValueError("launcher: submitit starts one task per process itself; use launcher: srun")
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    extra = {key: value for key, value in config.sbatch_extra.items()}
-    if config.qos:
-        extra["qos"] = config.qos
-    if config.exclusive:
-        extra["exclusive"] = True
+    options = resource_options(config)
+    named = {_SUBMITIT_NAMES[key]: options.pop(key) for key in list(options) if key in _SUBMITIT_NAMES}
+    for key in ("nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node"):
+        if key in named:
+            named[key] = int(named[key])
     executor.update_parameters(
-        name=config.job_name, nodes=config.nodes, tasks_per_node=config.tasks_per_node,
-        cpus_per_task=config.cpus_per_task, timeout_min=time_minutes(config.time),
+        **named, timeout_min=time_minutes(options.pop("time")),
         slurm_setup=setup_lines(config), slurm_srun_args=["--kill-on-bad-exit=1"],
         slurm_signal_delay_s=config.preempt_signal_seconds,
-        slurm_additional_parameters=extra,
+        slurm_additional_parameters=options,
     )
-    if config.gpus_per_node:
-        executor.update_parameters(gpus_per_node=config.gpus_per_node)
-    if config.mem is not None:
-        executor.update_parameters(slurm_mem=config.mem)
-    for name in ("partition", "account"):
-        if getattr(config, name):
-            executor.update_parameters(**{f"slurm_{name}": getattr(config, name)})
     return executor
 
 
