@@ -11,7 +11,7 @@ IMAGE ?= greenroom
 TAG ?= $(shell $(PYTHON) -c "import tomllib;print(tomllib.load(open('pyproject.toml','rb'))['project']['version'])" 2>/dev/null || echo dev)
 BASE_IMAGE ?= nvcr.io/nvidia/pytorch:25.09-py3
 
-.PHONY: install run test system-deps image verify clean
+.PHONY: install run test system-deps image clean
 
 install: $(VENV)/.installed
 

@@ -311,8 +311,11 @@ class Trainer:
 
     # -- reporting ------------------------------------------------------------------
     def _bar(self, total: int, desc: str):
+        # Bars only on a terminal: piped to a file (CI, kubectl logs, a Slurm .out) they
+        # would bury the one summary line per iteration.
         return tqdm(total=total, desc=f"  {desc}", leave=False, dynamic_ncols=True,
-                    disable=not self.config.progress or self.rank != 0, file=sys.stderr)
+                    disable=not self.config.progress or self.rank != 0 or not sys.stderr.isatty(),
+                    file=sys.stderr)
 
     def _header(self, start: int) -> str:
         o = self.offload

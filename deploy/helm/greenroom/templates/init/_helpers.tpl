@@ -1,0 +1,60 @@
+{{/* The init container that prepares the node-local dir. */}}
+
+{{/*
+The init container's script. It runs as root (chown needs it) with env
+GREENROOM_NODE_ROOT (the whole node root), GREENROOM_POD_UID and the trainer's uid/gid.
+reclaim exits 1 when some dir could not be removed (reported above): that must not keep
+this pod from starting; any other failure (a root that is not a dir, exit 2) does.
+*/}}
+{{- define "greenroom.init.script" -}}
+set -eu
+rc=0
+greenroom reclaim "$GREENROOM_NODE_ROOT" --min-age "$GREENROOM_RECLAIM_MIN_AGE" || rc=$?
+if [ "$rc" -gt 1 ]; then exit "$rc"; fi
+own="$GREENROOM_NODE_ROOT/$GREENROOM_POD_UID"
+mkdir -p "$own"
+chown "$GREENROOM_TRAINER_UID:$GREENROOM_TRAINER_GID" "$own"
+chmod 0700 "$own"
+echo "greenroom-init: $own ready for uid $GREENROOM_TRAINER_UID"
+{{- end -}}
+
+{{/* The init container: reclaims dead ranks' dirs on the node, then makes this pod's own. */}}
+{{- define "greenroom.init.container" -}}
+{{- $v := .Values -}}
+- name: prepare-offload-dir
+  image: {{ include "greenroom.image" . }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: ["/bin/sh", "-c"]
+  args:
+    - |
+      {{- include "greenroom.init.script" . | nindent 6 }}
+  env:
+    - name: GREENROOM_NODE_ROOT
+      value: {{ include "greenroom.nodeRootMount" . | quote }}
+    - name: GREENROOM_RECLAIM_MIN_AGE
+      value: {{ $v.reclaim.initContainer.minAgeSeconds | quote }}
+    - name: GREENROOM_TRAINER_UID
+      value: {{ $v.podSecurityContext.runAsUser | default 1000 | quote }}
+    - name: GREENROOM_TRAINER_GID
+      value: {{ $v.podSecurityContext.runAsGroup | default 1000 | quote }}
+    - name: GREENROOM_POD_UID
+      valueFrom: {fieldRef: {fieldPath: metadata.uid}}
+  # Root only here, and only the capabilities chown/chmod of another user's dir and
+  # deleting dead ranks' files need.
+  securityContext:
+    runAsNonRoot: false
+    runAsUser: 0
+    runAsGroup: 0
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    capabilities:
+      drop: [ALL]
+      add: [CHOWN, DAC_OVERRIDE, FOWNER]
+  {{- with $v.reclaim.initContainer.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: offload
+      mountPath: {{ include "greenroom.nodeRootMount" . }}
+{{- end -}}
