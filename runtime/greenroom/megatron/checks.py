@@ -68,24 +68,6 @@ def check_transformer_config(transformer_config) -> None:
                          "--fp8-param-gather): keep the params in bf16 or fp16")
 
 
-def check_optimizer(optimizer) -> None:
-    """Refuse an optimizer object that is not (a chain of) DistributedOptimizer with Adam.
-
-    Accepts megatron's ``ChainedOptimizer`` (what ``get_megatron_optimizer`` returns) and
-    checks every member.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(member, DistributedOptimizer):
-            raise ValueError(f"optimizer streaming needs megatron's DistributedOptimizer, got "
-                             f"{type(member).__name__}: set use_distributed_optimizer=True")
-        check_optimizer_config(member.config)
-        if getattr(member, "ddp_config", None) is not None:
-            check_ddp_config(member.ddp_config)
-        check_inner_optimizer(getattr(member, "optimizer", None))
-
-
 def check_inner_optimizer(inner) -> None:
     """Refuse an inner optimizer other than torch's Adam/AdamW (None: a stub, accepted).
 

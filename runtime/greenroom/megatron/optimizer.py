@@ -45,9 +45,8 @@ from greenroom.errors import CheckpointError
 from greenroom.megatron import checks
 from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
 from greenroom.optim import kernel
-from greenroom.optim.store import BucketStore, Entry
+from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 
-DEFAULT_BUCKET_NUMEL = 200_000_000
 # sharded_state_dict's marker for "param state lives in greenroom's files".
 SHARDING_TYPE = "greenroom_streamed"
 
@@ -97,6 +96,8 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[4]
         checks.check_optimizer_config(config)
         checks.check_ddp_config(model_chunks[0].ddp_config)
+        if getattr(model_chunks[0], "config", None) is not None:  # the chunk's TransformerConfig
+            checks.check_transformer_config(model_chunks[0].config)
         checks.check_inner_optimizer(kwargs["optimizer"] if "optimizer" in kwargs else args[0])
         building = _Building(settings=settings, model_chunks=model_chunks)
         token = _BUILDING.set(building)
@@ -210,11 +211,13 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         """Entry ``i``'s fp32 main, exp_avg and exp_avg_sq, decoded, on the host (for tests
         and inspection: it reads the entry's whole bucket)."""
         bucket = next(b for b in self._greenroom.buckets if i in b.entries)
-        for state in self._greenroom.stream([bucket.index]):
-            k = bucket.entries.index(i)
-            return tuple(state.views(t)[k].detach().cpu().clone()
-                         for t in (state.master, state.exp_avg, state.exp_avg_sq))
-        raise AssertionError
+        states = self._greenroom.stream([bucket.index])
+        state = next(states)
+        k = bucket.entries.index(i)
+        entry_state = tuple(state.views(t)[k].detach().cpu().clone()
+                            for t in (state.master, state.exp_avg, state.exp_avg_sq))
+        states.close()  # nothing changed: closing before the write-back skips it
+        return entry_state
 
     def _model_shard_for(self, group: int, index: int) -> torch.Tensor:
         """The slice of the 16-bit param buffer that main shard (group, index) feeds."""
