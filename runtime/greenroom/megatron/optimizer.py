@@ -92,13 +92,15 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         settings = _SETTINGS.get()
         if settings is None:
             raise RuntimeError("construct StreamingDistributedOptimizer through greenroom.megatron.streaming()")
-        config = kwargs["config"] if "config" in kwargs else args[1]
-        model_chunks = kwargs["model_chunks"] if "model_chunks" in kwargs else args[4]
-        checks.check_optimizer_config(config)
+        # By name, through megatron's own signature: its positional order has changed
+        # between releases.
+        given = inspect.signature(DistributedOptimizer.__init__).bind(self, *args, **kwargs).arguments
+        model_chunks = given["model_chunks"]
+        checks.check_optimizer_config(given["config"])
         checks.check_ddp_config(model_chunks[0].ddp_config)
         if getattr(model_chunks[0], "config", None) is not None:  # the chunk's TransformerConfig
             checks.check_transformer_config(model_chunks[0].config)
-        checks.check_inner_optimizer(kwargs["optimizer"] if "optimizer" in kwargs else args[0])
+        checks.check_inner_optimizer(given["optimizer"])
         building = _Building(settings=settings, model_chunks=model_chunks)
         token = _BUILDING.set(building)
         try:
