@@ -1,9 +1,9 @@
 """`greenroom plan`, `doctor` and `bench disk` as a user runs them."""
 
 import json
+import os
 
 import pytest
-import os
 
 from tests.cli_support import greenroom, one_line_error
 
