@@ -497,10 +497,17 @@ class TransferEngine:
         return self._submit("read", dst, file, offset)
 
     def drain(self) -> None:
-        """Wait for every transfer submitted so far; raises the first error."""
+        """Wait for every transfer submitted so far, then raise the first error: when it
+        raises, no I/O of this engine is in flight any more."""
         pending, self._inflight = self._inflight, []
+        first = None
         for t in pending:
-            t._wait_unreported()
+            try:
+                t._wait_unreported()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def close(self) -> None:
         if self._closed:
