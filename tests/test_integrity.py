@@ -216,3 +216,20 @@ def test_an_error_recording_the_checksums_reaches_wait(disk_dir, monkeypatch):
         monkeypatch.setattr(f, "record_sums", broken)
         with pytest.raises(StorageError, match="table write failed"):
             engine.write(torch.ones(1 << 20, dtype=torch.uint8), f, 0).wait()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_transfers_are_verified_too(disk_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU machine)")
+    path = os.path.join(disk_dir, "gpu-state")
+    src = torch.randint(0, 256, (2 * EXTENT + 5,), dtype=torch.uint8, device="cuda")
+    with TransferEngine(1 << 20) as engine, StateFile(path, src.numel(), label="the actor's offload file") as f:
+        engine.write(src, f, 0).wait()
+        back = torch.zeros_like(src)
+        engine.read(back, f, 0).wait()
+        assert torch.equal(back, src)
+        flip_byte(path, EXTENT + 1)
+        with pytest.raises(IntegrityError, match=f"checksum mismatch at offset {EXTENT} "):
+            engine.read(back, f, 0).wait()
