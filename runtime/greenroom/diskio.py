@@ -654,14 +654,17 @@ class TransferEngine:
             n = piece.numel()
             staged = buf[:align_up(n)]
             file.read(memoryview(staged.numpy()), file_offset)
-            sums, first = self._sums_of(staged, file_offset, transfer)
             if stream is None:
                 piece.copy_(buf[:n])
+                sums, first = self._sums_of(staged, file_offset, transfer)
             else:
                 with torch.cuda.stream(stream):
                     piece.copy_(buf[:n], non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
+                # Hash while the DMA reads the same buffer; the caller learns of a
+                # mismatch from wait() before it may touch ``piece``.
+                sums, first = self._sums_of(staged, file_offset, transfer)
                 event.synchronize()  # the staging buffer is reused once released
         except BaseException as e:
             error = e
