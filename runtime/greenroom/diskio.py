@@ -37,8 +37,10 @@ bit changes it by +-2^b times an odd number, never 0 mod 2^64, so it is always c
 and a page written or read at the wrong place is caught too (its factor differs). Being
 linear, an extent's sum can be put together from the pieces of any chunking, so it
 does not depend on the staging size. It runs as one int64 mat-vec per chunk (no
-temporary as large as the chunk): about 7 GB/s on the 2 CPU cores of the CI machine,
-against 2 GB/s disks that a worker waits on in the other threads meanwhile. Hashing on
+temporary as large as the chunk; a multiply-then-sum ran 5-10x slower): 3-7 GB/s on
+one core of the 2-core CI machine, measured with other jobs on it, against ~2 GB/s
+disks; each worker hashes while the other workers' I/O keeps the disk busy, and a read
+chunk is hashed while its DMA to the device runs. Hashing on
 the host rather than on the GPU: the staging buffer is where the bytes leave for, and
 arrive from, the disk (so that is what is verified), it is aligned and padded (the
 device tensor is neither at its tail), the same code serves CPU and CUDA tensors, and
@@ -55,8 +57,9 @@ be read back with verification on.
 Note [failing fast]: a driver or worker thread never dies with a transfer unfinished.
 An exception while splitting a transfer fails the chunks not yet handed out; one in a
 worker fails its chunk; either way the transfer completes with the error and
-``wait()``/``drain()``/``close()`` raise it. OS errors name the file, the operation
-and the offset.
+``wait()``/``drain()``/``close()`` raise it. ``drain()`` waits for every transfer before
+it raises, so no I/O is in flight afterwards. OS errors name the file, the operation,
+the offset and the state the file holds.
 """
 
 from __future__ import annotations
