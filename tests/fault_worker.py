@@ -36,8 +36,8 @@ def break_disk(how: str, fd: int) -> None:
     sectors = subprocess.run(["blockdev", "--getsz", f"/dev/mapper/{name}"], capture_output=True, text=True,
                              check=True).stdout.strip()
     for cmd in (["dmsetup", "suspend", "--nolockfs", name], ["dmsetup", "load", name, "--table", f"0 {sectors} error"],
-                ["dmsetup", "resume", name]):
-        subprocess.run(cmd, check=True, capture_output=True)
+                ["dmsetup", "resume", "--noudevsync", name]):
+        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
 
 
 def arm(op: str, nth: int, how: str) -> None:

@@ -35,7 +35,7 @@ EIO_LINE = (r"error: \S+/(bucket-\d{5}\.bin|actor\.state): (read|write|sync) of 
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WATCHDOG_S)
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: rc {proc.returncode}: {proc.stderr.strip()}")
     return proc
@@ -112,10 +112,10 @@ def dm_linear(tmp_path):
     name = f"greenroom-test-{uuid.uuid4().hex[:8]}"
     with loop_device(str(tmp_path / "disk.img"), 64) as dev:
         sectors = _run("blockdev", "--getsz", dev).stdout.strip()
-        proc = _run("dmsetup", "create", name, "--table", f"0 {sectors} linear {dev} 0", check=False)
+        proc = _run("dmsetup", "create", "--noudevsync", name, "--table", f"0 {sectors} linear {dev} 0", check=False)
         if proc.returncode != 0:
             pytest.skip(f"the kernel has no usable device-mapper: {proc.stderr.strip().splitlines()[0]}")
-        with _finally_all(lambda: _run("dmsetup", "remove", "--force", name, check=False)), \
+        with _finally_all(lambda: _run("dmsetup", "remove", "--noudevsync", "--force", name, check=False)), \
                 ext4_on(f"/dev/mapper/{name}", str(tmp_path / "mnt")) as state:
             yield state, name
 
