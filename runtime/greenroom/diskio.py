@@ -37,8 +37,8 @@ bit changes it by +-2^b times an odd number, never 0 mod 2^64, so it is always c
 and a page written or read at the wrong place is caught too (its factor differs). Being
 linear, an extent's sum can be put together from the pieces of any chunking, so it
 does not depend on the staging size. It runs as one int64 mat-vec per chunk (no
-temporary as large as the chunk; a multiply-then-sum ran 5-10x slower): 3-7 GB/s on
-one core of the 2-core CI machine, measured with other jobs on it, against ~2 GB/s
+temporary as large as the chunk; a multiply-then-sum ran 5-10x slower): 9-12 GB/s on
+one idle core of the CI machine (3-7 with other jobs on its 2 cores), against ~2 GB/s
 disks; each worker hashes while the other workers' I/O keeps the disk busy, and a read
 chunk is hashed while its DMA to the device runs. Hashing on
 the host rather than on the GPU: the staging buffer is where the bytes leave for, and
