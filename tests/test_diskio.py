@@ -111,7 +111,8 @@ def test_io_errors_reach_the_caller(disk_dir):
         f = StateFile(os.path.join(disk_dir, "closed"), 1 << 16, direct=False)
         f.close()
         transfer = engine.write(torch.zeros(1 << 16, dtype=torch.uint8), f, 0)
-        with pytest.raises(OSError):
+        with pytest.raises(StorageError, match=r"closed: write of 16384 bytes at offset \d+ of a state file failed: "
+                                               r"Bad file descriptor \(EBADF\)"):
             transfer.wait()
 
 

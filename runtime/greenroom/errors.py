@@ -16,3 +16,8 @@ class StorageError(GreenroomError):
 
 class CheckpointError(GreenroomError):
     """A checkpoint does not match the current run or fails its checksums."""
+
+
+class IntegrityError(StorageError):
+    """Bytes read back from a state file are not the bytes written there: its checksum
+    does not match (a bit flip, a firmware bug, a stray write). Nothing read is used."""

@@ -75,7 +75,7 @@ class DiskMover:
         for n in layout:
             offsets.append(end)
             end += align_up(n)
-        self._file = StateFile(self.path, max(end, 1))
+        self._file = StateFile(self.path, max(end, 1), label="the actor's offload file")
         self._layout, self._offsets = layout, offsets
         return self._file
 

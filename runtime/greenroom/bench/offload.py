@@ -33,6 +33,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mover", choices=("greenroom", "tms"), default="greenroom",
                         help="on torch_memory_saver: who copies the bytes (default %(default)s)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -66,6 +68,7 @@ def measure(args: argparse.Namespace) -> dict:
     from greenroom import actor
     from greenroom.actor.memory import RssSampler
     from greenroom.bench.disk import raw_bandwidth
+    from greenroom.diskio import verify_default
     from greenroom.rankdir import RankDir
 
     device = torch.device("cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()))
@@ -129,7 +132,8 @@ def measure(args: argparse.Namespace) -> dict:
     steady = cycles[1:] or cycles
     return {
         "gib": args.gib, "bytes": size, "target": args.target, "device": str(device), "backend": backend,
-        "mover": mover, "chunk_mb": args.chunk_mb, "dir": config.offload_train_disk_dir, "cycles": cycles,
+        "mover": mover, "chunk_mb": args.chunk_mb, "verify": verify_default(), "dir": config.offload_train_disk_dir,
+        "cycles": cycles,
         "bound": cycles[0]["bound"], "bit_exact": bit_exact,
         "sleep_ratio": min(c["sleep_ratio"] for c in steady),
         "wake_ratio": min(c["wake_ratio"] for c in steady),
@@ -142,6 +146,8 @@ def measure(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.gib <= 0 or args.cycles <= 0:
         raise ValueError("bench offload: --gib and --cycles must be positive")
+    if args.no_verify:
+        os.environ["GREENROOM_VERIFY"] = "0"  # inherited by the relaunch under torch_memory_saver
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):
         raise ValueError("bench offload --target disk needs --dir DIR on node-local NVMe (or $SCRATCH)")
     result = measure(args)
@@ -150,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
         return 0 if result["bit_exact"] else 1
     r = result
     print(f"bench offload: {r['gib']:g} GiB on {r['device']}, target {r['target']}, backend {r['backend']} "
-          f"(mover {r['mover']}), chunk {r['chunk_mb']} MiB")
+          f"(mover {r['mover']}), chunk {r['chunk_mb']} MiB"
+          + (f", checksums {'verified' if r['verify'] else 'OFF (--no-verify)'}" if r["target"] == "disk" else ""))
     unit = ("write", "read") if r["target"] == "disk" else ("out", "in")
     if r["target"] == "disk":
         print(f"  bound: raw disk ({'O_DIRECT' if r['bound']['o_direct'] else 'buffered'}, random bytes, "

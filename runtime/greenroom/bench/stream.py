@@ -46,6 +46,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", action="store_true",
                         help="also time save_checkpoint and load_checkpoint (a dir beside the bucket files)")
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -158,6 +160,7 @@ def measure(args: argparse.Namespace) -> dict:
             buckets = len(opt.store.buckets)
             largest_bucket = opt.store.max_bucket_bytes
             direct = all(f.direct for f in opt.store.files)
+            verify = opt.store.engine.verify
         finally:
             opt.close()
 
@@ -180,7 +183,7 @@ def measure(args: argparse.Namespace) -> dict:
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
         "page_cache_growth_bytes": host.cached_peak - host.cached_before,
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
-        "checkpoint": checkpoint,
+        "checkpoint": checkpoint, "verify": verify,
     }
 
 
@@ -200,6 +203,8 @@ def _time_checkpoint(opt, directory: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
+    if args.no_verify:
+        os.environ["GREENROOM_VERIFY"] = "0"
     result = measure(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -207,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
     r = result
     print(f"bench stream: {r['params']:,} {r['param_dtype']} params, {r['moment_dtype']} moments, on {r['device']}; "
           f"{r['buckets']} buckets of <= {r['bucket_numel']:,} elements, state {r['state_bytes'] / GB:.2f} GB "
-          f"in {r['dir']} ({r['filesystem']}, O_DIRECT {'on' if r['o_direct'] else 'off'})")
+          f"in {r['dir']} ({r['filesystem']}, O_DIRECT {'on' if r['o_direct'] else 'off'}, "
+          f"checksums {'verified' if r['verify'] else 'OFF (--no-verify)'})")
     print(f"raw disk (same run): read {r['raw_read_bytes_per_s'] / GB:.2f} GB/s, "
           f"write {r['raw_write_bytes_per_s'] / GB:.2f} GB/s")
     print(f"init: {r['init_seconds']:.2f} s" + (f", peak device {r['init_peak_device_bytes'] / GB:.2f} GB"

@@ -19,8 +19,10 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   master is stored). Buckets take consecutive entries of the same group and master kind
   up to ``bucket_numel`` elements; an entry larger than the cap is its own bucket.
 - Each bucket is one preallocated file ``bucket-NNNNN.bin`` of 4 KiB-aligned segments
-  ``[master | exp_avg | exp_avg_sq]`` (no master segment when ``master`` is false); the
-  moment segments use the ``codecs`` of ``moment_dtype``. ``store.layout()`` describes it
+  ``[master | exp_avg | exp_avg_sq]`` (no master segment when ``master`` is false),
+  followed by the I/O engine's checksum table (``diskio`` Note [integrity]: kept in the
+  file so that a checkpoint's copy carries it and a loaded one is verified on its first
+  read); the moment segments use the ``codecs`` of ``moment_dtype``. ``store.layout()`` describes it
   all as JSON (the checkpoint manifest embeds it).
 - ``stream()`` keeps two device slots of one bucket file each: while the caller updates
   bucket i in one, the read of bucket i+1 fills the other, and the write-back of bucket
@@ -102,8 +104,11 @@ class Bucket:
     exp_avg_sq: Segment
     """Second moment."""
 
+    data_bytes: int
+    """Bytes of the segments (aligned): what a step reads and writes back."""
+
     file_bytes: int
-    """Size of the file (aligned)."""
+    """Size of the file: the segments and the checksum table after them."""
 
     offsets: tuple[int, ...] = field(default=())
     """Element offset of each entry within the bucket's flat tensors."""
@@ -164,7 +169,8 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
         exp_avg_sq = Segment(offset=cursor, nbytes=sq_codec.nbytes(numel))
         cursor = align_up(cursor + exp_avg_sq.nbytes)
         buckets.append(Bucket(index=index, entries=tuple(members), numel=numel, master=master,
-                              exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, file_bytes=cursor, offsets=tuple(offsets)))
+                              exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, data_bytes=cursor,
+                              file_bytes=StateFile.file_bytes(cursor, checksums="file"), offsets=tuple(offsets)))
     return buckets
 
 
@@ -207,19 +213,26 @@ class BucketStore:
         self.device = torch.device(device)
         self.avg_codec, self.sq_codec = moment_codecs(moment_dtype)
         self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype)
+        self._slots: list[_Slot] = []
+        self._scratch: dict[str, torch.Tensor] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
         self._own_engine = engine is None
         self.engine = engine if engine is not None else TransferEngine(chunk_bytes)
         self.files: list[StateFile] = []
         try:
             for bucket in self.buckets:
-                self.files.append(StateFile(self.path(bucket.index), bucket.file_bytes))
+                self.files.append(StateFile(self.path(bucket.index), bucket.data_bytes, checksums="file",
+                                            label=f"bucket {bucket.index} of the optimizer state"))
         except BaseException:
-            self.close()
+            # A failed setup (no space for bucket 7, say) leaves no file it created.
+            try:
+                self.close()
+            finally:
+                for f in self.files:
+                    if f.created and os.path.exists(f.path):
+                        os.unlink(f.path)
             raise
-        self._slots: list[_Slot] = []
-        self._scratch: dict[str, torch.Tensor] = {}
-        self.bytes_read = 0
-        self.bytes_written = 0
 
     # -- facts ----------------------------------------------------------------------
     def path(self, index: int) -> str:
@@ -232,7 +245,8 @@ class BucketStore:
 
     @property
     def max_bucket_bytes(self) -> int:
-        return max((b.file_bytes for b in self.buckets), default=0)
+        """The largest bucket's segments: the size of a device slot."""
+        return max((b.data_bytes for b in self.buckets), default=0)
 
     def layout(self) -> dict:
         """The layout as JSON: what a checkpoint must match to be read back."""
@@ -258,7 +272,7 @@ class BucketStore:
         get = source if callable(source) else source.__getitem__
         slot = self._slot(0)
         for bucket, file in zip(self.buckets, self.files):
-            raw = slot.raw[:bucket.file_bytes]
+            raw = slot.raw[:bucket.data_bytes]
             raw.zero_()  # zero bytes decode to zero moments in every codec
             if bucket.master is not None:
                 master = self._master_view(raw, bucket)
@@ -289,7 +303,7 @@ class BucketStore:
                 state = self._decode(index, slot)
                 yield state
                 self._encode(state, slot)
-                slot.write = self.engine.write(slot.raw[:state.bucket.file_bytes], self.files[index], 0)
+                slot.write = self.engine.write(slot.raw[:state.bucket.data_bytes], self.files[index], 0)
                 self.bytes_written += state.bucket.file_bytes
         finally:
             self.engine.drain()
@@ -299,7 +313,7 @@ class BucketStore:
     def _submit_read(self, index: int, slot: _Slot):
         bucket = self.buckets[index]
         self.bytes_read += bucket.file_bytes
-        return self.engine.read(slot.raw[:bucket.file_bytes], self.files[index], 0)
+        return self.engine.read(slot.raw[:bucket.data_bytes], self.files[index], 0)
 
     def _decode(self, index: int, slot: _Slot) -> BucketState:
         bucket = self.buckets[index]

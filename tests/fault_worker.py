@@ -1,0 +1,98 @@
+"""A process that streams optimizer state or sleeps/wakes an actor on a given dir and
+breaks the disk under itself at a chosen I/O call; used by tests/test_faults.py.
+
+    python fault_worker.py SCENARIO DIR BREAK [ARG]
+
+SCENARIO: ``step`` (StreamingAdam, 4 buckets), ``sleep`` or ``wake`` (the portable
+actor offloader, disk target). BREAK: ``shutdown`` (the ext4 shutdown ioctl on the
+file: every later I/O of the filesystem fails with EIO), ``none`` (the disk breaks by
+itself: a thin device that runs out of space) or ``dm:NAME`` (switch the
+device-mapper device NAME to the ``error`` target). The break happens right before the
+ARG-th read (``step``, ``wake``) or write (``sleep``) of a state file, from the I/O
+thread that does it, so the fault lands in the middle of the phase. Exit 3 with the
+error on stderr when greenroom reports a ``GreenroomError``, 0 when nothing failed.
+"""
+
+import fcntl
+import os
+import struct
+import subprocess
+import sys
+
+import torch
+
+from greenroom.diskio import StateFile
+from greenroom.errors import GreenroomError
+
+EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
+SHUTDOWN_NOLOGFLUSH = 2
+
+
+def break_disk(how: str, fd: int) -> None:
+    if how == "shutdown":
+        fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", SHUTDOWN_NOLOGFLUSH))
+        return
+    name = how.split(":", 1)[1]
+    sectors = subprocess.run(["blockdev", "--getsz", f"/dev/mapper/{name}"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    for cmd in (["dmsetup", "suspend", "--nolockfs", name], ["dmsetup", "load", name, "--table", f"0 {sectors} error"],
+                ["dmsetup", "resume", "--noudevsync", name]):
+        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+
+
+def arm(op: str, nth: int, how: str) -> None:
+    """Break the disk right before the nth ``op`` ("read" or "write") of any state file."""
+    if how == "none":
+        return
+    original = getattr(StateFile, op)
+    calls = [0]
+
+    def hooked(self, buf, file_offset):
+        calls[0] += 1
+        if calls[0] == nth:
+            break_disk(how, self.fd)
+        return original(self, buf, file_offset)
+
+    setattr(StateFile, op, hooked)
+
+
+def main() -> int:
+    scenario, directory, how = sys.argv[1:4]
+    nth = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    torch.manual_seed(0)
+    if scenario == "step":
+        from greenroom.optim import StreamingAdam
+
+        params = [torch.nn.Parameter(torch.randn(400_000, dtype=torch.bfloat16)) for _ in range(4)]
+        opt = StreamingAdam(params, state_dir=directory, bucket_numel=400_000, chunk_mb=1, resident_numel=0)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        arm("read", nth, how)
+        opt.step()
+        opt.close()
+        return 0
+    from greenroom.actor.offloader import PortableOffloader
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4)))  # 16 MiB
+    # Not closed on purpose: a failed phase must leave no I/O in flight, so the process
+    # exits cleanly even when nobody closes the engine.
+    offloader = PortableOffloader(target="disk", offload_dir=directory, chunk_bytes=1 << 20).track(model)
+    if scenario == "sleep":
+        arm("write", nth, how)
+        offloader.sleep()
+        offloader.wake()
+    else:
+        offloader.sleep()
+        arm("read", nth, how)
+        offloader.wake()
+    offloader.close()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except GreenroomError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
