@@ -12,8 +12,10 @@ root, job, role, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 with RankDir(root, job=job, role=role, rank=rank) as rank_dir:
     with open(f"{rank_dir.subdir('offload')}/state.bin", "wb") as f:
         f.write(b"x" * 65536)
-    print(rank_dir.path, flush=True)
     try:
+        # Printed inside the try: the test signals as soon as it reads the path, and a
+        # signal between the print and the try would skip the "cleanup" line.
+        print(rank_dir.path, flush=True)
         time.sleep(600)
     finally:
         print("cleanup", flush=True)
