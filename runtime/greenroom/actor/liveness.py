@@ -86,7 +86,7 @@ class Liveness:
 
     def discard(self, tensors) -> None:
         for t in tensors:
-            t = local(t.detach())
+            t = local(t)  # the object itself: a detached alias would die at once
             storage = t.untyped_storage()
             span = _span(t)
             if span != (0, storage.nbytes()):
