@@ -137,9 +137,15 @@ def allocator_segments(device: torch.device, *, exclude_pools: set) -> list[dict
             if s["device"] == index and tuple(s.get("segment_pool_id", (0, 0))) not in exclude_pools]
 
 
+# Blocks this large are units of their own, so that one that does not change (a frozen
+# reference policy's weight) is recognised as clean whatever its neighbours do; smaller
+# neighbours are moved together (fewer, larger transfers).
+OWN_UNIT_BYTES = 1 << 20
+
+
 def allocator_runs(device: torch.device, *, exclude_pools: set, dead_addresses: set[int]) -> list[Tracked]:
-    """Runs of adjacent live blocks in the actor's segments; a dead block (a consumed
-    grad, a discarded tensor) is a unit of its own, marked dead."""
+    """The live blocks of the actor's segments, small neighbours joined into runs; a
+    dead block (a consumed grad, a discarded tensor) is a unit of its own, marked dead."""
     out: list[Tracked] = []
 
     def emit(start: int, end: int, dead: bool) -> None:
@@ -156,13 +162,13 @@ def allocator_runs(device: torch.device, *, exclude_pools: set, dead_addresses: 
             size = block["size"]
             address = start + size
             live = block["state"] == "active_allocated"
-            dead = live and start in dead_addresses
-            if not live or dead:
+            alone = live and (start in dead_addresses or size >= OWN_UNIT_BYTES)
+            if not live or alone:
                 if run_start is not None:
                     emit(run_start, run_end, False)
                     run_start = None
-                if dead:
-                    emit(start, start + size, True)
+                if alone:
+                    emit(start, start + size, start in dead_addresses)
                 continue
             if run_start is None:
                 run_start = start
