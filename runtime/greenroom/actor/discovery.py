@@ -114,8 +114,9 @@ def python_storages(device: torch.device, *, exclude: Exclusions) -> list[Tracke
 
 def excluded_pools_of(tms, actor_tag: str) -> set[tuple[int, int]]:
     """The memory pools torch_memory_saver made for tags other than the actor's."""
-    impl = getattr(tms, "_impl", None)
-    pools = getattr(impl, "_mem_pools", None)
+    if getattr(tms, "_impl", None) is None:
+        return set()  # no region entered yet: no pool but the default one
+    pools = getattr(tms._impl, "_mem_pools", None)
     assert pools is not None, "torch_memory_saver's pools moved: greenroom supports 0.0.10"
     return {pool.id for key, pool in list(pools.items()) if key[0] != actor_tag}
 
