@@ -190,7 +190,8 @@ def test_a_failed_wake_stays_asleep_and_can_be_retried_with_the_files_intact(dis
 
 
 def test_memory_torch_did_not_allocate_in_the_paused_region_is_refused_in_one_line():
-    tms.check_release(released=(1 << 30) + (4 << 20), expected=1 << 30)  # mapping slack: fine
+    tms.check_release(released=1 << 30, expected=1 << 30)  # what the GPU machine showed: exact
     with pytest.raises(GreenroomError, match="did not allocate") as err:
         tms.check_release(released=(1 << 30) + (256 << 20), expected=1 << 30)
     assert "\n" not in str(err.value) and "256 MiB" in str(err.value)
+    tms.check_release(released=1 << 30, expected=(1 << 30) + (64 << 20))  # segments outside the hook: fine

@@ -44,6 +44,15 @@ class Exclusions:
         storage = local(tensor).untyped_storage()
         self._refs[storage._cdata] = weakref.ref(tensor)
 
+    def nbytes_on(self, device: torch.device) -> int:
+        """Bytes of the live excluded storages on ``device``."""
+        live = {}
+        for ref in list(self._refs.values()):
+            t = ref()
+            if t is not None and (s := storage_of(t)) is not None and _on(device, s.device):
+                live[s._cdata] = s.nbytes()
+        return sum(live.values())
+
     def __contains__(self, storage: torch.UntypedStorage) -> bool:
         ref = self._refs.get(storage._cdata)
         if ref is None:

@@ -234,8 +234,8 @@ class PortableOffloader(Offloader):
 
     def _warn_uncovered(self) -> None:
         if self.device.type == "cuda":
-            left = torch.cuda.memory_allocated(self.device)
-            if left == 0:
+            left = torch.cuda.memory_allocated(self.device) - self._exclude.nbytes_on(self.device)
+            if left <= 0:
                 return
             what = f"{left} bytes of torch's device memory stay allocated while the actor sleeps"
         else:

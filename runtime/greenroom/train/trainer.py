@@ -126,7 +126,9 @@ def policy_loss(model, prompts, completions, old_logp, advantages, clip: float, 
     if reference is not None:
         with torch.no_grad():
             log_ratio = _token_logp(reference, prompts, completions, old_logp.device) - logp.detach()
-        log_ratio = log_ratio + logp - logp.detach()  # the gradient flows through the policy only
+        # The gradient flows through the policy only; clamped as RL trainers do, since
+        # exp() of a large log-ratio would swamp the policy loss.
+        log_ratio = (log_ratio + logp - logp.detach()).clamp(-10.0, 10.0)
         loss = loss + kl_coef * (torch.exp(log_ratio) - log_ratio - 1).mean()
     return loss
 
