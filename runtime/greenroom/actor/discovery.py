@@ -67,17 +67,14 @@ class Exclusions:
 def _scan() -> tuple[list[torch.Tensor], list[StagingBuffers]]:
     """One pass over the objects the garbage collector tracks: the tensors, and the I/O
     layer's staging buffers (host memory of ours, never the actor's)."""
-    kinds: dict[type, int] = {}  # per type: 1 tensor, 2 staging, 0 neither (one issubclass per type)
-    tensors, staging = [], []
-    for obj in gc.get_objects():
-        tp = type(obj)  # not isinstance: some objects' __class__ has side effects
-        kind = kinds.get(tp)
-        if kind is None:
-            kind = kinds[tp] = 1 if issubclass(tp, torch.Tensor) else 2 if issubclass(tp, StagingBuffers) else 0
-        if kind == 1:
-            tensors.append(obj)
-        elif kind == 2:
-            staging.append(obj)
+    objects = gc.get_objects()
+    # Classify types, not objects (a few hundred types against ~10^5 objects), and never
+    # call isinstance on an object: some objects' __class__ has side effects.
+    types = set(map(type, objects))
+    tensor_types = {tp for tp in types if issubclass(tp, torch.Tensor)}
+    staging_types = {tp for tp in types if issubclass(tp, StagingBuffers)}
+    tensors = [o for o in objects if type(o) in tensor_types]
+    staging = [o for o in objects if type(o) in staging_types] if staging_types else []
     return tensors, staging
 
 
