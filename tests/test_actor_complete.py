@@ -195,3 +195,21 @@ def test_memory_torch_did_not_allocate_in_the_paused_region_is_refused_in_one_li
         tms.check_release(released=(1 << 30) + (256 << 20), expected=1 << 30)
     assert "\n" not in str(err.value) and "256 MiB" in str(err.value)
     tms.check_release(released=1 << 30, expected=(1 << 30) + (64 << 20))  # segments outside the hook: fine
+
+
+def test_all_zero_storages_are_not_moved_and_come_back_identical(disk_dir):
+    """Grads zeroed in place after the step (zero_grad(set_to_none=False)) and any
+    all-zero buffer: zero-filling at wake gives the same bytes, so nothing moves."""
+    with RankDir(disk_dir, job="z") as rank_dir, offloader(rank_dir, "disk") as off:
+        model, optimizer = model_and_optimizer()
+        step(model, optimizer)
+        optimizer.zero_grad(set_to_none=False)  # written after the step: not "consumed", but zero
+        zeros = torch.zeros(1 << 16)
+        almost = torch.zeros(1 << 16)
+        almost[-1] = 1.0
+        grads = [p.grad for p in model.parameters()]
+        slept = off.sleep()
+        off.wake()
+        assert slept.dead >= sum(g.nbytes for g in grads) + zeros.nbytes
+        assert all(not g.any() for g in grads) and not zeros.any()
+        assert almost[-1] == 1.0 and not almost[:-1].any()

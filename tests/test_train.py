@@ -280,7 +280,11 @@ def test_reference_policy_moves_untracked_and_consumed_grads_are_not_written(dis
                     "disk", "--offload-train-disk-dir", os.path.join(disk_dir, "offload")])
     assert "wrote " in result.stdout
     runs = records(metrics)
-    assert runs[0]["sleep_dead"] == 0  # no step yet
+    # The first sleep has no grads (only all-zero biases are dropped); later ones drop
+    # the consumed grads, as many bytes as the weights (fp32, same shapes).
+    weights = runs[0]["sleep_bytes"] // 2  # the policy and its frozen reference
+    assert runs[0]["sleep_dead"] < weights // 10
     for r in runs[1:]:
-        assert r["sleep_dead"] > 0 and r["sleep_written"] + r["sleep_dead"] + r["sleep_clean"] == r["sleep_bytes"]
+        assert r["sleep_dead"] >= weights
+        assert r["sleep_written"] + r["sleep_dead"] + r["sleep_clean"] == r["sleep_bytes"]
     assert_same_state(load_state(resident, 0), load_state(offloaded, 0))

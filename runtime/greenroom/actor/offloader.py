@@ -49,11 +49,26 @@ class PhaseStats:
     """Bytes not rewritten: the target already held them (sleep only)."""
 
     dead: int = 0
-    """Bytes dropped at sleep and zero-filled at wake (consumed grads, discards)."""
+    """Bytes dropped at sleep and zero-filled at wake (consumed grads, discards, units
+    that were all zeros)."""
 
     @property
     def bytes_per_s(self) -> float:
         return self.nbytes / self.seconds if self.seconds > 0 else 0.0
+
+
+def drop_zeros(units: list[tracking.Tracked]) -> None:
+    """Mark units whose bytes are all zero as dead: zero-filling them at wake gives the
+    same bytes, so nothing needs to move (grads zeroed in place after the step, fresh
+    buffers). One reduction per unit where it lives, one synchronisation per device."""
+    by_device: dict[torch.device, list[tracking.Tracked]] = {}
+    for u in units:
+        if not u.dead:
+            by_device.setdefault(u.device, []).append(u)
+    for group in by_device.values():
+        nonzero = torch.stack([u.bytes_view().any() for u in group]).tolist()
+        for u, keep in zip(group, nonzero):
+            u.dead = not keep
 
 
 class Offloader:
@@ -217,6 +232,7 @@ class PortableOffloader(Offloader):
         units = [u for u in units if u.storage.resizable()]
         for u in units:
             u.dead = self.liveness.dead(u.storage)
+        drop_zeros(units)
         return units
 
     def _sleep(self, units: list[tracking.Tracked]) -> Moved:

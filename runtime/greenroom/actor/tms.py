@@ -33,7 +33,7 @@ import torch
 
 from greenroom.actor import discovery, launch
 from greenroom.actor.movers import DiskMover, HostMover, Moved
-from greenroom.actor.offloader import Offloader
+from greenroom.actor.offloader import Offloader, drop_zeros
 from greenroom.actor.tracking import Tracked
 from greenroom.errors import GreenroomError
 
@@ -93,9 +93,11 @@ class TmsOffloader(Offloader):
             units = self.tracked()
             for u in units:
                 u.dead = self.liveness.dead(u.storage)
-            return units
-        dead = {s.data_ptr() for s in self.liveness.dead_storages() if s.device.type == "cuda"}
-        return discovery.allocator_runs(self.device, exclude_pools=self._excluded_pools(), dead_addresses=dead)
+        else:
+            dead = {s.data_ptr() for s in self.liveness.dead_storages() if s.device.type == "cuda"}
+            units = discovery.allocator_runs(self.device, exclude_pools=self._excluded_pools(), dead_addresses=dead)
+        drop_zeros(units)
+        return units
 
     def _excluded_pools(self) -> set:
         return discovery.excluded_pools_of(self._tms, ACTOR_TAG)
