@@ -22,7 +22,8 @@ def args(**kw):
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])
 def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target, capsys):
-    rc = offload.run(args(gib=1 / 32, target=target, dir=disk_dir, chunk_mb=4, cycles=2, json=True))
+    rc = offload.run(args(gib=1 / 32, untracked_gib=1 / 64, target=target, dir=disk_dir, chunk_mb=4, cycles=2,
+                          json=True))
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["bit_exact"] is True
@@ -30,6 +31,8 @@ def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target
     # Each cycle is judged against a bound probed right before it; the headline is the
     # worst cycle after the first (which also creates the file or pins the copies).
     for cycle in result["cycles"]:
+        # The untracked 1/64 GiB moved too (bit_exact checks it came back).
+        assert cycle["sleep_copied"] >= result["bytes"] == (1 << 30) // 32 + (1 << 30) // 64
         assert cycle["sleep_ratio"] > 0 and cycle["wake_ratio"] > 0 and cycle["bound"]
     assert result["sleep_ratio"] == result["cycles"][1]["sleep_ratio"]
     assert result["wake_ratio"] == result["cycles"][1]["wake_ratio"]
@@ -39,6 +42,11 @@ def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target
     else:
         assert {"out_bytes_per_s", "in_bytes_per_s"} <= result["bound"].keys()
     assert os.listdir(disk_dir) == []
+
+
+def test_negative_untracked_size_is_a_one_line_error():
+    with pytest.raises(ValueError, match="--untracked-gib"):
+        offload.run(args(untracked_gib=-1.0))
 
 
 def test_disk_target_without_a_dir_is_a_one_line_error(monkeypatch):

@@ -1,10 +1,13 @@
-"""Actor offload on torch_memory_saver (GPU machine only: ``pytest -m gpu``).
+"""Actor offload on CUDA (GPU machine only: ``pytest -m gpu``).
 
-Each case starts a fresh actor process with ``launch_env``'s environment (the hook must
-be preloaded at start), trains a real model for two steps on CUDA, then sleeps and
-wakes it three times: every param, grad, buffer and AdamW state tensor must come back
-bit-identical at the same device address, and the device memory must be free while
-the actor sleeps.
+Each case starts a fresh actor process (with ``launch_env``'s environment for
+torch_memory_saver, whose hook must be preloaded at start), trains a real model on
+CUDA, then sleeps and wakes it three times: every param, grad, buffer and AdamW state
+tensor, and what the trainer never tracked (a frozen reference policy, an EMA copy, a
+loose tensor), must come back bit-identical (at the same device address on
+torch_memory_saver), and the device memory must be free while the actor sleeps. Then:
+a second process allocates the memory the portable backend gave back; an NCCL process
+group works after every wake; memory torch did not allocate is refused in one line.
 """
 
 import os
@@ -98,3 +101,193 @@ def test_greenroom_train_on_cuda_relaunches_under_the_hook_and_learns(disk_dir):
     assert "(tms)" in result.stdout
     assert len(open(metrics).readlines()) == 4
     assert os.listdir(os.path.join(disk_dir, "offload")) == []
+
+
+def _run(code: str, env_extra: dict, timeout: int = 300) -> str:
+    env = {**os.environ, **env_extra,
+           "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "runtime"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout.strip()
+
+
+def _env(backend: str, target: str, disk_dir: str, job: str) -> dict:
+    if backend != "tms":
+        return {}
+    config = OffloadConfig(offload_train=True, offload_train_target=target, offload_train_disk_dir=disk_dir)
+    return actor.launch_env(config, 0, job=job)
+
+
+PREAMBLE = """
+import copy, os, sys, torch
+from greenroom import OffloadConfig, actor
+from greenroom.errors import GreenroomError
+from greenroom.rankdir import RankDir
+from greenroom.train.model import ModelConfig, Transformer
+config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
+                       offload_train_disk_chunk_mb=64)
+rd = RankDir({disk_dir!r}, role="actor").open()
+off = actor.build_offloader(config, rd, device="cuda", backend={backend!r})
+"""
+
+COMPLETE = PREAMBLE + """
+torch.manual_seed(0)
+model = Transformer(ModelConfig(vocab_size=512, d_model=1024, n_layers=4, n_heads=8, max_seq_len=64)).cuda()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+tokens = torch.randint(0, 512, (4, 64), device="cuda")
+for _ in range(2):
+    optimizer.zero_grad(set_to_none=False)
+    model(tokens).float().square().mean().backward()
+    optimizer.step()
+model(tokens).float().square().mean().backward()  # live grads: the step has not run
+reference = copy.deepcopy(model).requires_grad_(False)   # nothing below is tracked
+ema = {{n: p.detach().clone() for n, p in model.named_parameters()}}
+loose = torch.randn(3 << 20, device="cuda", dtype=torch.float64)
+tensors = [*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(),
+           *(v for s in optimizer.state.values() for v in s.values() if v.is_cuda),
+           *reference.parameters(), *ema.values(), loose]
+before = [t.detach().cpu().clone() for t in tensors]
+addresses = [t.data_ptr() for t in tensors]
+objects = [id(t) for t in tensors]
+actor_bytes = sum({{t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}}.values())
+for cycle in range(3):
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    with off.asleep():
+        freed = torch.cuda.mem_get_info()[0] - free_awake
+        assert freed >= 0.9 * actor_bytes, (freed, actor_bytes)
+    if off.backend == "tms":
+        assert [t.data_ptr() for t in tensors] == addresses, "addresses changed"
+    assert [id(t) for t in tensors] == objects
+    for i, (b, t) in enumerate(zip(before, tensors)):
+        assert torch.equal(b, t.detach().cpu()), f"tensor {{i}} not bit-exact"
+    s = off.last_sleep
+    print("cycle", cycle, "covered", s.nbytes, "copied", s.copied, "clean", s.clean, "dead", s.dead,
+          "release", getattr(off, "last_release", None))
+optimizer.step()
+optimizer.zero_grad(set_to_none=False)
+model(tokens).float().square().mean().backward()
+optimizer.step()
+assert all(torch.isfinite(p).all() for p in model.parameters())
+off.close(); rd.close()
+print("ok", actor_bytes)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+@pytest.mark.parametrize("backend", ["tms", "portable"])
+def test_untracked_state_comes_back_bit_exact_by_default(disk_dir, backend, target):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU machine)")
+    out = _run(COMPLETE.format(target=target, disk_dir=disk_dir, backend=backend),
+               _env(backend, target, disk_dir, f"complete-{backend}-{target}"))
+    print(backend, target, out)
+    assert out.endswith(tuple("0123456789")) and "ok" in out
+    assert os.listdir(disk_dir) == []
+
+
+SECOND_PROCESS = PREAMBLE + """
+import subprocess
+GIB = 1 << 30
+state = [torch.randint(0, 256, (GIB,), dtype=torch.uint8, device="cuda") for _ in range(3)]
+expected = [s.cpu() for s in state]
+torch.cuda.synchronize()
+with off.rollout_region():  # the rollout's own memory: leaves about 1 GiB free
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - GIB, dtype=torch.uint8, device="cuda")
+probe = [sys.executable, "-c", "import torch; x = torch.full((5 << 29,), 7, dtype=torch.uint8, device='cuda'); "
+         "torch.cuda.synchronize(); print(int(x[-1]), torch.cuda.mem_get_info()[0])"]
+awake = subprocess.run(probe, capture_output=True, text=True)
+assert awake.returncode != 0, "2.5 GiB fitted beside the awake actor: the filler did not fill"
+with off.asleep():
+    print("free while asleep", torch.cuda.mem_get_info()[0])
+    asleep = subprocess.run(probe, capture_output=True, text=True)
+    assert asleep.returncode == 0, asleep.stderr[-2000:]
+    print("second process:", asleep.stdout.strip())
+for s, e in zip(state, expected):
+    assert torch.equal(s.cpu(), e)
+off.close(); rd.close()
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_a_second_process_allocates_what_the_portable_backend_gave_back(disk_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU machine)")
+    out = _run(SECOND_PROCESS.format(target="disk", disk_dir=disk_dir, backend="portable"), {})
+    print(out)
+    assert out.endswith("ok")
+
+
+NCCL = PREAMBLE + """
+import socket
+import torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+with off.outside_region() if {outside} else __import__("contextlib").nullcontext():
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    warm = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(warm)  # the communicator and its buffers exist before the first sleep
+state = torch.randn(1 << 24, device="cuda")
+expected = state.cpu()
+for cycle in range(3):
+    with off.asleep():
+        pass
+    x = torch.full((1 << 20,), float(cycle + 1), device="cuda")
+    dist.all_reduce(x)
+    dist.broadcast(x, src=0)
+    torch.cuda.synchronize()
+    assert bool((x == cycle + 1).all()), f"collective after wake {{cycle}} gave {{x[:4]}}"
+    assert torch.equal(state.cpu(), expected)
+    print("cycle", cycle, "release", getattr(off, "last_release", None))
+dist.destroy_process_group()
+off.close(); rd.close()
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cumem", ["default", "off-outside-region"])
+def test_an_nccl_process_group_works_after_every_wake(disk_dir, cumem):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU machine)")
+    env = _env("tms", "disk", disk_dir, f"nccl-{cumem}")
+    if cumem != "default":
+        env["NCCL_CUMEM_ENABLE"] = "0"
+    out = _run(NCCL.format(target="disk", disk_dir=disk_dir, backend="tms", outside=cumem != "default"), env)
+    print(cumem, out)
+    assert out.endswith("ok")
+
+
+FOREIGN = PREAMBLE + """
+import ctypes
+state = torch.randn(1 << 24, device="cuda")
+expected = state.cpu()
+pointer = ctypes.c_void_p()
+# The preloaded hook's cudaMalloc, as a library calling the runtime itself would reach it.
+assert ctypes.CDLL(None).cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(256 << 20)) == 0
+try:
+    off.sleep()
+except GreenroomError as e:
+    message = str(e)
+else:
+    raise SystemExit("a sleep with 256 MiB of foreign memory in the region was not refused")
+assert "did not allocate" in message and "\n" not in message, message
+assert not off.is_asleep and torch.equal(state.cpu(), expected)
+print(message)
+off.close(); rd.close()
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_memory_torch_did_not_allocate_is_refused_and_the_actor_stays_awake(disk_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU machine)")
+    out = _run(FOREIGN.format(target="disk", disk_dir=disk_dir, backend="tms"),
+               _env("tms", "disk", disk_dir, "foreign"))
+    print(out)
+    assert out.endswith("ok")

@@ -33,6 +33,8 @@ class Actor(torch.nn.Module):
 
 
 def trained_actor():
+    """Two steps, then one more backward: the grads are live (the step that consumes
+    them has not run), so a sleep must keep them."""
     torch.manual_seed(0)
     model = Actor()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -41,6 +43,8 @@ def trained_actor():
         optimizer.zero_grad(set_to_none=False)
         model(tokens).square().mean().backward()
         optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    model(tokens).square().mean().backward()
     return model, optimizer
 
 
@@ -103,19 +107,20 @@ def test_training_continues_identically_after_cycles(disk_dir):
     assert_bit_exact(snapshot(twin, twin_optimizer), model, optimizer)
 
 
-def test_layout_change_between_sleeps_rebuilds_the_file(disk_dir):
+def test_state_that_appears_later_gets_its_own_slots_in_the_file(disk_dir):
     model = Actor()
     optimizer = torch.optim.AdamW(model.parameters())
     config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=disk_dir)
-    with RankDir(disk_dir, job="t") as rank_dir, actor.build_offloader(config, rank_dir) as offloader:
-        offloader.track(model, optimizer)
-        first = offloader.sleep().nbytes
-        offloader.wake()
+    with RankDir(disk_dir, job="t") as rank_dir, actor.build_offloader(config, rank_dir, scope="tracked") as off:
+        off.track(model, optimizer)
+        first = off.sleep().nbytes
+        off.wake()
         model(torch.randint(0, 12, (2, 10))).sum().backward()
         optimizer.step()  # grads and Adam moments appear
+        model(torch.randint(0, 12, (2, 10))).sum().backward()  # grads live again
         before = snapshot(model, optimizer)
-        second = offloader.sleep().nbytes
-        offloader.wake()
+        second = off.sleep().nbytes
+        off.wake()
         assert second > 3 * first
         assert_bit_exact(before, model, optimizer)
 

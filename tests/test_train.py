@@ -265,3 +265,26 @@ def test_sigterm_with_save_checkpoints_first_and_the_rerun_resumes(disk_dir, ran
                      "--metrics", os.path.join(disk_dir, "m2.jsonl")], ranks=ranks)
     assert [r["iteration"] for r in records(os.path.join(disk_dir, "m2.jsonl"))] == [meta["iteration"] + 1]
     assert resumed.returncode == 0
+
+
+def test_reference_policy_moves_untracked_and_consumed_grads_are_not_written(disk_dir):
+    """--reference-policy: a frozen copy nobody tracks. Every sleep covers it (the run's
+    weights match a resident twin's), and from the second sleep on the grads the last
+    step consumed are dropped, not written."""
+    metrics = os.path.join(disk_dir, "m.jsonl")
+    common = [*SMALL, "--iterations", "3", "--reference-policy"]
+    resident = os.path.join(disk_dir, "resident")
+    train([*common, "--metrics", os.path.join(disk_dir, "r.jsonl"), "--save", resident])
+    offloaded = os.path.join(disk_dir, "offloaded")
+    result = train([*common, "--metrics", metrics, "--save", offloaded, "--offload-train", "--offload-train-target",
+                    "disk", "--offload-train-disk-dir", os.path.join(disk_dir, "offload")])
+    assert "wrote " in result.stdout
+    runs = records(metrics)
+    # The first sleep has no grads (only all-zero biases are dropped); later ones drop
+    # the consumed grads, as many bytes as the weights (fp32, same shapes).
+    weights = runs[0]["sleep_bytes"] // 2  # the policy and its frozen reference
+    assert runs[0]["sleep_dead"] < weights // 10
+    for r in runs[1:]:
+        assert r["sleep_dead"] >= weights
+        assert r["sleep_written"] + r["sleep_dead"] + r["sleep_clean"] == r["sleep_bytes"]
+    assert_same_state(load_state(resident, 0), load_state(offloaded, 0))

@@ -270,6 +270,18 @@ class StateFile:
                     "--offload-train-disk-dir at a larger disk") from None
             raise _os_error(self.path, self.label, "preallocation", self.allocated, 0, e) from None
 
+    def grow(self, size: int) -> None:
+        """Extend the file in place to ``size`` data bytes: what it holds, and the
+        checksums recorded for it, stay valid (the actor's offload file grows when the
+        actor allocates more, and its clean slots must still verify on wake)."""
+        if self.table_offset is not None:
+            raise ValueError(f"{self.path}: a file with its checksum table in it cannot grow")
+        if align_up(size) <= self.data_bytes:
+            return
+        self.size, self.data_bytes = size, align_up(size)
+        self.allocated = self.data_bytes
+        self._preallocate(existed=True)
+
     # -- blocking I/O -------------------------------------------------------------
     def write(self, buf: memoryview, file_offset: int) -> int:
         """Write all of ``buf`` at ``file_offset``; returns the bytes written."""

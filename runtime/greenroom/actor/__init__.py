@@ -2,8 +2,7 @@
 memory or to per-rank files and brings it back bit-identical.
 
     offloader = greenroom.actor.build_offloader(config, rank_dir, device=device)
-    offloader.track(model, optimizer)
-    with offloader.asleep():
+    with offloader.asleep():   # every live tensor of the actor moves; track() is a hint
         rollout()          # has the memory the actor gave back
 
 On CUDA the process must start with ``launch_env(config, rank)`` (torch_memory_saver's
@@ -17,14 +16,15 @@ import warnings
 import torch
 
 from greenroom.actor.launch import check_disk_support, hook_library, hooks_loaded, launch_env, relaunch_with
-from greenroom.actor.offloader import Offloader, PhaseStats, PortableOffloader
+from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOffloader
 from greenroom.config import OffloadConfig
 
 BACKENDS = ("auto", "tms", "portable")
 
 
 def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.device | str = "cpu",
-                    backend: str = "auto", mover: str | None = None) -> Offloader:
+                    backend: str = "auto", mover: str | None = None, scope: str = "all",
+                    skip_clean: bool | None = None) -> Offloader:
     """The offloader these settings call for.
 
     Args:
@@ -35,6 +35,10 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
             hook is loaded on CUDA, portable otherwise.
         mover: for tms, who copies the bytes (``greenroom`` or ``tms``, see
             ``greenroom.actor.tms``); default: what ``launch_env`` set.
+        scope: ``all`` (default): every live allocation the backend finds moves;
+            ``tracked``: only what ``track()`` named (opt-in, see docs/offload.md).
+        skip_clean: disk target: do not rewrite a unit whose bytes the file already
+            holds (checked by a device-side fingerprint); default on for CUDA units.
     """
     if backend not in BACKENDS:
         raise ValueError(f"--offload-backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -51,10 +55,10 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
         from greenroom.actor.tms import TmsOffloader
 
         return TmsOffloader(target=config.offload_train_target, device=device, offload_dir=offload_dir,
-                            chunk_bytes=config.chunk_bytes, mover=mover)
+                            chunk_bytes=config.chunk_bytes, mover=mover, scope=scope, skip_clean=skip_clean)
     return PortableOffloader(target=config.offload_train_target, device=device, offload_dir=offload_dir,
-                             chunk_bytes=config.chunk_bytes)
+                             chunk_bytes=config.chunk_bytes, scope=scope, skip_clean=skip_clean)
 
 
-__all__ = ["BACKENDS", "Offloader", "PhaseStats", "PortableOffloader", "build_offloader", "check_disk_support",
+__all__ = ["BACKENDS", "SCOPES", "Offloader", "PhaseStats", "PortableOffloader", "build_offloader", "check_disk_support",
            "hook_library", "hooks_loaded", "launch_env", "relaunch_with"]

@@ -1,102 +1,204 @@
-"""Moving the bytes of tracked storages out and back: to host memory or to a file.
+"""Moving the bytes of the actor's units (storages or allocator runs) out and back: to
+host memory or to a file.
 
 A mover only copies; what happens to the device memory in between (freed by resizing
 the storage, or unmapped by torch_memory_saver) is the backend's business. Both movers
-restore exactly the bytes they took, so a wake is bit-identical by construction.
+restore exactly the bytes they took, so a wake is bit-identical by construction. Dead
+units (``Tracked.dead``) are not copied and come back zero-filled.
+
+Both keep their copies keyed by the unit's identity from one sleep to the next (host
+copies are pinned, which is slow; file slots are preallocated), and a failed restore
+keeps everything, so the wake can be tried again.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
+from greenroom.actor.fingerprint import fingerprint
 from greenroom.actor.tracking import Tracked
 from greenroom.diskio import StateFile, TransferEngine, align_up
 
 STATE_FILE = "actor.state"
 
 
+@dataclass(slots=True)
+class Moved:
+    """What one save or restore did, in bytes."""
+
+    copied: int = 0
+    """Bytes written out (save) or read back (restore)."""
+
+    clean: int = 0
+    """Bytes not written because the target already held them (unchanged since the last sleep)."""
+
+    dead: int = 0
+    """Bytes dropped (save) or zero-filled (restore)."""
+
+
+def _zero_dead(units: list[Tracked]) -> int:
+    dead = [u for u in units if u.dead]
+    for u in dead:
+        u.bytes_view().zero_()
+    return sum(u.nbytes for u in dead)
+
+
 class HostMover:
-    """Copies to host memory: pinned (reused from one sleep to the next, since pinning is
-    slow) when the storages live on a GPU, plain and released at wake otherwise."""
+    """Copies to host memory: pinned (kept from one sleep to the next per unit, since
+    pinning is slow) when the units live on a GPU, plain and released at wake otherwise."""
 
     def __init__(self) -> None:
-        self._copies: list[torch.Tensor] = []
-        self._layout: tuple[int, ...] = ()
+        self._copies: dict[tuple, torch.Tensor] = {}
 
-    def save(self, tracked: list[Tracked]) -> None:
-        layout = tuple(t.nbytes for t in tracked)
-        pin = any(t.device.type == "cuda" for t in tracked)
-        if layout != self._layout or not pin:
-            self._copies = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in layout]
-            self._layout = layout
-        for t, host in zip(tracked, self._copies):
-            host.copy_(t.bytes_view(), non_blocking=pin)
+    def save(self, units: list[Tracked]) -> Moved:
+        live = [u for u in units if not u.dead]
+        pin = any(u.device.type == "cuda" for u in live)
+        old, self._copies = self._copies, {}
+        for u in live:
+            host = old.get(u.key)
+            if host is None or host.numel() != u.nbytes or not pin:
+                host = torch.empty(u.nbytes, dtype=torch.uint8, pin_memory=pin)
+            host.copy_(u.bytes_view(), non_blocking=pin)
+            self._copies[u.key] = host
         if pin:
             torch.cuda.synchronize()
+        return Moved(copied=sum(u.nbytes for u in live), dead=sum(u.nbytes for u in units if u.dead))
 
-    def restore(self, tracked: list[Tracked]) -> None:
+    def restore(self, units: list[Tracked]) -> Moved:
         pin = False
-        for t, host in zip(tracked, self._copies):
+        copied = 0
+        for u in units:
+            if u.dead:
+                continue
+            host = self._copies[u.key]
             pin = pin or host.is_pinned()
-            t.bytes_view().copy_(host, non_blocking=host.is_pinned())
+            u.bytes_view().copy_(host, non_blocking=host.is_pinned())
+            copied += u.nbytes
+        dead = _zero_dead(units)
         if pin:
             torch.cuda.synchronize()
         else:
-            self._copies, self._layout = [], ()
+            self._copies = {}
+        return Moved(copied=copied, dead=dead)
+
+    def owned(self) -> list[torch.Tensor]:
+        """The host copies (not the actor's memory, though on the CPU they share a device)."""
+        return list(self._copies.values())
 
     @property
     def host_bytes(self) -> int:
-        return sum(c.numel() for c in self._copies)
+        return sum(c.numel() for c in self._copies.values())
 
     def close(self) -> None:
-        self._copies, self._layout = [], ()
+        self._copies = {}
+
+
+@dataclass(slots=True)
+class _Slot:
+    offset: int
+    nbytes: int
+    fingerprint: tuple[int, int] | None = None
+    """Of the bytes the file holds at this slot, when known."""
 
 
 class DiskMover:
     """Streams to one preallocated file in the rank's ``offload/`` dir through the shared
     I/O layer: host memory stays within the staging chunk whatever the actor's size.
-    The file is overwritten in place every sleep and rebuilt only when the layout changes
-    (the optimizer's state appears after the first step)."""
 
-    def __init__(self, directory: str, chunk_bytes: int) -> None:
+    Each unit has a slot in the file, kept across sleeps while the unit keeps its key
+    and size; a new unit takes the first gap that fits or the end (the file grows in
+    place). With ``skip_clean`` a unit whose fingerprint equals that of the bytes its
+    slot already holds is not written again (a frozen reference policy, a second sleep
+    with no step between).
+    """
+
+    def __init__(self, directory: str, chunk_bytes: int, *, skip_clean: bool | None = None) -> None:
         self.path = os.path.join(directory, STATE_FILE)
         self._engine = TransferEngine(chunk_bytes)
         self._file: StateFile | None = None
-        self._layout: tuple[int, ...] = ()
-        self._offsets: list[int] = []
+        self._slots: dict[tuple, _Slot] = {}
+        self.skip_clean = skip_clean
 
-    def _file_for(self, layout: tuple[int, ...]) -> StateFile:
-        if self._file is not None and layout == self._layout:
-            return self._file
-        self._drop_file()
-        offsets, end = [], 0
-        for n in layout:
-            offsets.append(end)
-            end += align_up(n)
-        self._file = StateFile(self.path, max(end, 1), label="the actor's offload file")
-        self._layout, self._offsets = layout, offsets
+    def _place(self, units: list[Tracked]) -> StateFile:
+        kept = {u.key: s for u in units if (s := self._slots.get(u.key)) is not None and s.nbytes == u.nbytes}
+        taken = sorted((s.offset, s.offset + align_up(s.nbytes)) for s in kept.values())
+        end = taken[-1][1] if taken else 0
+        gaps, cursor = [], 0
+        for start, stop in taken:
+            if start > cursor:
+                gaps.append([cursor, start])
+            cursor = max(cursor, stop)
+        slots = {}
+        for u in units:
+            if u.key in slots:
+                continue
+            slot = kept.get(u.key)
+            if slot is None:
+                need = align_up(u.nbytes)
+                gap = next((g for g in gaps if g[1] - g[0] >= need), None)
+                if gap is not None:
+                    slot = _Slot(offset=gap[0], nbytes=u.nbytes)
+                    gap[0] += need
+                else:
+                    slot = _Slot(offset=end, nbytes=u.nbytes)
+                    end += need
+            slots[u.key] = slot
+        self._slots = slots
+        size = max(end, 1)
+        if self._file is None:
+            self._file = StateFile(self.path, size, label="the actor's offload file")
+        else:
+            # In place: kept slots keep their bytes and their recorded checksums.
+            self._file.grow(size)
         return self._file
 
-    def save(self, tracked: list[Tracked]) -> None:
-        f = self._file_for(tuple(t.nbytes for t in tracked))
-        # Views must outlive their transfers: keep them until drain() returns.
-        views = [t.bytes_view() for t in tracked]
-        for view, offset in zip(views, self._offsets):
-            self._engine.write(view, f, offset)
+    def save(self, units: list[Tracked]) -> Moved:
+        live = [u for u in units if not u.dead]
+        f = self._place(live)
+        moved = Moved(dead=sum(u.nbytes for u in units if u.dead))
+        writes = []
+        for u in live:
+            slot = self._slots[u.key]
+            view = u.bytes_view()
+            skip = self.skip_clean if self.skip_clean is not None else view.is_cuda
+            mark = fingerprint(view) if skip else None
+            if mark is not None and mark == slot.fingerprint:
+                moved.clean += u.nbytes
+                continue
+            slot.fingerprint = None  # unknown until the write is durable
+            # Views must outlive their transfers: keep them until drain() returns.
+            writes.append((slot, mark, view))
+            self._engine.write(view, f, slot.offset)
+            moved.copied += u.nbytes
         self._engine.drain()
         # Flush even with O_DIRECT: an O_DIRECT write can still sit in the drive's (or a
         # virtual disk host's) write cache, and flushing it then would land on the wake's
         # reads. The raw disk bound fdatasyncs too, so sleep is measured like for like.
         f.sync()
+        for slot, mark, _ in writes:
+            slot.fingerprint = mark
+        return moved
 
-    def restore(self, tracked: list[Tracked]) -> None:
-        assert self._file is not None and tuple(t.nbytes for t in tracked) == self._layout
-        views = [t.bytes_view() for t in tracked]
-        for view, offset in zip(views, self._offsets):
-            self._engine.read(view, self._file, offset)
+    def restore(self, units: list[Tracked]) -> Moved:
+        assert self._file is not None
+        views = []
+        copied = 0
+        for u in units:
+            if u.dead:
+                continue
+            slot = self._slots[u.key]
+            assert slot.nbytes == u.nbytes
+            views.append(u.bytes_view())
+            self._engine.read(views[-1], self._file, slot.offset)
+            copied += u.nbytes
         self._engine.drain()
+        return Moved(copied=copied, dead=_zero_dead(units))
+
+    def owned(self) -> list[torch.Tensor]:
+        return []
 
     @property
     def host_bytes(self) -> int:
@@ -106,6 +208,7 @@ class DiskMover:
         if self._file is not None:
             self._file.close()
             self._file = None
+            self._slots = {}
             if os.path.exists(self.path):
                 os.unlink(self.path)
 

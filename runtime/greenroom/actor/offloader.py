@@ -1,15 +1,18 @@
 """The actor's sleep/wake pair, and the portable backend.
 
-An ``Offloader`` is told what the actor holds (``track``), then ``sleep()`` moves all of
-it off the device and gives the memory back, and ``wake()`` brings it back bit-identical.
-``with offloader.asleep(): ...`` makes the phase boundary explicit: whatever runs in the
-block (the rollout) has the memory the actor gave back.
+``sleep()`` moves every live allocation of the actor off the device and gives the
+memory back; ``wake()`` brings it back bit-identical. The trainer does not have to list
+anything: each backend finds what is live (``greenroom.actor.discovery``). ``track()``
+is a hint (those storages come first in the file) and ``discard()`` declares bytes the
+next sleep may drop. ``with offloader.asleep(): ...`` makes the phase boundary explicit:
+whatever runs in the block (the rollout) has the memory the actor gave back.
 
-The portable backend (this module) runs anywhere torch runs: it copies each tracked
-storage out (``HostMover`` or ``DiskMover``), then shrinks the storage to zero bytes so
-the allocator gets the memory back; wake re-grows the storage and copies the bytes in.
-Tensor objects, views and the optimizer's references stay valid across the cycle; on
-CUDA only torch_memory_saver (``greenroom.actor.tms``) also keeps the device addresses.
+The portable backend (this module) runs anywhere torch runs: it copies each live storage
+out (``HostMover`` or ``DiskMover``), then shrinks it to zero bytes and, on CUDA, empties
+torch's cache so the driver gets the memory back; wake re-grows each storage and copies
+the bytes in. The tensor objects themselves stay (a param, its grad, the optimizer's
+references to them, views); only device addresses may change. On CUDA,
+torch_memory_saver (``greenroom.actor.tms``) also keeps the addresses.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from greenroom.actor import tracking
-from greenroom.actor.movers import DiskMover, HostMover
+from greenroom.actor import discovery, tracking
+from greenroom.actor.liveness import Liveness
+from greenroom.actor.movers import DiskMover, HostMover, Moved
+
+SCOPES = ("all", "tracked")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,33 +39,74 @@ class PhaseStats:
     """Wall time of the transition, device synchronised."""
 
     nbytes: int
-    """Bytes of actor state moved."""
+    """Bytes of the actor's live memory the transition covered (moved, skipped as
+    unchanged, or dropped as dead)."""
+
+    copied: int = 0
+    """Bytes actually written out (sleep) or read back (wake)."""
+
+    clean: int = 0
+    """Bytes not rewritten: the target already held them (sleep only)."""
+
+    dead: int = 0
+    """Bytes dropped at sleep and zero-filled at wake (consumed grads, discards, units
+    that were all zeros)."""
 
     @property
     def bytes_per_s(self) -> float:
         return self.nbytes / self.seconds if self.seconds > 0 else 0.0
 
 
+def drop_zeros(units: list[tracking.Tracked]) -> None:
+    """Mark units whose bytes are all zero as dead: zero-filling them at wake gives the
+    same bytes, so nothing needs to move (grads zeroed in place after the step, fresh
+    buffers). One reduction per unit where it lives, one synchronisation per device."""
+    by_device: dict[torch.device, list[tracking.Tracked]] = {}
+    for u in units:
+        if not u.dead:
+            by_device.setdefault(u.device, []).append(u)
+    for group in by_device.values():
+        nonzero = torch.stack([u.bytes_view().any() for u in group]).tolist()
+        for u, keep in zip(group, nonzero):
+            u.dead = not keep
+
+
 class Offloader:
-    """Base: tracking, the phase helper and statistics. On its own it keeps the actor
+    """Base: hints, the phase helper and statistics. On its own it keeps the actor
     resident (``--offload-train`` off: sleep and wake move nothing); backends override
-    ``_sleep`` and ``_wake`` and may override ``rollout_region``."""
+    ``_units``, ``_sleep`` and ``_wake`` and may override ``rollout_region``.
+
+    ``scope``: ``all`` (default) moves every live allocation the backend can find;
+    ``tracked`` only what ``track()`` named (an opt-in fast path: anything else the
+    actor keeps across the phase is then the trainer's business).
+    """
 
     backend = "none"
 
-    def __init__(self, *, target: str, device: torch.device | str = "cpu") -> None:
+    def __init__(self, *, target: str, device: torch.device | str = "cpu", scope: str = "all") -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"offload scope: expected one of {', '.join(SCOPES)}, got {scope!r}")
         self.target = target
         self.device = torch.device(device)
+        self.scope = scope
         self._sources: list = []
         self._asleep: list[tracking.Tracked] | None = None
+        self.liveness = Liveness() if self.backend != "none" else None
         self.last_sleep: PhaseStats | None = None
         self.last_wake: PhaseStats | None = None
 
     def track(self, *sources) -> "Offloader":
-        """Add what the actor holds: modules (params, grads, buffers), optimizers
-        (their resident state) or tensors. Read again at every sleep, so state that
-        appears later (grads, Adam moments after the first step) is included."""
+        """Name what the actor holds: modules (params, grads, buffers), optimizers
+        (their resident state) or tensors. A hint: with scope ``all`` everything live
+        moves anyway. Read again at every sleep."""
         self._sources.extend(sources)
+        return self
+
+    def discard(self, *tensors: torch.Tensor) -> "Offloader":
+        """The next sleep may drop these tensors' bytes: they come back zero-filled.
+        Each must cover its whole storage."""
+        if self.liveness is not None:
+            self.liveness.discard(tensors)
         return self
 
     @property
@@ -77,21 +124,32 @@ class Offloader:
         assert not self.is_asleep, "sleep() twice without wake()"
         start = time.perf_counter()
         self._synchronize()
-        tracked = self.tracked() if self.backend != "none" else []
-        self._sleep(tracked)
+        units = self._units() if self.backend != "none" else []
+        moved = self._sleep(units)
         self._synchronize()
-        self._asleep = tracked
-        self.last_sleep = PhaseStats(seconds=time.perf_counter() - start, nbytes=sum(t.nbytes for t in tracked))
+        self._asleep = units
+        self.last_sleep = self._stats(start, units, moved)
         return self.last_sleep
 
     def wake(self) -> PhaseStats:
+        """Bring everything back. If it fails (an I/O error, no device memory yet), the
+        offloader stays asleep with its copies intact and ``wake()`` can be tried again."""
         assert self.is_asleep, "wake() without sleep()"
         start = time.perf_counter()
-        tracked, self._asleep = self._asleep, None
-        self._wake(tracked)
+        units = self._asleep
+        moved = self._wake(units)
         self._synchronize()
-        self.last_wake = PhaseStats(seconds=time.perf_counter() - start, nbytes=sum(t.nbytes for t in tracked))
+        self._asleep = None
+        if self.liveness is not None:
+            self.liveness.woke()
+        self.last_wake = self._stats(start, units, moved)
         return self.last_wake
+
+    @staticmethod
+    def _stats(start: float, units: list[tracking.Tracked], moved: Moved | None) -> PhaseStats:
+        moved = moved or Moved()
+        return PhaseStats(seconds=time.perf_counter() - start, nbytes=sum(u.nbytes for u in units),
+                          copied=moved.copied, clean=moved.clean, dead=moved.dead)
 
     @contextlib.contextmanager
     def asleep(self):
@@ -104,7 +162,13 @@ class Offloader:
 
     def rollout_region(self) -> contextlib.AbstractContextManager:
         """Where allocations of the rollout (the engine's weights, its KV cache) must
-        happen so that they never land in memory the sleeping actor owns."""
+        happen: they are not the actor's, never move, and never land in memory the
+        sleeping actor owns."""
+        return contextlib.nullcontext()
+
+    def outside_region(self) -> contextlib.AbstractContextManager:
+        """Where memory that must never be paused is allocated (on torch_memory_saver:
+        outside its region; elsewhere nothing is paused, so a no-op)."""
         return contextlib.nullcontext()
 
     @property
@@ -116,6 +180,9 @@ class Offloader:
         """Release files and host copies. Closing while asleep discards the sleeping
         state (the process is going away: reading it back would only cost time)."""
         self._asleep = None
+        if self.liveness is not None:
+            self.liveness.close()
+            self.liveness = None
 
     def __enter__(self) -> "Offloader":
         return self
@@ -127,46 +194,93 @@ class Offloader:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _sleep(self, tracked: list[tracking.Tracked]) -> None:
-        pass
+    def _units(self) -> list[tracking.Tracked]:
+        return []
 
-    def _wake(self, tracked: list[tracking.Tracked]) -> None:
-        pass
+    def _sleep(self, units: list[tracking.Tracked]) -> Moved | None:
+        return None
+
+    def _wake(self, units: list[tracking.Tracked]) -> Moved | None:
+        return None
 
 
 class PortableOffloader(Offloader):
-    """Copies tracked storages out, then frees them by resizing them to zero bytes."""
+    """Copies live storages out, then frees them by resizing them to zero bytes."""
 
     backend = "portable"
 
     def __init__(self, *, target: str, device: torch.device | str = "cpu", offload_dir: str | None = None,
-                 chunk_bytes: int = 256 << 20) -> None:
-        super().__init__(target=target, device=device)
+                 chunk_bytes: int = 256 << 20, scope: str = "all", skip_clean: bool | None = None) -> None:
+        super().__init__(target=target, device=device, scope=scope)
         if target == "disk":
             assert offload_dir is not None, "the disk target needs the rank's offload dir"
-            self._mover = DiskMover(offload_dir, chunk_bytes)
+            self._mover = DiskMover(offload_dir, chunk_bytes, skip_clean=skip_clean)
         else:
             self._mover = HostMover()
+        self._exclude = discovery.Exclusions()
         self._warned = False
 
-    def _sleep(self, tracked: list[tracking.Tracked]) -> None:
-        self._mover.save(tracked)
-        pinned = [t for t in tracked if not t.storage.resizable()]
-        if pinned and not self._warned:
-            # A storage torch does not own (from_blob, numpy, some loaders) cannot be
-            # shrunk: it is still saved and restored, but stays resident.
-            warnings.warn(f"actor offload: {len(pinned)} storages ({sum(t.nbytes for t in pinned)} bytes) are "
-                          "not resizable and stay resident while the actor sleeps")
-            self._warned = True
-        for t in tracked:
-            if t.storage.resizable():
-                t.storage.resize_(0)
+    def _units(self) -> list[tracking.Tracked]:
+        units = self.tracked()
+        if self.scope == "all":
+            for t in self._mover.owned():
+                self._exclude.add(t)
+            seen = {u.key for u in units}
+            units += [u for u in discovery.python_storages(self.device, exclude=self._exclude) if u.key not in seen]
+        # A storage torch does not own (from_blob, numpy, some loaders) cannot be
+        # shrunk: it stays resident, so its bytes need no copy either.
+        units = [u for u in units if u.storage.resizable()]
+        for u in units:
+            u.dead = self.liveness.dead(u.storage)
+        drop_zeros(units)
+        return units
 
-    def _wake(self, tracked: list[tracking.Tracked]) -> None:
-        for t in tracked:
-            if t.storage.nbytes() != t.nbytes:
-                t.storage.resize_(t.nbytes)
-        self._mover.restore(tracked)
+    def _sleep(self, units: list[tracking.Tracked]) -> Moved:
+        moved = self._mover.save(units)
+        for u in units:
+            u.storage.resize_(0)
+        if self.device.type == "cuda":
+            # Freed blocks stay in torch's cache until emptied; the rollout engine in
+            # another process needs them back at the driver.
+            torch.cuda.empty_cache()
+        if not self._warned:
+            self._warned = True
+            self._warn_uncovered()
+        return moved
+
+    def _warn_uncovered(self) -> None:
+        if self.device.type == "cuda":
+            left = torch.cuda.memory_allocated(self.device) - self._exclude.nbytes_on(self.device)
+            if left <= 0:
+                return
+            what = f"{left} bytes of torch's device memory stay allocated while the actor sleeps"
+        else:
+            what = "memory only C++ holds stays where it is while the actor sleeps"
+        warnings.warn(f"actor offload (portable backend): {what} (tensors autograd saved for a pending "
+                      "backward, library workspaces, storages torch does not own, the rollout's): "
+                      "it is not moved and stays intact; the tms backend moves it", stacklevel=3)
+
+    def _wake(self, units: list[tracking.Tracked]) -> Moved:
+        for u in units:
+            if u.storage.nbytes() != u.nbytes:
+                u.storage.resize_(u.nbytes)
+        return self._mover.restore(units)
+
+    @contextlib.contextmanager
+    def rollout_region(self):
+        """What the block allocates (and still holds at its end) is the rollout's, and
+        never moves."""
+        if self.scope != "all":
+            yield
+            return
+        before = {s._cdata for t in discovery.live_tensors() if (s := discovery.storage_of(t)) is not None}
+        try:
+            yield
+        finally:
+            for t in discovery.live_tensors():
+                storage = discovery.storage_of(t)
+                if storage is not None and storage._cdata not in before:
+                    self._exclude.add(t)
 
     @property
     def host_bytes(self) -> int:

@@ -1,23 +1,25 @@
 """The CUDA backend on torch_memory_saver 0.0.10 (preload mode).
 
-The process starts with ``launch_env``'s environment, so every device allocation lives
-in torch_memory_saver's pausable region under its default tag. Sleep pauses that tag:
-the physical memory goes back to the driver while the virtual addresses stay reserved,
-and wake maps fresh memory at the same addresses, so every pointer the trainer, NCCL or
-a CUDA graph holds stays valid.
+The process starts with ``launch_env``'s environment, so every ``cudaMalloc`` of the
+process lives in torch_memory_saver's pausable region under its default tag. Sleep
+pauses that tag: the physical memory goes back to the driver while the virtual
+addresses stay reserved, and wake maps fresh memory at the same addresses, so every
+pointer the trainer, NCCL or a CUDA graph holds stays valid.
 
 Who moves the bytes is the ``mover``:
 
 ``greenroom`` (default)
-    torch_memory_saver only releases and re-maps; greenroom's own movers copy the
-    tracked state first (pinned host copies, or the overlapped ``TransferEngine`` for
-    disk). This is what reaches the disk's and the PCIe link's bandwidth: its own disk
-    path is one synchronous staging buffer. Memory of the region that is not tracked
-    (free allocator cache, activations, workspaces) is scratch and comes back with
-    undefined contents.
+    Sleep reads torch's caching allocator (its memory snapshot) and moves every live
+    block of the actor's pools, tracked or not, through greenroom's own movers (pinned
+    host copies, or the overlapped ``TransferEngine`` for disk), then pauses; the
+    allocator's free cache is not moved (it comes back as fresh memory, which is all
+    free memory promises). Memory in the region that torch did not allocate (a library
+    calling ``cudaMalloc`` itself: NCCL with ``NCCL_CUMEM_ENABLE=0``, CuPy) cannot be
+    enumerated: the pause shows it (the driver gets back more than torch's segments
+    hold), and the sleep refuses in one line after putting the actor back as it was.
 ``tms``
     torch_memory_saver's own backup (pinned host, or files in the rank's ``offload/``
-    dir): everything in the region comes back, tracked or not, at its speed.
+    dir): everything in the region comes back, at its speed.
 
 The rollout allocates under a separate tag (``rollout_region``), which is never paused.
 """
@@ -29,22 +31,38 @@ import time
 
 import torch
 
-from greenroom.actor import launch
-from greenroom.actor.movers import DiskMover, HostMover
-from greenroom.actor.offloader import Offloader
+from greenroom.actor import discovery, launch
+from greenroom.actor.movers import DiskMover, HostMover, Moved
+from greenroom.actor.offloader import Offloader, drop_zeros
 from greenroom.actor.tracking import Tracked
 from greenroom.errors import GreenroomError
 
 ACTOR_TAG = "default"  # the tag TMS_INIT_ENABLE gives every allocation
 ROLLOUT_TAG = "rollout"
+# torch_memory_saver maps every allocation in whole 2 MiB granules, and on the GPU
+# machine a pause released exactly the bytes of torch's segments (docs/benchmarks.md):
+# any foreign allocation shows as at least one granule beyond them.
+FOREIGN_SLACK = 1 << 20
+
+
+def check_release(released: int, expected: int) -> None:
+    """Refuse a pause that released more than torch's segments of the actor hold: the
+    rest was device memory torch did not allocate, and its bytes are gone."""
+    foreign = released - expected
+    if foreign > FOREIGN_SLACK:
+        raise GreenroomError(
+            f"actor offload: the paused region held {foreign / (1 << 20):.0f} MiB that torch did not allocate "
+            "(a library's own cudaMalloc, e.g. NCCL with NCCL_CUMEM_ENABLE=0 or CuPy) and the greenroom mover "
+            "cannot move it: allocate it inside offloader.outside_region(), or use --offload-mover tms")
 
 
 class TmsOffloader(Offloader):
     backend = "tms"
 
     def __init__(self, *, target: str, device: torch.device | str = "cuda", offload_dir: str | None = None,
-                 chunk_bytes: int = 256 << 20, mover: str | None = None) -> None:
-        super().__init__(target=target, device=device)
+                 chunk_bytes: int = 256 << 20, mover: str | None = None, scope: str = "all",
+                 skip_clean: bool | None = None) -> None:
+        super().__init__(target=target, device=device, scope=scope)
         if not launch.hooks_loaded():
             raise GreenroomError("torch_memory_saver's hook is not preloaded: start the actor with "
                                  "greenroom.actor.launch_env(config, rank) (greenroom train does)")
@@ -58,32 +76,71 @@ class TmsOffloader(Offloader):
         self._tms = torch_memory_saver
         # torch_memory_saver's own share of the last transition (all of it for mover tms).
         self.pause_seconds = self.resume_seconds = 0.0
+        self._paused = False
         if self.mover == "tms":
             self._mover = None
             if target == "disk":
                 self._tms.set_disk_backup_dir(offload_dir)
         elif target == "disk":
-            self._mover = DiskMover(offload_dir, chunk_bytes)
+            self._mover = DiskMover(offload_dir, chunk_bytes, skip_clean=skip_clean)
         else:
             self._mover = HostMover()
 
-    def _sleep(self, tracked: list[Tracked]) -> None:
-        if self._mover is not None:
-            self._mover.save(tracked)
+    def _units(self) -> list[Tracked]:
+        if self._mover is None:
+            return []  # torch_memory_saver's backup moves the whole region
+        if self.scope == "tracked":
+            units = self.tracked()
+            for u in units:
+                u.dead = self.liveness.dead(u.storage)
+        else:
+            dead = {s.data_ptr() for s in self.liveness.dead_storages() if s.device.type == "cuda"}
+            units = discovery.allocator_runs(self.device, exclude_pools=self._excluded_pools(), dead_addresses=dead)
+        drop_zeros(units)
+        return units
+
+    def _excluded_pools(self) -> set:
+        return discovery.excluded_pools_of(self._tms, ACTOR_TAG)
+
+    def _actor_segment_bytes(self) -> int:
+        segments = discovery.allocator_segments(self.device, exclude_pools=self._excluded_pools())
+        return sum(s["total_size"] for s in segments)
+
+    def _sleep(self, units: list[Tracked]) -> Moved | None:
+        moved = self._mover.save(units) if self._mover is not None else None
         torch.cuda.synchronize(self.device)
+        expected = self._actor_segment_bytes()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         self._tms.pause(ACTOR_TAG)
+        self._paused = True
         self.pause_seconds = time.perf_counter() - start
-
-    def _wake(self, tracked: list[Tracked]) -> None:
-        start = time.perf_counter()
-        self._tms.resume(ACTOR_TAG)
-        self.resume_seconds = time.perf_counter() - start
         if self._mover is not None:
-            self._mover.restore(tracked)
+            released = torch.cuda.mem_get_info(self.device)[0] - free_before
+            self.last_release = (released, expected)
+            try:
+                check_release(released, expected)
+            except GreenroomError:
+                self._wake(units)  # put the actor back as it was (but for the foreign bytes)
+                raise
+        return moved
+
+    def _wake(self, units: list[Tracked]) -> Moved | None:
+        if self._paused:  # a retried wake does not resume twice
+            start = time.perf_counter()
+            self._tms.resume(ACTOR_TAG)
+            self._paused = False
+            self.resume_seconds = time.perf_counter() - start
+        return self._mover.restore(units) if self._mover is not None else None
 
     def rollout_region(self):
         return self._tms.region(tag=ROLLOUT_TAG)
+
+    def outside_region(self):
+        """Allocations made here are not in the paused region at all (they stay put and
+        keep their bytes): for memory torch does not allocate, e.g. an NCCL communicator
+        created with NCCL_CUMEM_ENABLE=0."""
+        return self._tms.disable()
 
     @property
     def host_bytes(self) -> int:

@@ -1,9 +1,10 @@
 """What the actor holds: the unique storages behind its params, grads, buffers and the
-optimizer's resident state.
+optimizer's resident state, as the trainer names them (``track()``).
 
 Offloading works on storages, not tensors: two tensors that view one storage (a grad
 that is a view into a DDP bucket, an FSDP2 shard inside its padded flat buffer) move
-once, and every view stays valid because the storage object itself is kept.
+once, and every view stays valid because the storage object itself is kept. What the
+trainer does not name is found by ``greenroom.actor.discovery``; tracking is a hint.
 """
 
 from __future__ import annotations
@@ -16,13 +17,22 @@ import torch
 
 @dataclass(kw_only=True, slots=True)
 class Tracked:
-    """One storage the actor owns."""
+    """One unit of device memory the actor owns: a storage (portable backend) or a run
+    of live allocator blocks (torch_memory_saver)."""
 
     storage: torch.UntypedStorage
     """The storage object; kept so every tensor that views it stays valid."""
 
     nbytes: int
     """Its size when awake."""
+
+    key: tuple = ()
+    """Identity across sleeps (``("storage", impl)`` or ``("block", address, nbytes)``):
+    where its bytes went last time, so unchanged bytes need not be written again."""
+
+    dead: bool = False
+    """Its contents are not needed (a consumed grad, a discarded tensor): not moved,
+    zero-filled at wake."""
 
     @property
     def device(self) -> torch.device:
@@ -33,10 +43,14 @@ class Tracked:
         return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage, 0, (self.nbytes,))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # An FSDP2 param is a DTensor: what this rank holds is its local shard.
-    local = getattr(t, "_local_tensor", None)
-    return local if local is not None else t
+def storage_key(storage: torch.UntypedStorage) -> tuple:
+    return ("storage", storage._cdata)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: an FSDP2 param is a DTensor over a local shard."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if inner is not None else t
 
 
 def _tensors_of(source) -> Iterator[torch.Tensor]:
@@ -65,11 +79,11 @@ def collect(sources: Iterable) -> list[Tracked]:
     out: list[Tracked] = []
     for source in sources:
         for t in _tensors_of(source):
-            storage = _local(t.detach()).untyped_storage()
+            storage = local(t.detach()).untyped_storage()
             key = storage._cdata
             if key in seen:
                 continue
             seen.add(key)
             if storage.nbytes() > 0:
-                out.append(Tracked(storage=storage, nbytes=storage.nbytes()))
+                out.append(Tracked(storage=storage, nbytes=storage.nbytes(), key=storage_key(storage)))
     return out

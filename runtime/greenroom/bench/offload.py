@@ -1,7 +1,10 @@
 """``greenroom bench offload``: actor sleep/wake time and bandwidth for G GiB.
 
 The actor here is G GiB of random bytes in 1 GiB tensors on the device (CUDA when
-available). Each cycle sleeps and wakes it through the offloader ``greenroom train``
+available), told to the offloader with ``track()``, plus ``--untracked-gib`` more that
+nobody names (the frozen reference policy, the EMA copy of a real trainer): the default,
+complete offload must find and move those too. One byte of every tensor changes before
+each cycle, so every cycle writes everything (an unchanged block would be skipped). Each cycle sleeps and wakes it through the offloader ``greenroom train``
 uses, and is set beside a bound probed in the same process right before it: the raw
 disk (plain O_DIRECT threads writing and reading random bytes,
 ``greenroom.bench.disk.raw_bandwidth``) for the disk target, a plain copy of the same
@@ -25,6 +28,8 @@ GB = 1e9
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gib", type=float, default=4.0, help="GiB of actor memory (default %(default)s)")
+    parser.add_argument("--untracked-gib", type=float, default=0.0,
+                        help="GiB more that the offloader is not told about (default %(default)s)")
     parser.add_argument("--target", choices=("cpu", "disk"), default="disk")
     parser.add_argument("--dir", help="disk dir for the per-rank files (node-local NVMe; needed for disk)")
     parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="staging chunk, MiB")
@@ -78,6 +83,7 @@ def measure(args: argparse.Namespace) -> dict:
     if device.type == "cuda" and args.backend != "portable":
         actor.relaunch_with(actor.launch_env(config, 0, role="bench", mover=args.mover))
     size = int(args.gib * GIB)
+    untracked_size = int(args.untracked_gib * GIB)
     rank_dir = RankDir(config.offload_train_disk_dir, role="bench").open() if config.uses_disk else None
     if config.offload_to_disk:
         out_key, in_key = "write_bytes_per_s", "read_bytes_per_s"
@@ -87,14 +93,18 @@ def measure(args: argparse.Namespace) -> dict:
     try:
         offloader = actor.build_offloader(config, rank_dir, device=device, backend=args.backend, mover=args.mover)
         with offloader:
-            sizes = [min(GIB, size - start) for start in range(0, size, GIB)]
-            tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, device=device) for n in sizes]
-            offloader.track(tensors)
+            def pieces(total: int) -> list:
+                return [torch.randint(0, 256, (min(GIB, total - start),), dtype=torch.uint8, device=device)
+                        for start in range(0, total, GIB)]
+
+            tracked = pieces(size)
+            offloader.track(tracked)
+            tensors = tracked + pieces(untracked_size)  # the rest is never named
 
             def bound() -> dict:
                 if not config.offload_to_disk:
                     return _pinned_copy_bandwidth(tensors, torch)
-                raw = raw_bandwidth(rank_dir.subdir("raw"), size)
+                raw = raw_bandwidth(rank_dir.subdir("raw"), size + untracked_size)
                 return {"write_bytes_per_s": raw.write_bytes_per_s, "read_bytes_per_s": raw.read_bytes_per_s,
                         "o_direct": raw.o_direct}
 
@@ -108,15 +118,20 @@ def measure(args: argparse.Namespace) -> dict:
                 # The bound is probed again right before each cycle: this disk's speed
                 # drifts between passes, and a cycle is judged against its neighbour.
                 cycle_bound = bound()
+                for t, r in zip(tensors, reference):
+                    t[0] += 1
+                    r[0] += 1
                 sampler.reset_peak()
                 slept = offloader.sleep()
                 asleep_rss = sampler.rss()
                 woke = offloader.wake()
+                sleep_rate, wake_rate = slept.copied / slept.seconds, woke.copied / woke.seconds
                 cycles.append({"sleep_s": slept.seconds, "wake_s": woke.seconds,
-                               "sleep_bytes_per_s": slept.bytes_per_s, "wake_bytes_per_s": woke.bytes_per_s,
+                               "sleep_bytes_per_s": sleep_rate, "wake_bytes_per_s": wake_rate,
+                               "sleep_copied": slept.copied, "sleep_covered": slept.nbytes,
                                "bound": cycle_bound,
-                               "sleep_ratio": slept.bytes_per_s / cycle_bound[out_key],
-                               "wake_ratio": woke.bytes_per_s / cycle_bound[in_key],
+                               "sleep_ratio": sleep_rate / cycle_bound[out_key],
+                               "wake_ratio": wake_rate / cycle_bound[in_key],
                                "peak_host_rss": sampler.reset_peak(), "asleep_host_rss": asleep_rss,
                                "tms_pause_s": getattr(offloader, "pause_seconds", None),
                                "tms_resume_s": getattr(offloader, "resume_seconds", None)})
@@ -131,9 +146,9 @@ def measure(args: argparse.Namespace) -> dict:
     # per run; the headline is the worst of the cycles after it.
     steady = cycles[1:] or cycles
     return {
-        "gib": args.gib, "bytes": size, "target": args.target, "device": str(device), "backend": backend,
-        "mover": mover, "chunk_mb": args.chunk_mb, "verify": verify_default(), "dir": config.offload_train_disk_dir,
-        "cycles": cycles,
+        "gib": args.gib, "untracked_gib": args.untracked_gib, "bytes": size + untracked_size,
+        "target": args.target, "device": str(device), "backend": backend, "mover": mover, "chunk_mb": args.chunk_mb,
+        "verify": verify_default(), "dir": config.offload_train_disk_dir, "cycles": cycles,
         "bound": cycles[0]["bound"], "bit_exact": bit_exact,
         "sleep_ratio": min(c["sleep_ratio"] for c in steady),
         "wake_ratio": min(c["wake_ratio"] for c in steady),
@@ -146,6 +161,8 @@ def measure(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.gib <= 0 or args.cycles <= 0:
         raise ValueError("bench offload: --gib and --cycles must be positive")
+    if args.untracked_gib < 0:
+        raise ValueError(f"bench offload --untracked-gib: expected 0 or more, got {args.untracked_gib:g}")
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"  # inherited by the relaunch under torch_memory_saver
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):
@@ -155,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=True))
         return 0 if result["bit_exact"] else 1
     r = result
-    print(f"bench offload: {r['gib']:g} GiB on {r['device']}, target {r['target']}, backend {r['backend']} "
-          f"(mover {r['mover']}), chunk {r['chunk_mb']} MiB"
+    print(f"bench offload: {r['gib']:g} GiB tracked + {r['untracked_gib']:g} GiB untracked on {r['device']}, "
+          f"target {r['target']}, backend {r['backend']} (mover {r['mover']}), chunk {r['chunk_mb']} MiB"
           + (f", checksums {'verified' if r['verify'] else 'OFF (--no-verify)'}" if r["target"] == "disk" else ""))
     unit = ("write", "read") if r["target"] == "disk" else ("out", "in")
     if r["target"] == "disk":
@@ -170,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
               f"{c['sleep_ratio']:.2f} of {unit[0]} {b[unit[0] + '_bytes_per_s'] / GB:.2f})  "
               f"wake {c['wake_s']:.2f}s ({c['wake_bytes_per_s'] / GB:.2f} GB/s, "
               f"{c['wake_ratio']:.2f} of {unit[1]} {b[unit[1] + '_bytes_per_s'] / GB:.2f})  "
+              f"moved {c['sleep_copied'] / GB:.2f} of {c['sleep_covered'] / GB:.2f} GB  "
               f"peak host RSS {c['peak_host_rss'] / GB:.2f} GB")
     which = "cycles 2.." if len(r["cycles"]) > 1 else "the cycle"
     print(f"  worst of {which} vs its bound: sleep {r['sleep_ratio']:.2f}, wake {r['wake_ratio']:.2f}; "

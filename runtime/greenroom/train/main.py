@@ -48,6 +48,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--minibatches", type=int, default=_TRAIN.minibatches,
                      help="optimizer steps per iteration")
     opt.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameter dtype")
+    opt.add_argument("--reference-policy", action="store_true",
+                     help="keep a frozen copy of the initial policy and penalise KL towards it")
+    opt.add_argument("--kl-coef", type=float, default=_TRAIN.kl_coef, help="KL penalty weight (with --reference-policy)")
     sizes = parser.add_argument_group("model and task sizes")
     sizes.add_argument("--d-model", type=int, default=_MODEL.d_model)
     sizes.add_argument("--n-layers", type=int, default=_MODEL.n_layers)
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                          offload_backend=args.offload_backend, offload_mover=args.offload_mover,
                          progress=not args.no_progress, lr=args.lr, weight_decay=args.weight_decay,
                          prompts=args.prompts, group_size=args.group_size, minibatches=args.minibatches,
-                         dtype=args.dtype)
+                         dtype=args.dtype, reference_policy=args.reference_policy, kl_coef=args.kl_coef)
     rank = int(os.environ.get("RANK", "0"))
     with Trainer(config, offload=offload, model=model, task=task, rank=rank) as trainer:
         trainer.train()

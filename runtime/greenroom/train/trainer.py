@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from greenroom import actor
 from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.config import OffloadConfig
 from greenroom.errors import GreenroomError
+from greenroom.fs import human_bytes
 from greenroom.rankdir import RankDir
 from greenroom.train import checkpoint
 from greenroom.train.model import ModelConfig, Transformer
@@ -88,6 +90,13 @@ class TrainConfig:
     clip: float = 0.2
     """PPO ratio clip."""
 
+    reference_policy: bool = False
+    """Keep a frozen copy of the initial policy and add a KL penalty towards it, as RL
+    trainers do (its weights are device memory the actor holds but never changes)."""
+
+    kl_coef: float = 0.05
+    """Weight of the KL penalty (k3 estimator) when ``reference_policy`` is on."""
+
     def __post_init__(self) -> None:
         for name in ("iterations", "prompts", "group_size", "minibatches"):
             value = getattr(self, name)
@@ -100,15 +109,28 @@ class TrainConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
 
 
-def policy_loss(model, prompts, completions, old_logp, advantages, clip: float) -> torch.Tensor:
-    """PPO's clipped surrogate over the completion tokens."""
-    device = old_logp.device
+def _token_logp(model, prompts, completions, device) -> torch.Tensor:
     seq = torch.cat([prompts, completions], dim=1).to(device)
     logits = model(seq[:, :-1])[:, prompts.shape[1] - 1:]
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(2, completions.to(device).unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(logits.float(), dim=-1).gather(2, completions.to(device).unsqueeze(-1)).squeeze(-1)
+
+
+def policy_loss(model, prompts, completions, old_logp, advantages, clip: float, *, reference=None,
+                kl_coef: float = 0.0) -> torch.Tensor:
+    """PPO's clipped surrogate over the completion tokens, plus ``kl_coef`` times the
+    k3 estimate of KL(policy || reference) when a reference policy is given."""
+    logp = _token_logp(model, prompts, completions, old_logp.device)
     ratio = torch.exp(logp - old_logp)
     a = advantages.unsqueeze(1)
-    return -torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a).mean()
+    loss = -torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a).mean()
+    if reference is not None:
+        with torch.no_grad():
+            log_ratio = _token_logp(reference, prompts, completions, old_logp.device) - logp.detach()
+        # The gradient flows through the policy only; clamped as RL trainers do, since
+        # exp() of a large log-ratio would swamp the policy loss.
+        log_ratio = (log_ratio + logp - logp.detach()).clamp(-10.0, 10.0)
+        loss = loss + kl_coef * (torch.exp(log_ratio) - log_ratio - 1).mean()
+    return loss
 
 
 class Trainer:
@@ -169,6 +191,9 @@ class Trainer:
             self.model = Transformer(self.model_config).to(dtype)
             with self.offloader.rollout_region():
                 self.engine = RolloutEngine(self.model_config, device=self.device, dtype=dtype)
+        # Frozen: never tracked, never stepped; complete offload finds it, and clean-skip
+        # writes it once.
+        self.reference = copy.deepcopy(self.model).requires_grad_(False) if c.reference_policy else None
         self.policy = self._parallelize(self.model)
         self.optimizer = self._build_optimizer()
         self.offloader.track(self.model, self.optimizer)
@@ -282,6 +307,7 @@ class Trainer:
             "iteration": it + 1, "iterations": c.iterations, "reward": reward_mean, "loss": loss_mean,
             "train_s": phase["train"], "rollout_s": phase["rollout"], "sync_s": phase["sync"],
             "sleep_s": slept.seconds, "sleep_bytes": slept.nbytes, "sleep_gbps": slept.bytes_per_s / GB,
+            "sleep_written": slept.copied, "sleep_clean": slept.clean, "sleep_dead": slept.dead,
             "wake_s": woke.seconds, "wake_bytes": woke.nbytes, "wake_gbps": woke.bytes_per_s / GB,
             "kv_cache_bytes": self.engine.last_cache_bytes, "peak_device_bytes": peaks["device"],
             "peak_host_rss": self.memory.peak, "device": str(self.device), "world_size": self.world_size,
@@ -301,7 +327,8 @@ class Trainer:
             # Zeroed in place, not dropped: the grads stay part of what the actor holds.
             self.optimizer.zero_grad(set_to_none=False)
             loss = policy_loss(self.policy, prompts[idx], completions[idx], old_logp[idx].to(self.device),
-                               advantages[idx].to(self.device), c.clip)
+                               advantages[idx].to(self.device), c.clip, reference=self.reference,
+                               kl_coef=c.kl_coef)
             loss.backward()
             self.optimizer.step()
             loss_sum += loss.item()
@@ -340,7 +367,8 @@ class Trainer:
             return
         line = (f"iter {record['iteration']:>3}/{record['iterations']}  reward {record['reward']:.3f}  "
                 f"loss {record['loss']:+.4f}  train {record['train_s']:.2f}s  rollout {record['rollout_s']:.2f}s  "
-                f"sleep {record['sleep_s']:.3f}s ({record['sleep_gbps']:.2f} GB/s)  "
+                f"sleep {record['sleep_s']:.3f}s ({record['sleep_gbps']:.2f} GB/s, "
+                f"wrote {human_bytes(record['sleep_written'])} of {human_bytes(record['sleep_bytes'])})  "
                 f"wake {record['wake_s']:.3f}s ({record['wake_gbps']:.2f} GB/s)  "
                 f"peak dev {record['peak_device_bytes'] / GB:.3f} GB  host {record['peak_host_rss'] / GB:.2f} GB")
         self._say(line)

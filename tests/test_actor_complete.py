@@ -1,0 +1,215 @@
+"""Complete by default: the portable backend moves what the trainer never tracked,
+drops dead bytes, skips clean ones, and a failed wake can be tried again (CPU, CI)."""
+
+import copy
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from greenroom import OffloadConfig, actor
+from greenroom.actor import tms
+from greenroom.diskio import StateFile
+from greenroom.errors import GreenroomError
+from greenroom.rankdir import RankDir
+from greenroom.train.model import ModelConfig, Transformer
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=12, d_model=32, n_layers=2, n_heads=4, max_seq_len=10))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def step(model, optimizer, seed=0):
+    tokens = torch.randint(0, 12, (4, 10), generator=torch.Generator().manual_seed(seed))
+    optimizer.zero_grad(set_to_none=False)
+    model(tokens).square().mean().backward()
+    optimizer.step()
+
+
+def offloader(rank_dir, target, **kw):
+    config = OffloadConfig(offload_train=True, offload_train_target=target,
+                           offload_train_disk_dir=os.path.dirname(rank_dir.path), offload_train_disk_chunk_mb=1)
+    return actor.build_offloader(config, rank_dir, **kw)
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_untracked_state_of_several_kinds_survives_bit_exactly_and_is_freed(disk_dir, target):
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    reference = copy.deepcopy(model).requires_grad_(False)  # a frozen reference policy
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}  # an EMA copy, in a dict
+    loose = [torch.randn(1000, dtype=torch.float64), torch.arange(33, dtype=torch.int16)]
+    view = loose[0][10:20]  # a view: its storage moves once, the view stays valid
+    foreign = torch.from_numpy(np.arange(64, dtype=np.float32))  # torch does not own it: stays resident
+    untracked = [*reference.parameters(), *ema.values(), *loose, view, foreign]
+    expected = [t.clone() for t in untracked]
+    objects = [id(t) for t in untracked]
+    with RankDir(disk_dir, job="u") as rank_dir, offloader(rank_dir, target) as off:
+        off.track(model)  # a hint for the model only; nothing else is named
+        for _ in range(3):
+            with off.asleep():
+                for t in untracked[:-2]:
+                    assert t.untyped_storage().nbytes() == 0, "an untracked storage stayed resident"
+                assert foreign.untyped_storage().nbytes() == 64 * 4
+            assert [id(t) for t in untracked] == objects
+            for t, e in zip(untracked, expected):
+                assert torch.equal(t, e)
+            assert view.data_ptr() == loose[0].data_ptr() + 10 * 8
+
+
+def test_the_rollouts_allocations_never_move(disk_dir):
+    with RankDir(disk_dir, job="r") as rank_dir, offloader(rank_dir, "cpu") as off:
+        actor_state = torch.randn(256)
+        with off.rollout_region():
+            engine_weights = torch.randn(256)
+        with off.asleep():
+            assert actor_state.untyped_storage().nbytes() == 0
+            assert engine_weights.untyped_storage().nbytes() == 256 * 4
+            kv_cache = engine_weights * 2  # works while the actor sleeps
+        assert torch.equal(kv_cache, engine_weights * 2)
+
+
+def test_what_the_portable_backend_cannot_see_is_said_once(disk_dir):
+    with RankDir(disk_dir, job="w") as rank_dir, offloader(rank_dir, "cpu") as off:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                off.sleep()
+                off.wake()
+    said = [w for w in caught if "portable backend" in str(w.message)]
+    assert len(said) == 1
+    assert "autograd" in str(said[0].message) and "\n" not in str(said[0].message)
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_grads_consumed_by_the_step_are_dropped_and_come_back_zero(disk_dir, target):
+    with RankDir(disk_dir, job="g") as rank_dir, offloader(rank_dir, target) as off:
+        model, optimizer = model_and_optimizer()
+        step(model, optimizer)  # the offloader sees every optimizer step from its creation on
+        grads = [p.grad for p in model.parameters()]
+        grad_bytes = sum(g.nbytes for g in grads)
+        params = [p.detach().clone() for p in model.parameters()]
+        slept = off.sleep()
+        off.wake()
+        assert slept.dead >= grad_bytes
+        assert all(not g.any() for g in grads), "a consumed grad came back non-zero"
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+        # A sleep between backward and step: the grads are still needed and move.
+        model(torch.randint(0, 12, (4, 10))).square().mean().backward()
+        live = [g.clone() for g in grads]
+        slept = off.sleep()
+        off.wake()
+        assert slept.dead < grad_bytes
+        assert all(torch.equal(g, e) for g, e in zip(grads, live))
+        # Accumulation across the phase: step, then one more micro-batch's backward.
+        optimizer.step()
+        model(torch.randint(0, 12, (4, 10))).square().mean().backward()
+        accumulated = [g.clone() for g in grads]
+        off.sleep()
+        off.wake()
+        assert all(torch.equal(g, e) for g, e in zip(grads, accumulated))
+
+
+def test_bucket_grads_are_dead_only_when_the_step_read_the_whole_bucket(disk_dir):
+    """Grads as views into one flat buffer (DDP's gradient_as_bucket_view)."""
+    a, b = torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(50))
+    bucket = torch.randn(150)
+    a.grad, b.grad = bucket[:100], bucket[100:]
+    with RankDir(disk_dir, job="b") as rank_dir, offloader(rank_dir, "disk") as off:
+        torch.optim.SGD([a], lr=0.1).step()  # reads half the bucket: the bucket is live
+        before = bucket.clone()
+        off.sleep()
+        off.wake()
+        assert torch.equal(bucket, before)
+        torch.optim.SGD([a, b], lr=0.1).step()  # the whole bucket consumed
+        off.sleep()
+        off.wake()
+        assert not bucket.any()
+
+
+def test_discarded_tensors_are_not_moved_and_come_back_zero(disk_dir):
+    scratch = torch.randn(1 << 16)
+    kept = torch.randn(1 << 16)
+    expected = kept.clone()
+    with RankDir(disk_dir, job="d") as rank_dir, offloader(rank_dir, "disk") as off:
+        off.discard(scratch)
+        slept = off.sleep()
+        off.wake()
+        assert slept.dead >= scratch.nbytes
+        assert not scratch.any() and torch.equal(kept, expected)
+        scratch.fill_(1.0)  # a discard holds for one sleep only
+        off.sleep()
+        off.wake()
+        assert bool((scratch == 1.0).all())
+        with pytest.raises(ValueError, match="whole storage"):
+            off.discard(kept[1:])
+
+
+def test_a_changed_byte_in_a_large_block_is_rewritten_and_an_unchanged_block_is_not(disk_dir):
+    block = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)  # 64 MiB
+    with RankDir(disk_dir, job="c") as rank_dir, offloader(rank_dir, "disk", scope="tracked",
+                                                            skip_clean=True) as off:
+        off.track(block)
+        first = off.sleep()
+        off.wake()
+        assert first.copied == block.numel() and first.clean == 0
+        second = off.sleep()  # nothing changed: the file already holds these bytes
+        off.wake()
+        assert second.copied == 0 and second.clean == block.numel()
+        block[12_345_678] ^= 1  # one byte
+        expected = block.clone()
+        third = off.sleep()
+        off.wake()
+        assert third.copied == block.numel()
+        assert torch.equal(block, expected)
+
+
+def test_a_failed_wake_stays_asleep_and_can_be_retried_with_the_files_intact(disk_dir, monkeypatch):
+    state = torch.randn(1 << 18)
+    expected = state.clone()
+    with RankDir(disk_dir, job="f") as rank_dir, offloader(rank_dir, "disk", scope="tracked") as off:
+        off.track(state)
+        off.sleep()
+        real_read = StateFile.read
+
+        def failing_read(self, buf, offset):
+            raise OSError(5, "Input/output error (injected)")
+
+        monkeypatch.setattr(StateFile, "read", failing_read)
+        with pytest.raises(OSError, match="injected"):
+            off.wake()
+        assert off.is_asleep
+        assert os.listdir(os.path.join(rank_dir.path, "offload")) == ["actor.state"]
+        monkeypatch.setattr(StateFile, "read", real_read)
+        off.wake()
+        assert not off.is_asleep and torch.equal(state, expected)
+
+
+def test_memory_torch_did_not_allocate_in_the_paused_region_is_refused_in_one_line():
+    tms.check_release(released=1 << 30, expected=1 << 30)  # what the GPU machine showed: exact
+    with pytest.raises(GreenroomError, match="did not allocate") as err:
+        tms.check_release(released=(1 << 30) + (256 << 20), expected=1 << 30)
+    assert "\n" not in str(err.value) and "256 MiB" in str(err.value)
+    tms.check_release(released=1 << 30, expected=(1 << 30) + (64 << 20))  # segments outside the hook: fine
+
+
+def test_all_zero_storages_are_not_moved_and_come_back_identical(disk_dir):
+    """Grads zeroed in place after the step (zero_grad(set_to_none=False)) and any
+    all-zero buffer: zero-filling at wake gives the same bytes, so nothing moves."""
+    with RankDir(disk_dir, job="z") as rank_dir, offloader(rank_dir, "disk") as off:
+        model, optimizer = model_and_optimizer()
+        step(model, optimizer)
+        optimizer.zero_grad(set_to_none=False)  # written after the step: not "consumed", but zero
+        zeros = torch.zeros(1 << 16)
+        almost = torch.zeros(1 << 16)
+        almost[-1] = 1.0
+        grads = [p.grad for p in model.parameters()]
+        slept = off.sleep()
+        off.wake()
+        assert slept.dead >= sum(g.nbytes for g in grads) + zeros.nbytes
+        assert all(not g.any() for g in grads) and not zeros.any()
+        assert almost[-1] == 1.0 and not almost[:-1].any()
