@@ -109,8 +109,15 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _engine_owned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in numpy-owned memory. The portable actor offload moves every
+    torch-owned (resizable) storage it can reach; the engine's own bookkeeping must stay
+    put while the actor sleeps, since the wake's reads are verified with it."""
+    return torch.from_numpy(t.numpy().copy())
+
+
 _WORDS_PER_PAGE = ALIGNMENT // 8
-_LANES = torch.tensor([_signed(_mix(j) | 1) for j in range(_WORDS_PER_PAGE)], dtype=torch.int64)
+_LANES = _engine_owned(torch.tensor([_signed(_mix(j) | 1) for j in range(_WORDS_PER_PAGE)], dtype=torch.int64))
 _PAGE_A = _signed(_mix(1 << 20) | 1)
 _PAGE_B = _signed(_mix(1 << 21))
 
@@ -316,7 +323,7 @@ class StateFile:
                 # A range written differently before (another layout) no longer holds.
                 for key in [k for k in self._sums if k[0] < end and offset < k[0] + k[1]]:
                     del self._sums[key]
-                self._sums[(offset, nbytes)] = sums
+                self._sums[(offset, nbytes)] = _engine_owned(sums)
             return
         assert offset == 0 and nbytes == self.data_bytes, "a file with its checksums in it is written whole"
         table = _aligned_host(self.table_bytes(self.size))
