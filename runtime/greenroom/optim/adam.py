@@ -98,6 +98,7 @@ class StreamingAdam(torch.optim.Optimizer):
         self.streamed: list[torch.Tensor] = []  # the param of each store entry
         self.resident: list[torch.Tensor] = []
         self.frozen: set[int] = set()  # ids of params with requires_grad=False: no state
+        self.empty: list[torch.Tensor] = []  # empty FSDP2 shards: a step counter only, as AdamW keeps
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                                       fused=fused, **_FIXED_GROUP_KEYS))
         if isinstance(state_dir, RankDir):
@@ -130,7 +131,8 @@ class StreamingAdam(torch.optim.Optimizer):
                     self.frozen.add(id(p))
                     continue
                 if local.numel() == 0:
-                    continue  # an empty shard (FSDP2 on more ranks than rows) has no state
+                    self.empty.append(p)  # an empty shard (FSDP2 on more ranks than rows): no bytes
+                    continue
                 if p.dtype == torch.float32 and local.numel() <= self.resident_numel:
                     self.resident.append(p)
                     continue
@@ -252,6 +254,9 @@ class StreamingAdam(torch.optim.Optimizer):
             return loss
         self._refuse_frozen_grads()
         self._step_resident()
+        for p in self.empty:
+            if p.grad is not None:
+                self._state_of(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
         store = self.store
         needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
         for bucket_state in store.stream(needed):
@@ -266,11 +271,11 @@ class StreamingAdam(torch.optim.Optimizer):
         state dict exists for DCP to load into. Checks only grads already on the device."""
         if any(float(g["lr"]) != 0.0 for g in self.param_groups):
             return False
-        grads = [p.grad for p in self.streamed + self.resident if p.grad is not None]
+        grads = [p.grad for p in self.streamed + self.resident + self.empty if p.grad is not None]
         return bool(grads) and not any(bool(local_tensor(g).any()) for g in grads)
 
     def _create_state(self) -> None:
-        for p in self.streamed + self.resident:
+        for p in self.streamed + self.resident + self.empty:
             state = self._state_of(p)
             if any(p is q for q in self.resident) and "exp_avg" not in state:
                 local = local_tensor(p)
