@@ -45,6 +45,7 @@ _FIXED_GROUP_KEYS = {"amsgrad": False, "maximize": False, "capturable": False, "
 # moment): expert biases and A_log vectors are far below it, weight matrices far above.
 RESIDENT_NUMEL = 65_536
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FOLLOW_PIECE = 1 << 24  # elements per piece of the masters-follow-the-params check
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -366,6 +367,10 @@ class StreamingAdam(torch.optim.Optimizer):
 
 def _follow_param(master: torch.Tensor, param: torch.Tensor) -> None:
     """Re-seed the elements of ``master`` whose cast no longer equals ``param``; see
-    Note [masters follow the params]."""
-    changed = param != master.to(param.dtype)
-    torch.where(changed, param.to(master.dtype), master, out=master)
+    Note [masters follow the params]. In pieces, so the temporaries (7 B per element)
+    stay small next to an embedding of a billion elements."""
+    flat_master, flat_param = master.view(-1), param.reshape(-1)
+    for start in range(0, flat_master.numel(), _FOLLOW_PIECE):
+        m = flat_master[start:start + _FOLLOW_PIECE]
+        q = flat_param[start:start + _FOLLOW_PIECE]
+        torch.where(q != m.to(q.dtype), q.to(m.dtype), m, out=m)

@@ -150,6 +150,8 @@ def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> d
         _fail(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
     ids = []
     for gi, (g, saved) in enumerate(zip(groups, saved_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            _fail(f"param group {gi} has no 'params' list")
         if len(saved["params"]) != len(g["params"]):
             _fail(f"param group {gi} has {len(saved['params'])} params in the state dict, "
                   f"{len(g['params'])} here")
