@@ -288,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name.replace('_', ' ')}: {d['seconds']:.2f} s, {d['bytes'] / GB:.2f} GB, "
                   f"{d['bytes'] / d['seconds'] / GB:.2f} GB/s; host RSS +{d['rss_growth_bytes'] / GB:.2f} GB "
                   f"(anonymous +{d['anon_growth_bytes'] / GB:.2f} GB, budget staging + 1 GiB = "
-                  f"{(r['chunk_bytes'] + (1 << 30)) / GB:.2f} GB), page cache +{d['page_cache_growth_bytes'] / GB:.2f} GB")
+                  f"{(r['chunk_bytes'] + (1 << 30)) / GB:.2f} GB), "
+                  f"page cache +{d['page_cache_growth_bytes'] / GB:.2f} GB")
     print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
           f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
     return 0

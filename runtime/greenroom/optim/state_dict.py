@@ -41,7 +41,6 @@ import torch
 
 from greenroom.errors import GreenroomError
 from greenroom.optim.adam import _FIXED_GROUP_KEYS, StreamingAdam, local_tensor
-from greenroom.optim.kernel import new_step
 
 _VIEW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
