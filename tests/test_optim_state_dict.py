@@ -167,3 +167,23 @@ def test_encoded_moment_dtypes_refuse_a_state_dict_in_one_line(disk_dir):
     with pytest.raises(GreenroomError, match="save_checkpoint"):
         opt.state_dict()
     opt.close()
+
+
+def test_the_state_dict_does_not_depend_on_the_bucket_layout(disk_dir):
+    ours, again = twins(SHAPES)
+    opt = _streaming(ours, disk_dir)
+    _run([(opt, ours)], [0, 1])
+    for a, b in zip(again, ours):
+        a.data.copy_(b.detach())
+    other = StreamingAdam(again, lr=1e-2, weight_decay=0.05, state_dir=os.path.join(disk_dir, "b"), bucket_numel=1,
+                          resident_numel=0)  # one param per bucket; the (256,) one, resident in opt, streams here
+    other.load_state_dict(opt.state_dict())
+    _run([(opt, ours), (other, again)], [2, 3])
+    for a, b in zip(ours, again):
+        assert torch.equal(a.detach(), b.detach())
+    mine, theirs = opt.state_dict(), other.state_dict()
+    for i, state in mine["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, theirs["state"][i][key])
+    opt.close()
+    other.close()
