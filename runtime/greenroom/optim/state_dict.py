@@ -217,7 +217,11 @@ def import_state_dict(opt: StreamingAdam, state_dict: Any) -> None:
             if masters[k] is not None:
                 masters[k].copy_(got.get("master", local_tensor(p)))
 
-    store.overwrite(fill)
+    if checked or opt.state:
+        store.overwrite(fill)
+    # else: an empty state into an optimizer without state (accelerate's prepare round-trips
+    # the fresh optimizer's dict): the files already hold zero moments, since state is
+    # only ever empty when they do, and Note [masters follow the params] covers the masters.
     opt.state.clear()
     for p in params:
         got = checked.get(number[id(p)])
