@@ -96,3 +96,14 @@ def test_dcp_state_probe_takes_no_step_and_no_io(disk_dir):
     assert opt.param_groups[0]["lr"] == 1e-2 and all(p.grad is None for p in ours)
     assert sorted(opt.state_dict()["state"]) == list(range(len(ours)))  # a template to load into
     opt.close()
+
+
+def test_a_refused_param_group_changes_nothing(disk_dir):
+    p = torch.nn.Parameter(torch.randn(100_000))
+    opt = StreamingAdam([p], state_dir=disk_dir)
+    with pytest.raises(ValueError, match="int64"):
+        opt.add_param_group({"params": [torch.zeros(3, dtype=torch.int64)]})
+    with pytest.raises(ValueError, match="meta"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device="meta"))]})
+    assert len(opt.param_groups) == 1 and len(opt.store.buckets) == 1
+    opt.close()

@@ -183,20 +183,26 @@ class StreamingAdam(torch.optim.Optimizer):
             if key in param_group and param_group[key] != allowed:
                 raise ValueError(f"StreamingAdam: {key}={param_group[key]!r} is not supported "
                                  f"(only {key}={allowed!r}); use torch.optim.AdamW for it")
+        if self._store is not None:  # checked before the group joins, so a refusal changes nothing
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group = {**param_group, "params": params}
+            for p in params:
+                if p.dtype not in _STREAMED_DTYPES:
+                    raise ValueError(f"StreamingAdam: a param of the new group is {p.dtype}; streaming supports "
+                                     "fp32, bf16 and fp16 params")
+                if p.requires_grad and local_tensor(p).device != self.device:
+                    raise ValueError(f"StreamingAdam: a param of the new group is on {local_tensor(p).device}, "
+                                     f"the others on {self.device}; one optimizer streams for one device")
         super().add_param_group(param_group)
         if self._store is None:
             return  # the constructor lays out every group at once
-        first = len(self.streamed)
         entries = self._classify([len(self.param_groups) - 1])
-        devices = {local_tensor(p).device for p in self.streamed + self.resident} | {self.device}
-        if len(devices) > 1:
-            raise ValueError(f"StreamingAdam: params are on several devices ({sorted(map(str, devices))}); "
-                             "one optimizer streams for one device")
         if entries:
             new = self.store.extend(entries)
-            self.store.overwrite(self._fresh_fill(first), new)
+            self.store.overwrite(self._fresh_fill(), new)
 
-    def _fresh_fill(self, first: int = 0):
+    def _fresh_fill(self):
         """A ``BucketStore.overwrite`` fill: masters from the params, moments zero."""
         def fill(state) -> None:
             if state.master is None:
@@ -276,9 +282,10 @@ class StreamingAdam(torch.optim.Optimizer):
         return bool(grads) and not any(bool(local_tensor(g).any()) for g in grads)
 
     def _create_state(self) -> None:
+        resident = {id(p) for p in self.resident}
         for p in self.streamed + self.resident + self.empty:
             state = self._state_of(p)
-            if any(p is q for q in self.resident) and "exp_avg" not in state:
+            if id(p) in resident and "exp_avg" not in state:
                 local = local_tensor(p)
                 state["exp_avg"] = torch.zeros_like(local, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.preserve_format)

@@ -223,13 +223,14 @@ def import_state_dict(opt: StreamingAdam, state_dict: Any) -> None:
     # the fresh optimizer's dict): the files already hold zero moments, since state is
     # only ever empty when they do, and Note [masters follow the params] covers the masters.
     opt.state.clear()
+    resident = {id(p) for p in opt.resident}
     for p in params:
         got = checked.get(number[id(p)])
         if got is None:
             continue
         state = opt._state_of(p)
         state["step"].fill_(got["step"])
-        if any(p is q for q in opt.resident):
+        if id(p) in resident:
             local = local_tensor(p)
             for key in _MOMENTS:
                 state[key] = (got[key].to(local.device, copy=True) if key in got
