@@ -68,9 +68,14 @@ def test_hf_trainer_resume_is_bit_identical(disk_dir):
 
 
 # -- PyTorch Lightning ------------------------------------------------------------------------
-def test_lightning_resume_is_bit_identical(disk_dir):
+@pytest.mark.parametrize("checkpoint_io", ["lightning", "greenroom"])
+def test_lightning_resume_is_bit_identical(disk_dir, checkpoint_io):
     lightning = pytest.importorskip("lightning", reason="the test extra pins lightning")
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from greenroom.optim.lightning import StreamingCheckpointIO
+
+    plugins = [StreamingCheckpointIO()] if checkpoint_io == "greenroom" else []
 
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(24, 16, generator=gen), torch.randn(24, 4, generator=gen)
@@ -95,10 +100,11 @@ def test_lightning_resume_is_bit_identical(disk_dir):
                                       every_n_epochs=1, filename="{epoch}")
         trainer = lightning.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
                                     enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                                    callbacks=[checkpoints])
+                                    callbacks=[checkpoints], plugins=plugins)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # num_workers advice and the like
             trainer.fit(module, loader, ckpt_path=ckpt_path)
+        assert not plugins or trainer.strategy.checkpoint_io is plugins[0]
         return module, trainer.optimizers[0]
 
     full, full_opt = run("full", 3)
