@@ -30,6 +30,7 @@ def test_unimplemented_group_keys_are_refused_by_name(disk_dir, key, value):
 
 def test_add_param_group_appends_buckets_and_stays_exact(disk_dir):
     ours, ref_params = twins(ODD_SHAPES)
+    extra = [torch.nn.Parameter(torch.randn(50, 7).to(torch.bfloat16))]  # a master for the new bucket, too
     opt = StreamingAdam(ours[:4], lr=1e-2, state_dir=disk_dir, bucket_numel=3000, resident_numel=0)
     ref = torch.optim.AdamW(ref_params[:4], lr=1e-2, foreach=True)
     set_grads(ours[:4], ref_params[:4], step=0)
@@ -45,6 +46,14 @@ def test_add_param_group_appends_buckets_and_stays_exact(disk_dir):
         opt.step()
         ref.step()
     assert_state_equal(opt, ref, ours, ref_params)
+    opt.add_param_group({"params": extra})
+    masters = [torch.nn.Parameter(extra[0].detach().float().clone())]
+    ref.add_param_group({"params": masters})
+    set_grads(extra, step=9)
+    masters[0].grad = extra[0].grad.float()
+    opt.step()
+    ref.step()
+    assert torch.equal(extra[0].detach(), masters[0].detach().to(torch.bfloat16))
     with pytest.raises(ValueError, match="amsgrad=True"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "amsgrad": True})
     opt.close()

@@ -190,3 +190,24 @@ def test_the_state_dict_does_not_depend_on_the_bucket_layout(disk_dir):
             assert torch.equal(value, theirs["state"][i][key])
     opt.close()
     other.close()
+
+
+def test_adamw_state_of_bf16_params_widens_exactly_into_fp32_moments(disk_dir):
+    ours, ref_params = twins(ODD_SHAPES, dtype=torch.bfloat16)
+    ref = _adamw(ref_params)
+    _run([(ref, ref_params)], [0, 1])
+    assert ref.state[ref_params[0]]["exp_avg"].dtype == torch.bfloat16  # AdamW keeps the param's dtype
+    for a, b in zip(ours, ref_params):
+        a.data.copy_(b.detach())
+    opt = _streaming(ours, disk_dir, resident_numel=0)
+    opt.load_state_dict(ref.state_dict())
+    sd = opt.state_dict()
+    for i, b in enumerate(ref_params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd["state"][i][key], ref.state[b][key].float())
+        assert torch.equal(sd["state"][i]["master"], b.detach().float())  # no master in AdamW's: the param's
+    bf16 = _streaming(twins(ODD_SHAPES, dtype=torch.bfloat16)[0], disk_dir, name="c", moment_dtype="bf16")
+    with pytest.raises(GreenroomError, match="moments are fp32, this optimizer stores bf16"):
+        bf16.load_state_dict(opt.state_dict())  # fp32 moments never narrow silently
+    opt.close()
+    bf16.close()

@@ -208,7 +208,7 @@ class StreamingAdam(torch.optim.Optimizer):
             if state.master is None:
                 return
             for i, view in zip(state.bucket.entries, state.views(state.master)):
-                view.copy_(local_tensor(self.streamed[i]))
+                view.copy_(local_tensor(self.streamed[i]).detach())
         return fill
 
     def state_dict(self) -> dict:

@@ -24,7 +24,9 @@ encoded (a square root, per-block scales) and have no such view: their state dic
 refused in one line; use ``save_checkpoint``.
 
 ``load_state_dict`` checks everything first: the group layout, each group's keys, the
-moment dtype, every tensor's shape and dtype. Any mismatch raises one line naming the
+moment dtype, every tensor's shape and dtype. A state dict without a recorded moment
+dtype (``torch.optim.AdamW``'s) may hold a 16-bit param's moments in the param's dtype,
+as AdamW keeps them; they load into fp32 moments, which is exact. Any mismatch raises one line naming the
 param and what differs, and nothing on disk has changed. Then it writes the buckets one
 at a time (``BucketStore.overwrite``): what the state dict holds, zero moments for
 params it has no state for, and masters from the current params where it has none (a
@@ -129,13 +131,16 @@ def _fail(msg: str) -> None:
     raise GreenroomError(f"StreamingAdam.load_state_dict: {msg}; nothing was changed")
 
 
-def _check_tensor(name: str, value: Any, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def _check_tensor(name: str, value: Any, shape: torch.Size, dtype: torch.dtype,
+                  widen: torch.dtype | None = None) -> torch.Tensor:
+    """``value``'s local tensor, of ``shape`` and ``dtype`` (or ``widen``, which converts
+    to ``dtype`` exactly)."""
     if not isinstance(value, torch.Tensor):
         _fail(f"{name} is a {type(value).__name__}, expected a tensor")
     local = local_tensor(value)
     if tuple(local.shape) != tuple(shape):
         _fail(f"{name} has shape {tuple(local.shape)}, this optimizer's is {tuple(shape)}")
-    if local.dtype != dtype:
+    if local.dtype != dtype and local.dtype != widen:
         _fail(f"{name} is {local.dtype}, this optimizer stores {dtype}")
     return local
 
@@ -147,7 +152,7 @@ def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> d
     groups, saved_groups = opt.param_groups, state_dict["param_groups"]
     if len(groups) != len(saved_groups):
         _fail(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
-    ids = []
+    ids, recorded_by_group = [], []
     for gi, (g, saved) in enumerate(zip(groups, saved_groups)):
         if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
             _fail(f"param group {gi} has no 'params' list")
@@ -162,6 +167,7 @@ def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> d
             if key in saved and saved[key] != allowed:
                 _fail(f"param group {gi} has {key}={saved[key]!r}, which StreamingAdam does not implement")
         ids.extend(saved["params"])
+        recorded_by_group.extend([recorded] * len(saved["params"]))
     params = _param_list(opt)
     position = {pid: n for n, pid in enumerate(ids)}
     resident = {id(p) for p in opt.resident}
@@ -169,6 +175,8 @@ def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> d
     for pid, pstate in state_dict["state"].items():
         if pid not in position:
             _fail(f"state for param id {pid!r}, which no param group lists")
+        if not isinstance(pstate, dict):
+            _fail(f"the state of param id {pid!r} is a {type(pstate).__name__}, expected a dict")
         n = position[pid]
         p = params[n]
         local = local_tensor(p)
@@ -185,7 +193,10 @@ def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> d
         if any(key in pstate for key in _MOMENTS) and not all(key in pstate for key in _MOMENTS):
             _fail(f"param {n} has only one of exp_avg and exp_avg_sq")
         want = torch.float32 if id(p) in resident else moment_dtype
-        tensors = {key: _check_tensor(f"param {n}'s {key}", pstate[key], local.shape, want)
+        # torch.optim.AdamW keeps a 16-bit param's moments in the param's dtype; widening
+        # them to fp32 storage is exact, so such a state dict (no moment dtype recorded) loads.
+        widen = p.dtype if recorded_by_group[n] is None and want == torch.float32 else None
+        tensors = {key: _check_tensor(f"param {n}'s {key}", pstate[key], local.shape, want, widen)
                    for key in _MOMENTS if key in pstate}
         if "master" in pstate:
             if p.dtype == torch.float32:
@@ -215,7 +226,7 @@ def import_state_dict(opt: StreamingAdam, state_dict: Any) -> None:
                     view = bucket_state.views(flat)[k]
                     view.copy_(got[key])
             if masters[k] is not None:
-                masters[k].copy_(got.get("master", local_tensor(p)))
+                masters[k].copy_(got.get("master", local_tensor(p).detach()))
 
     if checked or opt.state:
         store.overwrite(fill)
