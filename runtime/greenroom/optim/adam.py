@@ -69,8 +69,8 @@ class StreamingAdam(torch.optim.Optimizer):
         chunk_mb: the pinned host staging of this optimizer's I/O, MiB.
         resident_numel: fp32 params of at most this many elements stay resident.
         fused, foreach: torch's AdamW implementation to use; default fused on CUDA,
-            foreach on the CPU (torch.optim.AdamW picks foreach on both: fused is the
-            faster kernel for the one bucket on the device). Bit-exactness holds against
+            foreach on the CPU (torch.optim.AdamW defaults to foreach on CUDA and its
+            per-tensor loop on the CPU: fused is the faster kernel for the one bucket). Bit-exactness holds against
             ``torch.optim.AdamW`` with the same choice. Recorded in the groups as given.
 
     Params with ``requires_grad=False`` get no state and no files. ``state_dict()`` and
