@@ -139,6 +139,19 @@ def test_a_flipped_byte_in_a_bucket_file_stops_the_step_before_the_bucket_is_use
         opt.close()
 
 
+def test_a_flipped_byte_is_caught_by_state_dict_before_it_is_saved(disk_dir):
+    # state_dict() hands out views of the bucket files, read around the I/O engine.
+    params, opt = _streaming_adam(disk_dir)
+    try:
+        opt.step()
+        bucket = opt.store.buckets[1]
+        flip_byte(opt.store.path(1), bucket.exp_avg_sq.offset + 4 * 77)
+        with pytest.raises(IntegrityError, match="of bucket 1 of the optimizer state"):
+            opt.state_dict()
+    finally:
+        opt.close()
+
+
 @pytest.mark.timeout(120)
 def test_a_flipped_checksum_table_is_caught_too(disk_dir):
     params, opt = _streaming_adam(disk_dir, n_params=1)
@@ -200,8 +213,8 @@ def test_an_error_in_the_driver_thread_reaches_wait_drain_and_close(disk_dir, mo
         engine.drain()  # the second transfer's error, not yet seen by anyone
     monkeypatch.undo()
     engine.write(torch.ones(1 << 16, dtype=torch.uint8), f, 0).wait()  # the engine still works
+    f.close()  # before the write, or the write could finish first and fail nothing
     third = engine.write(torch.ones(1 << 16, dtype=torch.uint8), f, 0)
-    f.close()
     with pytest.raises(StorageError, match="EBADF"):
         engine.close()
     assert third.done() and second.done()

@@ -10,8 +10,14 @@ SMALL = ["--params", "2000000", "--bucket-numel", "600000", "--param-numel", "45
 
 
 def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
-    proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--moment-dtype", "bf16", "--json", check_rc=0)
+    proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--moment-dtype", "bf16", "--state-dict", "--json",
+                     check_rc=0)
     r = json.loads(proc.stdout)
+    for name in ("torch_save", "torch_load", "dcp_save", "dcp_load"):
+        phase = r["state_dict"][name]
+        assert phase["bytes"] >= 8 * 2_000_000 and phase["seconds"] > 0
+    # torch.save of the state dict reads the bucket files through their mappings: no anonymous copy
+    assert r["state_dict"]["torch_save"]["anon_growth_bytes"] < r["chunk_bytes"] + (1 << 30)
     for key in ("step_seconds", "disk_bound_seconds", "ratio", "bytes_read", "bytes_written", "achieved_bytes_per_s",
                 "raw_read_bytes_per_s", "raw_write_bytes_per_s", "host_rss_peak_bytes", "page_cache_growth_bytes",
                 "peak_device_step_bytes", "init_peak_device_bytes"):

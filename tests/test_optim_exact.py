@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from greenroom.config import OffloadConfig
-from greenroom.errors import GreenroomError
 from greenroom.optim import StreamingAdam
 from greenroom.rankdir import RankDir
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
@@ -78,8 +77,8 @@ def test_lr_scheduler_closure_and_zero_grad_behave_as_adamw(disk_dir):
 def test_tiny_fp32_params_stay_resident_and_stay_exact(disk_dir):
     shapes = [(256,), (4096, 32), (16,)]  # an expert_bias, a weight, an A_log
     ours, ref_params = twins(shapes)
-    opt = StreamingAdam(ours, lr=1e-2, state_dir=disk_dir)
-    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.0, foreach=True)
+    opt = StreamingAdam(ours, lr=1e-2, state_dir=disk_dir)  # AdamW's default weight decay, 0.01
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, foreach=True)
     assert [id(p) for p in opt.resident] == [id(ours[0]), id(ours[2])]
     assert [id(p) for p in opt.streamed] == [id(ours[1])]
     for step in range(4):
@@ -140,18 +139,6 @@ def test_from_config_uses_the_rank_dir_and_flags(disk_dir):
     assert not os.path.exists(rank_dir.path)  # the files go with the rank dir
     with pytest.raises(ValueError, match="--stream-optimizer-state-to-disk"):
         StreamingAdam.from_config([p], OffloadConfig(), disk_dir)
-
-
-def test_state_dict_refuses_to_drop_the_streamed_state(disk_dir):
-    p = torch.nn.Parameter(torch.randn(100_000))
-    opt = StreamingAdam([p], state_dir=disk_dir)
-    with pytest.raises(GreenroomError, match="save_checkpoint"):
-        opt.state_dict()
-    with pytest.raises(GreenroomError, match="load_checkpoint"):
-        opt.load_state_dict({})
-    with pytest.raises(ValueError, match="add_param_group"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
-    opt.close()
 
 
 def test_bad_hyperparameters_are_one_line_value_errors(disk_dir):

@@ -77,3 +77,55 @@ def test_moment_casts_on_the_device_give_the_cpu_bytes(name):
         gpu = torch.zeros_like(cpu, device="cuda")
         codec.encode(v.cuda(), gpu)
         assert torch.equal(gpu.cpu(), cpu)
+
+
+@pytest.mark.parametrize("direction", ["adamw_to_streaming", "streaming_to_adamw"])
+def test_cuda_state_dict_switches_with_fused_adamw_bit_exactly(disk_dir, direction):
+    _cuda()
+    shapes = [(256,), *ODD_SHAPES]  # the first stays resident
+    ours, ref_params = twins(shapes, device="cuda")
+    opt = StreamingAdam(ours, lr=1e-2, state_dir=os.path.join(disk_dir, "a"), bucket_numel=3000)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
+    for step in range(3):
+        set_grads(ours, ref_params, step=step, skip={4} if step == 0 else ())
+        opt.step()
+        ref.step()
+    second, _ = twins(shapes, device="cuda")
+    for a, b in zip(second, ours):
+        a.data.copy_(b.detach())
+    if direction == "adamw_to_streaming":
+        new = StreamingAdam(second, lr=1e-2, state_dir=os.path.join(disk_dir, "b"), bucket_numel=3000)
+        new.load_state_dict(ref.state_dict())
+    else:
+        new = torch.optim.AdamW(second, lr=1e-2, fused=True)
+        new.load_state_dict(opt.state_dict())  # CPU views of the files; AdamW moves them to the GPU
+    for step in range(3, 5):
+        set_grads(second, ref_params, step=step)
+        new.step()
+        ref.step()
+    for a, b in zip(second, ref_params):
+        assert torch.equal(a.detach(), b.detach())
+    if direction == "adamw_to_streaming":
+        assert_state_equal(new, ref, second, ref_params)
+        new.close()
+    opt.close()
+
+
+def test_cuda_bf16_weights_loaded_after_construction_are_followed(disk_dir):
+    _cuda()
+    ours, _ = twins(ODD_SHAPES, dtype=torch.bfloat16, device="cuda")
+    opt = StreamingAdam(ours, lr=1e-2, weight_decay=0.1, state_dir=disk_dir, bucket_numel=3000)
+    loaded, _ = twins(ODD_SHAPES, dtype=torch.bfloat16, seed=5, device="cuda")
+    for p, new in zip(ours, loaded):
+        p.data.copy_(new)
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
+    ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        set_grads(ours, step=step)
+        for m, p in zip(masters, ours):
+            m.grad = p.grad.float()
+        opt.step()
+        ref.step()
+        for p, m in zip(ours, masters):
+            assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+    opt.close()

@@ -634,20 +634,7 @@ class TransferEngine:
 
     @staticmethod
     def _check(transfer: Transfer) -> None:
-        file, offset, nbytes = transfer.file, transfer.offset, align_up(transfer.nbytes)
-        expected = file.recorded_sums(offset, nbytes)
-        if expected is None:
-            raise IntegrityError(f"{file.path}: no checksum for bytes [{offset}, {offset + nbytes}) of {file.label}: "
-                                 "they were not written through greenroom's I/O engine since the file was opened, "
-                                 "so they cannot be verified")
-        bad = (transfer.sums != expected).nonzero()
-        if bad.numel():
-            k = int(bad[0]) + offset // EXTENT
-            start, end = max(offset, k * EXTENT), min(offset + nbytes, (k + 1) * EXTENT)
-            raise IntegrityError(
-                f"{file.path}: checksum mismatch at offset {start} (bytes [{start}, {end}) of {file.label}): what "
-                "was read back is not what greenroom wrote (a flipped bit, a failing disk or a stray write); "
-                "stopped before using it: restart from the last checkpoint")
+        check_sums(transfer.file, transfer.offset, align_up(transfer.nbytes), transfer.sums)
 
     def _write_chunk(self, piece, slot, file, file_offset, transfer, done_copy, stream) -> None:
         error = sums = None
@@ -693,3 +680,29 @@ class TransferEngine:
         finally:
             self.staging.release(slot)
             transfer._chunk_finished(error, sums, first)
+
+
+def verify_mapped(file: StateFile, data: torch.Tensor) -> None:
+    """Check bytes of ``file`` that were read around the engine (a memory map of its
+    data, from offset 0) against the checksums recorded for them; a no-op when
+    verification is off."""
+    if verify_default():
+        check_sums(file, 0, data.numel(), extent_sums(data, 0))
+
+
+def check_sums(file: StateFile, offset: int, nbytes: int, sums: torch.Tensor) -> None:
+    """Raise ``IntegrityError`` (one line: the file, the offset, what it holds) unless
+    ``sums`` are the checksums recorded for bytes [offset, offset + nbytes) of ``file``."""
+    expected = file.recorded_sums(offset, nbytes)
+    if expected is None:
+        raise IntegrityError(f"{file.path}: no checksum for bytes [{offset}, {offset + nbytes}) of {file.label}: "
+                             "they were not written through greenroom's I/O engine since the file was opened, "
+                             "so they cannot be verified")
+    bad = (sums != expected).nonzero()
+    if bad.numel():
+        k = int(bad[0]) + offset // EXTENT
+        start, end = max(offset, k * EXTENT), min(offset + nbytes, (k + 1) * EXTENT)
+        raise IntegrityError(
+            f"{file.path}: checksum mismatch at offset {start} (bytes [{start}, {end}) of {file.label}): what "
+            "was read back is not what greenroom wrote (a flipped bit, a failing disk or a stray write); "
+            "stopped before using it: restart from the last checkpoint")

@@ -11,7 +11,11 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
   the store's two bucket slots, the scratch, the kernel's temporaries), and during init;
 - peak host RSS (sampled) and page-cache growth (``Cached`` in /proc/meminfo);
 - with ``--checkpoint``, the seconds of a synchronous ``save_checkpoint`` and of a
-  verified ``load_checkpoint`` of the whole state.
+  verified ``load_checkpoint`` of the whole state;
+- with ``--state-dict``, the seconds and GB/s of ``torch.save(opt.state_dict(), f)`` and of
+  ``opt.load_state_dict(torch.load(f, mmap=True))``, then the same through
+  ``torch.distributed.checkpoint`` (one process), each with peak host RSS and its
+  anonymous part (RSS less the file-backed pages the kernel can drop).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import os
 import threading
 import time
+import warnings
 
 from greenroom import fs
 from greenroom.config import DEFAULT_CHUNK_MB, MIB, MOMENT_DTYPES
@@ -45,6 +50,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--checkpoint", action="store_true",
                         help="also time save_checkpoint and load_checkpoint (a dir beside the bucket files)")
+    parser.add_argument("--state-dict", action="store_true",
+                        help="also time torch.save(opt.state_dict()) / load_state_dict, and the same through DCP")
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
@@ -66,7 +73,9 @@ class _HostSampler:
         import psutil
 
         self._process = psutil.Process()
-        self.rss_peak = self._process.memory_info().rss
+        info = self._process.memory_info()
+        self.rss_peak = info.rss
+        self.anon_peak = info.rss - info.shared  # shared: the file-backed (and shmem) part of RSS
         self.cached_before = _cached_bytes()
         self.cached_peak = self.cached_before
         self._stop = threading.Event()
@@ -77,7 +86,9 @@ class _HostSampler:
             self._sample()
 
     def _sample(self) -> None:
-        self.rss_peak = max(self.rss_peak, self._process.memory_info().rss)
+        info = self._process.memory_info()
+        self.rss_peak = max(self.rss_peak, info.rss)
+        self.anon_peak = max(self.anon_peak, info.rss - info.shared)
         self.cached_peak = max(self.cached_peak, _cached_bytes())
 
     def __enter__(self) -> "_HostSampler":
@@ -156,6 +167,7 @@ def measure(args: argparse.Namespace) -> dict:
                                   "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before
                                                         if cuda else None)})
             checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint")) if args.checkpoint else None
+            state_dict = _time_state_dict(opt, rank_dir.subdir("state-dict")) if args.state_dict else None
             state_bytes = opt.store.state_bytes
             buckets = len(opt.store.buckets)
             largest_bucket = opt.store.max_bucket_bytes
@@ -183,7 +195,7 @@ def measure(args: argparse.Namespace) -> dict:
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
         "page_cache_growth_bytes": host.cached_peak - host.cached_before,
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
-        "checkpoint": checkpoint, "verify": verify,
+        "checkpoint": checkpoint, "state_dict": state_dict, "verify": verify,
     }
 
 
@@ -199,6 +211,56 @@ def _time_checkpoint(opt, directory: str) -> dict:
         load = time.perf_counter() - start
     return {"save_seconds": save, "load_seconds": load, "bytes": opt.store.state_bytes,
             "page_cache_growth_bytes": host.cached_peak - host.cached_before}
+
+
+def _time_state_dict(opt, directory: str) -> dict:
+    """torch.save / load_state_dict of the whole state, then the same through DCP; each
+    phase with its seconds, the bytes it wrote or read, peak RSS and peak anonymous RSS
+    (the part that is no dropable page cache) above what the process held before."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def phase(fn) -> dict:
+        import psutil
+
+        info = psutil.Process().memory_info()
+        with _HostSampler() as host:
+            start = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - start
+        return {"seconds": seconds, "rss_growth_bytes": host.rss_peak - info.rss,
+                "anon_growth_bytes": host.anon_peak - (info.rss - info.shared),
+                "page_cache_growth_bytes": host.cached_peak - host.cached_before}
+
+    def fsynced(fn):
+        def wrapped() -> None:
+            fn()
+            os.sync()  # the seconds include getting the bytes to the disk, as the bucket writes do
+        return wrapped
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process on purpose
+    out = {}
+    path = os.path.join(directory, "optim.pt")
+    out["torch_save"] = phase(fsynced(lambda: torch.save(opt.state_dict(), path)))
+    out["torch_save"]["bytes"] = os.path.getsize(path)
+    out["torch_load"] = phase(lambda: opt.load_state_dict(torch.load(path, mmap=True, weights_only=True)))
+    out["torch_load"]["bytes"] = os.path.getsize(path)
+    os.unlink(path)
+    dcp_dir = os.path.join(directory, "dcp")
+    out["dcp_save"] = phase(fsynced(lambda: dcp.save({"optim": opt.state_dict()}, checkpoint_id=dcp_dir)))
+
+    def dcp_load() -> None:
+        template = {"optim": opt.state_dict()}
+        dcp.load(template, checkpoint_id=dcp_dir)
+        opt.load_state_dict(template["optim"])
+
+    out["dcp_load"] = phase(dcp_load)
+    size = sum(os.path.getsize(os.path.join(dcp_dir, f)) for f in os.listdir(dcp_dir))
+    out["dcp_save"]["bytes"] = out["dcp_load"]["bytes"] = size
+    shutil.rmtree(dcp_dir)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,6 +289,13 @@ def run(args: argparse.Namespace) -> int:
         c = r["checkpoint"]
         print(f"checkpoint of {c['bytes'] / GB:.2f} GB: save {c['save_seconds']:.2f} s "
               f"({c['bytes'] / c['save_seconds'] / GB:.2f} GB/s), verified load {c['load_seconds']:.2f} s")
+    if r["state_dict"] is not None:
+        for name, d in r["state_dict"].items():
+            print(f"{name.replace('_', ' ')}: {d['seconds']:.2f} s, {d['bytes'] / GB:.2f} GB, "
+                  f"{d['bytes'] / d['seconds'] / GB:.2f} GB/s; host RSS +{d['rss_growth_bytes'] / GB:.2f} GB "
+                  f"(anonymous +{d['anon_growth_bytes'] / GB:.2f} GB, budget staging + 1 GiB = "
+                  f"{(r['chunk_bytes'] + (1 << 30)) / GB:.2f} GB), "
+                  f"page cache +{d['page_cache_growth_bytes'] / GB:.2f} GB")
     print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
           f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
     return 0

@@ -6,6 +6,10 @@
 - ``kernel``: one bucket's update with torch's own AdamW functional.
 - ``adam``: ``StreamingAdam``, the ``torch.optim.Optimizer``.
 - ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` with the manifest and its refusals.
+- ``state_dict``: ``StreamingAdam.state_dict()`` / ``load_state_dict()`` in torch's format,
+  views of the bucket files (trainers, ``torch.distributed.checkpoint``).
+- ``lightning``: ``StreamingCheckpointIO``, Lightning checkpoint I/O without a host copy
+  (imports Lightning; not imported here).
 """
 
 from greenroom.optim.adam import RESIDENT_NUMEL, StreamingAdam

@@ -11,6 +11,16 @@ Which state streams, per param (of this rank's local shard, for FSDP2 DTensors):
 
 The step walks the buckets with ``BucketStore.stream`` and applies ``bucket_adam_step``
 (torch's AdamW functional) to each; see docs/streaming.md.
+
+Note [masters follow the params]: a 16-bit param's fp32 master is the truth only while
+the param still equals the master cast to the param's dtype, which the step leaves true.
+Anything else that writes the param (``model.load_state_dict`` after the optimizer was
+built, ``p.data.copy_``, an EMA swap) breaks that, so each step compares, on the device
+and per element, the param with the cast of its master before updating, and re-seeds
+every element that differs from the param (the fp32 value of the param). An element the
+outside write left equal in the param's dtype keeps its fp32 master bits; that is the
+only information the param has. The cost is one cast and compare per element of the
+params the step updates, no I/O. fp32 params are their own master and need no rule.
 """
 
 from __future__ import annotations
@@ -26,10 +36,16 @@ from greenroom.optim.kernel import bucket_adam_step, choose_implementation, new_
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.rankdir import RankDir
 
+# Group keys of torch.optim.AdamW that StreamingAdam does not implement, with the only value
+# it accepts: anything else is refused by name rather than ignored.
+_FIXED_GROUP_KEYS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
+                     "decoupled_weight_decay": True}
+
 # fp32 params up to this many elements keep their Adam state on the device (256 KiB per
 # moment): expert biases and A_log vectors are far below it, weight matrices far above.
 RESIDENT_NUMEL = 65_536
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FOLLOW_PIECE = 1 << 24  # elements per piece of the masters-follow-the-params check
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -42,7 +58,10 @@ class StreamingAdam(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with its state streamed from per-bucket files.
 
     Args:
-        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (same defaults;
+            weight_decay 0.01). Groups carry every key AdamW's groups carry; ``amsgrad``,
+            ``maximize``, ``capturable``, ``differentiable`` and a coupled weight decay
+            are not implemented and are refused when set.
         state_dir: the dir for the bucket files: a path, or a ``RankDir`` (its
             ``optim/`` subdir is used; the files go when the rank dir does).
         bucket_numel: elements per bucket (a larger param gets a bucket of its own).
@@ -50,12 +69,17 @@ class StreamingAdam(torch.optim.Optimizer):
         chunk_mb: the pinned host staging of this optimizer's I/O, MiB.
         resident_numel: fp32 params of at most this many elements stay resident.
         fused, foreach: torch's AdamW implementation to use; default fused on CUDA,
-            foreach on the CPU. Bit-exactness holds against ``torch.optim.AdamW`` with
-            the same choice.
+            foreach on the CPU (torch.optim.AdamW defaults to foreach on CUDA and its
+            per-tensor loop on the CPU: fused is the faster kernel for the one bucket). Bit-exactness holds against
+            ``torch.optim.AdamW`` with the same choice. Recorded in the groups as given.
+
+    Params with ``requires_grad=False`` get no state and no files. ``state_dict()`` and
+    ``load_state_dict()`` use torch's format, backed by the bucket files (see
+    ``greenroom.optim.state_dict``).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *, state_dir: str | RankDir,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dir: str | RankDir,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, moment_dtype: str = "fp32", chunk_mb: int = 256,
                  resident_numel: int = RESIDENT_NUMEL, fused: bool | None = None,
                  foreach: bool | None = None) -> None:
@@ -71,28 +95,17 @@ class StreamingAdam(torch.optim.Optimizer):
         if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, int) or chunk_mb <= 0:
             raise ValueError(f"StreamingAdam: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
         self._store: BucketStore | None = None
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        if isinstance(state_dir, RankDir):
-            state_dir = state_dir.subdir("optim")
-        self.state_dir = str(state_dir)
         self.resident_numel = resident_numel
         self.streamed: list[torch.Tensor] = []  # the param of each store entry
         self.resident: list[torch.Tensor] = []
-        entries = []
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                local = local_tensor(p)
-                if p.dtype not in _STREAMED_DTYPES:
-                    raise ValueError(f"StreamingAdam: param {gi}.{pi} is {p.dtype}; streaming supports "
-                                     "fp32, bf16 and fp16 params")
-                if local.numel() == 0:
-                    continue  # an empty shard (FSDP2 on more ranks than rows) has no state
-                if p.dtype == torch.float32 and local.numel() <= resident_numel:
-                    self.resident.append(p)
-                    continue
-                entries.append(Entry(name=f"{gi}.{pi}", shape=tuple(local.shape), group=gi,
-                                     master=p.dtype != torch.float32))
-                self.streamed.append(p)
+        self.frozen: set[int] = set()  # ids of params with requires_grad=False: no state
+        self.empty: list[torch.Tensor] = []  # empty FSDP2 shards: a step counter only, as AdamW keeps
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
+                                      fused=fused, **_FIXED_GROUP_KEYS))
+        if isinstance(state_dir, RankDir):
+            state_dir = state_dir.subdir("optim")
+        self.state_dir = str(state_dir)
+        entries = self._classify(range(len(self.param_groups)))
         devices = {local_tensor(p).device for p in self.streamed + self.resident}
         if len(devices) > 1:
             raise ValueError(f"StreamingAdam: params are on several devices ({sorted(map(str, devices))}); "
@@ -104,6 +117,30 @@ class StreamingAdam(torch.optim.Optimizer):
                                   device=self.device, chunk_bytes=chunk_mb * MIB)
         self._grad_scratch: torch.Tensor | None = None
         self.initialize_state()
+
+    def _classify(self, group_indices: Iterable[int]) -> list[Entry]:
+        """Sort the params of these groups into streamed, resident and frozen; the store
+        entries of the streamed ones."""
+        entries = []
+        for gi in group_indices:
+            for pi, p in enumerate(self.param_groups[gi]["params"]):
+                local = local_tensor(p)
+                if p.dtype not in _STREAMED_DTYPES:
+                    raise ValueError(f"StreamingAdam: param {gi}.{pi} is {p.dtype}; streaming supports "
+                                     "fp32, bf16 and fp16 params")
+                if not p.requires_grad:
+                    self.frozen.add(id(p))
+                    continue
+                if local.numel() == 0:
+                    self.empty.append(p)  # an empty shard (FSDP2 on more ranks than rows): no bytes
+                    continue
+                if p.dtype == torch.float32 and local.numel() <= self.resident_numel:
+                    self.resident.append(p)
+                    continue
+                entries.append(Entry(name=f"{gi}.{pi}", shape=tuple(local.shape), group=gi,
+                                     master=p.dtype != torch.float32))
+                self.streamed.append(p)
+        return entries
 
     @classmethod
     def from_config(cls, params: Iterable, config: OffloadConfig, rank_dir: str | RankDir,
@@ -140,18 +177,65 @@ class StreamingAdam(torch.optim.Optimizer):
         self.store.initialize(lambda i: local_tensor(self.streamed[i]))
 
     def add_param_group(self, param_group: dict) -> None:
-        if self._store is not None:
-            raise ValueError("StreamingAdam: add_param_group after construction is not supported (the bucket "
-                             "layout is fixed): pass every param group to the constructor")
+        """As torch's; after construction the new params' state goes in new buckets
+        appended to the store (masters from the params, zero moments)."""
+        for key, allowed in _FIXED_GROUP_KEYS.items():
+            if key in param_group and param_group[key] != allowed:
+                raise ValueError(f"StreamingAdam: {key}={param_group[key]!r} is not supported "
+                                 f"(only {key}={allowed!r}); use torch.optim.AdamW for it")
+        if self._store is not None:  # checked before the group joins, so a refusal changes nothing
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group = {**param_group, "params": params}
+            for p in params:
+                if p.dtype not in _STREAMED_DTYPES:
+                    raise ValueError(f"StreamingAdam: a param of the new group is {p.dtype}; streaming supports "
+                                     "fp32, bf16 and fp16 params")
+                if p.requires_grad and local_tensor(p).device != self.device:
+                    raise ValueError(f"StreamingAdam: a param of the new group is on {local_tensor(p).device}, "
+                                     f"the others on {self.device}; one optimizer streams for one device")
         super().add_param_group(param_group)
+        if self._store is None:
+            return  # the constructor lays out every group at once
+        entries = self._classify([len(self.param_groups) - 1])
+        if entries:
+            new = self.store.extend(entries)
+            self.store.overwrite(self._fresh_fill(), new)
 
-    def state_dict(self):
-        raise GreenroomError("StreamingAdam.state_dict(): the streamed state lives in its bucket files and "
-                             "would be silently dropped; use save_checkpoint(path) / load_checkpoint(path)")
+    def _fresh_fill(self):
+        """A ``BucketStore.overwrite`` fill: masters from the params, moments zero."""
+        def fill(state) -> None:
+            if state.master is None:
+                return
+            for i, view in zip(state.bucket.entries, state.views(state.master)):
+                view.copy_(local_tensor(self.streamed[i]).detach())
+        return fill
 
-    def load_state_dict(self, state_dict) -> None:
-        raise GreenroomError("StreamingAdam.load_state_dict(): the streamed state is restored with "
-                             "load_checkpoint(path) (written by save_checkpoint), not from a state dict")
+    def state_dict(self) -> dict:
+        """torch's format, the tensors views of the bucket files; see
+        ``greenroom.optim.state_dict``."""
+        from greenroom.optim.state_dict import export_state_dict
+
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        out = export_state_dict(self)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            hooked = hook(self, out)
+            if hooked is not None:
+                out = hooked
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Verify everything, then write bucket by bucket; see ``greenroom.optim.state_dict``."""
+        from greenroom.optim.state_dict import import_state_dict
+
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hooked = hook(self, state_dict)
+            if hooked is not None:
+                state_dict = hooked
+        import_state_dict(self, state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def save_checkpoint(self, path: str) -> None:
         """Write the state to ``path`` (synchronously, atomically); see ``optim.checkpoint``."""
@@ -172,12 +256,47 @@ class StreamingAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.state and self._is_state_probe():
+            self._create_state()
+            return loss
+        self._refuse_frozen_grads()
         self._step_resident()
+        for p in self.empty:
+            if p.grad is not None:
+                self._state_of(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
         store = self.store
         needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
         for bucket_state in store.stream(needed):
             self._step_bucket(bucket_state)
         return loss
+
+    def _is_state_probe(self) -> bool:
+        """Whether this step, before any state exists, is the probe of
+        ``torch.distributed.checkpoint.state_dict._init_optim_state``: every lr 0 and
+        every grad zero. Taken by AdamW it changes nothing but the step counters (to 1);
+        here it creates the state with the counters at 0 and no I/O, so a template
+        state dict exists for DCP to load into. Checks only grads already on the device."""
+        if any(float(g["lr"]) != 0.0 for g in self.param_groups):
+            return False
+        grads = [p.grad for p in self.streamed + self.resident + self.empty if p.grad is not None]
+        return bool(grads) and not any(bool(local_tensor(g).any()) for g in grads)
+
+    def _create_state(self) -> None:
+        resident = {id(p) for p in self.resident}
+        for p in self.streamed + self.resident + self.empty:
+            state = self._state_of(p)
+            if id(p) in resident and "exp_avg" not in state:
+                local = local_tensor(p)
+                state["exp_avg"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+
+    def _refuse_frozen_grads(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and id(p) in self.frozen:
+                    raise GreenroomError(
+                        f"StreamingAdam: param {gi}.{pi} has a grad but had requires_grad=False when it was "
+                        "added, so it has no optimizer state; add it with add_param_group instead")
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -223,6 +342,7 @@ class StreamingAdam(torch.optim.Optimizer):
                 target = local_tensor(p)
             else:
                 target = masters[k]
+                _follow_param(target, local_tensor(p))
                 grad = grad_views[k].copy_(grad)  # fp32 grads for the fp32 master, on the device
             todo.append((k, p))
             for lst, t in zip(lists, (target, grad, avgs[k], sqs[k], self._state_of(p)["step"])):
@@ -250,3 +370,14 @@ class StreamingAdam(torch.optim.Optimizer):
     def __del__(self) -> None:
         if getattr(self, "_store", None) is not None:
             self.close()  # the store's I/O threads would otherwise outlive it
+
+
+def _follow_param(master: torch.Tensor, param: torch.Tensor) -> None:
+    """Re-seed the elements of ``master`` whose cast no longer equals ``param``; see
+    Note [masters follow the params]. In pieces, so the temporaries (7 B per element)
+    stay small next to an embedding of a billion elements."""
+    flat_master, flat_param = master.view(-1), param.reshape(-1)
+    for start in range(0, flat_master.numel(), _FOLLOW_PIECE):
+        m = flat_master[start:start + _FOLLOW_PIECE]
+        q = flat_param[start:start + _FOLLOW_PIECE]
+        torch.where(q != m.to(q.dtype), q.to(m.dtype), m, out=m)

@@ -36,6 +36,7 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -282,6 +283,48 @@ class BucketStore:
             self.engine.write(raw, file, 0).wait()
             self.bytes_written += bucket.file_bytes
             file.sync()
+
+    def overwrite(self, fill: Callable[[BucketState], None], indices: Sequence[int] | None = None) -> None:
+        """Replace the contents of the buckets ``indices`` (default all), bounded like
+        ``initialize``: each bucket starts zeroed on the device (zero master, zero
+        moments), ``fill(state)`` sets what it has into the state's fp32 tensors, and the
+        bucket is encoded, written to its file, synced and its pages dropped before the
+        next one starts."""
+        order = range(len(self.buckets)) if indices is None else indices
+        slot = self._slot(0)
+        for index in order:
+            bucket = self.buckets[index]
+            raw = slot.raw[:bucket.data_bytes]
+            raw.zero_()  # zero bytes decode to zero moments in every codec
+            state = self._decode(index, slot)
+            fill(state)
+            self._encode(state, slot)
+            self.engine.write(raw, self.files[index], 0).wait()
+            self.bytes_written += bucket.file_bytes
+            self.files[index].sync()
+
+    def extend(self, entries: Sequence[Entry]) -> list[int]:
+        """Append ``entries`` in new buckets of their own (``add_param_group``); returns
+        the new buckets' indices. Their files are created but not filled: ``overwrite``
+        them before streaming."""
+        first_entry, first_bucket = len(self.entries), len(self.buckets)
+        added = [dataclasses.replace(b, index=first_bucket + b.index,
+                                     entries=tuple(first_entry + i for i in b.entries))
+                 for b in build_buckets(entries, self.bucket_numel, self.moment_dtype)]
+        files = []
+        try:
+            for bucket in added:
+                files.append(StateFile(self.path(bucket.index), bucket.data_bytes, checksums="file",
+                                       label=f"bucket {bucket.index} of the optimizer state"))
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+        self.release_device_buffers()  # the slots are sized for the largest bucket
+        self.entries.extend(entries)
+        self.buckets.extend(added)
+        self.files.extend(files)
+        return [b.index for b in added]
 
     # -- the step -------------------------------------------------------------------
     def stream(self, indices: Sequence[int] | None = None) -> Iterator[BucketState]:
