@@ -34,14 +34,14 @@ export GREENROOM_RESTART="${SLURM_RESTART_COUNT:-0}"
 # kept. The same runs at exit, so a cancelled or preempted job leaves nothing behind.
 reclaim() {
   srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
-    --kill-on-bad-exit=1 /opt/greenroom/venv/bin/greenroom reclaim "$GREENROOM_OFFLOAD_ROOT"
+    --kill-on-bad-exit=1 /opt/greenroom/venv/bin/greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT"
 }
 # shellcheck disable=SC2329  # invoked by the trap below
 on_exit() {
   local rc=$?
   trap - EXIT
   # A cancelled job starts no new step: then reclaim at least this node directly.
-  reclaim || /opt/greenroom/venv/bin/greenroom reclaim "$GREENROOM_OFFLOAD_ROOT" || true
+  reclaim || /opt/greenroom/venv/bin/greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT" || true
   exit "$rc"
 }
 trap on_exit EXIT
