@@ -205,3 +205,56 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file(disk_dir, r
     change, expected = DAMAGE[name]
     line = damaged(disk_dir, reference, change, capsys)
     assert expected in line, line
+
+
+# -- errors while saving and cleaning up ----------------------------------------------
+@pytest.fixture
+def full_fs(tmp_path):
+    """A 256 KiB tmpfs (root only): a filesystem that runs out of space."""
+    path = str(tmp_path / "full")
+    os.makedirs(path)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", path], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield path
+    subprocess.run(["umount", path], check=True)
+
+
+def test_save_to_a_filesystem_without_room_is_refused_before_training(disk_dir, full_fs, capsys):
+    root = os.path.join(disk_dir, "offload")
+    rc = cli.main(["train", *FLAGS, "--iterations", "1", "--d-model", "128", "--offload-train-disk-dir", root,
+                   "--metrics", os.path.join(disk_dir, "m.jsonl"), "--save", os.path.join(full_fs, "ckpt")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the checkpoint needs" in err and "free there" in err, err
+    assert os.listdir(full_fs) == [] and not os.path.exists(os.path.join(disk_dir, "m.jsonl"))
+
+
+def test_enospc_while_writing_names_the_file_and_leaves_no_partial_file(full_fs):
+    from greenroom.errors import StorageError
+    from greenroom.train.checkpoint import _torch_save
+
+    path = os.path.join(full_fs, "model.pt")
+    with pytest.raises(StorageError, match=f"{path}: writing the checkpoint failed: No space left on device"):
+        _torch_save({"w": torch.zeros(1 << 20)}, path)
+    assert os.listdir(full_fs) == []
+
+
+def test_a_cleanup_error_is_added_to_the_original_never_replaces_it(disk_dir):
+    from greenroom.config import OffloadConfig
+    from greenroom.train.model import ModelConfig
+    from greenroom.train.task import VOCAB_SIZE, TaskConfig
+    from greenroom.train.trainer import TrainConfig, Trainer
+
+    task = TaskConfig()
+    trainer = Trainer(TrainConfig(iterations=1, metrics=os.path.join(disk_dir, "m.jsonl"), progress=False),
+                      offload=OffloadConfig(), task=task, model=ModelConfig(
+                          vocab_size=VOCAB_SIZE, d_model=16, n_layers=1, n_heads=2, max_seq_len=task.seq_len))
+
+    def failing_cleanup():
+        raise OSError(5, "Input/output error", "offload/state.bin")
+
+    with pytest.raises(RuntimeError, match="the original failure") as info:
+        with trainer:
+            trainer._stack.callback(failing_cleanup)
+            raise RuntimeError("the original failure")
+    assert info.value.__notes__ == ["then, while cleaning up: OSError: [Errno 5] Input/output error: "
+                                    "'offload/state.bin'"]

@@ -113,6 +113,15 @@ class OffloadConfig:
             raise ValueError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
                              "or set $SCRATCH")
         self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
+        existing = fs.nearest_existing(self.offload_train_disk_dir)
+        if not os.path.isdir(existing):
+            raise ValueError(f"--offload-train-disk-dir {self.offload_train_disk_dir}: {existing} is a file, not a "
+                             "directory; point it at a dir on node-local NVMe")
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.staging_bytes_per_rank > ram:
+            raise ValueError(f"--offload-train-disk-chunk-mb {self.offload_train_disk_chunk_mb}: the staging needs "
+                             f"{fs.human_bytes(self.staging_bytes_per_rank)} of host memory per rank, this machine has "
+                             f"{fs.human_bytes(ram)}; use the default {DEFAULT_CHUNK_MB}")
         mount = fs.mount_of(self.offload_train_disk_dir)
         if mount.fstype in fs.MEMORY_FILESYSTEMS:
             message = (f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "

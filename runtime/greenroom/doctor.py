@@ -29,6 +29,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.chunk_mb <= 0:
+        raise ValueError(f"--chunk-mb must be a positive integer number of MiB, got {args.chunk_mb}")
     if not os.path.isdir(args.dir):
         raise ValueError(f"doctor: DIR {args.dir} is not a directory (create it on node-local NVMe first)")
     if not os.access(args.dir, os.W_OK | os.X_OK):

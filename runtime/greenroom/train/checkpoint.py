@@ -67,8 +67,16 @@ def _torch_save(obj, path: str) -> None:
     try:
         with open(path, "wb") as f:
             torch.save(obj, f)
-    except OSError as e:
-        raise StorageError(f"{path}: writing the checkpoint failed: {e.strerror or e}") from e
+    except (OSError, RuntimeError) as e:
+        # torch's zip writer raises its own RuntimeError on the way out, the OSError as its context.
+        cause = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        if os.path.lexists(path):
+            os.unlink(path)
+        raise StorageError(f"{path}: writing the checkpoint failed: {cause.strerror or cause}") from e
 
 
 # -- save ------------------------------------------------------------------------------

@@ -185,12 +185,22 @@ class Trainer:
         self.policy = self._parallelize(self.model)
         self.optimizer = self._build_optimizer()
         self.offloader.track(self.model, self.optimizer)
+        # Loaded before the metrics file is opened: a refused checkpoint leaves no file behind.
+        self.start_iteration = self._load() if c.load else 0
         if self.rank == 0 and c.save:
             preflight.check_save_space(c.save, self._checkpoint_bytes() * self.world_size)
         self.metrics_file = None
         if self.rank == 0 and c.metrics:
             self.metrics_file = self._stack.enter_context(preflight.open_metrics(c.metrics, append=bool(c.load)))
         self.start_time = time.perf_counter()
+
+    def _load(self) -> int:
+        if self.rank == 0:
+            checkpoint.settle(self.config.load)
+        self._barrier()
+        return checkpoint.load(self.config.load, model=self.model, optimizer=self.optimizer,
+                               streaming=self.offload.stream_optimizer_state_to_disk,
+                               no_load_optim=self.offload.no_load_optim, rank=self.rank, world_size=self.world_size)
 
     def _checkpoint_bytes(self) -> int:
         """What this rank's part of a ``--save`` takes: its weights plus the optimizer
@@ -239,15 +249,7 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------
     def train(self) -> None:
         c = self.config
-        start = 0
-        if c.load:
-            if self.rank == 0:
-                checkpoint.settle(c.load)
-            self._barrier()
-            start = checkpoint.load(c.load, model=self.model, optimizer=self.optimizer,
-                                    streaming=self.offload.stream_optimizer_state_to_disk,
-                                    no_load_optim=self.offload.no_load_optim, rank=self.rank,
-                                    world_size=self.world_size)
+        start = self.start_iteration
         self._say(self._header(start))
         with self._preemption_deferred() as preempted:
             for it in range(start, c.iterations):
