@@ -49,8 +49,11 @@ reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway
 
 # -- Trainer
 trainer=(greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32 --role actor --save /shared/checkpoints/greenroom-pyxis --no-progress --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
-# A requeued job resumes from the last complete checkpoint (meta.json is written last).
-if [ -e /shared/checkpoints/greenroom-pyxis/meta.json ]; then trainer+=(--load /shared/checkpoints/greenroom-pyxis); fi
+# A requeued job resumes from the last complete checkpoint: generation.json is written
+# last; a save killed mid-swap leaves the complete one at .new or .old, which --load settles.
+for complete in /shared/checkpoints/greenroom-pyxis/generation.json /shared/checkpoints/greenroom-pyxis.new/generation.json /shared/checkpoints/greenroom-pyxis.old/generation.json; do
+  if [ -e "$complete" ]; then trainer+=(--load /shared/checkpoints/greenroom-pyxis); break; fi
+done
 
 preempted=0
 # shellcheck disable=SC2329  # invoked by the trap below
