@@ -11,8 +11,15 @@ Safety rules, each enforced below:
 - no symlink is followed and ROOT's filesystem is never left (``st_dev`` checks, and a
   dir holding a mount point is refused);
 - nothing without an owner record is deleted;
+- what is deleted is what was checked: after the first open everything goes through fds
+  (the parent's to rename aside and remove by name, the dir's own to lock, check and
+  delete its contents), and a rename aside that caught another inode is undone;
 - several reclaimers at once are safe: the winner renames the dir aside before deleting,
-  losers see it locked or gone.
+  losers see it locked or gone;
+- nothing leaks: an aside dir (``TRASH_PREFIX``) whose reclaimer was killed is finished by
+  a later pass (its lock file goes last, so one still being deleted is seen locked), and
+  an aside symlink is unlinked, never followed;
+- a missing or unreadable ROOT, and an age that is not a finite number >= 0, are errors.
 
 This module must not import torch: init containers and prologs run it.
 """
