@@ -230,11 +230,11 @@ def test_save_to_a_filesystem_without_room_is_refused_before_training(disk_dir, 
 
 def test_enospc_while_writing_names_the_file_and_leaves_no_partial_file(full_fs):
     from greenroom.errors import StorageError
-    from greenroom.train.checkpoint import _torch_save
+    from greenroom.publish import torch_save
 
     path = os.path.join(full_fs, "model.pt")
     with pytest.raises(StorageError, match=f"{path}: writing the checkpoint failed: No space left on device"):
-        _torch_save({"w": torch.zeros(1 << 20)}, path)
+        torch_save({"w": torch.zeros(1 << 20)}, path)
     assert os.listdir(full_fs) == []
 
 
@@ -258,3 +258,14 @@ def test_a_cleanup_error_is_added_to_the_original_never_replaces_it(disk_dir):
             raise RuntimeError("the original failure")
     assert info.value.__notes__ == ["then, while cleaning up: OSError: [Errno 5] Input/output error: "
                                     "'offload/state.bin'"]
+
+
+def test_enospc_while_copying_a_bucket_file_names_both_files(disk_dir, full_fs):
+    from greenroom.errors import StorageError
+    from greenroom.optim.checkpoint import copy_file
+
+    src, dst = os.path.join(disk_dir, "bucket-00000.bin"), os.path.join(full_fs, "bucket-00000.bin")
+    with open(src, "wb") as f:
+        f.write(os.urandom(1 << 20))
+    with pytest.raises(StorageError, match=f"copying {src} to {dst} failed: No space left on device"):
+        copy_file(src, dst, 1 << 20)

@@ -40,7 +40,7 @@ import shutil
 import uuid
 import zlib
 
-from greenroom.errors import CheckpointError
+from greenroom.errors import CheckpointError, StorageError
 from greenroom.faults import kill_point
 
 GENERATION = "generation.json"
@@ -90,6 +90,26 @@ def read_checked_json(path: str, required: dict[str, type]) -> dict:
         if not isinstance(data.get(key), kind) or (kind is int and isinstance(data.get(key), bool)):
             raise CheckpointError(f"{path}: field {key!r} is missing or not {kind.__name__}; the file is damaged")
     return data
+
+
+def torch_save(obj, path: str) -> None:
+    """torch.save through a file we opened, so a write error keeps its errno and names
+    the file (torch's own writer turns ENOSPC into an anonymous RuntimeError)."""
+    import torch  # only here: the rest of this module is plain file handling
+
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except (OSError, RuntimeError) as e:
+        # torch's zip writer raises its own RuntimeError on the way out, the OSError as its context.
+        cause = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        if os.path.lexists(path):
+            os.unlink(path)
+        raise StorageError(f"{path}: writing the checkpoint failed: {cause.strerror or cause}") from e
 
 
 # -- durable filesystem steps ----------------------------------------------------------

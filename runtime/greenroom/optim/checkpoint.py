@@ -34,7 +34,7 @@ import torch
 
 from greenroom import publish
 from greenroom.diskio import pread_all, pwrite_all
-from greenroom.errors import CheckpointError
+from greenroom.errors import CheckpointError, StorageError
 from greenroom.optim.adam import local_tensor
 from greenroom.rankdir import write_json_atomic
 
@@ -97,7 +97,7 @@ def save_checkpoint(opt, path: str) -> None:
             files[name] = {"bytes": bucket.file_bytes,
                            "crc32": copy_file(store.path(bucket.index), os.path.join(tmp, name), bucket.file_bytes)}
         resident = _resident_state(opt)
-        torch.save(resident, os.path.join(tmp, RESIDENT))
+        publish.torch_save(resident, os.path.join(tmp, RESIDENT))
         size = os.path.getsize(os.path.join(tmp, RESIDENT))
         files[RESIDENT] = {"bytes": size, "crc32": file_crc32(os.path.join(tmp, RESIDENT), size)}
         manifest = {"format": FORMAT, "version": VERSION, "master_dtype": "fp32",
@@ -115,7 +115,15 @@ def save_checkpoint(opt, path: str) -> None:
 # -- byte movement ---------------------------------------------------------------------
 def copy_file(src: str, dst: str, size: int) -> str:
     """Copy ``size`` bytes of ``src`` over ``dst`` (created or overwritten in place);
-    returns the CRC-32 of the bytes as 8 hex digits. Pages are dropped as it goes."""
+    returns the CRC-32 of the bytes as 8 hex digits. Pages are dropped as it goes. An
+    OSError (ENOSPC, EIO) becomes a ``StorageError`` naming both files."""
+    try:
+        return _copy_file(src, dst, size)
+    except OSError as e:
+        raise StorageError(f"copying {src} to {dst} failed: {e.strerror or e}") from e
+
+
+def _copy_file(src: str, dst: str, size: int) -> str:
     crc = 0
     buf = bytearray(min(PIECE, max(size, 1)))
     src_fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)

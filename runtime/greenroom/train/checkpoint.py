@@ -29,7 +29,7 @@ import zlib
 import torch
 
 from greenroom import publish
-from greenroom.errors import CheckpointError, StorageError
+from greenroom.errors import CheckpointError
 from greenroom.faults import kill_point
 from greenroom.optim.checkpoint import PIECE
 
@@ -61,24 +61,6 @@ def _crc32(path: str) -> tuple[int, str]:
     return size, f"{crc:08x}"
 
 
-def _torch_save(obj, path: str) -> None:
-    """torch.save through a file we opened, so a write error keeps its errno and names
-    the file (torch's own writer turns ENOSPC into an anonymous RuntimeError)."""
-    try:
-        with open(path, "wb") as f:
-            torch.save(obj, f)
-    except (OSError, RuntimeError) as e:
-        # torch's zip writer raises its own RuntimeError on the way out, the OSError as its context.
-        cause = e
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__context__
-        if cause is None:
-            raise
-        if os.path.lexists(path):
-            os.unlink(path)
-        raise StorageError(f"{path}: writing the checkpoint failed: {cause.strerror or cause}") from e
-
-
 # -- save ------------------------------------------------------------------------------
 def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
          barrier) -> None:
@@ -93,14 +75,14 @@ def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, r
     mine = rank_path(staged, rank)
     try:
         os.makedirs(mine, mode=0o700)
-        _torch_save(_model_state(model), os.path.join(mine, "model.pt"))
+        publish.torch_save(_model_state(model), os.path.join(mine, "model.pt"))
         kill_point("save-model")
         names = ["model.pt"]
         if streaming:
             optimizer.save_checkpoint(os.path.join(mine, "optim"))
             names.append(os.path.join("optim", "manifest.json"))
         else:
-            _torch_save(optimizer.state_dict(), os.path.join(mine, "optim.pt"))
+            publish.torch_save(optimizer.state_dict(), os.path.join(mine, "optim.pt"))
             names.append("optim.pt")
         kill_point("save-optim")
         files = {}
