@@ -101,7 +101,7 @@ def test_killed_during_the_loop_resumes_bit_identically(disk_dir, reference, poi
     ("save-meta", "an unfinished save"),
     ("save-staged@2", "complete but not yet moved into place"),  # @1 is the optimizer's own
     ("save-swapped", "the checkpoint the last save replaced"),
-    ("discard", "the checkpoint the last save replaced"),
+    ("discard", "the replaced checkpoint half deleted"),
 ])
 def test_killed_during_the_save_resumes_bit_identically_and_says_what_it_settled(disk_dir, reference, point, said):
     resumed = kill_and_resume(disk_dir, reference, point)
@@ -127,7 +127,6 @@ def test_killed_at_a_write_of_the_streamed_step(disk_dir, reference):
     I/O threads make ~40 each): mid-I/O of the sleep, the streamed step or the save,
     wherever it falls; the property must hold there too."""
     strace = require_tool("strace")
-    expected, half = reference
     kill_and_resume(disk_dir, reference, None,
                     prefix=[strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=pwrite64",
                             "-e", "inject=pwrite64:signal=SIGKILL:when=25"])

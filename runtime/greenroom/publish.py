@@ -184,7 +184,7 @@ def recover(path: str) -> str | None:
         gen_new, gen_cur = generation(new), generation(path)
         if gen_new is None:
             discard(new)
-            said.append(f"discarded {new}, an unfinished save")
+            said.append(f"discarded {new}, incomplete: an unfinished save, or the replaced checkpoint half deleted")
         elif gen_cur is not None and gen_new.get("previous") == gen_cur["id"]:
             _swap_in(new, path)
             said.append(f"finished the save in {new}, which was complete but not yet moved into place")
