@@ -98,6 +98,8 @@ CASES = {
     # doctor
     "doctor --chunk-mb -5": (lambda s: ["doctor", s, "--chunk-mb", "-5", "--no-probe"], {},
                              "--chunk-mb must be a positive"),
+    "doctor --chunk-mb huge": (lambda s: ["doctor", s, "--chunk-mb", "10000000", "--no-probe"], {},
+                               "of host memory per rank"),
     "doctor DIR missing": (lambda s: ["doctor", S(s, "nope"), "--no-probe"], {}, "is not a directory"),
     "doctor DIR is a file": (lambda s: ["doctor", S(s, "afile"), "--no-probe"], {}, "is not a directory"),
     # reclaim
@@ -109,6 +111,10 @@ CASES = {
     # bench
     "bench disk DIR missing": (lambda s: ["bench", "disk", S(s, "nope")], {}, "is not a directory"),
     "bench disk --chunk-mb 0": (lambda s: ["bench", "disk", s, "--chunk-mb", "0"], {}, "must be positive"),
+    "bench disk --chunk-mb huge": (lambda s: ["bench", "disk", s, "--chunk-mb", "10000000", "--size", "1M"], {},
+                                   "of host memory per rank"),
+    "bench stream --chunk-mb huge": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s, "--chunk-mb",
+                                                "10000000"], {}, "of host memory per rank"),
     "bench stream --params -1": (lambda s: ["bench", "stream", "--params", "-1", "--dir", s], {},
                                  "--params: expected a positive"),
     "bench stream --dir a file": (lambda s: ["bench", "stream", "--params", "1000", "--dir", S(s, "afile")], {},
