@@ -100,8 +100,10 @@ def test_cli_reports_bytes_and_json(disk_dir):
     assert report["reclaimed"] == 1 and report["bytes_freed"] >= 65536
 
 
-def test_cli_missing_root_is_nothing_to_do_and_a_file_root_is_an_error(disk_dir):
-    greenroom("reclaim", os.path.join(disk_dir, "never-created"), check_rc=0)
+def test_cli_missing_root_is_an_error_unless_missing_ok_and_a_file_root_is_an_error(disk_dir):
+    missing = greenroom("reclaim", os.path.join(disk_dir, "never-created"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    greenroom("reclaim", "--missing-ok", os.path.join(disk_dir, "never-created"), check_rc=0)
     path = os.path.join(disk_dir, "file")
     open(path, "w").close()
     proc = greenroom("reclaim", path)

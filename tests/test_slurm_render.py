@@ -91,7 +91,8 @@ def test_seed_flags_pass_through_as_the_exact_flags():
         "--no-load-optim", "--iterations", "7", "--role", "critic", "--save", "/ck"]
     script = render(config)
     assert '--offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT"' in script
-    assert "if [ -e /ck/meta.json ]; then trainer+=(--load /ck); fi" in script
+    assert ("for complete in /ck/generation.json /ck.new/generation.json /ck.old/generation.json; do\n"
+            '  if [ -e "$complete" ]; then trainer+=(--load /ck); break; fi') in script
 
 
 def test_values_with_spaces_and_dollars_reach_the_trainer_as_one_word(tmp_path):

@@ -170,11 +170,11 @@ def test_resume_from_save_is_bit_exact(disk_dir, flags):
 def test_loading_with_another_world_size_is_refused(disk_dir):
     save = os.path.join(disk_dir, "ckpt")
     train([*SMALL, "--save", save, "--metrics", os.path.join(disk_dir, "m.jsonl")])
-    with open(os.path.join(save, "meta.json")) as f:
-        meta = json.load(f)
-    meta["world_size"] = 2
-    with open(os.path.join(save, "meta.json"), "w") as f:
-        json.dump(meta, f)
+    from greenroom.publish import read_checked_json, write_checked_json
+
+    meta = read_checked_json(os.path.join(save, "meta.json"), {})
+    meta["world_size"] = 2  # as a 2-rank run would have written it, checksum and all
+    write_checked_json(os.path.join(save, "meta.json"), meta)
     result = train([*SMALL, "--iterations", "4", "--load", save, "--metrics", os.path.join(disk_dir, "m.jsonl")],
                    check=False)
     assert result.returncode == 2

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args._run(args) or 0
     except (ValueError, GreenroomError) as e:
-        print(f"greenroom {args.command}: error: {e}", file=sys.stderr)
+        # Notes are what went wrong while cleaning up after it (see Trainer._close).
+        notes = "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
+        print(f"greenroom {args.command}: error: {e}{notes}", file=sys.stderr)
         return 2
 
 

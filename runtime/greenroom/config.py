@@ -49,6 +49,15 @@ def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) 
     return (4.0 if master_on_disk else 0.0) + 2 * moment_bytes_per_element(moment_dtype)
 
 
+def check_host_bytes(flag: str, value, nbytes: int) -> None:
+    """A host allocation of ``nbytes`` (for ``flag value``) must fit in this machine's
+    RAM: checked at start-up instead of failing in the allocator, or later in the run."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if nbytes > ram:
+        raise ValueError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of host memory per rank, this "
+                         f"machine has {fs.human_bytes(ram)}; use a smaller value (default {DEFAULT_CHUNK_MB})")
+
+
 def default_disk_dir() -> str | None:
     """``$SCRATCH/greenroom_train_offload_<uid>``, or None when $SCRATCH is unset."""
     scratch = os.environ.get("SCRATCH")
@@ -180,6 +189,12 @@ class OffloadConfig(OffloadFlags):
             raise ValueError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
                              "or set $SCRATCH")
         self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
+        existing = fs.nearest_existing(self.offload_train_disk_dir)
+        if not os.path.isdir(existing):
+            raise ValueError(f"--offload-train-disk-dir {self.offload_train_disk_dir}: {existing} is a file, not a "
+                             "directory; point it at a dir on node-local NVMe")
+        check_host_bytes("--offload-train-disk-chunk-mb", self.offload_train_disk_chunk_mb,
+                         self.staging_bytes_per_rank)
         mount = fs.mount_of(self.offload_train_disk_dir)
         if mount.fstype in fs.MEMORY_FILESYSTEMS:
             message = (f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "

@@ -12,7 +12,7 @@ import os
 import resource
 
 from greenroom import fs
-from greenroom.config import DEFAULT_CHUNK_MB, MIB
+from greenroom.config import DEFAULT_CHUNK_MB, MIB, check_host_bytes
 
 PROBE_BYTES = 256 * MIB
 
@@ -29,6 +29,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.chunk_mb <= 0:
+        raise ValueError(f"--chunk-mb must be a positive integer number of MiB, got {args.chunk_mb}")
+    check_host_bytes("--chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
     if not os.path.isdir(args.dir):
         raise ValueError(f"doctor: DIR {args.dir} is not a directory (create it on node-local NVMe first)")
     if not os.access(args.dir, os.W_OK | os.X_OK):

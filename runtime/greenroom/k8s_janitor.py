@@ -237,8 +237,9 @@ class Janitor:
             else:
                 self.seen.update(pods)
                 rule = PodRule(pods, self.seen)
+        # A node where nothing ran yet has no root: an empty pass, not a crash loop.
         report = reclaim(self.config.root, dry_run=self.config.dry_run, min_age=self.config.min_age,
-                         policy=rule)
+                         policy=rule, missing_ok=True)
         self.metrics.record(report)
         print_report(report, as_json=self.config.as_json, out=self.out)
         self.out.flush()

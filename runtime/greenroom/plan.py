@@ -52,7 +52,7 @@ def build_plan(config: OffloadConfig, *, world_size: int, params: int, nproc_per
         mount = fs.mount_of(root)
         free = fs.free_bytes(root)
         plan.update({
-            "disk_dir": root, "filesystem": mount.fstype, "mount_point": mount.mount_point,
+            "disk_dir": root, "disk_dir_exists": os.path.isdir(root), "filesystem": mount.fstype, "mount_point": mount.mount_point,
             "free_bytes": free,
             "rank_dirs": [rank_dir_path(root, job, role, r) for r in range(min(world_size, nproc_per_node))],
             "fits": free >= per_rank * nproc_per_node,
@@ -73,7 +73,8 @@ def print_plan(plan: dict) -> None:
         print("disk:       not used")
         return
     d = plan["disk_bytes_per_rank"]
-    print(f"disk dir:   {plan['disk_dir']} ({plan['filesystem']} at {plan['mount_point']})")
+    missing = "" if plan["disk_dir_exists"] else ", does not exist yet: free space is that of its nearest existing parent"
+    print(f"disk dir:   {plan['disk_dir']} ({plan['filesystem']} at {plan['mount_point']}{missing})")
     print("rank dirs:  " + ", ".join(plan["rank_dirs"][:2]) + (" ..." if len(plan["rank_dirs"]) > 2 else ""))
     print(f"disk per rank: {fs.human_bytes(d['total'])} (streamed state {fs.human_bytes(d['streaming'])}, "
           f"paused actor {fs.human_bytes(d['offload'])}) for {plan['params']:,} params over {plan['world_size']} rank(s)")

@@ -53,9 +53,9 @@ def boot_id() -> str:
 
 
 def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
-    for name, value in (("job", job), ("role", role)):
+    for name, value in (("the job id (from $GREENROOM_JOB_ID, $SLURM_JOB_ID or torchrun)", job), ("--role", role)):
         if not value or "/" in value or value in (".", ".."):
-            raise ValueError(f"--{name}: {value!r} is not a valid directory name")
+            raise ValueError(f"{name}: {value!r} is not a valid directory name")
     return os.path.join(root, job, role, f"rank{rank:05d}")
 
 

@@ -11,8 +11,15 @@ Safety rules, each enforced below:
 - no symlink is followed and ROOT's filesystem is never left (``st_dev`` checks, and a
   dir holding a mount point is refused);
 - nothing without an owner record is deleted;
+- what is deleted is what was checked: after the first open everything goes through fds
+  (the parent's to rename aside and remove by name, the dir's own to lock, check and
+  delete its contents), and a rename aside that caught another inode is undone;
 - several reclaimers at once are safe: the winner renames the dir aside before deleting,
-  losers see it locked or gone.
+  losers see it locked or gone;
+- nothing leaks: an aside dir (``TRASH_PREFIX``) whose reclaimer was killed is finished by
+  a later pass (its lock file goes last, so one still being deleted is seen locked), and
+  an aside symlink is unlinked, never followed;
+- a missing or unreadable ROOT, and an age that is not a finite number >= 0, are errors.
 
 This module must not import torch: init containers and prologs run it.
 """
@@ -23,8 +30,8 @@ import argparse
 import errno
 import fcntl
 import json
+import math
 import os
-import shutil
 import stat
 import sys
 import time
@@ -33,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from greenroom import fs
+from greenroom.faults import kill_point
 from greenroom.rankdir import LOCK_NAME, OWNER_NAME
 
 MAX_DEPTH = 6  # <root>/<job>/<role>/rank<N> is 3; leave room for site layouts above it
@@ -77,10 +85,11 @@ class ReclaimReport:
                 "decisions": [asdict(d) for d in self.decisions]}
 
 
-def find_candidates(root: str) -> list[str]:
-    """Dirs under ``root`` (same filesystem, no symlinks) that hold an owner record."""
+def find_candidates(root: str) -> tuple[list[str], list[str]]:
+    """Dirs under ``root`` (same filesystem, no symlinks) that hold an owner record, and
+    the aside names (``TRASH_PREFIX``) that reclaim passes left there."""
     root_dev = os.lstat(root).st_dev
-    found = []
+    found, trash = [], []
 
     def walk(path: str, depth: int) -> None:
         try:
@@ -93,7 +102,10 @@ def find_candidates(root: str) -> list[str]:
         if depth == MAX_DEPTH:
             return
         for e in entries:
-            if e.name.startswith(TRASH_PREFIX) or not e.is_dir(follow_symlinks=False):
+            if e.name.startswith(TRASH_PREFIX):
+                trash.append(e.path)
+                continue
+            if not e.is_dir(follow_symlinks=False):
                 continue
             try:
                 if e.stat(follow_symlinks=False).st_dev != root_dev:
@@ -103,7 +115,7 @@ def find_candidates(root: str) -> list[str]:
             walk(e.path, depth + 1)
 
     walk(root, 0)
-    return sorted(found)
+    return sorted(found), sorted(trash)
 
 
 def _tree_bytes(path: str, dev: int) -> int:
@@ -129,30 +141,98 @@ def _read_owner(dir_fd: int) -> dict:
         return {}
 
 
+def _same_inode(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _delete_contents(dir_fd: int, dev: int, *, keep: str | None = None) -> None:
+    """Delete everything in the dir open as ``dir_fd`` through fds relative to it
+    (unlinkat/openat), so what goes is the tree that was opened and checked, whatever is
+    renamed meanwhile; ``keep`` (the held lock file) is left to the caller. Never follows
+    a symlink, never crosses into another filesystem."""
+    with os.scandir(dir_fd) as it:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    for name, is_dir in entries:
+        if name == keep:
+            continue
+        if not is_dir:
+            os.unlink(name, dir_fd=dir_fd)
+            continue
+        child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            if os.fstat(child).st_dev != dev:
+                raise OSError(errno.EXDEV, f"{name} is a mount point")
+            _delete_contents(child, dev)
+        finally:
+            os.close(child)
+        os.rmdir(name, dir_fd=dir_fd)
+        kill_point("reclaim-delete")
+
+
+def _lock(dir_fd: int) -> tuple[int, bool]:
+    """(lock fd or -1, whether a live process holds it)."""
+    try:
+        lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return -1, False  # no lock file: nobody can be holding it
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        return -1, True
+    return lock_fd, False
+
+
+def _remove_locked(parent_fd: int, name: str, dir_fd: int, dev: int) -> None:
+    """Rename the dir open as ``dir_fd`` (whose lock we hold) aside inside ``parent_fd``
+    and delete it through its fd. If the name turns out to hold another dir (swapped in
+    after our checks), that one is put back untouched."""
+    trash = f"{TRASH_PREFIX}{uuid.uuid4().hex[:12]}"
+    os.rename(name, trash, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+    moved = os.stat(trash, dir_fd=parent_fd, follow_symlinks=False)
+    if not _same_inode(moved, os.fstat(dir_fd)):
+        os.rename(trash, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        raise OSError(errno.ESTALE, "replaced after it was checked; left alone")
+    kill_point("reclaim-aside")
+    # The lock file goes last, so a reclaimer that finds this aside dir while we delete
+    # sees it locked and leaves it to us.
+    _delete_contents(dir_fd, dev, keep=LOCK_NAME)
+    try:
+        os.unlink(LOCK_NAME, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    os.rmdir(trash, dir_fd=parent_fd)
+
+
 def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: float,
                         policy: OwnerPolicy | None = None, now: float | None = None) -> Decision | None:
-    """Decide one candidate dir and (unless ``dry_run``) remove it. None: it vanished."""
+    """Decide one candidate dir and (unless ``dry_run``) remove it. None: it vanished.
+
+    Every step after the first open goes through fds: the parent's, to open, rename
+    and remove the dir by name; the dir's own, to lock, check and delete its contents."""
     now = time.time() if now is None else now
     try:
-        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        parent_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as e:
-        return Decision(path, "error", f"cannot open: {e.strerror}")
-    lock_fd = -1
+        return Decision(path, "error", f"cannot open its parent: {e.strerror}")
+    name = os.path.basename(path)
+    dir_fd = lock_fd = -1
     try:
-        st = os.fstat(dir_fd)
-        if st.st_dev != root_dev:
-            return Decision(path, "kept", "on another filesystem")
         try:
-            lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW, dir_fd=dir_fd)
+            dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
         except FileNotFoundError:
-            pass  # an owner record without a lock file: nobody can be holding it
+            return None
+        except OSError as e:
+            return Decision(path, "error", f"cannot open: {e.strerror}")
+        st = os.fstat(dir_fd)
+        if st.st_dev != root_dev or os.fstat(parent_fd).st_dev != root_dev:
+            return Decision(path, "kept", "on another filesystem")
+        lock_fd, held = _lock(dir_fd)
+        if held:
+            return Decision(path, "kept", "locked by a live process", owner=_read_owner(dir_fd))
         if lock_fd >= 0:
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return Decision(path, "kept", "locked by a live process", owner=_read_owner(dir_fd))
             try:
                 if os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False).st_ino != os.fstat(lock_fd).st_ino:
                     return None  # replaced under us: another reclaimer or a new owner
@@ -174,16 +254,56 @@ def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: flo
             return Decision(path, "would-reclaim", "owner gone", bytes=size, owner=owner)
         # Rename aside first: concurrent reclaimers and a rank starting at this path
         # then never see a half-deleted dir.
-        trash = os.path.join(os.path.dirname(path), f"{TRASH_PREFIX}{uuid.uuid4().hex[:12]}")
-        os.rename(path, trash)
-        shutil.rmtree(trash)
+        _remove_locked(parent_fd, name, dir_fd, root_dev)
         return Decision(path, "reclaimed", "owner gone", bytes=size, owner=owner)
     except OSError as e:
         return Decision(path, "error", e.strerror or str(e))
     finally:
-        if lock_fd >= 0:
-            os.close(lock_fd)
-        os.close(dir_fd)
+        for fd in (lock_fd, dir_fd, parent_fd):
+            if fd >= 0:
+                os.close(fd)
+
+
+def clean_aside(path: str, root_dev: int, *, dry_run: bool) -> Decision | None:
+    """Finish an aside entry an earlier pass left (it was killed mid-delete, or refused a
+    symlink that was swapped in). One a live reclaimer is still deleting is locked and
+    left to it. A symlink or file is unlinked itself, never followed."""
+    try:
+        parent_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    name = os.path.basename(path)
+    dir_fd = lock_fd = -1
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            if not dry_run:
+                os.unlink(name, dir_fd=parent_fd)
+            return Decision(path, "would-reclaim" if dry_run else "reclaimed", "left by an earlier reclaim pass")
+        dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        if os.fstat(dir_fd).st_dev != root_dev:
+            return Decision(path, "kept", "on another filesystem")
+        lock_fd, held = _lock(dir_fd)
+        if held:
+            return None  # another reclaimer is deleting it right now
+        size = _tree_bytes(path, root_dev)
+        if dry_run:
+            return Decision(path, "would-reclaim", "left by an earlier reclaim pass", bytes=size)
+        _delete_contents(dir_fd, root_dev, keep=LOCK_NAME)
+        try:
+            os.unlink(LOCK_NAME, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        os.rmdir(name, dir_fd=parent_fd)
+        return Decision(path, "reclaimed", "left by an earlier reclaim pass", bytes=size)
+    except FileNotFoundError:
+        return None  # another reclaimer finished it
+    except OSError as e:
+        return Decision(path, "error", e.strerror or str(e))
+    finally:
+        for fd in (lock_fd, dir_fd, parent_fd):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _remove_empty_parents(path: str, root: str) -> None:
@@ -196,19 +316,36 @@ def _remove_empty_parents(path: str, root: str) -> None:
         parent = os.path.dirname(parent)
 
 
-def reclaim(root: str, *, dry_run: bool = False, min_age: float = 0.0,
-            policy: OwnerPolicy | None = None) -> ReclaimReport:
+def check_seconds(flag: str, value: float) -> None:
+    """A duration must be a finite number >= 0 (``nan`` would turn the age check off)."""
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{flag} must be a finite number of seconds >= 0, got {value}")
+
+
+def reclaim(root: str, *, dry_run: bool = False, min_age: float = 0.0, policy: OwnerPolicy | None = None,
+            missing_ok: bool = False) -> ReclaimReport:
     """Reclaim stale per-rank dirs under ``root``; see the module docstring."""
-    if min_age < 0:
-        raise ValueError(f"--min-age must be >= 0 seconds, got {min_age}")
+    check_seconds("--min-age", min_age)
     root = os.path.realpath(root)
     report = ReclaimReport(root=root, dry_run=dry_run)
     if not os.path.exists(root):
-        return report  # nothing has ever run here
+        if missing_ok:
+            return report  # nothing has ever run here
+        raise ValueError(f"reclaim ROOT {root} does not exist (pass --missing-ok where that is expected)")
     if not os.path.isdir(root):
         raise ValueError(f"reclaim ROOT {root} is not a directory")
+    try:
+        os.close(os.open(root, os.O_RDONLY | os.O_DIRECTORY))
+        os.listdir(root)
+    except OSError as e:
+        raise ValueError(f"reclaim ROOT {root} cannot be read ({e.strerror})") from None
     root_dev = os.lstat(root).st_dev
-    for path in find_candidates(root):
+    candidates, trash = find_candidates(root)
+    for path in trash:
+        decision = clean_aside(path, root_dev, dry_run=dry_run)
+        if decision is not None:
+            report.decisions.append(decision)
+    for path in candidates:
         decision = inspect_and_reclaim(path, root_dev, dry_run=dry_run, min_age=min_age, policy=policy)
         if decision is None:
             continue
@@ -239,6 +376,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-age", type=float, default=0.0, metavar="SECONDS",
                         help="only reclaim dirs whose owner record is at least this old (default 0)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--missing-ok", action="store_true",
+                        help="a ROOT that does not exist is an empty pass, not an error (prologs on fresh nodes)")
     k8s = parser.add_argument_group("Kubernetes janitor (see greenroom.k8s_janitor)")
     k8s.add_argument("--kubernetes", action="store_true",
                      help="also ask the API server which pods on this node still exist")
@@ -257,11 +396,16 @@ def run(args: argparse.Namespace) -> int:
             root=args.root, node_name=args.node_name or os.environ.get("NODE_NAME", ""),
             interval=args.interval, metrics_port=args.metrics_port or 0, min_age=args.min_age,
             dry_run=args.dry_run, as_json=args.json))
+    check_seconds("--min-age", args.min_age)
+    if args.interval is not None:
+        check_seconds("--interval", args.interval)
+        if args.interval == 0:
+            raise ValueError("--interval must be > 0 seconds")
     if args.interval is not None or args.metrics_port is not None or args.node_name is not None:
         raise ValueError("--interval, --metrics-port and --node-name need --kubernetes")
     if fs.is_memory_backed(args.root) and os.path.isdir(args.root):
         print(f"greenroom reclaim: warning: {args.root} is memory-backed (tmpfs); reclaiming anyway",
               file=sys.stderr)
-    report = reclaim(args.root, dry_run=args.dry_run, min_age=args.min_age)
+    report = reclaim(args.root, dry_run=args.dry_run, min_age=args.min_age, missing_ok=args.missing_ok)
     print_report(report, as_json=args.json)
     return 1 if report.errors else 0

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from greenroom import fs
-from greenroom.config import DEFAULT_CHUNK_MB, MIB
+from greenroom.config import DEFAULT_CHUNK_MB, MIB, check_host_bytes
 from greenroom.diskio import DEFAULT_DEPTH, StateFile, TransferEngine, align_up
 
 RAW_BLOCK = 64 * MIB
@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"bench disk: DIR {args.dir} is not a directory")
     if args.chunk_mb <= 0 or args.depth <= 0:
         raise ValueError("bench disk: --chunk-mb and --depth must be positive integers")
+    check_host_bytes("--chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -28,7 +28,7 @@ import time
 import warnings
 
 from greenroom import fs
-from greenroom.config import DEFAULT_CHUNK_MB, MIB, MOMENT_DTYPES
+from greenroom.config import DEFAULT_CHUNK_MB, MIB, MOMENT_DTYPES, check_host_bytes
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 
 GB = 1e9
@@ -107,6 +107,7 @@ def _validate(args: argparse.Namespace) -> None:
     for flag in ("steps", "bucket_numel", "param_numel", "chunk_mb"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    check_host_bytes("--chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
     if not os.path.isdir(args.dir):
         raise ValueError(f"--dir {args.dir} is not a directory")
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:

@@ -7,9 +7,10 @@ A checkpoint is a directory::
     resident.pt        step counters and the resident (tiny fp32) params' moments
 
 ``save_checkpoint`` is synchronous (the step cannot overwrite a bucket while it is being
-copied) and atomic: everything goes into ``<path>.tmp-<pid>``, which is fsynced and
-then swapped with ``<path>`` (``renameat2(RENAME_EXCHANGE)`` where the kernel has it), so
-an interrupted save leaves the previous checkpoint as it was. Bytes move with
+copied) and atomic through ``greenroom.publish``, the protocol the trainer's ``--save``
+shares: everything goes into ``<path>.new``, which is fsynced and then swapped with
+``<path>`` in one rename, so an interrupted save leaves the previous checkpoint as it
+was, and the next save or load settles what a killed one left. Bytes move with
 ``copy_file_range``, which reflinks on filesystems that can (XFS, btrfs) and copies inside
 the kernel elsewhere. Each 64 MiB piece is read once to take its CRC-32 and then copied
 from the page cache, so the disk reads each byte once; both files' pages are dropped
@@ -23,19 +24,17 @@ checksum. Only then are the files copied into the live ones.
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import glob
 import json
 import os
-import shutil
 import warnings
 import zlib
 
 import torch
 
+from greenroom import publish
 from greenroom.diskio import pread_all, pwrite_all
-from greenroom.errors import CheckpointError
+from greenroom.errors import CheckpointError, StorageError
 from greenroom.optim.adam import local_tensor
 from greenroom.rankdir import write_json_atomic
 
@@ -44,8 +43,6 @@ RESIDENT = "resident.pt"
 FORMAT = "greenroom-streamed-adam"
 VERSION = 1
 PIECE = 64 << 20
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
 
 
 # -- what the checkpoint records ------------------------------------------------------
@@ -84,14 +81,13 @@ def _resident_state(opt) -> dict:
 
 # -- save ------------------------------------------------------------------------------
 def save_checkpoint(opt, path: str) -> None:
-    """Write ``opt``'s whole state to the directory ``path``, replacing it atomically."""
+    """Write ``opt``'s whole state to the directory ``path``, replacing it atomically
+    (``greenroom.publish``: the previous checkpoint stays until this one is complete)."""
     path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, mode=0o700, exist_ok=True)
-    for stale in glob.glob(glob.escape(path) + ".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted save
-    tmp = f"{path}.tmp-{os.getpid()}"
-    os.makedirs(tmp, mode=0o700)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp, said = publish.stage(path)
+    if said:
+        warnings.warn(f"{path}: {said}", stacklevel=3)
     try:
         store = opt.store
         store.engine.drain()
@@ -101,7 +97,7 @@ def save_checkpoint(opt, path: str) -> None:
             files[name] = {"bytes": bucket.file_bytes,
                            "crc32": copy_file(store.path(bucket.index), os.path.join(tmp, name), bucket.file_bytes)}
         resident = _resident_state(opt)
-        torch.save(resident, os.path.join(tmp, RESIDENT))
+        publish.torch_save(resident, os.path.join(tmp, RESIDENT))
         size = os.path.getsize(os.path.join(tmp, RESIDENT))
         files[RESIDENT] = {"bytes": size, "crc32": file_crc32(os.path.join(tmp, RESIDENT), size)}
         manifest = {"format": FORMAT, "version": VERSION, "master_dtype": "fp32",
@@ -109,53 +105,25 @@ def save_checkpoint(opt, path: str) -> None:
                     "param_groups": _hyperparameters(opt),
                     "steps": {k: float(v) for k, v in resident["steps"].items()}, "files": files}
         write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
-        _fsync_dir(tmp)
-        _swap_into_place(tmp, path)
+        publish.publish(path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.isdir(tmp):
+            publish.discard(tmp)
         raise
-
-
-def _swap_into_place(tmp: str, path: str) -> None:
-    if not os.path.lexists(path):
-        os.rename(tmp, path)
-    elif _exchange(tmp, path):
-        shutil.rmtree(tmp)  # now the previous checkpoint
-    else:
-        # No RENAME_EXCHANGE: a crash between the two renames leaves <path>.old-<pid>.
-        old = f"{path}.old-{os.getpid()}"
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _exchange(a: str, b: str) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), b)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- byte movement ---------------------------------------------------------------------
 def copy_file(src: str, dst: str, size: int) -> str:
     """Copy ``size`` bytes of ``src`` over ``dst`` (created or overwritten in place);
-    returns the CRC-32 of the bytes as 8 hex digits. Pages are dropped as it goes."""
+    returns the CRC-32 of the bytes as 8 hex digits. Pages are dropped as it goes. An
+    OSError (ENOSPC, EIO) becomes a ``StorageError`` naming both files."""
+    try:
+        return _copy_file(src, dst, size)
+    except OSError as e:
+        raise StorageError(f"copying {src} to {dst} failed: {e.strerror or e}") from e
+
+
+def _copy_file(src: str, dst: str, size: int) -> str:
     crc = 0
     buf = bytearray(min(PIECE, max(size, 1)))
     src_fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
@@ -223,6 +191,9 @@ def load_checkpoint(opt, path: str, *, no_load_optim: bool = False) -> None:
                       "optimizer state (masters from the current params, zero moments, step 0)", stacklevel=3)
         opt.initialize_state()
         return
+    said = publish.recover(os.path.abspath(path))
+    if said:
+        warnings.warn(f"{path}: {said}", stacklevel=3)
     manifest = read_manifest(path)
     verify(opt, path, manifest)
     store = opt.store
@@ -257,10 +228,27 @@ def read_manifest(path: str) -> dict:
             manifest = json.load(f)
     except ValueError as e:
         raise CheckpointError(f"{manifest_path}: not valid JSON ({e}); the checkpoint is damaged") from None
+    except OSError as e:
+        raise CheckpointError(f"{manifest_path}: cannot read it ({e.strerror})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_path}: not a JSON object; the checkpoint is damaged")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r} version "
                               f"{manifest.get('version')!r}, this greenroom reads {FORMAT!r} version {VERSION}")
+    for key, kind in _MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise CheckpointError(f"{manifest_path}: field {key!r} is missing or not {kind.__name__}; "
+                                  "the checkpoint is damaged")
+    for name, meta in manifest["files"].items():
+        if (not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int)
+                or not isinstance(meta.get("crc32"), str) or os.sep in name or name in (".", "..")):
+            raise CheckpointError(f"{manifest_path}: the entry for {name!r} in 'files' is malformed; "
+                                  "the checkpoint is damaged")
     return manifest
+
+
+_MANIFEST_FIELDS = {"master_dtype": str, "moment_dtype": str, "layout": dict, "topology": dict,
+                    "param_groups": list, "steps": dict, "files": dict}
 
 
 def verify(opt, path: str, manifest: dict) -> None:
@@ -272,12 +260,16 @@ def verify(opt, path: str, manifest: dict) -> None:
                 f"{path}: written with {key.replace('_', ' ')} {manifest[key]}, this run uses {ours}; bytes "
                 f"written as {manifest[key]} cannot be read as {ours}: resume with "
                 f"--stream-optimizer-state-moment-dtype {manifest[key]} (or pass --no-load-optim)")
-    _verify_topology(path, manifest["topology"], topology(opt))
-    _verify_layout(path, manifest["layout"], store.layout())
+    try:
+        _verify_topology(path, manifest["topology"], topology(opt))
+        _verify_layout(path, manifest["layout"], store.layout())
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: malformed topology or layout ({e!r}); "
+                              "the checkpoint is damaged") from None
     for name, meta in manifest["files"].items():
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):
-            raise CheckpointError(f"{path}: {name} is missing; the checkpoint is incomplete")
+            raise CheckpointError(f"{file_path} is missing; the checkpoint is incomplete")
         actual = os.path.getsize(file_path)
         if actual != meta["bytes"]:
             raise CheckpointError(f"{file_path}: {actual} bytes, the manifest says {meta['bytes']} (truncated?)")

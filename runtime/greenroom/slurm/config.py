@@ -362,9 +362,17 @@ def load_config(path: str) -> SlurmJobConfig:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such config file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text (a binary file?); give a job YAML") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if data is None:
+        raise ValueError(f"{path}: the file is empty; see deploy/slurm/examples for a job YAML")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings at the top, got {type(data).__name__}")
     try:
-        return config_from_dict(data if data is not None else {})
+        return config_from_dict(data)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None

@@ -39,10 +39,15 @@ def _run(argv: list[str], *, stdin: str | None = None) -> subprocess.CompletedPr
 def write_script(path: str, script: str) -> None:
     """Write the script whole or not at all (never a half-written file)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(script)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(script)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise ValueError(f"-o {path}: cannot write the script there ({e.strerror})") from None
 
 
 def submit(script: str, *, log_dir: str) -> str:

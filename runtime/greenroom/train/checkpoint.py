@@ -1,26 +1,42 @@
 """``--save`` / ``--load`` for ``greenroom train``: per-rank model and optimizer state.
 
-Layout: ``DIR/meta.json`` (iteration, world size, how the optimizer state was kept) and
-``DIR/rank<NNNNN>/`` with ``model.pt`` and either ``optim.pt`` (resident AdamW) or
-``optim/`` (StreamingAdam's own checkpoint). Each rank writes into a temporary dir and
-renames it; rank 0 writes meta.json last, so a checkpoint without it is incomplete.
-Resume is same-topology only, as for the streamed state.
+Layout of a checkpoint dir ``DIR``::
+
+    generation.json      this save's id and the one it replaced (greenroom.publish)
+    meta.json            iteration, world size, how the optimizer state was kept
+    rank<NNNNN>/
+      manifest.json      size and CRC-32 of every file of the rank
+      model.pt
+      optim.pt           resident AdamW, or
+      optim/             StreamingAdam's own checkpoint (its manifest checksums its files)
+
+The whole checkpoint, every rank's model and optimizer state and the meta, becomes
+visible in one rename (``greenroom.publish``, the protocol the optimizer's checkpoint
+uses too): rank 0 stages ``DIR.new``, every rank writes its part there, and rank 0
+writes the meta and swaps it in once all are done. Until then ``DIR`` is the previous
+complete checkpoint. ``load`` first settles what a killed save left (and says what it
+did), then checks every file's size and checksum before it loads a byte; each damaged or
+missing file, and each malformed manifest or meta, is one ``CheckpointError`` line naming
+the file. Resume is same-topology only, as for the streamed state.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import warnings
+import zlib
 
 import torch
 
+from greenroom import publish
 from greenroom.errors import CheckpointError
-from greenroom.rankdir import write_json_atomic
+from greenroom.faults import kill_point
+from greenroom.optim.checkpoint import PIECE
 
 META = "meta.json"
-FORMAT = 1
+MANIFEST = "manifest.json"
+FORMAT = 2
+_META_FIELDS = {"format": int, "iteration": int, "world_size": int, "streaming": bool}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -36,63 +52,150 @@ def rank_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank:05d}")
 
 
+def _crc32(path: str) -> tuple[int, str]:
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while piece := f.read(PIECE):
+            crc = zlib.crc32(piece, crc)
+            size += len(piece)
+    return size, f"{crc:08x}"
+
+
+# -- save ------------------------------------------------------------------------------
 def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
          barrier) -> None:
-    final = rank_path(directory, rank)
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp, mode=0o700)
-    torch.save(_model_state(model), os.path.join(tmp, "model.pt"))
-    if streaming:
-        optimizer.save_checkpoint(os.path.join(tmp, "optim"))
-    else:
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optim.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    barrier()
+    directory = os.path.abspath(directory)
+    staged = directory + publish.NEW_SUFFIX
     if rank == 0:
-        write_json_atomic(os.path.join(directory, META), {
-            "format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming})
-
-
-def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bool, rank: int,
-         world_size: int) -> int:
-    """Restore this rank's state; returns the iteration to continue from."""
+        os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
+        _, said = publish.stage(directory)
+        if said:
+            warnings.warn(f"--save {directory}: {said}")
+    barrier()
+    mine = rank_path(staged, rank)
     try:
-        with open(os.path.join(directory, META), encoding="utf-8") as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"--load {directory}: no {META} (not a greenroom train checkpoint, "
-                              "or its save did not finish)") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"--load {directory}: format {meta.get('format')!r}, expected {FORMAT}")
+        os.makedirs(mine, mode=0o700)
+        publish.torch_save(_model_state(model), os.path.join(mine, "model.pt"))
+        kill_point("save-model")
+        names = ["model.pt"]
+        if streaming:
+            optimizer.save_checkpoint(os.path.join(mine, "optim"))
+            names.append(os.path.join("optim", "manifest.json"))
+        else:
+            publish.torch_save(optimizer.state_dict(), os.path.join(mine, "optim.pt"))
+            names.append("optim.pt")
+        kill_point("save-optim")
+        files = {}
+        for name in names:
+            size, crc = _crc32(os.path.join(mine, name))
+            files[name] = {"bytes": size, "crc32": crc}
+        publish.write_checked_json(os.path.join(mine, MANIFEST), {"files": files})
+        kill_point("save-manifest")
+        barrier()
+        if rank == 0:
+            publish.write_checked_json(os.path.join(staged, META), {
+                "format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming})
+            kill_point("save-meta")
+            publish.publish(directory)
+    except BaseException:
+        # Leave nothing half-written: the staged dir goes (the next save or load would
+        # discard it anyway); the previous checkpoint at DIR is untouched.
+        if rank == 0 and os.path.isdir(staged):
+            publish.discard(staged)
+        raise
+    barrier()
+
+
+# -- load ------------------------------------------------------------------------------
+def read_meta(directory: str) -> dict:
+    path = os.path.join(directory, META)
+    meta = publish.read_checked_json(path, _META_FIELDS)
+    if meta["format"] != FORMAT:
+        raise CheckpointError(f"{path}: format {meta['format']}, this greenroom reads format {FORMAT}")
+    return meta
+
+
+def settle(directory: str) -> None:
+    """Finish or discard what a killed save left at ``directory`` (rank 0, before any
+    rank loads), saying which."""
+    said = publish.recover(os.path.abspath(directory))
+    if said:
+        warnings.warn(f"--load {directory}: {said}")
+
+
+def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, rank: int,
+           world_size: int) -> dict:
+    """Check the meta, this rank's manifest and every file it names (and the streamed
+    state's own files) before anything is loaded; returns the meta."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"--load {directory}: no such checkpoint dir")
+    if publish.generation(directory) is None:
+        raise CheckpointError(f"--load {directory}: no valid {publish.GENERATION} (not a greenroom train "
+                              "checkpoint, or its save did not finish)")
+    meta = read_meta(directory)
     if meta["world_size"] != world_size:
         raise CheckpointError(f"--load {directory}: saved with {meta['world_size']} ranks, this run has "
                               f"{world_size}; resume is same-topology only")
     path = rank_path(directory, rank)
+    manifest = publish.read_checked_json(os.path.join(path, MANIFEST), {"files": dict})
+    files = manifest["files"]
+    if not no_load_optim:
+        if streaming and not meta["streaming"]:
+            raise CheckpointError(
+                f"--load {directory}: the checkpoint has no streamed optimizer state (saved without "
+                "--stream-optimizer-state-to-disk); pass --no-load-optim to accept a fresh optimizer state")
+        if meta["streaming"] and not streaming:
+            raise CheckpointError(
+                f"--load {directory}: the optimizer state was streamed (saved with "
+                "--stream-optimizer-state-to-disk); add that flag to resume it, or pass --no-load-optim")
+    for name, entry in files.items():
+        file_path = os.path.join(path, name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
+                or not isinstance(entry.get("crc32"), str):
+            raise CheckpointError(f"{os.path.join(path, MANIFEST)}: the entry for {name!r} is malformed")
+        if not os.path.isfile(file_path):
+            raise CheckpointError(f"{file_path} is missing; the checkpoint is incomplete")
+        size, crc = _crc32(file_path)
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file_path}: {size} bytes, the manifest says {entry['bytes']} (truncated?)")
+        if crc != entry["crc32"]:
+            raise CheckpointError(f"{file_path}: checksum {crc} does not match the manifest's {entry['crc32']}; "
+                                  "the file is corrupt: restore it or load an older checkpoint")
+    if "model.pt" not in files:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: lists no model.pt; the checkpoint is damaged")
+    if streaming and not no_load_optim:
+        from greenroom.optim import checkpoint as optim_checkpoint
+
+        optim_dir = os.path.join(path, "optim")
+        optim_checkpoint.verify(optimizer, optim_dir, optim_checkpoint.read_manifest(optim_dir))
+    return meta
+
+
+def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bool, rank: int,
+         world_size: int) -> int:
+    """Restore this rank's state from a checkpoint ``verify`` passed; returns the
+    iteration to continue from."""
+    meta = verify(directory, optimizer=optimizer, streaming=streaming, no_load_optim=no_load_optim, rank=rank,
+                  world_size=world_size)
+    path = rank_path(directory, rank)
     state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
     with torch.no_grad():
         for name, t in model.state_dict().items():
+            if name not in state or state[name].shape != _local(t).shape:
+                raise CheckpointError(f"{os.path.join(path, 'model.pt')}: {name} is missing or has another "
+                                      "shape; the checkpoint is of another model (check --d-model etc.)")
             _local(t).copy_(state[name])
     if no_load_optim:
         warnings.warn(f"--no-load-optim: starting a fresh optimizer state instead of the one in {directory}")
         if streaming:
             optimizer.initialize_state()  # its masters were filled from the weights before they loaded
     elif streaming:
-        if not os.path.isdir(os.path.join(path, "optim")):
-            raise CheckpointError(
-                f"--load {directory}: the checkpoint has no streamed optimizer state (saved without "
-                "--stream-optimizer-state-to-disk); pass --no-load-optim to accept a fresh optimizer state")
         optimizer.load_checkpoint(os.path.join(path, "optim"))
     else:
-        if not os.path.isfile(os.path.join(path, "optim.pt")):
-            raise CheckpointError(
-                f"--load {directory}: the optimizer state was streamed (saved with "
-                "--stream-optimizer-state-to-disk); add that flag to resume it, or pass --no-load-optim")
         optimizer.load_state_dict(torch.load(os.path.join(path, "optim.pt"), weights_only=False))
         # Storages torch.load made are not resizable: own copies let offload free them.
         for state in optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     state[key] = value.clone()
-    return int(meta["iteration"])
+    return meta["iteration"]

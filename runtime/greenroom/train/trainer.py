@@ -22,7 +22,8 @@ from greenroom.config import OffloadConfig
 from greenroom.errors import GreenroomError
 from greenroom.fs import human_bytes
 from greenroom.rankdir import RankDir
-from greenroom.train import checkpoint
+from greenroom.faults import kill_point
+from greenroom.train import checkpoint, preflight
 from greenroom.train.model import ModelConfig, Transformer
 from greenroom.train.rollout import RolloutEngine
 from greenroom.train.task import TaskConfig, reward, sample_prompts
@@ -160,16 +161,28 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         try:
             self._open()
-        except BaseException:
-            self._stack.close()
+        except BaseException as e:
+            self._close(e)
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._close(exc)
+
+    def _close(self, exc: BaseException | None) -> None:
+        """Run the cleanups. The exception that ended the run is what the user sees: a
+        cleanup error is added to it as a note, never put in its place."""
+        try:
+            self._stack.close()
+        except BaseException as cleanup:
+            if exc is None:
+                raise
+            exc.add_note(f"then, while cleaning up: {type(cleanup).__name__}: {cleanup}")
 
     def _open(self) -> None:
         c, offload = self.config, self.offload
+        if self.rank == 0:
+            preflight.check_paths(c, offload)
         if self.device.type == "cuda" and offload.offload_train and c.offload_backend != "portable":
             # Before any CUDA allocation: torch_memory_saver's hook must be preloaded.
             actor.relaunch_with(actor.launch_env(offload, self.rank, role=c.role, mover=c.offload_mover))
@@ -197,11 +210,29 @@ class Trainer:
         self.policy = self._parallelize(self.model)
         self.optimizer = self._build_optimizer()
         self.offloader.track(self.model, self.optimizer)
+        # Loaded before the metrics file is opened: a refused checkpoint leaves no file behind.
+        self.start_iteration = self._load() if c.load else 0
+        if self.rank == 0 and c.save:
+            preflight.check_save_space(c.save, self._checkpoint_bytes() * self.world_size)
         self.metrics_file = None
         if self.rank == 0 and c.metrics:
-            os.makedirs(os.path.dirname(os.path.abspath(c.metrics)), exist_ok=True)
-            self.metrics_file = self._stack.enter_context(open(c.metrics, "a" if c.load else "w", encoding="utf-8"))
+            self.metrics_file = self._stack.enter_context(preflight.open_metrics(c.metrics, append=bool(c.load)))
         self.start_time = time.perf_counter()
+
+    def _load(self) -> int:
+        if self.rank == 0:
+            checkpoint.settle(self.config.load)
+        self._barrier()
+        return checkpoint.load(self.config.load, model=self.model, optimizer=self.optimizer,
+                               streaming=self.offload.stream_optimizer_state_to_disk,
+                               no_load_optim=self.offload.no_load_optim, rank=self.rank, world_size=self.world_size)
+
+    def _checkpoint_bytes(self) -> int:
+        """What this rank's part of a ``--save`` takes: its weights plus the optimizer
+        state (the streamed files, or AdamW's two moments of every param)."""
+        weights = sum(checkpoint._local(t).numel() * t.element_size() for t in self.model.state_dict().values())
+        store = getattr(self.optimizer, "store", None)
+        return weights + (store.state_bytes if store is not None else 2 * weights)
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.world_size == 1:
@@ -243,12 +274,7 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------
     def train(self) -> None:
         c = self.config
-        start = 0
-        if c.load:
-            start = checkpoint.load(c.load, model=self.model, optimizer=self.optimizer,
-                                    streaming=self.offload.stream_optimizer_state_to_disk,
-                                    no_load_optim=self.offload.no_load_optim, rank=self.rank,
-                                    world_size=self.world_size)
+        start = self.start_iteration
         self._say(self._header(start))
         with self._preemption_deferred() as preempted:
             for it in range(start, c.iterations):
@@ -280,21 +306,25 @@ class Trainer:
                            "device_used": used, "actor_resident": resident})
 
         t = time.perf_counter()
+        kill_point("sync")
         self.engine.sync_from(self.model)
         mark("sync", t)
         t = time.perf_counter()
         with self._bar(1, "sleep") as bar:
+            kill_point("sleep")
             slept = self.offloader.sleep()
             bar.update()
         mark("sleep", t)
         t = time.perf_counter()
         with self.offloader.rollout_region(), self._bar(self.task.digits, "rollout") as bar:
             prompts = sample_prompts(self.task, c.prompts, gen).repeat_interleave(c.group_size, dim=0)
+            kill_point("rollout")
             completions, old_logp = self.engine.generate(prompts, self.task.digits, gen, on_token=bar.update)
             rewards = reward(prompts, completions)
             mark("rollout", t)
         t = time.perf_counter()
         with self._bar(1, "wake") as bar:
+            kill_point("wake")
             woke = self.offloader.wake()
             bar.update()
         mark("wake", t)
@@ -331,6 +361,7 @@ class Trainer:
                                kl_coef=c.kl_coef)
             loss.backward()
             self.optimizer.step()
+            kill_point("train-step")  # between two optimizer steps: the state files are mid-iteration
             loss_sum += loss.item()
             bar.update()
         bar.close()

@@ -31,14 +31,14 @@ export GREENROOM_RESTART="${SLURM_RESTART_COUNT:-0}"
 # kept. The same runs at exit, so a cancelled or preempted job leaves nothing behind.
 reclaim() {
   srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
-    --kill-on-bad-exit=1 apptainer exec --nv --bind "$GREENROOM_SCRATCH" --bind /shared/checkpoints:/shared/checkpoints /shared/images/greenroom-0.1.0.sif greenroom reclaim "$GREENROOM_OFFLOAD_ROOT"
+    --kill-on-bad-exit=1 apptainer exec --nv --bind "$GREENROOM_SCRATCH" --bind /shared/checkpoints:/shared/checkpoints /shared/images/greenroom-0.1.0.sif greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT"
 }
 # shellcheck disable=SC2329  # invoked by the trap below
 on_exit() {
   local rc=$?
   trap - EXIT
   # A cancelled job starts no new step: then reclaim at least this node directly.
-  reclaim || apptainer exec --nv --bind "$GREENROOM_SCRATCH" --bind /shared/checkpoints:/shared/checkpoints /shared/images/greenroom-0.1.0.sif greenroom reclaim "$GREENROOM_OFFLOAD_ROOT" || true
+  reclaim || apptainer exec --nv --bind "$GREENROOM_SCRATCH" --bind /shared/checkpoints:/shared/checkpoints /shared/images/greenroom-0.1.0.sif greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT" || true
   exit "$rc"
 }
 trap on_exit EXIT

@@ -39,14 +39,14 @@ source /opt/greenroom/venv/bin/activate
 # kept. The same runs at exit, so a cancelled or preempted job leaves nothing behind.
 reclaim() {
   srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
-    --kill-on-bad-exit=1 greenroom reclaim "$GREENROOM_OFFLOAD_ROOT"
+    --kill-on-bad-exit=1 greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT"
 }
 # shellcheck disable=SC2329  # invoked by the trap below
 on_exit() {
   local rc=$?
   trap - EXIT
   # A cancelled job starts no new step: then reclaim at least this node directly.
-  reclaim || greenroom reclaim "$GREENROOM_OFFLOAD_ROOT" || true
+  reclaim || greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT" || true
   exit "$rc"
 }
 trap on_exit EXIT
@@ -56,8 +56,11 @@ reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway
 
 # -- Trainer
 trainer=(greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 512 --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32 --role actor --save /shared/checkpoints/greenroom-4n --no-progress --parallel fsdp --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
-# A requeued job resumes from the last complete checkpoint (meta.json is written last).
-if [ -e /shared/checkpoints/greenroom-4n/meta.json ]; then trainer+=(--load /shared/checkpoints/greenroom-4n); fi
+# A requeued job resumes from the last complete checkpoint: generation.json is written
+# last; a save killed mid-swap leaves the complete one at .new or .old, which --load settles.
+for complete in /shared/checkpoints/greenroom-4n/generation.json /shared/checkpoints/greenroom-4n.new/generation.json /shared/checkpoints/greenroom-4n.old/generation.json; do
+  if [ -e "$complete" ]; then trainer+=(--load /shared/checkpoints/greenroom-4n); break; fi
+done
 
 preempted=0
 # shellcheck disable=SC2329  # invoked by the trap below

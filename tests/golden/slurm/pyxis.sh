@@ -32,14 +32,14 @@ export GREENROOM_RESTART="${SLURM_RESTART_COUNT:-0}"
 # kept. The same runs at exit, so a cancelled or preempted job leaves nothing behind.
 reclaim() {
   srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
-    --kill-on-bad-exit=1 --container-image=registry.example.com/greenroom:0.1.0 --container-mounts="$GREENROOM_SCRATCH:$GREENROOM_SCRATCH",/shared/checkpoints:/shared/checkpoints greenroom reclaim "$GREENROOM_OFFLOAD_ROOT"
+    --kill-on-bad-exit=1 --container-image=registry.example.com/greenroom:0.1.0 --container-mounts="$GREENROOM_SCRATCH:$GREENROOM_SCRATCH",/shared/checkpoints:/shared/checkpoints greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT"
 }
 # shellcheck disable=SC2329  # invoked by the trap below
 on_exit() {
   local rc=$?
   trap - EXIT
   # A cancelled job starts no new step: then reclaim at least this node directly.
-  reclaim || greenroom reclaim "$GREENROOM_OFFLOAD_ROOT" || true
+  reclaim || greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT" || true
   exit "$rc"
 }
 trap on_exit EXIT
@@ -49,8 +49,11 @@ reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway
 
 # -- Trainer
 trainer=(greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32 --role actor --save /shared/checkpoints/greenroom-pyxis --no-progress --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
-# A requeued job resumes from the last complete checkpoint (meta.json is written last).
-if [ -e /shared/checkpoints/greenroom-pyxis/meta.json ]; then trainer+=(--load /shared/checkpoints/greenroom-pyxis); fi
+# A requeued job resumes from the last complete checkpoint: generation.json is written
+# last; a save killed mid-swap leaves the complete one at .new or .old, which --load settles.
+for complete in /shared/checkpoints/greenroom-pyxis/generation.json /shared/checkpoints/greenroom-pyxis.new/generation.json /shared/checkpoints/greenroom-pyxis.old/generation.json; do
+  if [ -e "$complete" ]; then trainer+=(--load /shared/checkpoints/greenroom-pyxis); break; fi
+done
 
 preempted=0
 # shellcheck disable=SC2329  # invoked by the trap below

@@ -34,14 +34,14 @@ export GREENROOM_RESTART="${SLURM_RESTART_COUNT:-0}"
 # kept. The same runs at exit, so a cancelled or preempted job leaves nothing behind.
 reclaim() {
   srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
-    --kill-on-bad-exit=1 /opt/greenroom/venv/bin/greenroom reclaim "$GREENROOM_OFFLOAD_ROOT"
+    --kill-on-bad-exit=1 /opt/greenroom/venv/bin/greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT"
 }
 # shellcheck disable=SC2329  # invoked by the trap below
 on_exit() {
   local rc=$?
   trap - EXIT
   # A cancelled job starts no new step: then reclaim at least this node directly.
-  reclaim || /opt/greenroom/venv/bin/greenroom reclaim "$GREENROOM_OFFLOAD_ROOT" || true
+  reclaim || /opt/greenroom/venv/bin/greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT" || true
   exit "$rc"
 }
 trap on_exit EXIT
@@ -51,8 +51,11 @@ reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway
 
 # -- Trainer
 trainer=(/opt/greenroom/venv/bin/greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype bf16 --iterations 200 --role actor --save /shared/checkpoints/greenroom-actor --no-progress --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
-# A requeued job resumes from the last complete checkpoint (meta.json is written last).
-if [ -e /shared/checkpoints/greenroom-actor/meta.json ]; then trainer+=(--load /shared/checkpoints/greenroom-actor); fi
+# A requeued job resumes from the last complete checkpoint: generation.json is written
+# last; a save killed mid-swap leaves the complete one at .new or .old, which --load settles.
+for complete in /shared/checkpoints/greenroom-actor/generation.json /shared/checkpoints/greenroom-actor.new/generation.json /shared/checkpoints/greenroom-actor.old/generation.json; do
+  if [ -e "$complete" ]; then trainer+=(--load /shared/checkpoints/greenroom-actor); break; fi
+done
 
 preempted=0
 # shellcheck disable=SC2329  # invoked by the trap below

@@ -1,0 +1,264 @@
+"""Publishing a checkpoint directory atomically, and finishing or undoing a killed publish.
+
+Both checkpoints (``greenroom train --save`` and ``StreamingAdam.save_checkpoint``) use
+this one protocol for a target dir ``P``:
+
+1. ``stage(P)`` first settles whatever an earlier, killed save left (``recover``), then
+   gives an empty ``P.new`` to write into.
+2. The caller writes its files there.
+3. ``publish(P)`` fsyncs every file and dir under ``P.new``, then writes
+   ``generation.json`` (this save's id and the id of the checkpoint it replaces) last: a
+   dir without it is unfinished. Then ``P.new`` and ``P`` are swapped in one
+   ``renameat2(RENAME_EXCHANGE)``, or, where the filesystem lacks it, ``P`` is renamed to
+   ``P.old`` and ``P.new`` to ``P``. The replaced checkpoint is then discarded.
+
+So ``P`` is always the previous complete checkpoint until the new one is complete, and
+the switch is one rename. A kill anywhere leaves a state ``recover`` can name and settle
+from the generation records alone (Note [generation chain]); it runs at the start of
+every save and load and reports what it did.
+
+Note [generation chain]: each record holds ``id`` and ``previous`` (the id ``P`` had
+when the save started). A complete ``P.new`` whose ``previous`` is ``P``'s id is a
+finished save that was not swapped in yet: recovery finishes it. One whose id is
+``P``'s ``previous`` is the replaced checkpoint after the swap: it is discarded. With
+``P`` missing, a complete ``P.new`` is the newest and is moved in, else a complete
+``P.old`` is restored. A dir being discarded loses its record first, so a half-deleted
+dir is never mistaken for a complete one.
+
+Small JSON files (the records, the trainer's meta and manifests) carry a CRC-32 of their
+own content (``write_checked_json``/``read_checked_json``), so a damaged one is named,
+never misread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import uuid
+import zlib
+
+from greenroom.errors import CheckpointError, StorageError
+from greenroom.faults import kill_point
+
+GENERATION = "generation.json"
+NEW_SUFFIX = ".new"
+OLD_SUFFIX = ".old"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+# -- small self-checked JSON files -----------------------------------------------------
+def _crc_of(payload: dict) -> str:
+    return f"{zlib.crc32(json.dumps(payload, sort_keys=True).encode()):08x}"
+
+
+def write_checked_json(path: str, payload: dict) -> None:
+    """Write ``payload`` plus its CRC-32, durably, replacing ``path`` atomically."""
+    assert "crc32" not in payload
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump({**payload, "crc32": _crc_of(payload)}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_checked_json(path: str, required: dict[str, type]) -> dict:
+    """The payload of a ``write_checked_json`` file; one-line ``CheckpointError`` naming
+    ``path`` if it is missing, unreadable, not JSON, fails its CRC, or lacks a key of
+    ``required`` (name -> type)."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError both
+        raise CheckpointError(f"{path}: not valid JSON; the file is damaged") from None
+    if not isinstance(data, dict) or not isinstance(data.get("crc32"), str):
+        raise CheckpointError(f"{path}: no checksum field; not a file this greenroom wrote, or damaged")
+    stored = data.pop("crc32")
+    if _crc_of(data) != stored:
+        raise CheckpointError(f"{path}: checksum {_crc_of(data)} does not match its recorded {stored}; "
+                              "the file is damaged")
+    for key, kind in required.items():
+        if not isinstance(data.get(key), kind) or (kind is int and isinstance(data.get(key), bool)):
+            raise CheckpointError(f"{path}: field {key!r} is missing or not {kind.__name__}; the file is damaged")
+    return data
+
+
+def torch_save(obj, path: str) -> None:
+    """torch.save through a file we opened, so a write error keeps its errno and names
+    the file (torch's own writer turns ENOSPC into an anonymous RuntimeError)."""
+    import torch  # only here: the rest of this module is plain file handling
+
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except (OSError, RuntimeError) as e:
+        # torch's zip writer raises its own RuntimeError on the way out, the OSError as its context.
+        cause = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        if os.path.lexists(path):
+            os.unlink(path)
+        raise StorageError(f"{path}: writing the checkpoint failed: {cause.strerror or cause}") from e
+
+
+# -- durable filesystem steps ----------------------------------------------------------
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and dir under ``path``, deepest first (a file before its dir)."""
+    for dirpath, _, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap ``a`` and ``b`` in one ``renameat2(RENAME_EXCHANGE)``; False where the
+    kernel or filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}", b)
+
+
+def discard(path: str) -> None:
+    """Remove a checkpoint dir, its generation record first (see Note [generation chain])."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        try:
+            os.unlink(os.path.join(path, GENERATION))
+            fsync_dir(path)
+        except FileNotFoundError:
+            pass
+        kill_point("discard")
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+# -- the protocol ----------------------------------------------------------------------
+def generation(path: str) -> dict | None:
+    """The generation record of a complete checkpoint dir, None if unfinished or absent."""
+    if not os.path.isdir(os.path.join(path, "")) or not os.path.isfile(os.path.join(path, GENERATION)):
+        return None
+    try:
+        return read_checked_json(os.path.join(path, GENERATION), {"id": str})
+    except CheckpointError:
+        return None  # damaged: treated as unfinished, never trusted
+
+
+def recover(path: str) -> str | None:
+    """Settle what a killed save left next to ``path``; returns a sentence saying what
+    was done (None when there was nothing). See Note [generation chain]."""
+    new, old = path + NEW_SUFFIX, path + OLD_SUFFIX
+    said = []
+    if os.path.lexists(new):
+        gen_new, gen_cur = generation(new), generation(path)
+        if gen_new is None:
+            discard(new)
+            said.append(f"discarded {new}, incomplete: an unfinished save, or the replaced checkpoint half deleted")
+        elif gen_cur is not None and gen_new.get("previous") == gen_cur["id"]:
+            _swap_in(new, path)
+            said.append(f"finished the save in {new}, which was complete but not yet moved into place")
+        elif gen_cur is not None and gen_cur.get("previous") == gen_new["id"]:
+            discard(new)
+            said.append(f"discarded {new}, the checkpoint the last save replaced")
+        elif not os.path.lexists(path):
+            os.rename(new, path)
+            fsync_dir(os.path.dirname(path))
+            said.append(f"finished the save in {new}, which was complete but not yet moved into place")
+        else:
+            raise CheckpointError(f"{new} is a complete checkpoint unrelated to {path}; move one of them away")
+    if os.path.lexists(old):
+        gen_old = generation(old)
+        if gen_old is not None and not os.path.lexists(path):
+            os.rename(old, path)
+            fsync_dir(os.path.dirname(path))
+            said.append(f"restored the previous checkpoint from {old}")
+        else:
+            discard(old)
+            said.append(f"discarded {old}, the checkpoint the last save replaced")
+    return "; ".join(said) or None
+
+
+def stage(path: str) -> tuple[str, str | None]:
+    """Settle leftovers and create the empty ``P.new`` to write into; returns it and
+    what ``recover`` did."""
+    said = recover(path)
+    check_replaceable(path)
+    if os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)  # an empty dir made for us: the first save simply renames into place
+    new = path + NEW_SUFFIX
+    os.makedirs(new, mode=0o700)
+    return new, said
+
+
+def check_replaceable(path: str) -> None:
+    """Refuse to replace anything but nothing, an empty dir, or a checkpoint of ours."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise CheckpointError(f"{path} exists and is not a directory; choose another checkpoint path")
+    if os.listdir(path) and generation(path) is None:
+        raise CheckpointError(f"{path} exists and is not a checkpoint this greenroom wrote (no valid {GENERATION}); "
+                              "refusing to replace it: move it away or choose another path")
+
+
+def publish(path: str) -> None:
+    """Make the staged ``P.new`` the checkpoint at ``P`` (see the module docstring)."""
+    new = path + NEW_SUFFIX
+    current = generation(path)
+    fsync_tree(new)
+    write_checked_json(os.path.join(new, GENERATION),
+                       {"id": uuid.uuid4().hex, "previous": current["id"] if current else None})
+    fsync_dir(new)
+    kill_point("save-staged")
+    if not os.path.lexists(path):
+        os.rename(new, path)
+        fsync_dir(os.path.dirname(path))
+        return
+    _swap_in(new, path)
+
+
+def _swap_in(new: str, path: str) -> None:
+    if exchange(new, path):
+        fsync_dir(os.path.dirname(path))
+        kill_point("save-swapped")
+        discard(new)  # now the replaced checkpoint
+        return
+    old = path + OLD_SUFFIX
+    os.rename(path, old)
+    fsync_dir(os.path.dirname(path))
+    kill_point("save-aside")
+    os.rename(new, path)
+    fsync_dir(os.path.dirname(path))
+    kill_point("save-swapped")
+    discard(old)

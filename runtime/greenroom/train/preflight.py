@@ -1,0 +1,85 @@
+"""Start-up checks of ``greenroom train``'s paths: a run never trains for hours and
+then dies on a path it could have checked in a second.
+
+Each check answers with a one-line ``ValueError`` naming the flag, the path and what to
+do, and leaves nothing behind on disk (the write probe removes its file).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from greenroom import fs, publish
+from greenroom.config import OffloadConfig
+from greenroom.errors import CheckpointError
+
+
+def _probe_writable(flag: str, path: str) -> None:
+    """``path`` (a dir that exists) accepts a new file: tried, not inferred from mode
+    bits, which say nothing for root, read-only mounts or /proc."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".greenroom-probe-", dir=path)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create files there ({e.strerror}); choose a writable dir") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _check_creatable_dir(flag: str, path: str) -> None:
+    """``path`` is a dir, or can be made one: everything above it that exists is a
+    writable dir."""
+    path = os.path.abspath(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} exists and is not a directory; give a directory path")
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path}: {existing} is not a directory, so nothing can be created under it")
+    _probe_writable(flag, existing)
+
+
+def check_paths(config, offload: OffloadConfig) -> None:
+    """Kinds and writability of ``--save``, ``--load``, ``--metrics`` and the disk dir."""
+    if offload.uses_disk:
+        _check_creatable_dir("--offload-train-disk-dir", offload.offload_train_disk_dir)
+    if config.save:
+        save = os.path.abspath(config.save)
+        _check_creatable_dir("--save", os.path.dirname(save))
+        try:
+            publish.check_replaceable(save)
+        except CheckpointError as e:
+            raise ValueError(f"--save: {e}") from None
+    if config.load:
+        load = os.path.abspath(config.load)
+        leftovers = [p for p in (load + publish.NEW_SUFFIX, load + publish.OLD_SUFFIX) if os.path.lexists(p)]
+        if not os.path.lexists(load) and not leftovers:
+            raise ValueError(f"--load {load}: no such checkpoint dir")
+        if os.path.lexists(load) and not os.path.isdir(load):
+            raise ValueError(f"--load {load} is not a directory; give the dir a --save wrote")
+        if os.path.isdir(load) and not os.access(load, os.R_OK | os.X_OK):
+            raise ValueError(f"--load {load}: not readable by uid {os.getuid()}")
+    if config.metrics:
+        metrics = os.path.abspath(config.metrics)
+        if os.path.isdir(metrics):
+            raise ValueError(f"--metrics {metrics} is a directory; give a file path")
+        _check_creatable_dir("--metrics", os.path.dirname(metrics))
+
+
+def check_save_space(save: str, need: int) -> None:
+    """The new checkpoint is written beside the previous one, so it needs its full size free."""
+    free = fs.free_bytes(os.path.abspath(save))
+    if free < need:
+        raise ValueError(f"--save {save}: the checkpoint needs {fs.human_bytes(need)}, only {fs.human_bytes(free)} "
+                         "free there; free space or choose another dir")
+
+
+def open_metrics(path: str, *, append: bool):
+    """The metrics file, its dir created; an OSError becomes a one-line error naming it."""
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, "a" if append else "w", encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--metrics {path}: cannot open it for writing ({e.strerror})") from None

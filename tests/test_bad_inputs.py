@@ -1,0 +1,166 @@
+"""The bad-input sweep: every case exits 2 with one error line naming what is wrong, no
+traceback, and leaves the disk as it was.
+
+Most cases call the CLI's ``main`` in this process (a fresh interpreter per case costs
+seconds of torch import); an exception escaping it fails the test, so "no traceback"
+holds. A few run as real processes to show the same from outside. Tests run as root
+here, so "a dir nobody can write" is one under /proc, which root cannot write either.
+"""
+
+import os
+
+import pytest
+
+from greenroom import cli
+from tests.cli_support import greenroom, one_line_error
+
+SMALL = ["--iterations", "1", "--prompts", "4", "--group-size", "2", "--minibatches", "1", "--d-model", "16",
+         "--no-progress"]
+DISK = ["--offload-train", "--offload-train-target", "disk"]
+
+
+@pytest.fixture
+def sandbox(disk_dir):
+    """A dir with a file, a non-empty dir and a YAML or two to point bad inputs at."""
+    os.makedirs(os.path.join(disk_dir, "adir"))
+    with open(os.path.join(disk_dir, "adir", "precious"), "w") as f:
+        f.write("user data")
+    with open(os.path.join(disk_dir, "afile"), "w") as f:
+        f.write("a file")
+    files = {"broken.yaml": b"job: [unclosed\n", "binary.yaml": b"\xff\xfe\x00\x01\x89PNG",
+             "empty.yaml": b"", "unknown.yaml": b"job_name: x\nno_such_key: 1\n", "list.yaml": b"- a\n- b\n"}
+    for name, data in files.items():
+        with open(os.path.join(disk_dir, name), "wb") as f:
+            f.write(data)
+    return disk_dir
+
+
+def snapshot(root):
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(dirpath, name)
+            out[os.path.relpath(path, root)] = os.path.getsize(path) if os.path.isfile(path) else None
+    return out
+
+
+def S(sandbox, *parts):
+    return os.path.join(sandbox, *parts)
+
+
+# name -> (argv builder, env, text the one error line must contain)
+CASES = {
+    # train
+    "train --iterations -1": (lambda s: ["train", *SMALL, "--iterations", "-1"], {}, "--iterations must be a positive"),
+    "train --iterations abc": (lambda s: ["train", "--iterations", "abc"], {}, "--iterations: invalid int value"),
+    "train --lr -1": (lambda s: ["train", *SMALL, "--lr", "-1"], {}, "--lr must be positive"),
+    "train --minibatches 3 (does not divide)": (lambda s: ["train", *SMALL, "--minibatches", "3"], {},
+                                                "--minibatches 3 must divide"),
+    "train huge chunk": (lambda s: ["train", *SMALL, *DISK, "--offload-train-disk-dir", S(s, "off"),
+                                    "--offload-train-disk-chunk-mb", "10000000"], {}, "host memory per rank"),
+    "train chunk 0": (lambda s: ["train", *SMALL, *DISK, "--offload-train-disk-dir", S(s, "off"),
+                                 "--offload-train-disk-chunk-mb", "0"], {}, "--offload-train-disk-chunk-mb must be"),
+    "train disk dir is a file": (lambda s: ["train", *SMALL, *DISK, "--offload-train-disk-dir", S(s, "afile")], {},
+                                 "is a file, not a directory"),
+    "train disk dir under a file": (lambda s: ["train", *SMALL, *DISK, "--offload-train-disk-dir",
+                                               S(s, "afile", "sub")], {}, "is a file, not a directory"),
+    "train disk dir not writable": (lambda s: ["train", *SMALL, *DISK, "--offload-train-disk-dir",
+                                               "/proc/greenroom-test"], {}, "cannot create files there"),
+    "train --save is a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--save", S(s, "afile")], {},
+                               "is not a directory"),
+    "train --save under a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--save",
+                                             S(s, "afile", "ckpt")], {}, "is not a directory"),
+    "train --save not writable": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--save",
+                                             "/proc/greenroom-ckpt"], {}, "cannot create files there"),
+    "train --save over a user's dir": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--save",
+                                                  S(s, "adir")], {}, "refusing to replace it"),
+    "train --load missing": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--load", S(s, "nope")], {},
+                             "no such checkpoint dir"),
+    "train --load a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--load", S(s, "afile")], {},
+                            "is not a directory"),
+    "train --load a non-checkpoint dir": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--load",
+                                                     S(s, "adir")], {}, "generation.json"),
+    "train --metrics under /proc": (lambda s: ["train", *SMALL, "--metrics", "/proc/greenroom.jsonl"], {},
+                                    "cannot create files there"),
+    "train --metrics is a dir": (lambda s: ["train", *SMALL, "--metrics", S(s, "adir")], {}, "is a directory"),
+    "train --metrics under a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "afile", "m.jsonl")], {},
+                                     "is not a directory"),
+    "train job id with a slash": (lambda s: ["train", *SMALL, *DISK, "--metrics", S(s, "m.jsonl"),
+                                             "--offload-train-disk-dir", S(s, "off")], {"GREENROOM_JOB_ID": "a/b"},
+                                  "the job id (from $GREENROOM_JOB_ID"),
+    # plan
+    "plan --world-size 0": (lambda s: ["plan", "--world-size", "0"], {}, "--world-size must be a positive"),
+    "plan --params -5": (lambda s: ["plan", "--params", "-5"], {}, "--params must be >= 0"),
+    "plan --params abc": (lambda s: ["plan", "--params", "abc"], {}, "--params: invalid float value"),
+    "plan disk dir is a file": (lambda s: ["plan", *DISK, "--offload-train-disk-dir", S(s, "afile")], {},
+                                "is a file, not a directory"),
+    "plan unknown target": (lambda s: ["plan", "--offload-train-target", "nvme"], {}, "invalid choice"),
+    # doctor
+    "doctor --chunk-mb -5": (lambda s: ["doctor", s, "--chunk-mb", "-5", "--no-probe"], {},
+                             "--chunk-mb must be a positive"),
+    "doctor --chunk-mb huge": (lambda s: ["doctor", s, "--chunk-mb", "10000000", "--no-probe"], {},
+                               "of host memory per rank"),
+    "doctor DIR missing": (lambda s: ["doctor", S(s, "nope"), "--no-probe"], {}, "is not a directory"),
+    "doctor DIR is a file": (lambda s: ["doctor", S(s, "afile"), "--no-probe"], {}, "is not a directory"),
+    # reclaim
+    "reclaim ROOT missing": (lambda s: ["reclaim", S(s, "nope")], {}, "does not exist"),
+    "reclaim ROOT is a file": (lambda s: ["reclaim", S(s, "afile")], {}, "is not a directory"),
+    "reclaim --min-age nan": (lambda s: ["reclaim", s, "--min-age", "nan"], {}, "finite number of seconds"),
+    "reclaim --min-age -1": (lambda s: ["reclaim", s, "--min-age=-1"], {}, "finite number of seconds"),
+    "reclaim --min-age abc": (lambda s: ["reclaim", s, "--min-age", "abc"], {}, "--min-age: invalid float value"),
+    # bench
+    "bench disk DIR missing": (lambda s: ["bench", "disk", S(s, "nope")], {}, "is not a directory"),
+    "bench disk --chunk-mb 0": (lambda s: ["bench", "disk", s, "--chunk-mb", "0"], {}, "must be positive"),
+    "bench disk --chunk-mb huge": (lambda s: ["bench", "disk", s, "--chunk-mb", "10000000", "--size", "1M"], {},
+                                   "of host memory per rank"),
+    "bench stream --chunk-mb huge": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s, "--chunk-mb",
+                                                "10000000"], {}, "of host memory per rank"),
+    "bench stream --params -1": (lambda s: ["bench", "stream", "--params", "-1", "--dir", s], {},
+                                 "--params: expected a positive"),
+    "bench stream --dir a file": (lambda s: ["bench", "stream", "--params", "1000", "--dir", S(s, "afile")], {},
+                                  "is not a directory"),
+    "bench offload --gib -1": (lambda s: ["bench", "offload", "--gib", "-1", "--dir", s], {}, "must be positive"),
+    # slurm render
+    "slurm render missing config": (lambda s: ["slurm", "render", S(s, "nope.yaml")], {}, "no such config file"),
+    "slurm render malformed YAML": (lambda s: ["slurm", "render", S(s, "broken.yaml")], {}, "not valid YAML"),
+    "slurm render binary file": (lambda s: ["slurm", "render", S(s, "binary.yaml")], {}, "binary.yaml: not UTF-8"),
+    "slurm render empty file": (lambda s: ["slurm", "render", S(s, "empty.yaml")], {}, "the file is empty"),
+    "slurm render unknown key": (lambda s: ["slurm", "render", S(s, "unknown.yaml")], {}, "no_such_key"),
+    "slurm render a list": (lambda s: ["slurm", "render", S(s, "list.yaml")], {}, "expected a mapping"),
+    "slurm render config is a dir": (lambda s: ["slurm", "render", S(s, "adir")], {}, "cannot read it"),
+    "slurm render -o under a file": (lambda s: ["slurm", "render", os.path.join(REPO_EXAMPLES, "single-node.yaml"),
+                                                "-o", S(s, "afile", "job.sh")], {}, "-o "),
+}
+REPO_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "slurm",
+                             "examples")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_exits_2_with_one_line_and_leaves_nothing(sandbox, name, capsys, monkeypatch):
+    build, env, expected = CASES[name]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(sandbox)  # the default --metrics is relative: it would land here
+    before = snapshot(sandbox)
+    try:
+        rc = cli.main(build(sandbox))
+    except SystemExit as e:  # argparse's own usage errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1, err
+    assert expected in lines[0], lines[0]
+    assert snapshot(sandbox) == before
+
+
+@pytest.mark.parametrize("args", [
+    ["train", "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-chunk-mb", "10000000",
+     "--offload-train-disk-dir", "{s}/off"],
+    ["train", "--save", "{s}/afile"],
+    ["reclaim", "{s}/nope"],
+])
+def test_as_a_real_process_no_traceback(sandbox, args):
+    before = snapshot(sandbox)
+    one_line_error(greenroom(*[a.format(s=sandbox) for a in args], cwd=sandbox))
+    assert snapshot(sandbox) == before

@@ -1,0 +1,102 @@
+"""The checkpoint publish protocol on real dirs: every state a killed save can leave is
+settled by ``recover`` from the generation records alone, and said."""
+
+import json
+import os
+
+import pytest
+
+from greenroom import publish
+from greenroom.errors import CheckpointError
+
+
+def make(path, payload):
+    """A complete checkpoint dir at ``path`` holding ``payload``, published properly."""
+    new, _ = publish.stage(path)
+    with open(os.path.join(new, "data"), "w") as f:
+        f.write(payload)
+    publish.publish(path)
+
+
+def content(path):
+    with open(os.path.join(path, "data")) as f:
+        return f.read()
+
+
+def leftovers(path):
+    return [p for p in (path + ".new", path + ".old") if os.path.lexists(p)]
+
+
+def test_a_save_replaces_the_checkpoint_and_chains_generations(disk_dir):
+    path = os.path.join(disk_dir, "ck")
+    make(path, "one")
+    first = publish.generation(path)
+    make(path, "two")
+    assert content(path) == "two" and leftovers(path) == []
+    assert publish.generation(path)["previous"] == first["id"]
+
+
+def test_only_copy_under_old_is_restored(disk_dir):
+    """Issue 15: the swap without RENAME_EXCHANGE killed after DIR -> DIR.old and with the
+    new copy lost: the only good copy sits under the temporary name; recovery restores it."""
+    path = os.path.join(disk_dir, "ck")
+    make(path, "one")
+    os.rename(path, path + ".old")
+    assert publish.recover(path) == f"restored the previous checkpoint from {path}.old"
+    assert content(path) == "one" and leftovers(path) == []
+
+
+def test_complete_new_with_the_old_aside_is_moved_in(disk_dir):
+    path = os.path.join(disk_dir, "ck")
+    make(path, "one")
+    new, _ = publish.stage(path)
+    with open(os.path.join(new, "data"), "w") as f:
+        f.write("two")
+    publish.write_checked_json(os.path.join(new, publish.GENERATION),
+                               {"id": "b", "previous": publish.generation(path)["id"]})
+    os.rename(path, path + ".old")  # killed between the two renames
+    said = publish.recover(path)
+    assert "finished the save" in said and "discarded" in said
+    assert content(path) == "two" and leftovers(path) == []
+
+
+def test_a_damaged_generation_record_is_never_trusted(disk_dir):
+    path = os.path.join(disk_dir, "ck")
+    make(path, "one")
+    new, _ = publish.stage(path)
+    publish.write_checked_json(os.path.join(new, publish.GENERATION),
+                               {"id": "b", "previous": publish.generation(path)["id"]})
+    record = os.path.join(new, publish.GENERATION)
+    data = json.load(open(record))
+    data["previous"] = "forged"
+    json.dump(data, open(record, "w"))  # a valid JSON whose checksum no longer matches
+    assert "incomplete" in publish.recover(path)
+    assert content(path) == "one" and leftovers(path) == []
+
+
+def test_a_foreign_dir_is_never_replaced(disk_dir):
+    path = os.path.join(disk_dir, "mine")
+    os.makedirs(path)
+    open(os.path.join(path, "thesis.tex"), "w").write("years of work")
+    with pytest.raises(CheckpointError, match="refusing to replace it"):
+        publish.stage(path)
+    assert os.listdir(path) == ["thesis.tex"] and leftovers(path) == []
+
+
+@pytest.mark.parametrize("text,message", [
+    (b"{", "not valid JSON"), (b"\xff\xfe", "not valid JSON"), (b"[]", "no checksum field"),
+    (b'{"a": 1, "crc32": "00000000"}', "does not match"),
+])
+def test_checked_json_names_the_file_and_the_fault(disk_dir, text, message):
+    path = os.path.join(disk_dir, "meta.json")
+    open(path, "wb").write(text)
+    with pytest.raises(CheckpointError, match=message) as info:
+        publish.read_checked_json(path, {})
+    assert str(info.value).startswith(path)
+
+
+def test_checked_json_requires_its_fields_with_their_types(disk_dir):
+    path = os.path.join(disk_dir, "meta.json")
+    publish.write_checked_json(path, {"iteration": True})
+    with pytest.raises(CheckpointError, match="field 'iteration' is missing or not int"):
+        publish.read_checked_json(path, {"iteration": int})

@@ -1,0 +1,84 @@
+"""Reclaim under faults: a live dir swapped in after the checks, a reclaimer SIGKILLed
+mid-delete, an aside symlink, and a reclaimer still at work. Real processes and files."""
+
+import fcntl
+import os
+import signal
+
+import pytest
+
+from greenroom.reclaim import TRASH_PREFIX, reclaim
+from tests.cli_support import greenroom, one_line_error
+from tests.test_reclaim import dead_owner
+from tests.test_rankdir import start_holder
+
+
+def aside_entries(root):
+    return [os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files
+            if n.startswith(TRASH_PREFIX)]
+
+
+def test_a_live_dir_swapped_in_after_the_checks_is_put_back_untouched(disk_dir):
+    dead = dead_owner(disk_dir, job="job")
+    live_proc, live = start_holder(os.path.join(disk_dir, "elsewhere"), job="other")
+    try:
+        def swap_then_say_stale(path, owner):
+            # Between reclaim's lock check and its rename: the checked dir leaves, a live one
+            # (its lock held by a running process) takes its name.
+            if path != dead:
+                return "keep"
+            os.rename(path, os.path.join(disk_dir, "moved-away"))
+            os.rename(live, path)
+            return "stale"
+
+        report = reclaim(disk_dir, policy=swap_then_say_stale)
+        [decision] = [d for d in report.decisions if d.path == dead]
+        assert decision.action == "error" and "replaced after it was checked" in decision.reason
+        assert os.path.isfile(os.path.join(dead, "offload", "state.bin"))  # the live one, at the dead one's path
+        assert live_proc.poll() is None
+        assert aside_entries(disk_dir) == []
+    finally:
+        live_proc.terminate()
+        live_proc.wait()
+
+
+@pytest.mark.parametrize("point", ["reclaim-aside", "reclaim-delete"])
+def test_a_reclaimer_killed_mid_delete_is_finished_by_the_next_pass(disk_dir, point):
+    dead = dead_owner(disk_dir, job="job")
+    killed = greenroom("reclaim", disk_dir, env={"GREENROOM_TEST_KILL_AT": point})
+    assert killed.returncode == -signal.SIGKILL
+    assert not os.path.exists(dead)
+    [left] = aside_entries(disk_dir)  # the killed pass's aside dir, half deleted
+    later = greenroom("reclaim", disk_dir, check_rc=0)
+    assert f"reclaimed: {left}" in later.stdout and "left by an earlier reclaim pass" in later.stdout
+    assert os.listdir(disk_dir) == ["job"] or os.listdir(disk_dir) == []
+    assert aside_entries(disk_dir) == []
+
+
+def test_an_aside_symlink_is_unlinked_never_followed(disk_dir, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "precious").write_text("keep me")
+    os.symlink(str(outside), os.path.join(disk_dir, f"{TRASH_PREFIX}0123456789ab"))
+    report = reclaim(disk_dir)
+    assert [d.action for d in report.decisions] == ["reclaimed"]
+    assert aside_entries(disk_dir) == []
+    assert (outside / "precious").read_text() == "keep me"
+
+
+def test_an_aside_dir_another_reclaimer_is_deleting_is_left_to_it(disk_dir):
+    aside = os.path.join(disk_dir, f"{TRASH_PREFIX}0123456789ab")
+    os.makedirs(os.path.join(aside, "offload"))
+    with open(os.path.join(aside, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as the reclaimer deleting it holds it
+        assert reclaim(disk_dir).decisions == []
+        assert os.path.isdir(os.path.join(aside, "offload"))
+    assert [d.action for d in reclaim(disk_dir).decisions] == ["reclaimed"]
+    assert not os.path.exists(aside)
+
+
+@pytest.mark.parametrize("age", ["nan", "inf", "-1", "-inf"])
+def test_min_age_must_be_finite_and_not_negative(disk_dir, age):
+    dead = dead_owner(disk_dir)
+    line = one_line_error(greenroom("reclaim", disk_dir, f"--min-age={age}"))
+    assert "--min-age must be a finite number of seconds >= 0" in line
+    assert os.path.isdir(dead)
