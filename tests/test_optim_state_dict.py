@@ -42,7 +42,9 @@ def test_format_is_torchs(disk_dir):
     ours, ref_params = twins(SHAPES)
     opt, ref = _streaming(ours, disk_dir), _adamw(ref_params)
     assert opt.state_dict() == {"state": {}, "param_groups": [{**ref.state_dict()["param_groups"][0],
-                                                               "foreach": None, "moment_dtype": "fp32"}]}
+                                                               # the kernel that ran (foreach on the CPU)
+                                                               "fused": False, "foreach": True,
+                                                               "moment_dtype": "fp32"}]}
     written = opt.store.bytes_written
     opt.load_state_dict(opt.state_dict())  # accelerate's prepare does this: no disk pass for an empty state
     assert opt.store.bytes_written == written

@@ -128,6 +128,9 @@ def export_state_dict(opt: StreamingAdam) -> dict:
     for g in opt.param_groups:
         packed = {k: v for k, v in g.items() if k != "params"}
         packed["moment_dtype"] = opt.moment_dtype
+        # The kernel that ran, not the constructor's None: torch.optim.AdamW takes these
+        # keys from a loaded state dict, and another kernel rounds differently.
+        packed["fused"], packed["foreach"] = opt.fused, opt.foreach
         packed["params"] = [index[id(p)] for p in g["params"]]
         groups.append(packed)
     return {"state": state, "param_groups": groups}
