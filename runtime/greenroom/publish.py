@@ -51,6 +51,17 @@ _AT_FDCWD = -100
 
 
 # -- small self-checked JSON files -----------------------------------------------------
+def completion_markers(path: str) -> list[str]:
+    """The files whose presence means a load of ``path`` finds a complete checkpoint: its
+    generation record, or that of a killed save's complete copy beside it (which the
+    load's ``recover`` settles). The one rule launchers use to decide on ``--load``."""
+    return [os.path.join(path + suffix, GENERATION) for suffix in ("", NEW_SUFFIX, OLD_SUFFIX)]
+
+
+def has_checkpoint(path: str) -> bool:
+    return any(os.path.exists(marker) for marker in completion_markers(path))
+
+
 def _crc_of(payload: dict) -> str:
     return f"{zlib.crc32(json.dumps(payload, sort_keys=True).encode()):08x}"
 

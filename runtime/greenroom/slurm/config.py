@@ -70,7 +70,7 @@ class TrainArgs:
 
     checkpoint_dir: str | None = None
     """``--save`` dir on shared storage; a requeued job resumes from it with ``--load``
-    once it holds a complete checkpoint (its ``meta.json``)."""
+    once it holds a complete checkpoint (``greenroom.publish.has_checkpoint``)."""
 
     extra_args: list[str] = field(default_factory=list)
     """Further ``greenroom train`` arguments, passed through verbatim (each quoted)."""

@@ -18,6 +18,7 @@ import shlex
 
 import jinja2
 
+from greenroom.publish import completion_markers
 from greenroom.slurm.config import SlurmJobConfig
 
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
@@ -113,6 +114,8 @@ def context(config: SlurmJobConfig, *, source: str) -> dict:
         "torchrun": _quote_words(config.torchrun),
         "train_args": " ".join(shlex.quote(a) for a in train_args(config)),
         "checkpoint": shlex.quote(t.checkpoint_dir) if t.checkpoint_dir else None,
+        "checkpoint_markers": (" ".join(shlex.quote(m) for m in completion_markers(t.checkpoint_dir))
+                               if t.checkpoint_dir else None),
         "launcher": config.launcher,
         "tasks_per_node": config.tasks_per_node,
         "preempt_signal": config.preempt_signal,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import submitit
 
 from greenroom.errors import GreenroomError
+from greenroom.publish import has_checkpoint
 from greenroom.slurm.config import SlurmJobConfig, time_minutes
 from greenroom.slurm.render import resource_options, setup_lines, train_args
 from greenroom.slurm.sbatch import job_state
@@ -55,7 +56,7 @@ class TrainTask:
                           WORLD_SIZE=str(env.num_tasks))
         # Exported by the setup lines on the node: the per-user root under the scratch dir.
         argv = ["train", *self.args, "--offload-train-disk-dir", os.environ["GREENROOM_OFFLOAD_ROOT"]]
-        if self.checkpoint_dir and os.path.exists(os.path.join(self.checkpoint_dir, "meta.json")):
+        if self.checkpoint_dir and has_checkpoint(self.checkpoint_dir):
             argv += ["--load", self.checkpoint_dir]
         from greenroom.cli import main
 
