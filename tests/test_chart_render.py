@@ -266,7 +266,7 @@ def test_chart_readme_documents_every_value():
 
 
 def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
-    from greenroom.reclaim import configure_parser
+    from greenroom.reclaim_cli import configure_parser
     parser = argparse.ArgumentParser(exit_on_error=False)
     configure_parser(parser)
     if "--kubernetes" not in parser._option_string_actions:

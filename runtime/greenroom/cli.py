@@ -18,7 +18,7 @@ from greenroom.errors import GreenroomError
 COMMANDS = {
     "train": ("greenroom.train.main", "the colocated train/sleep/rollout/wake loop"),
     "plan": ("greenroom.plan", "print the resolved per-rank plan for these flags"),
-    "reclaim": ("greenroom.reclaim", "remove per-rank dirs whose owner died"),
+    "reclaim": ("greenroom.reclaim_cli", "remove per-rank dirs whose owner died"),
     "doctor": ("greenroom.doctor", "check a dir for offload: filesystem, space, O_DIRECT, memlock"),
     "bench": ("greenroom.bench", "benchmarks: disk, stream, offload"),
     "report": ("greenroom.train.report", "plot a metrics .jsonl to a PNG"),

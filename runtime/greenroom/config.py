@@ -37,6 +37,9 @@ _MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8e4m3": 1.0 + 4 / FP8
                  "fp8e5m2": 1.0 + 4 / FP8_SCALE_BLOCK}
 DEFAULT_CHUNK_MB = 256
 MIB = 1 << 20
+GIB = 1 << 30
+# Decimal, for the rates and sizes reports print (disk vendors' GB/s).
+GB = 1e9
 
 
 def moment_bytes_per_element(moment_dtype: str) -> float:

@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
     if soft != resource.RLIM_INFINITY and soft < need:
         # A warning, not a verdict: CUDA pins host memory through its driver, which this
         # limit does not bound, but some container runtimes enforce it there too.
-        print(f"warning:    memlock limit is below the staging; if pinning fails, raise it "
-              f"(ulimit -l / the container's memlock rlimit)")
+        print("warning:    memlock limit is below the staging; if pinning fails, raise it "
+              "(ulimit -l / the container's memlock rlimit)")
     if not args.no_probe:
         from greenroom.bench.disk import raw_bandwidth
 

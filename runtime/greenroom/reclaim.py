@@ -26,7 +26,6 @@ This module must not import torch: init containers and prologs run it.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import fcntl
 import json
@@ -355,8 +354,6 @@ def reclaim(root: str, *, dry_run: bool = False, min_age: float = 0.0, policy: O
     return report
 
 
-
-
 def print_report(report: ReclaimReport, *, as_json: bool, out=sys.stdout) -> None:
     if as_json:
         print(json.dumps(report.as_dict(), sort_keys=True), file=out)
@@ -368,44 +365,3 @@ def print_report(report: ReclaimReport, *, as_json: bool, out=sys.stdout) -> Non
     verb = "would free" if report.dry_run else "freed"
     print(f"reclaim {report.root}: {len(report.reclaimed)} dir(s), {verb} {fs.human_bytes(report.bytes_freed)}, "
           f"{len(report.errors)} error(s)", file=out)
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", metavar="ROOT", help="the node's offload root (e.g. --offload-train-disk-dir)")
-    parser.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
-    parser.add_argument("--min-age", type=float, default=0.0, metavar="SECONDS",
-                        help="only reclaim dirs whose owner record is at least this old (default 0)")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--missing-ok", action="store_true",
-                        help="a ROOT that does not exist is an empty pass, not an error (prologs on fresh nodes)")
-    k8s = parser.add_argument_group("Kubernetes janitor (see greenroom.k8s_janitor)")
-    k8s.add_argument("--kubernetes", action="store_true",
-                     help="also ask the API server which pods on this node still exist")
-    k8s.add_argument("--node-name", default=None, help="this node's name (default $NODE_NAME)")
-    k8s.add_argument("--interval", type=float, default=None, metavar="SECONDS",
-                     help="repeat every SECONDS (default: one pass)")
-    k8s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                     help="serve Prometheus counters on this port")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.kubernetes:
-        from greenroom.k8s_janitor import JanitorConfig, run_janitor
-
-        return run_janitor(JanitorConfig(
-            root=args.root, node_name=args.node_name or os.environ.get("NODE_NAME", ""),
-            interval=args.interval, metrics_port=args.metrics_port or 0, min_age=args.min_age,
-            dry_run=args.dry_run, as_json=args.json))
-    check_seconds("--min-age", args.min_age)
-    if args.interval is not None:
-        check_seconds("--interval", args.interval)
-        if args.interval == 0:
-            raise ValueError("--interval must be > 0 seconds")
-    if args.interval is not None or args.metrics_port is not None or args.node_name is not None:
-        raise ValueError("--interval, --metrics-port and --node-name need --kubernetes")
-    if fs.is_memory_backed(args.root) and os.path.isdir(args.root):
-        print(f"greenroom reclaim: warning: {args.root} is memory-backed (tmpfs); reclaiming anyway",
-              file=sys.stderr)
-    report = reclaim(args.root, dry_run=args.dry_run, min_age=args.min_age, missing_ok=args.missing_ok)
-    print_report(report, as_json=args.json)
-    return 1 if report.errors else 0

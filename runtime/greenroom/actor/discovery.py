@@ -22,7 +22,8 @@ from collections.abc import Iterable
 
 import torch
 
-from greenroom.actor.tracking import Tracked, local, storage_key
+from greenroom.actor.tracking import Tracked, storage_key
+from greenroom.tensors import local_tensor
 from greenroom.diskio import StagingBuffers
 
 
@@ -41,7 +42,7 @@ class Exclusions:
         self._refs: dict[int, weakref.ref] = {}
 
     def add(self, tensor: torch.Tensor) -> None:
-        storage = local(tensor).untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         self._refs[storage._cdata] = weakref.ref(tensor)
 
     def nbytes_on(self, device: torch.device) -> int:
@@ -58,7 +59,7 @@ class Exclusions:
         if ref is None:
             return False
         alive = ref()
-        if alive is None or local(alive).untyped_storage()._cdata != storage._cdata:
+        if alive is None or local_tensor(alive).untyped_storage()._cdata != storage._cdata:
             del self._refs[storage._cdata]
             return False
         return True
@@ -91,7 +92,7 @@ def live_tensors(tensors: list[torch.Tensor] | None = None) -> Iterable[torch.Te
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    t = local(t)
+    t = local_tensor(t)
     if t.layout != torch.strided or t.is_meta:
         return None
     try:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from greenroom.actor.tracking import local
+from greenroom.tensors import local_tensor
 
 
 @dataclass(slots=True)
@@ -68,7 +68,7 @@ class Liveness:
             for p in group["params"]:
                 for grad in (p.grad, getattr(p, "main_grad", None)):
                     if isinstance(grad, torch.Tensor):
-                        self._note(consumed, local(grad))
+                        self._note(consumed, local_tensor(grad))
         # Only the latest step's grads: a param this step did not read keeps its grad.
         for key in [k for k, r in self._consumed.items() if any(ref() is None for ref, *_ in r.views)]:
             del self._consumed[key]
@@ -86,7 +86,7 @@ class Liveness:
 
     def discard(self, tensors) -> None:
         for t in tensors:
-            t = local(t)  # the object itself: a detached alias would die at once
+            t = local_tensor(t)  # the object itself: a detached alias would die at once
             storage = t.untyped_storage()
             span = _span(t)
             if span != (0, storage.nbytes()):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from greenroom.tensors import local_tensor
+
 
 @dataclass(kw_only=True, slots=True)
 class Tracked:
@@ -47,12 +49,6 @@ def storage_key(storage: torch.UntypedStorage) -> tuple:
     return ("storage", storage._cdata)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: an FSDP2 param is a DTensor over a local shard."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if inner is not None else t
-
-
 def _tensors_of(source) -> Iterator[torch.Tensor]:
     if isinstance(source, torch.nn.Module):
         for p in source.parameters():
@@ -79,7 +75,7 @@ def collect(sources: Iterable) -> list[Tracked]:
     out: list[Tracked] = []
     for source in sources:
         for t in _tensors_of(source):
-            storage = local(t.detach()).untyped_storage()
+            storage = local_tensor(t.detach()).untyped_storage()
             key = storage._cdata
             if key in seen:
                 continue

@@ -20,10 +20,8 @@ import json
 import os
 import time
 
-from greenroom.config import DEFAULT_CHUNK_MB, MIB, OffloadConfig
+from greenroom.config import DEFAULT_CHUNK_MB, GB, GIB, MIB, OffloadConfig
 
-GIB = 1 << 30
-GB = 1e9
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

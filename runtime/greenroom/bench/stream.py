@@ -27,11 +27,12 @@ import threading
 import time
 import warnings
 
+import psutil
+
 from greenroom import fs
-from greenroom.config import DEFAULT_CHUNK_MB, MIB, MOMENT_DTYPES, check_host_bytes
+from greenroom.config import DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 
-GB = 1e9
 PARAM_NUMEL = 50_000_000
 
 
@@ -70,8 +71,6 @@ class _HostSampler:
     """Peak RSS and page cache while a phase runs, sampled every 20 ms."""
 
     def __init__(self) -> None:
-        import psutil
-
         self._process = psutil.Process()
         info = self._process.memory_info()
         self.rss_peak = info.rss
@@ -152,7 +151,7 @@ def measure(args: argparse.Namespace) -> dict:
         init_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
         try:
             steps = []
-            rss_before = init_host._process.memory_info().rss
+            rss_before = psutil.Process().memory_info().rss
             with _HostSampler() as host:
                 for _ in range(args.steps):
                     read0, written0 = opt.store.bytes_read, opt.store.bytes_written
@@ -224,8 +223,6 @@ def _time_state_dict(opt, directory: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     def phase(fn) -> dict:
-        import psutil
-
         info = psutil.Process().memory_info()
         with _HostSampler() as host:
             start = time.perf_counter()

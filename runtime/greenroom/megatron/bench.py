@@ -20,9 +20,9 @@ import time
 import torch
 
 from greenroom import config as gconfig
+from greenroom.config import GIB
 from greenroom.megatron import demo
 
-GIB = 1 << 30
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

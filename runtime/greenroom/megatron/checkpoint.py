@@ -172,7 +172,9 @@ class _EngineView:
     def param_key(self, p: torch.Tensor) -> str:
         return self._keys[id(p)]
 
-    def _state_of(self, p: torch.Tensor) -> dict:
+    def param_state(self, p: torch.Tensor) -> dict:
+        """``p``'s state dict, made with its step counter the first time it is asked for
+        (the checkpoint and state-dict code read and fill it through this)."""
         state = self.state.setdefault(p, {})
         if not state:
             state["step"] = kernel.new_step(torch.device("cpu"), fused=False)

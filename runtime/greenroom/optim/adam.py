@@ -35,6 +35,7 @@ from greenroom.errors import GreenroomError
 from greenroom.optim.kernel import bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.rankdir import RankDir
+from greenroom.tensors import local_tensor
 
 # Group keys of torch.optim.AdamW that StreamingAdam does not implement, with the only value
 # it accepts: anything else is refused by name rather than ignored.
@@ -46,12 +47,6 @@ _FIXED_GROUP_KEYS = {"amsgrad": False, "maximize": False, "capturable": False, "
 RESIDENT_NUMEL = 65_536
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FOLLOW_PIECE = 1 << 24  # elements per piece of the masters-follow-the-params check
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2), or the tensor itself."""
-    local = getattr(t, "_local_tensor", None)
-    return local if local is not None else t
 
 
 class StreamingAdam(torch.optim.Optimizer):
@@ -263,7 +258,7 @@ class StreamingAdam(torch.optim.Optimizer):
         self._step_resident()
         for p in self.empty:
             if p.grad is not None:
-                self._state_of(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
+                self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
         store = self.store
         needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
         for bucket_state in store.stream(needed):
@@ -284,7 +279,7 @@ class StreamingAdam(torch.optim.Optimizer):
     def _create_state(self) -> None:
         resident = {id(p) for p in self.resident}
         for p in self.streamed + self.resident + self.empty:
-            state = self._state_of(p)
+            state = self.param_state(p)
             if id(p) in resident and "exp_avg" not in state:
                 local = local_tensor(p)
                 state["exp_avg"] = torch.zeros_like(local, memory_format=torch.preserve_format)
@@ -298,7 +293,9 @@ class StreamingAdam(torch.optim.Optimizer):
                         f"StreamingAdam: param {gi}.{pi} has a grad but had requires_grad=False when it was "
                         "added, so it has no optimizer state; add it with add_param_group instead")
 
-    def _state_of(self, p: torch.Tensor) -> dict:
+    def param_state(self, p: torch.Tensor) -> dict:
+        """``p``'s state dict, made with its step counter the first time it is asked for
+        (the checkpoint and state-dict code read and fill it through this)."""
         state = self.state[p]
         if not state:
             state["step"] = new_step(local_tensor(p).device, fused=self.fused)
@@ -311,7 +308,7 @@ class StreamingAdam(torch.optim.Optimizer):
             for p in self.resident:
                 if id(p) not in members or p.grad is None:
                     continue
-                state = self._state_of(p)
+                state = self.param_state(p)
                 local = local_tensor(p)
                 if "exp_avg" not in state:
                     state["exp_avg"] = torch.zeros_like(local, memory_format=torch.preserve_format)
@@ -345,7 +342,7 @@ class StreamingAdam(torch.optim.Optimizer):
                 _follow_param(target, local_tensor(p))
                 grad = grad_views[k].copy_(grad)  # fp32 grads for the fp32 master, on the device
             todo.append((k, p))
-            for lst, t in zip(lists, (target, grad, avgs[k], sqs[k], self._state_of(p)["step"])):
+            for lst, t in zip(lists, (target, grad, avgs[k], sqs[k], self.param_state(p)["step"])):
                 lst.append(t)
         bucket_adam_step(*lists, group=group, fused=self.fused, foreach=self.foreach)
         if masters is not None:

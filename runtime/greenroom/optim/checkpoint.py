@@ -35,7 +35,7 @@ import torch
 from greenroom import publish
 from greenroom.diskio import pread_all, pwrite_all
 from greenroom.errors import CheckpointError, StorageError
-from greenroom.optim.adam import local_tensor
+from greenroom.tensors import local_tensor
 from greenroom.rankdir import write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -205,7 +205,7 @@ def load_checkpoint(opt, path: str, *, no_load_optim: bool = False) -> None:
     opt.state.clear()
     for key, step in resident["steps"].items():
         p = params[key]
-        state = opt._state_of(p)
+        state = opt.param_state(p)
         state["step"].copy_(step)
         if key in resident["moments"]:
             local = local_tensor(p)

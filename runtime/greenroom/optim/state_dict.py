@@ -43,7 +43,8 @@ import torch
 
 from greenroom.diskio import verify_mapped
 from greenroom.errors import GreenroomError
-from greenroom.optim.adam import _FIXED_GROUP_KEYS, StreamingAdam, local_tensor
+from greenroom.optim.adam import _FIXED_GROUP_KEYS, StreamingAdam
+from greenroom.tensors import local_tensor
 
 _VIEW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -249,7 +250,7 @@ def import_state_dict(opt: StreamingAdam, state_dict: Any) -> None:
         got = checked.get(number[id(p)])
         if got is None:
             continue
-        state = opt._state_of(p)
+        state = opt.param_state(p)
         state["step"].fill_(got["step"])
         if id(p) in resident:
             local = local_tensor(p)

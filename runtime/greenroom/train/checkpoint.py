@@ -32,6 +32,7 @@ from greenroom import publish
 from greenroom.errors import CheckpointError
 from greenroom.faults import kill_point
 from greenroom.optim.checkpoint import PIECE
+from greenroom.tensors import local_tensor
 
 META = "meta.json"
 MANIFEST = "manifest.json"
@@ -39,13 +40,8 @@ FORMAT = 2
 _META_FIELDS = {"format": int, "iteration": int, "world_size": int, "streaming": bool}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    local = getattr(t, "_local_tensor", None)
-    return local if local is not None else t
-
-
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: _local(t.detach()).clone().cpu() for name, t in model.state_dict().items()}
+    return {name: local_tensor(t.detach()).clone().cpu() for name, t in model.state_dict().items()}
 
 
 def rank_path(directory: str, rank: int) -> str:
@@ -181,10 +177,10 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
     state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            if name not in state or state[name].shape != _local(t).shape:
+            if name not in state or state[name].shape != local_tensor(t).shape:
                 raise CheckpointError(f"{os.path.join(path, 'model.pt')}: {name} is missing or has another "
                                       "shape; the checkpoint is of another model (check --d-model etc.)")
-            _local(t).copy_(state[name])
+            local_tensor(t).copy_(state[name])
     if no_load_optim:
         warnings.warn(f"--no-load-optim: starting a fresh optimizer state instead of the one in {directory}")
         if streaming:

@@ -10,10 +10,10 @@ import argparse
 import json
 import os
 
+from greenroom.config import GB
 from greenroom.errors import GreenroomError
 
 PHASE_COLORS = {"sync": "#999999", "sleep": "#d62728", "rollout": "#1f77b4", "wake": "#2ca02c", "train": "#ff7f0e"}
-GB = 1e9
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -18,11 +18,12 @@ from tqdm import tqdm
 
 from greenroom import actor
 from greenroom.actor.memory import RssSampler, device_used_bytes
-from greenroom.config import OffloadConfig
+from greenroom.config import GB, OffloadConfig
 from greenroom.errors import GreenroomError
+from greenroom.faults import kill_point
 from greenroom.fs import human_bytes
 from greenroom.rankdir import RankDir
-from greenroom.faults import kill_point
+from greenroom.tensors import local_tensor
 from greenroom.train import checkpoint, preflight
 from greenroom.train.model import ModelConfig, Transformer
 from greenroom.train.rollout import RolloutEngine
@@ -30,7 +31,6 @@ from greenroom.train.task import TaskConfig, reward, sample_prompts
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 
-GB = 1e9
 
 
 @dataclass(kw_only=True, slots=True)
@@ -230,7 +230,7 @@ class Trainer:
     def _checkpoint_bytes(self) -> int:
         """What this rank's part of a ``--save`` takes: its weights plus the optimizer
         state (the streamed files, or AdamW's two moments of every param)."""
-        weights = sum(checkpoint._local(t).numel() * t.element_size() for t in self.model.state_dict().values())
+        weights = sum(local_tensor(t).numel() * t.element_size() for t in self.model.state_dict().values())
         store = getattr(self.optimizer, "store", None)
         return weights + (store.state_bytes if store is not None else 2 * weights)
 
