@@ -213,3 +213,14 @@ def test_all_zero_storages_are_not_moved_and_come_back_identical(disk_dir):
         assert slept.dead >= sum(g.nbytes for g in grads) + zeros.nbytes
         assert all(not g.any() for g in grads) and not zeros.any()
         assert almost[-1] == 1.0 and not almost[:-1].any()
+
+
+def test_sleep_and_wake_out_of_order_are_one_line_errors(disk_dir):
+    from greenroom.errors import GreenroomError
+    with RankDir(disk_dir, job="o") as rank_dir, offloader(rank_dir, "cpu") as off:
+        with pytest.raises(GreenroomError, match=r"wake\(\) while awake"):
+            off.wake()
+        off.sleep()
+        with pytest.raises(GreenroomError, match=r"sleep\(\) while asleep"):
+            off.sleep()
+        off.wake()

@@ -146,3 +146,12 @@ def test_engine_keeps_no_reference_to_a_finished_transfer(disk_dir):
         # The caller's memory must be freeable once its transfer is done (a sleeping
         # actor gives its device memory back this way).
         assert ref() is None
+
+
+def test_a_range_outside_the_file_or_unaligned_under_o_direct_is_a_value_error(disk_dir):
+    with StateFile(os.path.join(disk_dir, "f"), 8192) as f:
+        with pytest.raises(ValueError, match="outside the file's 8192 bytes"):
+            f.write(memoryview(bytearray(4096)), 8192)
+        if f.direct:
+            with pytest.raises(ValueError, match="aligned offsets and lengths"):
+                f.write(memoryview(bytearray(100)), 0)

@@ -192,7 +192,6 @@ class StateFile:
         create: preallocate (``posix_fallocate``) the file, reusing it in place if it
             exists. Otherwise open an existing file and verify its length.
         direct: force O_DIRECT on (True) or off (False); None tries it and falls back.
-        executor: thread pool for ``pread``/``pwrite``; a private one by default.
         label: what the file holds, for error messages ("bucket 3 of the optimizer state").
         checksums: where ``TransferEngine`` keeps the file's checksums (Note [integrity]):
             "memory" (per transfer range, while the file is open) or "file" (a table after
@@ -203,7 +202,7 @@ class StateFile:
     """
 
     def __init__(self, path: str, size: int, *, create: bool = True, direct: bool | None = None,
-                 executor: cf.Executor | None = None, label: str = "a state file",
+                 label: str = "a state file",
                  checksums: str = "memory") -> None:
         assert checksums in ("memory", "file")
         self.path = path
@@ -212,7 +211,6 @@ class StateFile:
         self.data_bytes = align_up(size)
         self.table_offset = self.data_bytes if checksums == "file" else None
         self.allocated = self.data_bytes + (self.table_bytes(size) if checksums == "file" else 0)
-        self._executor = executor
         self._sums: dict[tuple[int, int], torch.Tensor] = {}
         self._sums_lock = threading.Lock()
         flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
@@ -341,23 +339,14 @@ class StateFile:
         self.read(memoryview(table.numpy()), self.table_offset)
         return table.view(torch.int64)[:(nbytes + EXTENT - 1) // EXTENT].clone()
 
-    # -- asynchronous I/O ---------------------------------------------------------
-    def pwrite(self, buf: memoryview, file_offset: int = 0) -> cf.Future:
-        return self._pool().submit(self.write, buf, file_offset)
-
-    def pread(self, buf: memoryview, file_offset: int = 0) -> cf.Future:
-        return self._pool().submit(self.read, buf, file_offset)
-
-    def _pool(self) -> cf.Executor:
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(max_workers=DEFAULT_DEPTH, thread_name_prefix="greenroom-io")
-        return self._executor
-
     def _check_range(self, length: int, file_offset: int) -> None:
-        assert file_offset >= 0 and file_offset + length <= self.allocated, (
-            f"{self.path}: I/O [{file_offset}, {file_offset + length}) outside {self.allocated} bytes")
-        if self.direct:
-            assert file_offset % ALIGNMENT == 0 and length % ALIGNMENT == 0, "see Note [alignment]"
+        # Errors, not asserts: a caller's bad range must fail under ``python -O`` too.
+        if file_offset < 0 or file_offset + length > self.allocated:
+            raise ValueError(f"{self.path}: I/O [{file_offset}, {file_offset + length}) outside the file's "
+                             f"{self.allocated} bytes")
+        if self.direct and (file_offset % ALIGNMENT or length % ALIGNMENT):
+            raise ValueError(f"{self.path}: O_DIRECT I/O needs {ALIGNMENT}-byte aligned offsets and lengths, got "
+                             f"[{file_offset}, {file_offset + length}) (see Note [alignment])")
 
     def sync(self) -> None:
         """Make everything written durable and drop the file's cached pages."""

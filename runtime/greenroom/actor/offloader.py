@@ -27,6 +27,7 @@ import torch
 from greenroom.actor import discovery, tracking
 from greenroom.actor.liveness import Liveness
 from greenroom.actor.movers import DiskMover, HostMover, Moved
+from greenroom.errors import GreenroomError
 
 SCOPES = ("all", "tracked")
 
@@ -121,7 +122,8 @@ class Offloader:
         return 0 if self.is_asleep else sum(t.nbytes for t in self.tracked())
 
     def sleep(self) -> PhaseStats:
-        assert not self.is_asleep, "sleep() twice without wake()"
+        if self.is_asleep:  # an error, not an assert: misuse must fail under python -O too
+            raise GreenroomError("actor offload: sleep() while asleep: call wake() first")
         start = time.perf_counter()
         self._synchronize()
         units = self._units() if self.backend != "none" else []
@@ -134,7 +136,8 @@ class Offloader:
     def wake(self) -> PhaseStats:
         """Bring everything back. If it fails (an I/O error, no device memory yet), the
         offloader stays asleep with its copies intact and ``wake()`` can be tried again."""
-        assert self.is_asleep, "wake() without sleep()"
+        if not self.is_asleep:
+            raise GreenroomError("actor offload: wake() while awake: call sleep() first")
         start = time.perf_counter()
         units = self._asleep
         moved = self._wake(units)

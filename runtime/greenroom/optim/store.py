@@ -201,12 +201,10 @@ class BucketStore:
         moment_dtype: storage dtype of both moments (``greenroom.config.MOMENT_DTYPES``).
         device: where the state is updated (the params' device).
         chunk_bytes: staging host memory of the store's own ``TransferEngine``.
-        engine: share an existing engine instead (``chunk_bytes`` is then ignored).
     """
 
     def __init__(self, entries: Sequence[Entry], directory: str, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                 moment_dtype: str = "fp32", device: torch.device | str = "cpu", chunk_bytes: int = 256 << 20,
-                 engine: TransferEngine | None = None) -> None:
+                 moment_dtype: str = "fp32", device: torch.device | str = "cpu", chunk_bytes: int = 256 << 20) -> None:
         self.entries = list(entries)
         self.directory = directory
         self.bucket_numel = bucket_numel
@@ -218,8 +216,7 @@ class BucketStore:
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
-        self._own_engine = engine is None
-        self.engine = engine if engine is not None else TransferEngine(chunk_bytes)
+        self.engine = TransferEngine(chunk_bytes)
         self.files: list[StateFile] = []
         try:
             for bucket in self.buckets:
@@ -417,8 +414,7 @@ class BucketStore:
         try:
             self.release_device_buffers()
         finally:
-            if self._own_engine:
-                self.engine.close()
+            self.engine.close()
             for f in self.files:
                 f.close()
 
