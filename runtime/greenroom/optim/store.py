@@ -24,7 +24,7 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   file so that a checkpoint's copy carries it and a loaded one is verified on its first
   read); the moment segments use the ``codecs`` of ``moment_dtype``. ``store.layout()`` describes it
   all as JSON (the checkpoint manifest embeds it).
-- ``stream()`` keeps two device slots of one bucket file each: while the caller updates
+- ``stream()`` keeps two device buffers of one bucket file each: while the caller updates
   bucket i in one, the read of bucket i+1 fills the other, and the write-back of bucket
   i-1 drains before that read starts (both through the one ``TransferEngine``, whose
   staging is the chunk). Peak device memory is two bucket files plus, for narrow
@@ -175,7 +175,7 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
     return buckets
 
 
-class _Slot:
+class _DeviceBuffer:
     """A device buffer holding one bucket file's bytes, and the write still reading it."""
 
     __slots__ = ("raw", "write")
@@ -212,7 +212,7 @@ class BucketStore:
         self.device = torch.device(device)
         self.avg_codec, self.sq_codec = moment_codecs(moment_dtype)
         self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype)
-        self._slots: list[_Slot] = []
+        self._buffers: list[_DeviceBuffer] = []
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -243,7 +243,7 @@ class BucketStore:
 
     @property
     def max_bucket_bytes(self) -> int:
-        """The largest bucket's segments: the size of a device slot."""
+        """The largest bucket's segments: the size of a device buffer."""
         return max((b.data_bytes for b in self.buckets), default=0)
 
     def layout(self) -> dict:
@@ -268,9 +268,9 @@ class BucketStore:
         shape, any dtype and device, read one at a time), moments zero. Bounded: one
         bucket at a time on the device, each file synced and its pages dropped."""
         get = source if callable(source) else source.__getitem__
-        slot = self._slot(0)
+        buffer = self._buffer(0)
         for bucket, file in zip(self.buckets, self.files):
-            raw = slot.raw[:bucket.data_bytes]
+            raw = buffer.raw[:bucket.data_bytes]
             raw.zero_()  # zero bytes decode to zero moments in every codec
             if bucket.master is not None:
                 master = self._master_view(raw, bucket)
@@ -288,14 +288,14 @@ class BucketStore:
         bucket is encoded, written to its file, synced and its pages dropped before the
         next one starts."""
         order = range(len(self.buckets)) if indices is None else indices
-        slot = self._slot(0)
+        buffer = self._buffer(0)
         for index in order:
             bucket = self.buckets[index]
-            raw = slot.raw[:bucket.data_bytes]
+            raw = buffer.raw[:bucket.data_bytes]
             raw.zero_()  # zero bytes decode to zero moments in every codec
-            state = self._decode(index, slot)
+            state = self._decode(index, buffer)
             fill(state)
-            self._encode(state, slot)
+            self._encode(state, buffer)
             self.engine.write(raw, self.files[index], 0).wait()
             self.bytes_written += bucket.file_bytes
             self.files[index].sync()
@@ -317,7 +317,7 @@ class BucketStore:
             for f in files:
                 f.close()
             raise
-        self.release_device_buffers()  # the slots are sized for the largest bucket
+        self.release_device_buffers()  # the buffers are sized for the largest bucket
         self.entries.extend(entries)
         self.buckets.extend(added)
         self.files.extend(files)
@@ -330,34 +330,34 @@ class BucketStore:
         order = list(range(len(self.buckets))) if indices is None else list(indices)
         if not order:
             return
-        slots = [self._slot(0), self._slot(1)]
-        pending = self._submit_read(order[0], slots[0])
+        buffers = [self._buffer(0), self._buffer(1)]
+        pending = self._submit_read(order[0], buffers[0])
         try:
             for k, index in enumerate(order):
-                slot = slots[k % 2]
+                buffer = buffers[k % 2]
                 pending.wait()
                 if k + 1 < len(order):
-                    ahead = slots[(k + 1) % 2]
-                    ahead.wait_write()  # bucket k-1 leaves that slot before k+1 comes in
+                    ahead = buffers[(k + 1) % 2]
+                    ahead.wait_write()  # bucket k-1 leaves that buffer before k+1 comes in
                     pending = self._submit_read(order[k + 1], ahead)
-                state = self._decode(index, slot)
+                state = self._decode(index, buffer)
                 yield state
-                self._encode(state, slot)
-                slot.write = self.engine.write(slot.raw[:state.bucket.data_bytes], self.files[index], 0)
+                self._encode(state, buffer)
+                buffer.write = self.engine.write(buffer.raw[:state.bucket.data_bytes], self.files[index], 0)
                 self.bytes_written += state.bucket.file_bytes
         finally:
             self.engine.drain()
-            for slot in slots:
-                slot.write = None
+            for buffer in buffers:
+                buffer.write = None
 
-    def _submit_read(self, index: int, slot: _Slot):
+    def _submit_read(self, index: int, buffer: _DeviceBuffer):
         bucket = self.buckets[index]
         self.bytes_read += bucket.file_bytes
-        return self.engine.read(slot.raw[:bucket.data_bytes], self.files[index], 0)
+        return self.engine.read(buffer.raw[:bucket.data_bytes], self.files[index], 0)
 
-    def _decode(self, index: int, slot: _Slot) -> BucketState:
+    def _decode(self, index: int, buffer: _DeviceBuffer) -> BucketState:
         bucket = self.buckets[index]
-        raw = slot.raw
+        raw = buffer.raw
         master = self._master_view(raw, bucket) if bucket.master is not None else None
         moments = []
         for codec, seg, key in ((self.avg_codec, bucket.exp_avg, "exp_avg"),
@@ -372,22 +372,22 @@ class BucketStore:
         shapes = [self.entries[i].shape for i in bucket.entries]
         return BucketState(bucket=bucket, master=master, exp_avg=moments[0], exp_avg_sq=moments[1], _shapes=shapes)
 
-    def _encode(self, state: BucketState, slot: _Slot) -> None:
+    def _encode(self, state: BucketState, buffer: _DeviceBuffer) -> None:
         bucket = state.bucket
         for codec, seg, work in ((self.avg_codec, bucket.exp_avg, state.exp_avg),
                                  (self.sq_codec, bucket.exp_avg_sq, state.exp_avg_sq)):
             if not codec.identity:
-                codec.encode(work, slot.raw[seg.offset:seg.offset + seg.nbytes])
+                codec.encode(work, buffer.raw[seg.offset:seg.offset + seg.nbytes])
 
     # -- buffers --------------------------------------------------------------------
     @staticmethod
     def _master_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         return raw[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.float32)
 
-    def _slot(self, i: int) -> _Slot:
-        while len(self._slots) <= i:
-            self._slots.append(_Slot(self.max_bucket_bytes, self.device))
-        return self._slots[i]
+    def _buffer(self, i: int) -> _DeviceBuffer:
+        while len(self._buffers) <= i:
+            self._buffers.append(_DeviceBuffer(self.max_bucket_bytes, self.device))
+        return self._buffers[i]
 
     def _scratch_tensor(self, key: str) -> torch.Tensor:
         if key not in self._scratch:
@@ -396,17 +396,17 @@ class BucketStore:
         return self._scratch[key]
 
     def device_bytes(self) -> int:
-        """Device memory the store holds now (slots and scratch)."""
-        return sum(s.raw.numel() for s in self._slots) + sum(t.numel() * 4 for t in self._scratch.values())
+        """Device memory the store holds now (bucket buffers and scratch)."""
+        return sum(s.raw.numel() for s in self._buffers) + sum(t.numel() * 4 for t in self._scratch.values())
 
     def release_device_buffers(self) -> None:
-        """Drain I/O and give the device slots and scratch back (before the actor sleeps,
+        """Drain I/O and give the device buffers and scratch back (before the actor sleeps,
         say): between steps they hold nothing the files lack, and ``stream`` and
         ``initialize`` make them again when next needed."""
         try:
             self.engine.drain()
         finally:
-            self._slots.clear()
+            self._buffers.clear()
             self._scratch.clear()
 
     def close(self) -> None:
