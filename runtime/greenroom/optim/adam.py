@@ -32,15 +32,10 @@ import torch
 
 from greenroom.config import MIB, OffloadConfig
 from greenroom.errors import GreenroomError
-from greenroom.optim.kernel import bucket_adam_step, choose_implementation, new_step
+from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.rankdir import RankDir
 from greenroom.tensors import local_tensor
-
-# Group keys of torch.optim.AdamW that StreamingAdam does not implement, with the only value
-# it accepts: anything else is refused by name rather than ignored.
-_FIXED_GROUP_KEYS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
-                     "decoupled_weight_decay": True}
 
 # fp32 params up to this many elements keep their Adam state on the device (256 KiB per
 # moment): expert biases and A_log vectors are far below it, weight matrices far above.
@@ -96,7 +91,7 @@ class StreamingAdam(torch.optim.Optimizer):
         self.frozen: set[int] = set()  # ids of params with requires_grad=False: no state
         self.empty: list[torch.Tensor] = []  # empty FSDP2 shards: a step counter only, as AdamW keeps
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
-                                      fused=fused, **_FIXED_GROUP_KEYS))
+                                      fused=fused, **FIXED_GROUP_KEYS))
         if isinstance(state_dir, RankDir):
             state_dir = state_dir.subdir("optim")
         self.state_dir = str(state_dir)
@@ -174,7 +169,7 @@ class StreamingAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; after construction the new params' state goes in new buckets
         appended to the store (masters from the params, zero moments)."""
-        for key, allowed in _FIXED_GROUP_KEYS.items():
+        for key, allowed in FIXED_GROUP_KEYS.items():
             if key in param_group and param_group[key] != allowed:
                 raise ValueError(f"StreamingAdam: {key}={param_group[key]!r} is not supported "
                                  f"(only {key}={allowed!r}); use torch.optim.AdamW for it")

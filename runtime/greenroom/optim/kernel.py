@@ -15,6 +15,11 @@ from torch.optim.adamw import adamw
 from torch.optim.optimizer import _get_scalar_dtype
 
 
+# Group keys of torch.optim.AdamW that the streamed update does not implement, with the
+# only value it accepts: anything else is refused by name rather than ignored.
+FIXED_GROUP_KEYS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
+                    "decoupled_weight_decay": True}
+
 def choose_implementation(device: torch.device, *, fused: bool | None, foreach: bool | None) -> tuple[bool, bool]:
     """``(fused, foreach)``: fused on CUDA and foreach elsewhere unless told otherwise."""
     if fused and foreach:

@@ -37,14 +37,17 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from greenroom.diskio import verify_mapped
 from greenroom.errors import GreenroomError
-from greenroom.optim.adam import _FIXED_GROUP_KEYS, StreamingAdam
+from greenroom.optim.kernel import FIXED_GROUP_KEYS
 from greenroom.tensors import local_tensor
+
+if TYPE_CHECKING:  # the optimizer calls into this module; only its type is needed here
+    from greenroom.optim.adam import StreamingAdam
 
 _VIEW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -174,7 +177,7 @@ def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> d
         if recorded is not None and recorded != opt.moment_dtype:
             _fail(f"its moments are {recorded}, this optimizer stores {opt.moment_dtype} "
                   f"(build it with moment_dtype={recorded!r})")
-        for key, allowed in _FIXED_GROUP_KEYS.items():
+        for key, allowed in FIXED_GROUP_KEYS.items():
             if key in saved and saved[key] != allowed:
                 _fail(f"param group {gi} has {key}={saved[key]!r}, which StreamingAdam does not implement")
         ids.extend(saved["params"])
