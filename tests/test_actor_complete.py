@@ -224,3 +224,21 @@ def test_sleep_and_wake_out_of_order_are_one_line_errors(disk_dir):
         with pytest.raises(GreenroomError, match=r"sleep\(\) while asleep"):
             off.sleep()
         off.wake()
+
+
+def test_a_tracked_streaming_optimizer_gives_back_its_buffers_before_the_sleep(disk_dir):
+    from greenroom.optim import StreamingAdam
+    with RankDir(disk_dir, job="s") as rank_dir, offloader(rank_dir, "disk") as off:
+        model = torch.nn.Linear(512, 512).to(torch.bfloat16)
+        opt = StreamingAdam(model.parameters(), state_dir=rank_dir, bucket_numel=100_000, chunk_mb=1)
+        model(torch.randn(4, 512, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        assert opt.device_bytes() > 0
+        off.track(model, opt)
+        before = [p.detach().clone() for p in model.parameters()]
+        with off.asleep():
+            assert opt.device_bytes() == 0  # given back, not moved
+        opt.step()  # makes its buffers again
+        assert opt.device_bytes() > 0
+        assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        opt.close()

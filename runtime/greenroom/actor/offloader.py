@@ -126,6 +126,12 @@ class Offloader:
             raise GreenroomError("actor offload: sleep() while asleep: call wake() first")
         start = time.perf_counter()
         self._synchronize()
+        for source in self._sources:
+            # A tracked optimizer that streams gives back its buffers itself (the bucket
+            # files already hold what they held): nothing to move for them.
+            release = getattr(source, "release_device_memory", None)
+            if callable(release):
+                release()
         units = self._units() if self.backend != "none" else []
         moved = self._sleep(units)
         self._synchronize()

@@ -128,7 +128,7 @@ def _sleep_wake(offload, rank_dir, model, optimizer, mode) -> dict:
     sources = [model.module, [b.grad_data for b in model.buffers]]
     for member in getattr(optimizer, "chained_optimizers", [optimizer]):
         if mode == "stream":
-            member.streamed_store.release_device_buffers()
+            member.release_device_memory()  # the bucket buffers: the files hold what they held
             if member.resident_optimizer is not None:
                 sources.append(member.resident_optimizer)
         else:

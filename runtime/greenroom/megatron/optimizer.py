@@ -292,6 +292,15 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
     def streamed_store(self) -> BucketStore:
         return self._greenroom
 
+    def release_device_memory(self) -> int:
+        """Give back the bucket buffers between steps, as ``StreamingAdam`` does (the
+        files hold what they held; the next step makes them again); returns the bytes."""
+        if self._greenroom is None:
+            return 0
+        freed = self._greenroom.device_bytes()
+        self._greenroom.release_device_buffers()
+        return freed
+
     def close(self) -> None:
         """Release the bucket files' handles and the staging memory."""
         if self._greenroom is not None:

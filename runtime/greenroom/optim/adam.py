@@ -350,6 +350,24 @@ class StreamingAdam(torch.optim.Optimizer):
             self._grad_scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
         return self._grad_scratch[:numel]
 
+    # -- device memory -----------------------------------------------------------------
+    def device_bytes(self) -> int:
+        """Device memory the streaming holds between steps: the store's bucket buffers
+        and the fp32 grad scratch (the resident params' state is in ``self.state``)."""
+        scratch = 0 if self._grad_scratch is None else self._grad_scratch.numel() * 4
+        return (self._store.device_bytes() if self._store is not None else 0) + scratch
+
+    def release_device_memory(self) -> int:
+        """Give back ``device_bytes()``: between steps those buffers hold nothing the
+        bucket files lack, and the next step makes them again. The offloader calls this
+        on a tracked optimizer before the actor sleeps, so they are neither moved nor
+        kept. Returns the bytes given back."""
+        freed = self.device_bytes()
+        if self._store is not None:
+            self._store.release_device_buffers()
+        self._grad_scratch = None
+        return freed
+
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
         """Drain I/O and release the files and device buffers (the files stay until the
