@@ -6,7 +6,9 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 # Where `make run` puts its per-rank files: the repo's own disk, never tmpfs.
 RUN_DIR ?= $(CURDIR)/.run/offload
-PYTEST_ARGS ?=
+# One worker per core, each test file on one worker: a file's module fixtures (the image
+# build, the Slurm jobs) run once and its tests never race each other.
+PYTEST_ARGS ?= -n auto --dist loadfile
 IMAGE ?= greenroom
 TAG ?= $(shell $(PYTHON) -c "import tomllib;print(tomllib.load(open('pyproject.toml','rb'))['project']['version'])" 2>/dev/null || echo dev)
 BASE_IMAGE ?= nvcr.io/nvidia/pytorch:25.09-py3
