@@ -193,14 +193,19 @@ def _remove_locked(parent_fd: int, name: str, dir_fd: int, dev: int) -> None:
         os.rename(trash, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
         raise OSError(errno.ESTALE, "replaced after it was checked; left alone")
     kill_point("reclaim-aside")
-    # The lock file goes last, so a reclaimer that finds this aside dir while we delete
-    # sees it locked and leaves it to us.
+    _delete_locked(dir_fd, dev, parent_fd, trash)
+
+
+def _delete_locked(dir_fd: int, dev: int, parent_fd: int, name: str) -> None:
+    """Empty the dir ``name`` of ``parent_fd`` (open as ``dir_fd``, its lock held) and
+    remove it. The lock file goes last, so a reclaimer that finds the dir meanwhile sees
+    it locked and leaves it to us."""
     _delete_contents(dir_fd, dev, keep=LOCK_NAME)
     try:
         os.unlink(LOCK_NAME, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
-    os.rmdir(trash, dir_fd=parent_fd)
+    os.rmdir(name, dir_fd=parent_fd)
 
 
 def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: float,
@@ -288,12 +293,7 @@ def clean_aside(path: str, root_dev: int, *, dry_run: bool) -> Decision | None:
         size = _tree_bytes(path, root_dev)
         if dry_run:
             return Decision(path, "would-reclaim", "left by an earlier reclaim pass", bytes=size)
-        _delete_contents(dir_fd, root_dev, keep=LOCK_NAME)
-        try:
-            os.unlink(LOCK_NAME, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
-        os.rmdir(name, dir_fd=parent_fd)
+        _delete_locked(dir_fd, root_dev, parent_fd, name)
         return Decision(path, "reclaimed", "left by an earlier reclaim pass", bytes=size)
     except FileNotFoundError:
         return None  # another reclaimer finished it
