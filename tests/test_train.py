@@ -228,10 +228,36 @@ def test_fp32_streaming_trains_bit_identically_to_resident_adamw(disk_dir):
     resident, streamed = os.path.join(disk_dir, "resident"), os.path.join(disk_dir, "streamed")
     train([*common, "--save", resident])
     train([*common, "--stream-optimizer-state-to-disk", "--save", streamed])
-    model_a, _ = load_state(resident)
+    model_a, optim_a = load_state(resident)
     model_b, _ = load_state(streamed)
     for k in model_a:
         assert torch.equal(model_a[k], model_b[k]), k
+    # The optimizer state too: the streamed checkpoint, read back into a StreamingAdam over
+    # the same model, equals resident AdamW's state entry by entry.
+    import argparse
+
+    from greenroom.optim import StreamingAdam
+    from greenroom.train.main import VOCAB_SIZE, configure_parser
+    from greenroom.train.model import ModelConfig, Transformer
+    from greenroom.train.task import TaskConfig
+
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    args = parser.parse_args(SMALL)
+    model = Transformer(ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers,
+                                    n_heads=args.n_heads, max_seq_len=TaskConfig(digits=args.digits).seq_len))
+    model.load_state_dict(model_b)
+    opt = StreamingAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                        state_dir=os.path.join(disk_dir, "reader"))
+    try:
+        opt.load_checkpoint(os.path.join(streamed, "rank00000", "optim"))
+        state_b = opt.state_dict()["state"]
+        assert optim_a["state"].keys() == state_b.keys()
+        for i, state in optim_a["state"].items():
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[key], state_b[i][key]), (i, key)
+    finally:
+        opt.close()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
