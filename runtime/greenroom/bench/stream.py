@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import threading
 import time
 import warnings
 
 import psutil
 
 from greenroom import fs
+from greenroom.actor.memory import RssSampler
 from greenroom.config import DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 
@@ -57,47 +57,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _cached_bytes() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("Cached:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("/proc/meminfo has no Cached line")
-
-
-class _HostSampler:
-    """Peak RSS and page cache while a phase runs, sampled every 20 ms."""
-
-    def __init__(self) -> None:
-        self._process = psutil.Process()
-        info = self._process.memory_info()
-        self.rss_peak = info.rss
-        self.anon_peak = info.rss - info.shared  # shared: the file-backed (and shmem) part of RSS
-        self.cached_before = _cached_bytes()
-        self.cached_peak = self.cached_before
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            self._sample()
-
-    def _sample(self) -> None:
-        info = self._process.memory_info()
-        self.rss_peak = max(self.rss_peak, info.rss)
-        self.anon_peak = max(self.anon_peak, info.rss - info.shared)
-        self.cached_peak = max(self.cached_peak, _cached_bytes())
-
-    def __enter__(self) -> "_HostSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -141,7 +100,7 @@ def measure(args: argparse.Namespace) -> dict:
         base = allocated()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        with _HostSampler() as init_host:
+        with RssSampler(0.02, page_cache=True) as init_host:
             start = time.perf_counter()
             opt = StreamingAdam(params, lr=1e-4, weight_decay=0.01, state_dir=rank_dir,
                                 bucket_numel=args.bucket_numel, moment_dtype=args.moment_dtype,
@@ -152,7 +111,7 @@ def measure(args: argparse.Namespace) -> dict:
         try:
             steps = []
             rss_before = psutil.Process().memory_info().rss
-            with _HostSampler() as host:
+            with RssSampler(0.02, page_cache=True) as host:
                 for _ in range(args.steps):
                     read0, written0 = opt.store.bytes_read, opt.store.bytes_written
                     before = allocated()
@@ -191,7 +150,7 @@ def measure(args: argparse.Namespace) -> dict:
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         "disk_bound_seconds": bound, "ratio": last["seconds"] / bound,
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
-        "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.rss_peak,
+        "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
         "page_cache_growth_bytes": host.cached_peak - host.cached_before,
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
@@ -202,7 +161,7 @@ def measure(args: argparse.Namespace) -> dict:
 def _time_checkpoint(opt, directory: str) -> dict:
     """Seconds of a synchronous save and of a verified load of the whole state."""
     path = os.path.join(directory, "optim")
-    with _HostSampler() as host:
+    with RssSampler(0.02, page_cache=True) as host:
         start = time.perf_counter()
         opt.save_checkpoint(path)
         save = time.perf_counter() - start
@@ -224,11 +183,11 @@ def _time_state_dict(opt, directory: str) -> dict:
 
     def phase(fn) -> dict:
         info = psutil.Process().memory_info()
-        with _HostSampler() as host:
+        with RssSampler(0.02, page_cache=True) as host:
             start = time.perf_counter()
             fn()
             seconds = time.perf_counter() - start
-        return {"seconds": seconds, "rss_growth_bytes": host.rss_peak - info.rss,
+        return {"seconds": seconds, "rss_growth_bytes": host.peak - info.rss,
                 "anon_growth_bytes": host.anon_peak - (info.rss - info.shared),
                 "page_cache_growth_bytes": host.cached_peak - host.cached_before}
 
