@@ -27,6 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from greenroom import fs
+from greenroom.errors import ConfigError
 
 TARGETS = ("cpu", "disk")
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
@@ -57,7 +58,7 @@ def check_host_bytes(flag: str, value, nbytes: int) -> None:
     RAM: checked at start-up instead of failing in the allocator, or later in the run."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if nbytes > ram:
-        raise ValueError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of host memory per rank, this "
+        raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of host memory per rank, this "
                          f"machine has {fs.human_bytes(ram)}; use a smaller value (default {DEFAULT_CHUNK_MB})")
 
 
@@ -104,21 +105,21 @@ class OffloadFlags:
         self._target_given = self.offload_train_target is not None
         target = self.offload_train_target or "cpu"
         if target not in TARGETS:
-            raise ValueError(f"--offload-train-target: expected one of {', '.join(TARGETS)}, got {target!r}")
+            raise ConfigError(f"--offload-train-target: expected one of {', '.join(TARGETS)}, got {target!r}")
         self.offload_train_target = target
         chunk = self.offload_train_disk_chunk_mb
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
-            raise ValueError(
+            raise ConfigError(
                 f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {chunk!r}")
         if self.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"--stream-optimizer-state-moment-dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
                 f"got {self.stream_optimizer_state_moment_dtype!r}")
         if target == "disk" and not self.offload_train:
-            raise ValueError("--offload-train-target disk requires --offload-train: add --offload-train "
+            raise ConfigError("--offload-train-target disk requires --offload-train: add --offload-train "
                              "(or drop --offload-train-target disk)")
         if self.offload_train and self.stream_optimizer_state_to_disk and target != "disk":
-            raise ValueError(
+            raise ConfigError(
                 "--stream-optimizer-state-to-disk under --offload-train requires --offload-train-target disk: "
                 "a run that cannot hold its optimizer state on the GPU will not hold a pinned host copy "
                 "of the whole actor either")
@@ -189,12 +190,12 @@ class OffloadConfig(OffloadFlags):
         if self.offload_train_disk_dir is None:
             self.offload_train_disk_dir = default_disk_dir()
         if not self.offload_train_disk_dir:
-            raise ValueError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
+            raise ConfigError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
                              "or set $SCRATCH")
         self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
         existing = fs.nearest_existing(self.offload_train_disk_dir)
         if not os.path.isdir(existing):
-            raise ValueError(f"--offload-train-disk-dir {self.offload_train_disk_dir}: {existing} is a file, not a "
+            raise ConfigError(f"--offload-train-disk-dir {self.offload_train_disk_dir}: {existing} is a file, not a "
                              "directory; point it at a dir on node-local NVMe")
         check_host_bytes("--offload-train-disk-chunk-mb", self.offload_train_disk_chunk_mb,
                          self.staging_bytes_per_rank)
@@ -204,7 +205,7 @@ class OffloadConfig(OffloadFlags):
                        f"({mount.mount_point}), which keeps the data in RAM and defeats the purpose; "
                        "point it at node-local NVMe")
             if not self.allow_tmpfs:
-                raise ValueError(message + " (or pass --allow-tmpfs for a test)")
+                raise ConfigError(message + " (or pass --allow-tmpfs for a test)")
             warnings.warn(message + "; continuing because of --allow-tmpfs", stacklevel=3)
 
 

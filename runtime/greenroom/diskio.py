@@ -75,7 +75,7 @@ from typing import Callable
 import torch
 
 from greenroom import fs
-from greenroom.errors import IntegrityError, StorageError
+from greenroom.errors import ConfigError, IntegrityError, StorageError
 
 ALIGNMENT = 4096
 DEFAULT_DEPTH = 4
@@ -91,7 +91,7 @@ def verify_default() -> bool:
     """Whether transfers are checksummed: ``GREENROOM_VERIFY`` (1, the default, or 0)."""
     value = os.environ.get("GREENROOM_VERIFY", "1")
     if value not in ("0", "1"):
-        raise ValueError(f"GREENROOM_VERIFY={value!r}: expected 1 (verify every read, the default) or 0 "
+        raise ConfigError(f"GREENROOM_VERIFY={value!r}: expected 1 (verify every read, the default) or 0 "
                          "(measurement only)")
     return value == "1"
 
@@ -280,7 +280,7 @@ class StateFile:
         checksums recorded for it, stay valid (the actor's offload file grows when the
         actor allocates more, and its clean slots must still verify on wake)."""
         if self.table_offset is not None:
-            raise ValueError(f"{self.path}: a file with its checksum table in it cannot grow")
+            raise ConfigError(f"{self.path}: a file with its checksum table in it cannot grow")
         if align_up(size) <= self.data_bytes:
             return
         self.size, self.data_bytes = size, align_up(size)
@@ -342,10 +342,10 @@ class StateFile:
     def _check_range(self, length: int, file_offset: int) -> None:
         # Errors, not asserts: a caller's bad range must fail under ``python -O`` too.
         if file_offset < 0 or file_offset + length > self.allocated:
-            raise ValueError(f"{self.path}: I/O [{file_offset}, {file_offset + length}) outside the file's "
+            raise ConfigError(f"{self.path}: I/O [{file_offset}, {file_offset + length}) outside the file's "
                              f"{self.allocated} bytes")
         if self.direct and (file_offset % ALIGNMENT or length % ALIGNMENT):
-            raise ValueError(f"{self.path}: O_DIRECT I/O needs {ALIGNMENT}-byte aligned offsets and lengths, got "
+            raise ConfigError(f"{self.path}: O_DIRECT I/O needs {ALIGNMENT}-byte aligned offsets and lengths, got "
                              f"[{file_offset}, {file_offset + length}) (see Note [alignment])")
 
     def sync(self) -> None:

@@ -13,6 +13,7 @@ import resource
 
 from greenroom import fs
 from greenroom.config import DEFAULT_CHUNK_MB, MIB, check_host_bytes
+from greenroom.errors import ConfigError
 
 PROBE_BYTES = 256 * MIB
 
@@ -30,12 +31,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.chunk_mb <= 0:
-        raise ValueError(f"--chunk-mb must be a positive integer number of MiB, got {args.chunk_mb}")
+        raise ConfigError(f"--chunk-mb must be a positive integer number of MiB, got {args.chunk_mb}")
     check_host_bytes("--chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
     if not os.path.isdir(args.dir):
-        raise ValueError(f"doctor: DIR {args.dir} is not a directory (create it on node-local NVMe first)")
+        raise ConfigError(f"doctor: DIR {args.dir} is not a directory (create it on node-local NVMe first)")
     if not os.access(args.dir, os.W_OK | os.X_OK):
-        raise ValueError(f"doctor: DIR {args.dir} is not writable by uid {os.getuid()}")
+        raise ConfigError(f"doctor: DIR {args.dir} is not writable by uid {os.getuid()}")
     problems = []
     mount = fs.mount_of(args.dir)
     print(f"filesystem: {mount.fstype} ({mount.source} at {mount.mount_point})")

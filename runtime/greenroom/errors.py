@@ -1,13 +1,19 @@
-"""Errors a user can act on. The CLI prints their one-line message and exits 2.
+"""Errors a user can act on, one hierarchy under ``GreenroomError``. The CLI prints their
+one-line message and exits 2.
 
-Configuration mistakes are ``ValueError`` (as torch.optim does); problems with files on
-disk (no space, a truncated or foreign file, a checkpoint that does not match) are
-``GreenroomError`` subclasses so callers can tell them from bugs.
+Configuration mistakes are ``ConfigError``, which is also a ``ValueError`` (what
+torch.optim raises for a bad hyperparameter, and what callers of the API are promised);
+problems with files on disk (no space, a truncated or foreign file, a checkpoint that
+does not match) are ``StorageError``/``CheckpointError``. Anything else is a bug.
 """
 
 
 class GreenroomError(RuntimeError):
     """A condition the user must fix; the message says what and how."""
+
+
+class ConfigError(GreenroomError, ValueError):
+    """A flag, argument or setting that cannot work; the message names it and the fix."""
 
 
 class StorageError(GreenroomError):

@@ -39,6 +39,7 @@ from kubernetes import config as k8s_config
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from greenroom import fs
+from greenroom.errors import ConfigError
 from greenroom.reclaim import Decision, ReclaimReport, print_report, reclaim
 
 EVENT_REASON = "StaleOffloadReclaimed"
@@ -286,28 +287,28 @@ def check_root(root: str) -> None:
     try:
         os.stat(root)
     except PermissionError:
-        raise ValueError(no_permission) from None
+        raise ConfigError(no_permission) from None
     except FileNotFoundError:
-        raise ValueError(f"reclaim ROOT {root} does not exist: mount the node's offload root there "
+        raise ConfigError(f"reclaim ROOT {root} does not exist: mount the node's offload root there "
                          "(the chart's hostPath)") from None
     if not os.path.isdir(root):
-        raise ValueError(f"reclaim ROOT {root} is not a directory: pass the node's offload root")
+        raise ConfigError(f"reclaim ROOT {root} is not a directory: pass the node's offload root")
     if fs.is_memory_backed(root):
-        raise ValueError(f"reclaim ROOT {root} is on {fs.mount_of(root).fstype}: the node root must be on "
+        raise ConfigError(f"reclaim ROOT {root} is on {fs.mount_of(root).fstype}: the node root must be on "
                          "node-local disk (NVMe); point the janitor at the same hostPath the trainers use")
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
-        raise ValueError(no_permission)
+        raise ConfigError(no_permission)
 
 
 def run_janitor(config: JanitorConfig) -> int:
     """``greenroom reclaim ROOT --kubernetes``: one pass, or a loop with ``interval``."""
     if not config.node_name:
-        raise ValueError("--node-name is required with --kubernetes (the chart passes $(NODE_NAME) from "
+        raise ConfigError("--node-name is required with --kubernetes (the chart passes $(NODE_NAME) from "
                          "the downward API spec.nodeName)")
     if config.interval is not None and config.interval <= 0:
-        raise ValueError(f"--interval must be > 0 seconds, got {config.interval}")
+        raise ConfigError(f"--interval must be > 0 seconds, got {config.interval}")
     if not 0 <= config.metrics_port <= 65535:
-        raise ValueError(f"--metrics-port must be 0 (off) or a TCP port, got {config.metrics_port}")
+        raise ConfigError(f"--metrics-port must be 0 (off) or a TCP port, got {config.metrics_port}")
     check_root(config.root)
     janitor = Janitor(config)
     janitor.connect()
@@ -315,14 +316,14 @@ def run_janitor(config: JanitorConfig) -> int:
         try:
             report = janitor.one_pass()
         except ApiUnavailable as e:
-            raise ValueError(f"{e} (is the API server reachable from this node? check the kubeconfig or "
+            raise ConfigError(f"{e} (is the API server reachable from this node? check the kubeconfig or "
                              "the in-cluster service account)") from None
         return 1 if report.errors else 0
     if config.metrics_port:
         try:
             start_http_server(config.metrics_port, addr=config.metrics_address, registry=janitor.metrics.registry)
         except OSError as e:
-            raise ValueError(f"--metrics-port {config.metrics_port}: cannot listen ({e.strerror})") from None
+            raise ConfigError(f"--metrics-port {config.metrics_port}: cannot listen ({e.strerror})") from None
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: janitor.stop.set())
     return janitor.serve()

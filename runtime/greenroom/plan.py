@@ -14,6 +14,7 @@ import sys
 
 from greenroom import fs
 from greenroom.config import OffloadConfig, add_arguments, streamed_bytes_per_param
+from greenroom.errors import ConfigError
 from greenroom.rankdir import rank_dir_path
 
 # The paused actor's own bytes per parameter: bf16 weights plus bf16 gradients. The
@@ -97,9 +98,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     for flag, value in (("--world-size", args.world_size), ("--nproc-per-node", args.nproc_per_node or 1)):
         if value <= 0:
-            raise ValueError(f"{flag} must be a positive integer, got {value}")
+            raise ConfigError(f"{flag} must be a positive integer, got {value}")
     if args.params < 0:
-        raise ValueError(f"--params must be >= 0, got {args.params:g}")
+        raise ConfigError(f"--params must be >= 0, got {args.params:g}")
     config = OffloadConfig.from_args(args)
     plan = build_plan(config, world_size=args.world_size, params=int(args.params),
                       nproc_per_node=args.nproc_per_node or args.world_size, role=args.role,

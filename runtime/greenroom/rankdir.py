@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 
-from greenroom.errors import StorageError
+from greenroom.errors import ConfigError, StorageError
 
 LOCK_NAME = ".lock"
 OWNER_NAME = "owner.json"
@@ -55,7 +55,7 @@ def boot_id() -> str:
 def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
     for name, value in (("the job id (from $GREENROOM_JOB_ID, $SLURM_JOB_ID or torchrun)", job), ("--role", role)):
         if not value or "/" in value or value in (".", ".."):
-            raise ValueError(f"{name}: {value!r} is not a valid directory name")
+            raise ConfigError(f"{name}: {value!r} is not a valid directory name")
     return os.path.join(root, job, role, f"rank{rank:05d}")
 
 

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from greenroom import fs
+from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
 from greenroom.rankdir import LOCK_NAME, OWNER_NAME
 
@@ -318,7 +319,7 @@ def _remove_empty_parents(path: str, root: str) -> None:
 def check_seconds(flag: str, value: float) -> None:
     """A duration must be a finite number >= 0 (``nan`` would turn the age check off)."""
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{flag} must be a finite number of seconds >= 0, got {value}")
+        raise ConfigError(f"{flag} must be a finite number of seconds >= 0, got {value}")
 
 
 def reclaim(root: str, *, dry_run: bool = False, min_age: float = 0.0, policy: OwnerPolicy | None = None,
@@ -330,14 +331,14 @@ def reclaim(root: str, *, dry_run: bool = False, min_age: float = 0.0, policy: O
     if not os.path.exists(root):
         if missing_ok:
             return report  # nothing has ever run here
-        raise ValueError(f"reclaim ROOT {root} does not exist (pass --missing-ok where that is expected)")
+        raise ConfigError(f"reclaim ROOT {root} does not exist (pass --missing-ok where that is expected)")
     if not os.path.isdir(root):
-        raise ValueError(f"reclaim ROOT {root} is not a directory")
+        raise ConfigError(f"reclaim ROOT {root} is not a directory")
     try:
         os.close(os.open(root, os.O_RDONLY | os.O_DIRECTORY))
         os.listdir(root)
     except OSError as e:
-        raise ValueError(f"reclaim ROOT {root} cannot be read ({e.strerror})") from None
+        raise ConfigError(f"reclaim ROOT {root} cannot be read ({e.strerror})") from None
     root_dev = os.lstat(root).st_dev
     candidates, trash = find_candidates(root)
     for path in trash:

@@ -12,6 +12,7 @@ import os
 import sys
 
 from greenroom import fs
+from greenroom.errors import ConfigError
 from greenroom.reclaim import check_seconds, print_report, reclaim
 
 
@@ -45,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if args.interval is not None:
         check_seconds("--interval", args.interval)
         if args.interval == 0:
-            raise ValueError("--interval must be > 0 seconds")
+            raise ConfigError("--interval must be > 0 seconds")
     if args.interval is not None or args.metrics_port is not None or args.node_name is not None:
-        raise ValueError("--interval, --metrics-port and --node-name need --kubernetes")
+        raise ConfigError("--interval, --metrics-port and --node-name need --kubernetes")
     if fs.is_memory_backed(args.root) and os.path.isdir(args.root):
         print(f"greenroom reclaim: warning: {args.root} is memory-backed (tmpfs); reclaiming anyway",
               file=sys.stderr)

@@ -18,6 +18,7 @@ import torch
 from greenroom.actor.launch import check_disk_support, hook_library, hooks_loaded, launch_env, relaunch_with
 from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOffloader
 from greenroom.config import OffloadConfig
+from greenroom.errors import ConfigError
 
 BACKENDS = ("auto", "tms", "portable")
 
@@ -41,7 +42,7 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
             holds (checked by a device-side fingerprint); default on for CUDA units.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"--offload-backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise ConfigError(f"--offload-backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     device = torch.device(device)
     if not config.offload_train:
         return Offloader(target=config.offload_train_target, device=device)

@@ -16,7 +16,7 @@ import os
 import sys
 
 from greenroom.config import OffloadConfig
-from greenroom.errors import GreenroomError
+from greenroom.errors import ConfigError, GreenroomError
 from greenroom.rankdir import job_id, rank_dir_path
 
 PACKAGE = "torch_memory_saver"
@@ -93,7 +93,7 @@ def launch_env(config: OffloadConfig, rank: int, *, role: str = "actor", job: st
     layer moves the tracked state (see docs/offload.md).
     """
     if mover not in MOVERS:
-        raise ValueError(f"mover: expected one of {', '.join(MOVERS)}, got {mover!r}")
+        raise ConfigError(f"mover: expected one of {', '.join(MOVERS)}, got {mover!r}")
     if not config.offload_train:
         return {}
     cuda_major = torch_cuda_major() if cuda_major is None else cuda_major

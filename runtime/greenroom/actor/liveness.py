@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from greenroom.errors import ConfigError
 from greenroom.tensors import local_tensor
 
 
@@ -90,7 +91,7 @@ class Liveness:
             storage = t.untyped_storage()
             span = _span(t)
             if span != (0, storage.nbytes()):
-                raise ValueError("offloader.discard(): pass tensors that cover their whole storage "
+                raise ConfigError("offloader.discard(): pass tensors that cover their whole storage "
                                  f"(got a view of {span} of {storage.nbytes()} bytes); a part of a "
                                  "storage cannot be dropped")
             self._note(self._discarded, t)

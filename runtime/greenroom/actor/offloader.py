@@ -27,7 +27,7 @@ import torch
 from greenroom.actor import discovery, tracking
 from greenroom.actor.liveness import Liveness
 from greenroom.actor.movers import DiskMover, HostMover, Moved
-from greenroom.errors import GreenroomError
+from greenroom.errors import ConfigError, GreenroomError
 
 SCOPES = ("all", "tracked")
 
@@ -86,7 +86,7 @@ class Offloader:
 
     def __init__(self, *, target: str, device: torch.device | str = "cpu", scope: str = "all") -> None:
         if scope not in SCOPES:
-            raise ValueError(f"offload scope: expected one of {', '.join(SCOPES)}, got {scope!r}")
+            raise ConfigError(f"offload scope: expected one of {', '.join(SCOPES)}, got {scope!r}")
         self.target = target
         self.device = torch.device(device)
         self.scope = scope

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from greenroom import fs
 from greenroom.config import DEFAULT_CHUNK_MB, MIB, check_host_bytes
 from greenroom.diskio import DEFAULT_DEPTH, StateFile, TransferEngine, align_up
+from greenroom.errors import ConfigError
 
 RAW_BLOCK = 64 * MIB
 RAW_THREADS = 4
@@ -130,9 +131,9 @@ def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: 
 
 def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.dir):
-        raise ValueError(f"bench disk: DIR {args.dir} is not a directory")
+        raise ConfigError(f"bench disk: DIR {args.dir} is not a directory")
     if args.chunk_mb <= 0 or args.depth <= 0:
-        raise ValueError("bench disk: --chunk-mb and --depth must be positive integers")
+        raise ConfigError("bench disk: --chunk-mb and --depth must be positive integers")
     check_host_bytes("--chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
     import torch
 

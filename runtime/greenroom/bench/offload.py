@@ -21,6 +21,7 @@ import os
 import time
 
 from greenroom.config import DEFAULT_CHUNK_MB, GB, GIB, MIB, OffloadConfig
+from greenroom.errors import ConfigError
 
 
 
@@ -158,13 +159,13 @@ def measure(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.gib <= 0 or args.cycles <= 0:
-        raise ValueError("bench offload: --gib and --cycles must be positive")
+        raise ConfigError("bench offload: --gib and --cycles must be positive")
     if args.untracked_gib < 0:
-        raise ValueError(f"bench offload --untracked-gib: expected 0 or more, got {args.untracked_gib:g}")
+        raise ConfigError(f"bench offload --untracked-gib: expected 0 or more, got {args.untracked_gib:g}")
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"  # inherited by the relaunch under torch_memory_saver
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):
-        raise ValueError("bench offload --target disk needs --dir DIR on node-local NVMe (or $SCRATCH)")
+        raise ConfigError("bench offload --target disk needs --dir DIR on node-local NVMe (or $SCRATCH)")
     result = measure(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))

@@ -31,6 +31,7 @@ import psutil
 from greenroom import fs
 from greenroom.actor.memory import RssSampler
 from greenroom.config import DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes
+from greenroom.errors import ConfigError
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 
 PARAM_NUMEL = 50_000_000
@@ -61,15 +62,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def _validate(args: argparse.Namespace) -> None:
     if args.params < 1 or args.params != int(args.params):
-        raise ValueError(f"--params: expected a positive whole number of parameters, got {args.params!r}")
+        raise ConfigError(f"--params: expected a positive whole number of parameters, got {args.params!r}")
     for flag in ("steps", "bucket_numel", "param_numel", "chunk_mb"):
         if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     check_host_bytes("--chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
     if not os.path.isdir(args.dir):
-        raise ValueError(f"--dir {args.dir} is not a directory")
+        raise ConfigError(f"--dir {args.dir} is not a directory")
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
-        raise ValueError(f"--dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps the data in RAM; "
+        raise ConfigError(f"--dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps the data in RAM; "
                          "point it at node-local NVMe (or pass --allow-tmpfs for a test)")
 
 

@@ -12,59 +12,61 @@ were added over time.
 
 from __future__ import annotations
 
+from greenroom.errors import ConfigError
+
 
 def check_optimizer_config(config) -> None:
     """Refuse an ``OptimizerConfig`` that streaming cannot serve (``ValueError``)."""
     if not getattr(config, "use_distributed_optimizer", False):
-        raise ValueError("optimizer streaming needs megatron's DistributedOptimizer: set "
+        raise ConfigError("optimizer streaming needs megatron's DistributedOptimizer: set "
                          "OptimizerConfig.use_distributed_optimizer=True (--use-distributed-optimizer)")
     if getattr(config, "use_layer_wise_distributed_optimizer", False):
-        raise ValueError("optimizer streaming does not support the layer-wise distributed optimizer: "
+        raise ConfigError("optimizer streaming does not support the layer-wise distributed optimizer: "
                          "set use_layer_wise_distributed_optimizer=False")
     if getattr(config, "optimizer", "adam") != "adam":
-        raise ValueError(f"optimizer streaming supports Adam only, got OptimizerConfig.optimizer="
+        raise ConfigError(f"optimizer streaming supports Adam only, got OptimizerConfig.optimizer="
                          f"{config.optimizer!r}: use --optimizer adam or turn streaming off")
     if not getattr(config, "decoupled_weight_decay", True) and getattr(config, "weight_decay", 0.0) != 0.0:
-        raise ValueError("optimizer streaming computes AdamW (decoupled weight decay): set "
+        raise ConfigError("optimizer streaming computes AdamW (decoupled weight decay): set "
                          "OptimizerConfig.decoupled_weight_decay=True or weight_decay=0")
     if getattr(config, "optimizer_cpu_offload", False):
-        raise ValueError("optimizer streaming and CPU optimizer offload both move the optimizer state: "
+        raise ConfigError("optimizer streaming and CPU optimizer offload both move the optimizer state: "
                          "drop --optimizer-cpu-offload (optimizer_cpu_offload=False)")
     if getattr(config, "use_precision_aware_optimizer", False):
-        raise ValueError("optimizer streaming replaces the precision-aware optimizer's state: drop "
+        raise ConfigError("optimizer streaming replaces the precision-aware optimizer's state: drop "
                          "--use-precision-aware-optimizer and choose the moment dtype with "
                          "--stream-optimizer-state-moment-dtype")
     if getattr(config, "optimizer_cuda_graph", False):
-        raise ValueError("optimizer streaming reads buckets from disk inside the step, which a CUDA graph "
+        raise ConfigError("optimizer streaming reads buckets from disk inside the step, which a CUDA graph "
                          "cannot capture: set optimizer_cuda_graph=False")
     for name in ("main_params_dtype", "main_grads_dtype"):
         dtype = getattr(config, name, None)
         if dtype is not None and str(dtype) != "torch.float32":
-            raise ValueError(f"optimizer streaming keeps fp32 main params and grads: set "
+            raise ConfigError(f"optimizer streaming keeps fp32 main params and grads: set "
                              f"OptimizerConfig.{name}=torch.float32 (got {dtype})")
 
 
 def check_ddp_config(ddp_config) -> None:
     """Refuse a ``DistributedDataParallelConfig`` that streaming cannot serve."""
     if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "use_custom_fsdp", False):
-        raise ValueError("optimizer streaming does not support Megatron FSDP (its main weights live in "
+        raise ConfigError("optimizer streaming does not support Megatron FSDP (its main weights live in "
                          "the FSDP buffers): set use_megatron_fsdp=False and use DDP with the "
                          "distributed optimizer")
     if getattr(ddp_config, "fp8_param_gather", False):
-        raise ValueError("optimizer streaming does not support fp8 params (fp8_param_gather / --fp8-param-gather): "
+        raise ConfigError("optimizer streaming does not support fp8 params (fp8_param_gather / --fp8-param-gather): "
                          "keep the params in bf16 or fp16")
     if getattr(ddp_config, "fp4_param_gather", False):
-        raise ValueError("optimizer streaming does not support fp4 params (fp4_param_gather): "
+        raise ConfigError("optimizer streaming does not support fp4 params (fp4_param_gather): "
                          "keep the params in bf16 or fp16")
     if not getattr(ddp_config, "use_distributed_optimizer", True):
-        raise ValueError("optimizer streaming needs megatron's DistributedOptimizer: set "
+        raise ConfigError("optimizer streaming needs megatron's DistributedOptimizer: set "
                          "DistributedDataParallelConfig.use_distributed_optimizer=True")
 
 
 def check_transformer_config(transformer_config) -> None:
     """Refuse fp8 model params declared on the model's ``TransformerConfig``."""
     if getattr(transformer_config, "fp8_param", False):
-        raise ValueError("optimizer streaming does not support fp8 params (TransformerConfig.fp8_param / "
+        raise ConfigError("optimizer streaming does not support fp8 params (TransformerConfig.fp8_param / "
                          "--fp8-param-gather): keep the params in bf16 or fp16")
 
 
@@ -79,6 +81,6 @@ def check_inner_optimizer(inner) -> None:
 
     if inner is None or isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         return
-    raise ValueError(f"optimizer streaming supports torch's Adam/AdamW, the DistributedOptimizer wraps "
+    raise ConfigError(f"optimizer streaming supports torch's Adam/AdamW, the DistributedOptimizer wraps "
                      f"{type(inner).__module__}.{type(inner).__name__}: use --optimizer adam without "
                      "Transformer Engine's or Apex's FusedAdam")

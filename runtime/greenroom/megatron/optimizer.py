@@ -41,7 +41,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from greenroom.config import OffloadConfig
-from greenroom.errors import CheckpointError
+from greenroom.errors import CheckpointError, ConfigError, GreenroomError
 from greenroom.megatron import checks
 from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
 from greenroom.optim import kernel
@@ -66,7 +66,7 @@ class StreamingSettings:
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_numel, bool) or not isinstance(self.bucket_numel, int) or self.bucket_numel <= 0:
-            raise ValueError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
+            raise ConfigError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
 
 
 # The settings for the DistributedOptimizer being constructed in this context; its
@@ -91,7 +91,7 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
     def __init__(self, *args, **kwargs) -> None:
         settings = _SETTINGS.get()
         if settings is None:
-            raise RuntimeError("construct StreamingDistributedOptimizer through greenroom.megatron.streaming()")
+            raise GreenroomError("construct StreamingDistributedOptimizer through greenroom.megatron.streaming()")
         # By name, through megatron's own signature: its positional order has changed
         # between releases.
         given = inspect.signature(DistributedOptimizer.__init__).bind(self, *args, **kwargs).arguments
@@ -386,7 +386,7 @@ def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BU
     """
     settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel)
     if not config.stream_optimizer_state_to_disk:
-        raise ValueError("greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "
+        raise ConfigError("greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "
                          "(OffloadConfig.stream_optimizer_state_to_disk=True)")
     import megatron.core.optimizer as mcore_optimizer
 
@@ -405,7 +405,7 @@ def streaming_members(optimizer) -> list[StreamingDistributedOptimizer]:
     members = [m for m in getattr(optimizer, "chained_optimizers", [optimizer])
                if isinstance(m, StreamingDistributedOptimizer) and m.streamed_store is not None]
     if not members:
-        raise ValueError("this optimizer does not stream: build it inside greenroom.megatron.streaming(...)")
+        raise ConfigError("this optimizer does not stream: build it inside greenroom.megatron.streaming(...)")
     return members
 
 

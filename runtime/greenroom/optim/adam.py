@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 import torch
 
 from greenroom.config import MIB, OffloadConfig
-from greenroom.errors import GreenroomError
+from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.rankdir import RankDir
@@ -74,16 +74,16 @@ class StreamingAdam(torch.optim.Optimizer):
                  resident_numel: int = RESIDENT_NUMEL, fused: bool | None = None,
                  foreach: bool | None = None) -> None:
         if not 0.0 <= lr:
-            raise ValueError(f"StreamingAdam: invalid lr {lr!r}: must be >= 0")
+            raise ConfigError(f"StreamingAdam: invalid lr {lr!r}: must be >= 0")
         if not 0.0 <= eps:
-            raise ValueError(f"StreamingAdam: invalid eps {eps!r}: must be >= 0")
+            raise ConfigError(f"StreamingAdam: invalid eps {eps!r}: must be >= 0")
         for i, beta in enumerate(betas):
             if not 0.0 <= beta < 1.0:
-                raise ValueError(f"StreamingAdam: invalid betas[{i}] {beta!r}: must be in [0, 1)")
+                raise ConfigError(f"StreamingAdam: invalid betas[{i}] {beta!r}: must be in [0, 1)")
         if not 0.0 <= weight_decay:
-            raise ValueError(f"StreamingAdam: invalid weight_decay {weight_decay!r}: must be >= 0")
+            raise ConfigError(f"StreamingAdam: invalid weight_decay {weight_decay!r}: must be >= 0")
         if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, int) or chunk_mb <= 0:
-            raise ValueError(f"StreamingAdam: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
+            raise ConfigError(f"StreamingAdam: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
         self._store: BucketStore | None = None
         self.resident_numel = resident_numel
         self.streamed: list[torch.Tensor] = []  # the param of each store entry
@@ -98,7 +98,7 @@ class StreamingAdam(torch.optim.Optimizer):
         entries = self._classify(range(len(self.param_groups)))
         devices = {local_tensor(p).device for p in self.streamed + self.resident}
         if len(devices) > 1:
-            raise ValueError(f"StreamingAdam: params are on several devices ({sorted(map(str, devices))}); "
+            raise ConfigError(f"StreamingAdam: params are on several devices ({sorted(map(str, devices))}); "
                              "one optimizer streams for one device")
         self.device = devices.pop() if devices else torch.device("cpu")
         self.fused, self.foreach = choose_implementation(self.device, fused=fused, foreach=foreach)
@@ -116,7 +116,7 @@ class StreamingAdam(torch.optim.Optimizer):
             for pi, p in enumerate(self.param_groups[gi]["params"]):
                 local = local_tensor(p)
                 if p.dtype not in _STREAMED_DTYPES:
-                    raise ValueError(f"StreamingAdam: param {gi}.{pi} is {p.dtype}; streaming supports "
+                    raise ConfigError(f"StreamingAdam: param {gi}.{pi} is {p.dtype}; streaming supports "
                                      "fp32, bf16 and fp16 params")
                 if not p.requires_grad:
                     self.frozen.add(id(p))
@@ -138,7 +138,7 @@ class StreamingAdam(torch.optim.Optimizer):
         """Build from the seed's flags: moment dtype and chunk size from ``config``;
         ``kwargs`` are the AdamW hyperparameters (and ``bucket_numel`` etc.)."""
         if not config.stream_optimizer_state_to_disk:
-            raise ValueError("StreamingAdam.from_config: the config does not set --stream-optimizer-state-to-disk")
+            raise ConfigError("StreamingAdam.from_config: the config does not set --stream-optimizer-state-to-disk")
         return cls(params, state_dir=rank_dir, moment_dtype=config.stream_optimizer_state_moment_dtype,
                    chunk_mb=config.offload_train_disk_chunk_mb, **kwargs)
 
@@ -171,7 +171,7 @@ class StreamingAdam(torch.optim.Optimizer):
         appended to the store (masters from the params, zero moments)."""
         for key, allowed in FIXED_GROUP_KEYS.items():
             if key in param_group and param_group[key] != allowed:
-                raise ValueError(f"StreamingAdam: {key}={param_group[key]!r} is not supported "
+                raise ConfigError(f"StreamingAdam: {key}={param_group[key]!r} is not supported "
                                  f"(only {key}={allowed!r}); use torch.optim.AdamW for it")
         if self._store is not None:  # checked before the group joins, so a refusal changes nothing
             params = param_group["params"]
@@ -179,10 +179,10 @@ class StreamingAdam(torch.optim.Optimizer):
             param_group = {**param_group, "params": params}
             for p in params:
                 if p.dtype not in _STREAMED_DTYPES:
-                    raise ValueError(f"StreamingAdam: a param of the new group is {p.dtype}; streaming supports "
+                    raise ConfigError(f"StreamingAdam: a param of the new group is {p.dtype}; streaming supports "
                                      "fp32, bf16 and fp16 params")
                 if p.requires_grad and local_tensor(p).device != self.device:
-                    raise ValueError(f"StreamingAdam: a param of the new group is on {local_tensor(p).device}, "
+                    raise ConfigError(f"StreamingAdam: a param of the new group is on {local_tensor(p).device}, "
                                      f"the others on {self.device}; one optimizer streams for one device")
         super().add_param_group(param_group)
         if self._store is None:

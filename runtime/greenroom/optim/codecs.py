@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from greenroom.config import FP8_SCALE_BLOCK, MOMENT_DTYPES
+from greenroom.errors import ConfigError
 
 _CAST_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FP8_DTYPES = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
@@ -50,7 +51,7 @@ class MomentCodec:
 
     def __init__(self, name: str, *, sqrt: bool = False) -> None:
         if name not in MOMENT_DTYPES:
-            raise ValueError(f"moment dtype: expected one of {', '.join(MOMENT_DTYPES)}, got {name!r}")
+            raise ConfigError(f"moment dtype: expected one of {', '.join(MOMENT_DTYPES)}, got {name!r}")
         self.name = name
         self.fp8 = name in _FP8_DTYPES
         self.dtype = _FP8_DTYPES[name] if self.fp8 else _CAST_DTYPES[name]

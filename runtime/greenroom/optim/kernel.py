@@ -14,6 +14,8 @@ import torch
 from torch.optim.adamw import adamw
 from torch.optim.optimizer import _get_scalar_dtype
 
+from greenroom.errors import ConfigError
+
 
 # Group keys of torch.optim.AdamW that the streamed update does not implement, with the
 # only value it accepts: anything else is refused by name rather than ignored.
@@ -23,7 +25,7 @@ FIXED_GROUP_KEYS = {"amsgrad": False, "maximize": False, "capturable": False, "d
 def choose_implementation(device: torch.device, *, fused: bool | None, foreach: bool | None) -> tuple[bool, bool]:
     """``(fused, foreach)``: fused on CUDA and foreach elsewhere unless told otherwise."""
     if fused and foreach:
-        raise ValueError("StreamingAdam: fused and foreach cannot both be True")
+        raise ConfigError("StreamingAdam: fused and foreach cannot both be True")
     if fused is None and foreach is None:
         return device.type == "cuda", device.type != "cuda"
     return bool(fused), bool(foreach)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from greenroom.errors import ConfigError
+
 
 class StreamingCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that writes and reads checkpoint files directly."""
@@ -54,7 +56,7 @@ class StreamingCheckpointIO(TorchCheckpointIO):
 def _local(path) -> str:
     path = os.fspath(path)
     if "://" in path:
-        raise ValueError(f"StreamingCheckpointIO: {path} is not a local path; it writes local files only "
+        raise ConfigError(f"StreamingCheckpointIO: {path} is not a local path; it writes local files only "
                          "(use Lightning's default CheckpointIO for remote storage)")
     return path
 

@@ -45,6 +45,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from greenroom.diskio import StateFile, TransferEngine, align_up
+from greenroom.errors import ConfigError
 from greenroom.optim.codecs import moment_codecs
 
 DEFAULT_BUCKET_NUMEL = 200_000_000
@@ -138,14 +139,14 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
     """Group consecutive entries (same group and master kind) into buckets of at most
     ``bucket_numel`` elements; an entry larger than the cap gets a bucket of its own."""
     if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel <= 0:
-        raise ValueError(f"bucket_numel must be a positive integer, got {bucket_numel!r}")
+        raise ConfigError(f"bucket_numel must be a positive integer, got {bucket_numel!r}")
     avg_codec, sq_codec = moment_codecs(moment_dtype)
     groups: list[list[int]] = []
     current: list[int] = []
     current_numel = 0
     for i, entry in enumerate(entries):
         if entry.numel == 0:
-            raise ValueError(f"entry {entry.name!r} has no elements: leave it out of the store")
+            raise ConfigError(f"entry {entry.name!r} has no elements: leave it out of the store")
         same_kind = current and (entries[current[0]].group, entries[current[0]].master) == (entry.group, entry.master)
         if current and (not same_kind or current_numel + entry.numel > bucket_numel):
             groups.append(current)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from greenroom.errors import ConfigError
 from greenroom.slurm import sbatch
 from greenroom.slurm.config import load_config
 from greenroom.slurm.render import render
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         script = render(config, source=args.config)
     except ValueError as e:  # a missing or broken template: name the config that chose it
-        raise ValueError(f"{args.config}: {e}") from None
+        raise ConfigError(f"{args.config}: {e}") from None
     if args.slurm_command == "render":
         if args.output:
             sbatch.write_script(args.output, script)

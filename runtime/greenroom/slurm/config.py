@@ -24,6 +24,7 @@ import yaml
 
 from greenroom import fs
 from greenroom.config import DEFAULT_CHUNK_MB, MOMENT_DTYPES, TARGETS, OffloadFlags
+from greenroom.errors import ConfigError
 
 LAUNCHERS = ("srun", "torchrun")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
@@ -202,14 +203,14 @@ class SlurmJobConfig:
             self.tasks_per_node = self.gpus_per_node or 1
         _positive_int("tasks_per_node", self.tasks_per_node)
         if self.gpus_per_node and self.tasks_per_node > self.gpus_per_node:
-            raise ValueError(f"tasks_per_node: {self.tasks_per_node} processes cannot each have a GPU of "
+            raise ConfigError(f"tasks_per_node: {self.tasks_per_node} processes cannot each have a GPU of "
                              f"gpus_per_node {self.gpus_per_node}; use at most one process per GPU")
         if self.launcher not in LAUNCHERS:
-            raise ValueError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+            raise ConfigError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
         if self.master_port is not None:
             _positive_int("master_port", self.master_port)
             if not 1024 <= self.master_port <= 65535:
-                raise ValueError(f"master_port must be in 1024..65535, got {self.master_port}")
+                raise ConfigError(f"master_port must be in 1024..65535, got {self.master_port}")
         for name in ("job_name", "partition", "account", "qos"):
             value = getattr(self, name)
             if value is not None:
@@ -217,22 +218,22 @@ class SlurmJobConfig:
         if self.mem is not None:
             self.mem = str(self.mem)
             if not _MEMORY.match(self.mem):
-                raise ValueError(f"mem: expected a size like 64G or 65536 (MiB), got {self.mem!r}")
+                raise ConfigError(f"mem: expected a size like 64G or 65536 (MiB), got {self.mem!r}")
         time_minutes(self.time)
         try:
             signal.Signals[f"SIG{self.preempt_signal}"]
         except (KeyError, TypeError):
-            raise ValueError(f"preempt_signal: expected a signal name like USR1 (without SIG), "
+            raise ConfigError(f"preempt_signal: expected a signal name like USR1 (without SIG), "
                              f"got {self.preempt_signal!r}") from None
         _positive_int("preempt_signal_seconds", self.preempt_signal_seconds)
         if self.preempt_signal_seconds > MAX_SIGNAL_SECONDS:
-            raise ValueError(f"preempt_signal_seconds must be at most {MAX_SIGNAL_SECONDS}, "
+            raise ConfigError(f"preempt_signal_seconds must be at most {MAX_SIGNAL_SECONDS}, "
                              f"got {self.preempt_signal_seconds}")
         for name, value in self.env.items():
             if not isinstance(name, str) or not _ENV_NAME.match(name):
-                raise ValueError(f"env: {name!r} is not a valid environment variable name")
+                raise ConfigError(f"env: {name!r} is not a valid environment variable name")
             if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise ValueError(f"env.{name}: expected a string, got {value!r}")
+                raise ConfigError(f"env.{name}: expected a string, got {value!r}")
             self.env[name] = str(value)
         for key, value in self.sbatch_extra.items():
             _sbatch_word("sbatch_extra key", str(key))
@@ -241,22 +242,22 @@ class SlurmJobConfig:
         for name in ("greenroom", "torchrun", "template"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"{name}: expected a non-empty string, got {value!r}")
+                raise ConfigError(f"{name}: expected a non-empty string, got {value!r}")
         _sbatch_word("log_dir", self.log_dir)
         if not all(isinstance(line, str) for line in self.setup):
-            raise ValueError(f"setup: expected a list of shell lines, got {self.setup!r}")
+            raise ConfigError(f"setup: expected a list of shell lines, got {self.setup!r}")
         if self.scratch_dir is not None:
             check_scratch_dir(self.scratch_dir)
         _check_train(self.train)
         if self.container is not None:
             if self.container.runtime not in CONTAINER_RUNTIMES:
-                raise ValueError(f"container.runtime: expected one of {', '.join(CONTAINER_RUNTIMES)}, "
+                raise ConfigError(f"container.runtime: expected one of {', '.join(CONTAINER_RUNTIMES)}, "
                                  f"got {self.container.runtime!r}")
             if not isinstance(self.container.image, str) or not self.container.image:
-                raise ValueError("container.image: expected an image reference or path")
+                raise ConfigError("container.image: expected an image reference or path")
             for mount in self.container.mounts:
                 if not isinstance(mount, str) or ":" not in mount or "," in mount:
-                    raise ValueError(f"container.mounts: expected SRC:DST[:FLAGS] (no commas), got {mount!r}")
+                    raise ConfigError(f"container.mounts: expected SRC:DST[:FLAGS] (no commas), got {mount!r}")
 
     @property
     def processes(self) -> int:
@@ -267,39 +268,39 @@ class SlurmJobConfig:
 def check_scratch_dir(path: str) -> None:
     """Refuse a relative or memory-backed scratch dir (tmpfs keeps the data in RAM)."""
     if not isinstance(path, str) or not os.path.isabs(path):
-        raise ValueError(f"scratch_dir: expected an absolute path on node-local NVMe, got {path!r}")
+        raise ConfigError(f"scratch_dir: expected an absolute path on node-local NVMe, got {path!r}")
     if fs.is_memory_backed(path):
         mount = fs.mount_of(path)
-        raise ValueError(f"scratch_dir: {path} is on {mount.fstype} ({mount.mount_point}), which keeps the "
+        raise ConfigError(f"scratch_dir: {path} is on {mount.fstype} ({mount.mount_point}), which keeps the "
                          "offloaded data in RAM; point it at node-local NVMe")
 
 
 def _check_train(train: TrainArgs) -> None:
     if train.offload_train_target not in TARGETS:
-        raise ValueError(f"train.offload_train_target: expected one of {', '.join(TARGETS)}, "
+        raise ConfigError(f"train.offload_train_target: expected one of {', '.join(TARGETS)}, "
                          f"got {train.offload_train_target!r}")
     if train.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
-        raise ValueError(f"train.stream_optimizer_state_moment_dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
+        raise ConfigError(f"train.stream_optimizer_state_moment_dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
                          f"got {train.stream_optimizer_state_moment_dtype!r}")
     _positive_int("train.offload_train_disk_chunk_mb", train.offload_train_disk_chunk_mb)
     if train.iterations is not None:
         _positive_int("train.iterations", train.iterations)
     if not isinstance(train.role, str) or not train.role or "/" in train.role:
-        raise ValueError(f"train.role: {train.role!r} is not a valid directory name")
+        raise ConfigError(f"train.role: {train.role!r} is not a valid directory name")
     if not isinstance(train.extra_args, list) or not all(isinstance(a, str) for a in train.extra_args):
-        raise ValueError(f"train.extra_args: expected a list of strings, got {train.extra_args!r}")
+        raise ConfigError(f"train.extra_args: expected a list of strings, got {train.extra_args!r}")
     # The trainer's own pairing rules, checked here so a bad pair fails before submission.
     try:
         train.offload_flags()
     except ValueError as e:
-        raise ValueError(f"train: {e}") from None
+        raise ConfigError(f"train: {e}") from None
 
 
 def time_minutes(value: str) -> int:
     """Minutes in a Slurm ``--time`` value (rounded up), validating it."""
     m = _TIME.match(str(value))
     if not m:
-        raise ValueError(f"time: expected a Slurm time like 04:00:00 or 1-12:00:00, got {value!r}")
+        raise ConfigError(f"time: expected a Slurm time like 04:00:00 or 1-12:00:00, got {value!r}")
     if m["d"] is not None:
         seconds = ((int(m["d"]) * 24 + int(m["dh"])) * 60 + int(m["dm"] or 0)) * 60 + int(m["ds"] or 0)
     elif m["c"] is not None:
@@ -307,34 +308,34 @@ def time_minutes(value: str) -> int:
     else:
         seconds = int(m["a"]) * 60 + int(m["b"] or 0)
     if seconds <= 0:
-        raise ValueError(f"time: must be longer than zero, got {value!r}")
+        raise ConfigError(f"time: must be longer than zero, got {value!r}")
     return -(-seconds // 60)
 
 
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _non_negative_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 def _sbatch_word(name: str, value) -> None:
     if not isinstance(value, str) or not _SBATCH_WORD.match(value):
-        raise ValueError(f"{name}: {value!r} must be one word of letters, digits and _.,:=%@/+-[] "
+        raise ConfigError(f"{name}: {value!r} must be one word of letters, digits and _.,:=%@/+-[] "
                          "(it goes on an #SBATCH line)")
 
 
 def _build(cls, data, where: str):
     """``cls(**data)`` with unknown keys and wrong shapes reported by their YAML path."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where or 'the config'}: expected a mapping of keys, got {type(data).__name__}")
+        raise ConfigError(f"{where or 'the config'}: expected a mapping of keys, got {type(data).__name__}")
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in known:
-            raise ValueError(f"unknown key '{where}{key}'; known keys: {', '.join(sorted(known))}")
+            raise ConfigError(f"unknown key '{where}{key}'; known keys: {', '.join(sorted(known))}")
     kwargs = dict(data)
     if cls is SlurmJobConfig:
         if "train" in kwargs:
@@ -343,12 +344,12 @@ def _build(cls, data, where: str):
             kwargs["container"] = _build(ContainerConfig, kwargs["container"], "container.")
     for name, kind in (("env", dict), ("sbatch_extra", dict), ("setup", list), ("mounts", list)):
         if name in kwargs and name in known and not isinstance(kwargs[name], kind):
-            raise ValueError(f"{where}{name}: expected a {'mapping' if kind is dict else 'list'}, "
+            raise ConfigError(f"{where}{name}: expected a {'mapping' if kind is dict else 'list'}, "
                              f"got {kwargs[name]!r}")
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required key is missing
-        raise ValueError(f"{where or 'the config'}: {e}") from None
+        raise ConfigError(f"{where or 'the config'}: {e}") from None
 
 
 def config_from_dict(data: dict) -> SlurmJobConfig:
@@ -361,18 +362,18 @@ def load_config(path: str) -> SlurmJobConfig:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except FileNotFoundError:
-        raise ValueError(f"{path}: no such config file") from None
+        raise ConfigError(f"{path}: no such config file") from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text (a binary file?); give a job YAML") from None
+        raise ConfigError(f"{path}: not UTF-8 text (a binary file?); give a job YAML") from None
     except OSError as e:
-        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
+        raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if data is None:
-        raise ValueError(f"{path}: the file is empty; see deploy/slurm/examples for a job YAML")
+        raise ConfigError(f"{path}: the file is empty; see deploy/slurm/examples for a job YAML")
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of settings at the top, got {type(data).__name__}")
+        raise ConfigError(f"{path}: expected a mapping of settings at the top, got {type(data).__name__}")
     try:
         return config_from_dict(data)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ConfigError(f"{path}: {e}") from None

@@ -18,6 +18,7 @@ import shlex
 
 import jinja2
 
+from greenroom.errors import ConfigError
 from greenroom.publish import completion_markers
 from greenroom.slurm.config import SlurmJobConfig
 
@@ -139,10 +140,10 @@ def _get_template(config: SlurmJobConfig, name: str) -> jinja2.Template:
     try:
         return _environment(config).get_template(name)
     except jinja2.TemplateNotFound:
-        raise ValueError(f"template: no template {config.template!r}; shipped templates: "
+        raise ConfigError(f"template: no template {config.template!r}; shipped templates: "
                          f"{', '.join(shipped_templates())}, or give a path to your own .j2") from None
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"template {config.template}: line {e.lineno}: {e.message}") from None
+        raise ConfigError(f"template {config.template}: line {e.lineno}: {e.message}") from None
 
 
 def render(config: SlurmJobConfig, *, source: str = "CONFIG.yaml") -> str:
@@ -152,7 +153,7 @@ def render(config: SlurmJobConfig, *, source: str = "CONFIG.yaml") -> str:
     try:
         return template.render(context(config, source=source))
     except jinja2.UndefinedError as e:
-        raise ValueError(f"template {config.template}: {e.message}") from None
+        raise ConfigError(f"template {config.template}: {e.message}") from None
 
 
 def setup_lines(config: SlurmJobConfig) -> list[str]:

@@ -11,7 +11,7 @@ import re
 import shutil
 import subprocess
 
-from greenroom.errors import GreenroomError
+from greenroom.errors import ConfigError, GreenroomError
 
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                              "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
@@ -47,7 +47,7 @@ def write_script(path: str, script: str) -> None:
     except OSError as e:
         if os.path.lexists(tmp):
             os.unlink(tmp)
-        raise ValueError(f"-o {path}: cannot write the script there ({e.strerror})") from None
+        raise ConfigError(f"-o {path}: cannot write the script there ({e.strerror})") from None
 
 
 def submit(script: str, *, log_dir: str) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import submitit
 
-from greenroom.errors import GreenroomError
+from greenroom.errors import ConfigError, GreenroomError
 from greenroom.publish import has_checkpoint
 from greenroom.slurm.config import SlurmJobConfig, time_minutes
 from greenroom.slurm.render import resource_options, setup_lines, train_args
@@ -69,9 +69,9 @@ class TrainTask:
 def executor_for(config: SlurmJobConfig, folder: str) -> submitit.AutoExecutor:
     """An AutoExecutor with the job's resources, setup lines and srun arguments."""
     if config.container is not None:
-        raise ValueError("container: not supported through submitit; use `greenroom slurm submit`")
+        raise ConfigError("container: not supported through submitit; use `greenroom slurm submit`")
     if config.launcher != "srun":
-        raise ValueError("launcher: submitit starts one task per process itself; use launcher: srun")
+        raise ConfigError("launcher: submitit starts one task per process itself; use launcher: srun")
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
     options = resource_options(config)
     named = {_SUBMITIT_NAMES[key]: options.pop(key) for key in list(options) if key in _SUBMITIT_NAMES}

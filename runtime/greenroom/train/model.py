@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from greenroom.errors import ConfigError
+
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
@@ -40,9 +42,9 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "ff_mult", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"--d-model {self.d_model} must be a multiple of --n-heads {self.n_heads}")
+            raise ConfigError(f"--d-model {self.d_model} must be a multiple of --n-heads {self.n_heads}")
 
     def num_params(self) -> int:
         d, f = self.d_model, self.ff_mult * self.d_model

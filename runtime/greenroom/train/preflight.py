@@ -12,7 +12,7 @@ import tempfile
 
 from greenroom import fs, publish
 from greenroom.config import OffloadConfig
-from greenroom.errors import CheckpointError
+from greenroom.errors import CheckpointError, ConfigError
 
 
 def _probe_writable(flag: str, path: str) -> None:
@@ -21,7 +21,7 @@ def _probe_writable(flag: str, path: str) -> None:
     try:
         fd, probe = tempfile.mkstemp(prefix=".greenroom-probe-", dir=path)
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot create files there ({e.strerror}); choose a writable dir") from None
+        raise ConfigError(f"{flag} {path}: cannot create files there ({e.strerror}); choose a writable dir") from None
     os.close(fd)
     os.unlink(probe)
 
@@ -31,12 +31,12 @@ def _check_creatable_dir(flag: str, path: str) -> None:
     writable dir."""
     path = os.path.abspath(path)
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path} exists and is not a directory; give a directory path")
+        raise ConfigError(f"{flag} {path} exists and is not a directory; give a directory path")
     existing = path
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ValueError(f"{flag} {path}: {existing} is not a directory, so nothing can be created under it")
+        raise ConfigError(f"{flag} {path}: {existing} is not a directory, so nothing can be created under it")
     _probe_writable(flag, existing)
 
 
@@ -50,20 +50,20 @@ def check_paths(config, offload: OffloadConfig) -> None:
         try:
             publish.check_replaceable(save)
         except CheckpointError as e:
-            raise ValueError(f"--save: {e}") from None
+            raise ConfigError(f"--save: {e}") from None
     if config.load:
         load = os.path.abspath(config.load)
         leftovers = [p for p in (load + publish.NEW_SUFFIX, load + publish.OLD_SUFFIX) if os.path.lexists(p)]
         if not os.path.lexists(load) and not leftovers:
-            raise ValueError(f"--load {load}: no such checkpoint dir")
+            raise ConfigError(f"--load {load}: no such checkpoint dir")
         if os.path.lexists(load) and not os.path.isdir(load):
-            raise ValueError(f"--load {load} is not a directory; give the dir a --save wrote")
+            raise ConfigError(f"--load {load} is not a directory; give the dir a --save wrote")
         if os.path.isdir(load) and not os.access(load, os.R_OK | os.X_OK):
-            raise ValueError(f"--load {load}: not readable by uid {os.getuid()}")
+            raise ConfigError(f"--load {load}: not readable by uid {os.getuid()}")
     if config.metrics:
         metrics = os.path.abspath(config.metrics)
         if os.path.isdir(metrics):
-            raise ValueError(f"--metrics {metrics} is a directory; give a file path")
+            raise ConfigError(f"--metrics {metrics} is a directory; give a file path")
         _check_creatable_dir("--metrics", os.path.dirname(metrics))
 
 
@@ -71,7 +71,7 @@ def check_save_space(save: str, need: int) -> None:
     """The new checkpoint is written beside the previous one, so it needs its full size free."""
     free = fs.free_bytes(os.path.abspath(save))
     if free < need:
-        raise ValueError(f"--save {save}: the checkpoint needs {fs.human_bytes(need)}, only {fs.human_bytes(free)} "
+        raise ConfigError(f"--save {save}: the checkpoint needs {fs.human_bytes(need)}, only {fs.human_bytes(free)} "
                          "free there; free space or choose another dir")
 
 
@@ -82,4 +82,4 @@ def open_metrics(path: str, *, append: bool):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return open(path, "a" if append else "w", encoding="utf-8")
     except OSError as e:
-        raise ValueError(f"--metrics {path}: cannot open it for writing ({e.strerror})") from None
+        raise ConfigError(f"--metrics {path}: cannot open it for writing ({e.strerror})") from None

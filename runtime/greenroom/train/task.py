@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from greenroom.errors import ConfigError
+
 NUM_DIGITS = 10
 BOS = NUM_DIGITS
 SEP = NUM_DIGITS + 1
@@ -26,7 +28,7 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.digits, int) or self.digits <= 0:
-            raise ValueError(f"--digits must be a positive integer, got {self.digits!r}")
+            raise ConfigError(f"--digits must be a positive integer, got {self.digits!r}")
 
     @property
     def prompt_len(self) -> int:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from greenroom import actor
 from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.config import GB, OffloadConfig
-from greenroom.errors import GreenroomError
+from greenroom.errors import ConfigError, GreenroomError
 from greenroom.faults import kill_point
 from greenroom.fs import human_bytes
 from greenroom.rankdir import RankDir
@@ -102,12 +102,12 @@ class TrainConfig:
         for name in ("iterations", "prompts", "group_size", "minibatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if (self.prompts * self.group_size) % self.minibatches:
-            raise ValueError(f"--minibatches {self.minibatches} must divide --prompts x --group-size "
+            raise ConfigError(f"--minibatches {self.minibatches} must divide --prompts x --group-size "
                              f"({self.prompts * self.group_size})")
         if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
 
 
 def _token_logp(model, prompts, completions, device) -> torch.Tensor:
@@ -153,7 +153,7 @@ class Trainer:
             wanted = "cuda" if torch.cuda.is_available() else "cpu"
         if wanted == "cuda":
             if not torch.cuda.is_available():
-                raise ValueError("--device cuda: no CUDA device is available")
+                raise ConfigError("--device cuda: no CUDA device is available")
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
 
