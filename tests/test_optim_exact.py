@@ -8,7 +8,7 @@ import torch
 from greenroom.config import OffloadConfig
 from greenroom.optim import StreamingAdam
 from greenroom.rankdir import RankDir
-from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
+from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, step_beside_fp32_masters, twins
 
 
 def _groups(params, split):
@@ -98,13 +98,7 @@ def test_16bit_params_match_an_fp32_master_reference(disk_dir, dtype):
     ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=True)
     assert all(b.master is not None for b in opt.store.buckets)
     for step in range(5):
-        set_grads(ours, step=step)
-        for m, p in zip(masters, ours):
-            m.grad = p.grad.float()
-        opt.step()
-        ref.step()
-        for p, m in zip(ours, masters):
-            assert p.dtype == dtype and torch.equal(p.detach(), m.detach().to(dtype))
+        step_beside_fp32_masters(opt, ref, ours, masters, step=step, dtype=dtype)
     files_masters = {}
     for state in opt.store.stream():
         for i, view in zip(state.bucket.entries, state.views(state.master)):

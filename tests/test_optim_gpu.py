@@ -9,7 +9,7 @@ import torch
 from greenroom.config import MOMENT_DTYPES
 from greenroom.optim import StreamingAdam
 from greenroom.optim.codecs import moment_codecs
-from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
+from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, step_beside_fp32_masters, twins
 
 pytestmark = pytest.mark.gpu
 
@@ -56,13 +56,7 @@ def test_cuda_default_is_fused_and_bf16_params_match_fused_fp32_masters(disk_dir
     assert opt.fused
     ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
     for step in range(5):
-        set_grads(ours, step=step)
-        for m, p in zip(masters, ours):
-            m.grad = p.grad.float()
-        opt.step()
-        ref.step()
-        for p, m in zip(ours, masters):
-            assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+        step_beside_fp32_masters(opt, ref, ours, masters, step=step)
     opt.close()
 
 
@@ -121,11 +115,5 @@ def test_cuda_bf16_weights_loaded_after_construction_are_followed(disk_dir):
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
     ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
     for step in range(3):
-        set_grads(ours, step=step)
-        for m, p in zip(masters, ours):
-            m.grad = p.grad.float()
-        opt.step()
-        ref.step()
-        for p, m in zip(ours, masters):
-            assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+        step_beside_fp32_masters(opt, ref, ours, masters, step=step)
     opt.close()

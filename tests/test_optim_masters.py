@@ -4,7 +4,7 @@ model.load_state_dict, p.data.copy_, an EMA swap) are what the next step updates
 import torch
 
 from greenroom.optim import StreamingAdam
-from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
+from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, step_beside_fp32_masters, twins
 
 
 def _masters_in_files(opt):
@@ -57,13 +57,7 @@ def test_params_changed_between_steps_reseed_only_the_changed_elements(disk_dir,
             new = torch.randn(p.shape[1], generator=gen).to(torch.bfloat16)
             p.data[3].copy_(new)
             m.data[3].copy_(new.float())
-        set_grads(ours, step=step)
-        for m, p in zip(masters, ours):
-            m.grad = p.grad.float()
-        opt.step()
-        ref.step()
-        for p, m in zip(ours, masters):
-            assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+        step_beside_fp32_masters(opt, ref, ours, masters, step=step)
     files = _masters_in_files(opt)
     for p, m in zip(ours, masters):
         assert torch.equal(files[p], m.detach())
