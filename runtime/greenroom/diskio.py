@@ -72,15 +72,17 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
-from greenroom import fs
+from greenroom import compression, fs
 from greenroom.errors import ConfigError, IntegrityError, StorageError
 
 ALIGNMENT = 4096
 DEFAULT_DEPTH = 4
 EXTENT = 1 << 20  # bytes per checksum, see Note [integrity]
 _SUM_BYTES = 8
+_STORED_BYTES = 4  # per extent of a compressed file: the bytes its frame stored
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -196,6 +198,9 @@ class StateFile:
         checksums: where ``TransferEngine`` keeps the file's checksums (Note [integrity]):
             "memory" (per transfer range, while the file is open) or "file" (a table after
             the data, ``table_bytes(size)`` long; transfers must then cover the whole data).
+        compression: the frame codec of ``greenroom.compression`` that transfers of this
+            file run (None: bytes stored as they are). The file keeps its raw size; what
+            each frame stored is recorded with the checksums.
 
     Running out of space is a ``StorageError`` here, at setup, never a SIGBUS or
     garbage later; a partially created file is removed.
@@ -203,15 +208,17 @@ class StateFile:
 
     def __init__(self, path: str, size: int, *, create: bool = True, direct: bool | None = None,
                  label: str = "a state file",
-                 checksums: str = "memory") -> None:
+                 checksums: str = "memory", compression=None) -> None:
         assert checksums in ("memory", "file")
         self.path = path
         self.size = size
         self.label = label
+        self.compression = compression
         self.data_bytes = align_up(size)
         self.table_offset = self.data_bytes if checksums == "file" else None
-        self.allocated = self.data_bytes + (self.table_bytes(size) if checksums == "file" else 0)
+        self.allocated = self.file_bytes(size, checksums=checksums, compressed=compression is not None)
         self._sums: dict[tuple[int, int], torch.Tensor] = {}
+        self._stored: dict[tuple[int, int], torch.Tensor] = {}
         self._sums_lock = threading.Lock()
         flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
         existed = os.path.exists(path)
@@ -249,14 +256,16 @@ class StateFile:
             raise
 
     @staticmethod
-    def table_bytes(size: int) -> int:
-        """Bytes of the in-file checksum table of a file of ``size`` data bytes."""
-        return align_up((align_up(size) + EXTENT - 1) // EXTENT * _SUM_BYTES)
+    def table_bytes(size: int, *, compressed: bool = False) -> int:
+        """Bytes of the in-file table of a file of ``size`` data bytes: a checksum per
+        extent, and for a compressed file the bytes each extent's frame stored."""
+        extents = (align_up(size) + EXTENT - 1) // EXTENT
+        return align_up(extents * (_SUM_BYTES + (_STORED_BYTES if compressed else 0)))
 
     @classmethod
-    def file_bytes(cls, size: int, *, checksums: str = "memory") -> int:
+    def file_bytes(cls, size: int, *, checksums: str = "memory", compressed: bool = False) -> int:
         """What a file of ``size`` data bytes occupies on disk."""
-        return align_up(size) + (cls.table_bytes(size) if checksums == "file" else 0)
+        return align_up(size) + (cls.table_bytes(size, compressed=compressed) if checksums == "file" else 0)
 
     def _preallocate(self, existed: bool) -> None:
         try:
@@ -312,32 +321,56 @@ class StateFile:
             raise _os_error(self.path, self.label, "read", len(buf), file_offset, e) from None
         return done
 
-    # -- checksums (Note [integrity]) ----------------------------------------------
-    def record_sums(self, offset: int, nbytes: int, sums: torch.Tensor) -> None:
-        """Keep the extent sums of the range just written (``nbytes`` aligned)."""
+    # -- checksums (Note [integrity]) and stored frame sizes (compression) -----------
+    def record_sums(self, offset: int, nbytes: int, sums: torch.Tensor | None,
+                    stored: torch.Tensor | None = None) -> None:
+        """Keep the extent sums of the range just written (``nbytes`` aligned), and for a
+        compressed file the bytes each extent's frame stored."""
         if self.table_offset is None:
             with self._sums_lock:
                 end = offset + nbytes
                 # A range written differently before (another layout) no longer holds.
-                for key in [k for k in self._sums if k[0] < end and offset < k[0] + k[1]]:
-                    del self._sums[key]
-                self._sums[(offset, nbytes)] = _engine_owned(sums)
+                for records in (self._sums, self._stored):
+                    for key in [k for k in records if k[0] < end and offset < k[0] + k[1]]:
+                        del records[key]
+                if sums is not None:
+                    self._sums[(offset, nbytes)] = _engine_owned(sums)
+                if stored is not None:
+                    self._stored[(offset, nbytes)] = _engine_owned(stored)
             return
         assert offset == 0 and nbytes == self.data_bytes, "a file with its checksums in it is written whole"
-        table = _aligned_host(self.table_bytes(self.size))
+        extents = (nbytes + EXTENT - 1) // EXTENT
+        table = _aligned_host(self.table_bytes(self.size, compressed=self.compression is not None))
         table.zero_()
-        table[:sums.numel() * _SUM_BYTES].view(torch.int64).copy_(sums)
+        if sums is not None:
+            table[:extents * _SUM_BYTES].view(torch.int64).copy_(sums)
+        if stored is not None:
+            table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).copy_(stored)
         self.write(memoryview(table.numpy()), self.table_offset)
+
+    def _table(self, offset: int, nbytes: int) -> tuple[torch.Tensor, int]:
+        assert offset == 0 and nbytes == self.data_bytes, "a file with its checksums in it is read whole"
+        table = _aligned_host(self.table_bytes(self.size, compressed=self.compression is not None))
+        self.read(memoryview(table.numpy()), self.table_offset)
+        return table, (nbytes + EXTENT - 1) // EXTENT
 
     def recorded_sums(self, offset: int, nbytes: int) -> torch.Tensor | None:
         """The extent sums written for the range, or None when none were recorded."""
         if self.table_offset is None:
             with self._sums_lock:
                 return self._sums.get((offset, nbytes))
-        assert offset == 0 and nbytes == self.data_bytes, "a file with its checksums in it is read whole"
-        table = _aligned_host(self.table_bytes(self.size))
-        self.read(memoryview(table.numpy()), self.table_offset)
-        return table.view(torch.int64)[:(nbytes + EXTENT - 1) // EXTENT].clone()
+        table, extents = self._table(offset, nbytes)
+        return table[:extents * _SUM_BYTES].view(torch.int64).clone()
+
+    def recorded_stored(self, offset: int, nbytes: int) -> torch.Tensor | None:
+        """The bytes each extent's frame of the range stored (a compressed file), or None
+        when the range was not written since the file was opened."""
+        if self.table_offset is None:
+            with self._sums_lock:
+                return self._stored.get((offset, nbytes))
+        table, extents = self._table(offset, nbytes)
+        stored = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).clone()
+        return stored if bool((stored > 0).all()) else None
 
     def _check_range(self, length: int, file_offset: int) -> None:
         # Errors, not asserts: a caller's bad range must fail under ``python -O`` too.
@@ -418,6 +451,9 @@ class Transfer:
     offset: int = 0
     sums: torch.Tensor | None = None
     """Extent sums accumulated chunk by chunk (Note [integrity]); None when not verifying."""
+    stored: torch.Tensor | None = None
+    """Of a compressed file: the bytes each extent's frame stored (filled by a write,
+    recorded before a read)."""
     _finish: Callable[["Transfer"], None] | None = None
     _remaining: int = 0
     _error: BaseException | None = None
@@ -491,6 +527,12 @@ class TransferEngine:
                  verify: bool | None = None) -> None:
         self.verify = verify_default() if verify is None else verify
         self.staging = StagingBuffers(chunk_bytes, depth, pin=pin)
+        self.disk_bytes_written = 0
+        self.disk_bytes_read = 0
+        """Bytes that went to and came from the disk: below the tensors' bytes where
+        frames were compressed."""
+        self._count_lock = threading.Lock()
+        self._thread = threading.local()  # each I/O thread's CUDA stream
         self._workers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-io")
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: list[Transfer] = []
@@ -499,13 +541,19 @@ class TransferEngine:
         self._closed = False
 
     # -- public API ---------------------------------------------------------------
-    def write(self, src: torch.Tensor, file: StateFile, offset: int) -> Transfer:
-        """Write ``src``'s bytes to ``file`` at ``offset`` (4 KiB aligned)."""
-        return self._submit("write", src, file, offset)
+    def write(self, src: torch.Tensor, file: StateFile, offset: int, *,
+              element_sizes: tuple[tuple[int, int], ...] | None = None) -> Transfer:
+        """Write ``src``'s bytes to ``file`` at ``offset`` (4 KiB aligned).
+
+        ``element_sizes``: for a compressed file, ``(byte offset in src, element size)``
+        pairs, ascending from 0, telling the codec how wide the elements of each region are
+        (``src`` may be raw bytes holding several dtypes); default ``src``'s own.
+        """
+        return self._submit("write", src, file, offset, element_sizes)
 
     def read(self, dst: torch.Tensor, file: StateFile, offset: int) -> Transfer:
         """Fill ``dst`` from ``file`` at ``offset`` (4 KiB aligned)."""
-        return self._submit("read", dst, file, offset)
+        return self._submit("read", dst, file, offset, None)
 
     def drain(self) -> None:
         """Wait for every transfer submitted so far, then raise the first error: when it
@@ -538,19 +586,33 @@ class TransferEngine:
         self.close()
 
     # -- machinery ----------------------------------------------------------------
-    def _submit(self, kind: str, tensor: torch.Tensor, file: StateFile, offset: int) -> Transfer:
+    def _submit(self, kind: str, tensor: torch.Tensor, file: StateFile, offset: int, element_sizes) -> Transfer:
         assert not self._closed
         assert offset % ALIGNMENT == 0, "see Note [alignment]"
         data = _byte_view(tensor)
         nbytes = data.numel()
         assert offset + nbytes <= file.data_bytes, f"{file.path}: transfer past the end of the file's data"
         step = self.staging.buffer_bytes
-        sums = finish = None
+        if file.compression is None:
+            chunks = [(start, min(step, nbytes - start), None) for start in range(0, nbytes, step)]
+        else:
+            chunks = _frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file)
+        sums = stored = finish = None
         if self.verify and nbytes:
             end = offset + align_up(nbytes)
             sums = torch.zeros((end - 1) // EXTENT - offset // EXTENT + 1, dtype=torch.int64)
             finish = self._seal if kind == "write" else self._check
-        transfer = Transfer(nbytes=nbytes, chunks=(nbytes + step - 1) // step, file=file, offset=offset, sums=sums,
+        if file.compression is not None and nbytes:
+            if kind == "write":
+                stored = torch.zeros(sum(len(frames) for _, _, frames in chunks), dtype=torch.int32)
+                finish = self._seal
+            else:
+                stored = file.recorded_stored(offset, align_up(nbytes))
+                if stored is None:
+                    raise IntegrityError(f"{file.path}: no record of bytes [{offset}, {offset + nbytes}) of "
+                                         f"{file.label}: they were not written through greenroom's I/O engine "
+                                         "since the file was opened, so they cannot be read")
+        transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
                             _finish=finish)
         ready = None
         if data.is_cuda:
@@ -558,7 +620,7 @@ class TransferEngine:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(data.device))
         self._inflight = [t for t in self._inflight if not t.done()] + [transfer]
-        self._jobs.put((kind, data, file, offset, transfer, ready))
+        self._jobs.put((kind, data, file, offset, transfer, ready, chunks))
         return transfer
 
     def _drive(self) -> None:
@@ -578,24 +640,26 @@ class TransferEngine:
                     transfer._chunk_finished(e, count=transfer.chunks - handed_out[0])
             del job, transfer
 
-    def _split_into_chunks(self, kind, data, file, offset, transfer, ready, copy_streams, handed_out) -> None:
+    def _split_into_chunks(self, kind, data, file, offset, transfer, ready, chunks, copy_streams, handed_out) -> None:
         stream = None
         if data.is_cuda:
             stream = copy_streams.setdefault(data.device, torch.cuda.Stream(data.device))
             stream.wait_event(ready)
-        step = self.staging.buffer_bytes
-        for start in range(0, transfer.nbytes, step):
-            n = min(step, transfer.nbytes - start)
+        on_device = file.compression is not None and file.compression.on_device and data.is_cuda
+        for start, n, frames in chunks:
             slot = self.staging.acquire()
             try:
                 piece = data[start:start + n]
-                if kind == "write":
-                    done_copy = self._stage_out(piece, slot, stream)
-                    task = self._write_chunk
+                done_copy = None
+                if kind == "write" and not on_device:
+                    done_copy = self._stage_out(piece, slot, stream)  # a device codec reads the device bytes
+                if frames is None:
+                    task = self._write_chunk if kind == "write" else self._read_chunk
+                    self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
                 else:
-                    done_copy = None
-                    task = self._read_chunk
-                self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
+                    task = self._write_frames if kind == "write" else self._read_frames
+                    self._workers.submit(task, piece, slot, file, offset + start, frames, transfer, done_copy,
+                                         stream)
             except BaseException:
                 self.staging.release(slot)
                 raise
@@ -619,7 +683,7 @@ class TransferEngine:
 
     @staticmethod
     def _seal(transfer: Transfer) -> None:
-        transfer.file.record_sums(transfer.offset, align_up(transfer.nbytes), transfer.sums)
+        transfer.file.record_sums(transfer.offset, align_up(transfer.nbytes), transfer.sums, transfer.stored)
 
     @staticmethod
     def _check(transfer: Transfer) -> None:
@@ -638,6 +702,7 @@ class TransferEngine:
             staged = buf[:align_up(n)]
             sums, first = self._sums_of(staged, file_offset, transfer)
             file.write(memoryview(staged.numpy()), file_offset)
+            self._count("write", staged.numel())
         except BaseException as e:  # reported through Transfer.wait()
             error = e
         finally:
@@ -652,6 +717,7 @@ class TransferEngine:
             n = piece.numel()
             staged = buf[:align_up(n)]
             file.read(memoryview(staged.numpy()), file_offset)
+            self._count("read", staged.numel())
             if stream is None:
                 piece.copy_(buf[:n])
                 sums, first = self._sums_of(staged, file_offset, transfer)
@@ -669,6 +735,175 @@ class TransferEngine:
         finally:
             self.staging.release(slot)
             transfer._chunk_finished(error, sums, first)
+
+
+    # -- compressed files (greenroom.compression) -------------------------------------
+    def _count(self, kind: str, nbytes: int) -> None:
+        with self._count_lock:
+            if kind == "write":
+                self.disk_bytes_written += nbytes
+            else:
+                self.disk_bytes_read += nbytes
+
+    def _io_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This I/O thread's own stream on ``device``: codec kernels of concurrent chunks
+        run side by side, and never queue behind the driver's copies."""
+        streams = getattr(self._thread, "streams", None)
+        if streams is None:
+            streams = self._thread.streams = {}
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
+
+    def _write_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
+        """Compress the chunk's frames and write each at its own place: a header and the
+        payload, or the raw bytes where compression does not pay."""
+        error = sums = None
+        first = 0
+        try:
+            codec = file.compression
+            buf = self.staging.buffers[slot]
+            arr = buf.numpy()
+            header = compression.HEADER_BYTES
+            lengths = []
+            if codec.on_device and piece.is_cuda:
+                io_stream = self._io_stream(piece.device)
+                io_stream.wait_stream(stream)
+                views = [piece[pos:pos + raw] for pos, raw, _, _ in frames]
+                payloads = codec.encode(views, [size for _, _, size, _ in frames], io_stream)
+                with torch.cuda.stream(io_stream):
+                    for (pos, raw, size, _), view, payload in zip(frames, views, payloads):
+                        if compression.pays(raw, payload.numel()):
+                            arr[pos:pos + header] = np.frombuffer(
+                                compression.pack_header(codec.id, size, raw, payload.numel()), dtype=np.uint8)
+                            buf[pos + header:pos + header + payload.numel()].copy_(payload, non_blocking=True)
+                            lengths.append(header + payload.numel())
+                        else:
+                            buf[pos:pos + raw].copy_(view, non_blocking=True)
+                            lengths.append(raw)
+                io_stream.synchronize()
+                del payloads
+            else:
+                if done_copy is not None:
+                    done_copy.synchronize()
+                for pos, raw, size, _ in frames:
+                    # A host tensor in a file of a device codec is stored as it is.
+                    payload = None if codec.on_device else codec.encode(arr[pos:pos + raw], size)
+                    if payload is not None and compression.pays(raw, len(payload)):
+                        arr[pos:pos + header] = np.frombuffer(
+                            compression.pack_header(codec.id, size, raw, len(payload)), dtype=np.uint8)
+                        arr[pos + header:pos + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                        lengths.append(header + len(payload))
+                    else:
+                        lengths.append(raw)
+            frame_sums = []
+            for (pos, _, _, index), n in zip(frames, lengths):
+                end = pos + align_up(n)
+                buf[pos + n:end].zero_()  # deterministic padding in the frame's own slot
+                if transfer.sums is not None:
+                    frame_sums.append(extent_sums(buf[pos:end], chunk_offset + pos))
+                file.write(memoryview(arr[pos:end]), chunk_offset + pos)
+                self._count("write", end - pos)
+                transfer.stored[index] = n
+            if frame_sums:
+                sums, first = torch.cat(frame_sums), chunk_offset // EXTENT - transfer.offset // EXTENT
+        except BaseException as e:  # reported through Transfer.wait()
+            error = e
+        finally:
+            self.staging.release(slot)
+            transfer._chunk_finished(error, sums, first)
+
+    def _read_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
+        """Read only the bytes each frame stored, check them, decode, and fill ``piece``."""
+        error = sums = None
+        first = 0
+        try:
+            buf = self.staging.buffers[slot]
+            arr = buf.numpy()
+            header = compression.HEADER_BYTES
+            frame_sums, on_device = [], []
+            for pos, raw, _, index in frames:
+                n = int(transfer.stored[index])
+                where = f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}"
+                if not 0 < n <= raw or (n < raw and n <= header):
+                    raise IntegrityError(f"{where}: the file records {n} stored bytes for a frame of {raw}: the "
+                                         "record is damaged; stopped before using it: restart from the last "
+                                         "checkpoint")
+                end = pos + align_up(n)
+                file.read(memoryview(arr[pos:end]), chunk_offset + pos)
+                self._count("read", end - pos)
+                if transfer.sums is not None:  # of the stored bytes, before decoding overwrites them
+                    frame_sums.append(extent_sums(buf[pos:end], chunk_offset + pos))
+                if n < raw:
+                    codec_id, size = compression.parse_header(arr[pos:pos + header].tobytes(), raw_bytes=raw,
+                                                              stored_bytes=n, where=where)
+                    codec = compression.codec_by_id(codec_id, where)
+                    if codec.on_device:
+                        on_device.append((pos, raw, n, size, where, codec))
+                    else:
+                        codec.decode(memoryview(arr[pos + header:pos + n]), arr[pos:pos + raw], size, where)
+            decoded_on_device = {job[0] for job in on_device}
+            in_buffer = [(pos, raw) for pos, raw, _, _ in frames if pos not in decoded_on_device]
+            if piece.is_cuda or on_device:
+                device = piece.device if piece.is_cuda else torch.device("cuda", torch.cuda.current_device())
+                io_stream = self._io_stream(device)
+                if stream is not None:
+                    io_stream.wait_stream(stream)  # the caller's work on ``piece`` comes first
+                with torch.cuda.stream(io_stream):
+                    for pos, raw in in_buffer:
+                        piece[pos:pos + raw].copy_(buf[pos:pos + raw], non_blocking=True)
+                    payloads = [buf[pos + header:pos + n].to(device, non_blocking=True)
+                                for pos, _, n, _, _, _ in on_device]
+                    outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
+                                                                                   device=device)
+                            for pos, raw, _, _, _, _ in on_device]
+                if on_device:
+                    on_device[0][5].decode(payloads, outs, [job[3] for job in on_device], io_stream,
+                                           [job[4] for job in on_device])
+                io_stream.synchronize()  # the staging buffer is reused once released
+                if not piece.is_cuda:
+                    for (pos, raw, _, _, _, _), out in zip(on_device, outs):
+                        piece[pos:pos + raw].copy_(out)
+            else:
+                for pos, raw in in_buffer:
+                    piece[pos:pos + raw].copy_(buf[pos:pos + raw])
+            if frame_sums:
+                sums, first = torch.cat(frame_sums), chunk_offset // EXTENT - transfer.offset // EXTENT
+        except BaseException as e:
+            error = e
+        finally:
+            self.staging.release(slot)
+            transfer._chunk_finished(error, sums, first)
+
+
+def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile) -> list:
+    """The chunks of a transfer of a compressed file: whole frames (one per ``EXTENT`` of
+    the file that the transfer touches), at most ``step`` bytes together. Each chunk is
+    ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
+    index)])``; a frame's element size is that of the region it starts in, or 1 where it
+    does not divide the frame."""
+    if step < EXTENT:
+        raise ConfigError(f"{file.path}: compression needs staging buffers of at least {EXTENT >> 20} MiB, got "
+                          f"{step} bytes: raise --offload-train-disk-chunk-mb to {DEFAULT_DEPTH * EXTENT >> 20} or more")
+    chunks, frames, chunk_start, index = [], [], 0, 0
+    position, end = offset, offset + nbytes
+    while position < end:
+        stop = min(end, (position // EXTENT + 1) * EXTENT)
+        start, raw = position - offset, stop - position
+        size = next(s for at, s in reversed(element_sizes) if at <= start)
+        if raw % size:
+            size = 1
+        if frames and start + raw - chunk_start > step:
+            chunks.append((chunk_start, start - chunk_start, frames))
+            frames = []
+        if not frames:
+            chunk_start = start
+        frames.append((start - chunk_start, raw, size, index))
+        index += 1
+        position = stop
+    if frames:
+        chunks.append((chunk_start, nbytes - chunk_start, frames))
+    return chunks
 
 
 def verify_mapped(file: StateFile, data: torch.Tensor) -> None:

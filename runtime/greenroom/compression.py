@@ -1,0 +1,245 @@
+"""Lossless frame codecs of the I/O engine: fewer bytes to the disk than the state holds.
+
+The disk is the limit of both mechanisms (docs/benchmarks.md), so the only way past it is
+to move fewer bytes. ``diskio.TransferEngine`` cuts every transfer of a compressed
+``StateFile`` into *frames*, one per ``diskio.EXTENT`` of the file, and hands each frame
+to a codec here. A frame that shrinks is stored as a header and the payload at the
+frame's own place in the file; one that does not pay (less than ``MIN_RATIO``) is stored
+raw. The file stays preallocated at the raw size, so running out of space is still a
+setup error; what each frame stored is recorded beside its checksum (Note [integrity] of
+``diskio``), so a read fetches only the stored bytes.
+
+Codecs (``--offload-train-disk-compression``):
+
+``nvcomp-ans``
+    Byte planes, then nvCOMP's ANS on the GPU (the ``nvidia-nvcomp-cu13``/``-cu12`` wheel
+    of torch's CUDA major). Runs on the device before the bytes cross to the host, at
+    ~100x a disk's speed, so it is the ``auto`` choice wherever it loads.
+``zstd``
+    Byte planes, then Zstandard level 1 on the host, in the engine's I/O threads. The same
+    frame format, for machines without a GPU (and the CI). It compresses about as well but
+    runs at 0.3-0.8 GB/s per core, slower than an NVMe disk, so ``auto`` does not pick it.
+
+Note [byte planes]: the bytes of a float differ in how random they are: the sign and
+exponent byte repeats across neighbouring elements while the low mantissa bytes are
+near noise. Interleaved, a byte-oriented coder sees noise everywhere; split into planes
+(plane k holds byte k of every element, a pure permutation of the frame) the exponent
+plane compresses several-fold and the noise planes cost what they are. Measured on a
+trained model's state: ANS alone 1.05-1.5x, planes + ANS 1.16-1.77x (issue 16).
+
+Note [frame checks]: a stored frame is checked three ways before its bytes are used:
+the engine's position-weighted sums of the stored bytes (a flipped bit on the disk), the
+header (magic, codec, element size, raw and stored lengths must all agree with the
+file's record) and the codec's own checksum of the raw bytes (Zstandard's content
+checksum; nvCOMP's native-bitstream checksum), which catches a codec that decodes to
+the wrong bytes. Each failure is one ``IntegrityError`` naming the file and offset.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import torch
+
+from greenroom.errors import ConfigError, IntegrityError
+
+MIN_RATIO = 1.03
+"""A frame is stored compressed only when it shrinks by at least this factor."""
+
+HEADER_BYTES = 64
+"""The header before a compressed frame's payload (padded: payloads start 64-byte aligned)."""
+
+MAGIC = b"GRZF"
+_HEADER = struct.Struct("<4sBBxxII")  # magic, codec id, element size, raw bytes, payload bytes
+
+CHOICES = ("auto", "none", "nvcomp-ans", "zstd")
+
+
+def plane_split(frame: torch.Tensor | np.ndarray, itemsize: int):
+    """The frame's bytes reordered into ``itemsize`` planes (Note [byte planes])."""
+    if itemsize == 1:
+        return frame
+    if isinstance(frame, np.ndarray):
+        return np.ascontiguousarray(frame.reshape(-1, itemsize).T).reshape(-1)
+    return frame.view(-1, itemsize).t().contiguous().view(-1)
+
+
+def plane_join(planes, out, itemsize: int) -> None:
+    """Write the frame whose planes are ``planes`` into ``out`` (the inverse of ``plane_split``)."""
+    if isinstance(out, np.ndarray):
+        if itemsize == 1:
+            out[:] = planes
+            return
+        out.reshape(-1, itemsize)[:] = planes.reshape(itemsize, -1).T
+    elif itemsize == 1:
+        out.copy_(planes)
+    else:
+        out.view(-1, itemsize).copy_(planes.view(itemsize, -1).t())
+
+
+def pays(raw_bytes: int, payload_bytes: int) -> bool:
+    return (HEADER_BYTES + payload_bytes) * MIN_RATIO <= raw_bytes
+
+
+def pack_header(codec_id: int, itemsize: int, raw_bytes: int, payload_bytes: int) -> bytes:
+    return _HEADER.pack(MAGIC, codec_id, itemsize, raw_bytes, payload_bytes).ljust(HEADER_BYTES, b"\0")
+
+
+def parse_header(header: bytes, *, raw_bytes: int, stored_bytes: int, where: str) -> tuple[int, int]:
+    """The codec id and element size of a compressed frame's header, after checking it
+    against what the file recorded for the frame (Note [frame checks])."""
+    magic, codec_id, itemsize, raw, payload = _HEADER.unpack_from(header)
+    if (magic != MAGIC or raw != raw_bytes or HEADER_BYTES + payload != stored_bytes or itemsize not in (1, 2, 4, 8)
+            or raw % itemsize):
+        raise IntegrityError(f"{where}: the compressed frame's header does not match the file's record of it "
+                             "(a flipped bit, a failing disk or a stray write); stopped before using it: "
+                             "restart from the last checkpoint")
+    return codec_id, itemsize
+
+
+class ZstdPlanes:
+    """Byte planes + Zstandard level 1, on the host (thread-safe: one context per thread)."""
+
+    name = "zstd"
+    id = 1
+    on_device = False
+
+    def __init__(self) -> None:
+        import zstandard
+
+        self._zstd = zstandard
+        self._local = threading.local()
+
+    def _contexts(self):
+        ctx = getattr(self._local, "ctx", None)
+        if ctx is None:
+            ctx = self._local.ctx = (self._zstd.ZstdCompressor(level=1, write_checksum=True),
+                                     self._zstd.ZstdDecompressor())
+        return ctx
+
+    def encode(self, frame: np.ndarray, itemsize: int) -> bytes:
+        return self._contexts()[0].compress(plane_split(frame, itemsize))
+
+    def decode(self, payload: memoryview, out: np.ndarray, itemsize: int, where: str) -> None:
+        try:
+            planes = self._contexts()[1].decompress(payload, max_output_size=out.nbytes)
+        except self._zstd.ZstdError as e:
+            raise IntegrityError(f"{where}: the compressed frame does not decode ({e}): a flipped bit, a failing "
+                                 "disk or a stray write; stopped before using it: restart from the last "
+                                 "checkpoint") from None
+        if len(planes) != out.nbytes:
+            raise IntegrityError(f"{where}: the compressed frame decodes to {len(planes)} bytes, expected "
+                                 f"{out.nbytes}; stopped before using it: restart from the last checkpoint")
+        plane_join(np.frombuffer(planes, dtype=np.uint8), out, itemsize)
+
+
+class NvcompPlanes:
+    """Byte planes + nvCOMP ANS on the GPU; frames are encoded and decoded in batches."""
+
+    name = "nvcomp-ans"
+    id = 2
+    on_device = True
+
+    def __init__(self) -> None:
+        from nvidia import nvcomp
+
+        self._nvcomp = nvcomp
+        self._local = threading.local()
+
+    def _codec(self, stream: torch.cuda.Stream):
+        # nvCOMP codecs are not thread-safe: one per I/O thread, bound to its stream.
+        codec = getattr(self._local, "codec", None)
+        if codec is None:
+            codec = self._local.codec = self._nvcomp.Codec(
+                algorithm="ANS", device_id=stream.device.index, cuda_stream=stream.cuda_stream,
+                checksum_policy=self._nvcomp.ChecksumPolicy.COMPUTE_AND_VERIFY)
+        return codec
+
+    def encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream) -> list:
+        """Payloads (flat uint8 device tensors) of ``frames``; the stream is synchronized."""
+        with torch.cuda.stream(stream):
+            planes = [plane_split(f, s) for f, s in zip(frames, itemsizes)]
+        encoded = self._codec(stream).encode([self._nvcomp.as_array(p) for p in planes])
+        stream.synchronize()
+        return [torch.as_tensor(e, device=stream.device).view(torch.uint8).reshape(-1) for e in encoded]
+
+    def decode(self, payloads: list[torch.Tensor], outs: list[torch.Tensor], itemsizes: list[int],
+               stream: torch.cuda.Stream, where: list[str]) -> None:
+        """Decode ``payloads`` (device) into ``outs`` (device, raw frame lengths)."""
+        try:
+            decoded = self._codec(stream).decode([self._nvcomp.as_array(p) for p in payloads])
+            with torch.cuda.stream(stream):
+                for d, out, s, w in zip(decoded, outs, itemsizes, where):
+                    planes = torch.as_tensor(d, device=stream.device).view(torch.uint8).reshape(-1)
+                    if planes.numel() != out.numel():
+                        raise IntegrityError(f"{w}: the compressed frame decodes to {planes.numel()} bytes, "
+                                             f"expected {out.numel()}; stopped before using it: restart from "
+                                             "the last checkpoint")
+                    plane_join(planes, out, s)
+            stream.synchronize()
+        except IntegrityError:
+            raise
+        except Exception as e:  # nvCOMP reports a bad stream or checksum as a RuntimeError
+            raise IntegrityError(f"{where[0]}: a compressed frame does not decode ({e}): a flipped bit, a failing "
+                                 "disk or a stray write; stopped before using it: restart from the last "
+                                 "checkpoint") from None
+
+
+_CODECS = {ZstdPlanes.id: ZstdPlanes, NvcompPlanes.id: NvcompPlanes}
+_BY_NAME = {c.name: c for c in _CODECS.values()}
+_loaded: dict[int, object] = {}
+_load_lock = threading.Lock()
+
+
+def _load(cls):
+    with _load_lock:
+        if cls.id not in _loaded:
+            _loaded[cls.id] = cls()
+        return _loaded[cls.id]
+
+
+def codec_by_id(codec_id: int, where: str):
+    """The codec a frame's header names (to read a file another run wrote)."""
+    cls = _CODECS.get(codec_id)
+    if cls is None:
+        raise IntegrityError(f"{where}: the frame names codec {codec_id}, which this greenroom does not know: "
+                             "a newer greenroom wrote it, or the bytes are damaged")
+    try:
+        return _load(cls)
+    except ImportError as e:
+        raise ConfigError(f"{where}: the frame was compressed with {cls.name}, which cannot load here ({e}); "
+                          f"{_INSTALL[cls.name]}") from None
+
+
+_INSTALL = {"zstd": "pip install zstandard",
+            "nvcomp-ans": "it needs CUDA and the nvCOMP wheel of torch's CUDA major (pip install nvidia-nvcomp-cu13 "
+                          "or nvidia-nvcomp-cu12)"}
+
+
+def resolve(choice: str, *, cuda: bool):
+    """The codec ``--offload-train-disk-compression CHOICE`` runs (None: none), and one line
+    saying which and why. ``auto`` picks nvCOMP where CUDA is up and the wheel loads."""
+    if choice not in CHOICES:
+        raise ConfigError(f"--offload-train-disk-compression: expected one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "none":
+        return None, "compression: none (--offload-train-disk-compression none)"
+    if choice == "auto":
+        if not cuda:
+            return None, ("compression: none (auto: no CUDA for nvCOMP; the host codec runs slower than an NVMe "
+                          "disk, pass --offload-train-disk-compression zstd to use it anyway)")
+        try:
+            codec = _load(NvcompPlanes)
+        except ImportError as e:
+            return None, f"compression: none (auto: nvCOMP does not load: {e}; {_INSTALL['nvcomp-ans']})"
+        return codec, "compression: nvcomp-ans (auto: byte planes + ANS on the GPU)"
+    cls = _BY_NAME[choice]
+    if cls.on_device and not cuda:
+        raise ConfigError(f"--offload-train-disk-compression {choice}: needs CUDA; use zstd, auto or none")
+    try:
+        codec = _load(cls)
+    except ImportError as e:
+        raise ConfigError(f"--offload-train-disk-compression {choice}: the codec does not load ({e}); "
+                          f"{_INSTALL[choice]}") from None
+    return codec, f"compression: {choice}"
