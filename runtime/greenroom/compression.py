@@ -30,9 +30,12 @@ trained model's state: ANS alone 1.05-1.5x, planes + ANS 1.16-1.77x (issue 16).
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
 the engine's position-weighted sums of the stored bytes (a flipped bit on the disk), the
 header (magic, codec, element size, raw and stored lengths must all agree with the
-file's record) and the codec's own checksum of the raw bytes (Zstandard's content
-checksum; nvCOMP's native-bitstream checksum), which catches a codec that decodes to
-the wrong bytes. Each failure is one ``IntegrityError`` naming the file and offset.
+file's record) and, for ``zstd``, Zstandard's own checksum of the raw bytes, which also
+catches a codec that decodes to the wrong bytes. nvCOMP's checksum policy was tried
+and not relied on: with nvCOMP 6.0's Python API a payload with a flipped bit decoded
+silently under ``COMPUTE_AND_VERIFY``, so on the GPU the engine's sums of the stored
+bytes are the check (which is why ``GREENROOM_VERIFY=0`` is for measurement only). Each
+failure is one ``IntegrityError`` naming the file and offset.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import threading
 import numpy as np
 import torch
 
+from greenroom.config import COMPRESSIONS as CHOICES
+from greenroom.config import MIB, MIN_COMPRESSED_CHUNK_MB
 from greenroom.errors import ConfigError, IntegrityError
 
 MIN_RATIO = 1.03
@@ -53,8 +58,6 @@ HEADER_BYTES = 64
 
 MAGIC = b"GRZF"
 _HEADER = struct.Struct("<4sBBxxII")  # magic, codec id, element size, raw bytes, payload bytes
-
-CHOICES = ("auto", "none", "nvcomp-ans", "zstd")
 
 
 def plane_split(frame: torch.Tensor | np.ndarray, itemsize: int):
@@ -136,7 +139,8 @@ class ZstdPlanes:
 
 
 class NvcompPlanes:
-    """Byte planes + nvCOMP ANS on the GPU; frames are encoded and decoded in batches."""
+    """Byte planes + nvCOMP ANS on the GPU; a chunk's frames are encoded and decoded as one
+    batch (one call, the frames carved from one buffer by offsets)."""
 
     name = "nvcomp-ans"
     id = 2
@@ -152,39 +156,49 @@ class NvcompPlanes:
         # nvCOMP codecs are not thread-safe: one per I/O thread, bound to its stream.
         codec = getattr(self._local, "codec", None)
         if codec is None:
-            codec = self._local.codec = self._nvcomp.Codec(
-                algorithm="ANS", device_id=stream.device.index, cuda_stream=stream.cuda_stream,
-                checksum_policy=self._nvcomp.ChecksumPolicy.COMPUTE_AND_VERIFY)
+            codec = self._local.codec = self._nvcomp.Codec(algorithm="ANS", device_id=stream.device.index,
+                                                           cuda_stream=stream.cuda_stream)
         return codec
+
+    def _batch(self, flat: torch.Tensor, sizes: list[int], stream: torch.cuda.Stream):
+        offsets = [0]
+        for n in sizes[:-1]:
+            offsets.append(offsets[-1] + n)
+        return self._nvcomp.as_arrays(self._nvcomp.as_array(flat), offsets, sizes, stream.cuda_stream)
 
     def encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream) -> list:
         """Payloads (flat uint8 device tensors) of ``frames``; the stream is synchronized."""
+        sizes = [f.numel() for f in frames]
         with torch.cuda.stream(stream):
-            planes = [plane_split(f, s) for f, s in zip(frames, itemsizes)]
-        encoded = self._codec(stream).encode([self._nvcomp.as_array(p) for p in planes])
+            planes = torch.empty(sum(sizes), dtype=torch.uint8, device=stream.device)
+            at = 0
+            for frame, size in zip(frames, itemsizes):
+                planes[at:at + frame.numel()].copy_(plane_split(frame, size))
+                at += frame.numel()
+        encoded = self._codec(stream).encode(self._batch(planes, sizes, stream))
         stream.synchronize()
         return [torch.as_tensor(e, device=stream.device).view(torch.uint8).reshape(-1) for e in encoded]
 
     def decode(self, payloads: list[torch.Tensor], outs: list[torch.Tensor], itemsizes: list[int],
                stream: torch.cuda.Stream, where: list[str]) -> None:
-        """Decode ``payloads`` (device) into ``outs`` (device, raw frame lengths)."""
+        """Decode ``payloads`` (device) into ``outs`` (device, the frames' raw lengths)."""
+        with torch.cuda.stream(stream):
+            flat = torch.cat(payloads)
         try:
-            decoded = self._codec(stream).decode([self._nvcomp.as_array(p) for p in payloads])
-            with torch.cuda.stream(stream):
-                for d, out, s, w in zip(decoded, outs, itemsizes, where):
-                    planes = torch.as_tensor(d, device=stream.device).view(torch.uint8).reshape(-1)
-                    if planes.numel() != out.numel():
-                        raise IntegrityError(f"{w}: the compressed frame decodes to {planes.numel()} bytes, "
-                                             f"expected {out.numel()}; stopped before using it: restart from "
-                                             "the last checkpoint")
-                    plane_join(planes, out, s)
+            decoded = self._codec(stream).decode(self._batch(flat, [p.numel() for p in payloads], stream))
             stream.synchronize()
-        except IntegrityError:
-            raise
-        except Exception as e:  # nvCOMP reports a bad stream or checksum as a RuntimeError
+        except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError
             raise IntegrityError(f"{where[0]}: a compressed frame does not decode ({e}): a flipped bit, a failing "
                                  "disk or a stray write; stopped before using it: restart from the last "
                                  "checkpoint") from None
+        with torch.cuda.stream(stream):
+            for d, out, size, w in zip(decoded, outs, itemsizes, where):
+                planes = torch.as_tensor(d, device=stream.device).view(torch.uint8).reshape(-1)
+                if planes.numel() != out.numel():
+                    raise IntegrityError(f"{w}: the compressed frame decodes to {planes.numel()} bytes, expected "
+                                         f"{out.numel()}; stopped before using it: restart from the last checkpoint")
+                plane_join(planes, out, size)
+        stream.synchronize()
 
 
 _CODECS = {ZstdPlanes.id: ZstdPlanes, NvcompPlanes.id: NvcompPlanes}
@@ -218,14 +232,18 @@ _INSTALL = {"zstd": "pip install zstandard",
                           "or nvidia-nvcomp-cu12)"}
 
 
-def resolve(choice: str, *, cuda: bool):
+def resolve(choice: str, *, cuda: bool, chunk_bytes: int):
     """The codec ``--offload-train-disk-compression CHOICE`` runs (None: none), and one line
     saying which and why. ``auto`` picks nvCOMP where CUDA is up and the wheel loads."""
     if choice not in CHOICES:
         raise ConfigError(f"--offload-train-disk-compression: expected one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "none":
         return None, "compression: none (--offload-train-disk-compression none)"
+    small = chunk_bytes < MIN_COMPRESSED_CHUNK_MB * MIB
     if choice == "auto":
+        if small:
+            return None, (f"compression: none (auto: the staging chunk is under {MIN_COMPRESSED_CHUNK_MB} MiB, "
+                          "too small for one-MiB frames)")
         if not cuda:
             return None, ("compression: none (auto: no CUDA for nvCOMP; the host codec runs slower than an NVMe "
                           "disk, pass --offload-train-disk-compression zstd to use it anyway)")
@@ -235,6 +253,9 @@ def resolve(choice: str, *, cuda: bool):
             return None, f"compression: none (auto: nvCOMP does not load: {e}; {_INSTALL['nvcomp-ans']})"
         return codec, "compression: nvcomp-ans (auto: byte planes + ANS on the GPU)"
     cls = _BY_NAME[choice]
+    if small:
+        raise ConfigError(f"--offload-train-disk-compression {choice} needs --offload-train-disk-chunk-mb "
+                          f"{MIN_COMPRESSED_CHUNK_MB} or more (one-MiB frames in each staging buffer)")
     if cls.on_device and not cuda:
         raise ConfigError(f"--offload-train-disk-compression {choice}: needs CUDA; use zstd, auto or none")
     try:

@@ -37,6 +37,10 @@ FP8_SCALE_BLOCK = 128
 _MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8e4m3": 1.0 + 4 / FP8_SCALE_BLOCK,
                  "fp8e5m2": 1.0 + 4 / FP8_SCALE_BLOCK}
 DEFAULT_CHUNK_MB = 256
+# --offload-train-disk-compression (greenroom.compression): auto picks nvCOMP on the GPU.
+COMPRESSIONS = ("auto", "none", "nvcomp-ans", "zstd")
+# A compressed frame is one MiB and each of the engine's 4 staging buffers holds whole frames.
+MIN_COMPRESSED_CHUNK_MB = 4
 MIB = 1 << 20
 GIB = 1 << 30
 # Decimal, for the rates and sizes reports print (disk vendors' GB/s).
@@ -87,6 +91,11 @@ class OffloadFlags:
     offload_train_disk_chunk_mb: int = DEFAULT_CHUNK_MB
     """Size of each mechanism's pinned host staging buffer, in MiB."""
 
+    offload_train_disk_compression: str = "auto"
+    """Lossless codec of what both mechanisms write to disk (``greenroom.compression``):
+    ``auto`` (nvCOMP where CUDA is up and it loads, else none), ``none``, ``nvcomp-ans``
+    or ``zstd``."""
+
     stream_optimizer_state_to_disk: bool = False
     """Keep fp32 master params and Adam moments in per-bucket files."""
 
@@ -111,6 +120,13 @@ class OffloadFlags:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
             raise ConfigError(
                 f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {chunk!r}")
+        compression = self.offload_train_disk_compression
+        if compression not in COMPRESSIONS:
+            raise ConfigError(f"--offload-train-disk-compression: expected one of {', '.join(COMPRESSIONS)}, "
+                             f"got {compression!r}")
+        if compression not in ("auto", "none") and chunk < MIN_COMPRESSED_CHUNK_MB:
+            raise ConfigError(f"--offload-train-disk-compression {compression} needs --offload-train-disk-chunk-mb "
+                             f"{MIN_COMPRESSED_CHUNK_MB} or more (one-MiB frames in each staging buffer), got {chunk}")
         if self.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
             raise ConfigError(
                 f"--stream-optimizer-state-moment-dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
@@ -137,7 +153,8 @@ class OffloadFlags:
             argv += ["--offload-train", "--offload-train-target", self.offload_train_target]
         if disk_dir and self.offload_train_disk_dir is not None:
             argv += ["--offload-train-disk-dir", self.offload_train_disk_dir]
-        argv += ["--offload-train-disk-chunk-mb", str(self.offload_train_disk_chunk_mb)]
+        argv += ["--offload-train-disk-chunk-mb", str(self.offload_train_disk_chunk_mb),
+                 "--offload-train-disk-compression", self.offload_train_disk_compression]
         if self.stream_optimizer_state_to_disk:
             argv += ["--stream-optimizer-state-to-disk",
                      "--stream-optimizer-state-moment-dtype", self.stream_optimizer_state_moment_dtype]
@@ -172,7 +189,7 @@ class OffloadFlags:
 
 # The dataclass fields that are flags, in flag order (``--`` + the name with dashes).
 FLAG_FIELDS = ("offload_train", "offload_train_target", "offload_train_disk_dir", "offload_train_disk_chunk_mb",
-               "stream_optimizer_state_to_disk", "stream_optimizer_state_moment_dtype", "no_load_optim",
+               "offload_train_disk_compression", "stream_optimizer_state_to_disk", "stream_optimizer_state_moment_dtype", "no_load_optim",
                "allow_tmpfs")
 
 
@@ -222,6 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(default $SCRATCH/greenroom_train_offload_<uid>)")
     group.add_argument("--offload-train-disk-chunk-mb", type=int, default=DEFAULT_CHUNK_MB, metavar="MB",
                        help="pinned host staging buffer per mechanism and rank, MiB (default %(default)s)")
+    group.add_argument("--offload-train-disk-compression", choices=COMPRESSIONS, default="auto",
+                       help="lossless codec of what goes to disk: auto (nvCOMP on the GPU where it loads, "
+                            "else none; the default), none, nvcomp-ans or zstd (host, slower than NVMe)")
     group.add_argument("--stream-optimizer-state-to-disk", action="store_true",
                        help="keep fp32 master params and Adam moments in per-bucket files")
     group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",

@@ -17,6 +17,7 @@ import torch
 
 from greenroom.actor.launch import check_disk_support, hook_library, hooks_loaded, launch_env, relaunch_with
 from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOffloader
+from greenroom.compression import resolve as resolve_compression
 from greenroom.config import OffloadConfig
 from greenroom.errors import ConfigError
 
@@ -47,6 +48,10 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
     if not config.offload_train:
         return Offloader(target=config.offload_train_target, device=device)
     offload_dir = rank_dir.subdir("offload") if config.offload_to_disk else None
+    codec = None
+    if config.offload_to_disk:
+        codec, _ = resolve_compression(config.offload_train_disk_compression, cuda=device.type == "cuda",
+                                       chunk_bytes=config.chunk_bytes)
     if backend == "auto":
         backend = "tms" if device.type == "cuda" and hooks_loaded() else "portable"
         if device.type == "cuda" and backend == "portable":
@@ -56,9 +61,10 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
         from greenroom.actor.tms import TmsOffloader
 
         return TmsOffloader(target=config.offload_train_target, device=device, offload_dir=offload_dir,
-                            chunk_bytes=config.chunk_bytes, mover=mover, scope=scope, skip_clean=skip_clean)
+                            chunk_bytes=config.chunk_bytes, mover=mover, scope=scope, skip_clean=skip_clean,
+                            compression=codec)
     return PortableOffloader(target=config.offload_train_target, device=device, offload_dir=offload_dir,
-                             chunk_bytes=config.chunk_bytes, scope=scope, skip_clean=skip_clean)
+                             chunk_bytes=config.chunk_bytes, scope=scope, skip_clean=skip_clean, compression=codec)
 
 
 __all__ = ["BACKENDS", "SCOPES", "Offloader", "PhaseStats", "PortableOffloader", "build_offloader", "check_disk_support",

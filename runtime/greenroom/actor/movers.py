@@ -96,6 +96,13 @@ class HostMover:
         self._copies = {}
 
 
+# A unit is raw memory (a storage, a run of allocator blocks) whose dtype the mover does not
+# know; a compressing codec splits it into 2-byte planes (Note [byte planes] of
+# greenroom.compression), right for the bf16/fp16 weights and grads that make up most of an
+# actor, and still a gain on fp32.
+UNIT_ELEMENT_SIZES = ((0, 2),)
+
+
 @dataclass(slots=True)
 class _Slot:
     offset: int
@@ -115,8 +122,10 @@ class DiskMover:
     with no step between).
     """
 
-    def __init__(self, directory: str, chunk_bytes: int, *, skip_clean: bool | None = None) -> None:
+    def __init__(self, directory: str, chunk_bytes: int, *, skip_clean: bool | None = None,
+                 compression=None) -> None:
         self.path = os.path.join(directory, STATE_FILE)
+        self.compression = compression
         self._engine = TransferEngine(chunk_bytes)
         self._file: StateFile | None = None
         self._slots: dict[tuple, _Slot] = {}
@@ -149,7 +158,7 @@ class DiskMover:
         self._slots = slots
         size = max(end, 1)
         if self._file is None:
-            self._file = StateFile(self.path, size, label="the actor's offload file")
+            self._file = StateFile(self.path, size, label="the actor's offload file", compression=self.compression)
         else:
             # In place: kept slots keep their bytes and their recorded checksums.
             self._file.grow(size)
@@ -171,7 +180,7 @@ class DiskMover:
             slot.fingerprint = None  # unknown until the write is durable
             # Views must outlive their transfers: keep them until drain() returns.
             writes.append((slot, mark, view))
-            self._engine.write(view, f, slot.offset)
+            self._engine.write(view, f, slot.offset, element_sizes=UNIT_ELEMENT_SIZES)
             moved.copied += u.nbytes
         self._engine.drain()
         # Flush even with O_DIRECT: an O_DIRECT write can still sit in the drive's (or a

@@ -219,11 +219,12 @@ class PortableOffloader(Offloader):
     backend = "portable"
 
     def __init__(self, *, target: str, device: torch.device | str = "cpu", offload_dir: str | None = None,
-                 chunk_bytes: int = 256 << 20, scope: str = "all", skip_clean: bool | None = None) -> None:
+                 chunk_bytes: int = 256 << 20, scope: str = "all", skip_clean: bool | None = None,
+                 compression=None) -> None:
         super().__init__(target=target, device=device, scope=scope)
         if target == "disk":
             assert offload_dir is not None, "the disk target needs the rank's offload dir"
-            self._mover = DiskMover(offload_dir, chunk_bytes, skip_clean=skip_clean)
+            self._mover = DiskMover(offload_dir, chunk_bytes, skip_clean=skip_clean, compression=compression)
         else:
             self._mover = HostMover()
         self._exclude = discovery.Exclusions()

@@ -61,7 +61,7 @@ class TmsOffloader(Offloader):
 
     def __init__(self, *, target: str, device: torch.device | str = "cuda", offload_dir: str | None = None,
                  chunk_bytes: int = 256 << 20, mover: str | None = None, scope: str = "all",
-                 skip_clean: bool | None = None) -> None:
+                 skip_clean: bool | None = None, compression=None) -> None:
         super().__init__(target=target, device=device, scope=scope)
         if not launch.hooks_loaded():
             raise GreenroomError("torch_memory_saver's hook is not preloaded: start the actor with "
@@ -82,7 +82,7 @@ class TmsOffloader(Offloader):
             if target == "disk":
                 self._tms.set_disk_backup_dir(offload_dir)
         elif target == "disk":
-            self._mover = DiskMover(offload_dir, chunk_bytes, skip_clean=skip_clean)
+            self._mover = DiskMover(offload_dir, chunk_bytes, skip_clean=skip_clean, compression=compression)
         else:
             self._mover = HostMover()
 

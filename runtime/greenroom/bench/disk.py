@@ -17,7 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from greenroom import fs
-from greenroom.config import DEFAULT_CHUNK_MB, MIB, check_host_bytes
+from greenroom.compression import resolve as resolve_compression
+from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MIB, check_host_bytes
 from greenroom.diskio import DEFAULT_DEPTH, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError
 
@@ -84,15 +85,19 @@ def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, bloc
         os.unlink(path)
 
 
-def engine_bandwidth(directory: str, size: int, *, chunk_bytes: int, depth: int, device: str) -> Bandwidth:
-    """A ``size``-byte tensor on ``device`` written and read back through the I/O layer."""
+def engine_bandwidth(directory: str, size: int, *, chunk_bytes: int, depth: int, device: str,
+                     compression: str = "none") -> Bandwidth:
+    """A ``size``-byte tensor on ``device`` written and read back through the I/O layer.
+    Its bytes are random: with a ``compression`` codec nothing compresses, so this
+    measures what the codec costs where it does not pay."""
     import torch
 
+    codec, _ = resolve_compression(compression, cuda=torch.device(device).type == "cuda", chunk_bytes=chunk_bytes)
     tensor = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
     back = torch.zeros_like(tensor)  # touched up front: page faults are not disk time
     path = os.path.join(directory, f".greenroom-engine-{os.getpid()}")
     try:
-        with TransferEngine(chunk_bytes, depth=depth) as engine, StateFile(path, size) as f:
+        with TransferEngine(chunk_bytes, depth=depth) as engine, StateFile(path, size, compression=codec) as f:
             start = time.perf_counter()
             engine.write(tensor, f, 0).wait()
             f.sync()
@@ -114,13 +119,24 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="staging budget, MiB")
     parser.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="staging buffers / I/O threads")
     parser.add_argument("--device", default=None, help="tensor device (default cuda when available, else cpu)")
+    parser.add_argument("--compression", choices=COMPRESSIONS, default="none",
+                        help="also time the engine with this codec on the same random bytes (it cannot pay: the "
+                             "cost of trying)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: str) -> dict:
+def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: str,
+            compression: str = "none") -> dict:
     raw = raw_bandwidth(directory, size)
     ours = engine_bandwidth(directory, size, chunk_bytes=chunk_bytes, depth=depth, device=device)
+    coded = None
+    if compression != "none":
+        coded = asdict(engine_bandwidth(directory, size, chunk_bytes=chunk_bytes, depth=depth, device=device,
+                                        compression=compression))
+        coded["write_vs_plain"] = coded["write_bytes_per_s"] / ours.write_bytes_per_s
+        coded["read_vs_plain"] = coded["read_bytes_per_s"] / ours.read_bytes_per_s
     return {
+        "compression": compression, "engine_compressed": coded,
         "dir": directory, "filesystem": fs.mount_of(directory).fstype, "size_bytes": size, "device": device,
         "chunk_bytes": chunk_bytes, "depth": depth,
         "raw": asdict(raw), "engine": asdict(ours),
@@ -138,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    result = measure(args.dir, args.size, chunk_bytes=args.chunk_mb * MIB, depth=args.depth, device=device)
+    result = measure(args.dir, args.size, chunk_bytes=args.chunk_mb * MIB, depth=args.depth, device=device,
+                     compression=args.compression)
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
@@ -150,4 +167,9 @@ def run(args: argparse.Namespace) -> int:
         raw_bw = result["raw"][f"{way}_bytes_per_s"] / gb
         our_bw = result["engine"][f"{way}_bytes_per_s"] / gb
         print(f"{way:8}{raw_bw:>10.2f} GB/s{our_bw:>7.2f} GB/s{result[f'{way}_ratio']:>8.2f}")
+    if result["engine_compressed"] is not None:
+        c = result["engine_compressed"]
+        print(f"with --compression {args.compression} on incompressible bytes: write "
+              f"{c['write_bytes_per_s'] / gb:.2f} GB/s ({c['write_vs_plain']:.2f} of plain), read "
+              f"{c['read_bytes_per_s'] / gb:.2f} GB/s ({c['read_vs_plain']:.2f} of plain)")
     return 0

@@ -20,7 +20,8 @@ import json
 import os
 import time
 
-from greenroom.config import DEFAULT_CHUNK_MB, GB, GIB, MIB, OffloadConfig
+from greenroom.compression import resolve as resolve_compression
+from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, GB, GIB, MIB, OffloadConfig
 from greenroom.errors import ConfigError
 
 
@@ -33,6 +34,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", help="disk dir for the per-rank files (node-local NVMe; needed for disk)")
     parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="staging chunk, MiB")
     parser.add_argument("--cycles", type=int, default=2, help="sleep/wake cycles (default %(default)s)")
+    parser.add_argument("--compression", choices=COMPRESSIONS, default="auto",
+                        help="codec of the offload file (--offload-train-disk-compression; default auto)")
+    parser.add_argument("--state", choices=("random", "trained"), default="random",
+                        help="random: random bytes (nothing compresses); trained: a trained transformer's bf16 "
+                             "weights, tiled (greenroom.bench.trained)")
     parser.add_argument("--backend", choices=("auto", "tms", "portable"), default="auto")
     parser.add_argument("--mover", choices=("greenroom", "tms"), default="greenroom",
                         help="on torch_memory_saver: who copies the bytes (default %(default)s)")
@@ -66,6 +72,12 @@ def _pinned_copy_bandwidth(tensors, torch) -> dict:
     return {"out_bytes_per_s": total / out_s, "in_bytes_per_s": total / in_s}
 
 
+def _disk_counter(offloader, name: str) -> int:
+    """Bytes the offloader's disk mover moved to or from the disk so far (0 without one)."""
+    engine = getattr(getattr(offloader, "_mover", None), "_engine", None)
+    return getattr(engine, name, 0)
+
+
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
@@ -78,7 +90,8 @@ def measure(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()))
                           else "cpu")
     config = OffloadConfig(offload_train=True, offload_train_target=args.target, offload_train_disk_dir=args.dir,
-                           offload_train_disk_chunk_mb=args.chunk_mb)
+                           offload_train_disk_chunk_mb=args.chunk_mb,
+                           offload_train_disk_compression=args.compression)
     if device.type == "cuda" and args.backend != "portable":
         actor.relaunch_with(actor.launch_env(config, 0, role="bench", mover=args.mover))
     size = int(args.gib * GIB)
@@ -92,13 +105,23 @@ def measure(args: argparse.Namespace) -> dict:
     try:
         offloader = actor.build_offloader(config, rank_dir, device=device, backend=args.backend, mover=args.mover)
         with offloader:
+            trained = None
+            if args.state == "trained":
+                from greenroom.bench.trained import train
+
+                trained = train(device)
+
             def pieces(total: int) -> list:
+                if trained is not None:  # bf16 weights: what a sleeping actor mostly holds
+                    return [trained.tiled("master", min(GIB, total - start) // 2, torch.bfloat16)
+                            for start in range(0, total, GIB)]
                 return [torch.randint(0, 256, (min(GIB, total - start),), dtype=torch.uint8, device=device)
                         for start in range(0, total, GIB)]
 
             tracked = pieces(size)
             offloader.track(tracked)
             tensors = tracked + pieces(untracked_size)  # the rest is never named
+            trained = None  # not part of the actor: let it go before the first sleep
 
             def bound() -> dict:
                 if not config.offload_to_disk:
@@ -120,6 +143,8 @@ def measure(args: argparse.Namespace) -> dict:
                 for t, r in zip(tensors, reference):
                     t[0] += 1
                     r[0] += 1
+                disk_written = _disk_counter(offloader, "disk_bytes_written")
+                disk_read = _disk_counter(offloader, "disk_bytes_read")
                 sampler.reset_peak()
                 slept = offloader.sleep()
                 asleep_rss = sampler.rss()
@@ -128,6 +153,8 @@ def measure(args: argparse.Namespace) -> dict:
                 cycles.append({"sleep_s": slept.seconds, "wake_s": woke.seconds,
                                "sleep_bytes_per_s": sleep_rate, "wake_bytes_per_s": wake_rate,
                                "sleep_copied": slept.copied, "sleep_covered": slept.nbytes,
+                               "disk_bytes_written": _disk_counter(offloader, "disk_bytes_written") - disk_written,
+                               "disk_bytes_read": _disk_counter(offloader, "disk_bytes_read") - disk_read,
                                "bound": cycle_bound,
                                "sleep_ratio": sleep_rate / cycle_bound[out_key],
                                "wake_ratio": wake_rate / cycle_bound[in_key],
@@ -136,6 +163,8 @@ def measure(args: argparse.Namespace) -> dict:
                                "tms_resume_s": getattr(offloader, "resume_seconds", None)})
             bit_exact = all(torch.equal(t, r) for t, r in zip(tensors, reference))
             backend = offloader.backend
+            compression_line = resolve_compression(args.compression, cuda=device.type == "cuda",
+                                                   chunk_bytes=config.chunk_bytes)[1]
             mover = getattr(offloader, "mover", "greenroom")
     finally:
         sampler.close()
@@ -148,9 +177,13 @@ def measure(args: argparse.Namespace) -> dict:
         "gib": args.gib, "untracked_gib": args.untracked_gib, "bytes": size + untracked_size,
         "target": args.target, "device": str(device), "backend": backend, "mover": mover, "chunk_mb": args.chunk_mb,
         "verify": verify_default(), "dir": config.offload_train_disk_dir, "cycles": cycles,
-        "bound": cycles[0]["bound"], "bit_exact": bit_exact,
+        "bound": cycles[0]["bound"], "bit_exact": bit_exact, "state": args.state, "compression": compression_line,
         "sleep_ratio": min(c["sleep_ratio"] for c in steady),
         "wake_ratio": min(c["wake_ratio"] for c in steady),
+        # Seconds over the raw disk's seconds for the same (uncompressed) bytes: under 1
+        # is faster than the disk, which only compression can give.
+        "sleep_time_ratio": 1 / min(c["sleep_ratio"] for c in steady),
+        "wake_time_ratio": 1 / min(c["wake_ratio"] for c in steady),
         "host_rss_before": rss_before, "peak_host_rss": max(c["peak_host_rss"] for c in cycles),
         # The disk target's promise: host memory within the staging chunk plus 1 GiB.
         "host_rss_budget": (rss_before + args.chunk_mb * MIB + GIB) if args.target == "disk" else None,
@@ -186,11 +219,12 @@ def run(args: argparse.Namespace) -> int:
               f"{c['sleep_ratio']:.2f} of {unit[0]} {b[unit[0] + '_bytes_per_s'] / GB:.2f})  "
               f"wake {c['wake_s']:.2f}s ({c['wake_bytes_per_s'] / GB:.2f} GB/s, "
               f"{c['wake_ratio']:.2f} of {unit[1]} {b[unit[1] + '_bytes_per_s'] / GB:.2f})  "
-              f"moved {c['sleep_copied'] / GB:.2f} of {c['sleep_covered'] / GB:.2f} GB  "
+              f"moved {c['sleep_copied'] / GB:.2f} of {c['sleep_covered'] / GB:.2f} GB "
+              f"({c['disk_bytes_written'] / GB:.2f} GB on disk)  "
               f"peak host RSS {c['peak_host_rss'] / GB:.2f} GB")
     which = "cycles 2.." if len(r["cycles"]) > 1 else "the cycle"
     print(f"  worst of {which} vs its bound: sleep {r['sleep_ratio']:.2f}, wake {r['wake_ratio']:.2f}; "
-          f"bit-exact: {r['bit_exact']}")
+          f"bit-exact: {r['bit_exact']}; {r['compression']} ({r['state']} state)")
     if r["host_rss_budget"] is not None:
         verdict = "within" if r["peak_host_rss"] <= r["host_rss_budget"] else "OVER"
         print(f"  peak host RSS {r['peak_host_rss'] / GB:.2f} GB, {verdict} the budget "

@@ -10,6 +10,12 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
 - peak device memory during the step above what the params and grads hold (flat in N:
   the store's two bucket slots, the scratch, the kernel's temporaries), and during init;
 - peak host RSS (sampled) and page-cache growth (``Cached`` in /proc/meminfo);
+- the bytes that really went to and came from the disk per step (below the state's
+  bytes with ``--compression``), and what 1000 steps write (the SSD's wear);
+- with ``--state trained``, the params, grads, masters and moments are those of a
+  transformer trained 50 steps (``greenroom.bench.trained``), tiled to ``--params``:
+  what a codec meets in training, where ``normal`` (the default) is N(0, 1) params and
+  grads with zero moments;
 - with ``--checkpoint``, the seconds of a synchronous ``save_checkpoint`` and of a
   verified ``load_checkpoint`` of the whole state;
 - with ``--state-dict``, the seconds and GB/s of ``torch.save(opt.state_dict(), f)`` and of
@@ -30,7 +36,7 @@ import psutil
 
 from greenroom import fs
 from greenroom.actor.memory import RssSampler
-from greenroom.config import DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes
+from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes
 from greenroom.errors import ConfigError
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 
@@ -49,6 +55,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--param-numel", type=int, default=PARAM_NUMEL, help="elements per param tensor")
     parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="pinned staging, MiB")
     parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB the raw disk probe moves each way")
+    parser.add_argument("--compression", choices=COMPRESSIONS, default="auto",
+                        help="codec of the bucket files (--offload-train-disk-compression; default auto)")
+    parser.add_argument("--state", choices=("normal", "trained"), default="normal",
+                        help="normal: N(0,1) params and grads, zero moments; trained: a trained transformer's "
+                             "state, tiled")
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--checkpoint", action="store_true",
                         help="also time save_checkpoint and load_checkpoint (a dir beside the bucket files)")
@@ -87,9 +98,21 @@ def measure(args: argparse.Namespace) -> dict:
     raw = raw_bandwidth(args.dir, max(int(args.raw_gib * (1 << 30)), 1 << 20))
     dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     sizes = [min(args.param_numel, n - start) for start in range(0, n, args.param_numel)]
-    params = [torch.nn.Parameter(torch.empty(s, dtype=dtype, device=device).normal_()) for s in sizes]
-    for p in params:
-        p.grad = torch.empty_like(p).normal_()
+    trained = None
+    if args.state == "trained":
+        from greenroom.bench.trained import train
+
+        trained = train(device)
+        flat_param = trained.tiled("master", n, dtype)
+        flat_grad = trained.tiled("grad", n, dtype)
+        params = [torch.nn.Parameter(t.clone()) for t in flat_param.split(sizes)]
+        for p, g in zip(params, flat_grad.split(sizes)):
+            p.grad = g.clone()
+        del flat_param, flat_grad
+    else:
+        params = [torch.nn.Parameter(torch.empty(s, dtype=dtype, device=device).normal_()) for s in sizes]
+        for p in params:
+            p.grad = torch.empty_like(p).normal_()
 
     def allocated() -> int | None:
         if not cuda:
@@ -105,9 +128,11 @@ def measure(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             opt = StreamingAdam(params, lr=1e-4, weight_decay=0.01, state_dir=rank_dir,
                                 bucket_numel=args.bucket_numel, moment_dtype=args.moment_dtype,
-                                chunk_mb=args.chunk_mb, resident_numel=0)
+                                chunk_mb=args.chunk_mb, resident_numel=0, compression=args.compression)
             allocated()
             init_seconds = time.perf_counter() - start
+        if trained is not None:
+            _fill_trained(opt, trained)
         init_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
         try:
             steps = []
@@ -115,6 +140,7 @@ def measure(args: argparse.Namespace) -> dict:
             with RssSampler(0.02, page_cache=True) as host:
                 for _ in range(args.steps):
                     read0, written0 = opt.store.bytes_read, opt.store.bytes_written
+                    disk_read0, disk_written0 = opt.store.engine.disk_bytes_read, opt.store.engine.disk_bytes_written
                     before = allocated()
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(device)
@@ -124,6 +150,8 @@ def measure(args: argparse.Namespace) -> dict:
                     seconds = time.perf_counter() - start
                     steps.append({"seconds": seconds, "bytes_read": opt.store.bytes_read - read0,
                                   "bytes_written": opt.store.bytes_written - written0,
+                                  "disk_bytes_read": opt.store.engine.disk_bytes_read - disk_read0,
+                                  "disk_bytes_written": opt.store.engine.disk_bytes_written - disk_written0,
                                   "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before
                                                         if cuda else None)})
             checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint")) if args.checkpoint else None
@@ -133,6 +161,7 @@ def measure(args: argparse.Namespace) -> dict:
             largest_bucket = opt.store.max_bucket_bytes
             direct = all(f.direct for f in opt.store.files)
             verify = opt.store.engine.verify
+            compression_line = opt.compression_line
         finally:
             opt.close()
 
@@ -148,6 +177,10 @@ def measure(args: argparse.Namespace) -> dict:
         "init_seconds": init_seconds, "init_peak_device_bytes": init_peak,
         "step_seconds": last["seconds"], "steps": steps,
         "bytes_read": last["bytes_read"], "bytes_written": last["bytes_written"],
+        "disk_bytes_read": last["disk_bytes_read"], "disk_bytes_written": last["disk_bytes_written"],
+        "disk_bytes_written_per_1000_steps": 1000 * last["disk_bytes_written"],
+        "stored_ratio": last["bytes_written"] / max(last["disk_bytes_written"], 1),
+        "compression": compression_line, "state": args.state,
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         "disk_bound_seconds": bound, "ratio": last["seconds"] / bound,
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
@@ -157,6 +190,24 @@ def measure(args: argparse.Namespace) -> dict:
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
         "checkpoint": checkpoint, "state_dict": state_dict, "verify": verify,
     }
+
+
+def _fill_trained(opt, trained) -> None:
+    """Masters and moments of every bucket from the trained state, tiled in bucket order."""
+    import torch
+
+    cursor = [0]
+
+    def fill(state) -> None:
+        n = state.bucket.numel
+        for name, flat in (("master", state.master), ("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)):
+            if flat is not None:
+                whole = getattr(trained, name)
+                index = torch.arange(cursor[0], cursor[0] + n, device=whole.device) % whole.numel()
+                flat.copy_(whole[index])
+        cursor[0] += n
+
+    opt.store.overwrite(fill)
 
 
 def _time_checkpoint(opt, directory: str) -> dict:
@@ -243,6 +294,9 @@ def run(args: argparse.Namespace) -> int:
               f"{s['bytes_written'] / GB:.2f} GB, {(s['bytes_read'] + s['bytes_written']) / s['seconds'] / GB:.2f} GB/s"
               + (f", peak device +{s['peak_device_bytes'] / GB:.2f} GB" if s["peak_device_bytes"] is not None else ""))
     print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
+    print(f"{r['compression']}; {r['state']} state: on disk read {r['disk_bytes_read'] / GB:.2f} GB, written "
+          f"{r['disk_bytes_written'] / GB:.2f} GB per step ({r['stored_ratio']:.2f}x smaller than the state); "
+          f"1000 steps write {r['disk_bytes_written_per_1000_steps'] / 1e12:.2f} TB")
     if r["checkpoint"] is not None:
         c = r["checkpoint"]
         print(f"checkpoint of {c['bytes'] / GB:.2f} GB: save {c['save_seconds']:.2f} s "

@@ -40,6 +40,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
+from greenroom.compression import resolve as resolve_compression
 from greenroom.config import OffloadConfig
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError
 from greenroom.megatron import checks
@@ -132,10 +133,12 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         settings = building.settings
         device = torch.device("cuda", torch.cuda.current_device())
         building.entries = entries
+        codec, _ = resolve_compression(settings.config.offload_train_disk_compression, cuda=True,
+                                       chunk_bytes=settings.config.chunk_bytes)
         building.store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
                                      settings.rank_dir.subdir("optim"), bucket_numel=settings.bucket_numel,
                                      moment_dtype=settings.config.stream_optimizer_state_moment_dtype,
-                                     device=device, chunk_bytes=settings.config.chunk_bytes)
+                                     device=device, chunk_bytes=settings.config.chunk_bytes, compression=codec)
         result = tuple([[] for _ in opt_group_ranges] for _ in range(5))
         mains = _one_at_a_time(super()._build_model_and_main_param_groups, gbuf_ranges, param_gbuf_map,
                                opt_group_ranges, config, result)

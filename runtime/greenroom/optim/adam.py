@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from greenroom.compression import resolve as resolve_compression
 from greenroom.config import MIB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
@@ -62,6 +63,9 @@ class StreamingAdam(torch.optim.Optimizer):
             foreach on the CPU (torch.optim.AdamW defaults to foreach on CUDA and its
             per-tensor loop on the CPU: fused is the faster kernel for the one bucket). Bit-exactness holds against
             ``torch.optim.AdamW`` with the same choice. Recorded in the groups as given.
+        compression: the lossless codec of the bucket files (``--offload-train-disk-compression``):
+            ``auto`` (nvCOMP on CUDA where it loads, else none), ``none``, ``nvcomp-ans``
+            or ``zstd``; ``compression_line`` says which runs and why.
 
     Params with ``requires_grad=False`` get no state and no files. ``state_dict()`` and
     ``load_state_dict()`` use torch's format, backed by the bucket files (see
@@ -72,7 +76,7 @@ class StreamingAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dir: str | RankDir,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, moment_dtype: str = "fp32", chunk_mb: int = 256,
                  resident_numel: int = RESIDENT_NUMEL, fused: bool | None = None,
-                 foreach: bool | None = None) -> None:
+                 foreach: bool | None = None, compression: str = "auto") -> None:
         if not 0.0 <= lr:
             raise ConfigError(f"StreamingAdam: invalid lr {lr!r}: must be >= 0")
         if not 0.0 <= eps:
@@ -103,8 +107,10 @@ class StreamingAdam(torch.optim.Optimizer):
         self.device = devices.pop() if devices else torch.device("cpu")
         self.fused, self.foreach = choose_implementation(self.device, fused=fused, foreach=foreach)
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        codec, self.compression_line = resolve_compression(compression, cuda=self.device.type == "cuda",
+                                                           chunk_bytes=chunk_mb * MIB)
         self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
-                                  device=self.device, chunk_bytes=chunk_mb * MIB)
+                                  device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec)
         self._grad_scratch: torch.Tensor | None = None
         self.initialize_state()
 
@@ -140,7 +146,8 @@ class StreamingAdam(torch.optim.Optimizer):
         if not config.stream_optimizer_state_to_disk:
             raise ConfigError("StreamingAdam.from_config: the config does not set --stream-optimizer-state-to-disk")
         return cls(params, state_dir=rank_dir, moment_dtype=config.stream_optimizer_state_moment_dtype,
-                   chunk_mb=config.offload_train_disk_chunk_mb, **kwargs)
+                   chunk_mb=config.offload_train_disk_chunk_mb,
+                   compression=config.offload_train_disk_compression, **kwargs)
 
     # -- facts ------------------------------------------------------------------------
     @property

@@ -292,6 +292,11 @@ def _verify_topology(path: str, saved: dict, ours: dict) -> None:
 
 
 def _verify_layout(path: str, saved: dict, ours: dict) -> None:
+    saved_codec, our_codec = saved.get("compression", "none"), ours["compression"]
+    if saved_codec != our_codec:
+        raise CheckpointError(f"{path}: the state files were written with --offload-train-disk-compression "
+                              f"{saved_codec}, this run stores {our_codec}: resume with "
+                              f"--offload-train-disk-compression {saved_codec}")
     if saved["bucket_numel"] != ours["bucket_numel"]:
         raise CheckpointError(f"{path}: layout differs: saved with bucket_numel {saved['bucket_numel']}, this run "
                               f"has {ours['bucket_numel']}; use the same bucket_numel")

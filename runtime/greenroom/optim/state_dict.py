@@ -21,7 +21,9 @@ file-backed page cache, which the kernel drops under pressure (they show as RssF
 while mapped). Like torch's own state dict, the views are of the live state: take them
 after a step and save or load them before the next one. fp16 and fp8 moments are stored
 encoded (a square root, per-block scales) and have no such view: their state dict is
-refused in one line; use ``save_checkpoint``.
+refused in one line; use ``save_checkpoint``. Compressed bucket files
+(``--offload-train-disk-compression``) hold frames, not tensors: their buckets are
+decoded into host memory instead, so the state dict then holds the rank's state once.
 
 ``load_state_dict`` checks everything first: the group layout, each group's keys, the
 moment dtype, every tensor's shape and dtype. A state dict without a recorded moment
@@ -86,6 +88,32 @@ def _map(path: str, nbytes: int) -> mmap.mmap:
         os.close(fd)  # the mapping keeps the file
 
 
+def _bucket_segments(store, bucket, moment_dtype: torch.dtype) -> dict:
+    """Per segment (``master``, ``exp_avg``, ``exp_avg_sq``) a function ``(first element,
+    count) -> flat host tensor`` over the bucket's state. Each segment is its own storage:
+    torch.save refuses one storage viewed as two dtypes."""
+    dtypes = {"master": torch.float32, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype}
+    segments = {key: seg for key, seg in (("master", bucket.master), ("exp_avg", bucket.exp_avg),
+                                          ("exp_avg_sq", bucket.exp_avg_sq)) if seg is not None}
+    if store.compression is not None:
+        # A compressed file holds frames, not the tensors: decode it into host memory
+        # (the bound of Note [state dict views] does not hold for compressed state).
+        data = torch.empty(bucket.data_bytes, dtype=torch.uint8)
+        store.engine.read(data, store.files[bucket.index], 0).wait()
+        decoded = {key: data[seg.offset:seg.offset + seg.nbytes].clone().view(dtypes[key])
+                   for key, seg in segments.items()}
+        return {key: (lambda first, count, t=t: t[first:first + count]) for key, t in decoded.items()}
+    mapped = _map(store.path(bucket.index), bucket.file_bytes)
+    # The views are read around the I/O engine: check them against the file's checksums
+    # now, or a flipped bit would go into the saved state unseen.
+    verify_mapped(store.files[bucket.index], torch.frombuffer(mapped, dtype=torch.uint8, count=bucket.data_bytes))
+
+    def view(seg, dtype):
+        return lambda first, count: torch.frombuffer(mapped, dtype=dtype, count=count,
+                                                     offset=seg.offset + first * dtype.itemsize)
+    return {key: view(seg, dtypes[key]) for key, seg in segments.items()}
+
+
 def export_state_dict(opt: StreamingAdam) -> dict:
     """The state dict; see Note [state dict views]."""
     moment_dtype = _view_dtype(opt, "state_dict()")
@@ -96,7 +124,7 @@ def export_state_dict(opt: StreamingAdam) -> dict:
     for bucket in store.buckets:
         for k, i in enumerate(bucket.entries):
             where[id(opt.streamed[i])] = (bucket, k)
-    maps: dict[int, mmap.mmap] = {}
+    maps: dict[int, dict] = {}
     state: dict[int, dict] = {}
     for p, pstate in opt.state.items():
         local = local_tensor(p)
@@ -104,22 +132,10 @@ def export_state_dict(opt: StreamingAdam) -> dict:
         if id(p) in where:
             bucket, k = where[id(p)]
             if bucket.index not in maps:
-                maps[bucket.index] = _map(store.path(bucket.index), bucket.file_bytes)
-                # The views are read around the I/O engine: check them against the file's
-                # checksums now, or a flipped bit would go into the saved state unseen.
-                verify_mapped(store.files[bucket.index],
-                              torch.frombuffer(maps[bucket.index], dtype=torch.uint8, count=bucket.data_bytes))
-            mapped = maps[bucket.index]
+                maps[bucket.index] = _bucket_segments(store, bucket, moment_dtype)
             start, numel = bucket.offsets[k], local.numel()
-
-            def view(offset: int, dtype: torch.dtype) -> torch.Tensor:
-                flat = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=offset + start * dtype.itemsize)
-                return _as_param_like(flat.view(local.shape), p)
-
-            out["exp_avg"] = view(bucket.exp_avg.offset, moment_dtype)
-            out["exp_avg_sq"] = view(bucket.exp_avg_sq.offset, moment_dtype)
-            if bucket.master is not None:
-                out["master"] = view(bucket.master.offset, torch.float32)
+            for key, segment in maps[bucket.index].items():
+                out[key] = _as_param_like(segment(start, numel).view(local.shape), p)
         elif "exp_avg" in pstate:  # resident
             out.update({key: _as_param_like(pstate[key], p) for key in _MOMENTS})
         elif local.numel() == 0:  # an empty FSDP2 shard: empty tensors keep the keys alike on every rank

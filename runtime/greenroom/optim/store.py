@@ -135,9 +135,11 @@ class BucketState:
         return out
 
 
-def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str) -> list[Bucket]:
+def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str, *,
+                  compressed: bool = False) -> list[Bucket]:
     """Group consecutive entries (same group and master kind) into buckets of at most
-    ``bucket_numel`` elements; an entry larger than the cap gets a bucket of its own."""
+    ``bucket_numel`` elements; an entry larger than the cap gets a bucket of its own.
+    ``compressed``: the files' table also records the bytes each frame stored."""
     if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel <= 0:
         raise ConfigError(f"bucket_numel must be a positive integer, got {bucket_numel!r}")
     avg_codec, sq_codec = moment_codecs(moment_dtype)
@@ -172,7 +174,8 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
         cursor = align_up(cursor + exp_avg_sq.nbytes)
         buckets.append(Bucket(index=index, entries=tuple(members), numel=numel, master=master,
                               exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, data_bytes=cursor,
-                              file_bytes=StateFile.file_bytes(cursor, checksums="file"), offsets=tuple(offsets)))
+                              file_bytes=StateFile.file_bytes(cursor, checksums="file", compressed=compressed),
+                              offsets=tuple(offsets)))
     return buckets
 
 
@@ -202,17 +205,21 @@ class BucketStore:
         moment_dtype: storage dtype of both moments (``greenroom.config.MOMENT_DTYPES``).
         device: where the state is updated (the params' device).
         chunk_bytes: staging host memory of the store's own ``TransferEngine``.
+        compression: the frame codec of the bucket files (``greenroom.compression``), or
+            None to store the bytes as they are.
     """
 
     def __init__(self, entries: Sequence[Entry], directory: str, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                 moment_dtype: str = "fp32", device: torch.device | str = "cpu", chunk_bytes: int = 256 << 20) -> None:
+                 moment_dtype: str = "fp32", device: torch.device | str = "cpu", chunk_bytes: int = 256 << 20,
+                 compression=None) -> None:
         self.entries = list(entries)
         self.directory = directory
         self.bucket_numel = bucket_numel
         self.moment_dtype = moment_dtype
         self.device = torch.device(device)
         self.avg_codec, self.sq_codec = moment_codecs(moment_dtype)
-        self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype)
+        self.compression = compression
+        self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype, compressed=compression is not None)
         self._buffers: list[_DeviceBuffer] = []
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
@@ -221,8 +228,7 @@ class BucketStore:
         self.files: list[StateFile] = []
         try:
             for bucket in self.buckets:
-                self.files.append(StateFile(self.path(bucket.index), bucket.data_bytes, checksums="file",
-                                            label=f"bucket {bucket.index} of the optimizer state"))
+                self.files.append(self._open_file(bucket))
         except BaseException:
             # A failed setup (no space for bucket 7, say) leaves no file it created.
             try:
@@ -232,6 +238,17 @@ class BucketStore:
                     if f.created and os.path.exists(f.path):
                         os.unlink(f.path)
             raise
+
+    def _open_file(self, bucket: Bucket) -> StateFile:
+        return StateFile(self.path(bucket.index), bucket.data_bytes, checksums="file", compression=self.compression,
+                         label=f"bucket {bucket.index} of the optimizer state")
+
+    def _write(self, raw: torch.Tensor, bucket: Bucket):
+        """Write a bucket's bytes to its file, telling a codec each segment's element size."""
+        segments = ((bucket.master, 4), (bucket.exp_avg, self.avg_codec.dtype.itemsize),
+                    (bucket.exp_avg_sq, self.sq_codec.dtype.itemsize))
+        sizes = [(seg.offset, size) for seg, size in segments if seg is not None]
+        return self.engine.write(raw, self.files[bucket.index], 0, element_sizes=tuple(sizes))
 
     # -- facts ----------------------------------------------------------------------
     def path(self, index: int) -> str:
@@ -253,6 +270,7 @@ class BucketStore:
             "bucket_numel": self.bucket_numel,
             "moment_dtype": self.moment_dtype,
             "master_dtype": "fp32",
+            "compression": self.compression.name if self.compression is not None else "none",
             "entries": [{"name": e.name, "shape": list(e.shape), "group": e.group, "master": e.master}
                         for e in self.entries],
             "buckets": [{"file": FILE_PATTERN.format(b.index), "entries": list(b.entries), "numel": b.numel,
@@ -278,7 +296,7 @@ class BucketStore:
                 for i, start in zip(bucket.entries, bucket.offsets):
                     n = self.entries[i].numel
                     master[start:start + n].copy_(get(i).detach().reshape(-1))
-            self.engine.write(raw, file, 0).wait()
+            self._write(raw, bucket).wait()
             self.bytes_written += bucket.file_bytes
             file.sync()
 
@@ -297,7 +315,7 @@ class BucketStore:
             state = self._decode(index, buffer)
             fill(state)
             self._encode(state, buffer)
-            self.engine.write(raw, self.files[index], 0).wait()
+            self._write(raw, bucket).wait()
             self.bytes_written += bucket.file_bytes
             self.files[index].sync()
 
@@ -308,12 +326,12 @@ class BucketStore:
         first_entry, first_bucket = len(self.entries), len(self.buckets)
         added = [dataclasses.replace(b, index=first_bucket + b.index,
                                      entries=tuple(first_entry + i for i in b.entries))
-                 for b in build_buckets(entries, self.bucket_numel, self.moment_dtype)]
+                 for b in build_buckets(entries, self.bucket_numel, self.moment_dtype,
+                                       compressed=self.compression is not None)]
         files = []
         try:
             for bucket in added:
-                files.append(StateFile(self.path(bucket.index), bucket.data_bytes, checksums="file",
-                                       label=f"bucket {bucket.index} of the optimizer state"))
+                files.append(self._open_file(bucket))
         except BaseException:
             for f in files:
                 f.close()
@@ -344,7 +362,7 @@ class BucketStore:
                 state = self._decode(index, buffer)
                 yield state
                 self._encode(state, buffer)
-                buffer.write = self.engine.write(buffer.raw[:state.bucket.data_bytes], self.files[index], 0)
+                buffer.write = self._write(buffer.raw[:state.bucket.data_bytes], state.bucket)
                 self.bytes_written += state.bucket.file_bytes
         finally:
             self.engine.drain()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from greenroom import fs
-from greenroom.config import DEFAULT_CHUNK_MB, MOMENT_DTYPES, TARGETS, OffloadFlags
+from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MOMENT_DTYPES, TARGETS, OffloadFlags
 from greenroom.errors import ConfigError
 
 LAUNCHERS = ("srun", "torchrun")
@@ -53,6 +53,9 @@ class TrainArgs:
 
     offload_train_disk_chunk_mb: int = DEFAULT_CHUNK_MB
     """``--offload-train-disk-chunk-mb``: pinned staging buffer per mechanism and rank."""
+
+    offload_train_disk_compression: str = "auto"
+    """``--offload-train-disk-compression``: auto, none, nvcomp-ans or zstd."""
 
     stream_optimizer_state_to_disk: bool = True
     """``--stream-optimizer-state-to-disk``."""
@@ -84,6 +87,7 @@ class TrainArgs:
             warnings.simplefilter("ignore")
             return OffloadFlags(offload_train=self.offload_train, offload_train_target=self.offload_train_target,
                                 offload_train_disk_chunk_mb=self.offload_train_disk_chunk_mb,
+                                offload_train_disk_compression=self.offload_train_disk_compression,
                                 stream_optimizer_state_to_disk=self.stream_optimizer_state_to_disk,
                                 stream_optimizer_state_moment_dtype=self.stream_optimizer_state_moment_dtype,
                                 no_load_optim=self.no_load_optim)
@@ -283,6 +287,9 @@ def _check_train(train: TrainArgs) -> None:
         raise ConfigError(f"train.stream_optimizer_state_moment_dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
                          f"got {train.stream_optimizer_state_moment_dtype!r}")
     _positive_int("train.offload_train_disk_chunk_mb", train.offload_train_disk_chunk_mb)
+    if train.offload_train_disk_compression not in COMPRESSIONS:
+        raise ConfigError(f"train.offload_train_disk_compression: expected one of {', '.join(COMPRESSIONS)}, "
+                         f"got {train.offload_train_disk_compression!r}")
     if train.iterations is not None:
         _positive_int("train.iterations", train.iterations)
     if not isinstance(train.role, str) or not train.role or "/" in train.role:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from greenroom import actor
 from greenroom.actor.memory import RssSampler, device_used_bytes
+from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.faults import kill_point
@@ -383,6 +384,9 @@ class Trainer:
             streaming = f"on ({o.stream_optimizer_state_moment_dtype} moments)"
         parts = [f"greenroom train: {self.model_config.num_params():,} params on {self.device}",
                  f"{self.world_size} rank(s)", f"offload {offload}", f"streaming {streaming}"]
+        if o.uses_disk:
+            parts.append(resolve_compression(o.offload_train_disk_compression, cuda=self.device.type == "cuda",
+                                             chunk_bytes=o.chunk_bytes)[1])
         if o.staging_bytes_per_rank:
             count = o.staging_bytes_per_rank // o.chunk_bytes
             parts.append(f"staging {count} x {o.offload_train_disk_chunk_mb} MiB host memory per rank"

@@ -14,6 +14,8 @@
 - {{ $v.storage.mountPath | quote }}
 - --offload-train-disk-chunk-mb
 - {{ $v.offload.diskChunkMb | quote }}
+- --offload-train-disk-compression
+- {{ $v.offload.diskCompression | quote }}
 {{- if $v.streamOptimizerState.toDisk }}
 - --stream-optimizer-state-to-disk
 - --stream-optimizer-state-moment-dtype
