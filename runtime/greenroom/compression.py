@@ -151,6 +151,11 @@ class NvcompPlanes:
 
         self._nvcomp = nvcomp
         self._local = threading.local()
+        # nvCOMP's own allocator cudaMallocs and cudaFrees its scratch and outputs on every
+        # call, and cudaFree waits for the whole device: the I/O threads' codec calls
+        # would run one at a time. torch's caching allocator reuses the blocks, on the
+        # calling thread's current stream (the I/O thread's own), so it stays stream-ordered.
+        nvcomp.set_device_allocator(_TorchDeviceBlock)
 
     def _codec(self, stream: torch.cuda.Stream):
         # nvCOMP codecs are not thread-safe: one per I/O thread, bound to its stream.
@@ -160,32 +165,41 @@ class NvcompPlanes:
                                                            cuda_stream=stream.cuda_stream)
         return codec
 
-    def _batch(self, flat: torch.Tensor, sizes: list[int], stream: torch.cuda.Stream):
-        offsets = [0]
-        for n in sizes[:-1]:
-            offsets.append(offsets[-1] + n)
-        return self._nvcomp.as_arrays(self._nvcomp.as_array(flat), offsets, sizes, stream.cuda_stream)
+    def _gather(self, pieces: list[torch.Tensor], stream: torch.cuda.Stream):
+        """``pieces`` copied (on ``stream``) into one device buffer at offsets nvCOMP
+        takes (it wants 16-byte aligned inputs), and the batch that carves them out."""
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(at)
+            at += (piece.numel() + _BATCH_ALIGN - 1) // _BATCH_ALIGN * _BATCH_ALIGN
+        with torch.cuda.stream(stream):
+            flat = torch.empty(at, dtype=torch.uint8, device=stream.device)
+            for piece, offset in zip(pieces, offsets):
+                flat[offset:offset + piece.numel()].copy_(piece, non_blocking=True)
+        batch = self._nvcomp.as_arrays(self._nvcomp.as_array(flat), offsets, [p.numel() for p in pieces],
+                                       stream.cuda_stream)
+        return flat, batch
 
     def encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream) -> list:
-        """Payloads (flat uint8 device tensors) of ``frames``; the stream is synchronized."""
-        sizes = [f.numel() for f in frames]
+        """Payloads (flat uint8 device tensors) of the device ``frames``; the stream is
+        synchronized."""
         with torch.cuda.stream(stream):
-            planes = torch.empty(sum(sizes), dtype=torch.uint8, device=stream.device)
-            at = 0
-            for frame, size in zip(frames, itemsizes):
-                planes[at:at + frame.numel()].copy_(plane_split(frame, size))
-                at += frame.numel()
-        encoded = self._codec(stream).encode(self._batch(planes, sizes, stream))
+            planes = [plane_split(frame, size) for frame, size in zip(frames, itemsizes)]
+        flat, batch = self._gather(planes, stream)
+        with torch.cuda.stream(stream):  # its scratch and outputs come from this stream's pool
+            encoded = self._codec(stream).encode(batch)
         stream.synchronize()
+        del flat, planes
         return [torch.as_tensor(e, device=stream.device).view(torch.uint8).reshape(-1) for e in encoded]
 
     def decode(self, payloads: list[torch.Tensor], outs: list[torch.Tensor], itemsizes: list[int],
                stream: torch.cuda.Stream, where: list[str]) -> None:
-        """Decode ``payloads`` (device) into ``outs`` (device, the frames' raw lengths)."""
-        with torch.cuda.stream(stream):
-            flat = torch.cat(payloads)
+        """Decode ``payloads`` (host or device) into ``outs`` (device, the frames' raw
+        lengths); the stream is synchronized."""
+        flat, batch = self._gather(payloads, stream)
         try:
-            decoded = self._codec(stream).decode(self._batch(flat, [p.numel() for p in payloads], stream))
+            with torch.cuda.stream(stream):
+                decoded = self._codec(stream).decode(batch)
             stream.synchronize()
         except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError
             raise IntegrityError(f"{where[0]}: a compressed frame does not decode ({e}): a flipped bit, a failing "
@@ -200,6 +214,18 @@ class NvcompPlanes:
                 plane_join(planes, out, size)
         stream.synchronize()
 
+
+_BATCH_ALIGN = 256
+
+
+class _TorchDeviceBlock:
+    """Device memory for nvCOMP from torch's caching allocator (``ptr`` is what it reads)."""
+
+    __slots__ = ("tensor", "ptr")
+
+    def __init__(self, nbytes: int, stream=None) -> None:
+        self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
+        self.ptr = self.tensor.data_ptr()
 
 _CODECS = {ZstdPlanes.id: ZstdPlanes, NvcompPlanes.id: NvcompPlanes}
 _BY_NAME = {c.name: c for c in _CODECS.values()}

@@ -802,9 +802,10 @@ class TransferEngine:
                 buf[pos + n:end].zero_()  # deterministic padding in the frame's own slot
                 if transfer.sums is not None:
                     frame_sums.append(extent_sums(buf[pos:end], chunk_offset + pos))
-                file.write(memoryview(arr[pos:end]), chunk_offset + pos)
-                self._count("write", end - pos)
                 transfer.stored[index] = n
+            for start, end in _stored_runs(frames, lengths):
+                file.write(memoryview(arr[start:end]), chunk_offset + start)
+                self._count("write", end - start)
             if frame_sums:
                 sums, first = torch.cat(frame_sums), chunk_offset // EXTENT - transfer.offset // EXTENT
         except BaseException as e:  # reported through Transfer.wait()
@@ -822,16 +823,18 @@ class TransferEngine:
             arr = buf.numpy()
             header = compression.HEADER_BYTES
             frame_sums, on_device = [], []
-            for pos, raw, _, index in frames:
-                n = int(transfer.stored[index])
-                where = f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}"
+            lengths = [int(transfer.stored[index]) for _, _, _, index in frames]
+            for (pos, raw, _, _), n in zip(frames, lengths):
                 if not 0 < n <= raw or (n < raw and n <= header):
-                    raise IntegrityError(f"{where}: the file records {n} stored bytes for a frame of {raw}: the "
-                                         "record is damaged; stopped before using it: restart from the last "
-                                         "checkpoint")
+                    raise IntegrityError(f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}: the "
+                                         f"file records {n} stored bytes for a frame of {raw}: the record is "
+                                         "damaged; stopped before using it: restart from the last checkpoint")
+            for start, end in _stored_runs(frames, lengths):
+                file.read(memoryview(arr[start:end]), chunk_offset + start)
+                self._count("read", end - start)
+            for (pos, raw, _, _), n in zip(frames, lengths):
+                where = f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}"
                 end = pos + align_up(n)
-                file.read(memoryview(arr[pos:end]), chunk_offset + pos)
-                self._count("read", end - pos)
                 if transfer.sums is not None:  # of the stored bytes, before decoding overwrites them
                     frame_sums.append(extent_sums(buf[pos:end], chunk_offset + pos))
                 if n < raw:
@@ -843,30 +846,28 @@ class TransferEngine:
                     else:
                         codec.decode(memoryview(arr[pos + header:pos + n]), arr[pos:pos + raw], size, where)
             decoded_on_device = {job[0] for job in on_device}
-            in_buffer = [(pos, raw) for pos, raw, _, _ in frames if pos not in decoded_on_device]
+            in_buffer = _merge([(pos, pos + raw) for pos, raw, _, _ in frames if pos not in decoded_on_device])
             if piece.is_cuda or on_device:
                 device = piece.device if piece.is_cuda else torch.device("cuda", torch.cuda.current_device())
                 io_stream = self._io_stream(device)
                 if stream is not None:
                     io_stream.wait_stream(stream)  # the caller's work on ``piece`` comes first
                 with torch.cuda.stream(io_stream):
-                    for pos, raw in in_buffer:
-                        piece[pos:pos + raw].copy_(buf[pos:pos + raw], non_blocking=True)
-                    payloads = [buf[pos + header:pos + n].to(device, non_blocking=True)
-                                for pos, _, n, _, _, _ in on_device]
+                    for pos, end in in_buffer:
+                        piece[pos:end].copy_(buf[pos:end], non_blocking=True)
                     outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
                                                                                    device=device)
                             for pos, raw, _, _, _, _ in on_device]
                 if on_device:
-                    on_device[0][5].decode(payloads, outs, [job[3] for job in on_device], io_stream,
-                                           [job[4] for job in on_device])
+                    on_device[0][5].decode([buf[pos + header:pos + n] for pos, _, n, _, _, _ in on_device], outs,
+                                           [job[3] for job in on_device], io_stream, [job[4] for job in on_device])
                 io_stream.synchronize()  # the staging buffer is reused once released
                 if not piece.is_cuda:
                     for (pos, raw, _, _, _, _), out in zip(on_device, outs):
                         piece[pos:pos + raw].copy_(out)
             else:
-                for pos, raw in in_buffer:
-                    piece[pos:pos + raw].copy_(buf[pos:pos + raw])
+                for pos, end in in_buffer:
+                    piece[pos:end].copy_(buf[pos:end])
             if frame_sums:
                 sums, first = torch.cat(frame_sums), chunk_offset // EXTENT - transfer.offset // EXTENT
         except BaseException as e:
@@ -874,6 +875,24 @@ class TransferEngine:
         finally:
             self.staging.release(slot)
             transfer._chunk_finished(error, sums, first)
+
+
+def _stored_runs(frames, lengths) -> list[tuple[int, int]]:
+    """The byte ranges of a chunk's staging buffer to move to or from the disk: each
+    frame's stored bytes (aligned), one I/O for frames that touch (a raw frame fills its
+    slot, so it touches the next one): incompressible state moves in as few calls as
+    without a codec."""
+    return _merge([(pos, pos + align_up(n)) for (pos, _, _, _), n in zip(frames, lengths)])
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for start, end in ranges:
+        if merged and merged[-1][1] == start:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
 
 
 def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile) -> list:
