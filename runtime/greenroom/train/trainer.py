@@ -400,8 +400,10 @@ class Trainer:
         store = self.optimizer.store
         budget = f"{self.offload.stream_optimizer_state_host_cache_gb:g} GB"
         pinned = "pinned host memory" if self.device.type == "cuda" else "host memory"
+        if not store.buckets:
+            return f"host cache {budget} unused: no param streams (all are small fp32 ones, kept on the device)"
         if not store.host_cache:
-            smallest = min((b.data_bytes for b in store.buckets), default=0)
+            smallest = min(b.data_bytes for b in store.buckets)
             return (f"host cache {budget} holds no bucket (the smallest takes {smallest / GB:.3g} GB): "
                     "every bucket streams from disk")
         return (f"host cache {len(store.host_cache)} of {len(store.buckets)} buckets, "
