@@ -230,6 +230,9 @@ class _HostCopy:
             self.event.synchronize()
 
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch registers
+
+
 def _host_memory(nbytes: int, pin: bool) -> torch.Tensor:
     """``nbytes`` of page-aligned anonymous host memory as a uint8 tensor, registered with
     CUDA (pinned) when ``pin``. Not torch's pinned allocator, which rounds each
@@ -239,7 +242,7 @@ def _host_memory(nbytes: int, pin: bool) -> torch.Tensor:
     memory = mmap.mmap(-1, nbytes)
     tensor = torch.frombuffer(memory, dtype=torch.uint8)
     if pin:
-        code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0))
+        code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
         if code != 0:
             raise StorageError(f"--stream-optimizer-state-host-cache-gb: pinning {human_bytes(nbytes)} of host memory "
                                f"failed (CUDA error {code}); use a smaller host cache")
