@@ -17,6 +17,7 @@ from tests.cli_support import greenroom, one_line_error
 SMALL = ["--iterations", "1", "--prompts", "4", "--group-size", "2", "--minibatches", "1", "--d-model", "16",
          "--no-progress"]
 DISK = ["--offload-train", "--offload-train-target", "disk"]
+STREAM = ["--stream-optimizer-state-to-disk", "--offload-train-disk-dir"]
 
 
 @pytest.fixture
@@ -95,6 +96,18 @@ CASES = {
     "plan disk dir is a file": (lambda s: ["plan", *DISK, "--offload-train-disk-dir", S(s, "afile")], {},
                                 "is a file, not a directory"),
     "plan unknown target": (lambda s: ["plan", "--offload-train-target", "nvme"], {}, "invalid choice"),
+    "plan host cache -1": (lambda s: ["plan", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb=-1"], {},
+                           "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"),
+    "plan host cache nan": (lambda s: ["plan", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb", "nan"],
+                            {}, "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"),
+    "plan host cache abc": (lambda s: ["plan", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb", "abc"],
+                            {}, "--stream-optimizer-state-host-cache-gb: invalid float value"),
+    "plan host cache huge": (lambda s: ["plan", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb",
+                                        "1e9"], {}, "(the host cache plus the pinned staging)"),
+    "plan host cache without streaming": (lambda s: ["plan", "--stream-optimizer-state-host-cache-gb", "2"], {},
+                                          "needs --stream-optimizer-state-to-disk"),
+    "train host cache inf": (lambda s: ["train", *SMALL, *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb",
+                                        "inf"], {}, "--stream-optimizer-state-host-cache-gb must be a finite number"),
     # doctor
     "doctor --chunk-mb -5": (lambda s: ["doctor", s, "--chunk-mb", "-5", "--no-probe"], {},
                              "--chunk-mb must be a positive"),
@@ -119,6 +132,12 @@ CASES = {
                                  "--params: expected a positive"),
     "bench stream --dir a file": (lambda s: ["bench", "stream", "--params", "1000", "--dir", S(s, "afile")], {},
                                   "is not a directory"),
+    "bench stream host cache -1": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s,
+                                              "--stream-optimizer-state-host-cache-gb=-1"], {},
+                                   "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"),
+    "bench stream host cache huge": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s,
+                                                "--stream-optimizer-state-host-cache-gb", "1e9"], {},
+                                     "of host memory per rank"),
     "bench offload --gib -1": (lambda s: ["bench", "offload", "--gib", "-1", "--dir", s], {}, "must be positive"),
     # slurm render
     "slurm render missing config": (lambda s: ["slurm", "render", S(s, "nope.yaml")], {}, "no such config file"),

@@ -95,7 +95,8 @@ def test_default_command_is_torchrun_running_greenroom_train_with_the_seed_flags
                         "--master-addr=$(GREENROOM_MASTER_ADDR)", "--master-port=29500", "--no-python"]
     assert args[6:] == ["greenroom", "train", "--offload-train", "--offload-train-target", "disk",
                         "--offload-train-disk-dir", "/var/lib/greenroom/offload",
-                        "--offload-train-disk-chunk-mb", "128", "--iterations", "100", "--role", "actor",
+                        "--offload-train-disk-chunk-mb", "128", "--offload-train-disk-compression", "auto",
+                        "--iterations", "100", "--role", "actor",
                         "--save", "/checkpoints/run1"]
     env = {e["name"]: e for e in trainer["env"]}
     assert env["GREENROOM_MASTER_ADDR"]["value"] == "rel-greenroom-0.rel-greenroom"
@@ -106,7 +107,8 @@ def test_default_command_is_torchrun_running_greenroom_train_with_the_seed_flags
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 8
 
 
-DISK_DIR = ["--offload-train-disk-dir", "/var/lib/greenroom/offload", "--offload-train-disk-chunk-mb", "256"]
+DISK_DIR = ["--offload-train-disk-dir", "/var/lib/greenroom/offload", "--offload-train-disk-chunk-mb", "256",
+            "--offload-train-disk-compression", "auto"]
 
 
 @pytest.mark.parametrize("values, expected", [
@@ -116,7 +118,7 @@ DISK_DIR = ["--offload-train-disk-dir", "/var/lib/greenroom/offload", "--offload
                         "bf16", "--no-load-optim", "--role", "actor", "--load", "/checkpoints/run1"]),
     ("both.yaml", ["--offload-train", "--offload-train-target", "disk", *DISK_DIR,
                    "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "fp8e4m3",
-                   "--role", "actor"]),
+                   "--stream-optimizer-state-host-cache-gb", "0.5", "--role", "actor"]),
 ])
 def test_each_seed_value_becomes_its_exact_flag(values, expected):
     args = container(pod_spec(manifests(values)), "trainer")["args"]
@@ -125,7 +127,7 @@ def test_each_seed_value_becomes_its_exact_flag(values, expected):
 
 def test_the_rendered_train_arguments_parse_with_greenroom_trains_own_parser():
     from greenroom.train.main import configure_parser
-    for values in ("cpu-target.yaml", "disk-target.yaml", "streaming.yaml", "both.yaml"):
+    for values in ("cpu-target.yaml", "disk-target.yaml", "streaming.yaml", "both.yaml", "jobset.yaml"):
         args = container(pod_spec(manifests(values)), "trainer")["args"]
         train = args[args.index("train") + 1:]
         parser = argparse.ArgumentParser(exit_on_error=False)
@@ -302,6 +304,7 @@ def _flags_from_values(values_file: str):
                         offload_train_disk_chunk_mb=v["offload"]["diskChunkMb"],
                         stream_optimizer_state_to_disk=v["streamOptimizerState"]["toDisk"],
                         stream_optimizer_state_moment_dtype=v["streamOptimizerState"]["momentDtype"],
+                        stream_optimizer_state_host_cache_gb=v["streamOptimizerState"]["hostCacheGb"],
                         no_load_optim=v["noLoadOptim"])
 
 

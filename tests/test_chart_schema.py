@@ -30,6 +30,7 @@ def test_negative_chunk_is_refused():
 @pytest.mark.parametrize("value, where", [
     ("offload.target=nvme", "/offload/target"),
     ("streamOptimizerState.momentDtype=fp4", "/streamOptimizerState/momentDtype"),
+    ("streamOptimizerState.hostCacheGb=-1", "/streamOptimizerState/hostCacheGb"),
     ("storage.hostPath.type=File", "/storage/hostPath/type"),
     ("nodes=0", "/nodes"),
     ("workload=deployment", "/workload"),
@@ -47,3 +48,8 @@ def test_janitor_with_emptydir_is_refused_saying_why():
 def test_streaming_under_cpu_offload_is_refused_like_greenroom_train_does():
     err = reject("offload.target=cpu", "streamOptimizerState.toDisk=true")
     assert "streamOptimizerState.toDisk with offload.train needs offload.target disk" in err
+
+
+def test_host_cache_without_streaming_is_refused_like_greenroom_train_does():
+    err = reject("streamOptimizerState.hostCacheGb=8")
+    assert "streamOptimizerState.hostCacheGb needs streamOptimizerState.toDisk" in err

@@ -88,12 +88,37 @@ def test_unknown_moment_dtype_is_refused():
         OffloadConfig(stream_optimizer_state_moment_dtype="int4")
 
 
+@pytest.mark.parametrize("cache", [-1, -0.5, float("nan"), float("inf"), "8", True, None])
+def test_host_cache_must_be_a_finite_non_negative_number(disk_dir, cache):
+    with pytest.raises(ValueError, match=r"^--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"):
+        OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir,
+                      stream_optimizer_state_host_cache_gb=cache)
+
+
+def test_host_cache_needs_streaming_and_counts_with_the_staging(disk_dir):
+    with pytest.raises(ValueError, match=r"^--stream-optimizer-state-host-cache-gb caches streamed buckets and needs "
+                                         r"--stream-optimizer-state-to-disk"):
+        OffloadConfig(offload_train=True, stream_optimizer_state_host_cache_gb=2)
+    config = OffloadConfig(offload_train=True, offload_train_target="disk", stream_optimizer_state_to_disk=True,
+                           offload_train_disk_dir=disk_dir, offload_train_disk_chunk_mb=64,
+                           stream_optimizer_state_host_cache_gb=2)
+    assert config.stream_optimizer_state_host_cache_gb == 2.0 and config.host_cache_bytes == 2_000_000_000
+    assert config.host_bytes_per_rank == 2_000_000_000 + 2 * (64 << 20)  # the cache counts with the staging
+    assert OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir).host_cache_bytes == 0
+    with pytest.raises(ValueError, match=r"^--stream-optimizer-state-host-cache-gb 1000000000: that needs .* of host "
+                                         r"memory per rank \(the host cache plus the pinned staging\), this machine has"):
+        OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir,
+                      stream_optimizer_state_host_cache_gb=1e9)
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--offload-train-target", "disk"], "--offload-train-target disk requires --offload-train"),
     (["--offload-train", "--stream-optimizer-state-to-disk"],
      "--stream-optimizer-state-to-disk under --offload-train requires --offload-train-target disk"),
     (["--offload-train-disk-chunk-mb", "0"], "--offload-train-disk-chunk-mb must be a positive integer"),
     (["--stream-optimizer-state-to-disk", "--offload-train-disk-dir", "/dev/shm/gr"], "is on tmpfs"),
+    (["--stream-optimizer-state-host-cache-gb", "1"],
+     "--stream-optimizer-state-host-cache-gb caches streamed buckets and needs --stream-optimizer-state-to-disk"),
 ])
 def test_cli_prints_one_line_and_exits_2(argv, expected):
     proc = run_greenroom("plan", *argv)
@@ -119,12 +144,23 @@ def test_cli_rejects_a_choice_outside_the_seed_with_exit_2():
          offload_train_disk_chunk_mb=64, stream_optimizer_state_to_disk=True,
          stream_optimizer_state_moment_dtype="bf16", no_load_optim=True),
     dict(stream_optimizer_state_to_disk=True, offload_train_disk_dir="/nvme/x", allow_tmpfs=True),
+    dict(stream_optimizer_state_to_disk=True, stream_optimizer_state_host_cache_gb=8),
+    dict(stream_optimizer_state_to_disk=True, stream_optimizer_state_host_cache_gb=0.1 + 0.2),
 ])
 def test_to_argv_parses_back_to_the_same_flags(flags):
     from greenroom.config import OffloadFlags
     original = OffloadFlags(**flags)
     ns = greenroom.add_arguments(argparse.ArgumentParser()).parse_args(original.to_argv())
     assert OffloadFlags.from_args(ns) == original
+
+
+def test_to_argv_writes_the_host_cache_only_when_set():
+    from greenroom.config import OffloadFlags
+    assert "--stream-optimizer-state-host-cache-gb" not in OffloadFlags(stream_optimizer_state_to_disk=True).to_argv()
+    argv = OffloadFlags(stream_optimizer_state_to_disk=True, stream_optimizer_state_host_cache_gb=8).to_argv()
+    assert argv[argv.index("--stream-optimizer-state-host-cache-gb") + 1] == "8"  # as Helm and YAML write it
+    argv = OffloadFlags(stream_optimizer_state_to_disk=True, stream_optimizer_state_host_cache_gb=0.5).to_argv()
+    assert argv[argv.index("--stream-optimizer-state-host-cache-gb") + 1] == "0.5"
 
 
 def test_offload_flags_check_the_rules_without_touching_the_filesystem():

@@ -46,3 +46,20 @@ def test_bench_stream_text_report_and_bad_input(disk_dir):
     assert "--params" in one_line_error(greenroom("bench", "stream", "--params", "1.5", "--dir", disk_dir))
     assert "--dir" in one_line_error(greenroom("bench", "stream", "--params", "10", "--dir",
                                                os.path.join(disk_dir, "missing")))
+
+
+def test_bench_stream_with_a_host_cache_moves_only_the_uncached_buckets(disk_dir):
+    # bf16 params, fp32 moments: 12 B/param; 5 buckets, one param each: four of 450,000
+    # elements (5.4 MB) and one of 200,000 (2.4 MB): 12 MB hold the first two, 40 MB all.
+    half = json.loads(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--json",
+                                "--stream-optimizer-state-host-cache-gb", "0.012", check_rc=0).stdout)
+    assert half["cached_buckets"] == 2 and 0 < half["host_cache_bytes"] <= half["host_cache_budget_bytes"]
+    for step in half["steps"]:
+        assert step["bytes_read"] == step["bytes_written"] < half["state_bytes"]
+        assert step["disk_bytes"] == step["bytes_read"] + step["bytes_written"]
+    assert half["ratio"] > 0
+    every = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--stream-optimizer-state-host-cache-gb", "0.04",
+                      check_rc=0).stdout
+    assert "host cache: 5 of 5 buckets" in every and "on disk 0.00 GB" in every
+    assert "every bucket is in the host cache" in every
+    assert os.listdir(disk_dir) == []

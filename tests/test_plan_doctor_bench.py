@@ -29,6 +29,23 @@ def test_plan_reports_dirs_staging_disk_and_verdict(disk_dir):
     assert plan["staging_bytes_per_rank"] == 256 << 20 and plan["fits"] is True
 
 
+def test_plan_reports_the_host_cache_with_the_staging(disk_dir):
+    argv = ["plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir, "--params", "1e8",
+            "--world-size", "4", "--nproc-per-node", "2"]
+    off = json.loads(greenroom(*argv, "--json", check_rc=0).stdout)
+    assert off["host_cache_bytes_per_rank"] == 0 and off["host_bytes_per_rank"] == 256 << 20
+    assert "host cache" not in greenroom(*argv, check_rc=0).stdout
+    # 0.3 GB per rank of a 0.3 GB streamed shard (12 B x 1e8 / 4): all of it; 0.15 GB: half.
+    for gb, cache in (("0.3", 300_000_000), ("0.15", 150_000_000), ("1", 300_000_000)):
+        plan = json.loads(greenroom(*argv, "--stream-optimizer-state-host-cache-gb", gb, "--json", check_rc=0).stdout)
+        assert plan["host_cache_bytes_per_rank"] == cache
+        assert plan["host_bytes_per_rank"] == cache + (256 << 20)
+        assert plan["host_bytes_per_node"] == 2 * plan["host_bytes_per_rank"]
+        assert plan["disk_bytes_per_rank"]["streaming"] == 300_000_000  # the files stay preallocated
+    out = greenroom(*argv, "--stream-optimizer-state-host-cache-gb", "0.15", check_rc=0).stdout
+    assert "host cache per rank: up to 0.15 GB" in out and "50% of the streamed state" in out
+
+
 def test_plan_exits_2_when_the_state_does_not_fit(disk_dir):
     proc = greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
                      "--params", "1e15")

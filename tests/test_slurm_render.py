@@ -84,11 +84,12 @@ def test_seed_flags_pass_through_as_the_exact_flags():
     config = config_from_dict({"train": {
         "offload_train": True, "offload_train_target": "disk", "offload_train_disk_chunk_mb": 64,
         "stream_optimizer_state_to_disk": True, "stream_optimizer_state_moment_dtype": "bf16",
-        "no_load_optim": True, "iterations": 7, "role": "critic", "checkpoint_dir": "/ck"}})
+        "stream_optimizer_state_host_cache_gb": 32, "no_load_optim": True, "iterations": 7, "role": "critic",
+        "checkpoint_dir": "/ck"}})
     assert train_args(config) == [
         "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-chunk-mb", "64",
-        "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16",
-        "--no-load-optim", "--iterations", "7", "--role", "critic", "--save", "/ck"]
+        "--offload-train-disk-compression", "auto", "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16",
+        "--stream-optimizer-state-host-cache-gb", "32", "--no-load-optim", "--iterations", "7", "--role", "critic", "--save", "/ck"]
     script = render(config)
     assert '--offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT"' in script
     assert ("for complete in /ck/generation.json /ck.new/generation.json /ck.old/generation.json; do\n"
@@ -174,6 +175,14 @@ BAD_VALUES = [
      "train: --stream-optimizer-state-to-disk under --offload-train requires --offload-train-target disk"),
     ({"train": {"stream_optimizer_state_moment_dtype": "int8"}},
      "train.stream_optimizer_state_moment_dtype: expected one of fp32, bf16"),
+    ({"train": {"stream_optimizer_state_host_cache_gb": -1}},
+     "train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got -1"),
+    ({"train": {"stream_optimizer_state_host_cache_gb": float("nan")}},
+     "train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got nan"),
+    ({"train": {"stream_optimizer_state_host_cache_gb": "8GB"}},
+     "train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got '8GB'"),
+    ({"train": {"stream_optimizer_state_host_cache_gb": 8, "stream_optimizer_state_to_disk": False}},
+     "train: --stream-optimizer-state-host-cache-gb caches streamed buckets and needs"),
 ]
 
 

@@ -167,6 +167,31 @@ def test_resume_from_save_is_bit_exact(disk_dir, flags):
         assert refused.returncode == 2 and "--no-load-optim" in refused.stderr
 
 
+@needs_streaming
+def test_host_cache_trains_and_resumes_bit_identically_to_streaming_without_it(disk_dir):
+    # bf16 params: every param streams (fp32 ones this small would stay resident).
+    base = [*SMALL[2:], "--dtype", "bf16", "--offload-train", "--offload-train-target", "disk",
+            "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", os.path.join(disk_dir, "offload"),
+            "--metrics", os.path.join(disk_dir, "m.jsonl")]
+    cache = ["--stream-optimizer-state-host-cache-gb", "1"]
+    plain, first, resumed = (os.path.join(disk_dir, n) for n in ("plain", "first", "resumed"))
+    train([*base, "--iterations", "4", "--save", plain])
+    header = train([*base, *cache, "--iterations", "2", "--save", first]).stdout.splitlines()[0]
+    assert "host cache 1 of 1 buckets" in header and "disk 0 GB each way per step" in header
+    train([*base, *cache, "--iterations", "4", "--load", first, "--save", resumed])
+    assert_same_state(load_state(plain), load_state(resumed))
+    optim = [os.path.join(d, "rank00000", "optim") for d in (plain, resumed)]
+    names = sorted(n for n in os.listdir(optim[0]) if n.startswith("bucket-"))
+    assert names == sorted(n for n in os.listdir(optim[1]) if n.startswith("bucket-")) and names
+    for name in names:  # the streamed state, byte for byte (written out of the cache at the save)
+        with open(os.path.join(optim[0], name), "rb") as a, open(os.path.join(optim[1], name), "rb") as b:
+            assert a.read() == b.read(), name
+    # Too small for the bucket: said in the header, and nothing is cached.
+    header = train([*base, "--stream-optimizer-state-host-cache-gb", "1e-6", "--iterations", "1"]).stdout
+    assert "host cache 1e-06 GB holds no bucket" in header and "every bucket streams from disk" in header
+    assert os.listdir(os.path.join(disk_dir, "offload")) == []
+
+
 def test_loading_with_another_world_size_is_refused(disk_dir):
     save = os.path.join(disk_dir, "ckpt")
     train([*SMALL, "--save", save, "--metrics", os.path.join(disk_dir, "m.jsonl")])

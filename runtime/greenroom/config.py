@@ -22,6 +22,7 @@ Two layers, so that the flags are spelled out once:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -57,13 +58,21 @@ def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) 
     return (4.0 if master_on_disk else 0.0) + 2 * moment_bytes_per_element(moment_dtype)
 
 
-def check_host_bytes(flag: str, value, nbytes: int) -> None:
+def check_host_bytes(flag: str, value, nbytes: int, *, default=DEFAULT_CHUNK_MB, counted: str = "") -> None:
     """A host allocation of ``nbytes`` (for ``flag value``) must fit in this machine's
-    RAM: checked at start-up instead of failing in the allocator, or later in the run."""
+    RAM: checked at start-up instead of failing in the allocator, or later in the run.
+    ``counted`` says what ``nbytes`` adds up, when more than the flag's own bytes."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if nbytes > ram:
-        raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of host memory per rank, this "
-                         f"machine has {fs.human_bytes(ram)}; use a smaller value (default {DEFAULT_CHUNK_MB})")
+        raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of host memory per rank"
+                          f"{f' ({counted})' if counted else ''}, this machine has {fs.human_bytes(ram)}; "
+                          f"use a smaller value (default {default})")
+
+
+def format_gb(value: float) -> str:
+    """A GB amount as a flag value: whole numbers without a decimal point (``8``, as
+    Helm and YAML write them), others in Python's shortest exact form (``0.5``)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def default_disk_dir() -> str | None:
@@ -102,6 +111,10 @@ class OffloadFlags:
     stream_optimizer_state_moment_dtype: str = "fp32"
     """Storage dtype of the streamed Adam moments."""
 
+    stream_optimizer_state_host_cache_gb: float = 0.0
+    """GB (1e9 bytes) of host memory per rank that keeps whole buckets of the streamed
+    state instead of the disk (pinned when CUDA is up); 0: every bucket streams."""
+
     no_load_optim: bool = False
     """On resume, accept a fresh optimizer state instead of requiring the streamed one."""
 
@@ -131,6 +144,14 @@ class OffloadFlags:
             raise ConfigError(
                 f"--stream-optimizer-state-moment-dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
                 f"got {self.stream_optimizer_state_moment_dtype!r}")
+        cache = self.stream_optimizer_state_host_cache_gb
+        if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache < math.inf:
+            raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0, "
+                              f"got {cache!r}")
+        self.stream_optimizer_state_host_cache_gb = cache = float(cache)
+        if cache and not self.stream_optimizer_state_to_disk:
+            raise ConfigError("--stream-optimizer-state-host-cache-gb caches streamed buckets and needs "
+                              "--stream-optimizer-state-to-disk: add it (or drop the host cache)")
         if target == "disk" and not self.offload_train:
             raise ConfigError("--offload-train-target disk requires --offload-train: add --offload-train "
                              "(or drop --offload-train-target disk)")
@@ -158,6 +179,9 @@ class OffloadFlags:
         if self.stream_optimizer_state_to_disk:
             argv += ["--stream-optimizer-state-to-disk",
                      "--stream-optimizer-state-moment-dtype", self.stream_optimizer_state_moment_dtype]
+            if self.stream_optimizer_state_host_cache_gb:
+                argv += ["--stream-optimizer-state-host-cache-gb",
+                         format_gb(self.stream_optimizer_state_host_cache_gb)]
         for name in ("no_load_optim", "allow_tmpfs"):
             if getattr(self, name):
                 argv.append("--" + name.replace("_", "-"))
@@ -182,6 +206,18 @@ class OffloadFlags:
         disk offload plus streaming costs 2x the chunk."""
         return self.chunk_bytes * (int(self.offload_to_disk) + int(self.stream_optimizer_state_to_disk))
 
+    @property
+    def host_cache_bytes(self) -> int:
+        """The streaming's host-cache budget per rank, in bytes (what it may take: it
+        holds whole buckets only, so it may take less)."""
+        return int(self.stream_optimizer_state_host_cache_gb * GB) if self.stream_optimizer_state_to_disk else 0
+
+    @property
+    def host_bytes_per_rank(self) -> int:
+        """Host memory greenroom's mechanisms take per rank at most: the staging and the
+        streaming's host cache."""
+        return self.staging_bytes_per_rank + self.host_cache_bytes
+
     @classmethod
     def from_args(cls, ns: argparse.Namespace):
         return cls(**{name: getattr(ns, name) for name in FLAG_FIELDS})
@@ -189,7 +225,8 @@ class OffloadFlags:
 
 # The dataclass fields that are flags, in flag order (``--`` + the name with dashes).
 FLAG_FIELDS = ("offload_train", "offload_train_target", "offload_train_disk_dir", "offload_train_disk_chunk_mb",
-               "offload_train_disk_compression", "stream_optimizer_state_to_disk", "stream_optimizer_state_moment_dtype", "no_load_optim",
+               "offload_train_disk_compression", "stream_optimizer_state_to_disk",
+               "stream_optimizer_state_moment_dtype", "stream_optimizer_state_host_cache_gb", "no_load_optim",
                "allow_tmpfs")
 
 
@@ -216,6 +253,10 @@ class OffloadConfig(OffloadFlags):
                              "directory; point it at a dir on node-local NVMe")
         check_host_bytes("--offload-train-disk-chunk-mb", self.offload_train_disk_chunk_mb,
                          self.staging_bytes_per_rank)
+        if self.host_cache_bytes:
+            check_host_bytes("--stream-optimizer-state-host-cache-gb",
+                             format_gb(self.stream_optimizer_state_host_cache_gb), self.host_bytes_per_rank,
+                             default=0, counted="the host cache plus the pinned staging")
         mount = fs.mount_of(self.offload_train_disk_dir)
         if mount.fstype in fs.MEMORY_FILESYSTEMS:
             message = (f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "
@@ -246,6 +287,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="keep fp32 master params and Adam moments in per-bucket files")
     group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",
                        help="storage dtype of the streamed Adam moments (default fp32, bit-identical)")
+    group.add_argument("--stream-optimizer-state-host-cache-gb", type=float, default=0.0, metavar="GB",
+                       help="host memory per rank (GB, pinned with CUDA) that keeps whole buckets of the "
+                            "streamed state instead of the disk; the rest streams (default 0: all of it)")
     group.add_argument("--no-load-optim", action="store_true",
                        help="on resume, start a fresh optimizer state instead of requiring the saved one")
     group.add_argument("--allow-tmpfs", action="store_true",

@@ -219,6 +219,11 @@ class StateFile:
         self.allocated = self.file_bytes(size, checksums=checksums, compressed=compression is not None)
         self._sums: dict[tuple[int, int], torch.Tensor] = {}
         self._stored: dict[tuple[int, int], torch.Tensor] = {}
+        self.disk_bytes_written = 0
+        self.disk_bytes_read = 0
+        """Bytes written to and read from the file since it was opened, its tables
+        included: below the tensors' bytes where frames were compressed."""
+        self._count_lock = threading.Lock()
         self._sums_lock = threading.Lock()
         flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
         existed = os.path.exists(path)
@@ -302,6 +307,8 @@ class StateFile:
         self._check_range(len(buf), file_offset)
         try:
             done = pwrite_all(self.fd, buf, file_offset, self.path)
+            with self._count_lock:
+                self.disk_bytes_written += done
             if not self.direct:
                 # Push the pages out and drop them so the page cache does not hold the state.
                 os.fdatasync(self.fd)
@@ -315,6 +322,8 @@ class StateFile:
         self._check_range(len(buf), file_offset)
         try:
             done = pread_all(self.fd, buf, file_offset, self.path)
+            with self._count_lock:
+                self.disk_bytes_read += done
             if not self.direct:
                 os.posix_fadvise(self.fd, file_offset, done, os.POSIX_FADV_DONTNEED)
         except OSError as e:
@@ -527,11 +536,6 @@ class TransferEngine:
                  verify: bool | None = None) -> None:
         self.verify = verify_default() if verify is None else verify
         self.staging = StagingBuffers(chunk_bytes, depth, pin=pin)
-        self.disk_bytes_written = 0
-        self.disk_bytes_read = 0
-        """Bytes that went to and came from the disk: below the tensors' bytes where
-        frames were compressed."""
-        self._count_lock = threading.Lock()
         self._thread = threading.local()  # each I/O thread's CUDA stream
         self._workers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-io")
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -702,7 +706,6 @@ class TransferEngine:
             staged = buf[:align_up(n)]
             sums, first = self._sums_of(staged, file_offset, transfer)
             file.write(memoryview(staged.numpy()), file_offset)
-            self._count("write", staged.numel())
         except BaseException as e:  # reported through Transfer.wait()
             error = e
         finally:
@@ -717,7 +720,6 @@ class TransferEngine:
             n = piece.numel()
             staged = buf[:align_up(n)]
             file.read(memoryview(staged.numpy()), file_offset)
-            self._count("read", staged.numel())
             if stream is None:
                 piece.copy_(buf[:n])
                 sums, first = self._sums_of(staged, file_offset, transfer)
@@ -738,13 +740,6 @@ class TransferEngine:
 
 
     # -- compressed files (greenroom.compression) -------------------------------------
-    def _count(self, kind: str, nbytes: int) -> None:
-        with self._count_lock:
-            if kind == "write":
-                self.disk_bytes_written += nbytes
-            else:
-                self.disk_bytes_read += nbytes
-
     def _io_stream(self, device: torch.device) -> torch.cuda.Stream:
         """This I/O thread's own stream on ``device``: codec kernels of concurrent chunks
         run side by side, and never queue behind the driver's copies."""
@@ -805,7 +800,6 @@ class TransferEngine:
                 transfer.stored[index] = n
             for start, end in _stored_runs(frames, lengths):
                 file.write(memoryview(arr[start:end]), chunk_offset + start)
-                self._count("write", end - start)
             if frame_sums:
                 sums, first = torch.cat(frame_sums), chunk_offset // EXTENT - transfer.offset // EXTENT
         except BaseException as e:  # reported through Transfer.wait()
@@ -831,7 +825,6 @@ class TransferEngine:
                                          "damaged; stopped before using it: restart from the last checkpoint")
             for start, end in _stored_runs(frames, lengths):
                 file.read(memoryview(arr[start:end]), chunk_offset + start)
-                self._count("read", end - start)
             for (pos, raw, _, _), n in zip(frames, lengths):
                 where = f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}"
                 end = pos + align_up(n)

@@ -1,8 +1,8 @@
 """``greenroom plan``: the resolved plan for a set of flags, before anything runs.
 
-Prints the per-rank dirs, the pinned staging memory per rank, the disk each rank needs
-and whether the disk dir's filesystem has room, so a user sizes a run without starting
-it. Exit 2 on a rule violation or when the free space cannot hold the state.
+Prints the per-rank dirs, the host memory per rank (pinned staging, and the streaming's
+host cache), the disk each rank needs and whether the disk dir's filesystem has room, so
+a user sizes a run without starting it. Exit 2 on a rule violation or when the free space cannot hold the state.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 
 from greenroom import fs
-from greenroom.config import OffloadConfig, add_arguments, streamed_bytes_per_param
+from greenroom.config import GB, OffloadConfig, add_arguments, streamed_bytes_per_param
 from greenroom.errors import ConfigError
 from greenroom.rankdir import rank_dir_path
 
@@ -37,12 +37,17 @@ def build_plan(config: OffloadConfig, *, world_size: int, params: int, nproc_per
         if not config.stream_optimizer_state_to_disk:
             offload_per_rank += shard * RESIDENT_OPTIMIZER_BYTES_PER_PARAM
     per_rank = stream_per_rank + offload_per_rank
+    # Whole buckets only, so up to this much; the bucket files stay preallocated on disk.
+    host_cache = int(min(config.host_cache_bytes, stream_per_rank))
     plan = {
         "offload": config.offload_train_target if config.offload_train else "off",
         "streaming": config.stream_optimizer_state_to_disk,
         "moment_dtype": config.stream_optimizer_state_moment_dtype,
         "world_size": world_size, "nproc_per_node": nproc_per_node, "params": params,
         "staging_bytes_per_rank": config.staging_bytes_per_rank,
+        "host_cache_bytes_per_rank": host_cache,
+        "host_bytes_per_rank": config.staging_bytes_per_rank + host_cache,
+        "host_bytes_per_node": (config.staging_bytes_per_rank + host_cache) * nproc_per_node,
         "chunk_bytes": config.chunk_bytes,
         "disk_bytes_per_rank": {"streaming": int(stream_per_rank), "offload": int(offload_per_rank),
                                 "total": int(per_rank)},
@@ -70,6 +75,13 @@ def print_plan(plan: dict) -> None:
     if mechanisms == 2:
         staging += f" (2 x {fs.human_bytes(plan['chunk_bytes'])} chunk: offload and streaming each stage their own)"
     print(f"pinned staging per rank: {staging}")
+    if plan["host_cache_bytes_per_rank"]:
+        cache = plan["host_cache_bytes_per_rank"]
+        share = cache / plan["disk_bytes_per_rank"]["streaming"]
+        print(f"host cache per rank: up to {cache / GB:.2f} GB ({fs.human_bytes(cache)}, {share:.0%} of the streamed "
+              f"state) in pinned host memory, whole buckets only; with the staging "
+              f"{fs.human_bytes(plan['host_bytes_per_rank'])} per rank, {fs.human_bytes(plan['host_bytes_per_node'])} "
+              f"for the node's {plan['nproc_per_node']} rank(s)")
     if "disk_dir" not in plan:
         print("disk:       not used")
         return

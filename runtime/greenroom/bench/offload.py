@@ -74,8 +74,8 @@ def _pinned_copy_bandwidth(tensors, torch) -> dict:
 
 def _disk_counter(offloader, name: str) -> int:
     """Bytes the offloader's disk mover moved to or from the disk so far (0 without one)."""
-    engine = getattr(getattr(offloader, "_mover", None), "_engine", None)
-    return getattr(engine, name, 0)
+    file = getattr(getattr(offloader, "_mover", None), "_file", None)
+    return getattr(file, name, 0)
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -5,7 +5,10 @@ fp32 master and both moments stream: 12 B/param in fp32), times ``--steps`` step
 prints, beside the raw disk bandwidth measured in the same run with plain O_DIRECT
 threads (``greenroom.bench.disk.raw_bandwidth``):
 
-- step seconds, bytes read and written per step, achieved GB/s;
+- step seconds, disk bytes read and written per step (and their sum), achieved GB/s;
+  with ``--stream-optimizer-state-host-cache-gb G`` the buckets that fit in G stay in
+  (pinned) host memory and only the rest moves through the disk (run it at 0 and at half
+  the state to see what the host tier buys);
 - the disk bound ``read / raw read bw + written / raw write bw`` and the ratio step/bound;
 - peak device memory during the step above what the params and grads hold (flat in N:
   the store's two bucket slots, the scratch, the kernel's temporaries), and during init;
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 import warnings
@@ -54,6 +58,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="elements per bucket")
     parser.add_argument("--param-numel", type=int, default=PARAM_NUMEL, help="elements per param tensor")
     parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="pinned staging, MiB")
+    parser.add_argument("--stream-optimizer-state-host-cache-gb", type=float, default=0.0, metavar="GB",
+                        help="host memory (GB) that keeps whole buckets off the disk (default 0: all stream)")
     parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB the raw disk probe moves each way")
     parser.add_argument("--compression", choices=COMPRESSIONS, default="auto",
                         help="codec of the bucket files (--offload-train-disk-compression; default auto)")
@@ -78,6 +84,12 @@ def _validate(args: argparse.Namespace) -> None:
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     check_host_bytes("--chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
+    cache = args.stream_optimizer_state_host_cache_gb
+    if not 0 <= cache < math.inf:
+        raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0, got {cache!r}")
+    if cache:
+        check_host_bytes("--stream-optimizer-state-host-cache-gb", f"{cache:g}", int(cache * GB) + args.chunk_mb * MIB,
+                         default=0, counted="the host cache plus the pinned staging")
     if not os.path.isdir(args.dir):
         raise ConfigError(f"--dir {args.dir} is not a directory")
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
@@ -128,7 +140,8 @@ def measure(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             opt = StreamingAdam(params, lr=1e-4, weight_decay=0.01, state_dir=rank_dir,
                                 bucket_numel=args.bucket_numel, moment_dtype=args.moment_dtype,
-                                chunk_mb=args.chunk_mb, resident_numel=0, compression=args.compression)
+                                chunk_mb=args.chunk_mb, resident_numel=0, compression=args.compression,
+                                host_cache_gb=args.stream_optimizer_state_host_cache_gb)
             allocated()
             init_seconds = time.perf_counter() - start
         if trained is not None:
@@ -140,7 +153,7 @@ def measure(args: argparse.Namespace) -> dict:
             with RssSampler(0.02, page_cache=True) as host:
                 for _ in range(args.steps):
                     read0, written0 = opt.store.bytes_read, opt.store.bytes_written
-                    disk_read0, disk_written0 = opt.store.engine.disk_bytes_read, opt.store.engine.disk_bytes_written
+                    disk_read0, disk_written0 = opt.store.disk_bytes("read"), opt.store.disk_bytes("written")
                     before = allocated()
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(device)
@@ -150,8 +163,10 @@ def measure(args: argparse.Namespace) -> dict:
                     seconds = time.perf_counter() - start
                     steps.append({"seconds": seconds, "bytes_read": opt.store.bytes_read - read0,
                                   "bytes_written": opt.store.bytes_written - written0,
-                                  "disk_bytes_read": opt.store.engine.disk_bytes_read - disk_read0,
-                                  "disk_bytes_written": opt.store.engine.disk_bytes_written - disk_written0,
+                                  "disk_bytes_read": opt.store.disk_bytes("read") - disk_read0,
+                                  "disk_bytes_written": opt.store.disk_bytes("written") - disk_written0,
+                                  "disk_bytes": (opt.store.disk_bytes("read") - disk_read0
+                                                 + opt.store.disk_bytes("written") - disk_written0),
                                   "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before
                                                         if cuda else None)})
             checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint")) if args.checkpoint else None
@@ -159,6 +174,7 @@ def measure(args: argparse.Namespace) -> dict:
             state_bytes = opt.store.state_bytes
             buckets = len(opt.store.buckets)
             largest_bucket = opt.store.max_bucket_bytes
+            cached_buckets, host_cache_bytes = len(opt.store.host_cache), opt.store.host_cache_bytes
             direct = all(f.direct for f in opt.store.files)
             verify = opt.store.engine.verify
             compression_line = opt.compression_line
@@ -173,18 +189,23 @@ def measure(args: argparse.Namespace) -> dict:
         "dir": os.path.abspath(args.dir), "filesystem": fs.mount_of(args.dir).fstype, "o_direct": direct,
         "bucket_numel": args.bucket_numel, "buckets": buckets, "largest_bucket_bytes": largest_bucket,
         "state_bytes": state_bytes, "chunk_bytes": staging,
+        "host_cache_budget_bytes": int(args.stream_optimizer_state_host_cache_gb * GB),
+        "host_cache_bytes": host_cache_bytes, "cached_buckets": cached_buckets,
         "raw_read_bytes_per_s": raw.read_bytes_per_s, "raw_write_bytes_per_s": raw.write_bytes_per_s,
         "init_seconds": init_seconds, "init_peak_device_bytes": init_peak,
         "step_seconds": last["seconds"], "steps": steps,
         "bytes_read": last["bytes_read"], "bytes_written": last["bytes_written"],
         "disk_bytes_read": last["disk_bytes_read"], "disk_bytes_written": last["disk_bytes_written"],
+        "disk_bytes": last["disk_bytes_read"] + last["disk_bytes_written"],
         "disk_bytes_written_per_1000_steps": 1000 * last["disk_bytes_written"],
         "stored_ratio": last["bytes_written"] / max(last["disk_bytes_written"], 1),
         "compression": compression_line, "state": args.state,
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
-        "disk_bound_seconds": bound, "ratio": last["seconds"] / bound,
+        # All cached: no disk I/O in the step, so no disk bound to compare with.
+        "disk_bound_seconds": bound, "ratio": last["seconds"] / bound if bound else None,
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
         "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
+        # rss_before already holds the host cache (filled at init): the step adds staging at most.
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
         "page_cache_growth_bytes": host.cached_peak - host.cached_before,
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
@@ -285,15 +306,23 @@ def run(args: argparse.Namespace) -> int:
           f"{r['buckets']} buckets of <= {r['bucket_numel']:,} elements, state {r['state_bytes'] / GB:.2f} GB "
           f"in {r['dir']} ({r['filesystem']}, O_DIRECT {'on' if r['o_direct'] else 'off'}, "
           f"checksums {'verified' if r['verify'] else 'OFF (--no-verify)'})")
+    if r["host_cache_budget_bytes"]:
+        print(f"host cache: {r['cached_buckets']} of {r['buckets']} buckets, {r['host_cache_bytes'] / GB:.2f} GB of "
+              f"{r['host_cache_budget_bytes'] / GB:.2f} GB ({'pinned' if r['device'].startswith('cuda') else 'plain'} "
+              "host memory); the rest streams")
     print(f"raw disk (same run): read {r['raw_read_bytes_per_s'] / GB:.2f} GB/s, "
           f"write {r['raw_write_bytes_per_s'] / GB:.2f} GB/s")
     print(f"init: {r['init_seconds']:.2f} s" + (f", peak device {r['init_peak_device_bytes'] / GB:.2f} GB"
                                                if r["init_peak_device_bytes"] is not None else ""))
     for i, s in enumerate(r["steps"], 1):
-        print(f"step {i}: {s['seconds']:.2f} s, read {s['bytes_read'] / GB:.2f} GB, written "
-              f"{s['bytes_written'] / GB:.2f} GB, {(s['bytes_read'] + s['bytes_written']) / s['seconds'] / GB:.2f} GB/s"
+        print(f"step {i}: {s['seconds']:.2f} s, state read {s['bytes_read'] / GB:.2f} GB + written "
+              f"{s['bytes_written'] / GB:.2f} GB, on disk {s['disk_bytes'] / GB:.2f} GB, "
+              f"{s['disk_bytes'] / s['seconds'] / GB:.2f} GB/s"
               + (f", peak device +{s['peak_device_bytes'] / GB:.2f} GB" if s["peak_device_bytes"] is not None else ""))
-    print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
+    if r["ratio"] is None:
+        print("disk bound 0 s: every bucket is in the host cache")
+    else:
+        print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
     print(f"{r['compression']}; {r['state']} state: on disk read {r['disk_bytes_read'] / GB:.2f} GB, written "
           f"{r['disk_bytes_written'] / GB:.2f} GB per step ({r['stored_ratio']:.2f}x smaller than the state); "
           f"1000 steps write {r['disk_bytes_written_per_1000_steps'] / 1e12:.2f} TB")

@@ -138,7 +138,8 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         building.store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
                                      settings.rank_dir.subdir("optim"), bucket_numel=settings.bucket_numel,
                                      moment_dtype=settings.config.stream_optimizer_state_moment_dtype,
-                                     device=device, chunk_bytes=settings.config.chunk_bytes, compression=codec)
+                                     device=device, chunk_bytes=settings.config.chunk_bytes, compression=codec,
+                                     host_cache_bytes=settings.config.host_cache_bytes)
         result = tuple([[] for _ in opt_group_ranges] for _ in range(5))
         mains = _one_at_a_time(super()._build_model_and_main_param_groups, gbuf_ranges, param_gbuf_map,
                                opt_group_ranges, config, result)

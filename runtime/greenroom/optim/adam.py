@@ -25,13 +25,14 @@ params the step updates, no I/O. fp32 params are their own master and need no ru
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, Iterable
 
 import torch
 
 from greenroom.compression import resolve as resolve_compression
-from greenroom.config import MIB, OffloadConfig
+from greenroom.config import GB, MIB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
@@ -58,6 +59,8 @@ class StreamingAdam(torch.optim.Optimizer):
         bucket_numel: elements per bucket (a larger param gets a bucket of its own).
         moment_dtype: storage dtype of both moments, ``greenroom.config.MOMENT_DTYPES``.
         chunk_mb: the pinned host staging of this optimizer's I/O, MiB.
+        host_cache_gb: host memory (GB, 1e9 bytes) that keeps whole buckets off the disk
+            (``--stream-optimizer-state-host-cache-gb``; ``BucketStore`` Note [host cache]).
         resident_numel: fp32 params of at most this many elements stay resident.
         fused, foreach: torch's AdamW implementation to use; default fused on CUDA,
             foreach on the CPU (torch.optim.AdamW defaults to foreach on CUDA and its
@@ -75,7 +78,7 @@ class StreamingAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dir: str | RankDir,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, moment_dtype: str = "fp32", chunk_mb: int = 256,
-                 resident_numel: int = RESIDENT_NUMEL, fused: bool | None = None,
+                 host_cache_gb: float = 0.0, resident_numel: int = RESIDENT_NUMEL, fused: bool | None = None,
                  foreach: bool | None = None, compression: str = "auto") -> None:
         if not 0.0 <= lr:
             raise ConfigError(f"StreamingAdam: invalid lr {lr!r}: must be >= 0")
@@ -88,6 +91,9 @@ class StreamingAdam(torch.optim.Optimizer):
             raise ConfigError(f"StreamingAdam: invalid weight_decay {weight_decay!r}: must be >= 0")
         if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, int) or chunk_mb <= 0:
             raise ConfigError(f"StreamingAdam: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
+        if (isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, (int, float))
+                or not 0 <= host_cache_gb < math.inf):
+            raise ConfigError(f"StreamingAdam: host_cache_gb must be a finite number of GB >= 0, got {host_cache_gb!r}")
         self._store: BucketStore | None = None
         self.resident_numel = resident_numel
         self.streamed: list[torch.Tensor] = []  # the param of each store entry
@@ -110,7 +116,8 @@ class StreamingAdam(torch.optim.Optimizer):
         codec, self.compression_line = resolve_compression(compression, cuda=self.device.type == "cuda",
                                                            chunk_bytes=chunk_mb * MIB)
         self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
-                                  device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec)
+                                  device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
+                                  host_cache_bytes=int(host_cache_gb * GB))
         self._grad_scratch: torch.Tensor | None = None
         self.initialize_state()
 
@@ -141,13 +148,14 @@ class StreamingAdam(torch.optim.Optimizer):
     @classmethod
     def from_config(cls, params: Iterable, config: OffloadConfig, rank_dir: str | RankDir,
                     **kwargs) -> "StreamingAdam":
-        """Build from the seed's flags: moment dtype and chunk size from ``config``;
+        """Build from the seed's flags: moment dtype, chunk size and host cache from ``config``;
         ``kwargs`` are the AdamW hyperparameters (and ``bucket_numel`` etc.)."""
         if not config.stream_optimizer_state_to_disk:
             raise ConfigError("StreamingAdam.from_config: the config does not set --stream-optimizer-state-to-disk")
         return cls(params, state_dir=rank_dir, moment_dtype=config.stream_optimizer_state_moment_dtype,
                    chunk_mb=config.offload_train_disk_chunk_mb,
-                   compression=config.offload_train_disk_compression, **kwargs)
+                   compression=config.offload_train_disk_compression,
+                   host_cache_gb=config.stream_optimizer_state_host_cache_gb, **kwargs)
 
     # -- facts ------------------------------------------------------------------------
     @property

@@ -90,7 +90,7 @@ def save_checkpoint(opt, path: str) -> None:
         warnings.warn(f"{path}: {said}", stacklevel=3)
     try:
         store = opt.store
-        store.engine.drain()
+        store.flush()  # the cached buckets' files are stale until written out
         files = {}
         for bucket in store.buckets:
             name = os.path.basename(store.path(bucket.index))
@@ -200,6 +200,7 @@ def load_checkpoint(opt, path: str, *, no_load_optim: bool = False) -> None:
     for bucket in store.buckets:
         name = os.path.basename(store.path(bucket.index))
         copy_file(os.path.join(path, name), store.path(bucket.index), bucket.file_bytes)
+    store.refill_host_cache()
     resident = torch.load(os.path.join(path, RESIDENT), weights_only=True)
     params = {opt.param_key(p): p for g in opt.param_groups for p in g["params"]}
     opt.state.clear()

@@ -118,7 +118,7 @@ def export_state_dict(opt: StreamingAdam) -> dict:
     """The state dict; see Note [state dict views]."""
     moment_dtype = _view_dtype(opt, "state_dict()")
     store = opt.store
-    store.engine.drain()  # every write-back is in the files before they are mapped
+    store.flush()  # every write-back, and every cached bucket, is in the files before they are mapped
     index = {id(p): i for i, p in enumerate(_param_list(opt))}
     where = {}  # id(param) -> (bucket, position in the bucket)
     for bucket in store.buckets:

@@ -32,12 +32,31 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
 - ``initialize()`` is bounded the same way: one bucket is assembled on the device,
   written to its final file, synced and its pages dropped before the next one starts;
   no copy of the whole state ever exists on the device or the host.
+- ``host_cache_bytes`` (``--stream-optimizer-state-host-cache-gb``): see Note [host cache].
+
+Note [host cache]: whole buckets, as many as fit in ``host_cache_bytes``, live in host
+memory (pinned when the store's device is CUDA) instead of going to the disk each step.
+Which: the buckets in order, each taken while it still fits (a bucket too large for
+what is left is skipped, a later smaller one may still be taken). Every cached byte
+saves the same disk traffic, two bytes a step (read and written back), so no choice
+saves more than filling the budget, and the order makes the choice plain from the
+layout. ``stream()`` copies a cached bucket host -> device buffer and back on a copy
+stream, overlapped as the disk path is, and never touches its file. The files of cached
+buckets stay preallocated (running out of space is still a setup error) but go stale
+while the run lives: ``initialize``/``overwrite`` fill the cache instead of the file,
+and every step writes back to the cache. So whatever reads the files around the
+stream (a checkpoint's copy, the memory-mapped state dict) calls ``flush()`` first,
+which writes the stale ones out through the engine (checksummed, synced), and whatever
+replaces the files around the engine (a checkpoint's load) calls
+``refill_host_cache()``, which reads them back (verified). ``close()`` flushes, so the
+files hold the state afterwards. With ``host_cache_bytes`` 0 nothing of this runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -45,7 +64,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from greenroom.diskio import StateFile, TransferEngine, align_up
-from greenroom.errors import ConfigError
+from greenroom.errors import ConfigError, StorageError
+from greenroom.fs import human_bytes
 from greenroom.optim.codecs import moment_codecs
 
 DEFAULT_BUCKET_NUMEL = 200_000_000
@@ -194,6 +214,48 @@ class _DeviceBuffer:
             write.wait()
 
 
+class _HostCopy:
+    """A copy between a device buffer and the host cache, as ``stream`` waits for it
+    (the engine's ``Transfer`` for a file). A read lets the caller's stream go on once
+    the bytes are in; a write-back blocks the host until the device buffer is free."""
+
+    __slots__ = ("event", "stream")
+
+    def __init__(self, event=None, stream=None) -> None:
+        self.event, self.stream = event, stream  # None: a synchronous (CPU) copy, already over
+
+    def wait(self) -> None:
+        if self.event is None:
+            return
+        if self.stream is not None:
+            self.stream.wait_event(self.event)
+        else:
+            self.event.synchronize()
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch registers
+
+
+def _host_memory(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of page-aligned anonymous host memory as a uint8 tensor, registered with
+    CUDA (pinned) when ``pin``. Not torch's pinned allocator, which rounds each
+    allocation up to a power of two (a 2.4 GB bucket would take 4.3 GB); and not
+    torch-owned, so actor offload on a CPU device leaves it in place, as it does the
+    engine's own memory."""
+    memory = mmap.mmap(-1, nbytes)
+    tensor = torch.frombuffer(memory, dtype=torch.uint8)
+    if pin:
+        code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
+        if code != 0:
+            raise StorageError(f"--stream-optimizer-state-host-cache-gb: pinning {human_bytes(nbytes)} of host memory "
+                               f"failed (CUDA error {code}); use a smaller host cache")
+    return tensor
+
+
+def _unpin(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
 class BucketStore:
     """Per-bucket state files for ``entries`` in ``directory``, streamed to ``device``.
 
@@ -207,11 +269,15 @@ class BucketStore:
         chunk_bytes: staging host memory of the store's own ``TransferEngine``.
         compression: the frame codec of the bucket files (``greenroom.compression``), or
             None to store the bytes as they are.
+        host_cache_bytes: host memory for whole buckets kept off the disk (Note [host
+            cache]); 0, the default, keeps none.
     """
 
     def __init__(self, entries: Sequence[Entry], directory: str, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                  moment_dtype: str = "fp32", device: torch.device | str = "cpu", chunk_bytes: int = 256 << 20,
-                 compression=None) -> None:
+                 compression=None, host_cache_bytes: int = 0) -> None:
+        if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
+            raise ConfigError(f"host_cache_bytes must be a non-negative integer, got {host_cache_bytes!r}")
         self.entries = list(entries)
         self.directory = directory
         self.bucket_numel = bucket_numel
@@ -224,11 +290,17 @@ class BucketStore:
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self.host_cache_budget = host_cache_bytes
+        self.host_cache: dict[int, torch.Tensor] = {}  # bucket index -> its bytes (Note [host cache])
+        self._stale: set[int] = set()  # cached buckets whose file lags behind the cache
+        self._pinned = self.device.type == "cuda"
+        self._copy_stream = None
         self.engine = TransferEngine(chunk_bytes)
         self.files: list[StateFile] = []
         try:
             for bucket in self.buckets:
                 self.files.append(self._open_file(bucket))
+            self._cache_buckets(range(len(self.buckets)))
         except BaseException:
             # A failed setup (no space for bucket 7, say) leaves no file it created.
             try:
@@ -251,6 +323,11 @@ class BucketStore:
         return self.engine.write(raw, self.files[bucket.index], 0, element_sizes=tuple(sizes))
 
     # -- facts ----------------------------------------------------------------------
+    def disk_bytes(self, way: str) -> int:
+        """Bytes ``read`` from or ``written`` to the bucket files since they were opened:
+        the state's bytes, less what compression saved."""
+        return sum(getattr(f, f"disk_bytes_{way}") for f in self.files)
+
     def path(self, index: int) -> str:
         return os.path.join(self.directory, FILE_PATTERN.format(index))
 
@@ -258,6 +335,16 @@ class BucketStore:
     def state_bytes(self) -> int:
         """Bytes of all bucket files (what one full step reads, and writes)."""
         return sum(b.file_bytes for b in self.buckets)
+
+    @property
+    def host_cache_bytes(self) -> int:
+        """Host memory the cached buckets take (at most ``host_cache_budget``)."""
+        return sum(t.numel() for t in self.host_cache.values())
+
+    @property
+    def disk_bytes_per_step(self) -> int:
+        """Bytes of the files a full step reads (and writes back): the uncached buckets'."""
+        return sum(b.file_bytes for b in self.buckets if b.index not in self.host_cache)
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -285,7 +372,8 @@ class BucketStore:
     def initialize(self, source: Callable[[int], torch.Tensor] | Sequence[torch.Tensor]) -> None:
         """Fill every bucket: masters from ``source`` (entry index -> a tensor of the entry's
         shape, any dtype and device, read one at a time), moments zero. Bounded: one
-        bucket at a time on the device, each file synced and its pages dropped."""
+        bucket at a time on the device, each file synced and its pages dropped (a cached
+        bucket goes to its host memory instead, Note [host cache])."""
         get = source if callable(source) else source.__getitem__
         buffer = self._buffer(0)
         for bucket, file in zip(self.buckets, self.files):
@@ -296,16 +384,14 @@ class BucketStore:
                 for i, start in zip(bucket.entries, bucket.offsets):
                     n = self.entries[i].numel
                     master[start:start + n].copy_(get(i).detach().reshape(-1))
-            self._write(raw, bucket).wait()
-            self.bytes_written += bucket.file_bytes
-            file.sync()
+            self._store_bucket(bucket.index, raw)
 
     def overwrite(self, fill: Callable[[BucketState], None], indices: Sequence[int] | None = None) -> None:
         """Replace the contents of the buckets ``indices`` (default all), bounded like
         ``initialize``: each bucket starts zeroed on the device (zero master, zero
         moments), ``fill(state)`` sets what it has into the state's fp32 tensors, and the
-        bucket is encoded, written to its file, synced and its pages dropped before the
-        next one starts."""
+        bucket is encoded, written to its file (or its host memory, Note [host cache]),
+        synced and its pages dropped before the next one starts."""
         order = range(len(self.buckets)) if indices is None else indices
         buffer = self._buffer(0)
         for index in order:
@@ -315,9 +401,19 @@ class BucketStore:
             state = self._decode(index, buffer)
             fill(state)
             self._encode(state, buffer)
-            self._write(raw, bucket).wait()
-            self.bytes_written += bucket.file_bytes
-            self.files[index].sync()
+            self._store_bucket(index, raw)
+
+    def _store_bucket(self, index: int, raw: torch.Tensor) -> None:
+        """Put a whole bucket's bytes where it lives: its cache (the file goes stale), or
+        its file (written, synced, its pages dropped)."""
+        host = self.host_cache.get(index)
+        if host is not None:
+            host.copy_(raw)
+            self._stale.add(index)
+            return
+        self._write(raw, self.buckets[index]).wait()
+        self.bytes_written += self.buckets[index].file_bytes
+        self.files[index].sync()
 
     def extend(self, entries: Sequence[Entry]) -> list[int]:
         """Append ``entries`` in new buckets of their own (``add_param_group``); returns
@@ -340,7 +436,17 @@ class BucketStore:
         self.entries.extend(entries)
         self.buckets.extend(added)
         self.files.extend(files)
+        self._cache_buckets([b.index for b in added])  # what budget is left, by the same rule
         return [b.index for b in added]
+
+    def _cache_buckets(self, indices: Sequence[int]) -> None:
+        """Give the buckets ``indices`` host memory while the budget lasts (Note [host cache])."""
+        left = self.host_cache_budget - self.host_cache_bytes
+        for index in indices:
+            nbytes = self.buckets[index].data_bytes
+            if nbytes <= left:
+                self.host_cache[index] = _host_memory(nbytes, self._pinned)
+                left -= nbytes
 
     # -- the step -------------------------------------------------------------------
     def stream(self, indices: Sequence[int] | None = None) -> Iterator[BucketState]:
@@ -362,17 +468,81 @@ class BucketStore:
                 state = self._decode(index, buffer)
                 yield state
                 self._encode(state, buffer)
-                buffer.write = self._write(buffer.raw[:state.bucket.data_bytes], state.bucket)
-                self.bytes_written += state.bucket.file_bytes
+                buffer.write = self._submit_write(index, buffer)
         finally:
-            self.engine.drain()
-            for buffer in buffers:
-                buffer.write = None
+            try:
+                self.engine.drain()
+            finally:
+                self._sync_host_copies()
+                for buffer in buffers:
+                    buffer.write = None
 
     def _submit_read(self, index: int, buffer: _DeviceBuffer):
         bucket = self.buckets[index]
+        raw = buffer.raw[:bucket.data_bytes]
+        if index in self.host_cache:
+            return self._host_copy(raw, self.host_cache[index], to_device=True)
         self.bytes_read += bucket.file_bytes
-        return self.engine.read(buffer.raw[:bucket.data_bytes], self.files[index], 0)
+        return self.engine.read(raw, self.files[index], 0)
+
+    def _submit_write(self, index: int, buffer: _DeviceBuffer):
+        bucket = self.buckets[index]
+        raw = buffer.raw[:bucket.data_bytes]
+        if index in self.host_cache:
+            self._stale.add(index)
+            return self._host_copy(self.host_cache[index], raw, to_device=False)
+        self.bytes_written += bucket.file_bytes
+        return self._write(raw, bucket)
+
+    def _host_copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> _HostCopy:
+        """Copy between a device buffer and the host cache: on the CPU at once; on CUDA on
+        the store's copy stream, after what the caller's stream has queued, so it runs
+        beside the caller's update of the other buffer."""
+        if not (dst.is_cuda or src.is_cuda):
+            dst.copy_(src)
+            return _HostCopy()
+        current = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(current)
+        with torch.cuda.stream(self._copy_stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        # The caller's stream waits for a read on the device; a write-back's buffer is
+        # reused by the engine, which only orders after the caller's stream: the host waits.
+        return _HostCopy(done, current if to_device else None)
+
+    def _sync_host_copies(self) -> None:
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
+    # -- the files around the stream (Note [host cache]) ------------------------------
+    def flush(self) -> None:
+        """Make every bucket file hold the live state: drain I/O, then write the cached
+        buckets whose files are stale out through the engine (checksummed) and sync
+        them. Call it before reading the files around the stream."""
+        self.engine.drain()
+        self._sync_host_copies()
+        stale = sorted(self._stale)
+        for index in stale:
+            self._write(self.host_cache[index], self.buckets[index])
+        self.engine.drain()
+        for index in stale:
+            self.files[index].sync()
+            self.bytes_written += self.buckets[index].file_bytes
+            self._stale.discard(index)
+
+    def refill_host_cache(self) -> None:
+        """Read the cached buckets back from their files (verified against the files'
+        checksums): after the files were replaced around the engine (a checkpoint's load)."""
+        self.engine.drain()
+        self._sync_host_copies()
+        for index, host in self.host_cache.items():
+            self.engine.read(host, self.files[index], 0)
+            self.bytes_read += self.buckets[index].file_bytes
+        self.engine.drain()
+        self._stale.clear()
 
     def _decode(self, index: int, buffer: _DeviceBuffer) -> BucketState:
         bucket = self.buckets[index]
@@ -425,17 +595,27 @@ class BucketStore:
         try:
             self.engine.drain()
         finally:
+            self._sync_host_copies()
             self._buffers.clear()
             self._scratch.clear()
 
     def close(self) -> None:
-        """Drain I/O, close the files (they stay on disk) and free the device buffers."""
+        """Flush the host cache, drain I/O, close the files (they stay on disk, holding
+        the state) and free the device buffers and the host cache."""
         try:
-            self.release_device_buffers()
+            try:
+                self.flush()
+            finally:
+                self.release_device_buffers()
         finally:
             self.engine.close()
             for f in self.files:
                 f.close()
+            if self._pinned:
+                for host in self.host_cache.values():
+                    _unpin(host)
+            self.host_cache.clear()
+            self._stale.clear()
 
 
 __all__ = ["Bucket", "BucketState", "BucketStore", "DEFAULT_BUCKET_NUMEL", "Entry", "FILE_PATTERN", "Segment",

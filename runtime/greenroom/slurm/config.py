@@ -14,6 +14,7 @@ value with spaces there. Values that end up in shell commands are quoted with
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import signal
@@ -63,6 +64,10 @@ class TrainArgs:
     stream_optimizer_state_moment_dtype: str = "fp32"
     """``--stream-optimizer-state-moment-dtype``."""
 
+    stream_optimizer_state_host_cache_gb: float = 0.0
+    """``--stream-optimizer-state-host-cache-gb``: host memory per rank (GB) for whole
+    buckets kept off the disk; 0 (the default) leaves the flag out."""
+
     no_load_optim: bool = False
     """``--no-load-optim``: on resume accept a fresh optimizer state."""
 
@@ -90,6 +95,7 @@ class TrainArgs:
                                 offload_train_disk_compression=self.offload_train_disk_compression,
                                 stream_optimizer_state_to_disk=self.stream_optimizer_state_to_disk,
                                 stream_optimizer_state_moment_dtype=self.stream_optimizer_state_moment_dtype,
+                                stream_optimizer_state_host_cache_gb=self.stream_optimizer_state_host_cache_gb,
                                 no_load_optim=self.no_load_optim)
 
 
@@ -290,6 +296,9 @@ def _check_train(train: TrainArgs) -> None:
     if train.offload_train_disk_compression not in COMPRESSIONS:
         raise ConfigError(f"train.offload_train_disk_compression: expected one of {', '.join(COMPRESSIONS)}, "
                          f"got {train.offload_train_disk_compression!r}")
+    cache = train.stream_optimizer_state_host_cache_gb
+    if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache < math.inf:
+        raise ConfigError(f"train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got {cache!r}")
     if train.iterations is not None:
         _positive_int("train.iterations", train.iterations)
     if not isinstance(train.role, str) or not train.role or "/" in train.role:

@@ -391,11 +391,28 @@ class Trainer:
             count = o.staging_bytes_per_rank // o.chunk_bytes
             parts.append(f"staging {count} x {o.offload_train_disk_chunk_mb} MiB host memory per rank"
                          + (" (one per mechanism)" if count > 1 else ""))
+        if o.host_cache_bytes:
+            parts.append(self._host_cache_words())
         if self.rank_dir is not None:
             parts.append(f"rank dir {self.rank_dir.path}")
         if start:
             parts.append(f"resuming at iteration {start + 1}")
         return ", ".join(parts)
+
+    def _host_cache_words(self) -> str:
+        """What ``--stream-optimizer-state-host-cache-gb`` holds on this rank (whole buckets only)."""
+        store = self.optimizer.store
+        budget = f"{self.offload.stream_optimizer_state_host_cache_gb:g} GB"
+        pinned = "pinned host memory" if self.device.type == "cuda" else "host memory"
+        if not store.buckets:
+            return f"host cache {budget} unused: no param streams (all are small fp32 ones, kept on the device)"
+        if not store.host_cache:
+            smallest = min(b.data_bytes for b in store.buckets)
+            return (f"host cache {budget} holds no bucket (the smallest takes {smallest / GB:.3g} GB): "
+                    "every bucket streams from disk")
+        return (f"host cache {len(store.host_cache)} of {len(store.buckets)} buckets, "
+                f"{store.host_cache_bytes / GB:.3g} GB of {pinned} per rank (of {budget}), "
+                f"disk {store.disk_bytes_per_step / GB:.3g} GB each way per step")
 
     def _log(self, record: dict) -> None:
         if self.rank != 0:

@@ -47,7 +47,7 @@ trap 'exit 143' TERM
 reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway" >&2
 
 # -- Trainer
-trainer=(greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --role actor --no-progress --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
+trainer=(greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --offload-train-disk-compression auto --role actor --no-progress --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
 
 preempted=0
 # shellcheck disable=SC2329  # invoked by the trap below

@@ -55,7 +55,7 @@ trap 'exit 143' TERM
 reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway" >&2
 
 # -- Trainer
-trainer=(greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 512 --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32 --role actor --save /shared/checkpoints/greenroom-4n --no-progress --parallel fsdp --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
+trainer=(greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 512 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32 --role actor --save /shared/checkpoints/greenroom-4n --no-progress --parallel fsdp --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
 # A requeued job resumes from the last complete checkpoint: generation.json is written
 # last; a save killed mid-swap leaves the complete one at .new or .old, which --load settles.
 for complete in /shared/checkpoints/greenroom-4n/generation.json /shared/checkpoints/greenroom-4n.new/generation.json /shared/checkpoints/greenroom-4n.old/generation.json; do

@@ -50,7 +50,7 @@ trap 'exit 143' TERM
 reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway" >&2
 
 # -- Trainer
-trainer=(/opt/greenroom/venv/bin/greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype bf16 --iterations 200 --role actor --save /shared/checkpoints/greenroom-actor --no-progress --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
+trainer=(/opt/greenroom/venv/bin/greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype bf16 --iterations 200 --role actor --save /shared/checkpoints/greenroom-actor --no-progress --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
 # A requeued job resumes from the last complete checkpoint: generation.json is written
 # last; a save killed mid-swap leaves the complete one at .new or .old, which --load settles.
 for complete in /shared/checkpoints/greenroom-actor/generation.json /shared/checkpoints/greenroom-actor.new/generation.json /shared/checkpoints/greenroom-actor.old/generation.json; do

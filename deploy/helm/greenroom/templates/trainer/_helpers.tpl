@@ -20,6 +20,10 @@
 - --stream-optimizer-state-to-disk
 - --stream-optimizer-state-moment-dtype
 - {{ $v.streamOptimizerState.momentDtype | quote }}
+{{- if $v.streamOptimizerState.hostCacheGb }}
+- --stream-optimizer-state-host-cache-gb
+- {{ $v.streamOptimizerState.hostCacheGb | quote }}
+{{- end }}
 {{- end }}
 {{- if $v.noLoadOptim }}
 - --no-load-optim
