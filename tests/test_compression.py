@@ -1,0 +1,242 @@
+"""The frame codec layer of the I/O engine (greenroom.compression), on the host codec.
+
+The CI machines have no GPU, so these run ``zstd`` (the same frame format, header and
+records as ``nvcomp-ans``, which tests/test_diskio.py's CUDA cases and the GPU benches
+cover). Every round trip is compared with ``torch.equal`` on the bytes.
+"""
+
+import os
+
+import pytest
+import torch
+
+from greenroom import compression
+from greenroom.diskio import EXTENT, StateFile, TransferEngine, align_up
+from greenroom.errors import CheckpointError, ConfigError, IntegrityError
+
+CHUNK = 8 << 20  # 2 MiB staging buffers: transfers span several chunks and frames
+
+
+@pytest.fixture(scope="module")
+def zstd():
+    return compression.resolve("zstd", cuda=False, chunk_bytes=CHUNK)[0]
+
+
+def _compressible(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:
+        return torch.randint(0, 4, (n,), dtype=torch.uint8, generator=g)  # 2 bits of entropy per byte
+    return (torch.randn(n, generator=g) * 1e-3).to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["o_direct_if_possible", "buffered"])
+@pytest.mark.parametrize("checksums", ["memory", "file"])
+@pytest.mark.parametrize("dtype, n", [(torch.float32, 3_000_001), (torch.bfloat16, 777_777), (torch.float16, 5),
+                                      (torch.float64, 300_000), (torch.uint8, 4097), (torch.int32, EXTENT // 4)])
+def test_round_trips_are_bit_exact_for_every_dtype_and_odd_size(tmp_path, zstd, direct, checksums, dtype, n):
+    t = _compressible(dtype, n)
+    f = StateFile(str(tmp_path / "state"), t.numel() * t.element_size(), checksums=checksums, compression=zstd,
+                  direct=direct)
+    with f, TransferEngine(CHUNK) as engine:
+        engine.write(t, f, 0).wait()
+        back = torch.empty_like(t)
+        engine.read(back, f, 0).wait()
+        assert torch.equal(_bytes(back), _bytes(t))
+        assert f.disk_bytes_read < f.disk_bytes_written + StateFile.table_bytes(f.size, compressed=True) + 1
+        if n > 100_000:  # whole frames of low-entropy bytes shrink
+            assert f.disk_bytes_written < t.numel() * t.element_size()
+
+
+def test_a_transfer_at_an_unaligned_extent_offset_and_one_beside_it(tmp_path, zstd):
+    # Two ranges of one file (the actor's offload file): the first ends inside an extent
+    # that the second begins in, so frames of both live in one extent.
+    a, b = _compressible(torch.float32, 400_000, 1), _compressible(torch.bfloat16, 900_001, 2)
+    off_b = align_up(a.numel() * 4)
+    with StateFile(str(tmp_path / "state"), off_b + b.numel() * 2, compression=zstd) as f, \
+            TransferEngine(CHUNK) as engine:
+        engine.write(a, f, 0).wait()
+        engine.write(b, f, off_b).wait()
+        back_a, back_b = torch.empty_like(a), torch.empty_like(b)
+        engine.read(back_b, f, off_b).wait()
+        engine.read(back_a, f, 0).wait()
+    assert torch.equal(_bytes(back_a), _bytes(a)) and torch.equal(_bytes(back_b), _bytes(b))
+
+
+def test_an_incompressible_frame_is_stored_raw(tmp_path, zstd):
+    t = torch.randint(0, 256, (3 * EXTENT + 1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    with StateFile(str(tmp_path / "state"), t.numel(), compression=zstd) as f, TransferEngine(CHUNK) as engine:
+        engine.write(t, f, 0).wait()
+        stored = f.recorded_stored(0, align_up(t.numel()))
+        assert stored.tolist() == [EXTENT, EXTENT, EXTENT, 1000]  # every frame raw: no header
+        assert f.disk_bytes_written == align_up(t.numel())
+        back = torch.empty_like(t)
+        engine.read(back, f, 0).wait()
+    assert torch.equal(back, t)
+    with open(f.path, "rb") as raw:  # raw frames are the bytes themselves
+        assert raw.read(EXTENT) == t[:EXTENT].numpy().tobytes()
+
+
+def _first_stored_frame(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(compression.HEADER_BYTES)
+
+
+@pytest.mark.parametrize("verify", ["1", "0"])
+def test_a_corrupted_stored_frame_is_detected_naming_the_file_and_offset(tmp_path, zstd, monkeypatch, verify):
+    # With verification on the engine's sums catch it; off (measurement only), the
+    # codec's own checksum of the raw bytes still does.
+    monkeypatch.setenv("GREENROOM_VERIFY", verify)
+    t = _compressible(torch.float32, 2 * EXTENT // 4)
+    path = str(tmp_path / "state")
+    with StateFile(path, t.numel() * 4, compression=zstd) as f, TransferEngine(CHUNK) as engine:
+        engine.write(t, f, 0).wait()
+        assert _first_stored_frame(path).startswith(compression.MAGIC)
+        stored = int(f.recorded_stored(0, t.numel() * 4)[1])
+        flip_at = EXTENT + stored // 2  # inside the second frame's payload
+        fd = os.open(path, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, flip_at)
+            os.pwrite(fd, bytes([byte[0] ^ 0x20]), flip_at)
+        finally:
+            os.close(fd)
+        with pytest.raises(IntegrityError) as err:
+            engine.read(torch.empty_like(t), f, 0).wait()
+    message = str(err.value)
+    assert "\n" not in message and path in message and f"offset {EXTENT}" in message
+
+
+def test_a_damaged_header_is_refused(tmp_path, zstd):
+    t = _compressible(torch.float32, EXTENT // 4)
+    path = str(tmp_path / "state")
+    with StateFile(path, t.numel() * 4, compression=zstd, checksums="memory") as f, \
+            TransferEngine(CHUNK, verify=False) as engine:
+        engine.write(t, f, 0).wait()
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.pwrite(fd, b"XXXX", 0)  # the magic
+        finally:
+            os.close(fd)
+        with pytest.raises(IntegrityError, match="header does not match"):
+            engine.read(torch.empty_like(t), f, 0).wait()
+
+
+def test_none_stores_the_bytes_exactly_as_before(tmp_path):
+    # compression None: the file is the tensor's bytes, then the checksum table, with the
+    # sizes the layout had before compression existed.
+    t = _compressible(torch.float32, 1_000_003)
+    nbytes = t.numel() * 4
+    assert StateFile.file_bytes(nbytes, checksums="file") == align_up(nbytes) + align_up(
+        (align_up(nbytes) + EXTENT - 1) // EXTENT * 8)
+    path = str(tmp_path / "state")
+    with StateFile(path, nbytes, checksums="file") as f, TransferEngine(CHUNK) as engine:
+        engine.write(t, f, 0).wait()
+    with open(path, "rb") as raw:
+        data = raw.read()
+    assert len(data) == StateFile.file_bytes(nbytes, checksums="file")
+    assert data[:nbytes] == t.numpy().tobytes() and data[nbytes:align_up(nbytes)] == bytes(align_up(nbytes) - nbytes)
+
+
+def test_flags_resolve_in_one_line_each():
+    assert compression.resolve("none", cuda=False, chunk_bytes=CHUNK)[0] is None
+    codec, line = compression.resolve("auto", cuda=False, chunk_bytes=CHUNK)
+    assert codec is None and "zstd" in line and "\n" not in line  # auto never picks the slow host codec
+    codec, line = compression.resolve("auto", cuda=True, chunk_bytes=1 << 20)
+    assert codec is None and "under 4 MiB" in line
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        compression.resolve("nvcomp-ans", cuda=False, chunk_bytes=CHUNK)
+    with pytest.raises(ConfigError, match="chunk-mb 4 or more"):
+        compression.resolve("zstd", cuda=False, chunk_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="expected one of"):
+        compression.resolve("lz4", cuda=False, chunk_bytes=CHUNK)
+
+
+def _adamw_and_streaming(tmp_path, compression_name: str, name: str = "optim"):
+    from greenroom.optim import StreamingAdam
+
+    torch.manual_seed(0)
+    shapes = [(300, 700), (1000,), (512, 513)]
+    ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    adamw = torch.optim.AdamW(ref, lr=1e-2, foreach=True)
+    opt = StreamingAdam(ours, lr=1e-2, state_dir=str(tmp_path / name), bucket_numel=200_000, chunk_mb=8,
+                        resident_numel=0, compression=compression_name)
+    return ref, ours, adamw, opt
+
+
+def _step(params_pairs, optimizers, seed):
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(p.shape, generator=g) for p in params_pairs[0]]
+    for params, opt in zip(params_pairs, optimizers):
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        opt.step()
+
+
+def test_streaming_adam_with_compressed_buckets_is_bit_identical_to_adamw(tmp_path):
+    ref, ours, adamw, opt = _adamw_and_streaming(tmp_path, "zstd")
+    try:
+        assert opt.compression_line == "compression: zstd" and opt.store.layout()["compression"] == "zstd"
+        for i in range(4):
+            _step((ref, ours), (adamw, opt), i)
+        assert all(torch.equal(a, b) for a, b in zip(ref, ours))
+        assert opt.store.disk_bytes("written") < opt.store.bytes_written  # the moments shrink
+        exported, expected = opt.state_dict(), adamw.state_dict()
+        for i, state in expected["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(exported["state"][i][key], state[key])
+    finally:
+        opt.close()
+
+
+def test_a_compressed_checkpoint_loads_and_a_mismatched_codec_is_refused(tmp_path):
+    ref, ours, adamw, opt = _adamw_and_streaming(tmp_path, "zstd")
+    ckpt = str(tmp_path / "ckpt")
+    try:
+        for i in range(2):
+            _step((ref, ours), (adamw, opt), i)
+        opt.save_checkpoint(ckpt)
+    finally:
+        opt.close()
+    _, resumed_params, _, resumed = _adamw_and_streaming(tmp_path, "zstd", "resumed")
+    try:
+        for p, q in zip(resumed_params, ours):
+            p.data.copy_(q)
+        resumed.load_checkpoint(ckpt)
+        for i in range(2, 4):
+            _step((ref, resumed_params), (adamw, resumed), i)
+        assert all(torch.equal(a, b) for a, b in zip(ref, resumed_params))
+    finally:
+        resumed.close()
+    _, _, _, plain = _adamw_and_streaming(tmp_path, "none", "plain")
+    try:
+        with pytest.raises(CheckpointError) as err:
+            plain.load_checkpoint(ckpt)
+        assert "--offload-train-disk-compression zstd" in str(err.value) and "\n" not in str(err.value)
+    finally:
+        plain.close()
+
+
+def test_disk_offload_with_compression_restores_every_byte(tmp_path):
+    from greenroom.actor import build_offloader
+    from greenroom.config import OffloadConfig
+    from greenroom.rankdir import RankDir
+
+    config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=str(tmp_path),
+                           offload_train_disk_chunk_mb=8, offload_train_disk_compression="zstd")
+    with RankDir(str(tmp_path), role="actor", rank=0) as rank_dir:
+        offloader = build_offloader(config, rank_dir, device="cpu", backend="portable", scope="tracked")
+        with offloader:
+            weights = _compressible(torch.bfloat16, 3_000_000)
+            noise = torch.randint(0, 256, (EXTENT + 5,), dtype=torch.uint8)
+            expected = [weights.clone(), noise.clone()]
+            offloader.track([weights, noise])
+            for _ in range(2):
+                offloader.sleep()
+                offloader.wake()
+                assert torch.equal(_bytes(weights), _bytes(expected[0])) and torch.equal(noise, expected[1])
+            written = offloader._mover._file.disk_bytes_written
+    assert written < 2 * (weights.numel() * 2 + noise.numel())  # two sleeps, the weights compressed
