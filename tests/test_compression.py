@@ -240,3 +240,23 @@ def test_disk_offload_with_compression_restores_every_byte(tmp_path):
                 assert torch.equal(_bytes(weights), _bytes(expected[0])) and torch.equal(noise, expected[1])
             written = offloader._mover._file.disk_bytes_written
     assert written < 2 * (weights.numel() * 2 + noise.numel())  # two sleeps, the weights compressed
+
+
+def test_plan_reports_the_expected_stored_bytes_beside_the_raw_size(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    def plan(codec: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "greenroom.cli", "plan", "--offload-train", "--offload-train-target",
+                              "disk", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(tmp_path),
+                              "--params", "1e6", "--offload-train-disk-compression", codec, "--json"],
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out)
+
+    plain, packed = plan("none"), plan("zstd")
+    assert plain["stored_bytes_per_rank"] == plain["disk_bytes_per_rank"]
+    assert packed["disk_bytes_per_rank"] == plain["disk_bytes_per_rank"]  # files keep their raw size
+    expected = 4e6 / compression.expected_ratio("zstd", "bf16 weights")  # the paused actor's weights + grads
+    assert packed["stored_bytes_per_rank"]["offload"] == int(expected)
+    assert packed["stored_bytes_per_rank"]["total"] < plain["disk_bytes_per_rank"]["total"]

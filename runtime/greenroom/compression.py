@@ -232,6 +232,23 @@ class NvcompPlanes:
             stream.synchronize()
 
 
+# Stored bytes per raw byte expected on a trained model's state, per kind of tensor: what
+# ``greenroom plan`` reports. nvcomp-ans: the issue's measurement on a 207M-param Llama
+# after 5 AdamW steps (H200, nvCOMP 6.0, byte planes); zstd: a 2-layer MLP after 20 AdamW
+# steps (docs/benchmarks.md). Kinds not measured count as incompressible.
+EXPECTED_RATIO = {
+    "nvcomp-ans": {"fp32 master": 1.16, "fp32 exp_avg": 1.30, "fp32 exp_avg_sq": 1.36, "bf16 weights": 1.44,
+                   "bf16 exp_avg": 1.60, "bf16 exp_avg_sq": 1.77},
+    "zstd": {"fp32 master": 1.20, "fp32 exp_avg": 1.19, "fp32 exp_avg_sq": 1.29, "bf16 weights": 1.49,
+             "bf16 exp_avg": 1.47, "bf16 exp_avg_sq": 1.47},
+}
+
+
+def expected_ratio(codec_name: str | None, kind: str) -> float:
+    """How many times smaller ``kind`` (say "fp32 master") is expected to be on disk."""
+    return EXPECTED_RATIO.get(codec_name or "", {}).get(kind, 1.0)
+
+
 _BATCH_ALIGN = 256
 
 

@@ -13,7 +13,8 @@ import os
 import sys
 
 from greenroom import fs
-from greenroom.config import GB, OffloadConfig, add_arguments, streamed_bytes_per_param
+from greenroom.compression import expected_ratio
+from greenroom.config import GB, OffloadConfig, add_arguments, moment_bytes_per_element, streamed_bytes_per_param
 from greenroom.errors import ConfigError
 from greenroom.rankdir import rank_dir_path
 
@@ -37,6 +38,20 @@ def build_plan(config: OffloadConfig, *, world_size: int, params: int, nproc_per
         if not config.stream_optimizer_state_to_disk:
             offload_per_rank += shard * RESIDENT_OPTIMIZER_BYTES_PER_PARAM
     per_rank = stream_per_rank + offload_per_rank
+    codec = _planned_codec(config.offload_train_disk_compression)
+    moments = config.stream_optimizer_state_moment_dtype
+    stored_stream = 0.0
+    if config.stream_optimizer_state_to_disk:
+        each = shard * moment_bytes_per_element(moments)
+        stored_stream = (shard * 4 / expected_ratio(codec, "fp32 master")
+                         + each / expected_ratio(codec, f"{moments} exp_avg")
+                         + each / expected_ratio(codec, f"{moments} exp_avg_sq"))
+    stored_offload = 0.0
+    if config.offload_to_disk:
+        stored_offload = params * ACTOR_BYTES_PER_PARAM / expected_ratio(codec, "bf16 weights")
+        if not config.stream_optimizer_state_to_disk:
+            stored_offload += shard * (4 / expected_ratio(codec, "fp32 master") + 4 / expected_ratio(codec, "fp32 exp_avg")
+                                       + 4 / expected_ratio(codec, "fp32 exp_avg_sq"))
     # Whole buckets only, so up to this much; the bucket files stay preallocated on disk.
     host_cache = int(min(config.host_cache_bytes, stream_per_rank))
     plan = {
@@ -52,6 +67,11 @@ def build_plan(config: OffloadConfig, *, world_size: int, params: int, nproc_per
         "disk_bytes_per_rank": {"streaming": int(stream_per_rank), "offload": int(offload_per_rank),
                                 "total": int(per_rank)},
         "disk_bytes_per_node": int(per_rank * nproc_per_node),
+        # Files stay preallocated at the raw size (so "fits" counts raw bytes); what
+        # each sleep or step moves is expected to be this (greenroom.compression).
+        "compression": codec or "none",
+        "stored_bytes_per_rank": {"streaming": int(stored_stream), "offload": int(stored_offload),
+                                  "total": int(stored_stream + stored_offload)},
     }
     if config.uses_disk:
         root = config.offload_train_disk_dir
@@ -64,6 +84,12 @@ def build_plan(config: OffloadConfig, *, world_size: int, params: int, nproc_per
             "fits": free >= per_rank * nproc_per_node,
         })
     return plan
+
+
+def _planned_codec(choice: str) -> str | None:
+    """The codec the ranks will run: ``auto`` plans for nvCOMP, since training runs on
+    GPU nodes (the node's header line says if it does not load there)."""
+    return {"auto": "nvcomp-ans", "none": None}.get(choice, choice)
 
 
 def print_plan(plan: dict) -> None:
@@ -91,6 +117,11 @@ def print_plan(plan: dict) -> None:
     print("rank dirs:  " + ", ".join(plan["rank_dirs"][:2]) + (" ..." if len(plan["rank_dirs"]) > 2 else ""))
     print(f"disk per rank: {fs.human_bytes(d['total'])} (streamed state {fs.human_bytes(d['streaming'])}, "
           f"paused actor {fs.human_bytes(d['offload'])}) for {plan['params']:,} params over {plan['world_size']} rank(s)")
+    stored = plan["stored_bytes_per_rank"]
+    if plan["compression"] != "none" and d["total"]:
+        print(f"compression: {plan['compression']}: a step or sleep is expected to move "
+              f"{fs.human_bytes(stored['total'])} per rank instead of {fs.human_bytes(d['total'])} "
+              f"({d['total'] / stored['total']:.2f}x less; the files keep their full size)")
     need, free = plan["disk_bytes_per_node"], plan["free_bytes"]
     verdict = "OK" if plan["fits"] else "DOES NOT FIT"
     print(f"verdict:    {verdict}: {plan['nproc_per_node']} rank(s) on this node need {fs.human_bytes(need)}, "
