@@ -24,11 +24,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-import warnings
 
 import torch
 
 from greenroom.errors import CheckpointError
+from greenroom.log import get_logger
 from greenroom.megatron.layout import ShardEntry, Topology
 from greenroom.optim import checkpoint as engine_checkpoint
 from greenroom.optim import kernel
@@ -38,6 +38,7 @@ SUBDIR = "greenroom_optim"
 SIDECAR_FORMAT = "greenroom-megatron-shards"
 SIDECAR_VERSION = 1
 _JSON_SCALARS = (bool, int, float, str, type(None))
+log = get_logger(__name__)
 
 
 def state_dir(checkpoint_dir: str, index: int, rank: int) -> str:
@@ -71,9 +72,8 @@ def locate(checkpoint_dir: str, index: int, rank: int, *, no_load_optim: bool) -
     """The state dir and sidecar record of optimizer ``index`` on ``rank``; None (with a
     warning) when the checkpoint has no streamed state and ``no_load_optim`` is set."""
     if no_load_optim:
-        warnings.warn(f"no_load_optim: not loading the streamed optimizer state from {checkpoint_dir}; starting "
-                      "a fresh optimizer state (fp32 mains from the current weights, zero moments, step 0)",
-                      stacklevel=3)
+        log.warning(f"no_load_optim: not loading the streamed optimizer state from {checkpoint_dir}; starting "
+                    "a fresh optimizer state (fp32 mains from the current weights, zero moments, step 0)")
         return None
     root = os.path.join(checkpoint_dir, SUBDIR)
     if not os.path.isdir(root):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import warnings
 import zlib
 
 import torch
@@ -35,6 +34,7 @@ import torch
 from greenroom import publish
 from greenroom.diskio import pread_all, pwrite_all
 from greenroom.errors import CheckpointError, StorageError
+from greenroom.log import get_logger
 from greenroom.tensors import local_tensor
 from greenroom.rankdir import write_json_atomic
 
@@ -43,6 +43,7 @@ RESIDENT = "resident.pt"
 FORMAT = "greenroom-streamed-adam"
 VERSION = 1
 PIECE = 64 << 20
+log = get_logger(__name__)
 
 
 # -- what the checkpoint records ------------------------------------------------------
@@ -87,7 +88,7 @@ def save_checkpoint(opt, path: str) -> None:
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp, said = publish.stage(path)
     if said:
-        warnings.warn(f"{path}: {said}", stacklevel=3)
+        log.warning(f"{path}: {said}")
     try:
         store = opt.store
         store.engine.drain()
@@ -187,13 +188,13 @@ def file_crc32(path: str, size: int) -> str:
 def load_checkpoint(opt, path: str, *, no_load_optim: bool = False) -> None:
     """Restore ``opt`` from ``path`` after verifying it matches; see the module docstring."""
     if no_load_optim:
-        warnings.warn(f"no_load_optim: not loading the optimizer state from {path}; starting a fresh "
-                      "optimizer state (masters from the current params, zero moments, step 0)", stacklevel=3)
+        log.warning(f"no_load_optim: not loading the optimizer state from {path}; starting a fresh "
+                    "optimizer state (masters from the current params, zero moments, step 0)")
         opt.initialize_state()
         return
     said = publish.recover(os.path.abspath(path))
     if said:
-        warnings.warn(f"{path}: {said}", stacklevel=3)
+        log.warning(f"{path}: {said}")
     manifest = read_manifest(path)
     verify(opt, path, manifest)
     store = opt.store
