@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,10 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
     def __init__(self, *args, **kwargs) -> None:
         settings = _SETTINGS.get()
         if settings is None:
-            raise GreenroomError("construct StreamingDistributedOptimizer through greenroom.megatron.streaming()")
+            elsewhere = _swapping_thread not in (None, threading.get_ident())
+            raise GreenroomError("construct StreamingDistributedOptimizer through greenroom.megatron.streaming()" + (
+                ": another thread is inside a streaming() block, and until it ends megatron builds this class "
+                "in every thread; build a process's megatron optimizers from one thread" if elsewhere else ""))
         # By name, through megatron's own signature: its positional order has changed
         # between releases.
         given = inspect.signature(DistributedOptimizer.__init__).bind(self, *args, **kwargs).arguments
@@ -431,6 +435,22 @@ def _sync_hyperparams(inner, resident) -> None:
 
 _SETTINGS: contextvars.ContextVar = contextvars.ContextVar("greenroom_megatron_settings", default=None)
 
+# Note [the class swap]: megatron-core (0.16.1, and its main branch as of 2026-12) builds
+# its DistributedOptimizer by calling the name ``DistributedOptimizer`` of
+# ``megatron.core.optimizer`` inside a private helper of ``get_megatron_optimizer``, and
+# offers no setting or hook for the class. The other ways in are worse: building the optimizer ourselves means copying
+# get_megatron_optimizer (its process groups, dense/expert split and chaining) and calling
+# its private helpers, whose signatures change between releases; converting a stock
+# optimizer afterwards means all its fp32 mains were on the GPU at once, the peak the
+# bounded initialization exists to avoid. So ``streaming()`` rebinds that one name for
+# the length of the block and restores it in a ``finally``, whatever construction
+# raised. The name is process-wide: blocks in several threads take a lock and run one
+# after another (a nested block in one thread restores what it found), and a thread that
+# builds a megatron optimizer outside any block while another is inside one gets the
+# streaming class, which refuses in one line because that thread has no settings.
+_SWAP_LOCK = threading.RLock()
+_swapping_thread: int | None = None  # the thread inside a streaming() block, if any
+
 
 @contextlib.contextmanager
 def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
@@ -439,24 +459,29 @@ def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BU
         with greenroom.megatron.streaming(config, rank_dir):
             optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
 
-    The block swaps megatron's ``DistributedOptimizer`` name for the streaming subclass
-    while it lasts; the optimizer objects it returns are ordinary DistributedOptimizers
-    (and ChainedOptimizers of them) to the rest of megatron.
+    While the block lasts megatron's ``DistributedOptimizer`` name means the streaming
+    subclass (see Note [the class swap]); the optimizer objects it returns are ordinary
+    DistributedOptimizers (and ChainedOptimizers of them) to the rest of megatron.
     """
+    global _swapping_thread
     settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel)
     if not config.stream_optimizer_state_to_disk:
         raise ConfigError("greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "
                          "(OffloadConfig.stream_optimizer_state_to_disk=True)")
     import megatron.core.optimizer as mcore_optimizer
 
-    token = _SETTINGS.set(settings)
-    saved = mcore_optimizer.DistributedOptimizer
-    mcore_optimizer.DistributedOptimizer = StreamingDistributedOptimizer
-    try:
-        yield settings
-    finally:
-        mcore_optimizer.DistributedOptimizer = saved
-        _SETTINGS.reset(token)
+    with _SWAP_LOCK:
+        outer = _swapping_thread
+        _swapping_thread = threading.get_ident()
+        token = _SETTINGS.set(settings)
+        saved = mcore_optimizer.DistributedOptimizer
+        mcore_optimizer.DistributedOptimizer = StreamingDistributedOptimizer
+        try:
+            yield settings
+        finally:
+            mcore_optimizer.DistributedOptimizer = saved
+            _SETTINGS.reset(token)
+            _swapping_thread = outer
 
 
 def streaming_members(optimizer) -> list[StreamingDistributedOptimizer]:
