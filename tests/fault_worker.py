@@ -18,16 +18,11 @@ import os
 import struct
 import subprocess
 import sys
-import warnings
 
 import torch
 
 from greenroom.diskio import StateFile
 from greenroom.errors import GreenroomError
-
-# The portable backend's one-time note on what it cannot see is not part of the error
-# line these tests check.
-warnings.filterwarnings("ignore", message=r"actor offload \(portable backend\)")
 
 EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
 SHUTDOWN_NOLOGFLUSH = 2

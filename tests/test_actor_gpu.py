@@ -21,13 +21,33 @@ import torch
 from greenroom import OffloadConfig, actor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")]
 
-CHILD = """
-import os, torch
+
+def _child_env(extra: dict) -> dict:
+    """This environment plus ``extra``, with this checkout's runtime first on PYTHONPATH."""
+    return {**os.environ, **extra,
+            "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "runtime"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _run(code: str, env_extra: dict, timeout: int = 300) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_child_env(env_extra),
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout.strip()
+
+
+# What every child script imports.
+IMPORTS = """
+import copy, os, sys, torch
 from greenroom import OffloadConfig, actor
+from greenroom.errors import GreenroomError
 from greenroom.rankdir import RankDir
 from greenroom.train.model import ModelConfig, Transformer
-config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
+"""
+
+CHILD = IMPORTS + """config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
                        offload_train_disk_chunk_mb=16)
 with RankDir({disk_dir!r}, role="actor") as rd, actor.build_offloader(config, rd, device="cuda",
                                                                         backend="tms") as off:
@@ -72,47 +92,27 @@ print("ok", off.last_sleep.nbytes, round(off.last_sleep.seconds, 3), round(off.l
 """
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("mover", ["greenroom", "tms"])
 @pytest.mark.parametrize("target", ["cpu", "disk"])
 def test_tms_sleep_wake_is_bit_exact_at_the_same_addresses(disk_dir, target, mover):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (runs on the GPU machine)")
     config = OffloadConfig(offload_train=True, offload_train_target=target, offload_train_disk_dir=disk_dir,
                            offload_train_disk_chunk_mb=16)
-    env = {**os.environ, **actor.launch_env(config, 0, job=f"gpu-{target}-{mover}", mover=mover),
-           "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "runtime"), os.environ.get("PYTHONPATH", "")])}
-    code = textwrap.dedent(CHILD).format(target=target, mover=mover, disk_dir=disk_dir)
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    print(target, mover, result.stdout.strip())
+    out = _run(CHILD.format(target=target, mover=mover, disk_dir=disk_dir),
+               actor.launch_env(config, 0, job=f"gpu-{target}-{mover}", mover=mover))
+    print(target, mover, out)
     assert os.listdir(disk_dir) == []
 
 
-@pytest.mark.gpu
 def test_greenroom_train_on_cuda_relaunches_under_the_hook_and_learns(disk_dir):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (runs on the GPU machine)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "runtime"),
-                                                        os.environ.get("PYTHONPATH", "")])}
     metrics = os.path.join(disk_dir, "m.jsonl")
     result = subprocess.run(
         [sys.executable, "-m", "greenroom.cli", "train", "--offload-train", "--offload-train-target", "disk",
          "--offload-train-disk-dir", os.path.join(disk_dir, "offload"), "--iterations", "4", "--no-progress",
-         "--metrics", metrics], env=env, capture_output=True, text=True, timeout=300)
+         "--metrics", metrics], env=_child_env({}), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(tms)" in result.stdout
     assert len(open(metrics).readlines()) == 4
     assert os.listdir(os.path.join(disk_dir, "offload")) == []
-
-
-def _run(code: str, env_extra: dict, timeout: int = 300) -> str:
-    env = {**os.environ, **env_extra,
-           "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "runtime"), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                            timeout=timeout)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result.stdout.strip()
 
 
 def _env(backend: str, target: str, disk_dir: str, job: str) -> dict:
@@ -122,13 +122,7 @@ def _env(backend: str, target: str, disk_dir: str, job: str) -> dict:
     return actor.launch_env(config, 0, job=job)
 
 
-PREAMBLE = """
-import copy, os, sys, torch
-from greenroom import OffloadConfig, actor
-from greenroom.errors import GreenroomError
-from greenroom.rankdir import RankDir
-from greenroom.train.model import ModelConfig, Transformer
-config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
+PREAMBLE = IMPORTS + """config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
                        offload_train_disk_chunk_mb=64)
 rd = RankDir({disk_dir!r}, role="actor").open()
 off = actor.build_offloader(config, rd, device="cuda", backend={backend!r})
@@ -178,12 +172,9 @@ print("ok", actor_bytes)
 """
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("target", ["cpu", "disk"])
 @pytest.mark.parametrize("backend", ["tms", "portable"])
 def test_untracked_state_comes_back_bit_exact_by_default(disk_dir, backend, target):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (runs on the GPU machine)")
     out = _run(COMPLETE.format(target=target, disk_dir=disk_dir, backend=backend),
                _env(backend, target, disk_dir, f"complete-{backend}-{target}"))
     print(backend, target, out)
@@ -215,10 +206,7 @@ print("ok")
 """
 
 
-@pytest.mark.gpu
 def test_a_second_process_allocates_what_the_portable_backend_gave_back(disk_dir):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (runs on the GPU machine)")
     out = _run(SECOND_PROCESS.format(target="disk", disk_dir=disk_dir, backend="portable"), {})
     print(out)
     assert out.endswith("ok")
@@ -252,11 +240,8 @@ print("ok")
 """
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("cumem", ["default", "off-outside-region"])
 def test_an_nccl_process_group_works_after_every_wake(disk_dir, cumem):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (runs on the GPU machine)")
     env = _env("tms", "disk", disk_dir, f"nccl-{cumem}")
     if cumem != "default":
         env["NCCL_CUMEM_ENABLE"] = "0"
@@ -286,10 +271,7 @@ print("ok")
 """
 
 
-@pytest.mark.gpu
 def test_memory_torch_did_not_allocate_is_refused_and_the_actor_stays_awake(disk_dir):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (runs on the GPU machine)")
     out = _run(FOREIGN.format(target="disk", disk_dir=disk_dir, backend="tms"),
                _env("tms", "disk", disk_dir, "foreign"))
     print(out)

@@ -3,13 +3,13 @@
 The state dirs themselves are greenroom.optim checkpoints (tested with StreamingAdam in
 the optim tests); here: where a megatron checkpoint's streamed state is looked up, what
 a checkpoint without it does, how a changed parallel layout or shard list is named, and
-the view through which greenroom.optim's checkpoint reads and restores a streaming
-DistributedOptimizer's state (on a stand-in for the optimizer, see _StandIn).
+that greenroom.optim's checkpoint reads and restores the streaming DistributedOptimizer's
+state through the optimizer's own methods (the real class on real files; see _optimizer).
 """
 
 import json
+import logging
 import os
-import types
 
 import pytest
 import torch
@@ -17,9 +17,10 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 
 from greenroom.errors import CheckpointError
-from greenroom.megatron.checkpoint import SUBDIR, _EngineView, locate, sidecar_record, state_dir, verify_sidecar
+from greenroom.megatron import load_checkpoint, save_checkpoint
+from greenroom.megatron.checkpoint import SUBDIR, locate, sidecar_record, state_dir, verify_sidecar
 from greenroom.megatron.layout import ShardEntry, Topology
-from greenroom.optim import checkpoint as engine_checkpoint
+from greenroom.megatron.optimizer import StreamingDistributedOptimizer, _resident_adam
 from greenroom.optim.store import BucketStore, Entry
 from greenroom.rankdir import write_json_atomic
 
@@ -42,9 +43,10 @@ def test_a_checkpoint_without_streamed_state_is_refused(disk_dir):
         locate(disk_dir, 0, 0, no_load_optim=False)
 
 
-def test_no_load_optim_accepts_it_with_a_warning(disk_dir):
-    with pytest.warns(UserWarning, match="starting a fresh optimizer state"):
+def test_no_load_optim_accepts_it_with_a_warning(disk_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="greenroom"):
         assert locate(disk_dir, 0, 0, no_load_optim=True) is None
+    assert [r.levelname for r in caplog.records if "starting a fresh optimizer state" in r.getMessage()] == ["WARNING"]
 
 
 def test_the_state_of_this_rank_is_found_with_its_record(disk_dir):
@@ -105,54 +107,49 @@ def test_the_sidecar_is_plain_json(disk_dir):
     assert [s["name"] for s in record["shards"]] == [e.name for e in ENTRIES]
 
 
-class _StandIn:
-    """Stands in for a StreamingDistributedOptimizer, which needs CUDA to exist: the
-    attributes the checkpoint view reads, over a real BucketStore with real files."""
-
-    def __init__(self, directory, entries, *, lr):
-        os.makedirs(directory, exist_ok=True)
-        self.shard_entries = entries
-        self.streamed_store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
-                                          directory, bucket_numel=300_000, chunk_bytes=1 << 20)
-        self.shard_fp32_from_float16_groups = [[], []]
-        for e in entries:
-            main = torch.zeros(e.numel)
-            main.untyped_storage().resize_(0)  # as the real one leaves its main shards
-            self.shard_fp32_from_float16_groups[e.group].append(main)
-        self.shard_fp32_groups = [[torch.zeros(40)], []]
-        self.resident_optimizer = torch.optim.AdamW(self.shard_fp32_groups[0], lr=lr)
-        self.optimizer = types.SimpleNamespace(param_groups=[
-            {"params": [], "lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01,
-             "default_config": object()},  # megatron's groups carry objects JSON cannot hold
-            {"params": [], "lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}])
-        self.streamed_steps = 0
-        self.topology = Topology()
-
-    def main_shard(self, i):
-        e = self.shard_entries[i]
-        return self.shard_fp32_from_float16_groups[e.group][e.index]
-
-    def reset_state(self):
-        raise AssertionError("not expected here")
+def _optimizer(directory, entries, *, lr, moment_dtype="fp32"):
+    """A real StreamingDistributedOptimizer for its checkpoint methods. Its constructor
+    needs CUDA and megatron's DDP, so the instance gets what the constructor leaves: a
+    real BucketStore on real files, the main shards with their storage freed, an inner
+    torch AdamW over [fp32 shards, mains] per group whose groups carry an object JSON
+    cannot hold (megatron's do), and the resident Adam built as the constructor builds it."""
+    os.makedirs(directory, exist_ok=True)
+    opt = object.__new__(StreamingDistributedOptimizer)
+    opt.shard_entries = entries
+    opt._store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries], directory,
+                             bucket_numel=300_000, moment_dtype=moment_dtype, chunk_bytes=1 << 20)
+    opt.shard_fp32_from_float16_groups = [[], []]
+    for e in entries:
+        main = torch.zeros(e.numel)
+        main.untyped_storage().resize_(0)  # as the real one leaves its main shards
+        opt.shard_fp32_from_float16_groups[e.group].append(main)
+    opt.shard_fp32_groups = [[torch.zeros(40)], []]
+    opt.optimizer = torch.optim.AdamW(
+        [{"params": [*fp32, *mains]} for fp32, mains in zip(opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups)],
+        lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    opt.optimizer.param_groups[0].update(weight_decay=0.01, default_config=object())
+    opt.optimizer.param_groups[1].update(weight_decay=0.0)
+    opt.resident_optimizer = _resident_adam(opt.optimizer, opt.shard_fp32_groups)
+    opt.streamed_steps = 0
+    opt.topology = Topology()
+    return opt
 
 
 def test_streamed_state_round_trips_through_greenroom_optims_checkpoint(disk_dir):
-    saved = _StandIn(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3)
-    saved.streamed_store.initialize(lambda i: torch.full((ENTRIES[i].numel,), float(i + 1)))
-    for state in saved.streamed_store.stream():
+    saved = _optimizer(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3)
+    saved.store.initialize(lambda i: torch.full((ENTRIES[i].numel,), float(i + 1)))
+    for state in saved.store.stream():
         state.exp_avg.uniform_()
         state.exp_avg_sq.uniform_()
     saved.shard_fp32_groups[0][0].grad = torch.ones(40)
     saved.resident_optimizer.step()
     saved.streamed_steps = 3
     saved.optimizer.param_groups[1]["lr"] = 5e-4  # a scheduler moved it
-    engine_checkpoint.save_checkpoint(_EngineView(saved), os.path.join(disk_dir, "ckpt"))
+    save_checkpoint(saved, os.path.join(disk_dir, "ckpt"))
 
-    loaded = _StandIn(os.path.join(disk_dir, "b"), ENTRIES, lr=1e-3)
-    loaded.streamed_store.initialize(lambda i: torch.zeros(ENTRIES[i].numel))
-    view = _EngineView(loaded)
-    engine_checkpoint.load_checkpoint(view, os.path.join(disk_dir, "ckpt"))
-    view.write_back()
+    loaded = _optimizer(os.path.join(disk_dir, "b"), ENTRIES, lr=1e-3)
+    loaded.store.initialize(lambda i: torch.zeros(ENTRIES[i].numel))
+    load_checkpoint(loaded, os.path.join(disk_dir, "ckpt"))
 
     assert loaded.streamed_steps == 3
     assert loaded.optimizer.param_groups[1]["lr"] == 5e-4
@@ -160,23 +157,19 @@ def test_streamed_state_round_trips_through_greenroom_optims_checkpoint(disk_dir
     ref, ours = saved.resident_optimizer.state[saved.shard_fp32_groups[0][0]], loaded.resident_optimizer.state[loaded.shard_fp32_groups[0][0]]
     for key in ("step", "exp_avg", "exp_avg_sq"):
         assert torch.equal(ref[key], ours[key])
-    for a, b in zip(saved.streamed_store.stream(), loaded.streamed_store.stream()):
+    for a, b in zip(saved.store.stream(), loaded.store.stream()):
         for x, y in ((a.master, b.master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
             assert torch.equal(x, y)
-    saved.streamed_store.close()
-    loaded.streamed_store.close()
+    saved.close()
+    loaded.close()
 
 
 def test_moments_saved_as_bf16_are_not_read_as_fp32(disk_dir):
-    saved = _StandIn(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3)
-    saved.streamed_store.close()
-    saved.streamed_store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in ENTRIES],
-                                       os.path.join(disk_dir, "a"), bucket_numel=300_000, moment_dtype="bf16",
-                                       chunk_bytes=1 << 20)
-    saved.streamed_store.initialize(lambda i: torch.ones(ENTRIES[i].numel))
-    engine_checkpoint.save_checkpoint(_EngineView(saved), os.path.join(disk_dir, "ckpt"))
-    loaded = _StandIn(os.path.join(disk_dir, "b"), ENTRIES, lr=1e-3)
+    saved = _optimizer(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3, moment_dtype="bf16")
+    saved.store.initialize(lambda i: torch.ones(ENTRIES[i].numel))
+    save_checkpoint(saved, os.path.join(disk_dir, "ckpt"))
+    loaded = _optimizer(os.path.join(disk_dir, "b"), ENTRIES, lr=1e-3)
     with pytest.raises(CheckpointError, match="moment dtype bf16, this run uses fp32"):
-        engine_checkpoint.load_checkpoint(_EngineView(loaded), os.path.join(disk_dir, "ckpt"))
-    saved.streamed_store.close()
-    loaded.streamed_store.close()
+        load_checkpoint(loaded, os.path.join(disk_dir, "ckpt"))
+    saved.close()
+    loaded.close()

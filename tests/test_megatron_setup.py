@@ -7,6 +7,7 @@ DistributedDataParallelConfig stands in for the DDP-wrapped chunk (the only attr
 the check reads), because the real one cannot be built without CUDA.
 """
 
+import threading
 import types
 import warnings
 
@@ -22,6 +23,7 @@ with warnings.catch_warnings():
     from megatron.core.optimizer import OptimizerConfig
 
 from greenroom.config import OffloadConfig
+from greenroom.errors import GreenroomError
 from greenroom.megatron import checks
 from greenroom.megatron.optimizer import StreamingDistributedOptimizer, StreamingSettings, streaming
 
@@ -95,6 +97,61 @@ def test_streaming_block_swaps_megatrons_class_only_while_it_lasts(disk_dir):
         assert mcore_optimizer.DistributedOptimizer is StreamingDistributedOptimizer
         assert issubclass(StreamingDistributedOptimizer, stock)
         assert settings.bucket_numel == 200_000_000
+    assert mcore_optimizer.DistributedOptimizer is stock
+
+
+def test_the_swap_is_undone_when_megatrons_construction_raises(disk_dir, tmp_path):
+    """megatron's own get_megatron_optimizer on the CPU (gloo, one rank) reaches the
+    streaming class through the swapped name, which refuses the config."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    stock = mcore_optimizer.DistributedOptimizer
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        chunk = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        chunk.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+        with pytest.raises(ValueError, match="supports Adam only"):
+            with streaming(_offload(disk_dir), rank_dir=None):
+                get_megatron_optimizer(_config(optimizer="sgd"), [chunk])
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    assert mcore_optimizer.DistributedOptimizer is stock
+
+
+def test_blocks_in_two_threads_run_one_after_the_other(disk_dir):
+    """Without the lock the second block would save the streaming class and restore it
+    after the first ended, leaving megatron patched for good."""
+    stock = mcore_optimizer.DistributedOptimizer
+    events, inside, leave = [], threading.Event(), threading.Event()
+
+    def block(name, hold):
+        with streaming(_offload(disk_dir), rank_dir=None):
+            events.append(f"{name} in")
+            if hold:
+                inside.set()
+                leave.wait()
+            events.append(f"{name} out")
+
+    first = threading.Thread(target=block, args=("first", True), daemon=True)
+    first.start()
+    inside.wait()
+    second = threading.Thread(target=block, args=("second", False), daemon=True)
+    second.start()
+    try:
+        second.join(timeout=0.5)  # time for the second to race; what follows holds at any speed
+        assert second.is_alive() and events == ["first in"]
+        # Meanwhile megatron builds the streaming class in every thread; here it has no settings.
+        with pytest.raises(GreenroomError, match="another thread is inside a streaming.. block"):
+            mcore_optimizer.DistributedOptimizer(None, _config(), None, None, model_chunks=[])
+    finally:
+        leave.set()
+        first.join()
+        second.join()
+    assert events == ["first in", "first out", "second in", "second out"]
     assert mcore_optimizer.DistributedOptimizer is stock
 
 

@@ -8,23 +8,19 @@ The test launches this same file under torchrun; the ``__main__`` part is the wo
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fsdp_support import REPO, build, torchrun
+
 STEPS = 3
 
 
 def _torchrun(ranks: int, phase: str, disk_dir: str) -> list[dict]:
     out = os.path.join(disk_dir, f"out-{phase}-{ranks}")
     os.makedirs(out)
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime") + os.pathsep + REPO, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           os.path.abspath(__file__), phase, disk_dir, out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    torchrun(ranks, __file__, phase, disk_dir, out)
     results = []
     for rank in range(ranks):
         with open(os.path.join(out, f"rank{rank}.json"), encoding="utf-8") as f:
@@ -68,31 +64,12 @@ def _worker(phase: str, disk_dir: str, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from greenroom.optim import StreamingAdam
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Linear(33, 64)
-            self.b = torch.nn.Linear(64, 17)
-            self.row = torch.nn.Parameter(torch.randn(1, 17))  # one row: most ranks' shards are empty
-
-        def forward(self, x):
-            return self.b(torch.relu(self.a(x))) + self.row
-
-    def build():
-        torch.manual_seed(0)
-        net = Net()
-        fully_shard(net.a, mesh=mesh)
-        fully_shard(net.b, mesh=mesh)
-        fully_shard(net, mesh=mesh)
-        return net
 
     def ours_opt(net, name):
         return StreamingAdam(net.parameters(), lr=1e-2, state_dir=os.path.join(disk_dir, f"{name}-{world}-{rank}"),
@@ -136,11 +113,11 @@ def _worker(phase: str, disk_dir: str, out: str) -> None:
     result = {}
     ckpt_ours, ckpt_ref = os.path.join(disk_dir, "ckpt-ours"), os.path.join(disk_dir, "ckpt-ref")
     if phase == "save":
-        net, ref_net = build(), build()
+        net, ref_net = build(mesh), build(mesh)
         opt, ref = ours_opt(net, "ours"), ref_opt(ref_net)
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-        probe = ours_opt(build(), "probe")
+        probe = ours_opt(build(mesh), "probe")
         _init_optim_state(probe)
         result["probe_steps"] = sorted({float(s["step"]) for s in probe.state.values()})
         result["probe_io"] = probe.store.bytes_read + probe.store.bytes_written - probe.store.state_bytes
@@ -153,7 +130,7 @@ def _worker(phase: str, disk_dir: str, out: str) -> None:
         save(ref_net, ref, ckpt_ref)
         for step in range(STEPS, STEPS + 2):
             train_step(net, opt, step)
-        again = build()
+        again = build(mesh)
         resumed = ours_opt(again, "resumed")
         load(again, resumed, ckpt_ours)
         for step in range(STEPS, STEPS + 2):
@@ -162,7 +139,7 @@ def _worker(phase: str, disk_dir: str, out: str) -> None:
         for o in (opt, resumed):
             o.close()
     else:
-        net, ref_net = build(), build()
+        net, ref_net = build(mesh), build(mesh)
         opt, ref = ours_opt(net, "loaded"), ref_opt(ref_net)
         load(net, opt, ckpt_ours)
         load(ref_net, ref, ckpt_ref)

@@ -6,21 +6,17 @@ The test launches this same file under torchrun; the ``__main__`` part is the wo
 
 import json
 import os
-import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fsdp_support import build, torchrun
+
 STEPS = 4
 
 
 def test_fsdp2_two_ranks_bit_identical_to_resident_adamw(disk_dir):
     out = os.path.join(disk_dir, "out")
     os.makedirs(out)
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime") + os.pathsep + REPO, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.abspath(__file__), disk_dir, out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    torchrun(2, __file__, disk_dir, out)
     for rank in (0, 1):
         with open(os.path.join(out, f"rank{rank}.json"), encoding="utf-8") as f:
             result = json.load(f)
@@ -36,7 +32,6 @@ def _worker(disk_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from greenroom.errors import CheckpointError
     from greenroom.optim import StreamingAdam
@@ -45,24 +40,6 @@ def _worker(disk_dir: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Linear(33, 64)
-            self.b = torch.nn.Linear(64, 17)
-            self.row = torch.nn.Parameter(torch.randn(1, 17))  # one row: rank 1's shard is empty
-
-        def forward(self, x):
-            return self.b(torch.relu(self.a(x))) + self.row
-
-    def build():
-        torch.manual_seed(0)
-        net = Net()
-        fully_shard(net.a, mesh=mesh)
-        fully_shard(net.b, mesh=mesh)
-        fully_shard(net, mesh=mesh)
-        return net
 
     def batch(step):
         gen = torch.Generator().manual_seed(100 * step + rank)
@@ -77,7 +54,7 @@ def _worker(disk_dir: str, out: str) -> None:
     def local(p):
         return p.to_local().detach()
 
-    ours, ref = build(), build()
+    ours, ref = build(mesh), build(mesh)
     result = {}
     with RankDir(os.path.join(disk_dir, "root"), rank=rank, job="fsdp") as rank_dir:
         opt = StreamingAdam(ours.parameters(), lr=1e-2, weight_decay=0.01, state_dir=rank_dir,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import warnings
 
 import greenroom
+from greenroom import log
 from greenroom.errors import GreenroomError
 
 COMMANDS = {
@@ -24,10 +24,6 @@ COMMANDS = {
     "report": ("greenroom.train.report", "plot a metrics .jsonl to a PNG"),
     "slurm": ("greenroom.slurm.cli", "render or submit the Slurm templates"),
 }
-
-
-def _one_line_warnings(message, category, filename, lineno, line=None) -> str:
-    return f"greenroom: warning: {message}\n"
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -46,7 +42,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    warnings.formatwarning = _one_line_warnings
+    log.configure()
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:

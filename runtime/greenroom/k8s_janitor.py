@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from greenroom import fs
 from greenroom.errors import ConfigError
+from greenroom.log import get_logger
 from greenroom.reclaim import Decision, ReclaimReport, print_report, reclaim
 
 EVENT_REASON = "StaleOffloadReclaimed"
@@ -49,6 +50,7 @@ EVENT_NAMESPACE = "default"
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 MAX_BACKOFF_SECONDS = 300.0
 REQUEST_TIMEOUT = (5, 30)  # connect, read: a hung API server must not hang the janitor
+log = get_logger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -202,10 +204,10 @@ def _event(node_name: str, decision: Decision, rule: PodRule | None) -> k8s.Core
 class Janitor:
     """One node's janitor: passes of reclaim with the pod rule, Events and metrics."""
 
-    def __init__(self, config: JanitorConfig, *, err=sys.stderr, out=sys.stdout) -> None:
+    def __init__(self, config: JanitorConfig, *, out=sys.stdout) -> None:
         self.config = config
         self.metrics = Metrics(config.root)
-        self.err, self.out = err, out
+        self.out = out
         self.api: k8s.CoreV1Api | None = None
         self.lock_rule_only = False
         self.failures = 0
@@ -215,8 +217,8 @@ class Janitor:
     def _fall_back(self, why: str) -> None:
         self.lock_rule_only = True
         self.api = None
-        print(f"greenroom reclaim: warning: no Kubernetes API access: {why}; "
-              "falling back to the lock rule (--min-age applies to every dir)", file=self.err, flush=True)
+        log.warning(f"no Kubernetes API access: {why}; "
+                    "falling back to the lock rule (--min-age applies to every dir)")
 
     def connect(self) -> None:
         try:
@@ -256,8 +258,8 @@ class Janitor:
         except (k8s.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
             # The files are gone either way; a lost Event is counted, never fatal.
             self.metrics.errors.labels("event").inc()
-            print(f"greenroom reclaim: warning: could not post the {EVENT_REASON} event for {decision.path}: "
-                  f"{getattr(e, 'status', '')} {getattr(e, 'reason', e)}", file=self.err, flush=True)
+            log.warning(f"could not post the {EVENT_REASON} event for {decision.path}: "
+                        f"{getattr(e, 'status', '')} {getattr(e, 'reason', e)}")
 
     def next_delay(self) -> float:
         interval = self.config.interval or 0.0
@@ -274,8 +276,8 @@ class Janitor:
             except ApiUnavailable as e:
                 self.failures += 1
                 delay = self.next_delay()
-                print(f"greenroom reclaim: warning: {e}; skipping this pass (a pod between restarts cannot be "
-                      f"told from a gone one), retrying in {delay:.1f}s", file=self.err, flush=True)
+                log.warning(f"{e}; skipping this pass (a pod between restarts cannot be "
+                            f"told from a gone one), retrying in {delay:.1f}s")
             self.stop.wait(self.next_delay())
         return 0
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from greenroom import fs
 from greenroom.errors import ConfigError
+from greenroom.log import get_logger
 from greenroom.reclaim import check_seconds, print_report, reclaim
+
+log = get_logger(__name__)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.interval is not None or args.metrics_port is not None or args.node_name is not None:
         raise ConfigError("--interval, --metrics-port and --node-name need --kubernetes")
     if fs.is_memory_backed(args.root) and os.path.isdir(args.root):
-        print(f"greenroom reclaim: warning: {args.root} is memory-backed (tmpfs); reclaiming anyway",
-              file=sys.stderr)
+        log.warning(f"{args.root} is memory-backed (tmpfs); reclaiming anyway")
     report = reclaim(args.root, dry_run=args.dry_run, min_age=args.min_age, missing_ok=args.missing_ok)
     print_report(report, as_json=args.json)
     return 1 if report.errors else 0

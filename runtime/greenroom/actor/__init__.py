@@ -11,8 +11,6 @@ hook); elsewhere, or without the hook, the portable backend runs. See docs/offlo
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from greenroom.actor.launch import check_disk_support, hook_library, hooks_loaded, launch_env, relaunch_with
@@ -20,8 +18,10 @@ from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOff
 from greenroom.compression import resolve as resolve_compression
 from greenroom.config import OffloadConfig
 from greenroom.errors import ConfigError
+from greenroom.log import get_logger
 
 BACKENDS = ("auto", "tms", "portable")
+log = get_logger(__name__)
 
 
 def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.device | str = "cpu",
@@ -55,8 +55,8 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
     if backend == "auto":
         backend = "tms" if device.type == "cuda" and hooks_loaded() else "portable"
         if device.type == "cuda" and backend == "portable":
-            warnings.warn("torch_memory_saver's hook is not preloaded: using the portable backend "
-                          "(device addresses change across sleep; start with launch_env to keep them)")
+            log.warning("torch_memory_saver's hook is not preloaded: using the portable backend "
+                        "(device addresses change across sleep; start with launch_env to keep them)")
     if backend == "tms":
         from greenroom.actor.tms import TmsOffloader
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +27,10 @@ from greenroom.actor import discovery, tracking
 from greenroom.actor.liveness import Liveness
 from greenroom.actor.movers import DiskMover, HostMover, Moved
 from greenroom.errors import ConfigError, GreenroomError
+from greenroom.log import get_logger
 
 SCOPES = ("all", "tracked")
+log = get_logger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -266,9 +267,9 @@ class PortableOffloader(Offloader):
             what = f"{left} bytes of torch's device memory stay allocated while the actor sleeps"
         else:
             what = "memory only C++ holds stays where it is while the actor sleeps"
-        warnings.warn(f"actor offload (portable backend): {what} (tensors autograd saved for a pending "
-                      "backward, library workspaces, storages torch does not own, the rollout's): "
-                      "it is not moved and stays intact; the tms backend moves it", stacklevel=3)
+        log.warning(f"actor offload (portable backend): {what} (tensors autograd saved for a pending "
+                    "backward, library workspaces, storages torch does not own, the rollout's): "
+                    "it is not moved and stays intact; the tms backend moves it")
 
     def _wake(self, units: list[tracking.Tracked]) -> Moved:
         for u in units:

@@ -77,8 +77,8 @@ def run(args) -> int:
         if args.mode == "stream":
             member = streaming_members(optimizer)[0]
             result["largest_shard_fp32_gib"] = _gib(4 * max(e.numel for e in member.shard_entries))
-            result["buckets"] = len(member.streamed_store.buckets)
-            result["bucket_file_gib"] = _gib(member.streamed_store.max_bucket_bytes)
+            result["buckets"] = len(member.store.buckets)
+            result["bucket_file_gib"] = _gib(member.store.max_bucket_bytes)
         steps = []
         for step in range(args.steps):
             # A hook times the optimizer step alone, after forward and backward.

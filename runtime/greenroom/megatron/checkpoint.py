@@ -24,20 +24,17 @@ from __future__ import annotations
 import glob
 import json
 import os
-import warnings
-
-import torch
 
 from greenroom.errors import CheckpointError
+from greenroom.log import get_logger
 from greenroom.megatron.layout import ShardEntry, Topology
 from greenroom.optim import checkpoint as engine_checkpoint
-from greenroom.optim import kernel
 from greenroom.rankdir import write_json_atomic
 
 SUBDIR = "greenroom_optim"
 SIDECAR_FORMAT = "greenroom-megatron-shards"
 SIDECAR_VERSION = 1
-_JSON_SCALARS = (bool, int, float, str, type(None))
+log = get_logger(__name__)
 
 
 def state_dir(checkpoint_dir: str, index: int, rank: int) -> str:
@@ -71,9 +68,8 @@ def locate(checkpoint_dir: str, index: int, rank: int, *, no_load_optim: bool) -
     """The state dir and sidecar record of optimizer ``index`` on ``rank``; None (with a
     warning) when the checkpoint has no streamed state and ``no_load_optim`` is set."""
     if no_load_optim:
-        warnings.warn(f"no_load_optim: not loading the streamed optimizer state from {checkpoint_dir}; starting "
-                      "a fresh optimizer state (fp32 mains from the current weights, zero moments, step 0)",
-                      stacklevel=3)
+        log.warning(f"no_load_optim: not loading the streamed optimizer state from {checkpoint_dir}; starting "
+                    "a fresh optimizer state (fp32 mains from the current weights, zero moments, step 0)")
         return None
     root = os.path.join(checkpoint_dir, SUBDIR)
     if not os.path.isdir(root):
@@ -111,7 +107,7 @@ def save_checkpoint(optimizer, checkpoint_dir: str) -> None:
         # The sidecar first: an interrupted save then leaves a sidecar matching this run
         # beside the previous state dir, which greenroom.optim still verifies whole.
         write_json_atomic(path + ".megatron.json", sidecar_record(member.topology, member.shard_entries))
-        engine_checkpoint.save_checkpoint(_EngineView(member), path)
+        engine_checkpoint.save_checkpoint(member, path)
 
 
 def load_checkpoint(optimizer, checkpoint_dir: str, *, no_load_optim: bool = False) -> None:
@@ -126,81 +122,14 @@ def load_checkpoint(optimizer, checkpoint_dir: str, *, no_load_optim: bool = Fal
     for index, member in enumerate(streaming_members(optimizer)):
         found = locate(checkpoint_dir, index, rank, no_load_optim=no_load_optim)
         if found is None:
-            member.reset_state()
+            member.initialize_state()
             continue
         path, saved = found
         verify_sidecar(path + ".megatron.json", saved, member.topology, member.shard_entries)
-        view = _EngineView(member)
-        engine_checkpoint.load_checkpoint(view, path)
-        view.write_back()
+        engine_checkpoint.load_checkpoint(member, path)
 
 
 def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-class _EngineView:
-    """One streaming DistributedOptimizer as ``greenroom.optim.checkpoint`` reads a
-    StreamingAdam: its store, its streamed and resident params with stable keys, their
-    per-param state (step counters; the resident moments) and its hyperparameters."""
-
-    def __init__(self, member) -> None:
-        self.member = member
-        self.store = member.streamed_store
-        self.streamed = [member.main_shard(i) for i in range(len(member.shard_entries))]
-        self.resident = [p for group in member.shard_fp32_groups for p in group]
-        self._keys = {id(p): f"main.{e.group}.{e.index}" for p, e in zip(self.streamed, member.shard_entries)}
-        for g, group in enumerate(member.shard_fp32_groups):
-            for i, p in enumerate(group):
-                self._keys[id(p)] = f"fp32.{g}.{i}"
-        # Each group's params and its JSON-ready hyperparameters (megatron's groups also
-        # carry config objects, which stay out of the manifest).
-        self.param_groups = [{"params": [*fp32, *mains],
-                              **{k: v for k, v in group.items() if k != "params" and _jsonable(v)}}
-                             for group, fp32, mains in zip(member.optimizer.param_groups, member.shard_fp32_groups,
-                                                           member.shard_fp32_from_float16_groups)]
-        self.state: dict = {}
-        for p in self.streamed:
-            self.state[p] = {"step": torch.tensor(float(member.streamed_steps))}
-        resident = member.resident_optimizer
-        for p in self.resident:
-            if resident is not None and resident.state.get(p):
-                self.state[p] = dict(resident.state[p])
-
-    def param_key(self, p: torch.Tensor) -> str:
-        return self._keys[id(p)]
-
-    def param_state(self, p: torch.Tensor) -> dict:
-        """``p``'s state dict, made with its step counter the first time it is asked for
-        (the checkpoint and state-dict code read and fill it through this)."""
-        state = self.state.setdefault(p, {})
-        if not state:
-            state["step"] = kernel.new_step(torch.device("cpu"), fused=False)
-        return state
-
-    def initialize_state(self) -> None:
-        self.member.reset_state()
-
-    def write_back(self) -> None:
-        """Put what ``load_checkpoint`` restored into the megatron optimizer."""
-        member = self.member
-        steps = {float(self.state[p]["step"]) for p in self.streamed if p in self.state}
-        if len(steps) > 1:
-            raise CheckpointError(f"the streamed shards were saved at different steps {sorted(steps)}; the "
-                                  "checkpoint is not one a streaming DistributedOptimizer wrote")
-        member.streamed_steps = int(steps.pop()) if steps else 0
-        if member.resident_optimizer is not None:
-            member.resident_optimizer.state.clear()
-            for p in self.resident:
-                if p in self.state:
-                    member.resident_optimizer.state[p] = self.state[p]
-        for group, saved in zip(member.optimizer.param_groups, self.param_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def _jsonable(value) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(isinstance(v, _JSON_SCALARS) for v in value)
-    return isinstance(value, _JSON_SCALARS)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +93,10 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
     def __init__(self, *args, **kwargs) -> None:
         settings = _SETTINGS.get()
         if settings is None:
-            raise GreenroomError("construct StreamingDistributedOptimizer through greenroom.megatron.streaming()")
+            elsewhere = _swapping_thread not in (None, threading.get_ident())
+            raise GreenroomError("construct StreamingDistributedOptimizer through greenroom.megatron.streaming()" + (
+                ": another thread is inside a streaming() block, and until it ends megatron builds this class "
+                "in every thread; build a process's megatron optimizers from one thread" if elsewhere else ""))
         # By name, through megatron's own signature: its positional order has changed
         # between releases.
         given = inspect.signature(DistributedOptimizer.__init__).bind(self, *args, **kwargs).arguments
@@ -113,9 +117,9 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         finally:
             _BUILDING.reset(token)
         if self.is_stub_optimizer:
-            self._greenroom = None
+            self._store = None
             return
-        self._greenroom = building.store
+        self._store = building.store
         self.shard_entries: list[ShardEntry] = building.entries
         self.streamed_steps = 0
         self.settings = settings
@@ -185,7 +189,7 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         mains = [main for group in self.shard_fp32_from_float16_groups for main in group]
         fused, foreach = _implementation(inner, mains)
         count = self.streamed_steps
-        for state in self._greenroom.stream():
+        for state in self._store.stream():
             members = state.bucket.entries
             group = inner.param_groups[self.shard_entries[members[0]].group]
             grads = [self.main_shard(i).grad for i in members]
@@ -200,11 +204,11 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
                 self._model_shard_for(entry.group, entry.index).copy_(master)
         self.streamed_steps = count + 1
 
-    def reset_state(self) -> None:
+    def initialize_state(self) -> None:
         """A fresh optimizer state: fp32 mains from the current 16-bit weights (bucket by
         bucket, as at construction), zero moments, no steps taken."""
         entries = self.shard_entries
-        self._greenroom.initialize(lambda i: self._model_shard_for(entries[i].group, entries[i].index))
+        self._store.initialize(lambda i: self._model_shard_for(entries[i].group, entries[i].index))
         if self.resident_optimizer is not None:
             self.resident_optimizer.state.clear()
         self.streamed_steps = 0
@@ -216,8 +220,8 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
     def streamed_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Entry ``i``'s fp32 main, exp_avg and exp_avg_sq, decoded, on the host (for tests
         and inspection: it reads the entry's whole bucket)."""
-        bucket = next(b for b in self._greenroom.buckets if i in b.entries)
-        states = self._greenroom.stream([bucket.index])
+        bucket = next(b for b in self._store.buckets if i in b.entries)
+        states = self._store.stream([bucket.index])
         state = next(states)
         k = bucket.entries.index(i)
         entry_state = tuple(state.views(t)[k].detach().cpu().clone()
@@ -291,24 +295,74 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         sharded["param_state_sharding_type"] = SHARDING_TYPE
         return sharded
 
-    # -- lifetime -----------------------------------------------------------------
+    # -- the streamed state's checkpoint (greenroom.optim.checkpoint.StreamedState) --
+    # Keys: "main.<group>.<index>" for the streamed fp32 mains of 16-bit params,
+    # "fp32.<group>.<index>" for the native-fp32 shards under the resident Adam.
     @property
-    def streamed_store(self) -> BucketStore:
-        return self._greenroom
+    def store(self) -> BucketStore:
+        assert self._store is not None, "a stub optimizer (no params on this rank) streams nothing"
+        return self._store
 
+    def _keyed_mains(self) -> dict[str, torch.Tensor]:
+        return {f"main.{e.group}.{e.index}": self.main_shard(i) for i, e in enumerate(self.shard_entries)}
+
+    def _keyed_fp32(self) -> dict[str, torch.Tensor]:
+        return {f"fp32.{g}.{i}": p for g, group in enumerate(self.shard_fp32_groups) for i, p in enumerate(group)}
+
+    def keyed_params(self) -> dict[str, torch.Tensor]:
+        return {**self._keyed_mains(), **self._keyed_fp32()}
+
+    def resident_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        # Every streamed shard has taken the same steps (megatron gives every main a
+        # grad each step): one counter, recorded per shard as torch records it.
+        state = {key: {"step": torch.tensor(float(self.streamed_steps))} for key in self._keyed_mains()}
+        resident = self.resident_optimizer
+        for key, p in self._keyed_fp32().items():
+            if resident is not None and resident.state.get(p):
+                state[key] = dict(resident.state[p])
+        return state
+
+    def load_resident_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        steps = {float(state[key]["step"]) for key in self._keyed_mains() if key in state}
+        if len(steps) > 1:
+            raise CheckpointError(f"the streamed shards were saved at different steps {sorted(steps)}; the "
+                                  "checkpoint is not one a streaming DistributedOptimizer wrote")
+        self.streamed_steps = int(steps.pop()) if steps else 0
+        if self.resident_optimizer is None:
+            return
+        self.resident_optimizer.state.clear()
+        for key, p in self._keyed_fp32().items():
+            if key in state:
+                saved = state[key]
+                ours = {"step": kernel.new_step(torch.device("cpu"), fused=False).copy_(saved["step"])}
+                if "exp_avg" in saved:
+                    ours["exp_avg"] = saved["exp_avg"].to(p.device)
+                    ours["exp_avg_sq"] = saved["exp_avg_sq"].to(p.device)
+                self.resident_optimizer.state[p] = ours
+
+    def hyperparameters(self) -> list[dict]:
+        # megatron's groups also carry config objects, which stay out of the manifest.
+        return [{k: v for k, v in group.items() if k != "params" and _jsonable(v)}
+                for group in self.optimizer.param_groups]
+
+    def load_hyperparameters(self, groups: list[dict]) -> None:
+        for group, saved in zip(self.optimizer.param_groups, groups):
+            group.update(saved)
+
+    # -- lifetime -----------------------------------------------------------------
     def release_device_memory(self) -> int:
         """Give back the bucket buffers between steps, as ``StreamingAdam`` does (the
         files hold what they held; the next step makes them again); returns the bytes."""
-        if self._greenroom is None:
+        if self._store is None:
             return 0
-        freed = self._greenroom.device_bytes()
-        self._greenroom.release_device_buffers()
+        freed = self._store.device_bytes()
+        self._store.release_device_buffers()
         return freed
 
     def close(self) -> None:
         """Release the bucket files' handles and the staging memory."""
-        if self._greenroom is not None:
-            self._greenroom.close()
+        if self._store is not None:
+            self._store.close()
 
 
 class _AlreadyStepped:
@@ -325,6 +379,15 @@ class _AlreadyStepped:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+def _jsonable(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, _JSON_SCALARS) for v in value)
+    return isinstance(value, _JSON_SCALARS)
 
 
 def _one_at_a_time(build, gbuf_ranges, param_gbuf_map, opt_group_ranges, config, result):
@@ -376,6 +439,22 @@ def _sync_hyperparams(inner, resident) -> None:
 
 _SETTINGS: contextvars.ContextVar = contextvars.ContextVar("greenroom_megatron_settings", default=None)
 
+# Note [the class swap]: megatron-core (0.16.1, and its main branch as of 2026-12) builds
+# its DistributedOptimizer by calling the name ``DistributedOptimizer`` of
+# ``megatron.core.optimizer`` inside a private helper of ``get_megatron_optimizer``, and
+# offers no setting or hook for the class. The other ways in are worse: building the optimizer ourselves means copying
+# get_megatron_optimizer (its process groups, dense/expert split and chaining) and calling
+# its private helpers, whose signatures change between releases; converting a stock
+# optimizer afterwards means all its fp32 mains were on the GPU at once, the peak the
+# bounded initialization exists to avoid. So ``streaming()`` rebinds that one name for
+# the length of the block and restores it in a ``finally``, whatever construction
+# raised. The name is process-wide: blocks in several threads take a lock and run one
+# after another (a nested block in one thread restores what it found), and a thread that
+# builds a megatron optimizer outside any block while another is inside one gets the
+# streaming class, which refuses in one line because that thread has no settings.
+_SWAP_LOCK = threading.RLock()
+_swapping_thread: int | None = None  # the thread inside a streaming() block, if any
+
 
 @contextlib.contextmanager
 def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
@@ -384,30 +463,35 @@ def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BU
         with greenroom.megatron.streaming(config, rank_dir):
             optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
 
-    The block swaps megatron's ``DistributedOptimizer`` name for the streaming subclass
-    while it lasts; the optimizer objects it returns are ordinary DistributedOptimizers
-    (and ChainedOptimizers of them) to the rest of megatron.
+    While the block lasts megatron's ``DistributedOptimizer`` name means the streaming
+    subclass (see Note [the class swap]); the optimizer objects it returns are ordinary
+    DistributedOptimizers (and ChainedOptimizers of them) to the rest of megatron.
     """
+    global _swapping_thread
     settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel)
     if not config.stream_optimizer_state_to_disk:
         raise ConfigError("greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "
                          "(OffloadConfig.stream_optimizer_state_to_disk=True)")
     import megatron.core.optimizer as mcore_optimizer
 
-    token = _SETTINGS.set(settings)
-    saved = mcore_optimizer.DistributedOptimizer
-    mcore_optimizer.DistributedOptimizer = StreamingDistributedOptimizer
-    try:
-        yield settings
-    finally:
-        mcore_optimizer.DistributedOptimizer = saved
-        _SETTINGS.reset(token)
+    with _SWAP_LOCK:
+        outer = _swapping_thread
+        _swapping_thread = threading.get_ident()
+        token = _SETTINGS.set(settings)
+        saved = mcore_optimizer.DistributedOptimizer
+        mcore_optimizer.DistributedOptimizer = StreamingDistributedOptimizer
+        try:
+            yield settings
+        finally:
+            mcore_optimizer.DistributedOptimizer = saved
+            _SETTINGS.reset(token)
+            _swapping_thread = outer
 
 
 def streaming_members(optimizer) -> list[StreamingDistributedOptimizer]:
     """The streaming DistributedOptimizers inside ``optimizer`` (a chain or a single one)."""
     members = [m for m in getattr(optimizer, "chained_optimizers", [optimizer])
-               if isinstance(m, StreamingDistributedOptimizer) and m.streamed_store is not None]
+               if isinstance(m, StreamingDistributedOptimizer) and m._store is not None]
     if not members:
         raise ConfigError("this optimizer does not stream: build it inside greenroom.megatron.streaming(...)")
     return members

@@ -167,13 +167,9 @@ class StreamingAdam(torch.optim.Optimizer):
     def moment_dtype(self) -> str:
         return self.store.moment_dtype
 
-    def param_key(self, p: torch.Tensor) -> str:
-        """``group.index`` of a param: how checkpoints name it."""
-        for gi, group in enumerate(self.param_groups):
-            for pi, q in enumerate(group["params"]):
-                if q is p:
-                    return f"{gi}.{pi}"
-        raise KeyError("not a param of this optimizer")
+    def _keyed(self) -> dict[str, torch.Tensor]:
+        """Every param by ``group.index``: how checkpoints name it."""
+        return {f"{gi}.{pi}": p for gi, group in enumerate(self.param_groups) for pi, p in enumerate(group["params"])}
 
     # -- state ------------------------------------------------------------------------
     def initialize_state(self) -> None:
@@ -254,6 +250,33 @@ class StreamingAdam(torch.optim.Optimizer):
 
         load_checkpoint(self, path, no_load_optim=no_load_optim)
 
+    # -- what a checkpoint reads (optim.checkpoint.StreamedState) -----------------------
+    def keyed_params(self) -> dict[str, torch.Tensor]:
+        ours = {id(p) for p in self.streamed + self.resident}
+        return {key: p for key, p in self._keyed().items() if id(p) in ours}
+
+    def resident_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {key: self.state[p] for key, p in self._keyed().items() if p in self.state}
+
+    def load_resident_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        params = self._keyed()
+        self.state.clear()
+        for key, saved in state.items():
+            p = params[key]
+            ours = self.param_state(p)
+            ours["step"].copy_(saved["step"])
+            if "exp_avg" in saved:
+                device = local_tensor(p).device
+                ours["exp_avg"] = saved["exp_avg"].to(device)
+                ours["exp_avg_sq"] = saved["exp_avg_sq"].to(device)
+
+    def hyperparameters(self) -> list[dict]:
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+
+    def load_hyperparameters(self, groups: list[dict]) -> None:
+        for group, saved in zip(self.param_groups, groups):
+            group.update(saved)
+
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -305,7 +328,7 @@ class StreamingAdam(torch.optim.Optimizer):
 
     def param_state(self, p: torch.Tensor) -> dict:
         """``p``'s state dict, made with its step counter the first time it is asked for
-        (the checkpoint and state-dict code read and fill it through this)."""
+        (the state-dict code reads and fills it through this)."""
         state = self.state[p]
         if not state:
             state["step"] = new_step(local_tensor(p).device, fused=self.fused)

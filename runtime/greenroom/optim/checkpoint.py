@@ -20,6 +20,9 @@ piece by piece, so the copy does not grow the page cache either.
 the manifest exists (else the checkpoint predates streaming: refused unless
 ``no_load_optim``), the dtypes, the topology, the layout, the file sizes and every
 checksum. Only then are the files copied into the live ones.
+
+The optimizer is read and restored only through ``StreamedState``, which ``StreamingAdam``
+and greenroom.megatron's ``StreamingDistributedOptimizer`` implement.
 """
 
 from __future__ import annotations
@@ -27,51 +30,85 @@ from __future__ import annotations
 import errno
 import json
 import os
-import warnings
 import zlib
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from greenroom import publish
 from greenroom.diskio import pread_all, pwrite_all
 from greenroom.errors import CheckpointError, StorageError
-from greenroom.tensors import local_tensor
+from greenroom.log import get_logger
 from greenroom.rankdir import write_json_atomic
+
+if TYPE_CHECKING:
+    from greenroom.optim.store import BucketStore
 
 MANIFEST = "manifest.json"
 RESIDENT = "resident.pt"
 FORMAT = "greenroom-streamed-adam"
 VERSION = 1
 PIECE = 64 << 20
+log = get_logger(__name__)
+
+
+class StreamedState(Protocol):
+    """What a checkpoint reads and restores of a streaming optimizer, and all it reads.
+
+    Params are named by keys the optimizer chooses, stable across runs of the same model
+    and grouping (``"0.3"`` for StreamingAdam, ``"main.0.3"``/``"fp32.0.1"`` for megatron).
+    """
+
+    @property
+    def store(self) -> BucketStore:
+        """The bucket files: the streamed params' masters and moments."""
+
+    def keyed_params(self) -> dict[str, torch.Tensor]:
+        """The params whose state streams or stays resident, by key (their DTensor shard
+        identity goes into the manifest's topology)."""
+
+    def resident_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The state outside the bucket files, by key: each param's ``step`` counter and the
+        resident params' ``exp_avg`` and ``exp_avg_sq`` (what ``resident.pt`` holds)."""
+
+    def load_resident_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace the state outside the bucket files with ``state`` (CPU tensors, the
+        shape ``resident_state`` returns)."""
+
+    def hyperparameters(self) -> list[dict]:
+        """Each param group's hyperparameters, without its params, as JSON can hold them
+        (tuples allowed)."""
+
+    def load_hyperparameters(self, groups: list[dict]) -> None:
+        """Set each param group's hyperparameters from ``groups`` (in group order)."""
+
+    def initialize_state(self) -> None:
+        """A fresh state: masters from the current params, zero moments, no steps taken."""
 
 
 # -- what the checkpoint records ------------------------------------------------------
-def topology(opt) -> dict:
+def topology(opt: StreamedState) -> dict:
     """World size, rank, and the shard identity of every DTensor (FSDP2) param."""
     import torch.distributed as dist
 
     initialized = dist.is_available() and dist.is_initialized()
     shards = {}
-    for p in opt.streamed + opt.resident:
+    for key, p in opt.keyed_params().items():
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None:
-            shards[opt.param_key(p)] = {"global_shape": list(p.shape),
-                                        "placements": [str(pl) for pl in p.placements],
-                                        "mesh": mesh.mesh.flatten().tolist(),
-                                        "coordinate": list(mesh.get_coordinate() or ())}
+            shards[key] = {"global_shape": list(p.shape), "placements": [str(pl) for pl in p.placements],
+                           "mesh": mesh.mesh.flatten().tolist(), "coordinate": list(mesh.get_coordinate() or ())}
     return {"world_size": dist.get_world_size() if initialized else 1,
             "rank": dist.get_rank() if initialized else 0, "shards": shards}
 
 
-def _hyperparameters(opt) -> list[dict]:
-    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-            for g in opt.param_groups]
+def _hyperparameters(opt: StreamedState) -> list[dict]:
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in opt.hyperparameters()]
 
 
-def _resident_state(opt) -> dict:
+def _resident_state(opt: StreamedState) -> dict:
     steps, moments = {}, {}
-    for p, state in opt.state.items():
-        key = opt.param_key(p)
+    for key, state in opt.resident_state().items():
         steps[key] = state["step"].detach().cpu()
         if "exp_avg" in state:
             moments[key] = {"exp_avg": state["exp_avg"].detach().cpu(),
@@ -80,14 +117,14 @@ def _resident_state(opt) -> dict:
 
 
 # -- save ------------------------------------------------------------------------------
-def save_checkpoint(opt, path: str) -> None:
+def save_checkpoint(opt: StreamedState, path: str) -> None:
     """Write ``opt``'s whole state to the directory ``path``, replacing it atomically
     (``greenroom.publish``: the previous checkpoint stays until this one is complete)."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp, said = publish.stage(path)
     if said:
-        warnings.warn(f"{path}: {said}", stacklevel=3)
+        log.warning(f"{path}: {said}")
     try:
         store = opt.store
         store.flush()  # the cached buckets' files are stale until written out
@@ -184,16 +221,16 @@ def file_crc32(path: str, size: int) -> str:
 
 
 # -- load ------------------------------------------------------------------------------
-def load_checkpoint(opt, path: str, *, no_load_optim: bool = False) -> None:
+def load_checkpoint(opt: StreamedState, path: str, *, no_load_optim: bool = False) -> None:
     """Restore ``opt`` from ``path`` after verifying it matches; see the module docstring."""
     if no_load_optim:
-        warnings.warn(f"no_load_optim: not loading the optimizer state from {path}; starting a fresh "
-                      "optimizer state (masters from the current params, zero moments, step 0)", stacklevel=3)
+        log.warning(f"no_load_optim: not loading the optimizer state from {path}; starting a fresh "
+                    "optimizer state (masters from the current params, zero moments, step 0)")
         opt.initialize_state()
         return
     said = publish.recover(os.path.abspath(path))
     if said:
-        warnings.warn(f"{path}: {said}", stacklevel=3)
+        log.warning(f"{path}: {said}")
     manifest = read_manifest(path)
     verify(opt, path, manifest)
     store = opt.store
@@ -202,19 +239,10 @@ def load_checkpoint(opt, path: str, *, no_load_optim: bool = False) -> None:
         copy_file(os.path.join(path, name), store.path(bucket.index), bucket.file_bytes)
     store.refill_host_cache()
     resident = torch.load(os.path.join(path, RESIDENT), weights_only=True)
-    params = {opt.param_key(p): p for g in opt.param_groups for p in g["params"]}
-    opt.state.clear()
-    for key, step in resident["steps"].items():
-        p = params[key]
-        state = opt.param_state(p)
-        state["step"].copy_(step)
-        if key in resident["moments"]:
-            local = local_tensor(p)
-            state["exp_avg"] = resident["moments"][key]["exp_avg"].to(local.device)
-            state["exp_avg_sq"] = resident["moments"][key]["exp_avg_sq"].to(local.device)
-    for group, saved in zip(opt.param_groups, manifest["param_groups"]):
-        for k, v in saved.items():
-            group[k] = tuple(v) if isinstance(v, list) else v
+    opt.load_resident_state({key: {"step": step, **resident["moments"].get(key, {})}
+                             for key, step in resident["steps"].items()})
+    opt.load_hyperparameters([{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()}
+                              for saved in manifest["param_groups"]])
 
 
 def read_manifest(path: str) -> dict:
@@ -252,7 +280,7 @@ _MANIFEST_FIELDS = {"master_dtype": str, "moment_dtype": str, "layout": dict, "t
                     "param_groups": list, "steps": dict, "files": dict}
 
 
-def verify(opt, path: str, manifest: dict) -> None:
+def verify(opt: StreamedState, path: str, manifest: dict) -> None:
     """Raise ``CheckpointError`` naming the first thing in which ``path`` differs from ``opt``."""
     store = opt.store
     for key, ours in (("master_dtype", "fp32"), ("moment_dtype", store.moment_dtype)):

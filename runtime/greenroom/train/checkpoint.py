@@ -23,7 +23,6 @@ the file. Resume is same-topology only, as for the streamed state.
 from __future__ import annotations
 
 import os
-import warnings
 import zlib
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from greenroom import publish
 from greenroom.errors import CheckpointError
 from greenroom.faults import kill_point
+from greenroom.log import get_logger
 from greenroom.optim.checkpoint import PIECE
 from greenroom.tensors import local_tensor
 
@@ -38,6 +38,7 @@ META = "meta.json"
 MANIFEST = "manifest.json"
 FORMAT = 2
 _META_FIELDS = {"format": int, "iteration": int, "world_size": int, "streaming": bool}
+log = get_logger(__name__)
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -66,7 +67,7 @@ def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, r
         os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
         _, said = publish.stage(directory)
         if said:
-            warnings.warn(f"--save {directory}: {said}")
+            log.warning(f"--save {directory}: {said}")
     barrier()
     mine = rank_path(staged, rank)
     try:
@@ -116,7 +117,7 @@ def settle(directory: str) -> None:
     rank loads), saying which."""
     said = publish.recover(os.path.abspath(directory))
     if said:
-        warnings.warn(f"--load {directory}: {said}")
+        log.warning(f"--load {directory}: {said}")
 
 
 def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, rank: int,
@@ -182,7 +183,7 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
                                       "shape; the checkpoint is of another model (check --d-model etc.)")
             local_tensor(t).copy_(state[name])
     if no_load_optim:
-        warnings.warn(f"--no-load-optim: starting a fresh optimizer state instead of the one in {directory}")
+        log.warning(f"--no-load-optim: starting a fresh optimizer state instead of the one in {directory}")
         if streaming:
             optimizer.initialize_state()  # its masters were filled from the weights before they loaded
     elif streaming:
