@@ -14,7 +14,8 @@ Codecs (``--offload-train-disk-compression``):
 ``nvcomp-ans``
     Byte planes, then nvCOMP's ANS on the GPU (the ``nvidia-nvcomp-cu13``/``-cu12`` wheel
     of torch's CUDA major). Runs on the device before the bytes cross to the host, at
-    ~100x a disk's speed, so it is the ``auto`` choice wherever it loads.
+    ~100x a disk's speed in isolation; inside the engine it does not yet keep up with the
+    disk (docs/benchmarks.md), so ``auto`` does not pick it yet.
 ``zstd``
     Byte planes, then Zstandard level 1 on the host, in the engine's I/O threads. The same
     frame format, for machines without a GPU (and the CI). It compresses about as well but
@@ -294,24 +295,20 @@ _INSTALL = {"zstd": "pip install zstandard",
 
 def resolve(choice: str, *, cuda: bool, chunk_bytes: int):
     """The codec ``--offload-train-disk-compression CHOICE`` runs (None: none), and one line
-    saying which and why. ``auto`` picks nvCOMP where CUDA is up and the wheel loads."""
+    saying which and why. ``auto`` stores the bytes as they are, for now (see the note inside)."""
     if choice not in CHOICES:
         raise ConfigError(f"--offload-train-disk-compression: expected one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "none":
         return None, "compression: none (--offload-train-disk-compression none)"
     small = chunk_bytes < MIN_COMPRESSED_CHUNK_MB * MIB
     if choice == "auto":
-        if small:
-            return None, (f"compression: none (auto: the staging chunk is under {MIN_COMPRESSED_CHUNK_MB} MiB, "
-                          "too small for one-MiB frames)")
-        if not cuda:
-            return None, ("compression: none (auto: no CUDA for nvCOMP; the host codec runs slower than an NVMe "
-                          "disk, pass --offload-train-disk-compression zstd to use it anyway)")
-        try:
-            codec = _load(NvcompPlanes)
-        except ImportError as e:
-            return None, f"compression: none (auto: nvCOMP does not load: {e}; {_INSTALL['nvcomp-ans']})"
-        return codec, "compression: nvcomp-ans (auto: byte planes + ANS on the GPU)"
+        # Measured on the H200 (docs/benchmarks.md, "Compression"): nvcomp-ans moved 14%
+        # (fp32 state) to 22% (bf16 moments) fewer bytes, but the streamed step ran 40%
+        # slower than without it, and the offload's sleep slower too: the codec path
+        # (per-frame I/O and Python work per chunk) does not yet keep up with the disk.
+        # Until it does, auto stores the bytes as they are and a codec is opt-in.
+        return None, ("compression: none (auto: the codecs measured slower than the disk here, docs/compression.md; "
+                      "pass --offload-train-disk-compression nvcomp-ans or zstd to use one)")
     cls = _BY_NAME[choice]
     if small:
         raise ConfigError(f"--offload-train-disk-compression {choice} needs --offload-train-disk-chunk-mb "

@@ -38,7 +38,7 @@ FP8_SCALE_BLOCK = 128
 _MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8e4m3": 1.0 + 4 / FP8_SCALE_BLOCK,
                  "fp8e5m2": 1.0 + 4 / FP8_SCALE_BLOCK}
 DEFAULT_CHUNK_MB = 256
-# --offload-train-disk-compression (greenroom.compression): auto picks nvCOMP on the GPU.
+# --offload-train-disk-compression (greenroom.compression); auto stores the bytes as they are for now.
 COMPRESSIONS = ("auto", "none", "nvcomp-ans", "zstd")
 # A compressed frame is one MiB and each of the engine's 4 staging buffers holds whole frames.
 MIN_COMPRESSED_CHUNK_MB = 4
@@ -102,7 +102,7 @@ class OffloadFlags:
 
     offload_train_disk_compression: str = "auto"
     """Lossless codec of what both mechanisms write to disk (``greenroom.compression``):
-    ``auto`` (nvCOMP where CUDA is up and it loads, else none), ``none``, ``nvcomp-ans``
+    ``auto`` (none for now: the codecs measured slower than the disk), ``none``, ``nvcomp-ans``
     or ``zstd``."""
 
     stream_optimizer_state_to_disk: bool = False
@@ -281,8 +281,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--offload-train-disk-chunk-mb", type=int, default=DEFAULT_CHUNK_MB, metavar="MB",
                        help="pinned host staging buffer per mechanism and rank, MiB (default %(default)s)")
     group.add_argument("--offload-train-disk-compression", choices=COMPRESSIONS, default="auto",
-                       help="lossless codec of what goes to disk: auto (nvCOMP on the GPU where it loads, "
-                            "else none; the default), none, nvcomp-ans or zstd (host, slower than NVMe)")
+                       help="lossless codec of what both mechanisms write to disk: auto (the default; none for now: "
+                            "the codecs measured slower than the disk), none, nvcomp-ans (GPU) or zstd (host)")
     group.add_argument("--stream-optimizer-state-to-disk", action="store_true",
                        help="keep fp32 master params and Adam moments in per-bucket files")
     group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",

@@ -67,7 +67,7 @@ class StreamingAdam(torch.optim.Optimizer):
             per-tensor loop on the CPU: fused is the faster kernel for the one bucket). Bit-exactness holds against
             ``torch.optim.AdamW`` with the same choice. Recorded in the groups as given.
         compression: the lossless codec of the bucket files (``--offload-train-disk-compression``):
-            ``auto`` (nvCOMP on CUDA where it loads, else none), ``none``, ``nvcomp-ans``
+            ``auto`` (none for now: the codecs measured slower than the disk), ``none``, ``nvcomp-ans``
             or ``zstd``; ``compression_line`` says which runs and why.
 
     Params with ``requires_grad=False`` get no state and no files. ``state_dict()`` and
