@@ -33,7 +33,8 @@ RUN = ["podman", "--runtime", "runc", "run", "--rm", "--network", "none",
 
 def _stage_wheels() -> None:
     """The CPU torch wheel and greenroom's dependencies, as wheels for the image's Python."""
-    if glob.glob(os.path.join(WHEELS, "torch-*.whl")) and glob.glob(os.path.join(WHEELS, "megatron_core-*.whl")):
+    staged = ("torch-*.whl", "megatron_core-*.whl", "zstandard-*.whl")
+    if all(glob.glob(os.path.join(WHEELS, pattern)) for pattern in staged):
         return
     torch_wheels = glob.glob(TORCH_WHEEL_GLOB)
     if not torch_wheels:
