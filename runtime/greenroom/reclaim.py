@@ -183,6 +183,13 @@ def _lock(dir_fd: int) -> tuple[int, bool]:
     return lock_fd, False
 
 
+def _close_open(*fds: int) -> None:
+    """Close the fds a reclaim step opened (-1: never opened)."""
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
+
+
 def _remove_locked(parent_fd: int, name: str, dir_fd: int, dev: int) -> None:
     """Rename the dir open as ``dir_fd`` (whose lock we hold) aside inside ``parent_fd``
     and delete it through its fd. If the name turns out to hold another dir (swapped in
@@ -264,9 +271,7 @@ def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: flo
     except OSError as e:
         return Decision(path, "error", e.strerror or str(e))
     finally:
-        for fd in (lock_fd, dir_fd, parent_fd):
-            if fd >= 0:
-                os.close(fd)
+        _close_open(lock_fd, dir_fd, parent_fd)
 
 
 def clean_aside(path: str, root_dev: int, *, dry_run: bool) -> Decision | None:
@@ -301,9 +306,7 @@ def clean_aside(path: str, root_dev: int, *, dry_run: bool) -> Decision | None:
     except OSError as e:
         return Decision(path, "error", e.strerror or str(e))
     finally:
-        for fd in (lock_fd, dir_fd, parent_fd):
-            if fd >= 0:
-                os.close(fd)
+        _close_open(lock_fd, dir_fd, parent_fd)
 
 
 def _remove_empty_parents(path: str, root: str) -> None:
