@@ -317,3 +317,19 @@ def test_streaming_adam_with_nvcomp_is_bit_identical_to_fused_adamw(tmp_path):
             assert torch.equal(exported["state"][i]["exp_avg"], state["exp_avg"].cpu())
     finally:
         opt.close()
+
+
+def test_bench_codec_times_the_codec_and_refuses_bad_input():
+    import json
+    import subprocess
+    import sys
+
+    def bench(*extra):
+        return subprocess.run([sys.executable, "-m", "greenroom.cli", "bench", "codec", "--compression", "zstd",
+                               "--state", "random", "--size", "64MiB", *extra], capture_output=True, text=True)
+
+    result = json.loads(bench("--threads", "2", "--json").stdout)
+    assert result["bytes"] == 64 << 20 and result["ratio"] < compression.MIN_RATIO  # random bytes do not shrink
+    assert result["encode_bytes_per_s"] > 0 and result["decode_bytes_per_s"] > 0
+    bad = bench("--threads", "0")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--threads" in bad.stderr

@@ -1,4 +1,4 @@
-"""``greenroom bench disk|stream|offload``: one module per benchmark.
+"""``greenroom bench disk|stream|offload|codec``: one module per benchmark.
 
 Benchmarks report what they measure beside the raw figure from the same run (plain
 O_DIRECT threads for the disk, a plain pinned copy for host memory) and the ratio, so a
@@ -14,6 +14,7 @@ BENCHMARKS = {
     "disk": ("greenroom.bench.disk", "sequential bandwidth through the I/O layer vs raw O_DIRECT"),
     "stream": ("greenroom.bench.stream", "streamed optimizer step time vs the disk bound"),
     "offload": ("greenroom.bench.offload", "actor sleep/wake bandwidth vs raw disk or pinned copy"),
+    "codec": ("greenroom.bench.codec", "frame codec encode/decode GB/s vs the raw disk it has to beat"),
 }
 
 
