@@ -70,7 +70,7 @@ def test_an_incompressible_frame_is_stored_raw(tmp_path, zstd):
     t = torch.randint(0, 256, (3 * EXTENT + 1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     with StateFile(str(tmp_path / "state"), t.numel(), compression=zstd) as f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
-        stored = f.recorded_stored(0, align_up(t.numel()))
+        stored = f.recorded(0, align_up(t.numel()))[1]
         assert stored.tolist() == [EXTENT, EXTENT, EXTENT, 1000]  # every frame raw: no header
         assert f.disk_bytes_written == align_up(t.numel())
         back = torch.empty_like(t)
@@ -95,7 +95,7 @@ def test_a_corrupted_stored_frame_is_detected_naming_the_file_and_offset(tmp_pat
     with StateFile(path, t.numel() * 4, compression=zstd) as f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
         assert _first_stored_frame(path).startswith(compression.MAGIC)
-        stored = int(f.recorded_stored(0, t.numel() * 4)[1])
+        stored = int(f.recorded(0, t.numel() * 4)[1][1])
         flip_at = EXTENT + stored // 2  # inside the second frame's payload
         fd = os.open(path, os.O_RDWR)
         try:

@@ -363,23 +363,20 @@ class StateFile:
         self.read(memoryview(table.numpy()), self.table_offset)
         return table, (nbytes + EXTENT - 1) // EXTENT
 
-    def recorded_sums(self, offset: int, nbytes: int) -> torch.Tensor | None:
-        """The extent sums written for the range, or None when none were recorded."""
+    def recorded(self, offset: int, nbytes: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What was recorded when the range was written: its extent sums, and for a
+        compressed file the bytes each extent's frame stored (None: nothing recorded since
+        the file was opened). One read of the table of a file that holds it."""
         if self.table_offset is None:
             with self._sums_lock:
-                return self._sums.get((offset, nbytes))
+                return self._sums.get((offset, nbytes)), self._stored.get((offset, nbytes))
         table, extents = self._table(offset, nbytes)
-        return table[:extents * _SUM_BYTES].view(torch.int64).clone()
-
-    def recorded_stored(self, offset: int, nbytes: int) -> torch.Tensor | None:
-        """The bytes each extent's frame of the range stored (a compressed file), or None
-        when the range was not written since the file was opened."""
-        if self.table_offset is None:
-            with self._sums_lock:
-                return self._stored.get((offset, nbytes))
-        table, extents = self._table(offset, nbytes)
-        stored = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).clone()
-        return stored if bool((stored > 0).all()) else None
+        sums = table[:extents * _SUM_BYTES].view(torch.int64).clone()
+        stored = None
+        if self.compression is not None:
+            stored = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).clone()
+            stored = stored if bool((stored > 0).all()) else None
+        return sums, stored
 
     def _check_range(self, length: int, file_offset: int) -> None:
         # Errors, not asserts: a caller's bad range must fail under ``python -O`` too.
@@ -463,6 +460,8 @@ class Transfer:
     stored: torch.Tensor | None = None
     """Of a compressed file: the bytes each extent's frame stored (filled by a write,
     recorded before a read)."""
+    expected: torch.Tensor | None = None
+    """Of a read: the recorded extent sums, when fetched with ``stored`` (one table read)."""
     _finish: Callable[["Transfer"], None] | None = None
     _remaining: int = 0
     _error: BaseException | None = None
@@ -601,7 +600,7 @@ class TransferEngine:
             chunks = [(start, min(step, nbytes - start), None) for start in range(0, nbytes, step)]
         else:
             chunks = _frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file)
-        sums = stored = finish = None
+        sums = stored = expected = finish = None
         if self.verify and nbytes:
             end = offset + align_up(nbytes)
             sums = torch.zeros((end - 1) // EXTENT - offset // EXTENT + 1, dtype=torch.int64)
@@ -611,13 +610,13 @@ class TransferEngine:
                 stored = torch.zeros(sum(len(frames) for _, _, frames in chunks), dtype=torch.int32)
                 finish = self._seal
             else:
-                stored = file.recorded_stored(offset, align_up(nbytes))
+                expected, stored = file.recorded(offset, align_up(nbytes))
                 if stored is None:
                     raise IntegrityError(f"{file.path}: no record of bytes [{offset}, {offset + nbytes}) of "
                                          f"{file.label}: they were not written through greenroom's I/O engine "
                                          "since the file was opened, so they cannot be read")
         transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
-                            _finish=finish)
+                            expected=expected, _finish=finish)
         ready = None
         if data.is_cuda:
             # Copies must see everything the caller's stream has queued on the tensor.
@@ -691,7 +690,7 @@ class TransferEngine:
 
     @staticmethod
     def _check(transfer: Transfer) -> None:
-        check_sums(transfer.file, transfer.offset, align_up(transfer.nbytes), transfer.sums)
+        check_sums(transfer.file, transfer.offset, align_up(transfer.nbytes), transfer.sums, transfer.expected)
 
     def _write_chunk(self, piece, slot, file, file_offset, transfer, done_copy, stream) -> None:
         error = sums = None
@@ -926,10 +925,13 @@ def verify_mapped(file: StateFile, data: torch.Tensor) -> None:
         check_sums(file, 0, data.numel(), extent_sums(data, 0))
 
 
-def check_sums(file: StateFile, offset: int, nbytes: int, sums: torch.Tensor) -> None:
+def check_sums(file: StateFile, offset: int, nbytes: int, sums: torch.Tensor,
+               expected: torch.Tensor | None = None) -> None:
     """Raise ``IntegrityError`` (one line: the file, the offset, what it holds) unless
-    ``sums`` are the checksums recorded for bytes [offset, offset + nbytes) of ``file``."""
-    expected = file.recorded_sums(offset, nbytes)
+    ``sums`` are the checksums recorded for bytes [offset, offset + nbytes) of ``file``
+    (``expected``, when the caller already fetched them)."""
+    if expected is None:
+        expected = file.recorded(offset, nbytes)[0]
     if expected is None:
         raise IntegrityError(f"{file.path}: no checksum for bytes [{offset}, {offset + nbytes}) of {file.label}: "
                              "they were not written through greenroom's I/O engine since the file was opened, "
