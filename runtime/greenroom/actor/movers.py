@@ -92,6 +92,9 @@ class HostMover:
     def host_bytes(self) -> int:
         return sum(c.numel() for c in self._copies.values())
 
+    def disk_bytes(self, way: str) -> int:
+        return 0
+
     def close(self) -> None:
         self._copies = {}
 
@@ -212,6 +215,10 @@ class DiskMover:
     @property
     def host_bytes(self) -> int:
         return self._engine.staging.total_bytes
+
+    def disk_bytes(self, way: str) -> int:
+        """Bytes ``written`` to or ``read`` from the offload file since it was opened."""
+        return getattr(self._file, f"disk_bytes_{way}", 0)
 
     def _drop_file(self) -> None:
         if self._file is not None:

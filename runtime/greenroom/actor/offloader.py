@@ -186,6 +186,11 @@ class Offloader:
         """Host memory this offloader holds (staging or host copies)."""
         return 0
 
+    def disk_bytes(self, way: str) -> int:
+        """Bytes ``written`` to or ``read`` from the disk so far (the disk target; below
+        the bytes moved where frames were compressed)."""
+        return 0
+
     def close(self) -> None:
         """Release files and host copies. Closing while asleep discards the sleeping
         state (the process is going away: reading it back would only cost time)."""
@@ -296,6 +301,9 @@ class PortableOffloader(Offloader):
     @property
     def host_bytes(self) -> int:
         return self._mover.host_bytes
+
+    def disk_bytes(self, way: str) -> int:
+        return self._mover.disk_bytes(way)
 
     def close(self) -> None:
         try:

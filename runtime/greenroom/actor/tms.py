@@ -146,6 +146,9 @@ class TmsOffloader(Offloader):
     def host_bytes(self) -> int:
         return self._mover.host_bytes if self._mover is not None else 0
 
+    def disk_bytes(self, way: str) -> int:
+        return self._mover.disk_bytes(way) if self._mover is not None else 0
+
     def close(self) -> None:
         try:
             super().close()

@@ -72,12 +72,6 @@ def _pinned_copy_bandwidth(tensors, torch) -> dict:
     return {"out_bytes_per_s": total / out_s, "in_bytes_per_s": total / in_s}
 
 
-def _disk_counter(offloader, name: str) -> int:
-    """Bytes the offloader's disk mover moved to or from the disk so far (0 without one)."""
-    file = getattr(getattr(offloader, "_mover", None), "_file", None)
-    return getattr(file, name, 0)
-
-
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
@@ -143,8 +137,7 @@ def measure(args: argparse.Namespace) -> dict:
                 for t, r in zip(tensors, reference):
                     t[0] += 1
                     r[0] += 1
-                disk_written = _disk_counter(offloader, "disk_bytes_written")
-                disk_read = _disk_counter(offloader, "disk_bytes_read")
+                disk_written, disk_read = offloader.disk_bytes("written"), offloader.disk_bytes("read")
                 sampler.reset_peak()
                 slept = offloader.sleep()
                 asleep_rss = sampler.rss()
@@ -153,8 +146,8 @@ def measure(args: argparse.Namespace) -> dict:
                 cycles.append({"sleep_s": slept.seconds, "wake_s": woke.seconds,
                                "sleep_bytes_per_s": sleep_rate, "wake_bytes_per_s": wake_rate,
                                "sleep_copied": slept.copied, "sleep_covered": slept.nbytes,
-                               "disk_bytes_written": _disk_counter(offloader, "disk_bytes_written") - disk_written,
-                               "disk_bytes_read": _disk_counter(offloader, "disk_bytes_read") - disk_read,
+                               "disk_bytes_written": offloader.disk_bytes("written") - disk_written,
+                               "disk_bytes_read": offloader.disk_bytes("read") - disk_read,
                                "bound": cycle_bound,
                                "sleep_ratio": sleep_rate / cycle_bound[out_key],
                                "wake_ratio": wake_rate / cycle_bound[in_key],
