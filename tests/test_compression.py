@@ -333,3 +333,39 @@ def test_bench_codec_times_the_codec_and_refuses_bad_input():
     assert result["encode_bytes_per_s"] > 0 and result["decode_bytes_per_s"] > 0
     bad = bench("--threads", "0")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--threads" in bad.stderr
+
+
+def _patch(path: str, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def test_a_damaged_stored_size_record_and_an_unknown_codec_are_refused(tmp_path, zstd):
+    # A bucket-style file (its table in it): the record of frame 0's stored bytes is
+    # overwritten with more than the frame holds; then, restored, the header names a
+    # codec this greenroom does not know. Each read stops in one line naming the file.
+    t = _compressible(torch.float32, 2 * EXTENT // 4)
+    path = str(tmp_path / "bucket")
+    with StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f, \
+            TransferEngine(CHUNK, verify=False) as engine:
+        engine.write(t, f, 0).wait()
+        record = f.table_offset + 2 * 8  # after the two extents' sums
+        with open(path, "rb") as raw:
+            raw.seek(record)
+            saved = raw.read(4)
+        _patch(path, record, (EXTENT + 5).to_bytes(4, "little"))
+        with pytest.raises(IntegrityError, match="the record is damaged") as err:
+            engine.read(torch.empty_like(t), f, 0).wait()
+        assert path in str(err.value) and "\n" not in str(err.value)
+        _patch(path, record, saved)
+        _patch(path, 4, bytes([9]))  # the header's codec id
+        with pytest.raises(IntegrityError, match="names codec 9") as err:
+            engine.read(torch.empty_like(t), f, 0).wait()
+        assert path in str(err.value) and "\n" not in str(err.value)
+        back = torch.empty_like(t)
+        _patch(path, 4, bytes([compression.ZstdPlanes.id]))
+        engine.read(back, f, 0).wait()  # the file itself was never changed by the refusals
+    assert torch.equal(_bytes(back), _bytes(t))

@@ -737,7 +737,6 @@ class TransferEngine:
             self.staging.release(slot)
             transfer._chunk_finished(error, sums, first)
 
-
     # -- compressed files (greenroom.compression) -------------------------------------
     def _io_stream(self, device: torch.device) -> torch.cuda.Stream:
         """This I/O thread's own stream on ``device``: codec kernels of concurrent chunks
@@ -768,8 +767,7 @@ class TransferEngine:
                 with torch.cuda.stream(io_stream):
                     for (pos, raw, size, _), view, payload in zip(frames, views, payloads):
                         if compression.pays(raw, payload.numel()):
-                            arr[pos:pos + header] = np.frombuffer(
-                                compression.pack_header(codec.id, size, raw, payload.numel()), dtype=np.uint8)
+                            _put_header(arr, pos, codec, size, raw, payload.numel())
                             buf[pos + header:pos + header + payload.numel()].copy_(payload, non_blocking=True)
                             lengths.append(header + payload.numel())
                         else:
@@ -784,8 +782,7 @@ class TransferEngine:
                     # A host tensor in a file of a device codec is stored as it is.
                     payload = None if codec.on_device else codec.encode(arr[pos:pos + raw], size)
                     if payload is not None and compression.pays(raw, len(payload)):
-                        arr[pos:pos + header] = np.frombuffer(
-                            compression.pack_header(codec.id, size, raw, len(payload)), dtype=np.uint8)
+                        _put_header(arr, pos, codec, size, raw, len(payload))
                         arr[pos + header:pos + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
                         lengths.append(header + len(payload))
                     else:
@@ -867,6 +864,12 @@ class TransferEngine:
         finally:
             self.staging.release(slot)
             transfer._chunk_finished(error, sums, first)
+
+
+def _put_header(arr: np.ndarray, pos: int, codec, itemsize: int, raw: int, payload: int) -> None:
+    """The header of a compressed frame, at the start of its slot in the staging buffer."""
+    arr[pos:pos + compression.HEADER_BYTES] = np.frombuffer(compression.pack_header(codec.id, itemsize, raw, payload),
+                                                            dtype=np.uint8)
 
 
 def _stored_runs(frames, lengths) -> list[tuple[int, int]]:
