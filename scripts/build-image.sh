@@ -8,6 +8,8 @@
 #   GREENROOM_IMAGE_WHEELS  a dir of wheels staged into the build (CI: the CPU torch wheel
 #                           and every dependency), e.g. for a base without torch
 #   GREENROOM_PIP_NO_INDEX  1: pip installs from those wheels only
+#   GREENROOM_IMAGE_EXTRAS  greenroom's extras to install (default nvcomp, the GPU codec;
+#                           empty for a CPU image)
 #   GREENROOM_BUILD_CA      a CA bundle to mount for pip (podman/buildah only), for a
 #                           package mirror the base image's CAs do not know
 set -euo pipefail
@@ -45,6 +47,7 @@ version=$(python3 -c "import tomllib;print(tomllib.load(open('pyproject.toml','r
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 args=(--build-arg "BASE_IMAGE=$base" --build-arg "VERSION=$version" --build-arg "REVISION=$revision"
       --build-arg "CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ)" --build-arg "PIP_NO_INDEX=${GREENROOM_PIP_NO_INDEX:-0}"
+      --build-arg "GREENROOM_EXTRAS=${GREENROOM_IMAGE_EXTRAS-nvcomp}"
       -t "$image" -f "$context/Dockerfile")
 if [ -n "${GREENROOM_BUILD_CA:-}" ]; then
   [ "$engine" != docker ] || { echo "build-image: GREENROOM_BUILD_CA needs podman or buildah (docker build has no -v)" >&2; exit 2; }

@@ -3,19 +3,19 @@
 The disk is the limit of both mechanisms (docs/benchmarks.md), so the only way past it is
 to move fewer bytes. ``diskio.TransferEngine`` cuts every transfer of a compressed
 ``StateFile`` into *frames*, one per ``diskio.EXTENT`` of the file, and hands each frame
-to a codec here. A frame that shrinks is stored as a header and the payload at the
-frame's own place in the file; one that does not pay (less than ``MIN_RATIO``) is stored
-raw. The file stays preallocated at the raw size, so running out of space is still a
-setup error; what each frame stored is recorded beside its checksum (Note [integrity] of
-``diskio``), so a read fetches only the stored bytes.
+to a codec here. A frame that shrinks is stored as a header and the payload; one that
+does not pay (less than ``MIN_RATIO``) is stored raw; a chunk's frames are packed back
+to back (Note [packed frames] of ``diskio``). The file stays preallocated at the raw
+size, so running out of space is still a setup error; what and where each frame stored
+is recorded beside its checksum, so a read fetches only the stored bytes.
 
 Codecs (``--offload-train-disk-compression``):
 
 ``nvcomp-ans``
     Byte planes, then nvCOMP's ANS on the GPU (the ``nvidia-nvcomp-cu13``/``-cu12`` wheel
     of torch's CUDA major). Runs on the device before the bytes cross to the host, at
-    ~100x a disk's speed in isolation; inside the engine it does not yet keep up with the
-    disk (docs/benchmarks.md), so ``auto`` does not pick it yet.
+    12-25 GB/s inside the engine's calls on the H200, 7-13x its NVMe (docs/benchmarks.md).
+    What ``auto`` runs where CUDA is up and the wheel loads.
 ``zstd``
     Byte planes, then Zstandard level 1 on the host, in the engine's I/O threads. The same
     frame format, for machines without a GPU (and the CI). It compresses about as well but
@@ -295,20 +295,24 @@ _INSTALL = {"zstd": "pip install zstandard",
 
 def resolve(choice: str, *, cuda: bool, chunk_bytes: int):
     """The codec ``--offload-train-disk-compression CHOICE`` runs (None: none), and one line
-    saying which and why. ``auto`` stores the bytes as they are, for now (see the note inside)."""
+    saying which and why. ``auto`` is ``nvcomp-ans`` where CUDA is up and nvCOMP loads,
+    else none (never the host codec: ``zstd`` runs slower than an NVMe disk)."""
     if choice not in CHOICES:
         raise ConfigError(f"--offload-train-disk-compression: expected one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "none":
         return None, "compression: none (--offload-train-disk-compression none)"
     small = chunk_bytes < MIN_COMPRESSED_CHUNK_MB * MIB
     if choice == "auto":
-        # Measured on the H200 (docs/benchmarks.md, "Compression"): nvcomp-ans moved 14%
-        # (fp32 state) to 22% (bf16 moments) fewer bytes, but the streamed step ran 40%
-        # slower than without it, and the offload's sleep slower too: the codec path
-        # (per-frame I/O and Python work per chunk) does not yet keep up with the disk.
-        # Until it does, auto stores the bytes as they are and a codec is opt-in.
-        return None, ("compression: none (auto: the codecs measured slower than the disk here, docs/compression.md; "
-                      "pass --offload-train-disk-compression nvcomp-ans or zstd to use one)")
+        if not cuda:
+            return None, ("compression: none (auto: no GPU for nvcomp-ans; the host codec zstd runs slower than an "
+                          "NVMe disk, pass --offload-train-disk-compression zstd to use it anyway)")
+        if small:
+            return None, (f"compression: none (auto: --offload-train-disk-chunk-mb is under "
+                          f"{MIN_COMPRESSED_CHUNK_MB}, too small for one-MiB frames)")
+        try:
+            return _load(NvcompPlanes), "compression: nvcomp-ans (auto)"
+        except (ImportError, OSError) as e:
+            return None, f"compression: none (auto: nvCOMP does not load: {e}; {_INSTALL['nvcomp-ans']})"
     cls = _BY_NAME[choice]
     if small:
         raise ConfigError(f"--offload-train-disk-compression {choice} needs --offload-train-disk-chunk-mb "

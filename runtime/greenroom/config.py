@@ -102,8 +102,8 @@ class OffloadFlags:
 
     offload_train_disk_compression: str = "auto"
     """Lossless codec of what both mechanisms write to disk (``greenroom.compression``):
-    ``auto`` (none for now: the codecs measured slower than the disk), ``none``, ``nvcomp-ans``
-    or ``zstd``."""
+    ``auto`` (``nvcomp-ans`` where CUDA is up and nvCOMP loads, else none), ``none``,
+    ``nvcomp-ans`` or ``zstd``."""
 
     stream_optimizer_state_to_disk: bool = False
     """Keep fp32 master params and Adam moments in per-bucket files."""
@@ -281,8 +281,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--offload-train-disk-chunk-mb", type=int, default=DEFAULT_CHUNK_MB, metavar="MB",
                        help="pinned host staging buffer per mechanism and rank, MiB (default %(default)s)")
     group.add_argument("--offload-train-disk-compression", choices=COMPRESSIONS, default="auto",
-                       help="lossless codec of what both mechanisms write to disk: auto (the default; none for now: "
-                            "the codecs measured slower than the disk), none, nvcomp-ans (GPU) or zstd (host)")
+                       help="lossless codec of what both mechanisms write to disk: auto (the default: nvcomp-ans "
+                            "where CUDA is up and nvCOMP loads, else none), none, nvcomp-ans (GPU) or zstd (host)")
     group.add_argument("--stream-optimizer-state-to-disk", action="store_true",
                        help="keep fp32 master params and Adam moments in per-bucket files")
     group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",

@@ -54,6 +54,17 @@ was copied with it. ``GREENROOM_VERIFY=0`` (or ``TransferEngine(verify=False)``)
 hashing altogether; it exists to measure the cost, and state written that way cannot
 be read back with verification on.
 
+Note [packed frames]: a compressed file (``greenroom.compression``) is cut into frames,
+one per ``EXTENT``, and a chunk's frames are stored back to back from the chunk's own
+place, each at a page boundary: a chunk moves in one I/O of about its stored size,
+whatever each frame shrank to (stored at their own places, 1 MiB frames went out as
+~0.9 MB I/Os and ran slower than the raw chunk). Each frame's record holds its stored
+bytes and its *shift*, how far before its own place they start (0 for a chunk's first
+frame). A read's chunks start only at frames with shift 0, so a chunk's stored bytes
+always lie inside its own raw range and its staging buffer; a reader with smaller
+buffers than the writer's is refused in one line. Every frame's checksum covers its
+stored bytes at the offsets they were stored at.
+
 Note [failing fast]: a driver or worker thread never dies with a transfer unfinished.
 An exception while splitting a transfer fails the chunks not yet handed out; one in a
 worker fails its chunk; either way the transfer completes with the error and
@@ -82,7 +93,7 @@ ALIGNMENT = 4096
 DEFAULT_DEPTH = 4
 EXTENT = 1 << 20  # bytes per checksum, see Note [integrity]
 _SUM_BYTES = 8
-_STORED_BYTES = 4  # per extent of a compressed file: the bytes its frame stored
+_STORED_BYTES = 8  # per extent of a compressed file: its frame's stored bytes and shift (Note [packed frames])
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -200,7 +211,7 @@ class StateFile:
             the data, ``table_bytes(size)`` long; transfers must then cover the whole data).
         compression: the frame codec of ``greenroom.compression`` that transfers of this
             file run (None: bytes stored as they are). The file keeps its raw size; what
-            each frame stored is recorded with the checksums.
+            and where each frame stored is recorded with the checksums (Note [packed frames]).
 
     Running out of space is a ``StorageError`` here, at setup, never a SIGBUS or
     garbage later; a partially created file is removed.
@@ -263,7 +274,7 @@ class StateFile:
     @staticmethod
     def table_bytes(size: int, *, compressed: bool = False) -> int:
         """Bytes of the in-file table of a file of ``size`` data bytes: a checksum per
-        extent, and for a compressed file the bytes each extent's frame stored."""
+        extent, and for a compressed file what and where each extent's frame stored."""
         extents = (align_up(size) + EXTENT - 1) // EXTENT
         return align_up(extents * (_SUM_BYTES + (_STORED_BYTES if compressed else 0)))
 
@@ -334,7 +345,7 @@ class StateFile:
     def record_sums(self, offset: int, nbytes: int, sums: torch.Tensor | None,
                     stored: torch.Tensor | None = None) -> None:
         """Keep the extent sums of the range just written (``nbytes`` aligned), and for a
-        compressed file the bytes each extent's frame stored."""
+        compressed file each extent's frame's stored bytes and shift (Note [packed frames])."""
         if self.table_offset is None:
             with self._sums_lock:
                 end = offset + nbytes
@@ -354,7 +365,7 @@ class StateFile:
         if sums is not None:
             table[:extents * _SUM_BYTES].view(torch.int64).copy_(sums)
         if stored is not None:
-            table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).copy_(stored)
+            table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2).copy_(stored)
         self.write(memoryview(table.numpy()), self.table_offset)
 
     def _table(self, offset: int, nbytes: int) -> tuple[torch.Tensor, int]:
@@ -365,7 +376,7 @@ class StateFile:
 
     def recorded(self, offset: int, nbytes: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """What was recorded when the range was written: its extent sums, and for a
-        compressed file the bytes each extent's frame stored (None: nothing recorded since
+        compressed file each frame's stored bytes and shift (None: nothing recorded since
         the file was opened). One read of the table of a file that holds it."""
         if self.table_offset is None:
             with self._sums_lock:
@@ -374,8 +385,8 @@ class StateFile:
         sums = table[:extents * _SUM_BYTES].view(torch.int64).clone()
         stored = None
         if self.compression is not None:
-            stored = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).clone()
-            stored = stored if bool((stored > 0).all()) else None
+            stored = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2)
+            stored = stored.clone() if bool((stored[:, 0] > 0).all()) else None
         return sums, stored
 
     def _check_range(self, length: int, file_offset: int) -> None:
@@ -458,7 +469,8 @@ class Transfer:
     sums: torch.Tensor | None = None
     """Extent sums accumulated chunk by chunk (Note [integrity]); None when not verifying."""
     stored: torch.Tensor | None = None
-    """Of a compressed file: the bytes each extent's frame stored (filled by a write,
+    """Of a compressed file, per extent: its frame's stored bytes and how far before its
+    own place they were stored (int32 pairs, Note [packed frames]; filled by a write,
     recorded before a read)."""
     expected: torch.Tensor | None = None
     """Of a read: the recorded extent sums, when fetched with ``stored`` (one table read)."""
@@ -596,25 +608,27 @@ class TransferEngine:
         nbytes = data.numel()
         assert offset + nbytes <= file.data_bytes, f"{file.path}: transfer past the end of the file's data"
         step = self.staging.buffer_bytes
-        if file.compression is None:
-            chunks = [(start, min(step, nbytes - start), None) for start in range(0, nbytes, step)]
-        else:
-            chunks = _frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file)
         sums = stored = expected = finish = None
         if self.verify and nbytes:
             end = offset + align_up(nbytes)
             sums = torch.zeros((end - 1) // EXTENT - offset // EXTENT + 1, dtype=torch.int64)
             finish = self._seal if kind == "write" else self._check
-        if file.compression is not None and nbytes:
-            if kind == "write":
-                stored = torch.zeros(sum(len(frames) for _, _, frames in chunks), dtype=torch.int32)
-                finish = self._seal
-            else:
-                expected, stored = file.recorded(offset, align_up(nbytes))
-                if stored is None:
-                    raise IntegrityError(f"{file.path}: no record of bytes [{offset}, {offset + nbytes}) of "
-                                         f"{file.label}: they were not written through greenroom's I/O engine "
-                                         "since the file was opened, so they cannot be read")
+        if file.compression is None:
+            chunks = [(start, min(step, nbytes - start), None) for start in range(0, nbytes, step)]
+        elif not nbytes:
+            chunks = []
+        elif kind == "write":
+            chunks = _frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file)
+            stored = torch.zeros((sum(len(frames) for _, _, frames in chunks), 2), dtype=torch.int32)
+            finish = self._seal
+        else:
+            expected, stored = file.recorded(offset, align_up(nbytes))
+            if stored is None:
+                raise IntegrityError(f"{file.path}: no record of bytes [{offset}, {offset + nbytes}) of "
+                                     f"{file.label}: they were not written through greenroom's I/O engine "
+                                     "since the file was opened, so they cannot be read")
+            chunks = _frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
+                                   shifts=stored[:, 1].tolist())
         transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
                             expected=expected, _finish=finish)
         ready = None
@@ -749,16 +763,16 @@ class TransferEngine:
         return streams[device]
 
     def _write_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
-        """Compress the chunk's frames and write each at its own place: a header and the
-        payload, or the raw bytes where compression does not pay."""
+        """Compress the chunk's frames and write them packed (Note [packed frames]): each a
+        header and the payload, or the raw bytes where compression does not pay."""
         error = sums = None
-        first = 0
+        first = frames[0][3]
         try:
             codec = file.compression
             buf = self.staging.buffers[slot]
             arr = buf.numpy()
             header = compression.HEADER_BYTES
-            lengths = []
+            lengths, places, at = [], [], 0
             if codec.on_device and piece.is_cuda:
                 io_stream = self._io_stream(piece.device)
                 io_stream.wait_stream(stream)
@@ -767,37 +781,43 @@ class TransferEngine:
                 with torch.cuda.stream(io_stream):
                     for (pos, raw, size, _), view, payload in zip(frames, views, payloads):
                         if compression.pays(raw, payload.numel()):
-                            _put_header(arr, pos, codec, size, raw, payload.numel())
-                            buf[pos + header:pos + header + payload.numel()].copy_(payload, non_blocking=True)
+                            _put_header(arr, at, codec, size, raw, payload.numel())
+                            buf[at + header:at + header + payload.numel()].copy_(payload, non_blocking=True)
                             lengths.append(header + payload.numel())
                         else:
-                            buf[pos:pos + raw].copy_(view, non_blocking=True)
+                            buf[at:at + raw].copy_(view, non_blocking=True)
                             lengths.append(raw)
+                        places.append(at)
+                        at += align_up(lengths[-1])
                 io_stream.synchronize()
                 del payloads
             else:
                 if done_copy is not None:
                     done_copy.synchronize()
+                # In place, front to back: a frame's stored bytes end before the next
+                # frame's raw bytes begin, so no frame is overwritten before it is encoded.
                 for pos, raw, size, _ in frames:
                     # A host tensor in a file of a device codec is stored as it is.
                     payload = None if codec.on_device else codec.encode(arr[pos:pos + raw], size)
                     if payload is not None and compression.pays(raw, len(payload)):
-                        _put_header(arr, pos, codec, size, raw, len(payload))
-                        arr[pos + header:pos + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                        _put_header(arr, at, codec, size, raw, len(payload))
+                        arr[at + header:at + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
                         lengths.append(header + len(payload))
                     else:
+                        if at != pos:
+                            arr[at:at + raw] = arr[pos:pos + raw]  # numpy copies overlapping ranges safely
                         lengths.append(raw)
-            frame_sums = []
-            for (pos, _, _, index), n in zip(frames, lengths):
-                end = pos + align_up(n)
-                buf[pos + n:end].zero_()  # deterministic padding in the frame's own slot
-                if transfer.sums is not None:
-                    frame_sums.append(extent_sums(buf[pos:end], chunk_offset + pos))
-                transfer.stored[index] = n
-            for start, end in _stored_runs(frames, lengths):
+                    places.append(at)
+                    at += align_up(lengths[-1])
+            for place, n in zip(places, lengths):
+                buf[place + n:place + align_up(n)].zero_()  # deterministic padding in the frame's own pages
+            transfer.stored[first:first + len(frames)] = torch.tensor(
+                [[n, pos - place] for (pos, _, _, _), n, place in zip(frames, lengths, places)], dtype=torch.int32)
+            runs = _merge([(place, place + align_up(n)) for place, n in zip(places, lengths)])
+            for start, end in runs:
                 file.write(memoryview(arr[start:end]), chunk_offset + start)
-            if frame_sums:
-                sums, first = torch.cat(frame_sums), chunk_offset // EXTENT - transfer.offset // EXTENT
+            if transfer.sums is not None:
+                sums = _frame_sums(buf, chunk_offset, runs, lengths)
         except BaseException as e:  # reported through Transfer.wait()
             error = e
         finally:
@@ -805,60 +825,74 @@ class TransferEngine:
             transfer._chunk_finished(error, sums, first)
 
     def _read_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
-        """Read only the bytes each frame stored, check them, decode, and fill ``piece``."""
+        """Read the chunk's stored bytes (Note [packed frames]), check them, decode, and fill ``piece``."""
         error = sums = None
-        first = 0
+        first = frames[0][3]
         try:
             buf = self.staging.buffers[slot]
             arr = buf.numpy()
             header = compression.HEADER_BYTES
-            frame_sums, on_device = [], []
-            lengths = [int(transfer.stored[index]) for _, _, _, index in frames]
-            for (pos, raw, _, _), n in zip(frames, lengths):
-                if not 0 < n <= raw or (n < raw and n <= header):
+            lengths, places, end = [], [], 0
+            for (pos, raw, _, _), (n, shift) in zip(frames, transfer.stored[first:first + len(frames)].tolist()):
+                place = pos - shift
+                if not 0 < n <= raw or (n < raw and n <= header) or shift % ALIGNMENT or not end <= place <= pos:
                     raise IntegrityError(f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}: the "
-                                         f"file records {n} stored bytes for a frame of {raw}: the record is "
-                                         "damaged; stopped before using it: restart from the last checkpoint")
-            for start, end in _stored_runs(frames, lengths):
-                file.read(memoryview(arr[start:end]), chunk_offset + start)
-            for (pos, raw, _, _), n in zip(frames, lengths):
+                                         f"file records {n} stored bytes at {shift} bytes before it for a frame of "
+                                         f"{raw}: the record is damaged; stopped before using it: restart from the "
+                                         "last checkpoint")
+                lengths.append(n)
+                places.append(place)
+                end = place + align_up(n)
+            runs = _merge([(place, place + align_up(n)) for place, n in zip(places, lengths)])
+            for start, stop in runs:
+                file.read(memoryview(arr[start:stop]), chunk_offset + start)
+            if transfer.sums is not None:  # of the stored bytes, before decoding overwrites them
+                sums = _frame_sums(buf, chunk_offset, runs, lengths)
+            on_device, on_host = [], []
+            for (pos, raw, _, _), n, place in zip(frames, lengths, places):
+                if n == raw:
+                    on_host.append((pos, raw, place, n, None, 1, ""))
+                    continue
                 where = f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}"
-                end = pos + align_up(n)
-                if transfer.sums is not None:  # of the stored bytes, before decoding overwrites them
-                    frame_sums.append(extent_sums(buf[pos:end], chunk_offset + pos))
-                if n < raw:
-                    codec_id, size = compression.parse_header(arr[pos:pos + header].tobytes(), raw_bytes=raw,
-                                                              stored_bytes=n, where=where)
-                    codec = compression.codec_by_id(codec_id, where)
-                    if codec.on_device:
-                        on_device.append((pos, raw, n, size, where, codec))
-                    else:
-                        codec.decode(memoryview(arr[pos + header:pos + n]), arr[pos:pos + raw], size, where)
-            decoded_on_device = {job[0] for job in on_device}
-            in_buffer = _merge([(pos, pos + raw) for pos, raw, _, _ in frames if pos not in decoded_on_device])
+                codec_id, size = compression.parse_header(arr[place:place + header].tobytes(), raw_bytes=raw,
+                                                          stored_bytes=n, where=where)
+                codec = compression.codec_by_id(codec_id, where)
+                (on_device if codec.on_device else on_host).append((pos, raw, place, n, codec, size, where))
+            io_stream = None
             if piece.is_cuda or on_device:
                 device = piece.device if piece.is_cuda else torch.device("cuda", torch.cuda.current_device())
                 io_stream = self._io_stream(device)
                 if stream is not None:
                     io_stream.wait_stream(stream)  # the caller's work on ``piece`` comes first
+            outs = []
+            if on_device:
+                # First: the payloads are copied to the device before any frame below is
+                # unpacked over them.
                 with torch.cuda.stream(io_stream):
-                    for pos, end in in_buffer:
-                        piece[pos:end].copy_(buf[pos:end], non_blocking=True)
                     outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
-                                                                                   device=device)
-                            for pos, raw, _, _, _, _ in on_device]
-                if on_device:
-                    on_device[0][5].decode([buf[pos + header:pos + n] for pos, _, n, _, _, _ in on_device], outs,
-                                           [job[3] for job in on_device], io_stream, [job[4] for job in on_device])
+                                                                                   device=io_stream.device)
+                            for pos, raw, _, _, _, _, _ in on_device]
+                on_device[0][4].decode([buf[place + header:place + n] for _, _, place, n, _, _, _ in on_device],
+                                       outs, [job[5] for job in on_device], io_stream, [job[6] for job in on_device])
+            # Back to front, in place: a frame unpacks over the stored bytes of itself and
+            # of the frames after it (already unpacked), never of the frames before it.
+            for pos, raw, place, n, codec, size, where in reversed(on_host):
+                if codec is not None:
+                    codec.decode(memoryview(arr[place + header:place + n]), arr[pos:pos + raw], size, where)
+                elif place != pos:
+                    arr[pos:pos + raw] = arr[place:place + raw]
+            in_buffer = _merge([(pos, pos + raw) for pos, raw, _, _, _, _, _ in on_host])
+            if io_stream is not None:
+                with torch.cuda.stream(io_stream):
+                    for start, stop in in_buffer:
+                        piece[start:stop].copy_(buf[start:stop], non_blocking=True)
                 io_stream.synchronize()  # the staging buffer is reused once released
-                if not piece.is_cuda:
-                    for (pos, raw, _, _, _, _), out in zip(on_device, outs):
-                        piece[pos:pos + raw].copy_(out)
             else:
-                for pos, end in in_buffer:
-                    piece[pos:end].copy_(buf[pos:end])
-            if frame_sums:
-                sums, first = torch.cat(frame_sums), chunk_offset // EXTENT - transfer.offset // EXTENT
+                for start, stop in in_buffer:
+                    piece[start:stop].copy_(buf[start:stop])
+            if not piece.is_cuda:
+                for (pos, raw, _, _, _, _, _), out in zip(on_device, outs):
+                    piece[pos:pos + raw].copy_(out)
         except BaseException as e:
             error = e
         finally:
@@ -872,12 +906,14 @@ def _put_header(arr: np.ndarray, pos: int, codec, itemsize: int, raw: int, paylo
                                                             dtype=np.uint8)
 
 
-def _stored_runs(frames, lengths) -> list[tuple[int, int]]:
-    """The byte ranges of a chunk's staging buffer to move to or from the disk: each
-    frame's stored bytes (aligned), one I/O for frames that touch (a raw frame fills its
-    slot, so it touches the next one): incompressible state moves in as few calls as
-    without a codec."""
-    return _merge([(pos, pos + align_up(n)) for (pos, _, _, _), n in zip(frames, lengths)])
+def _frame_sums(buf: torch.Tensor, chunk_offset: int, runs: list[tuple[int, int]], lengths: list[int]) -> torch.Tensor:
+    """Each frame's checksum (Note [integrity]) of the bytes it stored, at the file offsets
+    they were stored at: one pass over each run of the chunk's buffer that moved in one I/O
+    (the runs hold the frames' aligned stored bytes back to back, in order)."""
+    pages = torch.cat([page_sums(buf[start:end], chunk_offset + start) for start, end in runs])
+    frame_of_page = torch.repeat_interleave(torch.arange(len(lengths)),
+                                            torch.tensor([align_up(n) // ALIGNMENT for n in lengths]))
+    return torch.zeros(len(lengths), dtype=torch.int64).index_add_(0, frame_of_page, pages)
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -890,33 +926,40 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(start, end) for start, end in merged]
 
 
-def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile) -> list:
+def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile, shifts=None) -> list:
     """The chunks of a transfer of a compressed file: whole frames (one per ``EXTENT`` of
     the file that the transfer touches), at most ``step`` bytes together. Each chunk is
     ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
     index)])``; a frame's element size is that of the region it starts in, or 1 where it
-    does not divide the frame."""
+    does not divide the frame. A read passes the recorded ``shifts`` (Note [packed
+    frames]): its chunks start only at frames stored at their own place."""
     if step < EXTENT:
         raise ConfigError(f"{file.path}: compression needs staging buffers of at least {EXTENT >> 20} MiB, got "
                           f"{step} bytes: raise --offload-train-disk-chunk-mb to {DEFAULT_DEPTH * EXTENT >> 20} or more")
-    chunks, frames, chunk_start, index = [], [], 0, 0
-    position, end = offset, offset + nbytes
+    frames, position, end = [], offset, offset + nbytes
     while position < end:
         stop = min(end, (position // EXTENT + 1) * EXTENT)
         start, raw = position - offset, stop - position
         size = next(s for at, s in reversed(element_sizes) if at <= start)
-        if raw % size:
-            size = 1
-        if frames and start + raw - chunk_start > step:
-            chunks.append((chunk_start, start - chunk_start, frames))
-            frames = []
-        if not frames:
-            chunk_start = start
-        frames.append((start - chunk_start, raw, size, index))
-        index += 1
+        frames.append((start, raw, 1 if raw % size else size))
         position = stop
-    if frames:
-        chunks.append((chunk_start, nbytes - chunk_start, frames))
+    chunks, i = [], 0
+    while i < len(frames):
+        j = i + 1
+        while j < len(frames) and frames[j][0] + frames[j][1] - frames[i][0] <= step:
+            j += 1
+        if shifts is not None and j < len(frames):
+            while j > i + 1 and shifts[j]:
+                j -= 1
+            if shifts[j]:
+                raise ConfigError(f"{file.path}: {file.label} was written through larger staging buffers than "
+                                  f"this run's {step >> 20} MiB: raise --offload-train-disk-chunk-mb to what the "
+                                  "run that wrote it used")
+        chunk_start = frames[i][0]
+        chunk_end = frames[j - 1][0] + frames[j - 1][1]
+        chunks.append((chunk_start, chunk_end - chunk_start,
+                       [(start - chunk_start, raw, size, k) for k, (start, raw, size) in enumerate(frames[i:j], i)]))
+        i = j
     return chunks
 
 

@@ -67,8 +67,8 @@ class StreamingAdam(torch.optim.Optimizer):
             per-tensor loop on the CPU: fused is the faster kernel for the one bucket). Bit-exactness holds against
             ``torch.optim.AdamW`` with the same choice. Recorded in the groups as given.
         compression: the lossless codec of the bucket files (``--offload-train-disk-compression``):
-            ``auto`` (none for now: the codecs measured slower than the disk), ``none``, ``nvcomp-ans``
-            or ``zstd``; ``compression_line`` says which runs and why.
+            ``auto`` (``nvcomp-ans`` where CUDA is up and nvCOMP loads, else none), ``none``,
+            ``nvcomp-ans`` or ``zstd``; ``compression_line`` says which runs and why.
 
     Params with ``requires_grad=False`` get no state and no files. ``state_dict()`` and
     ``load_state_dict()`` use torch's format, backed by the bucket files (see
