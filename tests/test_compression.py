@@ -351,10 +351,11 @@ def _patch(path: str, offset: int, data: bytes) -> None:
         os.close(fd)
 
 
-def test_a_damaged_stored_size_record_and_an_unknown_codec_are_refused(tmp_path, zstd):
+def test_a_damaged_stored_size_or_shift_record_and_an_unknown_codec_are_refused(tmp_path, zstd):
     # A bucket-style file (its table in it): the record of frame 0's stored bytes is
-    # overwritten with more than the frame holds; then, restored, the header names a
-    # codec this greenroom does not know. Each read stops in one line naming the file.
+    # overwritten with more than the frame holds; then, restored, frame 1's shift is made
+    # to point into frame 0's stored bytes; then, restored, the header names a codec this
+    # greenroom does not know. Each read stops in one line naming the file.
     t = _compressible(torch.float32, 2 * EXTENT // 4)
     path = str(tmp_path / "bucket")
     with StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f, \
@@ -369,6 +370,15 @@ def test_a_damaged_stored_size_record_and_an_unknown_codec_are_refused(tmp_path,
             engine.read(torch.empty_like(t), f, 0).wait()
         assert path in str(err.value) and "\n" not in str(err.value)
         _patch(path, record, saved)
+        shift_of_second = record + 8 + 4  # after frame 0's pair and frame 1's stored bytes
+        with open(path, "rb") as raw:
+            raw.seek(shift_of_second)
+            saved = raw.read(4)
+        _patch(path, shift_of_second, EXTENT.to_bytes(4, "little"))
+        with pytest.raises(IntegrityError, match="the record is damaged") as err:
+            engine.read(torch.empty_like(t), f, 0).wait()
+        assert path in str(err.value) and "\n" not in str(err.value)
+        _patch(path, shift_of_second, saved)
         _patch(path, 4, bytes([9]))  # the header's codec id
         with pytest.raises(IntegrityError, match="names codec 9") as err:
             engine.read(torch.empty_like(t), f, 0).wait()
@@ -432,16 +442,3 @@ def test_a_reader_with_smaller_staging_than_the_writer_is_refused_larger_reads(t
             engine.read(back, f, 0).wait()
     assert path in str(err.value) and "--offload-train-disk-chunk-mb" in str(err.value) and "\n" not in str(err.value)
 
-
-def test_a_damaged_shift_record_is_refused(tmp_path, zstd):
-    # The second frame's shift made to point into the first frame's stored bytes.
-    t = _compressible(torch.float32, 2 * EXTENT // 4)
-    path = str(tmp_path / "bucket")
-    with StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f, \
-            TransferEngine(CHUNK, verify=False) as engine:
-        engine.write(t, f, 0).wait()
-        shift_of_second = f.table_offset + 2 * 8 + 8 + 4  # after two sums and the first frame's pair
-        _patch(path, shift_of_second, EXTENT.to_bytes(4, "little"))
-        with pytest.raises(IntegrityError, match="the record is damaged") as err:
-            engine.read(torch.empty_like(t), f, 0).wait()
-    assert path in str(err.value) and "\n" not in str(err.value)
