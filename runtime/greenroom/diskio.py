@@ -520,6 +520,10 @@ class Transfer:
             raise self._error
         return self.nbytes
 
+    def unreported_error(self) -> bool:
+        """Whether the transfer failed and nobody has seen its error yet."""
+        return self._error is not None and not self._reported
+
     def _wait_unreported(self) -> None:
         """Like wait(), but an error some caller already saw is not raised twice."""
         self._done.wait()
@@ -636,7 +640,10 @@ class TransferEngine:
             # Copies must see everything the caller's stream has queued on the tensor.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(data.device))
-        self._inflight = [t for t in self._inflight if not t.done()] + [transfer]
+        # A finished transfer leaves the list only once nothing is left to report: one that
+        # failed stays until drain() raises its error (a caller waiting on the engine alone
+        # must see every failure, not just those of transfers still running).
+        self._inflight = [t for t in self._inflight if not t.done() or t.unreported_error()] + [transfer]
         self._jobs.put((kind, data, file, offset, transfer, ready, chunks))
         return transfer
 

@@ -21,6 +21,15 @@ every element that differs from the param (the fp32 value of the param). An elem
 outside write left equal in the param's dtype keeps its fp32 master bits; that is the
 only information the param has. The cost is one cast and compare per element of the
 params the step updates, no I/O. fp32 params are their own master and need no rule.
+
+Note [a failed step poisons]: a step that raises part way (an I/O error writing bucket 3,
+a flipped bit found in bucket 5) has updated some buckets, counters and params and not
+others, and which is not recorded anywhere; a bucket whose write-back failed may even
+read back as its pre-step bytes, checksums and all. Stepping on from there trains a
+state no run without the fault would reach, silently. So the first failure is kept, and
+every later ``step()``, ``state_dict()`` and ``save_checkpoint()`` raises one line naming
+it, until the whole state is replaced: ``load_checkpoint``, ``load_state_dict`` or
+``initialize_state``.
 """
 
 from __future__ import annotations
@@ -95,6 +104,7 @@ class StreamingAdam(torch.optim.Optimizer):
                 or not 0 <= host_cache_gb < math.inf):
             raise ConfigError(f"StreamingAdam: host_cache_gb must be a finite number of GB >= 0, got {host_cache_gb!r}")
         self._store: BucketStore | None = None
+        self._failed: str | None = None  # Note [a failed step poisons]
         self.resident_numel = resident_numel
         self.streamed: list[torch.Tensor] = []  # the param of each store entry
         self.resident: list[torch.Tensor] = []
@@ -176,6 +186,15 @@ class StreamingAdam(torch.optim.Optimizer):
         """Fresh state: masters from the params, zero moments, no steps taken."""
         self.state.clear()
         self.store.initialize(lambda i: local_tensor(self.streamed[i]))
+        self._failed = None
+
+    def _refuse_if_failed(self, what: str) -> None:
+        """See Note [a failed step poisons]."""
+        if self._failed is not None:
+            raise GreenroomError(
+                f"StreamingAdam: {what} refused: an earlier step() failed ({self._failed}) and left the state "
+                "partly updated (some buckets stepped, some not); load a checkpoint (load_checkpoint or "
+                "load_state_dict) before stepping or saving again")
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; after construction the new params' state goes in new buckets
@@ -217,6 +236,7 @@ class StreamingAdam(torch.optim.Optimizer):
         ``greenroom.optim.state_dict``."""
         from greenroom.optim.state_dict import export_state_dict
 
+        self._refuse_if_failed("state_dict()")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         out = export_state_dict(self)
@@ -235,6 +255,7 @@ class StreamingAdam(torch.optim.Optimizer):
             if hooked is not None:
                 state_dict = hooked
         import_state_dict(self, state_dict)
+        self._failed = None  # every bucket and counter was just replaced
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -242,6 +263,7 @@ class StreamingAdam(torch.optim.Optimizer):
         """Write the state to ``path`` (synchronously, atomically); see ``optim.checkpoint``."""
         from greenroom.optim.checkpoint import save_checkpoint
 
+        self._refuse_if_failed("save_checkpoint()")
         save_checkpoint(self, path)
 
     def load_checkpoint(self, path: str, no_load_optim: bool = False) -> None:
@@ -249,6 +271,7 @@ class StreamingAdam(torch.optim.Optimizer):
         from greenroom.optim.checkpoint import load_checkpoint
 
         load_checkpoint(self, path, no_load_optim=no_load_optim)
+        self._failed = None  # every bucket, counter and group was just replaced
 
     # -- what a checkpoint reads (optim.checkpoint.StreamedState) -----------------------
     def keyed_params(self) -> dict[str, torch.Tensor]:
@@ -280,6 +303,7 @@ class StreamingAdam(torch.optim.Optimizer):
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
+        self._refuse_if_failed("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -288,14 +312,18 @@ class StreamingAdam(torch.optim.Optimizer):
             self._create_state()
             return loss
         self._refuse_frozen_grads()
-        self._step_resident()
-        for p in self.empty:
-            if p.grad is not None:
-                self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
-        store = self.store
-        needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
-        for bucket_state in store.stream(needed):
-            self._step_bucket(bucket_state)
+        try:
+            self._step_resident()
+            for p in self.empty:
+                if p.grad is not None:
+                    self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
+            store = self.store
+            needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
+            for bucket_state in store.stream(needed):
+                self._step_bucket(bucket_state)
+        except BaseException as e:
+            self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise
         return loss
 
     def _is_state_probe(self) -> bool:
