@@ -22,6 +22,7 @@ the file. Resume is same-topology only, as for the streamed state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 
@@ -61,7 +62,14 @@ def _crc32(path: str) -> tuple[int, str]:
 # -- save ------------------------------------------------------------------------------
 def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
          barrier) -> None:
-    directory = os.path.abspath(directory)
+    directory = os.path.realpath(directory)
+    with publish.locked(directory) if rank == 0 else contextlib.nullcontext():
+        _save(directory, model=model, optimizer=optimizer, streaming=streaming, iteration=iteration, rank=rank,
+              world_size=world_size, barrier=barrier)
+
+
+def _save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
+          barrier) -> None:
     staged = directory + publish.NEW_SUFFIX
     if rank == 0:
         os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
@@ -115,7 +123,7 @@ def read_meta(directory: str) -> dict:
 def settle(directory: str) -> None:
     """Finish or discard what a killed save left at ``directory`` (rank 0, before any
     rank loads), saying which."""
-    said = publish.recover(os.path.abspath(directory))
+    said = publish.recover(os.path.realpath(directory))
     if said:
         log.warning(f"--load {directory}: {said}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from greenroom import actor
+from greenroom import actor, publish
 from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, OffloadConfig
@@ -141,6 +142,10 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, *, offload: OffloadConfig, model: ModelConfig, task: TaskConfig,
                  rank: int = 0) -> None:
+        # A symlinked --save/--load is resolved once: a killed save is left beside the
+        # target, and every step (settling it, the lock, the swap) must look there.
+        config = dataclasses.replace(config, **{name: os.path.realpath(getattr(config, name))
+                                                for name in ("save", "load") if getattr(config, name)})
         self.config, self.offload, self.model_config, self.task = config, offload, model, task
         self.rank = rank
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -184,6 +189,8 @@ class Trainer:
         c, offload = self.config, self.offload
         if self.rank == 0:
             preflight.check_paths(c, offload)
+            if c.save:  # held for the run: a second trainer saving here is refused now, not at its end
+                self._stack.enter_context(publish.locked(c.save))
         if self.device.type == "cuda" and offload.offload_train and c.offload_backend != "portable":
             # Before any CUDA allocation: torch_memory_saver's hook must be preloaded.
             actor.relaunch_with(actor.launch_env(offload, self.rank, role=c.role, mover=c.offload_mover))
@@ -221,12 +228,19 @@ class Trainer:
         self.start_time = time.perf_counter()
 
     def _load(self) -> int:
-        if self.rank == 0:
-            checkpoint.settle(self.config.load)
-        self._barrier()
-        return checkpoint.load(self.config.load, model=self.model, optimizer=self.optimizer,
-                               streaming=self.offload.stream_optimizer_state_to_disk,
-                               no_load_optim=self.offload.no_load_optim, rank=self.rank, world_size=self.world_size)
+        # Under the checkpoint's lock (rank 0's) until every rank has read it: no save
+        # swaps it meanwhile (Note [one writer per checkpoint dir]).
+        with publish.locked(self.config.load, reading=True) if self.rank == 0 else contextlib.nullcontext():
+            if self.rank == 0:
+                checkpoint.settle(self.config.load)
+            self._barrier()
+            try:
+                return checkpoint.load(self.config.load, model=self.model, optimizer=self.optimizer,
+                                       streaming=self.offload.stream_optimizer_state_to_disk,
+                                       no_load_optim=self.offload.no_load_optim, rank=self.rank,
+                                       world_size=self.world_size)
+            finally:
+                self._barrier()
 
     def _checkpoint_bytes(self) -> int:
         """What this rank's part of a ``--save`` takes: its weights plus the optimizer

@@ -1,0 +1,118 @@
+"""``greenroom train --save/--load`` after and around faults (issue 30): a save that
+verifies what it copies, one writer per checkpoint dir, a symlinked ``--load``, and
+resume flags that would change a checkpoint's meaning.
+
+Races are made deterministic with ``GREENROOM_TEST_STOP_AT`` (``greenroom.faults``): the
+trainer SIGSTOPs itself at a named point, the test acts (flips a byte of a live file,
+starts a second trainer), then SIGCONTs it. Real processes and files throughout.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train import REPO, env
+from tests.test_train_faults import FLAGS, assert_same, reference, run, state_of  # noqa: F401 (a fixture)
+
+JOB = "issue30"
+
+
+def start(args, *, root, metrics, stop_at):
+    """A trainer (job ``JOB``) that stops itself at ``stop_at``; returns once it has."""
+    e = {**env(), "GREENROOM_TEST_STOP_AT": stop_at, "GREENROOM_JOB_ID": JOB}
+    cmd = [sys.executable, "-m", "greenroom.cli", "train", *FLAGS, "--offload-train-disk-dir", root,
+           "--metrics", metrics, *args]
+    proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), f"the trainer ended before {stop_at}: {status}"
+    return proc
+
+
+def resume(proc):
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def one_line(proc, pattern):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    [line] = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert re.search(pattern, line), line
+    return line
+
+
+def copy_of(half, disk_dir):
+    ckpt = os.path.join(disk_dir, "ckpt")
+    shutil.copytree(half, ckpt)
+    return ckpt, os.path.join(disk_dir, "offload"), os.path.join(disk_dir, "m.jsonl")
+
+
+def test_a_byte_flipped_in_a_live_bucket_before_the_save_is_refused_and_the_previous_checkpoint_kept(
+        disk_dir, reference):
+    """Issue 30 case 4: the save used to copy the flipped bucket, report "saved iteration
+    4" and replace the good checkpoint with one no resume accepts."""
+    _, half = reference
+    ckpt, root, metrics = copy_of(half, disk_dir)
+    # After the last optimizer step of iteration 4 (2 per iteration), before the save.
+    proc = start(["--iterations", "4", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
+                 stop_at="train-step@4")
+    live = os.path.join(root, JOB, "actor", "rank00000", "optim", "bucket-00000.bin")
+    with open(live, "r+b") as f:
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 0x04]))
+    failed = resume(proc)
+    one_line(failed, r"bucket-00000\.bin: checksum mismatch at offset 0 \(bytes \[0, \d+\) of bucket 0 of the "
+                     r"optimizer state\) while saving a checkpoint: the live file is not what greenroom wrote .*"
+                     r"nothing was published, the previous checkpoint stays")
+    assert "saved iteration" not in failed.stdout
+    assert_same(state_of(half), state_of(ckpt))
+    assert sorted(os.listdir(disk_dir)) == ["ckpt", "m.jsonl", "offload"], "a leftover beside the checkpoint"
+    resumed = run(["--iterations", "3", "--load", ckpt], root=root, metrics=metrics)
+    assert resumed.returncode == 0 and "resuming at iteration 3" in resumed.stdout, resumed.stderr[-2000:]
+
+
+def test_a_second_trainer_saving_to_the_same_dir_is_refused_in_one_line_before_it_trains(disk_dir, reference):
+    """Issue 30 case 5: two trainers with one --save used to both print "saved iteration
+    3" while the dir held one of them."""
+    _, half = reference
+    ckpt, root, metrics = copy_of(half, disk_dir)
+    first = start(["--iterations", "3", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
+                  stop_at="train-step")
+    try:
+        second = run(["--iterations", "3", "--save", ckpt, "--seed", "1"], root=root,
+                     metrics=os.path.join(disk_dir, "second.jsonl"))
+        one_line(second, rf"{re.escape(ckpt)}: another process \(pid {first.pid} on \S+\) holds "
+                         rf"{re.escape(ckpt)}\.lock: it is saving there .*give this run another checkpoint dir")
+        assert "iter" not in second.stdout, "refused before training"
+    finally:
+        done = resume(first)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "saved iteration 3" in done.stdout
+    assert state_of(ckpt)["iteration"].item() == 3
+    assert sorted(os.listdir(disk_dir)) == ["ckpt", "m.jsonl", "offload"], "the lock file stays behind"
+
+
+def test_a_symlinked_load_finishes_a_killed_save_like_the_real_path(disk_dir, reference):
+    """Issue 30 case 8: through a symlink the complete DIR.new beside the target was not
+    seen, and the resume silently started from the older checkpoint."""
+    _, half = reference
+    ckpt, root, metrics = copy_of(half, disk_dir)
+    killed = run(["--iterations", "3", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
+                 kill_at="save-staged@2")
+    assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-2000:]
+    shutil.rmtree(root)
+    link = os.path.join(disk_dir, "link")
+    os.symlink(ckpt, link)
+    resumed = run(["--iterations", "4", "--load", link], root=root, metrics=metrics)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "complete but not yet moved into place" in resumed.stderr
+    assert "resuming at iteration 4" in resumed.stdout
+    assert sorted(os.listdir(disk_dir)) == ["ckpt", "link", "m.jsonl", "offload"]
