@@ -9,11 +9,19 @@ exit (return, exception, SIGTERM, SIGINT) it removes the dir.
 Note [lock inode]: a reclaimer deletes a dir while holding its lock, so a starting rank
 can win a lock on a file that is being unlinked. After ``flock`` succeeds the rank checks
 that the path still names the inode it locked and starts over if not.
+
+Note [vanishing parents]: ``greenroom reclaim`` (and a sibling rank's ``close``) removes
+an empty ``<job>/<role>`` parent with ``rmdir``, which only succeeds on an empty dir but
+can land between a starting rank's creating that parent and creating its rank dir in
+it (every multi-pod node under the chart: init containers and trainers start
+together). The rank's ``mkdir`` then fails with ENOENT, and it makes the whole path
+again; once its rank dir exists the parent is not empty and stays.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import os
@@ -26,11 +34,13 @@ import time
 import uuid
 
 from greenroom.errors import ConfigError, StorageError
+from greenroom.faults import kill_point
 
 LOCK_NAME = ".lock"
 OWNER_NAME = "owner.json"
 DIR_MODE = 0o700
 LOCK_WAIT_SECONDS = 3.0
+PARENT_RETRIES = 100  # Note [vanishing parents]: each retry needs another rmdir to land in the gap
 
 
 def job_id() -> str:
@@ -62,6 +72,23 @@ def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
 def _makedirs(path: str) -> None:
     os.makedirs(path, mode=DIR_MODE, exist_ok=True)
     os.chmod(path, DIR_MODE)
+
+
+def _make_rank_dir(path: str) -> None:
+    """Create ``path`` and its parents; see Note [vanishing parents]."""
+    for _ in range(PARENT_RETRIES):
+        try:
+            _makedirs(os.path.dirname(path))
+            kill_point("rankdir-parents")
+            # The rank dir alone (os.makedirs would hide the gap in its own two mkdirs).
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, DIR_MODE)
+            _makedirs(path)
+            return
+        except FileNotFoundError:
+            continue
+    raise StorageError(f"{path}: its parent dir was removed {PARENT_RETRIES} times while this rank created it "
+                       "(a reclaimer in a loop?); stop it and start again")
 
 
 def write_json_atomic(path: str, payload: dict) -> None:
@@ -104,7 +131,7 @@ class RankDir:
         _makedirs(self.root)
         deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while True:
-            _makedirs(self.path)
+            _make_rank_dir(self.path)
             try:
                 fd = os.open(os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             except FileNotFoundError:
