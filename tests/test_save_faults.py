@@ -7,6 +7,7 @@ trainer SIGSTOPs itself at a named point, the test acts (flips a byte of a live 
 starts a second trainer), then SIGCONTs it. Real processes and files throughout.
 """
 
+import json
 import os
 import re
 import shutil
@@ -116,3 +117,50 @@ def test_a_symlinked_load_finishes_a_killed_save_like_the_real_path(disk_dir, re
     assert "complete but not yet moved into place" in resumed.stderr
     assert "resuming at iteration 4" in resumed.stdout
     assert sorted(os.listdir(disk_dir)) == ["ckpt", "link", "m.jsonl", "offload"]
+
+
+# -- resume flags that would change what the checkpoint means (issue 30 case 7) ------------
+def test_iterations_below_the_checkpoints_is_refused_in_one_line_and_nothing_is_saved(disk_dir, reference):
+    """It used to exit 0 with "saved iteration 1" over iteration-2 weights."""
+    _, half = reference
+    ckpt, root, metrics = copy_of(half, disk_dir)
+    before = state_of(ckpt)
+    proc = run(["--iterations", "1", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics)
+    one_line(proc, rf"--iterations 1 is below the iteration of --load {re.escape(ckpt)} \(2\): a resumed run trains "
+                   r"up to --iterations in all, so give --iterations 2 or more")
+    assert_same(before, state_of(ckpt))
+    assert sorted(os.listdir(disk_dir)) == ["ckpt", "offload"]
+
+
+def test_lr_on_resume_is_applied_and_said(disk_dir, reference):
+    """It used to be ignored without a word (the groups came from the checkpoint)."""
+    _, half = reference
+    ckpt, root, metrics = copy_of(half, disk_dir)
+    proc = run(["--iterations", "3", "--load", ckpt, "--save", ckpt, "--lr", "0.01"], root=root, metrics=metrics)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"--lr 0.01: replaces the lr 0.003 that {ckpt} was saved with" in proc.stderr
+    manifest = json.load(open(os.path.join(ckpt, "rank00000", "optim", "manifest.json")))
+    assert [g["lr"] for g in manifest["param_groups"]] == [0.01]
+    same = run(["--iterations", "3", "--load", half], root=root, metrics=metrics)
+    assert same.returncode == 0 and "replaces" not in same.stderr, same.stderr[-2000:]
+
+
+def test_a_dtype_other_than_the_checkpoints_is_refused_in_one_line(disk_dir, reference):
+    """A bf16 checkpoint resumed with --dtype fp32 used to be cast without a word."""
+    _, half = reference
+    ckpt, root, metrics = copy_of(half, disk_dir)
+    proc = run(["--iterations", "3", "--load", ckpt, "--dtype", "fp32"], root=root, metrics=metrics)
+    one_line(proc, r"the weights were saved as bf16 \(--dtype bf16\), this run has --dtype fp32: resume with "
+                   r"--dtype bf16")
+
+
+# -- the metrics of a killed and resumed run (issue 30 case 9) -------------------------------
+def test_a_killed_and_resumed_run_logs_each_iteration_once(disk_dir, reference):
+    """The killed run logged iteration 3 after the checkpoint at 2; the resume trains it
+    again, and its record used to sit twice in the file (``report`` plotted both)."""
+    from tests.test_train_faults import kill_and_resume
+
+    resumed = kill_and_resume(disk_dir, reference, "sleep@2")
+    assert "dropped 1 record(s) of iterations past the checkpoint's 2 (3-3" in resumed.stderr
+    records = [json.loads(line) for line in open(os.path.join(disk_dir, "m.jsonl"))]
+    assert [r["iteration"] for r in records] == [3, 4]

@@ -632,7 +632,7 @@ class TransferEngine:
                                      f"{file.label}: they were not written through greenroom's I/O engine "
                                      "since the file was opened, so they cannot be read")
             chunks = _frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
-                                   shifts=stored[:, 1].tolist())
+                                   shifts=stored[:, 1].tolist(), buffers=len(self.staging.buffers))
         transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
                             expected=expected, _finish=finish)
         ready = None
@@ -933,7 +933,8 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(start, end) for start, end in merged]
 
 
-def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile, shifts=None) -> list:
+def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile, shifts=None,
+                  buffers: int = DEFAULT_DEPTH) -> list:
     """The chunks of a transfer of a compressed file: whole frames (one per ``EXTENT`` of
     the file that the transfer touches), at most ``step`` bytes together. Each chunk is
     ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
@@ -959,9 +960,13 @@ def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: Stat
             while j > i + 1 and shifts[j]:
                 j -= 1
             if shifts[j]:
-                raise ConfigError(f"{file.path}: {file.label} was written through larger staging buffers than "
-                                  f"this run's {step >> 20} MiB: raise --offload-train-disk-chunk-mb to what the "
-                                  "run that wrote it used")
+                # The writer's chunk ran from frame i to the next frame at its own place.
+                k = next((k for k in range(j, len(frames)) if not shifts[k]), len(frames))
+                span = -(-(frames[k - 1][0] + frames[k - 1][1] - frames[i][0]) // (1 << 20))
+                raise ConfigError(f"{file.path}: {file.label} was written through staging buffers of at least "
+                                  f"{span} MiB each (--offload-train-disk-chunk-mb {span * buffers} or more), "
+                                  f"larger than this run's {step >> 20} MiB each (--offload-train-disk-chunk-mb "
+                                  f"{(step * buffers) >> 20}): resume with the chunk size of the run that wrote it")
         chunk_start = frames[i][0]
         chunk_end = frames[j - 1][0] + frames[j - 1][1]
         chunks.append((chunk_start, chunk_end - chunk_start,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -128,6 +129,19 @@ class RankDir:
     def open(self) -> "RankDir":
         if self._lock_fd >= 0:
             return self
+        try:
+            return self._open()
+        except OSError as e:
+            # A full disk (no block left for a dir or the owner record), a read-only or
+            # failing one: one line naming the path, never a traceback.
+            self.close()
+            name = errno.errorcode.get(e.errno, str(e.errno))
+            advice = ("free space there or point --offload-train-disk-dir at another disk"
+                      if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check --offload-train-disk-dir")
+            raise StorageError(f"{e.filename or self.path}: setting up this rank's dir {self.path} failed: "
+                               f"{e.strerror} ({name}); {advice}") from None
+
+    def _open(self) -> "RankDir":
         _makedirs(self.root)
         deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while True:
@@ -143,8 +157,7 @@ class RankDir:
                 if time.monotonic() < deadline:  # a reclaimer holds it only while deleting
                     time.sleep(0.1)
                     continue
-                raise StorageError(f"{self.path} is held by a live process ({self._describe_owner()}); "
-                                   "give each rank its own --rank/--role, or stop the other run") from None
+                raise StorageError(self._held_message()) from None
             try:
                 same = os.stat(os.path.join(self.path, LOCK_NAME)).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -197,13 +210,21 @@ class RankDir:
             record["pod_uid"] = os.environ["GREENROOM_POD_UID"]
         return record
 
-    def _describe_owner(self) -> str:
+    def _held_message(self) -> str:
+        """Why the lock is taken: by the live run the owner record names, or, when that
+        run is gone, by a reclaimer deleting what it left."""
         try:
             with open(os.path.join(self.path, OWNER_NAME), encoding="utf-8") as f:
                 owner = json.load(f)
-            return f"pid {owner.get('pid')} on {owner.get('host')}"
+            who = f"pid {owner.get('pid')} on {owner.get('host')}"
         except (OSError, ValueError):
-            return "owner unknown"
+            owner, who = {}, "owner unknown"
+        if owner.get("host") == socket.gethostname() and owner.get("boot_id") == boot_id() \
+                and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
+            return (f"{self.path} is locked, but not by its recorded owner ({who}, which has exited): a "
+                    "`greenroom reclaim` is deleting what that run left; start again once it is done")
+        return (f"{self.path} is held by a live process ({who}), another run with the same job id, --role and "
+                "rank: give this run its own --role or job id ($GREENROOM_JOB_ID), or stop the other run")
 
     def _wipe_contents(self) -> None:
         with os.scandir(self.path) as entries:
@@ -233,6 +254,16 @@ class RankDir:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
         self._previous_handlers.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _raise_exit(signum, _frame) -> None:

@@ -42,6 +42,15 @@ _META_FIELDS = {"format": int, "iteration": int, "world_size": int, "streaming":
 log = get_logger(__name__)
 
 
+_DTYPE_FLAGS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def dtype_flag(model: torch.nn.Module) -> str:
+    """The ``--dtype`` the model's weights are in (``str(dtype)`` for one no flag gives)."""
+    dtype = next(model.parameters()).dtype
+    return _DTYPE_FLAGS.get(dtype, str(dtype))
+
+
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: local_tensor(t.detach()).clone().cpu() for name, t in model.state_dict().items()}
 
@@ -99,7 +108,8 @@ def _save(directory: str, *, model, optimizer, streaming: bool, iteration: int, 
         barrier()
         if rank == 0:
             publish.write_checked_json(os.path.join(staged, META), {
-                "format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming})
+                "format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming,
+                "dtype": dtype_flag(model)})
             kill_point("save-meta")
             publish.publish(directory)
     except BaseException:
@@ -112,6 +122,24 @@ def _save(directory: str, *, model, optimizer, streaming: bool, iteration: int, 
 
 
 # -- load ------------------------------------------------------------------------------
+def _dtype_refusal(directory: str, saved: str, ours: str) -> str:
+    return (f"--load {directory}: the weights were saved as {saved} (--dtype {saved}), this run has --dtype {ours}: "
+            f"resume with --dtype {saved} (casting them would change the model without a word)")
+
+
+def apply_run_hyperparameters(optimizer, directory: str, **flags: float) -> None:
+    """Give every param group this run's ``--lr``/``--weight-decay`` (``flags``, by group
+    key) after a load restored the checkpoint's, saying which value replaced which: a
+    flag given on resume is never ignored without a word."""
+    for key, value in flags.items():
+        saved = sorted({group[key] for group in optimizer.param_groups if group[key] != value})
+        if saved:
+            log.warning(f"--{key.replace('_', '-')} {value:g}: replaces the {key.replace('_', ' ')} "
+                        f"{', '.join(f'{v:g}' for v in saved)} that {directory} was saved with")
+        for group in optimizer.param_groups:
+            group[key] = value
+
+
 def read_meta(directory: str) -> dict:
     path = os.path.join(directory, META)
     meta = publish.read_checked_json(path, _META_FIELDS)
@@ -129,9 +157,10 @@ def settle(directory: str) -> None:
 
 
 def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, rank: int,
-           world_size: int) -> dict:
+           world_size: int, dtype: str | None = None) -> dict:
     """Check the meta, this rank's manifest and every file it names (and the streamed
-    state's own files) before anything is loaded; returns the meta."""
+    state's own files) before anything is loaded; returns the meta. ``dtype``: this
+    run's ``--dtype``, which must be the one the weights were saved in."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"--load {directory}: no such checkpoint dir")
     if publish.generation(directory) is None:
@@ -141,6 +170,8 @@ def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, r
     if meta["world_size"] != world_size:
         raise CheckpointError(f"--load {directory}: saved with {meta['world_size']} ranks, this run has "
                               f"{world_size}; resume is same-topology only")
+    if dtype is not None and meta.get("dtype", dtype) != dtype:
+        raise CheckpointError(_dtype_refusal(directory, meta["dtype"], dtype))
     path = rank_path(directory, rank)
     manifest = publish.read_checked_json(os.path.join(path, MANIFEST), {"files": dict})
     files = manifest["files"]
@@ -180,8 +211,9 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
          world_size: int) -> int:
     """Restore this rank's state from a checkpoint ``verify`` passed; returns the
     iteration to continue from."""
+    ours = dtype_flag(model)
     meta = verify(directory, optimizer=optimizer, streaming=streaming, no_load_optim=no_load_optim, rank=rank,
-                  world_size=world_size)
+                  world_size=world_size, dtype=ours)
     path = rank_path(directory, rank)
     state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
     with torch.no_grad():
@@ -189,6 +221,9 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
             if name not in state or state[name].shape != local_tensor(t).shape:
                 raise CheckpointError(f"{os.path.join(path, 'model.pt')}: {name} is missing or has another "
                                       "shape; the checkpoint is of another model (check --d-model etc.)")
+            if state[name].dtype != local_tensor(t).dtype:  # a checkpoint whose meta predates "dtype"
+                raise CheckpointError(_dtype_refusal(directory, _DTYPE_FLAGS.get(state[name].dtype,
+                                                                                 str(state[name].dtype)), ours))
             local_tensor(t).copy_(state[name])
     if no_load_optim:
         log.warning(f"--no-load-optim: starting a fresh optimizer state instead of the one in {directory}")

@@ -220,11 +220,16 @@ class Trainer:
         self.offloader.track(self.model, self.optimizer)
         # Loaded before the metrics file is opened: a refused checkpoint leaves no file behind.
         self.start_iteration = self._load() if c.load else 0
+        if self.start_iteration > c.iterations:
+            raise ConfigError(f"--iterations {c.iterations} is below the iteration of --load {c.load} "
+                              f"({self.start_iteration}): a resumed run trains up to --iterations in all, so "
+                              f"give --iterations {self.start_iteration} or more")
         if self.rank == 0 and c.save:
             preflight.check_save_space(c.save, self._checkpoint_bytes() * self.world_size)
         self.metrics_file = None
         if self.rank == 0 and c.metrics:
-            self.metrics_file = self._stack.enter_context(preflight.open_metrics(c.metrics, append=bool(c.load)))
+            self.metrics_file = self._stack.enter_context(preflight.open_metrics(c.metrics, append=bool(c.load),
+                                                                                 resume_at=self.start_iteration))
         self.start_time = time.perf_counter()
 
     def _load(self) -> int:
@@ -235,12 +240,15 @@ class Trainer:
                 checkpoint.settle(self.config.load)
             self._barrier()
             try:
-                return checkpoint.load(self.config.load, model=self.model, optimizer=self.optimizer,
-                                       streaming=self.offload.stream_optimizer_state_to_disk,
-                                       no_load_optim=self.offload.no_load_optim, rank=self.rank,
-                                       world_size=self.world_size)
+                start = checkpoint.load(self.config.load, model=self.model, optimizer=self.optimizer,
+                                        streaming=self.offload.stream_optimizer_state_to_disk,
+                                        no_load_optim=self.offload.no_load_optim, rank=self.rank,
+                                        world_size=self.world_size)
             finally:
                 self._barrier()
+        checkpoint.apply_run_hyperparameters(self.optimizer, self.config.load, lr=self.config.lr,
+                                             weight_decay=self.config.weight_decay)
+        return start
 
     def _checkpoint_bytes(self) -> int:
         """What this rank's part of a ``--save`` takes: its weights plus the optimizer
