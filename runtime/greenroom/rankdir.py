@@ -219,6 +219,8 @@ class RankDir:
             who = f"pid {owner.get('pid')} on {owner.get('host')}"
         except (OSError, ValueError):
             owner, who = {}, "owner unknown"
+        if not isinstance(owner, dict):
+            owner, who = {}, "owner unknown"
         if owner.get("host") == socket.gethostname() and owner.get("boot_id") == boot_id() \
                 and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
             return (f"{self.path} is locked, but not by its recorded owner ({who}, which has exited): a "
