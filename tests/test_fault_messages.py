@@ -43,7 +43,8 @@ def test_a_disk_dir_on_a_full_filesystem_is_one_line_naming_the_path(full_fs, tm
                      "--metrics", str(tmp_path / "m.jsonl"), env={"GREENROOM_JOB_ID": "j"})
     line = one_line_error(proc)
     assert re.search(rf"setting up this rank's dir {re.escape(root)}/j/actor/rank00000 failed: No space left on "
-                     r"device \(ENOSPC\); free space there or point --offload-train-disk-dir at another disk", line), line
+                     r"device \(ENOSPC\); free space there or point --offload-train-disk-dir at another disk",
+                     line), line
     assert not os.path.exists(os.path.join(root, "j")), "the half-made rank dir stays"
 
 

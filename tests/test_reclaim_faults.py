@@ -96,7 +96,8 @@ def test_reclaim_removing_the_parent_a_starting_trainer_is_populating_never_brea
     trainer = subprocess.Popen(
         [sys.executable, "-m", "greenroom.cli", "train", "--offload-train", "--offload-train-target", "disk",
          "--offload-train-disk-dir", disk_dir, "--iterations", "1", "--prompts", "4", "--group-size", "2",
-         "--minibatches", "1", "--d-model", "16", "--no-progress", "--metrics", str(tmp_path_factory.mktemp("m") / "m.jsonl")],
+         "--minibatches", "1", "--d-model", "16", "--no-progress",
+         "--metrics", str(tmp_path_factory.mktemp("m") / "m.jsonl")],
         env={**env(), "GREENROOM_JOB_ID": "job", "GREENROOM_TEST_STOP_AT": "rankdir-parents"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     _, status = os.waitpid(trainer.pid, os.WUNTRACED)

@@ -82,7 +82,8 @@ def test_a_byte_flipped_in_a_live_bucket_before_the_save_is_refused_and_the_prev
 
 def test_a_second_trainer_saving_to_the_same_dir_is_refused_in_one_line_before_it_trains(disk_dir, reference):
     """Issue 30 case 5: two trainers with one --save used to both print "saved iteration
-    3" while the dir held one of them."""
+    3" while the dir held one of them. A run that only loads it is refused too (it could
+    read a checkpoint the first run's save is swapping out)."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     first = start(["--iterations", "3", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
@@ -93,6 +94,10 @@ def test_a_second_trainer_saving_to_the_same_dir_is_refused_in_one_line_before_i
         one_line(second, rf"{re.escape(ckpt)}: another process \(pid {first.pid} on \S+\) holds "
                          rf"{re.escape(ckpt)}\.lock: it is saving there .*give this run another checkpoint dir")
         assert "iter" not in second.stdout, "refused before training"
+        reader = run(["--iterations", "3", "--load", ckpt], root=root, metrics=os.path.join(disk_dir, "third.jsonl"))
+        one_line(reader, rf"{re.escape(ckpt)}: another process \(pid {first.pid} on \S+\) holds "
+                         rf"{re.escape(ckpt)}\.lock: it saves there, and a load now could read a checkpoint it "
+                         r"is replacing")
     finally:
         done = resume(first)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -233,6 +233,10 @@ def _acquire(path: str, reading: bool) -> int:
         except BlockingIOError:
             holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "a process"
             os.close(fd)
+            if reading:
+                raise CheckpointError(
+                    f"{path}: another process ({holder}) holds {lock_path}: it saves there, and a load now could "
+                    "read a checkpoint it is replacing: load it once that run is done, or load a copy") from None
             raise CheckpointError(
                 f"{path}: another process ({holder}) holds {lock_path}: it is saving there (or resuming from "
                 "it) now, and a second save would replace its checkpoint or be replaced by it: wait for it to "
