@@ -58,7 +58,7 @@
 - --save
 - {{ . | quote }}
 {{- end }}
-{{- with $v.train.load }}
+{{- with (default $v.train.save $v.train.load) }}
 - --load
 - {{ . | quote }}
 - --resume

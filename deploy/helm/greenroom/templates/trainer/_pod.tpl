@@ -146,6 +146,7 @@ rules:
   - action: Ignore
     onPodConditions:
       - type: DisruptionTarget
+        status: "True"
   {{- with $p.failExitCodes }}
   - action: FailJob
     onExitCodes:
