@@ -44,7 +44,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     log.configure()
-    parser = build_parser(argv)
+    try:
+        parser = build_parser(argv)
+    except (ValueError, GreenroomError) as e:  # e.g. a bad $GREENROOM_ARGS, read for the defaults
+        chosen = next((a for a in argv if not a.startswith("-")), "")
+        print(f"greenroom {chosen}: error: {e}", file=sys.stderr)
+        return 2
     args, passed_on = parser.parse_known_args(argv)
     if passed_on:
         if not getattr(args, "pass_on", False):
