@@ -71,6 +71,21 @@ def reject(*sets: str) -> str:
     return out.stderr
 
 
+def readme_lacks(chart: str, opaque: tuple[str, ...]) -> list[str]:
+    """values.yaml keys (sections too, but not inside ``opaque`` ones) the README does not name."""
+    readme = open(os.path.join(chart, "README.md"), encoding="utf-8").read()
+    values = yaml.safe_load(open(os.path.join(chart, "values.yaml"), encoding="utf-8"))
+
+    def keys(d, prefix=""):
+        for k, v in d.items():
+            path = f"{prefix}{k}"
+            yield path
+            if isinstance(v, dict) and v and path not in opaque:
+                yield from keys(v, path + ".")
+
+    return [k for k in keys(values) if f"`{k}`" not in readme]
+
+
 def pss_check_binary() -> str:
     """tests/pss built once per source version (cached outside the checkout), or a skip
     saying why it cannot be built."""

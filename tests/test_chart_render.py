@@ -15,7 +15,7 @@ import tarfile
 import pytest
 import yaml
 
-from tests.chart_support import CHART, CI_VALUES, by_kind, container, helm, manifests, pod_spec, render
+from tests.chart_support import CHART, CI_VALUES, by_kind, container, helm, manifests, pod_spec, readme_lacks, render
 from tests.conftest import REPO, require_tool
 
 pytestmark = pytest.mark.helm
@@ -314,20 +314,6 @@ def test_notes_tell_how_to_follow_the_job_and_which_pod_security_level_it_needs(
                os.path.join(CHART, "ci", "ephemeral.yaml"))
     assert 'Pod Security: these pods need the "restricted" level' in out.stdout
     assert "MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NNODES, NODE_RANK, NPROC_PER_NODE and GREENROOM_ARGS" in out.stdout
-
-
-def readme_lacks(chart: str, opaque: tuple[str, ...]) -> list[str]:
-    readme = open(os.path.join(chart, "README.md"), encoding="utf-8").read()
-    values = yaml.safe_load(open(os.path.join(chart, "values.yaml"), encoding="utf-8"))
-
-    def keys(d, prefix=""):
-        for k, v in d.items():
-            path = f"{prefix}{k}"
-            yield path
-            if isinstance(v, dict) and v and path not in opaque:
-                yield from keys(v, path + ".")
-
-    return [k for k in keys(values) if f"`{k}`" not in readme]
 
 
 def test_chart_readme_documents_every_value():

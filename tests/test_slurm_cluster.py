@@ -184,7 +184,7 @@ def local_variants(tmp_path, disk_dir) -> dict[str, dict]:
 
 def test_sbatch_test_only_accepts_every_rendered_variant(tmp_path, disk_dir):
     variants = local_variants(tmp_path, disk_dir)
-    assert len(variants) == 16
+    assert len(variants) == 17
     for name, data in variants.items():
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(data))

@@ -43,7 +43,8 @@ def write_config(tmp_path, data: dict, name: str = "job.yaml") -> str:
 
 
 def test_every_example_is_a_valid_config():
-    assert [example_name(p) for p in EXAMPLES] == ["apptainer", "multi-node-torchrun", "pyxis", "single-node"]
+    assert [example_name(p) for p in EXAMPLES] == ["apptainer", "hf-trainer", "multi-node-torchrun", "pyxis",
+                                                   "single-node"]
     for path in EXAMPLES:
         load_config(path)
 

@@ -29,7 +29,9 @@ class SleepBetweenSteps(TrainerCallback):
     """The actor sleeps where an RL loop would generate rollouts, and wakes to train."""
 
     def on_step_end(self, train_args, state, control, **kwargs):
-        print(f"rank {train_args.process_index} of {train_args.world_size} step {state.global_step}: slept {offloader.sleep().nbytes} B, woke {offloader.wake().nbytes} B")
+        slept, woke = offloader.sleep(), offloader.wake()
+        print(f"rank {train_args.process_index} of {train_args.world_size} step {state.global_step}: "
+              f"slept {slept.nbytes} B, woke {woke.nbytes} B")
 
 
 tokens = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
