@@ -3,10 +3,12 @@ binary: once per cluster, the only chart with cluster-scoped RBAC."""
 
 import argparse
 import os
+import subprocess
 
 import pytest
 
-from tests.chart_support import JANITOR_CHART, by_kind, helm, manifests, readme_lacks
+from tests.chart_support import JANITOR_CHART, by_kind, helm, manifests, readme_lacks, render
+from tests.conftest import require_tool
 
 pytestmark = pytest.mark.helm
 
@@ -69,3 +71,12 @@ def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
 
 def test_janitor_readme_documents_every_value():
     assert not readme_lacks(JANITOR_CHART, ("resources",))
+
+
+def test_every_rendered_manifest_validates_strictly(tmp_path):
+    validate = require_tool("kubernetes-validate")
+    path = tmp_path / "janitor.yaml"
+    path.write_text(render("metrics.yaml", chart=JANITOR_CHART, kube_version="1.35.0"))
+    out = subprocess.run([validate, "--strict", "--no-warn", "-k", "1.35.0", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("passed for resource") == 5
