@@ -76,7 +76,8 @@ def completion_markers(path: str) -> list[str]:
 
 
 def has_checkpoint(path: str) -> bool:
-    return any(os.path.exists(marker) for marker in completion_markers(path))
+    # Resolved as every save and load resolves it: a killed save beside a symlink's target counts.
+    return any(os.path.exists(marker) for marker in completion_markers(os.path.realpath(path)))
 
 
 def _crc_of(payload: dict) -> str:
