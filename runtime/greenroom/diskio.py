@@ -80,6 +80,7 @@ import errno
 import os
 import queue
 import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -367,6 +368,8 @@ class StateFile:
         if stored is not None:
             table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2).copy_(stored)
         self.write(memoryview(table.numpy()), self.table_offset)
+        # What a checkpoint's manifest records of a file it did not read (optim.instep).
+        self.table_crc32 = f"{zlib.crc32(memoryview(table.numpy())):08x}"
 
     def _table(self, offset: int, nbytes: int) -> tuple[torch.Tensor, int]:
         assert offset == 0 and nbytes == self.data_bytes, "a file with its checksums in it is read whole"
@@ -388,6 +391,50 @@ class StateFile:
             stored = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2)
             stored = stored.clone() if bool((stored[:, 0] > 0).all()) else None
         return sums, stored
+
+    def table_crc32_on_disk(self) -> str:
+        """CRC-32 of the checksum table as the file holds it (a file with its table in it)."""
+        table = _aligned_host(self.table_bytes(self.size, compressed=self.compression is not None))
+        self.read(memoryview(table.numpy()), self.table_offset)
+        return f"{zlib.crc32(memoryview(table.numpy())):08x}"
+
+    def verify_against_table(self, piece_bytes: int = 64 << 20) -> None:
+        """Read the whole data region, piece by piece, and check it against the file's own
+        checksum table (Note [integrity]; for a compressed file, each frame's stored bytes
+        where its record puts them, Note [packed frames]): for a file that was copied or
+        cloned around the engine, before it is trusted. ``IntegrityError`` names the first
+        extent that differs."""
+        sums, stored = self.recorded(0, self.data_bytes)
+        if self.compression is not None and stored is None:
+            raise IntegrityError(f"{self.path}: {self.label} has no record of its stored frames; it cannot be verified")
+        buf = _aligned_host(min(piece_bytes, self.data_bytes))
+        pages = []
+        for offset in range(0, self.data_bytes, piece_bytes):
+            view = buf[:min(piece_bytes, self.data_bytes - offset)]
+            self.read(memoryview(view.numpy()), offset)
+            pages.append(page_sums(view, offset))
+        pages = torch.cat(pages)
+        extents = sums.numel()
+        if stored is None:
+            owner = torch.arange(pages.numel(), dtype=torch.int64) * ALIGNMENT // EXTENT
+        else:
+            counts = (stored[:, 0].to(torch.int64) + ALIGNMENT - 1) // ALIGNMENT
+            first = (torch.arange(extents, dtype=torch.int64) * EXTENT - stored[:, 1].to(torch.int64)) // ALIGNMENT
+            owner = torch.repeat_interleave(torch.arange(extents, dtype=torch.int64), counts)
+            within = torch.arange(owner.numel(), dtype=torch.int64) - torch.repeat_interleave(
+                torch.cumsum(counts, 0) - counts, counts)
+            index = first[owner] + within
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= pages.numel()):
+                raise IntegrityError(f"{self.path}: the frame records of {self.label} point outside its data; "
+                                     "the table is damaged")
+            pages = pages[index]
+        got = torch.zeros(extents, dtype=torch.int64).index_add_(0, owner, pages)
+        bad = (got != sums).nonzero()
+        if bad.numel():
+            k = int(bad[0])
+            raise IntegrityError(f"{self.path}: checksum mismatch in extent {k} (bytes [{k * EXTENT}, "
+                                 f"{min((k + 1) * EXTENT, self.data_bytes)}) of {self.label}): the file is corrupt: "
+                                 "restore it or load an older checkpoint")
 
     def _check_range(self, length: int, file_offset: int) -> None:
         # Errors, not asserts: a caller's bad range must fail under ``python -O`` too.
@@ -474,6 +521,9 @@ class Transfer:
     recorded before a read)."""
     expected: torch.Tensor | None = None
     """Of a read: the recorded extent sums, when fetched with ``stored`` (one table read)."""
+    mirror: "StateFile | None" = None
+    """Of a write: a second file that gets the same stored bytes and table (an in-step
+    checkpoint's copy, ``greenroom.optim.instep``)."""
     _finish: Callable[["Transfer"], None] | None = None
     _remaining: int = 0
     _error: BaseException | None = None
@@ -557,14 +607,17 @@ class TransferEngine:
 
     # -- public API ---------------------------------------------------------------
     def write(self, src: torch.Tensor, file: StateFile, offset: int, *,
-              element_sizes: tuple[tuple[int, int], ...] | None = None) -> Transfer:
+              element_sizes: tuple[tuple[int, int], ...] | None = None, mirror: StateFile | None = None) -> Transfer:
         """Write ``src``'s bytes to ``file`` at ``offset`` (4 KiB aligned).
 
         ``element_sizes``: for a compressed file, ``(byte offset in src, element size)``
         pairs, ascending from 0, telling the codec how wide the elements of each region are
         (``src`` may be raw bytes holding several dtypes); default ``src``'s own.
+        ``mirror``: a file of the same layout that gets every byte written to ``file``
+        from the same staging buffer, and the same checksum table: a second copy for
+        the price of a second write, no read.
         """
-        return self._submit("write", src, file, offset, element_sizes)
+        return self._submit("write", src, file, offset, element_sizes, mirror)
 
     def read(self, dst: torch.Tensor, file: StateFile, offset: int) -> Transfer:
         """Fill ``dst`` from ``file`` at ``offset`` (4 KiB aligned)."""
@@ -601,7 +654,8 @@ class TransferEngine:
         self.close()
 
     # -- machinery ----------------------------------------------------------------
-    def _submit(self, kind: str, tensor: torch.Tensor, file: StateFile, offset: int, element_sizes) -> Transfer:
+    def _submit(self, kind: str, tensor: torch.Tensor, file: StateFile, offset: int, element_sizes,
+                mirror: StateFile | None = None) -> Transfer:
         assert not self._closed
         assert offset % ALIGNMENT == 0, "see Note [alignment]"
         data = _byte_view(tensor)
@@ -630,7 +684,7 @@ class TransferEngine:
             chunks = _frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
                                    shifts=stored[:, 1].tolist())
         transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
-                            expected=expected, _finish=finish)
+                            mirror=mirror, expected=expected, _finish=finish)
         ready = None
         if data.is_cuda:
             # Copies must see everything the caller's stream has queued on the tensor.
@@ -701,6 +755,8 @@ class TransferEngine:
     @staticmethod
     def _seal(transfer: Transfer) -> None:
         transfer.file.record_sums(transfer.offset, align_up(transfer.nbytes), transfer.sums, transfer.stored)
+        if transfer.mirror is not None:
+            transfer.mirror.record_sums(transfer.offset, align_up(transfer.nbytes), transfer.sums, transfer.stored)
 
     @staticmethod
     def _check(transfer: Transfer) -> None:
@@ -719,6 +775,8 @@ class TransferEngine:
             staged = buf[:align_up(n)]
             sums, first = self._sums_of(staged, file_offset, transfer)
             file.write(memoryview(staged.numpy()), file_offset)
+            if transfer.mirror is not None:
+                transfer.mirror.write(memoryview(staged.numpy()), file_offset)
         except BaseException as e:  # reported through Transfer.wait()
             error = e
         finally:
@@ -816,6 +874,8 @@ class TransferEngine:
             runs = _merge([(place, place + align_up(n)) for place, n in zip(places, lengths)])
             for start, end in runs:
                 file.write(memoryview(arr[start:end]), chunk_offset + start)
+                if transfer.mirror is not None:
+                    transfer.mirror.write(memoryview(arr[start:end]), chunk_offset + start)
             if transfer.sums is not None:
                 sums = _frame_sums(buf, chunk_offset, runs, lengths)
         except BaseException as e:  # reported through Transfer.wait()

@@ -37,8 +37,9 @@ import torch
 
 from greenroom import publish
 from greenroom.diskio import pread_all, pwrite_all
-from greenroom.errors import CheckpointError, StorageError
+from greenroom.errors import CheckpointError, IntegrityError, StorageError
 from greenroom.log import get_logger
+from greenroom.optim import reflink
 from greenroom.rankdir import write_json_atomic
 
 if TYPE_CHECKING:
@@ -117,9 +118,11 @@ def _resident_state(opt: StreamedState) -> dict:
 
 
 # -- save ------------------------------------------------------------------------------
-def save_checkpoint(opt: StreamedState, path: str) -> None:
+def save_checkpoint(opt: StreamedState, path: str) -> dict:
     """Write ``opt``'s whole state to the directory ``path``, replacing it atomically
-    (``greenroom.publish``: the previous checkpoint stays until this one is complete)."""
+    (``greenroom.publish``: the previous checkpoint stays until this one is complete).
+    Returns how: ``{"kind": "clone" or "copy", "bytes_read": ..., "bytes_written": ...}``
+    (the state's bytes the save moved; a clone moves only the checksum tables)."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp, said = publish.stage(path)
@@ -129,24 +132,50 @@ def save_checkpoint(opt: StreamedState, path: str) -> None:
         store = opt.store
         store.flush()  # the cached buckets' files are stale until written out
         files = {}
+        moved = {"kind": "clone", "bytes_read": 0, "bytes_written": 0}
+        clone = reflink.usable(store.directory, tmp, store.state_bytes)
         for bucket in store.buckets:
             name = os.path.basename(store.path(bucket.index))
-            files[name] = {"bytes": bucket.file_bytes,
-                           "crc32": copy_file(store.path(bucket.index), os.path.join(tmp, name), bucket.file_bytes)}
-        resident = _resident_state(opt)
-        publish.torch_save(resident, os.path.join(tmp, RESIDENT))
-        size = os.path.getsize(os.path.join(tmp, RESIDENT))
-        files[RESIDENT] = {"bytes": size, "crc32": file_crc32(os.path.join(tmp, RESIDENT), size)}
-        manifest = {"format": FORMAT, "version": VERSION, "master_dtype": "fp32",
-                    "moment_dtype": store.moment_dtype, "layout": store.layout(), "topology": topology(opt),
-                    "param_groups": _hyperparameters(opt),
-                    "steps": {k: float(v) for k, v in resident["steps"].items()}, "files": files}
-        write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
-        publish.publish(path)
+            src, dst = store.path(bucket.index), os.path.join(tmp, name)
+            if clone and reflink.clone(src, dst):
+                files[name] = {"bytes": bucket.file_bytes, "table_crc32": table_crc32(store, bucket.index, dst)}
+                moved["bytes_read"] += bucket.file_bytes - bucket.data_bytes  # the table only
+            else:
+                clone = False
+                moved["kind"] = "copy"
+                files[name] = {"bytes": bucket.file_bytes, "crc32": copy_file(src, dst, bucket.file_bytes)}
+                moved["bytes_read"] += bucket.file_bytes
+                moved["bytes_written"] += bucket.file_bytes
+        finish_checkpoint(opt, path, tmp, files)
+        return moved
     except BaseException:
         if os.path.isdir(tmp):
             publish.discard(tmp)
         raise
+
+
+def finish_checkpoint(opt: StreamedState, path: str, tmp: str, files: dict) -> None:
+    """Write ``resident.pt`` and the manifest (``files``: the bucket files' entries) into
+    the staged ``tmp`` and publish it at ``path``: the end of every save, copied, cloned
+    or written in the step (``optim.instep``)."""
+    store = opt.store
+    resident = _resident_state(opt)
+    publish.torch_save(resident, os.path.join(tmp, RESIDENT))
+    size = os.path.getsize(os.path.join(tmp, RESIDENT))
+    files = {**files, RESIDENT: {"bytes": size, "crc32": file_crc32(os.path.join(tmp, RESIDENT), size)}}
+    manifest = {"format": FORMAT, "version": VERSION, "master_dtype": "fp32",
+                "moment_dtype": store.moment_dtype, "layout": store.layout(), "topology": topology(opt),
+                "param_groups": _hyperparameters(opt),
+                "steps": {k: float(v) for k, v in resident["steps"].items()}, "files": files}
+    write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+    publish.publish(path)
+
+
+def table_crc32(store: BucketStore, index: int, path: str) -> str:
+    """CRC-32 of the checksum table at the end of bucket ``index``'s file at ``path``
+    (a few KiB read): what the manifest records of a file that was cloned, not read."""
+    with store.open_existing(index, path) as f:
+        return f.table_crc32_on_disk()
 
 
 # -- byte movement ---------------------------------------------------------------------
@@ -234,9 +263,12 @@ def load_checkpoint(opt: StreamedState, path: str, *, no_load_optim: bool = Fals
     manifest = read_manifest(path)
     verify(opt, path, manifest)
     store = opt.store
+    clone = reflink.usable(path, store.directory, store.state_bytes)
     for bucket in store.buckets:
         name = os.path.basename(store.path(bucket.index))
-        copy_file(os.path.join(path, name), store.path(bucket.index), bucket.file_bytes)
+        if not (clone and reflink.clone(os.path.join(path, name), store.path(bucket.index))):
+            clone = False
+            copy_file(os.path.join(path, name), store.path(bucket.index), bucket.file_bytes)
     store.refill_host_cache()
     resident = torch.load(os.path.join(path, RESIDENT), weights_only=True)
     opt.load_resident_state({key: {"step": step, **resident["moments"].get(key, {})}
@@ -270,7 +302,8 @@ def read_manifest(path: str) -> dict:
                                   "the checkpoint is damaged")
     for name, meta in manifest["files"].items():
         if (not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int)
-                or not isinstance(meta.get("crc32"), str) or os.sep in name or name in (".", "..")):
+                or not isinstance(meta.get("crc32", meta.get("table_crc32")), str)
+                or os.sep in name or name in (".", "..")):
             raise CheckpointError(f"{manifest_path}: the entry for {name!r} in 'files' is malformed; "
                                   "the checkpoint is damaged")
     return manifest
@@ -302,6 +335,9 @@ def verify(opt: StreamedState, path: str, manifest: dict) -> None:
         actual = os.path.getsize(file_path)
         if actual != meta["bytes"]:
             raise CheckpointError(f"{file_path}: {actual} bytes, the manifest says {meta['bytes']} (truncated?)")
+        if "table_crc32" in meta:
+            _verify_against_table(store, file_path, name, meta["table_crc32"])
+            continue
         crc = file_crc32(file_path, meta["bytes"])
         if crc != meta["crc32"]:
             raise CheckpointError(f"{file_path}: checksum {crc} does not match the manifest's {meta['crc32']}; "
@@ -320,7 +356,29 @@ def _verify_topology(path: str, saved: dict, ours: dict) -> None:
                                   "same-topology only")
 
 
+def _verify_against_table(store: BucketStore, file_path: str, name: str, recorded: str) -> None:
+    """Check a bucket file written in the step or cloned: its checksum table against the
+    manifest's CRC-32 of it, then every byte against the table."""
+    index = next((b.index for b in store.buckets if os.path.basename(store.path(b.index)) == name), None)
+    if index is None:
+        raise CheckpointError(f"{file_path}: not a bucket file of this run's layout; the checkpoint is damaged")
+    try:
+        with store.open_existing(index, file_path) as f:
+            crc = f.table_crc32_on_disk()
+            if crc != recorded:
+                raise CheckpointError(f"{file_path}: checksum table CRC-32 {crc} does not match the manifest's "
+                                      f"{recorded}; the file is corrupt: restore it or load an older checkpoint")
+            f.verify_against_table()
+    except (StorageError, IntegrityError) as e:
+        raise CheckpointError(f"{e}") from None
+
+
 def _verify_layout(path: str, saved: dict, ours: dict) -> None:
+    saved_moments = saved.get("moments", 2)
+    if saved_moments != ours["moments"]:
+        kinds = {1: "a momentum buffer (StreamingMuon)", 2: "two Adam moments (StreamingAdam)"}
+        raise CheckpointError(f"{path}: the state was saved with {kinds.get(saved_moments, saved_moments)} per "
+                              f"param, this optimizer keeps {kinds[ours['moments']]}; load it with that optimizer")
     saved_codec, our_codec = saved.get("compression", "none"), ours["compression"]
     if saved_codec != our_codec:
         raise CheckpointError(f"{path}: the state files were written with --offload-train-disk-compression "
