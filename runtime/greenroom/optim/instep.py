@@ -53,6 +53,7 @@ class InStepCheckpoint:
         self.files: list[StateFile] = []
         self.mirrored: set[int] = set()
         self.extra_bytes_read = 0
+        self._written = 0
         self.publish_seconds = 0.0
         store = opt.store
         try:
@@ -76,7 +77,8 @@ class InStepCheckpoint:
 
     @property
     def extra_bytes_written(self) -> int:
-        return sum(f.disk_bytes_written for f in self.files)
+        """Bytes written to the checkpoint's bucket files (after compression)."""
+        return self._written + sum(f.disk_bytes_written for f in self.files)
 
     @contextlib.contextmanager
     def during_step(self):
@@ -112,9 +114,10 @@ class InStepCheckpoint:
                 files[name] = {"bytes": bucket.file_bytes,
                                "crc32": copy_file(store.path(bucket.index), f.path, bucket.file_bytes)}
                 self.extra_bytes_read += bucket.file_bytes
+        self._written = self.extra_bytes_written
+        self.files = []
         finish_checkpoint(self.opt, self.path, self.tmp, files)
         self.publish_seconds = time.perf_counter() - start
-        self.files = []
 
     def abandon(self) -> None:
         """Close the files and discard the staged dir: the previous checkpoint stays."""
