@@ -392,50 +392,6 @@ class StateFile:
             stored = stored.clone() if bool((stored[:, 0] > 0).all()) else None
         return sums, stored
 
-    def table_crc32_on_disk(self) -> str:
-        """CRC-32 of the checksum table as the file holds it (a file with its table in it)."""
-        table = _aligned_host(self.table_bytes(self.size, compressed=self.compression is not None))
-        self.read(memoryview(table.numpy()), self.table_offset)
-        return f"{zlib.crc32(memoryview(table.numpy())):08x}"
-
-    def verify_against_table(self, piece_bytes: int = 64 << 20) -> None:
-        """Read the whole data region, piece by piece, and check it against the file's own
-        checksum table (Note [integrity]; for a compressed file, each frame's stored bytes
-        where its record puts them, Note [packed frames]): for a file that was copied or
-        cloned around the engine, before it is trusted. ``IntegrityError`` names the first
-        extent that differs."""
-        sums, stored = self.recorded(0, self.data_bytes)
-        if self.compression is not None and stored is None:
-            raise IntegrityError(f"{self.path}: {self.label} has no record of its stored frames; it cannot be verified")
-        buf = _aligned_host(min(piece_bytes, self.data_bytes))
-        pages = []
-        for offset in range(0, self.data_bytes, piece_bytes):
-            view = buf[:min(piece_bytes, self.data_bytes - offset)]
-            self.read(memoryview(view.numpy()), offset)
-            pages.append(page_sums(view, offset))
-        pages = torch.cat(pages)
-        extents = sums.numel()
-        if stored is None:
-            owner = torch.arange(pages.numel(), dtype=torch.int64) * ALIGNMENT // EXTENT
-        else:
-            counts = (stored[:, 0].to(torch.int64) + ALIGNMENT - 1) // ALIGNMENT
-            first = (torch.arange(extents, dtype=torch.int64) * EXTENT - stored[:, 1].to(torch.int64)) // ALIGNMENT
-            owner = torch.repeat_interleave(torch.arange(extents, dtype=torch.int64), counts)
-            within = torch.arange(owner.numel(), dtype=torch.int64) - torch.repeat_interleave(
-                torch.cumsum(counts, 0) - counts, counts)
-            index = first[owner] + within
-            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= pages.numel()):
-                raise IntegrityError(f"{self.path}: the frame records of {self.label} point outside its data; "
-                                     "the table is damaged")
-            pages = pages[index]
-        got = torch.zeros(extents, dtype=torch.int64).index_add_(0, owner, pages)
-        bad = (got != sums).nonzero()
-        if bad.numel():
-            k = int(bad[0])
-            raise IntegrityError(f"{self.path}: checksum mismatch in extent {k} (bytes [{k * EXTENT}, "
-                                 f"{min((k + 1) * EXTENT, self.data_bytes)}) of {self.label}): the file is corrupt: "
-                                 "restore it or load an older checkpoint")
-
     def _check_range(self, length: int, file_offset: int) -> None:
         # Errors, not asserts: a caller's bad range must fail under ``python -O`` too.
         if file_offset < 0 or file_offset + length > self.allocated:

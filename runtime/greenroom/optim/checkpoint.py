@@ -10,16 +10,21 @@ A checkpoint is a directory::
 copied) and atomic through ``greenroom.publish``, the protocol the trainer's ``--save``
 shares: everything goes into ``<path>.new``, which is fsynced and then swapped with
 ``<path>`` in one rename, so an interrupted save leaves the previous checkpoint as it
-was, and the next save or load settles what a killed one left. Bytes move with
-``copy_file_range``, which reflinks on filesystems that can (XFS, btrfs) and copies inside
-the kernel elsewhere. Each 64 MiB piece is read once to take its CRC-32 and then copied
+was, and the next save or load settles what a killed one left. Where the filesystem
+shares extents (XFS with reflink, btrfs) the bucket files are cloned (``reflink``): no
+data moves, and the manifest records each file's checksum table's CRC-32
+(``table_crc32``), read back from the clone. Elsewhere bytes move with
+``copy_file_range``: each 64 MiB piece is read once to take its CRC-32 and then copied
 from the page cache, so the disk reads each byte once; both files' pages are dropped
-piece by piece, so the copy does not grow the page cache either.
+piece by piece, so the copy does not grow the page cache either. A checkpoint can also
+be written by a step's own pass (``instep``), recorded by ``table_crc32`` too, and
+ended here (``finish_checkpoint``).
 
 ``load_checkpoint`` checks everything before it reads a byte of state, in this order:
 the manifest exists (else the checkpoint predates streaming: refused unless
-``no_load_optim``), the dtypes, the topology, the layout, the file sizes and every
-checksum. Only then are the files copied into the live ones.
+``no_load_optim``), the dtypes, the topology, the layout (and the optimizer's moments
+per param), the file sizes and every checksum (a ``table_crc32`` file: the table, then
+every byte against it). Only then are the files copied (or cloned) into the live ones.
 
 The optimizer is read and restored only through ``StreamedState``, which ``StreamingAdam``
 and greenroom.megatron's ``StreamingDistributedOptimizer`` implement.
@@ -36,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from greenroom import publish
-from greenroom.diskio import pread_all, pwrite_all
+from greenroom.diskio import ALIGNMENT, EXTENT, StateFile, _aligned_host, page_sums, pread_all, pwrite_all
 from greenroom.errors import CheckpointError, IntegrityError, StorageError
 from greenroom.log import get_logger
 from greenroom.optim import reflink
@@ -175,7 +180,52 @@ def table_crc32(store: BucketStore, index: int, path: str) -> str:
     """CRC-32 of the checksum table at the end of bucket ``index``'s file at ``path``
     (a few KiB read): what the manifest records of a file that was cloned, not read."""
     with store.open_existing(index, path) as f:
-        return f.table_crc32_on_disk()
+        return _table_crc32_on_disk(f)
+
+
+def _table_crc32_on_disk(f: StateFile) -> str:
+    table = _aligned_host(f.table_bytes(f.size, compressed=f.compression is not None))
+    f.read(memoryview(table.numpy()), f.table_offset)
+    return f"{zlib.crc32(memoryview(table.numpy())):08x}"
+
+
+def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
+    """Read ``f``'s whole data region, piece by piece, and check it against the file's own
+    checksum table (``diskio`` Note [integrity]; for a compressed file, each frame's
+    stored bytes where its record puts them, Note [packed frames]): a file copied or
+    cloned around the I/O engine, before it is trusted. ``IntegrityError`` names the
+    first extent that differs."""
+    sums, stored = f.recorded(0, f.data_bytes)
+    if f.compression is not None and stored is None:
+        raise IntegrityError(f"{f.path}: {f.label} has no record of its stored frames; it cannot be verified")
+    buf = _aligned_host(min(piece_bytes, f.data_bytes))
+    pages = []
+    for offset in range(0, f.data_bytes, piece_bytes):
+        view = buf[:min(piece_bytes, f.data_bytes - offset)]
+        f.read(memoryview(view.numpy()), offset)
+        pages.append(page_sums(view, offset))
+    pages = torch.cat(pages)
+    extents = sums.numel()
+    if stored is None:  # extent k: its pages
+        owner = torch.arange(pages.numel(), dtype=torch.int64) * ALIGNMENT // EXTENT
+    else:  # extent k: the pages of its frame's stored bytes, ``shift`` before its own place
+        counts = (stored[:, 0].to(torch.int64) + ALIGNMENT - 1) // ALIGNMENT
+        first = (torch.arange(extents, dtype=torch.int64) * EXTENT - stored[:, 1].to(torch.int64)) // ALIGNMENT
+        owner = torch.repeat_interleave(torch.arange(extents, dtype=torch.int64), counts)
+        within = torch.arange(owner.numel(), dtype=torch.int64) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)
+        index = first[owner] + within
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= pages.numel()):
+            raise IntegrityError(f"{f.path}: the frame records of {f.label} point outside its data; "
+                                 "the table is damaged")
+        pages = pages[index]
+    got = torch.zeros(extents, dtype=torch.int64).index_add_(0, owner, pages)
+    bad = (got != sums).nonzero()
+    if bad.numel():
+        k = int(bad[0])
+        raise IntegrityError(f"{f.path}: checksum mismatch in extent {k} (bytes [{k * EXTENT}, "
+                             f"{min((k + 1) * EXTENT, f.data_bytes)}) of {f.label}): the file is corrupt: "
+                             "restore it or load an older checkpoint")
 
 
 # -- byte movement ---------------------------------------------------------------------
@@ -364,11 +414,11 @@ def _verify_against_table(store: BucketStore, file_path: str, name: str, recorde
         raise CheckpointError(f"{file_path}: not a bucket file of this run's layout; the checkpoint is damaged")
     try:
         with store.open_existing(index, file_path) as f:
-            crc = f.table_crc32_on_disk()
+            crc = _table_crc32_on_disk(f)
             if crc != recorded:
                 raise CheckpointError(f"{file_path}: checksum table CRC-32 {crc} does not match the manifest's "
                                       f"{recorded}; the file is corrupt: restore it or load an older checkpoint")
-            f.verify_against_table()
+            verify_against_table(f)
     except (StorageError, IntegrityError) as e:
         raise CheckpointError(f"{e}") from None
 
