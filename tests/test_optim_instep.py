@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from greenroom.errors import CheckpointError, ConfigError
+from greenroom.errors import CheckpointError, ConfigError, StorageError
 from greenroom.optim import StreamingAdam
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
@@ -124,6 +124,30 @@ def test_an_in_step_checkpoint_needs_verification_on(disk_dir, monkeypatch):
         opt.checkpoint_next_step(os.path.join(disk_dir, "ckpt"))
     assert not os.path.exists(os.path.join(disk_dir, "ckpt.new"))
     opt.close()
+
+
+def test_no_room_for_the_checkpoint_is_refused_before_the_step_changes_anything(disk_dir, tmp_path):
+    """A 256 KiB tmpfs (root only) cannot hold the preallocated checkpoint files: refused
+    in one line at the request, nothing staged left, the live state untouched."""
+    full = str(tmp_path / "full")
+    os.makedirs(full)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", full], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        params, _ = twins(SHAPES + [(300, 1000)])  # 2.4 MB of state
+        opt = _optimizer(params, os.path.join(disk_dir, "live"))
+        before = _files(os.path.join(disk_dir, "live"))
+        with pytest.raises(StorageError, match="not enough space to preallocate") as info:
+            opt.checkpoint_next_step(os.path.join(full, "ckpt"))
+        assert "\n" not in str(info.value)
+        assert os.listdir(full) == []
+        assert _files(os.path.join(disk_dir, "live")) == before
+        set_grads(params, step=0)
+        opt.step()  # the refused request left nothing pending: a plain step
+        assert opt.last_checkpoint is None
+        opt.close()
+    finally:
+        subprocess.run(["umount", full], check=True)
 
 
 # -- SIGKILL at every point of the in-step save -----------------------------------------
