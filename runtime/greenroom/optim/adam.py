@@ -25,6 +25,7 @@ params the step updates, no I/O. fp32 params are their own master and need no ru
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Callable, Iterable
@@ -307,15 +308,12 @@ class StreamingAdam(torch.optim.Optimizer):
                 self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
         store = self.store
         needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
-        pending, self._pending_checkpoint = self._pending_checkpoint, None
-        if pending is None:
-            for bucket_state in store.stream(needed):
-                self._step_bucket(bucket_state)
-            return loss
-        with pending.during_step():
+        pending, self._pending_checkpoint = self._pending_checkpoint, None  # checkpoint_next_step's
+        with pending.during_step() if pending is not None else contextlib.nullcontext():
             for bucket_state in store.stream(needed, mirror=pending):
                 self._step_bucket(bucket_state)
-        self.last_checkpoint = pending
+        if pending is not None:
+            self.last_checkpoint = pending
         return loss
 
     def _is_state_probe(self) -> bool:

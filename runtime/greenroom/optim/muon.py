@@ -23,6 +23,7 @@ those params with step 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Callable, Iterable
@@ -268,15 +269,12 @@ class StreamingMuon(torch.optim.Optimizer):
                     raise GreenroomError("StreamingMuon: Muon does not support sparse gradients")
         store = self.store
         needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
-        pending, self._pending_checkpoint = self._pending_checkpoint, None
-        if pending is None:
-            for bucket_state in store.stream(needed):
-                self._step_bucket(bucket_state)
-            return loss
-        with pending.during_step():
+        pending, self._pending_checkpoint = self._pending_checkpoint, None  # checkpoint_next_step's
+        with pending.during_step() if pending is not None else contextlib.nullcontext():
             for bucket_state in store.stream(needed, mirror=pending):
                 self._step_bucket(bucket_state)
-        self.last_checkpoint = pending
+        if pending is not None:
+            self.last_checkpoint = pending
         return loss
 
     def _step_bucket(self, bucket_state) -> None:

@@ -496,7 +496,9 @@ class Trainer:
         c = self.config
         streaming = self.offload.stream_optimizer_state_to_disk
         kwargs = dict(model_state=checkpoint.model_state(self.model), optimizer=self.optimizer,
-                      optim_state=None if streaming else checkpoint.optimizer_state(self.optimizer),
+                      # A resident optimizer's state, copied only for a publish beside the next step.
+                      optim_state=checkpoint.optimizer_state(self.optimizer) if c.async_save and not streaming
+                      else None,
                       streaming=streaming, optim_written=streaming, iteration=iteration, rank=self.rank,
                       world_size=self.world_size)
         if not c.async_save:
