@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -54,15 +55,17 @@ def copy_of(half, disk_dir):
     return ckpt, os.path.join(disk_dir, "offload"), os.path.join(disk_dir, "m.jsonl")
 
 
-def test_a_byte_flipped_in_a_live_bucket_before_the_save_is_refused_and_the_previous_checkpoint_kept(
+def test_a_byte_flipped_in_a_live_bucket_before_the_saving_step_is_refused_and_the_previous_checkpoint_kept(
         disk_dir, reference):
     """Issue 30 case 4: the save used to copy the flipped bucket, report "saved iteration
-    4" and replace the good checkpoint with one no resume accepts."""
+    4" and replace the good checkpoint with one no resume accepts. The trainer's save now
+    comes from the last step's own pass (``optim.instep``), whose reads are verified: a
+    flip before that step stops it, and nothing is published."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
-    # After the last optimizer step of iteration 4 (2 per iteration), before the save.
+    # After the first optimizer step of iteration 4 (2 per iteration), before the last.
     proc = start(["--iterations", "4", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
-                 stop_at="train-step@4")
+                 stop_at="train-step@3")
     live = os.path.join(root, JOB, "actor", "rank00000", "optim", "bucket-00000.bin")
     with open(live, "r+b") as f:
         f.seek(5000)
@@ -71,13 +74,52 @@ def test_a_byte_flipped_in_a_live_bucket_before_the_save_is_refused_and_the_prev
         f.write(bytes([byte[0] ^ 0x04]))
     failed = resume(proc)
     one_line(failed, r"bucket-00000\.bin: checksum mismatch at offset 0 \(bytes \[0, \d+\) of bucket 0 of the "
-                     r"optimizer state\) while saving a checkpoint: the live file is not what greenroom wrote .*"
-                     r"nothing was published, the previous checkpoint stays")
+                     r"optimizer state\): what was read back is not what greenroom wrote")
     assert "saved iteration" not in failed.stdout
     assert_same(state_of(half), state_of(ckpt))
-    assert sorted(os.listdir(disk_dir)) == ["ckpt", "m.jsonl", "offload"], "a leftover beside the checkpoint"
     resumed = run(["--iterations", "3", "--load", ckpt], root=root, metrics=metrics)
     assert resumed.returncode == 0 and "resuming at iteration 3" in resumed.stdout, resumed.stderr[-2000:]
+    assert sorted(os.listdir(disk_dir)) == ["ckpt", "m.jsonl", "offload"], "a leftover beside the checkpoint"
+
+
+def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
+    """Issue 30 case 4, the copy path of ``save_checkpoint`` (between steps, where the
+    filesystem cannot clone): a flipped live byte is refused before anything is published,
+    and the previous checkpoint stays byte for byte."""
+    import torch
+
+    from greenroom.errors import IntegrityError
+    from greenroom.optim import StreamingAdam, reflink
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(100_000, dtype=torch.bfloat16)) for _ in range(2)]
+    opt = StreamingAdam(params, state_dir=os.path.join(disk_dir, "live"), bucket_numel=100_000, chunk_mb=1,
+                        resident_numel=0)
+    # The checkpoint on another filesystem than the live files: a copy, never a clone.
+    elsewhere = tempfile.mkdtemp(prefix="greenroom-ckpt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        if reflink.usable(opt.store.directory, elsewhere, opt.store.state_bytes):
+            pytest.skip("no second filesystem here: the save would clone (reflink) and read nothing")
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        ckpt = os.path.join(elsewhere, "ckpt")
+        opt.save_checkpoint(ckpt)
+        before = {n: open(os.path.join(ckpt, n), "rb").read() for n in os.listdir(ckpt)}
+        opt.step()
+        with open(opt.store.path(1), "r+b") as f:
+            f.seek(4096 * 3 + 1)
+            byte = f.read(1)
+            f.seek(4096 * 3 + 1)
+            f.write(bytes([byte[0] ^ 0x80]))
+        with pytest.raises(IntegrityError, match=r"bucket-00001\.bin: checksum mismatch at offset 0 .* while saving a "
+                                                 r"checkpoint: .*nothing was published, the previous checkpoint stays"):
+            opt.save_checkpoint(ckpt)
+        assert {n: open(os.path.join(ckpt, n), "rb").read() for n in os.listdir(ckpt)} == before
+        assert os.listdir(elsewhere) == ["ckpt"]
+    finally:
+        opt.close()
+        shutil.rmtree(elsewhere)
 
 
 def test_a_second_trainer_saving_to_the_same_dir_is_refused_in_one_line_before_it_trains(disk_dir, reference):
