@@ -146,6 +146,36 @@ def test_two_torchrun_ranks_on_one_plain_path_each_own_a_dir_and_match_adamw(dis
 
 
 # -- never change what greenroom did not create -----------------------------------------------
+def test_benches_and_doctor_work_in_a_rank_dir_of_their_own_and_leave_a_shared_root_as_it_was(disk_dir, capsys):
+    from greenroom import cli
+
+    root = os.path.join(disk_dir, "scratch")
+    os.mkdir(root)
+    os.chmod(root, 0o1777)
+    before = _state(root)
+    for argv in (["bench", "disk", root, "--size", "4MiB", "--chunk-mb", "1", "--json"],
+                 ["bench", "codec", "--compression", "zstd", "--state", "random", "--size", "2MiB", "--threads", "1",
+                  "--dir", root, "--json"],
+                 ["bench", "stream", "--params", "20000", "--param-numel", "5000", "--bucket-numel", "10000",
+                  "--steps", "1", "--chunk-mb", "1", "--raw-gib", "0.001", "--dir", root, "--json"],
+                 ["doctor", root, "--chunk-mb", "1"]):
+        assert cli.main(argv) == 0, argv
+        assert _state(root) == before, f"{argv[:2]} changed the shared root or left something in it"
+    capsys.readouterr()
+
+
+def test_streaming_checkpoint_io_refuses_a_dir_it_cannot_write_in_one_line(tmp_path):
+    pytest.importorskip("lightning", reason="the test extra pins lightning")
+    from greenroom.errors import ConfigError
+    from greenroom.optim.lightning import StreamingCheckpointIO
+
+    with pytest.raises(ConfigError) as refused:  # /proc takes no new dir, not even root's
+        StreamingCheckpointIO().save_checkpoint({"x": torch.ones(2)}, "/proc/greenroom-ckpt/epoch=0.ckpt")
+    assert "\n" not in str(refused.value) and "/proc/greenroom-ckpt cannot be made" in str(refused.value)
+    StreamingCheckpointIO().save_checkpoint({"x": torch.ones(2)}, str(tmp_path / "new" / "epoch=0.ckpt"))
+    assert os.listdir(tmp_path / "new") == ["epoch=0.ckpt"]
+
+
 def _shared_base():
     """A world-traversable scratch dir on a real disk, made by the test (so it may set its modes)."""
     if os.geteuid() != 0:
