@@ -303,7 +303,7 @@ def test_a_shared_1777_root_keeps_its_mode_for_root_and_for_another_user(shared)
     os.chmod(root, 0o1777)
     before = _state(root)
     for user in ("root", "nobody"):
-        proc = run(user=user, cli=TRAIN_DISK + [root])
+        proc = run(user=user, cli=TRAIN_DISK + [root, "--metrics", os.path.join(run.home, f"{user}.jsonl")])
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert _state(root) == before, f"as {user}: the shared root changed"
     # A crashed owner (plain state_dir, as nobody) leaves a dir only reclaim may remove.
