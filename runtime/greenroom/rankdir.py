@@ -282,8 +282,7 @@ class RankDir:
     def release(self, path: str) -> None:
         """The owner of a claimed subdir is done with it; its files go when the rank dir does."""
         self._claims.discard(path)
-        if self.close_with_last_claim and not self._claims:
-            self.close()
+        self.close_if_unclaimed()
 
     def close_if_unclaimed(self) -> None:
         """Close a rank dir opened for a plain path that no owner went on to claim."""
