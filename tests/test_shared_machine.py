@@ -22,7 +22,7 @@ import torch
 
 import greenroom
 from greenroom import fs
-from greenroom.errors import StorageError
+from greenroom.errors import ConfigError, StorageError
 from greenroom.optim import StreamingAdam
 from greenroom.rankdir import RankDir
 from tests.cli_support import REPO, one_line_error
@@ -80,6 +80,20 @@ def test_a_second_optimizer_on_one_plain_path_in_one_process_is_refused_in_one_l
     _steps(first, reference, ours, theirs)  # the refused one touched nothing of the first's
     first.close()
     assert os.listdir(root) == [], "close() leaves nothing behind under the user's dir"
+
+
+def test_a_plain_path_on_tmpfs_is_refused_in_one_line_and_nothing_is_made():
+    if not (os.path.isdir("/dev/shm") and fs.is_memory_backed("/dev/shm")):
+        pytest.skip("no tmpfs at /dev/shm")
+    path = tempfile.mkdtemp(prefix="greenroom-test-", dir="/dev/shm")  # ours: a fresh dir on tmpfs
+    try:
+        with pytest.raises(ConfigError) as refused:
+            StreamingAdam(_train_pair()[0], state_dir=os.path.join(path, "optim"))
+        message = str(refused.value)
+        assert "\n" not in message and "keeps the data in RAM" in message and path in message
+        assert os.listdir(path) == []
+    finally:
+        shutil.rmtree(path)
 
 
 def test_two_optimizers_on_one_rank_dir_get_a_subdir_each(disk_dir):
