@@ -26,10 +26,23 @@ COMMANDS = {
 }
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser. Unrecognized arguments are reported by the innermost
+    (sub)command parser that was used, with its own usage (``greenroom bench disk``'s, not
+    ``greenroom``'s)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not getattr(namespace, "_extras_reported", False):
+            namespace._extras_reported = True
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="greenroom", description=greenroom.__doc__)
     parser.add_argument("--version", action="version", version=f"greenroom {greenroom.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_CommandParser)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, summary) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=summary, description=summary)

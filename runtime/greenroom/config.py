@@ -52,12 +52,6 @@ def moment_bytes_per_element(moment_dtype: str) -> float:
     return _MOMENT_BYTES[moment_dtype]
 
 
-def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) -> float:
-    """Bytes of streamed state per parameter: the fp32 master (unless the param is its
-    own fp32 master) plus the two Adam moments."""
-    return (4.0 if master_on_disk else 0.0) + 2 * moment_bytes_per_element(moment_dtype)
-
-
 def check_host_bytes(flag: str, value, nbytes: int, *, default=DEFAULT_CHUNK_MB, counted: str = "") -> None:
     """A host allocation of ``nbytes`` (for ``flag value``) must fit in this machine's
     RAM: checked at start-up instead of failing in the allocator, or later in the run.

@@ -2,17 +2,20 @@
 
 Checks the filesystem type (tmpfs/ramfs keep the data in RAM), free space, O_DIRECT
 support, the memlock limit (pinned staging needs it) and a quick bandwidth probe, then
-prints one verdict line. Exit 0 when fit, 1 when not, 2 when DIR is unusable.
+prints one verdict line (or, with ``--json``, one object whose ``read_gbps`` and
+``write_gbps`` are what ``greenroom plan --disk-read-gbps/--disk-write-gbps`` take).
+Exit 0 when fit, 1 when not, 2 when DIR is unusable.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 
-from greenroom import fs
-from greenroom.config import DEFAULT_CHUNK_MB, MIB, check_host_bytes
+from greenroom import cliflags, fs
+from greenroom.config import MIB, check_host_bytes
 from greenroom.errors import ConfigError
 
 PROBE_BYTES = 256 * MIB
@@ -23,45 +26,70 @@ def _limit(value: int) -> str:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", metavar="DIR", help="the dir to check (e.g. --offload-train-disk-dir)")
-    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB,
-                        help="staging chunk per mechanism, to check against the memlock limit")
+    cliflags.disk_dir(parser, positional=True, help="the dir to check (the run's --offload-train-disk-dir)")
+    cliflags.chunk_mb(parser, help="staging chunk per mechanism, to check against the memlock limit "
+                                   "(default %(default)s)")
     parser.add_argument("--no-probe", action="store_true", help="skip the bandwidth probe")
+    cliflags.json_flag(parser)
+
+
+def probe(directory: str):
+    """The quick raw bandwidth probe (``greenroom.bench.disk.raw_bandwidth``), sized to
+    the free space."""
+    from greenroom.bench.disk import raw_bandwidth
+
+    return raw_bandwidth(directory, min(PROBE_BYTES, max(fs.free_bytes(directory) // 4, MIB)))
+
+
+def check(directory: str, *, chunk_mb: int, bandwidth: bool) -> dict:
+    """The checks as a dict (what ``--json`` prints)."""
+    mount = fs.mount_of(directory)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    need = 2 * chunk_mb * MIB
+    result = {
+        "dir": directory, "filesystem": mount.fstype, "source": mount.source, "mount_point": mount.mount_point,
+        "free_bytes": fs.free_bytes(directory), "o_direct": fs.supports_o_direct(directory),
+        "memlock_bytes": None if soft == resource.RLIM_INFINITY else soft, "staging_bytes": need,
+        # A warning, not a verdict: CUDA pins host memory through its driver, which this
+        # limit does not bound, but some container runtimes enforce it there too.
+        "memlock_low": soft != resource.RLIM_INFINITY and soft < need,
+        "read_gbps": None, "write_gbps": None, "problems": [],
+    }
+    if mount.fstype in fs.MEMORY_FILESYSTEMS:
+        result["problems"].append(f"{mount.fstype} keeps the data in RAM")
+    if bandwidth:
+        measured = probe(directory)
+        result.update(read_gbps=measured.read_bytes_per_s / 1e9, write_gbps=measured.write_bytes_per_s / 1e9)
+    result["fit"] = not result["problems"]
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
+    directory = cliflags.resolve_disk_dir(args, "doctor")
     if args.chunk_mb <= 0:
-        raise ConfigError(f"--chunk-mb must be a positive integer number of MiB, got {args.chunk_mb}")
-    check_host_bytes("--chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
-    if not os.path.isdir(args.dir):
-        raise ConfigError(f"doctor: DIR {args.dir} is not a directory (create it on node-local NVMe first)")
-    if not os.access(args.dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"doctor: DIR {args.dir} is not writable by uid {os.getuid()}")
-    problems = []
-    mount = fs.mount_of(args.dir)
-    print(f"filesystem: {mount.fstype} ({mount.source} at {mount.mount_point})")
-    if mount.fstype in fs.MEMORY_FILESYSTEMS:
-        problems.append(f"{mount.fstype} keeps the data in RAM")
-    free = fs.free_bytes(args.dir)
-    print(f"free space: {free / 2**30:.1f} GiB")
-    direct = fs.supports_o_direct(args.dir)
-    print(f"O_DIRECT:   {'yes' if direct else 'no (buffered I/O with fdatasync + DONTNEED)'}")
-    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    need = 2 * args.chunk_mb * MIB
-    print(f"memlock:    {_limit(soft)} (both mechanisms pin {need / MIB:.0f} MiB per rank)")
-    if soft != resource.RLIM_INFINITY and soft < need:
-        # A warning, not a verdict: CUDA pins host memory through its driver, which this
-        # limit does not bound, but some container runtimes enforce it there too.
+        raise ConfigError(f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {args.chunk_mb}")
+    check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
+    if not os.path.isdir(directory):
+        raise ConfigError(f"doctor: DIR {directory} is not a directory (create it on node-local NVMe first)")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"doctor: DIR {directory} is not writable by uid {os.getuid()}")
+    r = check(directory, chunk_mb=args.chunk_mb, bandwidth=not args.no_probe)
+    if args.json:
+        print(json.dumps(r, sort_keys=True))
+        return 0 if r["fit"] else 1
+    print(f"filesystem: {r['filesystem']} ({r['source']} at {r['mount_point']})")
+    print(f"free space: {r['free_bytes'] / 2**30:.1f} GiB")
+    print(f"O_DIRECT:   {'yes' if r['o_direct'] else 'no (buffered I/O with fdatasync + DONTNEED)'}")
+    memlock = _limit(resource.RLIM_INFINITY if r["memlock_bytes"] is None else r["memlock_bytes"])
+    print(f"memlock:    {memlock} (both mechanisms pin {r['staging_bytes'] / MIB:.0f} MiB per rank)")
+    if r["memlock_low"]:
         print("warning:    memlock limit is below the staging; if pinning fails, raise it "
               "(ulimit -l / the container's memlock rlimit)")
-    if not args.no_probe:
-        from greenroom.bench.disk import raw_bandwidth
-
-        probe = raw_bandwidth(args.dir, min(PROBE_BYTES, max(free // 4, MIB)))
-        print(f"bandwidth:  write {probe.write_bytes_per_s / 1e9:.2f} GB/s, "
-              f"read {probe.read_bytes_per_s / 1e9:.2f} GB/s (quick probe)")
-    if problems:
-        print("verdict:    NOT FIT: " + "; ".join(problems))
+    if r["read_gbps"] is not None:
+        print(f"bandwidth:  write {r['write_gbps']:.2f} GB/s, read {r['read_gbps']:.2f} GB/s (quick probe; "
+              f"greenroom plan --disk-read-gbps {r['read_gbps']:.2f} --disk-write-gbps {r['write_gbps']:.2f})")
+    if r["problems"]:
+        print("verdict:    NOT FIT: " + "; ".join(r["problems"]))
         return 1
     print("verdict:    OK for offload and streaming")
     return 0
