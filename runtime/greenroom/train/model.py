@@ -1,7 +1,15 @@
 """A small decoder-only transformer in plain torch, with a KV cache for generation.
 
 Pre-norm blocks, learned positions, ``scaled_dot_product_attention``. Sizes come from
-``ModelConfig``; the default is small enough to train on a 2-core CPU in a minute.
+``ModelConfig``; the default is small enough to train on a 2-core CPU in two minutes,
+and large enough that its weight matrices are above ``StreamingAdam``'s resident
+threshold (``greenroom.optim.RESIDENT_NUMEL``): under ``--stream-optimizer-state-to-disk``
+they stream, as a real model's do.
+
+Precisions (``--dtype``): ``mixed`` (the default) keeps the matrices, biases and
+embeddings in bf16 and the LayerNorm weights in fp32, as mixed-precision trainers do:
+with streaming, the bf16 params get fp32 masters on disk and the small fp32 norms stay
+resident. ``bf16`` and ``fp32`` make every param that dtype.
 """
 
 from __future__ import annotations
@@ -23,8 +31,8 @@ class ModelConfig:
     vocab_size: int = 16
     """Number of token ids (the task's alphabet)."""
 
-    d_model: int = 64
-    """Width of the residual stream."""
+    d_model: int = 128
+    """Width of the residual stream (128: the MLP matrices are 512 x 128)."""
 
     n_layers: int = 2
     """Number of transformer blocks."""
@@ -50,6 +58,21 @@ class ModelConfig:
         d, f = self.d_model, self.ff_mult * self.d_model
         block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
         return self.vocab_size * d + self.max_seq_len * d + self.n_layers * block + 2 * d + d * self.vocab_size
+
+
+PRECISIONS = ("mixed", "bf16", "fp32")
+
+
+def set_precision(model: nn.Module, precision: str) -> nn.Module:
+    """Cast ``model``'s params to ``precision`` (see the module doc), in place."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--dtype: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    model.to(torch.float32 if precision == "fp32" else torch.bfloat16)
+    if precision == "mixed":
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.float()  # LayerNorm takes bf16 input with fp32 weights
+    return model
 
 
 class KVCache:
