@@ -17,11 +17,11 @@ from greenroom.errors import GreenroomError
 
 COMMANDS = {
     "train": ("greenroom.train.main", "the colocated train/sleep/rollout/wake loop"),
-    "plan": ("greenroom.plan", "print the resolved per-rank plan for these flags"),
+    "plan": ("greenroom.plan", "the run's budget per rank and node: GPU, host memory, disk, seconds"),
     "reclaim": ("greenroom.reclaim_cli", "remove per-rank dirs whose owner died"),
-    "doctor": ("greenroom.doctor", "check a dir for offload: filesystem, space, O_DIRECT, memlock"),
-    "bench": ("greenroom.bench", "benchmarks: disk, stream, offload"),
-    "report": ("greenroom.train.report", "plot a metrics .jsonl to a PNG"),
+    "doctor": ("greenroom.doctor", "check a dir for offload: filesystem, space, O_DIRECT, memlock, GB/s"),
+    "bench": ("greenroom.bench", "benchmarks: disk, stream, offload, codec"),
+    "report": ("greenroom.train.report", "plot a metrics .jsonl (resumed runs too) to a PNG"),
     "slurm": ("greenroom.slurm.cli", "render or submit the Slurm templates"),
 }
 
