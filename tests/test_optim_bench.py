@@ -6,7 +6,7 @@ import os
 from tests.cli_support import greenroom, one_line_error
 
 SMALL = ["--params", "2000000", "--bucket-numel", "600000", "--param-numel", "450000", "--chunk-mb", "8",
-         "--raw-gib", "0.03125", "--steps", "2"]
+         "--raw-size", "32MiB", "--steps", "2"]
 
 
 def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):

@@ -1,5 +1,6 @@
 """``greenroom report``: a metrics file from a real ``greenroom train`` run becomes a PNG."""
 
+import json
 import os
 import subprocess
 import sys
@@ -59,3 +60,5 @@ def test_a_resumed_run_continues_the_clock_and_marks_its_segments(disk_dir):
     result = cli("report", metrics)
     assert result.returncode == 0, result.stderr
     assert "4 iterations, 2 run segments" in result.stdout
+    summary = json.loads(cli("report", metrics, "--json").stdout)
+    assert [s["first_iteration"] for s in summary["segments"]] == [1, 3] and summary["iterations"] == 4

@@ -24,6 +24,8 @@ PHASE_COLORS = {"sync": "#999999", "sleep": "#d62728", "rollout": "#1f77b4", "wa
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("metrics", metavar="METRICS.jsonl", help="written by greenroom train --metrics")
     parser.add_argument("-o", "--output", metavar="PNG", help="default: METRICS with .png")
+    parser.add_argument("--json", action="store_true",
+                        help="print what was drawn as one JSON object (output, iterations, run segments)")
 
 
 def read_records(path: str) -> list[dict]:
@@ -123,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
     records = read_records(args.metrics)
     output = args.output or os.path.splitext(args.metrics)[0] + ".png"
     draw(records, output)
-    count = len(segments(records))
-    print(f"wrote {output} ({len(records)} iterations" + (f", {count} run segments)" if count > 1 else ")"))
+    starts = segments(records)
+    if args.json:
+        print(json.dumps({"output": output, "iterations": len(records),
+                          "segments": [{"first_iteration": records[i]["iteration"], "offset_s": offset}
+                                       for i, offset in starts]}, sort_keys=True))
+        return 0
+    print(f"wrote {output} ({len(records)} iterations"
+          + (f", {len(starts)} run segments)" if len(starts) > 1 else ")"))
     return 0
