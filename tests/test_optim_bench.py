@@ -44,8 +44,9 @@ def test_bench_stream_text_report_and_bad_input(disk_dir):
     assert "verified load" in proc.stdout
     assert "disk bound" in proc.stdout and "step/bound" in proc.stdout and "page cache growth" in proc.stdout
     assert "--params" in one_line_error(greenroom("bench", "stream", "--params", "1.5", "--dir", disk_dir))
-    assert "--dir" in one_line_error(greenroom("bench", "stream", "--params", "10", "--dir",
-                                               os.path.join(disk_dir, "missing")))
+    # Named by the train flag the alias stands for.
+    assert "--offload-train-disk-dir" in one_line_error(greenroom("bench", "stream", "--params", "10", "--dir",
+                                                                  os.path.join(disk_dir, "missing")))
 
 
 def test_bench_stream_with_a_host_cache_moves_only_the_uncached_buckets(disk_dir):
