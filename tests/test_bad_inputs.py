@@ -18,6 +18,11 @@ SMALL = ["--iterations", "1", "--prompts", "4", "--group-size", "2", "--minibatc
          "--no-progress"]
 DISK = ["--offload-train", "--offload-train-target", "disk"]
 STREAM = ["--stream-optimizer-state-to-disk", "--offload-train-disk-dir"]
+PLAN = ["--params", "1e6"]
+
+
+def PLAN_STREAM(sandbox):
+    return [*PLAN, *STREAM, os.path.join(sandbox, "off")]
 
 
 @pytest.fixture
@@ -107,19 +112,21 @@ CASES = {
                              "--disk-read-gbps and --disk-write-gbps go together"),
     "plan --measure-disk without a dir": (lambda s: ["plan", "--params", "7B", "--measure-disk"], {},
                                           "--measure-disk needs an existing --offload-train-disk-dir"),
-    "plan disk dir is a file": (lambda s: ["plan", "--params", "1e6", *DISK, "--offload-train-disk-dir", S(s, "afile")], {},
+    "plan disk dir is a file": (lambda s: ["plan", "--params", "1e6", *DISK, "--offload-train-disk-dir",
+                                           S(s, "afile")], {},
                                 "is a file, not a directory"),
-    "plan unknown target": (lambda s: ["plan", "--params", "1e6", "--offload-train-target", "nvme"], {}, "invalid choice"),
-    "plan host cache -1": (lambda s: ["plan", "--params", "1e6", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb=-1"], {},
+    "plan unknown target": (lambda s: ["plan", "--params", "1e6", "--offload-train-target", "nvme"], {},
+                            "invalid choice"),
+    "plan host cache -1": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb=-1"], {},
                            "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"),
-    "plan host cache nan": (lambda s: ["plan", "--params", "1e6", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb", "nan"],
+    "plan host cache nan": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb", "nan"],
                             {}, "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"),
-    "plan host cache abc": (lambda s: ["plan", "--params", "1e6", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb", "abc"],
+    "plan host cache abc": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb", "abc"],
                             {}, "--stream-optimizer-state-host-cache-gb: invalid float value"),
-    "plan host cache huge": (lambda s: ["plan", "--params", "1e6", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb",
-                                        "1e9"], {}, "(the host cache plus the pinned staging)"),
-    "plan host cache without streaming": (lambda s: ["plan", "--params", "1e6", "--stream-optimizer-state-host-cache-gb", "2"], {},
-                                          "needs --stream-optimizer-state-to-disk"),
+    "plan host cache huge": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb", "1e9"],
+                             {}, "(the host cache plus the pinned staging)"),
+    "plan host cache without streaming": (lambda s: ["plan", *PLAN, "--stream-optimizer-state-host-cache-gb", "2"],
+                                          {}, "needs --stream-optimizer-state-to-disk"),
     "train host cache inf": (lambda s: ["train", *SMALL, *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb",
                                         "inf"], {}, "--stream-optimizer-state-host-cache-gb must be a finite number"),
     # doctor

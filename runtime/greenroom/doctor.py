@@ -67,7 +67,8 @@ def check(directory: str, *, chunk_mb: int, bandwidth: bool) -> dict:
 def run(args: argparse.Namespace) -> int:
     directory = cliflags.resolve_disk_dir(args, "doctor")
     if args.chunk_mb <= 0:
-        raise ConfigError(f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {args.chunk_mb}")
+        raise ConfigError("--offload-train-disk-chunk-mb must be a positive integer number of MiB, "
+                          f"got {args.chunk_mb}")
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
     if not os.path.isdir(directory):
         raise ConfigError(f"doctor: DIR {directory} is not a directory (create it on node-local NVMe first)")

@@ -167,7 +167,8 @@ def print_plan(plan: dict) -> None:
                                  if plan["disk_bytes_per_rank"]["total"] else "not used"))
         return
     d = plan["disk_bytes_per_rank"]
-    missing = "" if plan["disk_dir_exists"] else ", does not exist yet: free space is that of its nearest existing parent"
+    missing = ("" if plan["disk_dir_exists"]
+               else ", does not exist yet: free space is that of its nearest existing parent")
     print(f"disk dir:   {plan['disk_dir']} ({plan['filesystem']} at {plan['mount_point']}{missing})")
     print("rank dirs:  " + ", ".join(plan["rank_dirs"][:2]) + (" ..." if len(plan["rank_dirs"]) > 2 else ""))
     print(f"disk per rank: {fs.human_bytes(d['total'])} (streamed state {fs.human_bytes(d['streaming'])}, "

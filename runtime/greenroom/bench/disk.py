@@ -152,8 +152,9 @@ def measure_repeated(directory: str, size: int, *, repeat: int, **kwargs) -> dic
     result.update(repeat=repeat, passes=passes, spread={k: spread(v) for k, v in figures.items()})
     # The headline figures are the medians (``raw``, ``engine``, the ratios).
     for side in ("raw", "engine"):
-        result[side] = dict(result[side], **{f"{way}_bytes_per_s": result["spread"][f"{side}_{way}_bytes_per_s"]["median"]
-                                             for way in ("write", "read")})
+        medians = {f"{way}_bytes_per_s": result["spread"][f"{side}_{way}_bytes_per_s"]["median"]
+                   for way in ("write", "read")}
+        result[side] = dict(result[side], **medians)
     for way in ("write", "read"):
         result[f"{way}_ratio"] = result["spread"][f"{way}_ratio"]["median"]
     return result

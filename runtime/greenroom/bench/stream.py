@@ -91,7 +91,8 @@ def _validate(args: argparse.Namespace) -> None:
     if not os.path.isdir(args.dir):
         raise ConfigError(f"--offload-train-disk-dir {args.dir} is not a directory")
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
-        raise ConfigError(f"--offload-train-disk-dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps the data in RAM; "
+        raise ConfigError(f"--offload-train-disk-dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps "
+                          "the data in RAM; "
                          "point it at node-local NVMe (or pass --allow-tmpfs for a test)")
 
 

@@ -52,7 +52,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                           "bf16 or fp32")
     opt.add_argument("--reference-policy", action="store_true",
                      help="keep a frozen copy of the initial policy and penalise KL towards it")
-    opt.add_argument("--kl-coef", type=float, default=_TRAIN.kl_coef, help="KL penalty weight (with --reference-policy)")
+    opt.add_argument("--kl-coef", type=float, default=_TRAIN.kl_coef,
+                     help="KL penalty weight (with --reference-policy)")
     sizes = parser.add_argument_group("model and task sizes")
     sizes.add_argument("--d-model", type=int, default=_MODEL.d_model)
     sizes.add_argument("--n-layers", type=int, default=_MODEL.n_layers)
