@@ -7,6 +7,7 @@ own test in test_compression.py.
 """
 
 import json
+import os
 
 import pytest
 
@@ -60,7 +61,7 @@ def test_the_seeds_shape_needs_streaming():
 
 def test_the_seeds_command_as_the_issue_gives_it(monkeypatch):
     monkeypatch.delenv("SCRATCH", raising=False)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "SCRATCH"}
+    env = {k: v for k, v in os.environ.items() if k != "SCRATCH"}
     proc = greenroom("plan", "--params", "744e9", "--world-size", "32", "--nproc-per-node", "4", "--data-parallel",
                      "1", "--gpu-memory-gb", "276.6", "--stream-optimizer-state-to-disk", "--json", env=env, check_rc=0)
     p = json.loads(proc.stdout)
@@ -131,3 +132,16 @@ def test_plan_cli_refuses_what_does_not_fit_in_one_line():
     proc = greenroom("plan", "--params", "70B", "--world-size", "64", "--nproc-per-node", "8", "--data-parallel", "8",
                      "--gpu-memory-gb", "80")
     assert "the model state needs 140.0 GB per rank without streaming" in one_line_error(proc)
+
+
+def test_plan_measures_the_disk_when_asked(disk_dir):
+    """``--measure-disk`` runs doctor's probe on the disk dir; the seconds follow from it."""
+    proc = greenroom("plan", "--params", "1e6", "--offload-train", "--offload-train-target", "disk",
+                     "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
+                     "--offload-train-disk-compression", "none", "--measure-disk", "--json", check_rc=0)
+    p = json.loads(proc.stdout)
+    assert p["disk_gbps"]["source"] == "measured" and p["disk_gbps"]["read"] > 0
+    read, write = p["seconds"]["read_bytes_per_s_per_rank"], p["seconds"]["write_bytes_per_s_per_rank"]
+    # 1e6 bf16 params: 12 MB streamed per step each way; 4 MB of weights and grads per sleep.
+    assert p["seconds"]["streamed_step"] == pytest.approx(12e6 / read + 12e6 / write)
+    assert p["seconds"]["sleep"] == pytest.approx(4e6 / write) and p["seconds"]["wake"] == pytest.approx(4e6 / read)
