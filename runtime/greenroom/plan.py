@@ -233,10 +233,10 @@ def _disk_figures(args: argparse.Namespace, config: OffloadFlags) -> tuple[tuple
 def _config(args: argparse.Namespace) -> OffloadFlags:
     """The flags as the ranks will use them; with no disk dir anywhere (no flag, no
     $SCRATCH) the budget is still planned, only the free-space check is left out."""
-    flags = OffloadFlags.from_args(args)
-    if flags.uses_disk and flags.offload_train_disk_dir is None and default_disk_dir() is None:
-        return flags
-    return OffloadConfig.from_args(args)
+    uses_disk = args.stream_optimizer_state_to_disk or (args.offload_train and args.offload_train_target == "disk")
+    if uses_disk and args.offload_train_disk_dir is None and default_disk_dir() is None:
+        return OffloadFlags.from_args(args)
+    return OffloadConfig.from_args(args)  # built once: its rule warnings print once
 
 
 def run(args: argparse.Namespace) -> int:
