@@ -23,18 +23,18 @@ COMMANDS = {
     "bench": ("greenroom.bench", "benchmarks: disk, stream, offload, codec"),
     "report": ("greenroom.train.report", "plot a metrics .jsonl (resumed runs too) to a PNG"),
     "slurm": ("greenroom.slurm.cli", "render or submit the Slurm templates"),
+    "torchrun": ("greenroom.torchrun_cli", "torchrun, exiting with the failed worker's exit code"),
 }
 
 
 class _CommandParser(argparse.ArgumentParser):
     """A subcommand's parser. Unrecognized arguments are reported by the innermost
     (sub)command parser that was used, with its own usage (``greenroom bench disk``'s, not
-    ``greenroom``'s)."""
+    ``greenroom``'s), unless the subcommand takes them (``pass_on``, ``greenroom torchrun``)."""
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
-        if extras and not getattr(namespace, "_extras_reported", False):
-            namespace._extras_reported = True
+        if extras and not getattr(namespace, "pass_on", False):
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
 
@@ -56,8 +56,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     log.configure()
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser(argv)
+    except (ValueError, GreenroomError) as e:  # e.g. a bad $GREENROOM_ARGS, read for the defaults
+        chosen = next((a for a in argv if not a.startswith("-")), "")
+        print(f"greenroom {chosen}: error: {e}", file=sys.stderr)
+        return 2
+    args, passed_on = parser.parse_known_args(argv)
+    if passed_on:
+        if not getattr(args, "pass_on", False):
+            parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
+        args.pass_on = passed_on  # e.g. torchrun's own arguments, untouched
     try:
         return args._run(args) or 0
     except (ValueError, GreenroomError) as e:
