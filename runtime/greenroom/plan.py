@@ -19,7 +19,7 @@ import sys
 from greenroom import fs
 from greenroom.budget import SHARDINGS, Layout, rank_budget, seconds
 from greenroom.config import GB, OffloadConfig, OffloadFlags, add_arguments, default_disk_dir
-from greenroom.optim.footprint import PARAM_DTYPES
+from greenroom.optim.footprint import PARAM_DTYPES, muon_bytes_per_param, streamed_bytes_per_param
 from greenroom.rankdir import rank_dir_path
 from greenroom.units import parse_count, positive_float, positive_int
 
@@ -69,6 +69,11 @@ def build_plan(config: OffloadFlags, layout: Layout, *, role: str, job: str, gpu
                                                         "source": disk_source}
     plan["seconds"] = seconds(rank, nproc_per_node=n, read_gbps=disk_gbps and disk_gbps[0],
                               write_gbps=disk_gbps and disk_gbps[1], offload_to_disk=config.offload_to_disk)
+    if config.stream_optimizer_state_to_disk:
+        moments = config.stream_optimizer_state_moment_dtype
+        # Per 16-bit param (fp32 master on disk); the figures above are StreamingAdam's.
+        plan["streamed_bytes_per_param"] = {"adam": streamed_bytes_per_param(moments),
+                                            "muon": muon_bytes_per_param(moments)}
     if config.uses_disk and config.offload_train_disk_dir is not None:
         root = config.offload_train_disk_dir
         mount = fs.mount_of(root)
@@ -173,6 +178,10 @@ def print_plan(plan: dict) -> None:
     print("rank dirs:  " + ", ".join(plan["rank_dirs"][:2]) + (" ..." if len(plan["rank_dirs"]) > 2 else ""))
     print(f"disk per rank: {fs.human_bytes(d['total'])} (streamed state {fs.human_bytes(d['streaming'])}, "
           f"paused actor {fs.human_bytes(d['offload'])})")
+    if "streamed_bytes_per_param" in plan:
+        per = plan["streamed_bytes_per_param"]
+        print(f"streamed state per 16-bit param: StreamingAdam {per['adam']:g} B (master + 2 moments), "
+              f"StreamingMuon {per['muon']:g} B (master + momentum); the figures above are StreamingAdam's")
     stored = plan["stored_bytes_per_rank"]
     if plan["compression"] != "none" and d["total"]:
         print(f"compression: {plan['compression']}: a step or sleep is expected to move "

@@ -27,6 +27,12 @@ def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) 
     return (MASTER_BYTES if master_on_disk else 0.0) + 2 * moment_bytes_per_element(moment_dtype)
 
 
+def muon_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) -> float:
+    """Bytes of ``StreamingMuon``'s streamed state per parameter: the fp32 master (16-bit
+    params) and one momentum buffer."""
+    return (MASTER_BYTES if master_on_disk else 0.0) + moment_bytes_per_element(moment_dtype)
+
+
 def resident_optimizer_bytes_per_param(param_dtype: str) -> float:
     """Mixed-precision AdamW's state on the device: fp32 master (16-bit params) and two
     fp32 moments."""
