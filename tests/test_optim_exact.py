@@ -109,7 +109,7 @@ def test_16bit_params_match_an_fp32_master_reference(disk_dir, dtype):
 
 
 def test_bytes_on_disk_follow_the_plan_counts(disk_dir):
-    from greenroom.config import streamed_bytes_per_param
+    from greenroom.optim.footprint import streamed_bytes_per_param
 
     for dtype, master in ((torch.float32, False), (torch.bfloat16, True)):
         for moment in ("fp32", "bf16", "fp8e4m3"):

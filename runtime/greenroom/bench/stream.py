@@ -43,32 +43,32 @@ import warnings
 
 import psutil
 
-from greenroom import fs
+from greenroom import cliflags, fs
 from greenroom.actor.memory import RssSampler
-from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes
+from greenroom.config import GB, MIB, check_host_bytes
 from greenroom.errors import ConfigError
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 from greenroom.rankdir import check_root
+from greenroom.units import parse_bytes, parse_count
 
 PARAM_NUMEL = 50_000_000
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=float, required=True, metavar="N",
-                        help="parameters to optimize (1e9, 2e9, ...)")
-    parser.add_argument("--dir", required=True, metavar="DIR", help="a dir on node-local NVMe for the bucket files")
-    parser.add_argument("--moment-dtype", choices=MOMENT_DTYPES, default="fp32", help="moment storage dtype")
+    parser.add_argument("--params", type=parse_count, required=True, metavar="N",
+                        help="parameters to optimize (1B, 2e9, 500000000, ...)")
+    cliflags.disk_dir(parser, required=True, help="a dir on node-local NVMe for the bucket files")
+    cliflags.moment_dtype(parser)
     parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                         help="bf16: master + moments stream (12 B/param in fp32); fp32: moments only")
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default %(default)s)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="elements per bucket")
     parser.add_argument("--param-numel", type=int, default=PARAM_NUMEL, help="elements per param tensor")
-    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="pinned staging, MiB")
-    parser.add_argument("--stream-optimizer-state-host-cache-gb", type=float, default=0.0, metavar="GB",
-                        help="host memory (GB) that keeps whole buckets off the disk (default 0: all stream)")
-    parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB the raw disk probe moves each way")
-    parser.add_argument("--compression", choices=COMPRESSIONS, default="auto",
-                        help="codec of the bucket files (--offload-train-disk-compression; default auto)")
+    cliflags.chunk_mb(parser)
+    cliflags.host_cache_gb(parser)
+    parser.add_argument("--raw-size", type=parse_bytes, default=2 << 30,
+                        help="bytes the raw disk probe moves each way (default 2GiB)")
+    cliflags.compression(parser, help="codec of the bucket files")
     parser.add_argument("--state", choices=("normal", "trained"), default="normal",
                         help="normal: N(0,1) params and grads, zero moments; trained: a trained transformer's "
                              "state, tiled")
@@ -81,16 +81,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    cliflags.json_flag(parser)
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if args.params < 1 or args.params != int(args.params):
-        raise ConfigError(f"--params: expected a positive whole number of parameters, got {args.params!r}")
     for flag in ("steps", "bucket_numel", "param_numel", "chunk_mb"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    check_host_bytes("--chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
+    check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
     cache = args.stream_optimizer_state_host_cache_gb
     if not 0 <= cache < math.inf:
         raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0, got {cache!r}")
@@ -98,10 +96,11 @@ def _validate(args: argparse.Namespace) -> None:
         check_host_bytes("--stream-optimizer-state-host-cache-gb", f"{cache:g}", int(cache * GB) + args.chunk_mb * MIB,
                          default=0, counted="the host cache plus the pinned staging")
     if not os.path.isdir(args.dir):
-        raise ConfigError(f"--dir {args.dir} is not a directory")
-    check_root(args.dir, name="--dir")
+        raise ConfigError(f"--offload-train-disk-dir {args.dir} is not a directory")
+    check_root(args.dir, name="--offload-train-disk-dir")
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
-        raise ConfigError(f"--dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps the data in RAM; "
+        raise ConfigError(f"--offload-train-disk-dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps "
+                          "the data in RAM; "
                          "point it at node-local NVMe (or pass --allow-tmpfs for a test)")
 
 
@@ -140,7 +139,7 @@ def measure(args: argparse.Namespace) -> dict:
         return torch.cuda.memory_allocated(device)
 
     with RankDir(args.dir, role="bench-stream", allow_tmpfs=args.allow_tmpfs) as rank_dir:
-        raw = raw_bandwidth(rank_dir.subdir("raw"), max(int(args.raw_gib * (1 << 30)), 1 << 20))
+        raw = raw_bandwidth(rank_dir.subdir("raw"), max(args.raw_size, 1 << 20))
         base = allocated()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)

@@ -183,7 +183,7 @@ class SlurmJobConfig:
     scratch_dir: str | None = None
     """Node-local scratch root (NVMe; a job_container/tmpfs per-job /tmp is on disk and
     fine, /dev/shm is not). None: ``$SCRATCH`` on the node at run time. The per-rank
-    dirs live in ``<scratch>/greenroom_train_offload_<uid>/<job>/<role>/rank<N>``."""
+    dirs live in ``<scratch>/greenroom_train_offload_<uid>/<job>/<role>/rank<NNNNN>``."""
 
     log_dir: str = "logs"
     """Where ``<job_name>-<jobid>.out`` (the batch script) and one file per task and
