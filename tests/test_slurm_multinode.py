@@ -1,0 +1,184 @@
+"""Jobs across hosts on the local three-host Slurm cluster (scripts/services.d/slurm.sh):
+node1 and node2 are slurmds in their own network namespaces, each with its own address
+on a veth bridge, its own hostname and its own "node-local NVMe" (the same path,
+``.run/slurm/nvme``, is a different dir on each node). Every job here is a real
+``greenroom train`` with disk offload and streaming under the shipped template or submitit.
+
+Each multi-node result is compared with torch.equal to the same 2-rank job run on the one
+node ``localhost`` (partition debug). Waits poll the cluster or the filesystem with a
+generous deadline; nothing asserts on how long anything took.
+"""
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+import yaml
+
+from greenroom.slurm import sbatch
+from greenroom.slurm.config import config_from_dict
+from tests.cli_support import REPO, greenroom
+from tests.test_slurm_cluster import SLURM_CONF, job_data, logs, wait_done, wait_for
+from tests.test_train import assert_same_state, load_state
+
+pytestmark = pytest.mark.slurm
+
+CLUSTER = os.path.join(REPO, ".run", "slurm")
+NVME = os.path.join(CLUSTER, "nvme")  # what every host sees as its own node-local disk
+NODES = ("node1", "node2")
+SERVICE = os.path.join(REPO, "scripts", "services.d", "slurm.sh")
+FOREVER = 1_000_000
+ITERATIONS = 6  # long enough to see both nodes' rank dirs while the job runs
+SUBMITTED: list[str] = []
+
+
+def node_disk(node: str) -> str:
+    """Where ``node``'s NVMe dir is seen from this host (outside the node's namespaces)."""
+    return os.path.join(CLUSTER, "nodes", node, "nvme") if node in NODES else NVME
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    """The multi-node partition of the local cluster, or a skip saying why it is not there."""
+    if shutil.which("sbatch") is None:
+        pytest.skip("sbatch not installed: `make test` installs Slurm when run as root on Debian")
+    if not os.path.exists(os.path.join(CLUSTER, "multi")):
+        pytest.skip("the local cluster has no namespaced nodes: `make test` starts them as root "
+                    "where network namespaces work (scripts/services.d/slurm.sh)")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = SLURM_CONF
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-p", "multi", "-o", "%N %T"], capture_output=True, text=True)
+        if proc.returncode != 0 or not proc.stdout.strip():
+            pytest.skip(f"the local Slurm cluster does not answer: {' '.join(proc.stderr.split())}")
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+@pytest.fixture(autouse=True)
+def cancel_leftover_jobs():
+    yield
+    while SUBMITTED:
+        subprocess.run(["scancel", SUBMITTED.pop()], capture_output=True)
+
+
+@pytest.fixture
+def scratch():
+    """A fresh scratch dir under the node-local path, made on every host's own disk."""
+    sub = f"t-{uuid.uuid4().hex[:10]}"
+    made = [os.path.join(node_disk(n), sub) for n in ("localhost", *NODES)]
+    for path in made:
+        os.makedirs(path)
+    yield os.path.join(NVME, sub)
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def multi_job(tmp_path, scratch: str, name: str, *, nodes: int = 2, iterations: int = ITERATIONS, **over) -> dict:
+    """2 nodes x 1 torchrun task (partition multi), or the same 2 ranks on localhost."""
+    data = job_data(tmp_path, scratch, name, iterations=iterations, launcher="torchrun",
+                    torchrun=f"{sys.executable} -m torch.distributed.run", **over)
+    # torchrun sets OMP_NUM_THREADS=1 only where it starts more than one process per node:
+    # the same intra-op thread count everywhere, or the sums inside a matmul differ.
+    data.update(scratch_dir=scratch, nodes=nodes, tasks_per_node=2 // nodes, env={"OMP_NUM_THREADS": "1"})
+    if nodes > 1:
+        data["partition"] = "multi"
+    data["train"]["checkpoint_dir"] = str(tmp_path / f"{name}-ckpt")
+    return data
+
+
+def submit(tmp_path, data: dict) -> str:
+    path = tmp_path / f"{data['job_name']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    job = greenroom("slurm", "submit", str(path), check_rc=0).stdout.strip()
+    assert job.isdigit(), job
+    SUBMITTED.append(job)
+    return job
+
+
+def job_root(scratch: str, node: str, job: str) -> str:
+    return os.path.join(node_disk(node), os.path.basename(scratch), f"greenroom_train_offload_{os.getuid()}", job)
+
+
+def node_rank_dirs(scratch: str, node: str, job: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(job_root(scratch, node, job), "actor", "rank*")))
+
+
+def wait_each_node_holds_a_rank(tmp_path, scratch: str, name: str, job: str, subdirs=("offload", "optim")):
+    """Until node1 and node2 each hold one live rank dir on their own disk; returns
+    {node: rank dir name}."""
+    def holding(d: str) -> bool:
+        return os.path.exists(os.path.join(d, "owner.json")) and all(
+            os.path.isdir(os.path.join(d, s)) and os.listdir(os.path.join(d, s)) for s in subdirs)
+
+    def ready() -> bool:
+        return all(len(node_rank_dirs(scratch, n, job)) == 1 and holding(node_rank_dirs(scratch, n, job)[0])
+                   for n in NODES)
+
+    wait_for(f"job {job}'s rank dirs on {' and '.join(NODES)}", ready, explain=lambda: logs(tmp_path, name, job))
+    return {n: os.path.basename(node_rank_dirs(scratch, n, job)[0]) for n in NODES}
+
+
+def assert_completed(tmp_path, name: str, job: str, restarts: str = "0") -> str:
+    info = wait_done(tmp_path, name, job)
+    text = logs(tmp_path, name, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    assert info["Restarts"] == restarts, text
+    return text
+
+
+def assert_same_checkpoint(a: str, b: str) -> None:
+    """Both ranks' model and optimizer state, torch.equal (the streamed optimizer state is
+    compared as its files, the same bytes, but for generation.json: a fresh id per save)."""
+    for rank in (0, 1):
+        assert_same_state(load_state(a, rank), load_state(b, rank))
+        optim_a, optim_b = (os.path.join(d, f"rank{rank:05d}", "optim") for d in (a, b))
+        names = sorted(set(os.listdir(optim_a)) - {"generation.json"})
+        assert any(n.startswith("bucket-") for n in names), names
+        assert names == sorted(set(os.listdir(optim_b)) - {"generation.json"})
+        for name in names:
+            with open(os.path.join(optim_a, name), "rb") as fa, open(os.path.join(optim_b, name), "rb") as fb:
+                assert fa.read() == fb.read(), (rank, name)
+
+
+@pytest.fixture(scope="module")
+def one_node_reference(tmp_path_factory):
+    """The same 2-rank job on one node (localhost), ITERATIONS long: its checkpoint."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    os.environ["SLURM_CONF"] = SLURM_CONF
+    scratch = os.path.join(NVME, f"t-{uuid.uuid4().hex[:10]}")
+    os.makedirs(scratch)
+    try:
+        job = submit(tmp_path, multi_job(tmp_path, scratch, "ref", nodes=1))
+        assert_completed(tmp_path, "ref", job)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return str(tmp_path / "ref-ckpt")
+
+
+# -- 1. torchrun across two hosts ----------------------------------------------------------
+
+def test_torchrun_across_two_nodes_each_rank_on_its_own_disk_bit_identical_to_one_node(
+        tmp_path, scratch, one_node_reference):
+    job = submit(tmp_path, multi_job(tmp_path, scratch, "mn"))
+    held = wait_each_node_holds_a_rank(tmp_path, scratch, "mn", job)
+    assert sorted(held.values()) == ["rank00000", "rank00001"]
+    for node, rank in held.items():
+        # Each rank's record says the host it ran on: the node's own hostname.
+        with open(os.path.join(node_rank_dirs(scratch, node, job)[0], "owner.json"), encoding="utf-8") as f:
+            assert yaml.safe_load(f)["host"] == node
+    text = assert_completed(tmp_path, "mn", job)
+    assert "2 rank(s), offload disk" in text and "streaming on" in text, text
+    assert f"iter   {ITERATIONS}/{ITERATIONS}" in text, text
+    for node in NODES:
+        assert not os.path.exists(job_root(scratch, node, job)), f"{node}: per-rank files left after the job"
+    assert_same_checkpoint(one_node_reference, str(tmp_path / "mn-ckpt"))
