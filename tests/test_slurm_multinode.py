@@ -11,6 +11,7 @@ generous deadline; nothing asserts on how long anything took.
 
 import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,7 +34,7 @@ NVME = os.path.join(CLUSTER, "nvme")  # what every host sees as its own node-loc
 NODES = ("node1", "node2")
 SERVICE = os.path.join(REPO, "scripts", "services.d", "slurm.sh")
 FOREVER = 1_000_000
-ITERATIONS = 6  # long enough to see both nodes' rank dirs while the job runs
+ITERATIONS = 8  # long enough to see both nodes' rank dirs, and to lose one, mid-run
 SUBMITTED: list[str] = []
 
 
@@ -182,3 +183,125 @@ def test_torchrun_across_two_nodes_each_rank_on_its_own_disk_bit_identical_to_on
     for node in NODES:
         assert not os.path.exists(job_root(scratch, node, job)), f"{node}: per-rank files left after the job"
     assert_same_checkpoint(one_node_reference, str(tmp_path / "mn-ckpt"))
+
+
+# -- 2. per-node reclaim ------------------------------------------------------------------
+
+def in_node(node: str, argv: list[str], **kwargs) -> subprocess.Popen:
+    """Start ``argv`` on ``node``: in its slurmd's network, mount and UTS namespaces."""
+    with open(os.path.join(CLUSTER, f"slurmd-{node}.pid"), encoding="ascii") as f:
+        slurmd = f.read().strip()
+    return subprocess.Popen(["nsenter", f"--target={slurmd}", "--net", "--mount", "--uts", *argv], **kwargs)
+
+
+def plant_dead_rank_dir(scratch: str, node: str, job: str, rank: int) -> str:
+    """A rank dir on ``node``'s disk whose owner died: a real process on the node takes it,
+    then is SIGKILLed (no cleanup runs). Returns its path as the node sees it."""
+    root = os.path.join(scratch, f"greenroom_train_offload_{os.getuid()}")
+    holder = in_node(node, [sys.executable, os.path.join(REPO, "tests", "rank_holder.py"), root, job, "actor",
+                            str(rank)], stdout=subprocess.PIPE, text=True,
+                     env={**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")})
+    path = holder.stdout.readline().strip()
+    holder.send_signal(signal.SIGKILL)  # nsenter execs the holder: this is the holder itself
+    holder.wait()
+    holder.stdout.close()
+    return path
+
+
+def test_setup_step_reclaims_a_dead_rank_dir_on_node2_and_keeps_node1s_live_dirs(tmp_path, scratch):
+    # Live: a one-node job running on node1 all along, its rank dir on node1's disk.
+    live_data = job_data(tmp_path, scratch, "live", iterations=FOREVER, streaming=False, nodes=1,
+                         tasks_per_node=1, partition="multi", sbatch_extra={"nodelist": "node1"})
+    live_data["scratch_dir"] = scratch
+    live = submit(tmp_path, live_data)
+    wait_for("the live job's rank dir on node1", lambda: any(
+        os.path.exists(os.path.join(d, "owner.json")) for d in node_rank_dirs(scratch, "node1", live)),
+        explain=lambda: logs(tmp_path, "live", live))
+    live_dirs = node_rank_dirs(scratch, "node1", live)
+
+    # Dead: rank 1 of an earlier job, killed on node2.
+    dead = plant_dead_rank_dir(scratch, "node2", "4242", 1)
+    assert node_rank_dirs(scratch, "node2", "4242") == [os.path.join(job_root(scratch, "node2", "4242"),
+                                                                      "actor", "rank00001")]
+
+    job = submit(tmp_path, multi_job(tmp_path, scratch, "reclaim", iterations=2))
+    text = assert_completed(tmp_path, "reclaim", job)
+    # node2's reclaim step removed the dead dir (its record names node2) ...
+    assert re.search(rf"^reclaimed: {re.escape(dead)} .*\(job 4242, pid \d+ on node2\): owner gone$", text, re.M), text
+    assert node_rank_dirs(scratch, "node2", "4242") == []
+    # ... and node1's kept the live job's (it never saw node2's disk, nor node2 node1's).
+    for d in live_dirs:
+        seen = d.replace(node_disk("node1"), NVME)
+        assert f"kept: {seen}" in text and "locked by a live process" in text, text
+    assert node_rank_dirs(scratch, "node1", live) == live_dirs
+    assert sbatch.job_state(live) == "RUNNING"
+    for node in NODES:
+        assert not os.path.exists(job_root(scratch, node, job)), f"{node}: the job's files left after it"
+
+    sbatch.cancel(live)
+    assert wait_done(tmp_path, "live", live)["JobState"] == "CANCELLED"
+    assert not os.path.exists(job_root(scratch, "node1", live))
+
+
+# -- 3. a lost node -----------------------------------------------------------------------
+
+def service(*args: str) -> None:
+    subprocess.run(["bash", SERVICE, *args], check=True, capture_output=True, text=True)
+
+
+def node_state(node: str) -> str:
+    return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def test_lost_node_requeues_its_files_go_when_it_returns_and_the_job_resumes_bit_identically(
+        tmp_path, scratch, one_node_reference):
+    # The last checkpoint: the same job, run to iteration 2.
+    first = submit(tmp_path, multi_job(tmp_path, scratch, "lost", iterations=2, max_restarts=1))
+    assert_completed(tmp_path, "lost", first)
+
+    # Then on to ITERATIONS: it resumes at 3, and node2 is lost mid-run.
+    job = submit(tmp_path, multi_job(tmp_path, scratch, "lost", max_restarts=1))
+    wait_each_node_holds_a_rank(tmp_path, scratch, "lost", job)
+    stale = node_rank_dirs(scratch, "node2", job)
+    try:
+        service("node-down", "node2")
+        # max_restarts > 0 renders --requeue: Slurm requeues a job that loses a node once
+        # it declares the node DOWN (SlurmdTimeout); the job waits for two nodes again.
+        wait_for(f"job {job} to be requeued", lambda: sbatch.job_info(job).get("Restarts") == "1",
+                 explain=lambda: logs(tmp_path, "lost", job))
+        assert node_state("node2").startswith("down"), node_state("node2")
+        assert node_rank_dirs(scratch, "node2", job) == stale, "a crashed node cannot clean up"
+    finally:
+        service("node-up", "node2")
+    text = assert_completed(tmp_path, "lost", job, restarts="1")
+    # node2's reclaim step, on the requeued run's start, removed what the crash left there.
+    for d in stale:
+        seen = re.escape(d.replace(node_disk("node2"), NVME))
+        assert re.search(rf"^reclaimed: {seen} .*\(job {job}, pid \d+ on node2\): owner gone$", text, re.M), text
+    for restart in (0, 1):
+        with open(tmp_path / "logs" / f"lost-{job}-r{restart}-0.out", encoding="utf-8") as f:
+            assert "resuming at iteration 3" in f.read()
+    for node in NODES:
+        assert not os.path.exists(job_root(scratch, node, job)), f"{node}: the job's files left after it"
+    assert_same_checkpoint(one_node_reference, str(tmp_path / "lost-ckpt"))
+
+
+# -- 4. submitit --------------------------------------------------------------------------
+
+def test_submitit_across_two_nodes_each_rank_on_its_own_disk_bit_identical_to_one_node(
+        tmp_path, scratch, one_node_reference):
+    from greenroom.slurm.submitit_api import submit_train
+
+    data = multi_job(tmp_path, scratch, "submitit")
+    data.update(launcher="srun", tasks_per_node=1)  # submitit starts one task per rank itself
+    job = submit_train(config_from_dict(data), str(tmp_path / "submitit"))
+    SUBMITTED.append(job.job_id)
+    held = wait_each_node_holds_a_rank(tmp_path, scratch, "submitit", job.job_id)
+    assert sorted(held.values()) == ["rank00000", "rank00001"]
+    assert job.results() == [0, 0]
+    wait_done(tmp_path, "submitit", job.job_id)
+    assert sbatch.job_state(job.job_id) == "COMPLETED"
+    assert f"reclaim {os.path.join(scratch, f'greenroom_train_offload_{os.getuid()}')}" in job.stdout()
+    for node in NODES:
+        assert not os.path.exists(job_root(scratch, node, job.job_id)), f"{node}: files left after the job"
+    assert_same_checkpoint(one_node_reference, str(tmp_path / "submitit-ckpt"))
