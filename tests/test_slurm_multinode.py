@@ -286,6 +286,30 @@ def test_lost_node_requeues_its_files_go_when_it_returns_and_the_job_resumes_bit
     assert_same_checkpoint(one_node_reference, str(tmp_path / "lost-ckpt"))
 
 
+def test_lost_node_without_restarts_fails_the_job_and_the_next_job_reclaims_node2(tmp_path, scratch):
+    job = submit(tmp_path, multi_job(tmp_path, scratch, "fail", iterations=FOREVER, max_restarts=0))
+    wait_each_node_holds_a_rank(tmp_path, scratch, "fail", job)
+    stale = node_rank_dirs(scratch, "node2", job)
+    try:
+        service("node-down", "node2")
+        # max_restarts: 0 renders --no-requeue: the job ends NODE_FAIL (Slurm's default
+        # would have requeued it).
+        info = wait_done(tmp_path, "fail", job)
+        assert info["JobState"] == "NODE_FAIL" and info["Restarts"] == "0", logs(tmp_path, "fail", job)
+        assert node_rank_dirs(scratch, "node2", job) == stale, "a crashed node cannot clean up"
+    finally:
+        service("node-up", "node2")
+    # The next greenroom job on node2 reclaims what the crash left there, in its setup step.
+    nxt = submit(tmp_path, multi_job(tmp_path, scratch, "after", iterations=1, max_restarts=0))
+    text = assert_completed(tmp_path, "after", nxt)
+    for d in stale:
+        seen = re.escape(d.replace(node_disk("node2"), NVME))
+        assert re.search(rf"^reclaimed: {seen} .*\(job {job}, pid \d+ on node2\): owner gone$", text, re.M), text
+    for node in NODES:
+        for j in (job, nxt):
+            assert not os.path.exists(job_root(scratch, node, j)), f"{node}: job {j}'s files left"
+
+
 # -- 4. submitit --------------------------------------------------------------------------
 
 def test_submitit_across_two_nodes_each_rank_on_its_own_disk_bit_identical_to_one_node(
