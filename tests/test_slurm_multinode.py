@@ -155,7 +155,6 @@ def assert_same_checkpoint(a: str, b: str) -> None:
 def one_node_reference(tmp_path_factory):
     """The same 2-rank job on one node (localhost), ITERATIONS long: its checkpoint."""
     tmp_path = tmp_path_factory.mktemp("reference")
-    os.environ["SLURM_CONF"] = SLURM_CONF
     scratch = os.path.join(NVME, f"t-{uuid.uuid4().hex[:10]}")
     os.makedirs(scratch)
     try:

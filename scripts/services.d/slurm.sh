@@ -145,6 +145,7 @@ node_up() {
   # Its own mount namespace (the mounts stay inside it) and hostname, in its network
   # namespace; slurmd daemonizes and keeps all three. Not `ip netns exec`: that remounts
   # /sys, hiding the cgroup mounts slurmd needs.
+  # shellcheck disable=SC2016  # expanded by the inner bash, from its arguments
   unshare --mount --uts nsenter --net="/run/netns/$ns" bash -c '
     set -e; hostname "$1"
     mount --bind "$2/hosts" /etc/hosts
