@@ -39,6 +39,19 @@ node_index() { local i; for i in "${!nodes[@]}"; do [ "${nodes[$i]}" = "$1" ] &&
 netns_of() { echo "greenroom-$1"; }
 veth_of() { echo "grsl-$1"; }
 
+# The namespaces, links and bridge have machine-wide names: each records the state dir of
+# the cluster that made it, and a cluster touches only its own (another's is refused).
+owners=/run/greenroom-slurm
+owner_of() { cat "$owners/$1" 2>/dev/null || true; }
+claim() {
+  local owner; owner=$(owner_of "$1")
+  [ -z "$owner" ] || [ "$owner" = "$dir" ] || {
+    say "$1 belongs to the cluster in $owner: stop that one first (bash scripts/services.d/slurm.sh stop there)"
+    return 1; }
+  mkdir -p "$owners" && echo "$dir" >"$owners/$1"
+}
+mine() { [ "$(owner_of "$1")" = "$dir" ]; }
+
 # Namespaces need root, iproute2 and a kernel that lets us make them; without them the
 # cluster is the one localhost node and the multi-node tests skip.
 can_namespace() {
@@ -113,6 +126,12 @@ NodeName=localhost Name=gpu File=$dir/dev/fakegpu[0-$((fake_gpus - 1))]
 CONF
 }
 
+claim_all() {
+  local node
+  claim "$bridge" || return 1
+  for node in "${nodes[@]}"; do claim "$(netns_of "$node")" || return 1; done
+}
+
 bridge_up() {
   ip link show "$bridge" >/dev/null 2>&1 && return 0
   ip link add "$bridge" type bridge
@@ -136,8 +155,9 @@ node_up() {
   local node=$1 ns nodedir
   ns=$(netns_of "$node"); nodedir="$dir/nodes/$node"
   mkdir -p "$nodedir/nvme"
-  [ -e "/run/netns/$ns" ] || ip netns add "$ns"
+  mine "$ns" || { say "$ns is not this cluster's ($dir): not starting $node"; return 1; }
   bridge_up
+  [ -e "/run/netns/$ns" ] || ip netns add "$ns"
   link_up "$node"
   alive "$dir/slurmd-$node.pid" && return 0
   { echo "127.0.0.1 localhost"; echo "$net.1 slurmctld"
@@ -158,6 +178,7 @@ node_up() {
 node_down() {
   local node=$1 ns pid
   ns=$(netns_of "$node")
+  mine "$ns" || { say "$ns is not this cluster's ($dir): not touching it"; return 1; }
   ip link del "$(veth_of "$node")" 2>/dev/null || true
   [ -e "/run/netns/$ns" ] || return 0
   for pid in $(ip netns pids "$ns"); do kill -KILL "$pid" 2>/dev/null || true; done
@@ -183,8 +204,11 @@ start() {
   done
   if [ "$(id -u)" -ne 0 ]; then say "not root, not starting (the Slurm tests will skip)"; return 0; fi
   mkdir -p "$dir"
-  if can_namespace; then touch "$dir/multi"; else
-    rm -f "$dir/multi"; say "no network namespaces here: one node only (the multi-node tests will skip)"; fi
+  if ! can_namespace; then
+    rm -f "$dir/multi"; say "no network namespaces here: one node only (the multi-node tests will skip)"
+  elif ! claim_all; then
+    rm -f "$dir/multi"; say "one node only (the multi-node tests will skip)"
+  else touch "$dir/multi"; fi
   write_configs
   export SLURM_CONF="$conf"
   if [ ! -S /run/munge/munge.socket.2 ] || ! munge -n </dev/null >/dev/null 2>&1; then
@@ -204,9 +228,13 @@ stop() {
   [ -f "$conf" ] || return 0
   export SLURM_CONF="$conf"
   if alive "$dir/slurmctld.pid"; then scontrol shutdown >/dev/null 2>&1 || true; fi
-  local name pid i node
+  local name pid i node ns
   for name in slurmd-localhost "${nodes[@]/#/slurmd-}" slurmctld munged; do
     [ -s "$dir/$name.pid" ] || continue
+    if [ "$name" = munged ] && pgrep -x 'slurmctld|slurmd' >/dev/null; then
+      # Another cluster on this machine (another checkout's) came to use our munged.
+      say "leaving munged running: another Slurm daemon uses it"; rm -f "$dir/munged.pid"; continue
+    fi
     pid=$(cat "$dir/$name.pid")
     for ((i = 0; i < 20; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
     kill "$pid" 2>/dev/null || true
@@ -215,10 +243,13 @@ stop() {
   if [ -f "$dir/multi" ]; then
     # What is left in a node's namespace was started there by this cluster (job processes).
     for node in "${nodes[@]}"; do
+      ns=$(netns_of "$node")
+      mine "$ns" || continue
       node_down "$node" >/dev/null
-      ip netns del "$(netns_of "$node")" 2>/dev/null || true
+      ip netns del "$ns" 2>/dev/null || true
+      rm -f "$owners/$ns"
     done
-    ip link del "$bridge" 2>/dev/null || true
+    if mine "$bridge"; then ip link del "$bridge" 2>/dev/null || true; rm -f "$owners/$bridge"; fi
   fi
   say "stopped"
 }
