@@ -34,7 +34,7 @@ NVME = os.path.join(CLUSTER, "nvme")  # what every host sees as its own node-loc
 NODES = ("node1", "node2")
 SERVICE = os.path.join(REPO, "scripts", "services.d", "slurm.sh")
 FOREVER = 1_000_000
-ITERATIONS = 8  # long enough to see both nodes' rank dirs, and to lose one, mid-run
+ITERATIONS = 12  # long enough to see both nodes' rank dirs, and to lose one, mid-run
 SUBMITTED: list[str] = []
 
 
@@ -178,7 +178,7 @@ def test_torchrun_across_two_nodes_each_rank_on_its_own_disk_bit_identical_to_on
             assert yaml.safe_load(f)["host"] == node
     text = assert_completed(tmp_path, "mn", job)
     assert "2 rank(s), offload disk" in text and "streaming on" in text, text
-    assert f"iter   {ITERATIONS}/{ITERATIONS}" in text, text
+    assert f"iter {ITERATIONS:>3}/{ITERATIONS}" in text, text
     for node in NODES:
         assert not os.path.exists(job_root(scratch, node, job)), f"{node}: per-rank files left after the job"
     assert_same_checkpoint(one_node_reference, str(tmp_path / "mn-ckpt"))
