@@ -100,7 +100,7 @@ def multi_job(tmp_path, scratch: str, name: str, *, nodes: int = 2, iterations: 
 def submit(tmp_path, data: dict) -> str:
     path = tmp_path / f"{data['job_name']}.yaml"
     path.write_text(yaml.safe_dump(data))
-    job = greenroom("slurm", "submit", str(path), check_rc=0).stdout.strip()
+    job = greenroom("slurm", "submit", str(path), check_rc=0, cwd=str(tmp_path)).stdout.strip()
     assert job.isdigit(), job
     SUBMITTED.append(job)
     return job
