@@ -52,10 +52,18 @@ def moment_bytes_per_element(moment_dtype: str) -> float:
     return _MOMENT_BYTES[moment_dtype]
 
 
-def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) -> float:
+# A master stored as a remainder (greenroom.optim.remainder): its low 16 bits, plus per
+# bucket a fingerprint per 4096 elements and room for an exception per 1024.
+REMAINDER_BYTES_PER_PARAM = 2.0 + 8 / 4096 + 12 / 1024
+
+
+def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True, remainder: bool = False) -> float:
     """Bytes of streamed state per parameter: the fp32 master (unless the param is its
-    own fp32 master) plus the two Adam moments."""
-    return (4.0 if master_on_disk else 0.0) + 2 * moment_bytes_per_element(moment_dtype)
+    own fp32 master; ``remainder``: its low 16 bits beside a bf16 param) plus the two
+    Adam moments. Without ``remainder`` an upper bound for bf16 params (Megatron's
+    mains, and StreamingAdam with master_layout fp32, store the whole master)."""
+    master = (REMAINDER_BYTES_PER_PARAM if remainder else 4.0) if master_on_disk else 0.0
+    return master + 2 * moment_bytes_per_element(moment_dtype)
 
 
 def check_host_bytes(flag: str, value, nbytes: int, *, default=DEFAULT_CHUNK_MB, counted: str = "") -> None:

@@ -40,7 +40,8 @@ import psutil
 
 from greenroom import fs
 from greenroom.actor.memory import RssSampler
-from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes
+from greenroom.config import (COMPRESSIONS, DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes,
+                              streamed_bytes_per_param)
 from greenroom.errors import ConfigError
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 
@@ -54,6 +55,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moment-dtype", choices=MOMENT_DTYPES, default="fp32", help="moment storage dtype")
     parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                         help="bf16: master + moments stream (12 B/param in fp32); fp32: moments only")
+    parser.add_argument("--master-layout", choices=("remainder", "fp32"), default="remainder",
+                        help="how a bf16 param's fp32 master is stored: its low 16 bits beside the param "
+                             "(default) or whole (StreamingAdam master_layout)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default %(default)s)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="elements per bucket")
     parser.add_argument("--param-numel", type=int, default=PARAM_NUMEL, help="elements per param tensor")
@@ -141,7 +145,8 @@ def measure(args: argparse.Namespace) -> dict:
             opt = StreamingAdam(params, lr=1e-4, weight_decay=0.01, state_dir=rank_dir,
                                 bucket_numel=args.bucket_numel, moment_dtype=args.moment_dtype,
                                 chunk_mb=args.chunk_mb, resident_numel=0, compression=args.compression,
-                                host_cache_gb=args.stream_optimizer_state_host_cache_gb)
+                                host_cache_gb=args.stream_optimizer_state_host_cache_gb,
+                                master_layout=args.master_layout)
             allocated()
             init_seconds = time.perf_counter() - start
         if trained is not None:
@@ -183,6 +188,10 @@ def measure(args: argparse.Namespace) -> dict:
 
     last = steps[-1]
     bound = last["bytes_read"] / raw.read_bytes_per_s + last["bytes_written"] / raw.write_bytes_per_s
+    # What the whole-fp32-master layout moves without a codec (12 B/param with fp32
+    # moments): the bound the targets are stated against.
+    full_bytes = n * streamed_bytes_per_param(args.moment_dtype, master_on_disk=args.param_dtype == "bf16")
+    full_bound = full_bytes / raw.read_bytes_per_s + full_bytes / raw.write_bytes_per_s
     staging = args.chunk_mb * MIB
     return {
         "params": n, "param_dtype": args.param_dtype, "moment_dtype": args.moment_dtype, "device": str(device),
@@ -203,6 +212,9 @@ def measure(args: argparse.Namespace) -> dict:
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         # All cached: no disk I/O in the step, so no disk bound to compare with.
         "disk_bound_seconds": bound, "ratio": last["seconds"] / bound if bound else None,
+        "master_layout": args.master_layout, "disk_bytes_per_param": last["disk_bytes_read"] / n,
+        "full_master_bytes": full_bytes, "full_master_bound_seconds": full_bound,
+        "full_master_ratio": last["seconds"] / full_bound,
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
         "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
         # rss_before already holds the host cache (filled at init): the step adds staging at most.
@@ -323,6 +335,9 @@ def run(args: argparse.Namespace) -> int:
         print("disk bound 0 s: every bucket is in the host cache")
     else:
         print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
+    print(f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param each way; step / bound of "
+          f"the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} B/param "
+          f"({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}")
     print(f"{r['compression']}; {r['state']} state: on disk read {r['disk_bytes_read'] / GB:.2f} GB, written "
           f"{r['disk_bytes_written'] / GB:.2f} GB per step ({r['stored_ratio']:.2f}x smaller than the state); "
           f"1000 steps write {r['disk_bytes_written_per_1000_steps'] / 1e12:.2f} TB")

@@ -321,6 +321,10 @@ def _verify_topology(path: str, saved: dict, ours: dict) -> None:
 
 
 def _verify_layout(path: str, saved: dict, ours: dict) -> None:
+    saved_masters, our_masters = saved.get("master_layout", "fp32"), ours["master_layout"]
+    if saved_masters != our_masters:
+        raise CheckpointError(f"{path}: the state files store the fp32 masters as {saved_masters}, this run as "
+                              f"{our_masters}: resume with master_layout={saved_masters!r} (or pass --no-load-optim)")
     saved_codec, our_codec = saved.get("compression", "none"), ours["compression"]
     if saved_codec != our_codec:
         raise CheckpointError(f"{path}: the state files were written with --offload-train-disk-compression "
