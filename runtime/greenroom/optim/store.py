@@ -63,7 +63,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from greenroom.diskio import StateFile, TransferEngine, align_up
+from greenroom.diskio import STORE_RAW, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError, StorageError
 from greenroom.fs import human_bytes
 from greenroom.optim import remainder
@@ -347,7 +347,8 @@ class BucketStore:
 
     def _write(self, raw: torch.Tensor, bucket: Bucket):
         """Write a bucket's bytes to its file, telling a codec each segment's element size."""
-        segments = ((bucket.master, 2 if bucket.remainder else 4), (bucket.fixups, 8),
+        # A master's low halves are noise to a codec (Note [remainder]): stored raw, untried.
+        segments = ((bucket.master, STORE_RAW if bucket.remainder else 4), (bucket.fixups, 8),
                     (bucket.exp_avg, self.avg_codec.dtype.itemsize), (bucket.exp_avg_sq, self.sq_codec.dtype.itemsize))
         sizes = [(seg.offset, size) for seg, size in segments if seg is not None]
         return self.engine.write(raw, self.files[bucket.index], 0, element_sizes=tuple(sizes))
