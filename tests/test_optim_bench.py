@@ -79,3 +79,21 @@ def test_bench_stream_bf16_params_without_a_codec_move_ten_bytes_per_param(disk_
     assert 10 <= r["disk_bytes_per_param"] <= 10.05
     assert r["disk_bytes_read"] == r["disk_bytes_written"]
     assert r["full_master_bytes"] == 12 * 4_000_000
+
+
+def test_against_deepspeed_is_refused_in_one_line_where_it_cannot_run(disk_dir):
+    # No DeepSpeed here (a bench-only extra) or no CUDA: one line, exit 2, before any measurement.
+    line = one_line_error(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--against", "deepspeed"))
+    assert "--against deepspeed" in line
+    assert os.listdir(disk_dir) == []
+
+
+def test_the_runtime_never_imports_deepspeed():
+    import pathlib
+
+    import greenroom
+
+    root = pathlib.Path(greenroom.__file__).parent
+    importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                       if "import deepspeed" in p.read_text() or "from deepspeed" in p.read_text())
+    assert importers == ["bench/deepspeed_peer.py"]  # the peer's child process alone

@@ -78,6 +78,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
+    parser.add_argument("--against", choices=("deepspeed",), default=None,
+                        help="then run DeepSpeed ZeRO-Infinity (NVMe optimizer offload) on the same params, dtype and "
+                             "dir in a child process, and report both (needs CUDA and the deepspeed extra)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -96,6 +99,10 @@ def _validate(args: argparse.Namespace) -> None:
                          default=0, counted="the host cache plus the pinned staging")
     if not os.path.isdir(args.dir):
         raise ConfigError(f"--dir {args.dir} is not a directory")
+    if args.against == "deepspeed":
+        from greenroom.bench import peer
+
+        peer.check_deepspeed(args)
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
         raise ConfigError(f"--dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps the data in RAM; "
                          "point it at node-local NVMe (or pass --allow-tmpfs for a test)")
@@ -310,6 +317,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"
     result = measure(args)
+    if args.against == "deepspeed":
+        from greenroom.bench import peer
+
+        result["against"] = peer.beside_deepspeed(args, result)
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
@@ -354,4 +365,8 @@ def run(args: argparse.Namespace) -> int:
                   f"page cache +{d['page_cache_growth_bytes'] / GB:.2f} GB")
     print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
           f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
+    if r.get("against") is not None:
+        from greenroom.bench import peer
+
+        peer.print_beside(r)
     return 0
