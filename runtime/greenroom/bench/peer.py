@@ -50,8 +50,8 @@ def beside_deepspeed(args: argparse.Namespace, ours: dict) -> dict:
     peer = json.loads(lines[-1][len(PREFIX):])
     peer["step_ratio"] = ours["step_seconds"] / peer["step_seconds"]
     peer["host_rss_ratio"] = ours["host_rss_peak_bytes"] / peer["host_rss_peak_bytes"]
-    ours_hbm = ours["peak_device_step_bytes"]
-    peer["device_ratio"] = ours_hbm / peer["peak_device_bytes"] if ours_hbm is not None else None
+    # Both all the process held on the device (params and grads included).
+    peer["device_ratio"] = ours["peak_device_total_bytes"] / peer["peak_device_bytes"]
     return peer
 
 
@@ -61,4 +61,5 @@ def print_beside(r: dict) -> None:
           f"params, same dir: steps " + ", ".join(f"{s['step_seconds']:.2f}" for s in d["steps"])
           + f" s (forward+backward {d['steps'][-1]['forward_backward_seconds']:.2f} s), host RSS peak "
           f"{d['host_rss_peak_bytes'] / GB:.2f} GB, peak device {d['peak_device_bytes'] / GB:.2f} GB")
-    print(f"greenroom / DeepSpeed: step {d['step_ratio']:.2f}x, host RSS {d['host_rss_ratio']:.2f}x")
+    print(f"greenroom / DeepSpeed: step {d['step_ratio']:.2f}x, host RSS {d['host_rss_ratio']:.2f}x, "
+          f"peak device {d['device_ratio']:.2f}x")

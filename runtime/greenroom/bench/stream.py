@@ -180,7 +180,9 @@ def measure(args: argparse.Namespace) -> dict:
                                   "disk_bytes": (opt.store.disk_bytes("read") - disk_read0
                                                  + opt.store.disk_bytes("written") - disk_written0),
                                   "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before
-                                                        if cuda else None)})
+                                                        if cuda else None),
+                                  # All the process holds, params and grads too: what a peer reports.
+                                  "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None})
             checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint")) if args.checkpoint else None
             state_dict = _time_state_dict(opt, rank_dir.subdir("state-dict")) if args.state_dict else None
             state_bytes = opt.store.state_bytes
@@ -223,6 +225,7 @@ def measure(args: argparse.Namespace) -> dict:
         "full_master_bytes": full_bytes, "full_master_bound_seconds": full_bound,
         "full_master_ratio": last["seconds"] / full_bound,
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
+        "peak_device_total_bytes": max((s["peak_device_total_bytes"] for s in steps), default=None) if cuda else None,
         "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
         # rss_before already holds the host cache (filled at init): the step adds staging at most.
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
