@@ -191,3 +191,32 @@ def test_remainder_on_cuda_is_bit_identical_to_fused_adamw_on_fp32_masters(tmp_p
         except Exception as e:  # nvCOMP not installed here
             pytest.skip(f"nvCOMP does not load: {e}")
     _beside_fp32_masters(tmp_path, device="cuda", compression=compression, fused=True)
+
+
+def test_a_checkpoint_written_before_remainders_existed_still_loads(disk_dir, tmp_path):
+    import json
+
+    ours, _ = twins([(1000,), (300,)], dtype=torch.bfloat16)
+    opt = StreamingAdam(ours, state_dir=f"{disk_dir}/a", resident_numel=0, master_layout="fp32")
+    set_grads(ours, step=0)
+    opt.step()
+    path = str(tmp_path / "ckpt")
+    opt.save_checkpoint(path)
+    # The manifest as the previous version wrote it: no master layout, no remainder flags, no fixups.
+    with open(f"{path}/manifest.json") as f:
+        manifest = json.load(f)
+    layout = manifest["layout"]
+    del layout["master_layout"]
+    for entry in layout["entries"]:
+        del entry["remainder"]
+    for bucket in layout["buckets"]:
+        del bucket["segments"]["fixups"]
+    with open(f"{path}/manifest.json", "w") as f:
+        json.dump(manifest, f)
+    again = StreamingAdam(ours, state_dir=f"{disk_dir}/b", resident_numel=0, master_layout="fp32")
+    again.load_checkpoint(path)
+    saved, loaded = opt.state_dict()["state"], again.state_dict()["state"]
+    for i in saved:
+        assert _same_bits(saved[i]["master"], loaded[i]["master"])
+    for o in (opt, again):
+        o.close()

@@ -333,6 +333,9 @@ def _verify_layout(path: str, saved: dict, ours: dict) -> None:
     if saved["bucket_numel"] != ours["bucket_numel"]:
         raise CheckpointError(f"{path}: layout differs: saved with bucket_numel {saved['bucket_numel']}, this run "
                               f"has {ours['bucket_numel']}; use the same bucket_numel")
+    # Checkpoints written before masters could be remainders record no such field: whole masters.
+    saved = {**saved, "entries": [{"remainder": False, **e} for e in saved["entries"]],
+             "buckets": [{**b, "segments": {"fixups": None, **b["segments"]}} for b in saved["buckets"]]}
     if len(saved["entries"]) != len(ours["entries"]):
         raise CheckpointError(f"{path}: layout differs: {len(saved['entries'])} streamed params saved, this run "
                               f"has {len(ours['entries'])}")

@@ -19,7 +19,9 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   master is stored). Buckets take consecutive entries of the same group and master kind
   up to ``bucket_numel`` elements; an entry larger than the cap is its own bucket.
 - Each bucket is one preallocated file ``bucket-NNNNN.bin`` of 4 KiB-aligned segments
-  ``[master | exp_avg | exp_avg_sq]`` (no master segment when ``master`` is false),
+  ``[master | exp_avg | exp_avg_sq]`` (no master segment when ``master`` is false; for
+  entries with ``remainder``, ``[low halves | fixups | exp_avg | exp_avg_sq]``, the master
+  rebuilt from the params, ``greenroom.optim.remainder`` Note [remainder]),
   followed by the I/O engine's checksum table (``diskio`` Note [integrity]: kept in the
   file so that a checkpoint's copy carries it and a loaded one is verified on its first
   read); the moment segments use the ``codecs`` of ``moment_dtype``. ``store.layout()`` describes it
