@@ -30,7 +30,8 @@ def check_deepspeed(args: argparse.Namespace) -> None:
     if (args.device or "cuda") != "cuda" or not torch.cuda.is_available():
         raise ConfigError("--against deepspeed: DeepSpeed's ZeRO-Infinity runs on CUDA only; run it on a GPU machine")
     if args.param_dtype != "bf16":
-        raise ConfigError("--against deepspeed: the peer runs bf16 params (ZeRO-3 with bf16 on); use --param-dtype bf16")
+        raise ConfigError("--against deepspeed: the peer runs bf16 params (ZeRO-3 with bf16 on); "
+                          "use --param-dtype bf16")
 
 
 def beside_deepspeed(args: argparse.Namespace, ours: dict) -> dict:
