@@ -93,11 +93,11 @@ def _map(path: str, nbytes: int) -> mmap.mmap:
         os.close(fd)  # the mapping keeps the file
 
 
-def _bucket_segments(opt, bucket, moment_dtype: torch.dtype) -> dict:
+def _bucket_segments(store, bucket, moment_dtype: torch.dtype, streamed: list[torch.Tensor] | None = None) -> dict:
     """Per segment (``master``, ``exp_avg``, ``exp_avg_sq``) a function ``(first element,
     count) -> flat host tensor`` over the bucket's state. Each segment is its own storage:
-    torch.save refuses one storage viewed as two dtypes."""
-    store = opt.store
+    torch.save refuses one storage viewed as two dtypes. ``streamed``: the param of each
+    store entry, which a remainder bucket's masters are rebuilt from."""
     dtypes = {"master": torch.float32, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype}
     segments = {key: seg for key, seg in (("master", bucket.master), ("exp_avg", bucket.exp_avg),
                                           ("exp_avg_sq", bucket.exp_avg_sq)) if seg is not None}
@@ -111,7 +111,7 @@ def _bucket_segments(opt, bucket, moment_dtype: torch.dtype) -> dict:
         decoded = {key: data[seg.offset:seg.offset + seg.nbytes].clone().view(dtypes[key])
                    for key, seg in segments.items()}
         if bucket.remainder:
-            decoded["master"] = _rebuilt_masters(opt, bucket, data)
+            decoded["master"] = _rebuilt_masters(streamed, bucket, data)
         return {key: (lambda first, count, t=t: t[first:first + count]) for key, t in decoded.items()}
     mapped = _map(store.path(bucket.index), bucket.file_bytes)
     # The views are read around the I/O engine: check them against the file's checksums
@@ -123,17 +123,18 @@ def _bucket_segments(opt, bucket, moment_dtype: torch.dtype) -> dict:
                                                      offset=seg.offset + first * dtype.itemsize)
     out = {key: view(seg, dtypes[key]) for key, seg in segments.items()}
     if bucket.remainder:
-        master = _rebuilt_masters(opt, bucket, torch.frombuffer(mapped, dtype=torch.uint8, count=bucket.data_bytes))
+        master = _rebuilt_masters(streamed, bucket,
+                                  torch.frombuffer(mapped, dtype=torch.uint8, count=bucket.data_bytes))
         out["master"] = lambda first, count: master[first:first + count]
     return out
 
 
-def _rebuilt_masters(opt: StreamingAdam, bucket, data: torch.Tensor) -> torch.Tensor:
+def _rebuilt_masters(streamed: list[torch.Tensor], bucket, data: torch.Tensor) -> torch.Tensor:
     """A remainder bucket's fp32 masters, rebuilt in host memory from the params and the
     bucket's bytes ``data`` (Note [remainder]): the masters of such a bucket are in no
     file, so its state dict holds them once, 4 B/param of host memory."""
     master = torch.empty(bucket.numel, dtype=torch.float32)
-    params = [(start, local_tensor(opt.streamed[i]).detach().cpu()) for i, start in zip(bucket.entries, bucket.offsets)]
+    params = [(start, local_tensor(streamed[i]).detach().cpu()) for i, start in zip(bucket.entries, bucket.offsets)]
     low = data[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.int16)
     remainder.decode(master, low, data[bucket.fixups.offset:bucket.fixups.offset + bucket.fixups.nbytes], params)
     return master
@@ -157,7 +158,7 @@ def export_state_dict(opt: StreamingAdam) -> dict:
         if id(p) in where:
             bucket, k = where[id(p)]
             if bucket.index not in maps:
-                maps[bucket.index] = _bucket_segments(opt, bucket, moment_dtype)
+                maps[bucket.index] = _bucket_segments(store, bucket, moment_dtype, opt.streamed)
             start, numel = bucket.offsets[k], local.numel()
             for key, segment in maps[bucket.index].items():
                 out[key] = _as_param_like(segment(start, numel).view(local.shape), p)
