@@ -27,7 +27,8 @@ def test_plan_reports_dirs_staging_disk_and_verdict(disk_dir):
                                 "--stream-optimizer-state-moment-dtype", "bf16", "--json", check_rc=0).stdout)
     # bf16 moments: 4 B master + 2 x 2 B moments = 8 B/param, over 2 optimizer shards.
     assert plan["disk_bytes_per_rank"]["streaming"] == 4_000_000
-    assert plan["streamed_bytes_per_param"] == {"adam": 8.0, "muon": 6.0}  # Muon: master + one bf16 momentum
+    # Muon: master + one bf16 momentum; StreamingAdam's default for bf16 params: the master as a 16-bit remainder
+    assert plan["streamed_bytes_per_param"] == {"adam": 8.0, "muon": 6.0, "adam_bf16_remainder": 6 + 8 / 4096 + 12 / 1024}
     assert plan["staging_bytes_per_rank"] == 256 << 20 and plan["fits"] is True
 
 

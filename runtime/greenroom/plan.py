@@ -73,6 +73,7 @@ def build_plan(config: OffloadFlags, layout: Layout, *, role: str, job: str, gpu
         moments = config.stream_optimizer_state_moment_dtype
         # Per 16-bit param (fp32 master on disk); the figures above are StreamingAdam's.
         plan["streamed_bytes_per_param"] = {"adam": streamed_bytes_per_param(moments),
+                                            "adam_bf16_remainder": streamed_bytes_per_param(moments, remainder=True),
                                             "muon": muon_bytes_per_param(moments)}
     if config.uses_disk and config.offload_train_disk_dir is not None:
         root = config.offload_train_disk_dir
@@ -181,7 +182,9 @@ def print_plan(plan: dict) -> None:
     if "streamed_bytes_per_param" in plan:
         per = plan["streamed_bytes_per_param"]
         print(f"streamed state per 16-bit param: StreamingAdam {per['adam']:g} B (master + 2 moments), "
-              f"StreamingMuon {per['muon']:g} B (master + momentum); the figures above are StreamingAdam's")
+              f"StreamingMuon {per['muon']:g} B (master + momentum); the figures above are StreamingAdam's "
+              f"(upper bounds: its default stores a bf16 param's master as a 16-bit remainder, "
+              f"{per['adam_bf16_remainder']:.3f} B)")
     stored = plan["stored_bytes_per_rank"]
     if plan["compression"] != "none" and d["total"]:
         print(f"compression: {plan['compression']}: a step or sleep is expected to move "

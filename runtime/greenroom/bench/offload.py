@@ -179,12 +179,17 @@ def measure(args: argparse.Namespace) -> dict:
         "wake_ratio": min(c["wake_ratio"] for c in steady),
         # Seconds over the raw disk's seconds for the same (uncompressed) bytes: under 1
         # is faster than the disk, which only compression can give.
-        "sleep_time_ratio": 1 / min(c["sleep_ratio"] for c in steady),
-        "wake_time_ratio": 1 / min(c["wake_ratio"] for c in steady),
+        "sleep_time_ratio": _time_ratio(min(c["sleep_ratio"] for c in steady)),
+        "wake_time_ratio": _time_ratio(min(c["wake_ratio"] for c in steady)),
         "host_rss_before": rss_before, "peak_host_rss": max(c["peak_host_rss"] for c in cycles),
         # The disk target's promise: host memory within the staging chunk plus 1 GiB.
         "host_rss_budget": (rss_before + args.chunk_mb * MIB + GIB) if args.target == "disk" else None,
     }
+
+
+def _time_ratio(rate_ratio: float) -> float | None:
+    """Seconds over the raw disk's seconds; None where nothing was copied (no rate)."""
+    return 1 / rate_ratio if rate_ratio > 0 else None
 
 
 def run(args: argparse.Namespace) -> int:

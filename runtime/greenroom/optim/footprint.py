@@ -14,6 +14,9 @@ PARAM_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
 GRAD_BYTES = PARAM_BYTES
 MASTER_BYTES = 4.0  # fp32 master of a 16-bit param
 RESIDENT_MOMENT_BYTES = 4.0  # torch.optim.AdamW keeps fp32 moments for fp32 masters
+# A master stored as a remainder (greenroom.optim.remainder): its low 16 bits, plus per
+# bucket a fingerprint per 4096 elements and room for an exception per 1024.
+REMAINDER_BYTES_PER_PARAM = 2.0 + 8 / 4096 + 12 / 1024
 
 
 def has_master(param_dtype: str) -> bool:
@@ -21,10 +24,14 @@ def has_master(param_dtype: str) -> bool:
     return PARAM_BYTES[param_dtype] < MASTER_BYTES
 
 
-def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) -> float:
+def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True, remainder: bool = False) -> float:
     """Bytes of streamed state per parameter: the fp32 master (unless the param is its
-    own fp32 master) plus the two Adam moments in ``moment_dtype``."""
-    return (MASTER_BYTES if master_on_disk else 0.0) + 2 * moment_bytes_per_element(moment_dtype)
+    own fp32 master; ``remainder``: its low 16 bits beside a bf16 param) plus the two
+    Adam moments in ``moment_dtype``. Without ``remainder`` an upper bound for bf16
+    params (Megatron's mains, and StreamingAdam with master_layout fp32, store the whole
+    master)."""
+    master = (REMAINDER_BYTES_PER_PARAM if remainder else MASTER_BYTES) if master_on_disk else 0.0
+    return master + 2 * moment_bytes_per_element(moment_dtype)
 
 
 def muon_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) -> float:
