@@ -22,8 +22,8 @@ def args(**kw):
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])
 def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target, capsys):
-    rc = offload.run(args(gib=1 / 32, untracked_gib=1 / 64, target=target, dir=disk_dir, chunk_mb=4, cycles=2,
-                          json=True))
+    rc = offload.run(args(size=(1 << 30) // 32, untracked_size=(1 << 30) // 64, target=target, dir=disk_dir, chunk_mb=4,
+                          cycles=2, json=True))
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["bit_exact"] is True
@@ -45,11 +45,11 @@ def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target
 
 
 def test_negative_untracked_size_is_a_one_line_error():
-    with pytest.raises(ValueError, match="--untracked-gib"):
-        offload.run(args(untracked_gib=-1.0))
+    with pytest.raises(ValueError, match="--untracked-size"):
+        offload.run(args(untracked_size=-1))
 
 
 def test_disk_target_without_a_dir_is_a_one_line_error(monkeypatch):
     monkeypatch.delenv("SCRATCH", raising=False)
-    with pytest.raises(ValueError, match="needs --dir DIR"):
+    with pytest.raises(ValueError, match="needs --offload-train-disk-dir DIR"):
         offload.run(args(target="disk", dir=None))

@@ -18,6 +18,11 @@ SMALL = ["--iterations", "1", "--prompts", "4", "--group-size", "2", "--minibatc
          "--no-progress"]
 DISK = ["--offload-train", "--offload-train-target", "disk"]
 STREAM = ["--stream-optimizer-state-to-disk", "--offload-train-disk-dir"]
+PLAN = ["--params", "1e6"]
+
+
+def PLAN_STREAM(sandbox):
+    return [*PLAN, *STREAM, os.path.join(sandbox, "off")]
 
 
 @pytest.fixture
@@ -94,27 +99,43 @@ CASES = {
                                              "--offload-train-disk-dir", S(s, "off")], {"GREENROOM_JOB_ID": "a/b"},
                                   "the job id (from $GREENROOM_JOB_ID"),
     # plan
-    "plan --world-size 0": (lambda s: ["plan", "--world-size", "0"], {}, "--world-size must be a positive"),
-    "plan --params -5": (lambda s: ["plan", "--params", "-5"], {}, "--params must be >= 0"),
-    "plan --params abc": (lambda s: ["plan", "--params", "abc"], {}, "--params: invalid float value"),
-    "plan disk dir is a file": (lambda s: ["plan", *DISK, "--offload-train-disk-dir", S(s, "afile")], {},
+    "plan --world-size 0": (lambda s: ["plan", "--params", "7B", "--world-size", "0"], {},
+                            "--world-size: must be a positive integer"),
+    "plan --params -5": (lambda s: ["plan", "--params", "-5"], {}, "--params: '-5': must be a positive count"),
+    "plan --params abc": (lambda s: ["plan", "--params", "abc"], {}, "--params: 'abc' is not a count"),
+    "plan --params 7X": (lambda s: ["plan", "--params", "7X"], {}, "--params: '7X' is not a count"),
+    "plan no --params": (lambda s: ["plan"], {}, "required: --params"),
+    "plan --data-parallel 3 of 8": (lambda s: ["plan", "--params", "7B", "--world-size", "8", "--data-parallel", "3"],
+                                    {}, "--data-parallel 3 must divide --world-size 8"),
+    "plan --nproc-per-node 3 of 8": (lambda s: ["plan", "--params", "7B", "--world-size", "8", "--nproc-per-node",
+                                                "3"], {}, "--nproc-per-node 3 must divide --world-size 8"),
+    "plan --gpu-memory-gb -1": (lambda s: ["plan", "--params", "7B", "--gpu-memory-gb=-1"], {},
+                                "--gpu-memory-gb: must be a positive number"),
+    "plan --sharding zero9": (lambda s: ["plan", "--params", "7B", "--sharding", "zero9"], {}, "invalid choice"),
+    "plan read GB/s alone": (lambda s: ["plan", "--params", "7B", "--disk-read-gbps", "3"], {},
+                             "--disk-read-gbps and --disk-write-gbps go together"),
+    "plan --measure-disk without a dir": (lambda s: ["plan", "--params", "7B", "--measure-disk"], {},
+                                          "--measure-disk needs an existing --offload-train-disk-dir"),
+    "plan disk dir is a file": (lambda s: ["plan", "--params", "1e6", *DISK, "--offload-train-disk-dir",
+                                           S(s, "afile")], {},
                                 "is a file, not a directory"),
-    "plan unknown target": (lambda s: ["plan", "--offload-train-target", "nvme"], {}, "invalid choice"),
-    "plan host cache -1": (lambda s: ["plan", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb=-1"], {},
+    "plan unknown target": (lambda s: ["plan", "--params", "1e6", "--offload-train-target", "nvme"], {},
+                            "invalid choice"),
+    "plan host cache -1": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb=-1"], {},
                            "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"),
-    "plan host cache nan": (lambda s: ["plan", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb", "nan"],
+    "plan host cache nan": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb", "nan"],
                             {}, "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"),
-    "plan host cache abc": (lambda s: ["plan", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb", "abc"],
+    "plan host cache abc": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb", "abc"],
                             {}, "--stream-optimizer-state-host-cache-gb: invalid float value"),
-    "plan host cache huge": (lambda s: ["plan", *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb",
-                                        "1e9"], {}, "(the host cache plus the pinned staging)"),
-    "plan host cache without streaming": (lambda s: ["plan", "--stream-optimizer-state-host-cache-gb", "2"], {},
-                                          "needs --stream-optimizer-state-to-disk"),
+    "plan host cache huge": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb", "1e9"],
+                             {}, "(the host cache plus the pinned staging)"),
+    "plan host cache without streaming": (lambda s: ["plan", *PLAN, "--stream-optimizer-state-host-cache-gb", "2"],
+                                          {}, "needs --stream-optimizer-state-to-disk"),
     "train host cache inf": (lambda s: ["train", *SMALL, *STREAM, S(s, "off"), "--stream-optimizer-state-host-cache-gb",
                                         "inf"], {}, "--stream-optimizer-state-host-cache-gb must be a finite number"),
     # doctor
     "doctor --chunk-mb -5": (lambda s: ["doctor", s, "--chunk-mb", "-5", "--no-probe"], {},
-                             "--chunk-mb must be a positive"),
+                             "--offload-train-disk-chunk-mb must be a positive"),
     "doctor --chunk-mb huge": (lambda s: ["doctor", s, "--chunk-mb", "10000000", "--no-probe"], {},
                                "of host memory per rank"),
     "doctor DIR missing": (lambda s: ["doctor", S(s, "nope"), "--no-probe"], {}, "is not a directory"),
@@ -128,12 +149,12 @@ CASES = {
     # bench
     "bench disk DIR missing": (lambda s: ["bench", "disk", S(s, "nope")], {}, "is not a directory"),
     "bench disk --chunk-mb 0": (lambda s: ["bench", "disk", s, "--chunk-mb", "0"], {}, "must be positive"),
-    "bench disk --chunk-mb huge": (lambda s: ["bench", "disk", s, "--chunk-mb", "10000000", "--size", "1M"], {},
+    "bench disk --chunk-mb huge": (lambda s: ["bench", "disk", s, "--chunk-mb", "10000000", "--size", "1MiB"], {},
                                    "of host memory per rank"),
     "bench stream --chunk-mb huge": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s, "--chunk-mb",
                                                 "10000000"], {}, "of host memory per rank"),
     "bench stream --params -1": (lambda s: ["bench", "stream", "--params", "-1", "--dir", s], {},
-                                 "--params: expected a positive"),
+                                 "--params: '-1': must be a positive count"),
     "bench stream --dir a file": (lambda s: ["bench", "stream", "--params", "1000", "--dir", S(s, "afile")], {},
                                   "is not a directory"),
     "bench stream host cache -1": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s,
@@ -142,7 +163,12 @@ CASES = {
     "bench stream host cache huge": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s,
                                                 "--stream-optimizer-state-host-cache-gb", "1e9"], {},
                                      "of host memory per rank"),
-    "bench offload --gib -1": (lambda s: ["bench", "offload", "--gib", "-1", "--dir", s], {}, "must be positive"),
+    "bench offload --size -1": (lambda s: ["bench", "offload", "--size", "-1", "--dir", s], {},
+                                "--size: '-1': must be a positive size"),
+    "bench disk --repeat 0": (lambda s: ["bench", "disk", s, "--repeat", "0"], {}, "--repeat: must be a positive"),
+    "bench disk no DIR": (lambda s: ["bench", "disk"], {}, "give the dir: --offload-train-disk-dir DIR"),
+    "bench disk two dirs": (lambda s: ["bench", "disk", s, "--offload-train-disk-dir", S(s, "adir")], {},
+                            "differ: give one"),
     # slurm render
     "slurm render missing config": (lambda s: ["slurm", "render", S(s, "nope.yaml")], {}, "no such config file"),
     "slurm render malformed YAML": (lambda s: ["slurm", "render", S(s, "broken.yaml")], {}, "not valid YAML"),

@@ -123,19 +123,20 @@ def test_host_cache_needs_streaming_and_counts_with_the_staging(disk_dir):
      "--stream-optimizer-state-host-cache-gb caches streamed buckets and needs --stream-optimizer-state-to-disk"),
 ])
 def test_cli_prints_one_line_and_exits_2(argv, expected):
-    proc = run_greenroom("plan", *argv)
+    proc = run_greenroom("plan", "--params", "1e6", *argv)
     assert expected in one_line_error(proc)
 
 
 def test_cli_reports_a_missing_disk_dir(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "SCRATCH"}
     monkeypatch.delenv("SCRATCH", raising=False)
-    proc = run_greenroom("plan", "--stream-optimizer-state-to-disk", env=env)
+    # train needs the dir; plan still plans without one (it only leaves out the free-space check).
+    proc = run_greenroom("train", "--stream-optimizer-state-to-disk", env=env)
     assert "no disk dir" in one_line_error(proc)
 
 
 def test_cli_rejects_a_choice_outside_the_seed_with_exit_2():
-    proc = run_greenroom("plan", "--offload-train-target", "nvme")
+    proc = run_greenroom("plan", "--params", "1e6", "--offload-train-target", "nvme")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
 
 

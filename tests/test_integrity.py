@@ -125,12 +125,14 @@ def test_a_flipped_byte_in_a_bucket_file_stops_the_step_before_the_bucket_is_use
     try:
         opt.step()
         bucket = opt.store.buckets[2]
-        flip_byte(opt.store.path(2), bucket.exp_avg.offset + 4 * 1234)
+        flipped = bucket.exp_avg.offset + 4 * 1234
+        flip_byte(opt.store.path(2), flipped)
         before = [p.detach().clone() for p in params]
         with pytest.raises(IntegrityError) as e:
             opt.step()
         message = str(e.value)
-        assert message.startswith(f"{opt.store.path(2)}: checksum mismatch at offset {EXTENT} (bytes [{EXTENT}, ")
+        extent = flipped // EXTENT * EXTENT  # the checksummed extent that holds the flipped byte
+        assert message.startswith(f"{opt.store.path(2)}: checksum mismatch at offset {extent} (bytes [{extent}, ")
         assert "of bucket 2 of the optimizer state)" in message
         # Buckets 0 and 1 were stepped; bucket 2's params never saw the bad moment.
         assert torch.equal(params[2], before[2]) and torch.equal(params[3], before[3])

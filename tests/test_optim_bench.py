@@ -3,10 +3,11 @@
 import json
 import os
 
+from greenroom.optim.footprint import streamed_bytes_per_param
 from tests.cli_support import greenroom, one_line_error
 
 SMALL = ["--params", "2000000", "--bucket-numel", "600000", "--param-numel", "450000", "--chunk-mb", "8",
-         "--raw-gib", "0.03125", "--steps", "2"]
+         "--raw-size", "32MiB", "--steps", "2"]
 
 
 def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
@@ -22,16 +23,18 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
                 "raw_read_bytes_per_s", "raw_write_bytes_per_s", "host_rss_peak_bytes", "page_cache_growth_bytes",
                 "peak_device_step_bytes", "init_peak_device_bytes"):
         assert key in r
-    # bf16 params: fp32 master (4 B) + two bf16 moments (2 B each) per param, all read and written
+    # bf16 params: the master's low halves (2 B, and its bucket's fingerprints and room for
+    # exceptions) + two bf16 moments (2 B each) per param, all read and written
     assert r["buckets"] == 5 and r["bytes_read"] == r["bytes_written"] == r["state_bytes"]
-    assert 8 * 2_000_000 <= r["state_bytes"] < 8 * 2_000_000 + 5 * 3 * 4096
-    # The bench's bytes agree with `greenroom plan`'s independent count, up to the files'
-    # alignment and checksum tables (one 4 KiB page per segment, one per table).
+    assert r["master_layout"] == "remainder"
+    counted = streamed_bytes_per_param("bf16", remainder=True) * 2_000_000
+    assert counted <= r["state_bytes"] <= counted + r["buckets"] * 5 * 4096
+    assert r["full_master_bytes"] == 8 * 2_000_000 and r["full_master_ratio"] < r["ratio"]
+    # `greenroom plan` counts whole masters (Megatron's mains): an upper bound here.
     plan = json.loads(greenroom("plan", "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype",
                                 "bf16", "--offload-train-disk-dir", disk_dir, "--params", "2000000",
                                 "--world-size", "1", "--json", check_rc=0).stdout)
-    planned = plan["disk_bytes_per_rank"]["streaming"]
-    assert planned <= r["state_bytes"] <= planned + r["buckets"] * 4 * 4096
+    assert r["state_bytes"] <= plan["disk_bytes_per_rank"]["streaming"]
     # The bound is the bench's bytes at the raw rates it measured in the same run.
     assert r["disk_bound_seconds"] > 0 and r["ratio"] > 0
     assert len(r["steps"]) == 2
@@ -61,22 +64,54 @@ def test_bench_stream_text_report_and_bad_input(disk_dir):
     assert "verified load" in proc.stdout and "checkpoint in the step" in proc.stdout
     assert "disk bound" in proc.stdout and "step/bound" in proc.stdout and "page cache growth" in proc.stdout
     assert "--params" in one_line_error(greenroom("bench", "stream", "--params", "1.5", "--dir", disk_dir))
-    assert "--dir" in one_line_error(greenroom("bench", "stream", "--params", "10", "--dir",
-                                               os.path.join(disk_dir, "missing")))
+    # Named by the train flag the alias stands for.
+    assert "--offload-train-disk-dir" in one_line_error(greenroom("bench", "stream", "--params", "10", "--dir",
+                                                                  os.path.join(disk_dir, "missing")))
 
 
 def test_bench_stream_with_a_host_cache_moves_only_the_uncached_buckets(disk_dir):
     # bf16 params, fp32 moments: 12 B/param; 5 buckets, one param each: four of 450,000
     # elements (5.4 MB) and one of 200,000 (2.4 MB): 12 MB hold the first two, 40 MB all.
-    half = json.loads(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--json",
+    half = json.loads(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--json", "--master-layout", "fp32",
                                 "--stream-optimizer-state-host-cache-gb", "0.012", check_rc=0).stdout)
     assert half["cached_buckets"] == 2 and 0 < half["host_cache_bytes"] <= half["host_cache_budget_bytes"]
     for step in half["steps"]:
         assert step["bytes_read"] == step["bytes_written"] < half["state_bytes"]
         assert step["disk_bytes"] == step["bytes_read"] + step["bytes_written"]
     assert half["ratio"] > 0
-    every = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--stream-optimizer-state-host-cache-gb", "0.04",
+    every = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--master-layout", "fp32",
+                      "--stream-optimizer-state-host-cache-gb", "0.04",
                       check_rc=0).stdout
     assert "host cache: 5 of 5 buckets" in every and "on disk 0.00 GB" in every
     assert "every bucket is in the host cache" in every
     assert os.listdir(disk_dir) == []
+
+
+def test_bench_stream_bf16_params_without_a_codec_move_ten_bytes_per_param(disk_dir):
+    # The figure: with the masters as remainders, fp32 moments and no codec, a
+    # step reads (and writes) at most 10.05 bytes per param, against 12 with whole masters.
+    r = json.loads(greenroom("bench", "stream", "--params", "4000000", "--bucket-numel", "2000000", "--chunk-mb", "8",
+                             "--raw-size", "32MiB", "--steps", "1", "--param-dtype", "bf16", "--compression", "none",
+                             "--dir", disk_dir, "--json", check_rc=0).stdout)
+    assert r["moment_dtype"] == "fp32" and r["master_layout"] == "remainder"
+    assert 10 <= r["disk_bytes_per_param"] <= 10.05
+    assert r["disk_bytes_read"] == r["disk_bytes_written"]
+    assert r["full_master_bytes"] == 12 * 4_000_000
+
+
+def test_against_deepspeed_is_refused_in_one_line_where_it_cannot_run(disk_dir):
+    # No DeepSpeed here (a bench-only extra) or no CUDA: one line, exit 2, before any measurement.
+    line = one_line_error(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--against", "deepspeed"))
+    assert "--against deepspeed" in line
+    assert os.listdir(disk_dir) == []
+
+
+def test_the_runtime_never_imports_deepspeed():
+    import pathlib
+
+    import greenroom
+
+    root = pathlib.Path(greenroom.__file__).parent
+    importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                       if "import deepspeed" in p.read_text() or "from deepspeed" in p.read_text())
+    assert importers == ["bench/deepspeed_peer.py"]  # the peer's child process alone

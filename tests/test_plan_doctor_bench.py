@@ -23,17 +23,18 @@ def test_plan_reports_dirs_staging_disk_and_verdict(disk_dir):
     assert "verdict:    OK" in out
     assert "StreamingAdam 8 B (master + 2 moments), StreamingMuon 6 B (master + momentum)" in out
     plan = json.loads(greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
-                                "--params", "1e6", "--world-size", "2",
+                                "--params", "1e6", "--world-size", "2", "--sharding", "optimizer",
                                 "--stream-optimizer-state-moment-dtype", "bf16", "--json", check_rc=0).stdout)
-    # bf16 moments: 4 B master + 2 x 2 B moments = 8 B/param, over 2 shards.
+    # bf16 moments: 4 B master + 2 x 2 B moments = 8 B/param, over 2 optimizer shards.
     assert plan["disk_bytes_per_rank"]["streaming"] == 4_000_000
-    assert plan["streamed_bytes_per_param"] == {"adam": 8.0, "muon": 6.0}  # Muon: master + one bf16 momentum
+    # Muon: master + one bf16 momentum; StreamingAdam's default for bf16 params: the master as a 16-bit remainder
+    assert plan["streamed_bytes_per_param"] == {"adam": 8.0, "muon": 6.0, "adam_bf16_remainder": 6 + 8 / 4096 + 12 / 1024}
     assert plan["staging_bytes_per_rank"] == 256 << 20 and plan["fits"] is True
 
 
 def test_plan_reports_the_host_cache_with_the_staging(disk_dir):
     argv = ["plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir, "--params", "1e8",
-            "--world-size", "4", "--nproc-per-node", "2"]
+            "--world-size", "4", "--nproc-per-node", "2", "--sharding", "optimizer"]
     off = json.loads(greenroom(*argv, "--json", check_rc=0).stdout)
     assert off["host_cache_bytes_per_rank"] == 0 and off["host_bytes_per_rank"] == 256 << 20
     assert "host cache" not in greenroom(*argv, check_rc=0).stdout
@@ -56,13 +57,17 @@ def test_plan_exits_2_when_the_state_does_not_fit(disk_dir):
 
 
 def test_plan_without_disk_says_so():
-    out = greenroom("plan", "--offload-train", check_rc=0).stdout
+    out = greenroom("plan", "--params", "1e6", "--offload-train", check_rc=0).stdout
     assert "offload:    cpu" in out and "disk:       not used" in out
 
 
 def test_doctor_on_a_real_disk_and_on_a_missing_dir(disk_dir):
     proc = greenroom("doctor", disk_dir, "--no-probe")
     assert proc.returncode == 0 and "verdict:    OK" in proc.stdout
+    # The train flag's name works too, and --json gives what plan takes.
+    result = json.loads(greenroom("doctor", "--offload-train-disk-dir", disk_dir, "--json", check_rc=0).stdout)
+    assert result["fit"] is True and result["dir"] == disk_dir
+    assert result["read_gbps"] > 0 and result["write_gbps"] > 0
     assert "is not a directory" in one_line_error(greenroom("doctor", os.path.join(disk_dir, "nope")))
 
 
@@ -80,4 +85,43 @@ def test_bench_disk_json_has_raw_and_engine_figures(disk_dir):
     for side in ("raw", "engine"):
         assert result[side]["write_bytes_per_s"] > 0 and result[side]["read_bytes_per_s"] > 0
     assert result["write_ratio"] > 0 and result["read_ratio"] > 0
+    # Three passes by default; the headline is their median.
+    assert result["repeat"] == 3 and len(result["passes"]) == 3
+    for name, spread in result["spread"].items():
+        assert spread["min"] <= spread["median"] <= spread["max"], name
+    assert result["write_ratio"] == result["spread"]["write_ratio"]["median"]
+
+
+def test_bench_disk_repeat_and_the_train_flag_names(disk_dir):
+    proc = greenroom("bench", "disk", "--offload-train-disk-dir", disk_dir, "--size", "4MiB",
+                     "--offload-train-disk-chunk-mb", "2", "--repeat", "2", check_rc=0)
+    assert "2 pass(es): min / median / max" in proc.stdout
+    assert [line.split()[0] for line in proc.stdout.splitlines()[2:4]] == ["write", "read"]
+
+
+def test_a_subcommands_bad_flag_prints_its_own_usage_and_python_m_greenroom_runs(disk_dir):
+    import subprocess
+    import sys
+
+    proc = greenroom("bench", "disk", disk_dir, "--bogus")
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: greenroom bench disk")
+    assert "greenroom bench disk: error: unrecognized arguments: --bogus" in proc.stderr
+    proc = greenroom("plan", "--params", "7B", "--bogus")
+    assert proc.stderr.startswith("usage: greenroom plan") and "greenroom plan: error: unrecognized" in proc.stderr
+    out = subprocess.run([sys.executable, "-m", "greenroom", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("greenroom ")
+
+
+def test_benches_take_the_train_flags_they_print(disk_dir):
+    """The line a bench prints about the codec names a flag the bench accepts."""
+    from greenroom import cli
+
+    for argv in (["bench", "stream", "--params", "1000", "--offload-train-disk-dir", disk_dir,
+                  "--offload-train-disk-compression", "zstd", "--stream-optimizer-state-moment-dtype", "bf16",
+                  "--offload-train-disk-chunk-mb", "8", "--raw-size", "1MiB"],
+                 ["bench", "offload", "--offload-train-target", "cpu", "--offload-train-disk-compression", "none",
+                  "--offload-backend", "portable", "--offload-mover", "greenroom", "--size", "1MiB"]):
+        parser = cli.build_parser(argv)
+        args = parser.parse_args(argv)
+        assert args.compression in ("zstd", "none")
     assert os.listdir(disk_dir) == []

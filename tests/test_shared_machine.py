@@ -171,7 +171,7 @@ def test_benches_and_doctor_work_in_a_rank_dir_of_their_own_and_leave_a_shared_r
                  ["bench", "codec", "--compression", "zstd", "--state", "random", "--size", "2MiB", "--threads", "1",
                   "--dir", root, "--json"],
                  ["bench", "stream", "--params", "20000", "--param-numel", "5000", "--bucket-numel", "10000",
-                  "--steps", "1", "--chunk-mb", "1", "--raw-gib", "0.001", "--dir", root, "--json"],
+                  "--steps", "1", "--chunk-mb", "1", "--raw-size", "1MiB", "--dir", root, "--json"],
                  ["doctor", root, "--chunk-mb", "1"]):
         assert cli.main(argv) == 0, argv
         assert _state(root) == before, f"{argv[:2]} changed the shared root or left something in it"
@@ -294,7 +294,8 @@ for name, attempt in attempts.items():
 def _assert_refused_everywhere(run, root: str, problem: str, **how) -> None:
     """train, doctor and plan exit 2 with the same one line; the API raises ConfigError with it."""
     for cli in (TRAIN_DISK + [root], ["doctor", root, "--no-probe"],
-                ["plan", "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir", root]):
+                ["plan", "--params", "1e6", "--offload-train", "--offload-train-target", "disk",
+                 "--offload-train-disk-dir", root]):
         line = one_line_error(run(cli=cli, **how))
         assert f"{root} {problem}" in line, (cli[0], line)
     api = run(code=API_REFUSALS.replace("sys.argv[1], sys.argv[2]", f"{root!r}, {run.home!r}"), **how)

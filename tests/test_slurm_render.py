@@ -178,9 +178,11 @@ def test_torchrun_launcher_asks_one_task_per_node_with_all_its_cpus():
     assert '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in script
 
 
-def test_no_restarts_means_no_requeue_flag():
-    assert "#SBATCH --requeue" not in render(config_from_dict({"max_restarts": 0}))
+def test_no_restarts_means_no_requeue_not_even_after_a_node_failure():
+    script = render(config_from_dict({"max_restarts": 0}))
+    assert "#SBATCH --requeue" not in script and "#SBATCH --no-requeue" in script
     assert "#SBATCH --requeue" in render(config_from_dict({}))
+    assert "--no-requeue" not in render(config_from_dict({}))
 
 
 def test_setup_lines_are_the_scripts_own_environment_and_reclaim_section():

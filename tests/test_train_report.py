@@ -1,5 +1,6 @@
 """``greenroom report``: a metrics file from a real ``greenroom train`` run becomes a PNG."""
 
+import json
 import os
 import subprocess
 import sys
@@ -36,3 +37,28 @@ def test_a_file_that_is_not_metrics_is_one_line_exit_2(disk_dir):
     assert not os.path.exists(os.path.join(disk_dir, "bad.png"))
     missing = cli("report", os.path.join(disk_dir, "none.jsonl"))
     assert missing.returncode == 2 and "no such metrics file" in missing.stderr
+
+
+def test_a_resumed_run_continues_the_clock_and_marks_its_segments(disk_dir):
+    from greenroom.train import report
+
+    metrics = os.path.join(disk_dir, "m.jsonl")
+    small = ["--prompts", "4", "--group-size", "2", "--minibatches", "1", "--d-model", "32", "--no-progress",
+             "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
+             "--offload-train-disk-dir", os.path.join(disk_dir, "o"), "--metrics", metrics]
+    save = os.path.join(disk_dir, "ckpt")
+    assert cli("train", *small, "--iterations", "2", "--save", save).returncode == 0
+    resumed = cli("train", *small, "--iterations", "4", "--load", save)
+    assert resumed.returncode == 0, resumed.stderr
+    records = report.read_records(metrics)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    # The second process's clock starts at 0 again: it is moved to after the first's end.
+    assert [first for first, _ in report.segments(records)] == [0, 2]
+    times = [e[k] for r in report.continued(records) for e in r["events"] for k in ("start", "end")]
+    assert times == sorted(times)
+    assert all(r["stream_gbps"] > 0 and r["sleep_gbps"] > 0 for r in records)  # the bandwidth panel's points
+    result = cli("report", metrics)
+    assert result.returncode == 0, result.stderr
+    assert "4 iterations, 2 run segments" in result.stdout
+    summary = json.loads(cli("report", metrics, "--json").stdout)
+    assert [s["first_iteration"] for s in summary["segments"]] == [1, 3] and summary["iterations"] == 4

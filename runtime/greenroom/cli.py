@@ -17,20 +17,32 @@ from greenroom.errors import GreenroomError
 
 COMMANDS = {
     "train": ("greenroom.train.main", "the colocated train/sleep/rollout/wake loop"),
-    "plan": ("greenroom.plan", "print the resolved per-rank plan for these flags"),
+    "plan": ("greenroom.plan", "the run's budget per rank and node: GPU, host memory, disk, seconds"),
     "reclaim": ("greenroom.reclaim_cli", "remove per-rank dirs whose owner died"),
-    "doctor": ("greenroom.doctor", "check a dir for offload: filesystem, space, O_DIRECT, memlock"),
-    "bench": ("greenroom.bench", "benchmarks: disk, stream, offload"),
-    "report": ("greenroom.train.report", "plot a metrics .jsonl to a PNG"),
+    "doctor": ("greenroom.doctor", "check a dir for offload: filesystem, space, O_DIRECT, memlock, GB/s"),
+    "bench": ("greenroom.bench", "benchmarks: disk, stream, offload, codec"),
+    "report": ("greenroom.train.report", "plot a metrics .jsonl (resumed runs too) to a PNG"),
     "slurm": ("greenroom.slurm.cli", "render or submit the Slurm templates"),
     "torchrun": ("greenroom.torchrun_cli", "torchrun, exiting with the failed worker's exit code"),
 }
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser. Unrecognized arguments are reported by the innermost
+    (sub)command parser that was used, with its own usage (``greenroom bench disk``'s, not
+    ``greenroom``'s), unless the subcommand takes them (``pass_on``, ``greenroom torchrun``)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not getattr(namespace, "pass_on", False):
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="greenroom", description=greenroom.__doc__)
     parser.add_argument("--version", action="version", version=f"greenroom {greenroom.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_CommandParser)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, summary) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=summary, description=summary)

@@ -206,17 +206,20 @@ class NvcompPlanes:
             stream.synchronize()
             return [torch.as_tensor(e, device=stream.device).view(torch.uint8).reshape(-1) for e in encoded]
 
-    def decode(self, payloads: list[torch.Tensor], outs: list[torch.Tensor], itemsizes: list[int],
-               stream: torch.cuda.Stream, where: list[str]) -> None:
-        """Decode ``payloads`` (host or device) into ``outs`` (device, the frames' raw
-        lengths); the stream is synchronized."""
-        offsets, total = self._offsets(payloads)
+    def decode(self, packed: torch.Tensor, spans: list[tuple[int, int]], outs: list[torch.Tensor],
+               itemsizes: list[int], stream: torch.cuda.Stream, where: list[str]) -> None:
+        """Decode the payloads at ``spans`` (``(offset, bytes)``, 16-byte aligned) of
+        ``packed``, a chunk's stored bytes (host or device), into ``outs`` (device, the
+        frames' raw lengths). A host ``packed`` goes to the device in one copy, and every
+        payload is decoded from its offset in it (not one small copy per frame). The
+        stream is synchronized."""
         with self._lock, torch.cuda.stream(stream):
-            flat = torch.empty(total, dtype=torch.uint8, device=stream.device)
-            for payload, offset in zip(payloads, offsets):
-                flat[offset:offset + payload.numel()].copy_(payload, non_blocking=True)
+            if packed.device.type != "cuda":
+                packed = packed.to(stream.device, non_blocking=True)  # one H2D copy of the whole run
+            batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [at for at, _ in spans],
+                                           [n for _, n in spans], stream.cuda_stream)
             try:
-                decoded = self._codec(stream).decode(self._batch(flat, offsets, payloads, stream))
+                decoded = self._codec(stream).decode(batch)
                 stream.synchronize()
             except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError
                 raise IntegrityError(f"{where[0]}: a compressed frame does not decode ({e}): a flipped bit, a "

@@ -59,12 +59,6 @@ def moment_bytes_per_element(moment_dtype: str) -> float:
     return _MOMENT_BYTES[moment_dtype]
 
 
-def streamed_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) -> float:
-    """Bytes of streamed state per parameter: the fp32 master (unless the param is its
-    own fp32 master) plus the two Adam moments."""
-    return (4.0 if master_on_disk else 0.0) + 2 * moment_bytes_per_element(moment_dtype)
-
-
 def check_host_bytes(flag: str, value, nbytes: int, *, default=DEFAULT_CHUNK_MB, counted: str = "") -> None:
     """A host allocation of ``nbytes`` (for ``flag value``) must fit in this machine's
     RAM: checked at start-up instead of failing in the allocator, or later in the run.
@@ -325,26 +319,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _add_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("greenroom offload and streaming")
     group.add_argument("--offload-train", action="store_true",
-                       help="move the actor's device memory out while it sleeps")
+                       help="the actor sleeps (its device memory leaves the GPU) between training phases")
     # default None: an explicit value must be told apart from the default (see the rules).
     group.add_argument("--offload-train-target", choices=TARGETS, default=None,
-                       help="where the sleeping actor goes: cpu (pinned host copy, default) or disk")
+                       help="where the sleeping actor goes: a pinned host copy (cpu, the default) or per-rank "
+                            "files (disk)")
     group.add_argument("--offload-train-disk-dir", default=None, metavar="DIR",
                        help="root of the per-rank dirs, on node-local NVMe "
                             "(default $GREENROOM_DISK_DIR, else $SCRATCH/greenroom_train_offload_<uid>)")
     group.add_argument("--offload-train-disk-chunk-mb", type=int, default=DEFAULT_CHUNK_MB, metavar="MB",
-                       help="pinned host staging buffer per mechanism and rank, MiB (default %(default)s)")
+                       help="pinned host staging buffer per mechanism and rank, MiB")
     group.add_argument("--offload-train-disk-compression", choices=COMPRESSIONS, default="auto",
-                       help="lossless codec of what both mechanisms write to disk: auto (the default: nvcomp-ans "
-                            "where CUDA is up and nvCOMP loads, else none), none, nvcomp-ans (GPU) or zstd (host)")
+                       help="lossless codec of what both mechanisms write to disk: auto runs nvcomp-ans on the GPU "
+                            "where the nvCOMP wheel loads (the nvcomp extra), else none; zstd (host) is opt-in "
+                            "(docs/compression.md)")
     group.add_argument("--stream-optimizer-state-to-disk", action="store_true",
-                       help="keep fp32 master params and Adam moments in per-bucket files")
+                       help="fp32 master params and Adam moments live in per-bucket files; one bucket at a time "
+                            "is on the GPU during the step")
     group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",
-                       help="storage dtype of the streamed Adam moments (default fp32, bit-identical)")
+                       help="storage dtype of the streamed Adam moments (fp32 is bit-identical to resident AdamW)")
     group.add_argument("--stream-optimizer-state-host-cache-gb", type=float, default=0.0, metavar="GB",
                        help="host memory per rank (GB, pinned with CUDA) that keeps whole buckets of the "
-                            "streamed state instead of the disk; the rest streams (default 0: all of it)")
+                            "streamed state off the disk; the rest streams (0: all of it)")
     group.add_argument("--no-load-optim", action="store_true",
                        help="on resume, start a fresh optimizer state instead of requiring the saved one")
     group.add_argument("--allow-tmpfs", action="store_true",
-                       help="accept a tmpfs/ramfs disk dir (tests only; it keeps the data in RAM)")
+                       help="accept a tmpfs/ramfs disk dir (tests only: it keeps the data in RAM)")

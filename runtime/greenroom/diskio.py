@@ -94,6 +94,7 @@ ALIGNMENT = 4096
 DEFAULT_DEPTH = 4
 EXTENT = 1 << 20  # bytes per checksum, see Note [integrity]
 _SUM_BYTES = 8
+STORE_RAW = 0  # the element size of a region a codec need not try (incompressible: stored as it is)
 _STORED_BYTES = 8  # per extent of a compressed file: its frame's stored bytes and shift (Note [packed frames])
 
 
@@ -573,6 +574,8 @@ class TransferEngine:
         ``element_sizes``: for a compressed file, ``(byte offset in src, element size)``
         pairs, ascending from 0, telling the codec how wide the elements of each region are
         (``src`` may be raw bytes holding several dtypes); default ``src``'s own.
+        ``STORE_RAW`` marks a region no codec can shrink: its frames are stored as they
+        are, without trying.
         ``mirror``: a file of the same layout that gets every byte written to ``file``
         from the same staging buffer, and the same checksum table: a second copy for
         the price of a second write, no read.
@@ -798,10 +801,15 @@ class TransferEngine:
                 io_stream = self._io_stream(piece.device)
                 io_stream.wait_stream(stream)
                 views = [piece[pos:pos + raw] for pos, raw, _, _ in frames]
-                payloads = codec.encode(views, [size for _, _, size, _ in frames], io_stream)
+                coded = [k for k, (_, _, size, _) in enumerate(frames) if size != STORE_RAW]
+                payloads = [None] * len(frames)
+                if coded:
+                    for k, payload in zip(coded, codec.encode([views[k] for k in coded],
+                                                              [frames[k][2] for k in coded], io_stream)):
+                        payloads[k] = payload
                 with torch.cuda.stream(io_stream):
                     for (pos, raw, size, _), view, payload in zip(frames, views, payloads):
-                        if compression.pays(raw, payload.numel()):
+                        if payload is not None and compression.pays(raw, payload.numel()):
                             _put_header(arr, at, codec, size, raw, payload.numel())
                             buf[at + header:at + header + payload.numel()].copy_(payload, non_blocking=True)
                             lengths.append(header + payload.numel())
@@ -819,7 +827,7 @@ class TransferEngine:
                 # frame's raw bytes begin, so no frame is overwritten before it is encoded.
                 for pos, raw, size, _ in frames:
                     # A host tensor in a file of a device codec is stored as it is.
-                    payload = None if codec.on_device else codec.encode(arr[pos:pos + raw], size)
+                    payload = None if codec.on_device or size == STORE_RAW else codec.encode(arr[pos:pos + raw], size)
                     if payload is not None and compression.pays(raw, len(payload)):
                         _put_header(arr, at, codec, size, raw, len(payload))
                         arr[at + header:at + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
@@ -895,7 +903,12 @@ class TransferEngine:
                     outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
                                                                                    device=io_stream.device)
                             for pos, raw, _, _, _, _, _ in on_device]
-                on_device[0][4].decode([buf[place + header:place + n] for _, _, place, n, _, _, _ in on_device],
+                # The chunk's stored bytes from its first device frame to its last go to
+                # the device in one copy; each payload decodes from its offset in it.
+                base = on_device[0][2]
+                top = max(place + n for _, _, place, n, _, _, _ in on_device)
+                on_device[0][4].decode(buf[base:top], [(place + header - base, n - header)
+                                                       for _, _, place, n, _, _, _ in on_device],
                                        outs, [job[5] for job in on_device], io_stream, [job[6] for job in on_device])
             # Back to front, in place: a frame unpacks over the stored bytes of itself and
             # of the frames after it (already unpacked), never of the frames before it.
@@ -965,7 +978,7 @@ def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: Stat
         stop = min(end, (position // EXTENT + 1) * EXTENT)
         start, raw = position - offset, stop - position
         size = next(s for at, s in reversed(element_sizes) if at <= start)
-        frames.append((start, raw, 1 if raw % size else size))
+        frames.append((start, raw, size if size == STORE_RAW else 1 if raw % size else size))
         position = stop
     chunks, i = [], 0
     while i < len(frames):

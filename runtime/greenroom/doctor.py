@@ -2,20 +2,23 @@
 
 Checks the filesystem type (tmpfs/ramfs keep the data in RAM), free space, O_DIRECT
 support, the memlock limit (pinned staging needs it) and a quick bandwidth probe, then
-prints one verdict line. Exit 0 when fit, 1 when not, 2 when DIR is unusable: not a
-dir, or one this user cannot make a rank dir in (``greenroom.rankdir.root_problem``, the
-check ``train`` and ``plan`` make). The probes run in a rank dir of their own, removed
-after (and reclaimable, should doctor be killed); DIR itself is never changed.
+prints one verdict line (or, with ``--json``, one object whose ``read_gbps`` and
+``write_gbps`` are what ``greenroom plan --disk-read-gbps/--disk-write-gbps`` take).
+Exit 0 when fit, 1 when not, 2 when DIR is unusable: not a dir, or one this user cannot
+make a rank dir in (``greenroom.rankdir.root_problem``, the check ``train`` and ``plan``
+make). The probes run in a rank dir of their own, removed after (and reclaimable, should
+doctor be killed); DIR itself is never changed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 
-from greenroom import fs
-from greenroom.config import DEFAULT_CHUNK_MB, MIB, check_host_bytes
+from greenroom import cliflags, fs
+from greenroom.config import MIB, check_host_bytes
 from greenroom.errors import ConfigError
 from greenroom.rankdir import RankDir, check_root
 
@@ -27,49 +30,78 @@ def _limit(value: int) -> str:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", metavar="DIR", help="the dir to check (e.g. --offload-train-disk-dir)")
-    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB,
-                        help="staging chunk per mechanism, to check against the memlock limit")
+    cliflags.disk_dir(parser, positional=True, help="the dir to check (the run's --offload-train-disk-dir)")
+    cliflags.chunk_mb(parser, help="staging chunk per mechanism, to check against the memlock limit "
+                                   "(default %(default)s)")
     parser.add_argument("--no-probe", action="store_true", help="skip the bandwidth probe")
+    cliflags.json_flag(parser)
+
+
+def _raw_probe(scratch: str, directory: str):
+    from greenroom.bench.disk import raw_bandwidth
+
+    return raw_bandwidth(scratch, min(PROBE_BYTES, max(fs.free_bytes(directory) // 4, MIB)))
+
+
+def probe(directory: str):
+    """The quick raw bandwidth probe (``greenroom.bench.disk.raw_bandwidth``), sized to
+    the free space, in a rank dir of its own under ``directory`` (never in it)."""
+    with RankDir(directory, role="doctor", allow_tmpfs=True) as rank_dir:
+        return _raw_probe(rank_dir.path, directory)
+
+
+def check(directory: str, *, chunk_mb: int, bandwidth: bool) -> dict:
+    """The checks as a dict (what ``--json`` prints); the probes write only in a rank dir
+    of their own."""
+    mount = fs.mount_of(directory)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    need = 2 * chunk_mb * MIB
+    with RankDir(directory, role="doctor", allow_tmpfs=True) as rank_dir:
+        o_direct = fs.supports_o_direct(rank_dir.path)
+        measured = _raw_probe(rank_dir.path, directory) if bandwidth else None
+    result = {
+        "dir": directory, "filesystem": mount.fstype, "source": mount.source, "mount_point": mount.mount_point,
+        "free_bytes": fs.free_bytes(directory), "o_direct": o_direct,
+        "memlock_bytes": None if soft == resource.RLIM_INFINITY else soft, "staging_bytes": need,
+        # A warning, not a verdict: CUDA pins host memory through its driver, which this
+        # limit does not bound, but some container runtimes enforce it there too.
+        "memlock_low": soft != resource.RLIM_INFINITY and soft < need,
+        "read_gbps": None, "write_gbps": None, "problems": [],
+    }
+    if mount.fstype in fs.MEMORY_FILESYSTEMS:
+        result["problems"].append(f"{mount.fstype} keeps the data in RAM")
+    if measured is not None:
+        result.update(read_gbps=measured.read_bytes_per_s / 1e9, write_gbps=measured.write_bytes_per_s / 1e9)
+    result["fit"] = not result["problems"]
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
+    directory = cliflags.resolve_disk_dir(args, "doctor")
     if args.chunk_mb <= 0:
-        raise ConfigError(f"--chunk-mb must be a positive integer number of MiB, got {args.chunk_mb}")
-    check_host_bytes("--chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
-    if not os.path.isdir(args.dir):
-        raise ConfigError(f"doctor: DIR {args.dir} is not a directory (create it on node-local NVMe first)")
-    check_root(args.dir, name="doctor: DIR")
-    problems = []
-    mount = fs.mount_of(args.dir)
-    print(f"filesystem: {mount.fstype} ({mount.source} at {mount.mount_point})")
-    if mount.fstype in fs.MEMORY_FILESYSTEMS:
-        problems.append(f"{mount.fstype} keeps the data in RAM")
-    free = fs.free_bytes(args.dir)
-    print(f"free space: {free / 2**30:.1f} GiB")
-    with RankDir(args.dir, role="doctor", allow_tmpfs=True) as rank_dir:
-        return _probe(args, rank_dir.path, free, problems)
-
-
-def _probe(args: argparse.Namespace, scratch: str, free: int, problems: list[str]) -> int:
-    direct = fs.supports_o_direct(scratch)
-    print(f"O_DIRECT:   {'yes' if direct else 'no (buffered I/O with fdatasync + DONTNEED)'}")
-    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    need = 2 * args.chunk_mb * MIB
-    print(f"memlock:    {_limit(soft)} (both mechanisms pin {need / MIB:.0f} MiB per rank)")
-    if soft != resource.RLIM_INFINITY and soft < need:
-        # A warning, not a verdict: CUDA pins host memory through its driver, which this
-        # limit does not bound, but some container runtimes enforce it there too.
+        raise ConfigError("--offload-train-disk-chunk-mb must be a positive integer number of MiB, "
+                          f"got {args.chunk_mb}")
+    check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
+    if not os.path.isdir(directory):
+        raise ConfigError(f"doctor: DIR {directory} is not a directory (create it on node-local NVMe first)")
+    check_root(directory, name="doctor: DIR")
+    r = check(directory, chunk_mb=args.chunk_mb, bandwidth=not args.no_probe)
+    if args.json:
+        print(json.dumps(r, sort_keys=True))
+        return 0 if r["fit"] else 1
+    print(f"filesystem: {r['filesystem']} ({r['source']} at {r['mount_point']})")
+    print(f"free space: {r['free_bytes'] / 2**30:.1f} GiB")
+    print(f"O_DIRECT:   {'yes' if r['o_direct'] else 'no (buffered I/O with fdatasync + DONTNEED)'}")
+    memlock = _limit(resource.RLIM_INFINITY if r["memlock_bytes"] is None else r["memlock_bytes"])
+    print(f"memlock:    {memlock} (both mechanisms pin {r['staging_bytes'] / MIB:.0f} MiB per rank)")
+    if r["memlock_low"]:
         print("warning:    memlock limit is below the staging; if pinning fails, raise it "
               "(ulimit -l / the container's memlock rlimit)")
-    if not args.no_probe:
-        from greenroom.bench.disk import raw_bandwidth
-
-        probe = raw_bandwidth(scratch, min(PROBE_BYTES, max(free // 4, MIB)))
-        print(f"bandwidth:  write {probe.write_bytes_per_s / 1e9:.2f} GB/s, "
-              f"read {probe.read_bytes_per_s / 1e9:.2f} GB/s (quick probe)")
-    if problems:
-        print("verdict:    NOT FIT: " + "; ".join(problems))
+    if r["read_gbps"] is not None:
+        print(f"bandwidth:  write {r['write_gbps']:.2f} GB/s, read {r['read_gbps']:.2f} GB/s (quick probe; "
+              f"greenroom plan --disk-read-gbps {r['read_gbps']:.2f} --disk-write-gbps {r['write_gbps']:.2f})")
+    if r["problems"]:
+        print("verdict:    NOT FIT: " + "; ".join(r["problems"]))
         return 1
     print("verdict:    OK for offload and streaming")
     return 0

@@ -104,3 +104,16 @@ def supports_o_direct(directory: str) -> bool:
         return True
     finally:
         os.unlink(probe)
+
+
+def stored_bytes(root: str) -> int:
+    """Bytes the files under ``root`` take on disk (allocated blocks: a preallocated
+    file counts in full, a sparse one only where written)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:  # a file replaced while we walked
+                pass
+    return total

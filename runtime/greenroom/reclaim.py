@@ -43,7 +43,7 @@ from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
 from greenroom.rankdir import LOCK_NAME, OWNER_NAME
 
-MAX_DEPTH = 6  # <root>/<job>/<role>/rank<N> is 3; leave room for site layouts above it
+MAX_DEPTH = 6  # <root>/<job>/<role>/rank<NNNNN> is 3; leave room for site layouts above it
 TRASH_PREFIX = ".greenroom-reclaim-"
 
 # An owner policy sees an unlocked dir's path and owner record and may answer "keep"

@@ -1,36 +1,92 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on localhost for the tests: munged, slurmctld and slurmd
-# with a generated slurm.conf (fake GPUs via gres.conf) under .run/slurm/.
-#   start: writes the configs, starts what is not running, waits until the node is idle
-#   stop:  `scontrol shutdown`, then kills only the PIDs this script started
-# Clients find the cluster through SLURM_CONF=<repo>/.run/slurm/slurm.conf; the tests
-# set it themselves (an export here would not reach the caller's pytest).
+# The local Slurm test cluster, three hosts on one machine (generated configs under .run/slurm/):
+#   - this host: munged, slurmctld and a slurmd for node `localhost` (partition `debug`,
+#     the default; two fake GPUs through gres.conf), as the single-node tests expect;
+#   - node1 and node2 (partition `multi`): a slurmd each in its own network namespace
+#     (greenroom-nodeN) with its own address on a veth bridge (grslurm0, $net.1 here,
+#     $net.11 and $net.12 there), its own hostname (UTS namespace), its own /etc/hosts, and
+#     its own "node-local NVMe": in a node's mount namespace $dir/nvme is bind-mounted from
+#     $dir/nodes/nodeN/nvme, so one path names a different disk dir on each host, as on a
+#     real cluster. munged's socket (/run/munge) is a file, so every namespace reaches it.
+# Commands:
+#   start            write the configs, start what is not running, wait until every node is idle
+#   stop             `scontrol shutdown`, then kill only the PIDs and remove only the links and
+#                    namespaces this script made
+#   node-down NODE   lose a node: cut its veth, then SIGKILL every process in its namespace
+#                    (its slurmd and the job processes there), as a crash would
+#   node-up NODE     bring it back: a new veth and a new slurmd in its namespace
+# Environment: GREENROOM_SLURM_DIR (default .run/slurm), GREENROOM_SLURMCTLD_PORT and
+# GREENROOM_SLURMD_PORT (default 6817/6818: set others to run beside another cluster),
+# GREENROOM_SLURM_NET (the bridge's /24, default 10.27.0). Clients find the cluster through
+# SLURM_CONF=$dir/slurm.conf; the tests set it themselves.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir="${GREENROOM_SLURM_DIR:-$PWD/.run/slurm}"
 conf="$dir/slurm.conf"
+ctld_port="${GREENROOM_SLURMCTLD_PORT:-6817}"
+slurmd_port="${GREENROOM_SLURMD_PORT:-6818}"
+net="${GREENROOM_SLURM_NET:-10.27.0}"
+bridge=grslurm0
+nodes=(node1 node2)
 fake_gpus=2
 
 say() { echo "services/slurm: $*"; }
 
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+node_index() { local i; for i in "${!nodes[@]}"; do [ "${nodes[$i]}" = "$1" ] && { echo $((i + 1)); return; }; done
+  echo "services/slurm: no node '$1' (nodes: ${nodes[*]})" >&2; exit 2; }
+netns_of() { echo "greenroom-$1"; }
+veth_of() { echo "grsl-$1"; }
+
+# The namespaces, links and bridge have machine-wide names: each records the state dir of
+# the cluster that made it, and a cluster touches only its own (another's is refused).
+owners=/run/greenroom-slurm
+owner_of() { cat "$owners/$1" 2>/dev/null || true; }
+claim() {
+  local owner; owner=$(owner_of "$1")
+  [ -z "$owner" ] || [ "$owner" = "$dir" ] || {
+    say "$1 belongs to the cluster in $owner: stop that one first (bash scripts/services.d/slurm.sh stop there)"
+    return 1; }
+  mkdir -p "$owners" && echo "$dir" >"$owners/$1"
+}
+mine() { [ "$(owner_of "$1")" = "$dir" ]; }
+
+# Namespaces need root, iproute2 and a kernel that lets us make them; without them the
+# cluster is the one localhost node and the multi-node tests skip.
+can_namespace() {
+  command -v ip >/dev/null && command -v unshare >/dev/null || return 1
+  [ -f "$dir/multi" ] && return 0
+  ip netns add greenroom-probe 2>/dev/null || return 1
+  ip netns del greenroom-probe
+}
+
 write_configs() {
-  mkdir -p "$dir/state" "$dir/spool" "$dir/log" "$dir/dev"
-  local cpus mem_mib i
+  mkdir -p "$dir/state" "$dir/spool" "$dir/log" "$dir/dev" "$dir/nvme"
+  local cpus mem_mib i node multi="" partition_multi="" ctld=localhost
   # Declared CPUs are at least 4 (config_overrides): the tests run two 2-task jobs at
   # once on a 2-core CI machine; the jobs are tiny, so oversubscribing is harmless.
   cpus=$(nproc); [ "$cpus" -ge 4 ] || cpus=4
-  # Half the host's memory: the rest stays for pytest and the other test processes.
+  # Half the host's memory per node: declared, not reserved (the jobs ask for little).
   mem_mib=$(awk '/^MemTotal:/ {print int($2 / 1024 / 2)}' /proc/meminfo)
   for ((i = 0; i < fake_gpus; i++)); do
     # A character device that reads like /dev/null stands in for /dev/nvidiaN.
     [ -e "$dir/dev/fakegpu$i" ] || mknod "$dir/dev/fakegpu$i" c 1 3
   done
+  if [ -f "$dir/multi" ]; then
+    for node in "${nodes[@]}"; do
+      multi+="NodeName=$node NodeAddr=$net.1$(node_index "$node") CPUs=$cpus RealMemory=$mem_mib State=UNKNOWN"$'\n'
+    done
+    # The controller at the bridge's address: the one the namespaced nodes can reach.
+    ctld="localhost($net.1)"
+    partition_multi="PartitionName=multi Nodes=$(IFS=,; echo "${nodes[*]}") MaxTime=INFINITE State=UP"
+  fi
   cat >"$conf" <<CONF
-# Generated by scripts/services.d/slurm.sh: a one-node test cluster on localhost.
+# Generated by scripts/services.d/slurm.sh: a three-host test cluster on one machine.
 ClusterName=greenroom-test
-SlurmctldHost=localhost
+SlurmctldHost=$ctld
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
@@ -45,23 +101,100 @@ MailProg=/bin/true
 KillWait=10
 MinJobAge=3600
 # A requeued job waits out its credential lifetime (default 120 s) before it may start
-# again, and the periodic scheduler runs every 60 s: shorten both for the requeue test.
+# again, and the periodic scheduler runs every 60 s: shorten both for the requeue tests.
 AuthInfo=cred_expire=10
 SchedulerParameters=sched_interval=2
+# A node that stops answering is DOWN after this long (default 300 s): the lost-node test.
+SlurmdTimeout=15
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
 GresTypes=gpu
+$multi
+# After the other nodes: declared before them, Slurm 22.05 refuses the first with
+# "Duplicated NodeHostName".
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mib Gres=gpu:$fake_gpus State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+$partition_multi
 CONF
   cat >"$dir/gres.conf" <<CONF
 AutoDetect=off
 NodeName=localhost Name=gpu File=$dir/dev/fakegpu[0-$((fake_gpus - 1))]
 CONF
+}
+
+claim_all() {
+  local node
+  claim "$bridge" || return 1
+  for node in "${nodes[@]}"; do claim "$(netns_of "$node")" || return 1; done
+}
+
+bridge_up() {
+  ip link show "$bridge" >/dev/null 2>&1 && return 0
+  ip link add "$bridge" type bridge
+  ip addr add "$net.1/24" dev "$bridge"
+  ip link set "$bridge" up
+}
+
+# A node's veth: the host end on the bridge, the other end its eth0 with its address.
+link_up() {
+  local node=$1 ns veth
+  ns=$(netns_of "$node"); veth=$(veth_of "$node")
+  ip link show "$veth" >/dev/null 2>&1 && return 0
+  ip link add "$veth" type veth peer name eth0 netns "$ns"
+  ip link set "$veth" master "$bridge" up
+  ip -n "$ns" addr add "$net.1$(node_index "$node")/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+}
+
+node_up() {
+  local node=$1 ns nodedir
+  ns=$(netns_of "$node"); nodedir="$dir/nodes/$node"
+  mkdir -p "$nodedir/nvme"
+  mine "$ns" || { say "$ns is not this cluster's ($dir): not starting $node"; return 1; }
+  bridge_up
+  [ -e "/run/netns/$ns" ] || ip netns add "$ns"
+  link_up "$node"
+  alive "$dir/slurmd-$node.pid" && return 0
+  { echo "127.0.0.1 localhost"; echo "$net.1 slurmctld"
+    for other in "${nodes[@]}"; do echo "$net.1$(node_index "$other") $other"; done; } >"$nodedir/hosts"
+  # Its own mount namespace (the mounts stay inside it) and hostname, in its network
+  # namespace; slurmd daemonizes and keeps all three. Not `ip netns exec`: that remounts
+  # /sys, hiding the cgroup mounts slurmd needs.
+  # shellcheck disable=SC2016  # expanded by the inner bash, from its arguments
+  unshare --mount --uts nsenter --net="/run/netns/$ns" bash -c '
+    set -e; hostname "$1"
+    mount --bind "$2/hosts" /etc/hosts
+    mount --bind "$2/nvme" "$3"
+    exec /usr/sbin/slurmd -f "$4" -N "$1"' node "$node" "$nodedir" "$dir/nvme" "$conf"
+}
+
+# A crash, as the rest of the cluster sees it: the wire first (so no process there can say
+# goodbye), then every process in the namespace, slurmd included, with SIGKILL.
+node_down() {
+  local node=$1 ns pid
+  ns=$(netns_of "$node")
+  mine "$ns" || { say "$ns is not this cluster's ($dir): not touching it"; return 1; }
+  ip link del "$(veth_of "$node")" 2>/dev/null || true
+  [ -e "/run/netns/$ns" ] || return 0
+  for pid in $(ip netns pids "$ns"); do kill -KILL "$pid" 2>/dev/null || true; done
+  rm -f "$dir/slurmd-$node.pid"
+  say "$node down (link cut, its processes killed)"
+}
+
+wait_idle() {
+  local i states=""
+  for ((i = 0; i < 60; i++)); do
+    states=$(sinfo -h -N -o %T 2>/dev/null | sort -u || true)
+    [ "$states" = "idle" ] && return 0
+    sleep 1
+  done
+  say "nodes did not become idle (states '$states'); see $dir/log"
+  return 1
 }
 
 start() {
@@ -70,6 +203,12 @@ start() {
       say "$tool not installed, not starting (the Slurm tests will skip)"; return 0; }
   done
   if [ "$(id -u)" -ne 0 ]; then say "not root, not starting (the Slurm tests will skip)"; return 0; fi
+  mkdir -p "$dir"
+  if ! can_namespace; then
+    rm -f "$dir/multi"; say "no network namespaces here: one node only (the multi-node tests will skip)"
+  elif ! claim_all; then
+    rm -f "$dir/multi"; say "one node only (the multi-node tests will skip)"
+  else touch "$dir/multi"; fi
   write_configs
   export SLURM_CONF="$conf"
   if [ ! -S /run/munge/munge.socket.2 ] || ! munge -n </dev/null >/dev/null 2>&1; then
@@ -78,37 +217,47 @@ start() {
     # munged daemonizes and writes its own pidfile; record it so stop kills only it.
     cp /run/munge/munged.pid "$dir/munged.pid"
   fi
+  [ -f "$dir/multi" ] && bridge_up
   alive "$dir/slurmctld.pid" || /usr/sbin/slurmctld -f "$conf"
-  alive "$dir/slurmd.pid" || /usr/sbin/slurmd -f "$conf" -N localhost
-  local i state=""
-  for ((i = 0; i < 60; i++)); do
-    state=$(sinfo -h -N -o %T 2>/dev/null || true)
-    [ "$state" = "idle" ] && { say "up (SLURM_CONF=$conf)"; return 0; }
-    sleep 1
-  done
-  say "node did not become idle (state '$state'); see $dir/log"
-  return 1
+  alive "$dir/slurmd-localhost.pid" || /usr/sbin/slurmd -f "$conf" -N localhost
+  if [ -f "$dir/multi" ]; then for node in "${nodes[@]}"; do node_up "$node"; done; fi
+  wait_idle && say "up (SLURM_CONF=$conf)"
 }
 
 stop() {
   [ -f "$conf" ] || return 0
   export SLURM_CONF="$conf"
-  if alive "$dir/slurmctld.pid" || alive "$dir/slurmd.pid"; then
-    scontrol shutdown >/dev/null 2>&1 || true
-  fi
-  local name pid i
-  for name in slurmd slurmctld munged; do
+  if alive "$dir/slurmctld.pid"; then scontrol shutdown >/dev/null 2>&1 || true; fi
+  local name pid i node ns
+  for name in slurmd-localhost "${nodes[@]/#/slurmd-}" slurmctld munged; do
     [ -s "$dir/$name.pid" ] || continue
+    if [ "$name" = munged ] && pgrep -x 'slurmctld|slurmd' >/dev/null; then
+      # Another cluster on this machine (another checkout's) came to use our munged.
+      say "leaving munged running: another Slurm daemon uses it"; rm -f "$dir/munged.pid"; continue
+    fi
     pid=$(cat "$dir/$name.pid")
     for ((i = 0; i < 20; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
     kill "$pid" 2>/dev/null || true
     rm -f "$dir/$name.pid"
   done
+  if [ -f "$dir/multi" ]; then
+    # What is left in a node's namespace was started there by this cluster (job processes).
+    for node in "${nodes[@]}"; do
+      ns=$(netns_of "$node")
+      mine "$ns" || continue
+      node_down "$node" >/dev/null
+      ip netns del "$ns" 2>/dev/null || true
+      rm -f "$owners/$ns"
+    done
+    if mine "$bridge"; then ip link del "$bridge" 2>/dev/null || true; rm -f "$owners/$bridge"; fi
+  fi
   say "stopped"
 }
 
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
-  *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+  node-down) node_index "${2:?node-down NODE}" >/dev/null; node_down "$2" ;;
+  node-up) node_index "${2:?node-up NODE}" >/dev/null; export SLURM_CONF="$conf"; node_up "$2"; say "$2 up" ;;
+  *) echo "usage: $0 start|stop|node-down NODE|node-up NODE" >&2; exit 2 ;;
 esac

@@ -77,6 +77,7 @@ class TmsOffloader(Offloader):
         # torch_memory_saver's own share of the last transition (all of it for mover tms).
         self.pause_seconds = self.resume_seconds = 0.0
         self._paused = False
+        self._tms_moved = 0  # bytes torch_memory_saver's own mover backed up at the last sleep
         if self.mover == "tms":
             self._mover = None
             if target == "disk":
@@ -115,14 +116,18 @@ class TmsOffloader(Offloader):
         self._tms.pause(ACTOR_TAG)
         self._paused = True
         self.pause_seconds = time.perf_counter() - start
-        if self._mover is not None:
-            released = torch.cuda.mem_get_info(self.device)[0] - free_before
-            self.last_release = (released, expected)
-            try:
-                check_release(released, expected)
-            except GreenroomError:
-                self._wake(units)  # put the actor back as it was (but for the foreign bytes)
-                raise
+        if self._mover is None:
+            # torch_memory_saver's own mover backs up every segment of the actor's pools:
+            # that is what it copied (the bench's rates divide by it).
+            self._tms_moved = expected
+            return Moved(copied=expected)
+        released = torch.cuda.mem_get_info(self.device)[0] - free_before
+        self.last_release = (released, expected)
+        try:
+            check_release(released, expected)
+        except GreenroomError:
+            self._wake(units)  # put the actor back as it was (but for the foreign bytes)
+            raise
         return moved
 
     def _wake(self, units: list[Tracked]) -> Moved | None:
@@ -131,7 +136,9 @@ class TmsOffloader(Offloader):
             self._tms.resume(ACTOR_TAG)
             self._paused = False
             self.resume_seconds = time.perf_counter() - start
-        return self._mover.restore(units) if self._mover is not None else None
+        if self._mover is None:
+            return Moved(copied=self._tms_moved)
+        return self._mover.restore(units)
 
     def rollout_region(self):
         return self._tms.region(tag=ROLLOUT_TAG)

@@ -16,25 +16,27 @@ import json
 import threading
 import time
 
-from greenroom.bench.disk import _parse_size, raw_bandwidth
+from greenroom import cliflags
+from greenroom.bench.disk import raw_bandwidth
 from greenroom.config import COMPRESSIONS, GB, MIB
 from greenroom.errors import ConfigError
 from greenroom.rankdir import RankDir, check_root
+from greenroom.units import parse_bytes
 
 CHUNK = 64 * MIB  # one staging buffer of the default 256 MiB chunk
 FRAME = MIB
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compression", choices=[c for c in COMPRESSIONS if c not in ("auto", "none")],
-                        required=True, help="the codec to time")
-    parser.add_argument("--size", type=_parse_size, default=1 << 30, help="bytes of state (default 1GiB)")
+    cliflags.compression(parser, default=None, choices=[c for c in COMPRESSIONS if c not in ("auto", "none")],
+                         required=True, help="the codec to time")
+    parser.add_argument("--size", type=parse_bytes, default=1 << 30, help="bytes of state (default 1GiB)")
     parser.add_argument("--state", choices=("trained", "random"), default="trained",
                         help="trained: fp32 masters of a transformer trained 50 steps (greenroom.bench.trained); "
                              "random: random bytes (nothing compresses)")
     parser.add_argument("--threads", type=int, default=4, help="threads calling the codec at once (default 4)")
-    parser.add_argument("--dir", default=None, help="also probe the raw disk here, for the ratio to it")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    cliflags.disk_dir(parser, help="also probe the raw disk here, for the ratio to it")
+    cliflags.json_flag(parser)
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -1,5 +1,8 @@
 """``greenroom bench disk DIR``: the I/O layer's sequential bandwidth beside the raw disk.
 
+Each of ``--repeat`` passes (default 3) measures both, back to back; the figures are the
+min, median and max over the passes (one pass of this disk varies by 5x in write ratio).
+
 The raw reference is plain O_DIRECT I/O from ``threads`` threads in ``block``-sized
 requests (what fio would do), with no staging copy and no tensor in the way. Our figure
 moves a tensor (on CUDA when available) through ``TransferEngine``, staging included.
@@ -13,15 +16,17 @@ import concurrent.futures as cf
 import json
 import mmap
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from greenroom import fs
+from greenroom import cliflags, fs
 from greenroom.compression import resolve as resolve_compression
-from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MIB, check_host_bytes
+from greenroom.config import MIB, check_host_bytes
 from greenroom.diskio import DEFAULT_DEPTH, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError
 from greenroom.rankdir import RankDir, check_root
+from greenroom.units import parse_bytes, positive_int
 
 RAW_BLOCK = 64 * MIB
 RAW_THREADS = 4
@@ -32,21 +37,6 @@ class Bandwidth:
     write_bytes_per_s: float
     read_bytes_per_s: float
     o_direct: bool
-
-
-def _parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if t and t[-1] in units:
-            value = int(float(t[:-1]) * units[t[-1]])
-        else:
-            value = int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--size: {text!r} is not a size (e.g. 4GiB, 512MiB, 1000000)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"--size must be positive, got {text!r}")
-    return value
 
 
 def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, block: int = RAW_BLOCK) -> Bandwidth:
@@ -115,15 +105,22 @@ def engine_bandwidth(directory: str, size: int, *, chunk_bytes: int, depth: int,
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", metavar="DIR", help="a dir on the disk to measure (node-local NVMe)")
-    parser.add_argument("--size", type=_parse_size, default=1 << 30, help="bytes to move each way (default 1GiB)")
-    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="staging budget, MiB")
+    cliflags.disk_dir(parser, positional=True, help="a dir on the disk to measure (node-local NVMe)")
+    parser.add_argument("--size", type=parse_bytes, default=1 << 30, help="bytes to move each way (default 1GiB)")
+    cliflags.chunk_mb(parser, help="staging budget, MiB (default %(default)s)")
     parser.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="staging buffers / I/O threads")
     parser.add_argument("--device", default=None, help="tensor device (default cuda when available, else cpu)")
-    parser.add_argument("--compression", choices=COMPRESSIONS, default="none",
-                        help="also time the engine with this codec on the same random bytes (it cannot pay: the "
-                             "cost of trying)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    cliflags.compression(parser, default="none",
+                         help="also time the engine with this codec on the same random bytes (it cannot pay: the "
+                              "cost of trying)")
+    parser.add_argument("--repeat", type=positive_int, default=3,
+                        help="passes, each measuring raw and engine (default %(default)s); min/median/max reported")
+    cliflags.json_flag(parser)
+
+
+def spread(values: list[float]) -> dict:
+    """min, median, max of one figure over the passes."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: str,
@@ -148,32 +145,57 @@ def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: 
     }
 
 
+def measure_repeated(directory: str, size: int, *, repeat: int, **kwargs) -> dict:
+    """``measure`` ``repeat`` times: every pass, and the spread of each figure."""
+    passes = [measure(directory, size, **kwargs) for _ in range(repeat)]
+    figures = {f"{side}_{way}_bytes_per_s": [p[side][f"{way}_bytes_per_s"] for p in passes]
+               for side in ("raw", "engine") for way in ("write", "read")}
+    figures.update({f"{way}_ratio": [p[f"{way}_ratio"] for p in passes] for way in ("write", "read")})
+    result = dict(passes[-1])
+    result.update(repeat=repeat, passes=passes, spread={k: spread(v) for k, v in figures.items()})
+    # The headline figures are the medians (``raw``, ``engine``, the ratios).
+    for side in ("raw", "engine"):
+        medians = {f"{way}_bytes_per_s": result["spread"][f"{side}_{way}_bytes_per_s"]["median"]
+                   for way in ("write", "read")}
+        result[side] = dict(result[side], **medians)
+    for way in ("write", "read"):
+        result[f"{way}_ratio"] = result["spread"][f"{way}_ratio"]["median"]
+    return result
+
+
 def run(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.dir):
-        raise ConfigError(f"bench disk: DIR {args.dir} is not a directory")
-    check_root(args.dir, name="bench disk: DIR")
+    directory = cliflags.resolve_disk_dir(args, "bench disk")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"bench disk: DIR {directory} is not a directory")
+    check_root(directory, name="bench disk: DIR")
     if args.chunk_mb <= 0 or args.depth <= 0:
-        raise ConfigError("bench disk: --chunk-mb and --depth must be positive integers")
-    check_host_bytes("--chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
+        raise ConfigError("bench disk: --offload-train-disk-chunk-mb and --depth must be positive integers")
+    check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    result = measure(args.dir, args.size, chunk_bytes=args.chunk_mb * MIB, depth=args.depth, device=device,
-                     compression=args.compression)
+    result = measure_repeated(directory, args.size, repeat=args.repeat, chunk_bytes=args.chunk_mb * MIB,
+                              depth=args.depth, device=device, compression=args.compression)
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
     gb = 1e9
-    print(f"bench disk {args.dir} ({result['filesystem']}), {args.size / gb:.2f} GB each way, "
-          f"tensor on {device}, staging {args.chunk_mb} MiB in {args.depth} buffers")
-    print(f"{'':8}{'raw O_DIRECT':>14}{'greenroom':>12}{'ratio':>8}")
+    print(f"bench disk {directory} ({result['filesystem']}), {args.size / gb:.2f} GB each way, "
+          f"tensor on {device}, staging {args.chunk_mb} MiB in {args.depth} buffers, {args.repeat} pass(es): "
+          "min / median / max")
+    print(f"{'':8}{'raw O_DIRECT GB/s':>24}{'greenroom GB/s':>24}{'ratio':>20}")
+    spreads = result["spread"]
+
+    def three(name: str, scale: float) -> str:
+        s = spreads[name]
+        return f"{s['min'] / scale:.2f} / {s['median'] / scale:.2f} / {s['max'] / scale:.2f}"
+
     for way in ("write", "read"):
-        raw_bw = result["raw"][f"{way}_bytes_per_s"] / gb
-        our_bw = result["engine"][f"{way}_bytes_per_s"] / gb
-        print(f"{way:8}{raw_bw:>10.2f} GB/s{our_bw:>7.2f} GB/s{result[f'{way}_ratio']:>8.2f}")
+        print(f"{way:8}{three(f'raw_{way}_bytes_per_s', gb):>24}{three(f'engine_{way}_bytes_per_s', gb):>24}"
+              f"{three(f'{way}_ratio', 1):>20}")
     if result["engine_compressed"] is not None:
         c = result["engine_compressed"]
-        print(f"with --compression {args.compression} on incompressible bytes: write "
+        print(f"with --offload-train-disk-compression {args.compression} on incompressible bytes (last pass): write "
               f"{c['write_bytes_per_s'] / gb:.2f} GB/s ({c['write_vs_plain']:.2f} of plain), read "
               f"{c['read_bytes_per_s'] / gb:.2f} GB/s ({c['read_vs_plain']:.2f} of plain)")
     return 0

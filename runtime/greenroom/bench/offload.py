@@ -1,7 +1,7 @@
-"""``greenroom bench offload``: actor sleep/wake time and bandwidth for G GiB.
+"""``greenroom bench offload``: actor sleep/wake time and bandwidth for ``--size`` bytes.
 
-The actor here is G GiB of random bytes in 1 GiB tensors on the device (CUDA when
-available), told to the offloader with ``track()``, plus ``--untracked-gib`` more that
+The actor here is ``--size`` bytes of random bytes in 1 GiB tensors on the device (CUDA when
+available), told to the offloader with ``track()``, plus ``--untracked-size`` more that
 nobody names (the frozen reference policy, the EMA copy of a real trainer): the default,
 complete offload must find and move those too. One byte of every tensor changes before
 each cycle, so every cycle writes everything (an unchanged block would be skipped). Each cycle sleeps and wakes it through the offloader ``greenroom train``
@@ -20,32 +20,35 @@ import json
 import os
 import time
 
+from greenroom import cliflags
 from greenroom.compression import resolve as resolve_compression
-from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, GB, GIB, MIB, OffloadConfig
+from greenroom.config import GB, GIB, MIB, OffloadConfig
 from greenroom.errors import ConfigError
+from greenroom.units import parse_bytes, positive_int
 
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gib", type=float, default=4.0, help="GiB of actor memory (default %(default)s)")
-    parser.add_argument("--untracked-gib", type=float, default=0.0,
-                        help="GiB more that the offloader is not told about (default %(default)s)")
-    parser.add_argument("--target", choices=("cpu", "disk"), default="disk")
-    parser.add_argument("--dir", help="disk dir for the per-rank files (node-local NVMe; needed for disk)")
-    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="staging chunk, MiB")
-    parser.add_argument("--cycles", type=int, default=2, help="sleep/wake cycles (default %(default)s)")
-    parser.add_argument("--compression", choices=COMPRESSIONS, default="auto",
-                        help="codec of the offload file (--offload-train-disk-compression; default auto)")
+    parser.add_argument("--size", type=parse_bytes, default=4 << 30, help="bytes of actor memory (default 4GiB)")
+    parser.add_argument("--untracked-size", type=_bytes_or_zero, default=0,
+                        help="bytes more that the offloader is not told about (default 0)")
+    cliflags.target(parser)
+    cliflags.disk_dir(parser, help="disk dir for the per-rank files (node-local NVMe; needed for disk)")
+    cliflags.chunk_mb(parser)
+    parser.add_argument("--cycles", type=positive_int, default=2, help="sleep/wake cycles (default %(default)s)")
+    cliflags.compression(parser, help="codec of the offload file")
     parser.add_argument("--state", choices=("random", "trained"), default="random",
                         help="random: random bytes (nothing compresses); trained: a trained transformer's bf16 "
                              "weights, tiled (greenroom.bench.trained)")
-    parser.add_argument("--backend", choices=("auto", "tms", "portable"), default="auto")
-    parser.add_argument("--mover", choices=("greenroom", "tms"), default="greenroom",
-                        help="on torch_memory_saver: who copies the bytes (default %(default)s)")
+    cliflags.backend_and_mover(parser)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    cliflags.json_flag(parser)
+
+
+def _bytes_or_zero(text: str) -> int:
+    return 0 if text.strip() == "0" else parse_bytes(text)
 
 
 def _pinned_copy_bandwidth(tensors, torch) -> dict:
@@ -88,8 +91,7 @@ def measure(args: argparse.Namespace) -> dict:
                            offload_train_disk_compression=args.compression)
     if device.type == "cuda" and args.backend != "portable":
         actor.relaunch_with(actor.launch_env(config, 0, role="bench", mover=args.mover))
-    size = int(args.gib * GIB)
-    untracked_size = int(args.untracked_gib * GIB)
+    size, untracked_size = args.size, args.untracked_size
     rank_dir = None
     if config.uses_disk:
         rank_dir = RankDir(config.offload_train_disk_dir, role="bench", allow_tmpfs=config.allow_tmpfs).open()
@@ -169,7 +171,7 @@ def measure(args: argparse.Namespace) -> dict:
     # per run; the headline is the worst of the cycles after it.
     steady = cycles[1:] or cycles
     return {
-        "gib": args.gib, "untracked_gib": args.untracked_gib, "bytes": size + untracked_size,
+        "tracked_bytes": size, "untracked_bytes": untracked_size, "bytes": size + untracked_size,
         "target": args.target, "device": str(device), "backend": backend, "mover": mover, "chunk_mb": args.chunk_mb,
         "verify": verify_default(), "dir": config.offload_train_disk_dir, "cycles": cycles,
         "bound": cycles[0]["bound"], "bit_exact": bit_exact, "state": args.state, "compression": compression_line,
@@ -177,29 +179,36 @@ def measure(args: argparse.Namespace) -> dict:
         "wake_ratio": min(c["wake_ratio"] for c in steady),
         # Seconds over the raw disk's seconds for the same (uncompressed) bytes: under 1
         # is faster than the disk, which only compression can give.
-        "sleep_time_ratio": 1 / min(c["sleep_ratio"] for c in steady),
-        "wake_time_ratio": 1 / min(c["wake_ratio"] for c in steady),
+        "sleep_time_ratio": _time_ratio(min(c["sleep_ratio"] for c in steady)),
+        "wake_time_ratio": _time_ratio(min(c["wake_ratio"] for c in steady)),
         "host_rss_before": rss_before, "peak_host_rss": max(c["peak_host_rss"] for c in cycles),
         # The disk target's promise: host memory within the staging chunk plus 1 GiB.
         "host_rss_budget": (rss_before + args.chunk_mb * MIB + GIB) if args.target == "disk" else None,
     }
 
 
+def _time_ratio(rate_ratio: float) -> float | None:
+    """Seconds over the raw disk's seconds; None where nothing was copied (no rate)."""
+    return 1 / rate_ratio if rate_ratio > 0 else None
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.gib <= 0 or args.cycles <= 0:
-        raise ConfigError("bench offload: --gib and --cycles must be positive")
-    if args.untracked_gib < 0:
-        raise ConfigError(f"bench offload --untracked-gib: expected 0 or more, got {args.untracked_gib:g}")
+    if args.size <= 0 or args.cycles <= 0:
+        raise ConfigError("bench offload: --size and --cycles must be positive")
+    if args.untracked_size < 0:
+        raise ConfigError(f"bench offload --untracked-size: expected 0 or more, got {args.untracked_size}")
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"  # inherited by the relaunch under torch_memory_saver
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):
-        raise ConfigError("bench offload --target disk needs --dir DIR on node-local NVMe (or $SCRATCH)")
+        raise ConfigError("bench offload --offload-train-target disk needs --offload-train-disk-dir DIR on node-local "
+                          "NVMe (or $SCRATCH)")
     result = measure(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0 if result["bit_exact"] else 1
     r = result
-    print(f"bench offload: {r['gib']:g} GiB tracked + {r['untracked_gib']:g} GiB untracked on {r['device']}, "
+    print(f"bench offload: {r['tracked_bytes'] / GIB:g} GiB tracked + {r['untracked_bytes'] / GIB:g} GiB untracked "
+          f"on {r['device']}, "
           f"target {r['target']}, backend {r['backend']} (mover {r['mover']}), chunk {r['chunk_mb']} MiB"
           + (f", checksums {'verified' if r['verify'] else 'OFF (--no-verify)'}" if r["target"] == "disk" else ""))
     unit = ("write", "read") if r["target"] == "disk" else ("out", "in")

@@ -43,32 +43,36 @@ import warnings
 
 import psutil
 
-from greenroom import fs
+from greenroom import cliflags, fs
 from greenroom.actor.memory import RssSampler
-from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes
+from greenroom.config import GB, MIB, check_host_bytes
 from greenroom.errors import ConfigError
+from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 from greenroom.rankdir import check_root
+from greenroom.units import parse_bytes, parse_count
 
 PARAM_NUMEL = 50_000_000
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=float, required=True, metavar="N",
-                        help="parameters to optimize (1e9, 2e9, ...)")
-    parser.add_argument("--dir", required=True, metavar="DIR", help="a dir on node-local NVMe for the bucket files")
-    parser.add_argument("--moment-dtype", choices=MOMENT_DTYPES, default="fp32", help="moment storage dtype")
+    parser.add_argument("--params", type=parse_count, required=True, metavar="N",
+                        help="parameters to optimize (1B, 2e9, 500000000, ...)")
+    cliflags.disk_dir(parser, required=True, help="a dir on node-local NVMe for the bucket files")
+    cliflags.moment_dtype(parser)
     parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                         help="bf16: master + moments stream (12 B/param in fp32); fp32: moments only")
+    parser.add_argument("--master-layout", choices=("remainder", "fp32"), default="remainder",
+                        help="how a bf16 param's fp32 master is stored: its low 16 bits beside the param "
+                             "(default) or whole (StreamingAdam master_layout)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default %(default)s)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="elements per bucket")
     parser.add_argument("--param-numel", type=int, default=PARAM_NUMEL, help="elements per param tensor")
-    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="pinned staging, MiB")
-    parser.add_argument("--stream-optimizer-state-host-cache-gb", type=float, default=0.0, metavar="GB",
-                        help="host memory (GB) that keeps whole buckets off the disk (default 0: all stream)")
-    parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB the raw disk probe moves each way")
-    parser.add_argument("--compression", choices=COMPRESSIONS, default="auto",
-                        help="codec of the bucket files (--offload-train-disk-compression; default auto)")
+    cliflags.chunk_mb(parser)
+    cliflags.host_cache_gb(parser)
+    parser.add_argument("--raw-size", type=parse_bytes, default=2 << 30,
+                        help="bytes the raw disk probe moves each way (default 2GiB)")
+    cliflags.compression(parser, help="codec of the bucket files")
     parser.add_argument("--state", choices=("normal", "trained"), default="normal",
                         help="normal: N(0,1) params and grads, zero moments; trained: a trained transformer's "
                              "state, tiled")
@@ -81,16 +85,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--against", choices=("deepspeed",), default=None,
+                        help="then run DeepSpeed ZeRO-Infinity (NVMe optimizer offload) on the same params, dtype and "
+                             "dir in a child process, and report both (needs CUDA and the deepspeed extra)")
+    cliflags.json_flag(parser)
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if args.params < 1 or args.params != int(args.params):
-        raise ConfigError(f"--params: expected a positive whole number of parameters, got {args.params!r}")
     for flag in ("steps", "bucket_numel", "param_numel", "chunk_mb"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    check_host_bytes("--chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
+    check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
     cache = args.stream_optimizer_state_host_cache_gb
     if not 0 <= cache < math.inf:
         raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0, got {cache!r}")
@@ -98,10 +103,15 @@ def _validate(args: argparse.Namespace) -> None:
         check_host_bytes("--stream-optimizer-state-host-cache-gb", f"{cache:g}", int(cache * GB) + args.chunk_mb * MIB,
                          default=0, counted="the host cache plus the pinned staging")
     if not os.path.isdir(args.dir):
-        raise ConfigError(f"--dir {args.dir} is not a directory")
-    check_root(args.dir, name="--dir")
+        raise ConfigError(f"--offload-train-disk-dir {args.dir} is not a directory")
+    check_root(args.dir, name="--offload-train-disk-dir")
+    if args.against == "deepspeed":
+        from greenroom.bench import peer
+
+        peer.check_deepspeed(args)
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
-        raise ConfigError(f"--dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps the data in RAM; "
+        raise ConfigError(f"--offload-train-disk-dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps "
+                          "the data in RAM; "
                          "point it at node-local NVMe (or pass --allow-tmpfs for a test)")
 
 
@@ -140,7 +150,7 @@ def measure(args: argparse.Namespace) -> dict:
         return torch.cuda.memory_allocated(device)
 
     with RankDir(args.dir, role="bench-stream", allow_tmpfs=args.allow_tmpfs) as rank_dir:
-        raw = raw_bandwidth(rank_dir.subdir("raw"), max(int(args.raw_gib * (1 << 30)), 1 << 20))
+        raw = raw_bandwidth(rank_dir.subdir("raw"), max(args.raw_size, 1 << 20))
         base = allocated()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -149,7 +159,8 @@ def measure(args: argparse.Namespace) -> dict:
             opt = StreamingAdam(params, lr=1e-4, weight_decay=0.01, state_dir=rank_dir,
                                 bucket_numel=args.bucket_numel, moment_dtype=args.moment_dtype,
                                 chunk_mb=args.chunk_mb, resident_numel=0, compression=args.compression,
-                                host_cache_gb=args.stream_optimizer_state_host_cache_gb)
+                                host_cache_gb=args.stream_optimizer_state_host_cache_gb,
+                                master_layout=args.master_layout)
             allocated()
             init_seconds = time.perf_counter() - start
         if trained is not None:
@@ -176,7 +187,9 @@ def measure(args: argparse.Namespace) -> dict:
                                   "disk_bytes": (opt.store.disk_bytes("read") - disk_read0
                                                  + opt.store.disk_bytes("written") - disk_written0),
                                   "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before
-                                                        if cuda else None)})
+                                                        if cuda else None),
+                                  # All the process holds, params and grads too: what a peer reports.
+                                  "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None})
             checkpoint = (_time_checkpoint(opt, rank_dir.subdir("checkpoint"), allocated) if args.checkpoint
                           else None)
             state_dict = _time_state_dict(opt, rank_dir.subdir("state-dict")) if args.state_dict else None
@@ -192,6 +205,10 @@ def measure(args: argparse.Namespace) -> dict:
 
     last = steps[-1]
     bound = last["bytes_read"] / raw.read_bytes_per_s + last["bytes_written"] / raw.write_bytes_per_s
+    # What the whole-fp32-master layout moves without a codec (12 B/param with fp32
+    # moments): the bound the targets are stated against.
+    full_bytes = n * streamed_bytes_per_param(args.moment_dtype, master_on_disk=args.param_dtype == "bf16")
+    full_bound = full_bytes / raw.read_bytes_per_s + full_bytes / raw.write_bytes_per_s
     staging = args.chunk_mb * MIB
     return {
         "params": n, "param_dtype": args.param_dtype, "moment_dtype": args.moment_dtype, "device": str(device),
@@ -212,7 +229,11 @@ def measure(args: argparse.Namespace) -> dict:
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         # All cached: no disk I/O in the step, so no disk bound to compare with.
         "disk_bound_seconds": bound, "ratio": last["seconds"] / bound if bound else None,
+        "master_layout": args.master_layout, "disk_bytes_per_param": last["disk_bytes_read"] / n,
+        "full_master_bytes": full_bytes, "full_master_bound_seconds": full_bound,
+        "full_master_ratio": last["seconds"] / full_bound,
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
+        "peak_device_total_bytes": max((s["peak_device_total_bytes"] for s in steps), default=None) if cuda else None,
         "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
         # rss_before already holds the host cache (filled at init): the step adds staging at most.
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
@@ -326,6 +347,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"
     result = measure(args)
+    if args.against == "deepspeed":
+        from greenroom.bench import peer
+
+        result["against"] = peer.beside_deepspeed(args, result)
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
@@ -351,6 +376,9 @@ def run(args: argparse.Namespace) -> int:
         print("disk bound 0 s: every bucket is in the host cache")
     else:
         print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
+    print(f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param each way; step / bound of "
+          f"the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} B/param "
+          f"({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}")
     print(f"{r['compression']}; {r['state']} state: on disk read {r['disk_bytes_read'] / GB:.2f} GB, written "
           f"{r['disk_bytes_written'] / GB:.2f} GB per step ({r['stored_ratio']:.2f}x smaller than the state); "
           f"1000 steps write {r['disk_bytes_written_per_1000_steps'] / 1e12:.2f} TB")
@@ -373,4 +401,8 @@ def run(args: argparse.Namespace) -> int:
                   f"page cache +{d['page_cache_growth_bytes'] / GB:.2f} GB")
     print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
           f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
+    if r.get("against") is not None:
+        from greenroom.bench import peer
+
+        peer.print_beside(r)
     return 0

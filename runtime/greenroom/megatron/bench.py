@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from greenroom import cliflags
 from greenroom import config as gconfig
 from greenroom.config import GIB
 from greenroom.megatron import demo
@@ -33,10 +34,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--dir", required=True, help="disk dir for the bucket files and the offload files")
-    parser.add_argument("--moment-dtype", default="fp32", choices=gconfig.MOMENT_DTYPES)
+    cliflags.disk_dir(parser, required=True, help="disk dir for the bucket files and the offload files")
+    cliflags.moment_dtype(parser)
     parser.add_argument("--offload", action="store_true", help="also time a sleep/wake cycle to disk")
-    parser.add_argument("--json", action="store_true")
+    cliflags.json_flag(parser)
 
 
 def _gib(n: int) -> float:

@@ -3,7 +3,9 @@
 Which state streams, per param (of this rank's local shard, for FSDP2 DTensors):
 
 - bf16/fp16 params: an fp32 master and both moments stream (12 B/param in fp32); after
-  its bucket's update the param gets the new master cast to its dtype.
+  its bucket's update the param gets the new master cast to its dtype. A bf16 param's
+  master is stored as its low 16 bits beside the param by default (``master_layout
+  "remainder"``, ``greenroom.optim.remainder`` Note [remainder]): 10 B/param in fp32.
 - fp32 params: both moments stream (8 B/param); the param is its own master.
 - fp32 params of at most ``resident_numel`` elements (a router's expert_bias, an SSM's
   A_log): tiny, so their state stays on the device in ``self.state`` and the same
@@ -21,6 +23,10 @@ every element that differs from the param (the fp32 value of the param). An elem
 outside write left equal in the param's dtype keeps its fp32 master bits; that is the
 only information the param has. The cost is one cast and compare per element of the
 params the step updates, no I/O. fp32 params are their own master and need no rule.
+Masters stored as a remainder (the default for bf16 params) follow their params by
+fingerprint instead: a block of 4096 elements whose params changed is re-seeded whole
+(``greenroom.optim.remainder`` Note [remainder]); ``master_layout="fp32"`` keeps the
+per-element rule above.
 
 Note [a failed step poisons]: a step that raises part way (an I/O error writing bucket 3,
 a flipped bit found in bucket 5) has updated some buckets, counters and params and not
@@ -53,6 +59,7 @@ from greenroom.tensors import local_tensor
 # moment): expert biases and A_log vectors are far below it, weight matrices far above.
 RESIDENT_NUMEL = 65_536
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MASTER_LAYOUTS = ("remainder", "fp32")
 _FOLLOW_PIECE = 1 << 24  # elements per piece of the masters-follow-the-params check
 
 
@@ -82,6 +89,9 @@ class StreamingAdam(torch.optim.Optimizer):
         compression: the lossless codec of the bucket files (``--offload-train-disk-compression``):
             ``auto`` (``nvcomp-ans`` where CUDA is up and nvCOMP loads, else none), ``none``,
             ``nvcomp-ans`` or ``zstd``; ``compression_line`` says which runs and why.
+        master_layout: ``remainder`` (default): a bf16 param's fp32 master is stored as
+            its low 16 bits beside the param, exactly (Note [remainder]); ``fp32``: the
+            whole master. fp16 params always store the whole master.
 
     Params with ``requires_grad=False`` get no state and no files. ``state_dict()`` and
     ``load_state_dict()`` use torch's format, backed by the bucket files (see
@@ -92,7 +102,7 @@ class StreamingAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dir: str | RankDir,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, moment_dtype: str = "fp32", chunk_mb: int = 256,
                  host_cache_gb: float = 0.0, resident_numel: int = RESIDENT_NUMEL, fused: bool | None = None,
-                 foreach: bool | None = None, compression: str = "auto") -> None:
+                 foreach: bool | None = None, compression: str = "auto", master_layout: str = "remainder") -> None:
         if not 0.0 <= lr:
             raise ConfigError(f"StreamingAdam: invalid lr {lr!r}: must be >= 0")
         if not 0.0 <= eps:
@@ -107,8 +117,12 @@ class StreamingAdam(torch.optim.Optimizer):
         if (isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, (int, float))
                 or not 0 <= host_cache_gb < math.inf):
             raise ConfigError(f"StreamingAdam: host_cache_gb must be a finite number of GB >= 0, got {host_cache_gb!r}")
+        if master_layout not in MASTER_LAYOUTS:
+            raise ConfigError(f"StreamingAdam: master_layout must be one of {', '.join(MASTER_LAYOUTS)}, "
+                              f"got {master_layout!r}")
         self._store: BucketStore | None = None
         self._failed: str | None = None  # Note [a failed step poisons]
+        self.master_layout = master_layout
         self.resident_numel = resident_numel
         self.streamed: list[torch.Tensor] = []  # the param of each store entry
         self.resident: list[torch.Tensor] = []
@@ -131,7 +145,8 @@ class StreamingAdam(torch.optim.Optimizer):
         try:
             self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
                                       device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
-                                      host_cache_bytes=int(host_cache_gb * GB))
+                                      host_cache_bytes=int(host_cache_gb * GB),
+                                      params=lambda i: local_tensor(self.streamed[i]))
         except BaseException:
             self._state_dir.release()
             raise
@@ -160,7 +175,8 @@ class StreamingAdam(torch.optim.Optimizer):
                     self.resident.append(p)
                     continue
                 entries.append(Entry(name=f"{gi}.{pi}", shape=tuple(local.shape), group=gi,
-                                     master=p.dtype != torch.float32))
+                                     master=p.dtype != torch.float32,
+                                     remainder=p.dtype == torch.bfloat16 and self.master_layout == "remainder"))
                 self.streamed.append(p)
         return entries
 
@@ -424,7 +440,8 @@ class StreamingAdam(torch.optim.Optimizer):
                 target = local_tensor(p)
             else:
                 target = masters[k]
-                _follow_param(target, local_tensor(p))
+                if not bucket.remainder:  # a remainder's decode has followed the params already
+                    _follow_param(target, local_tensor(p))
                 grad = grad_views[k].copy_(grad)  # fp32 grads for the fp32 master, on the device
             todo.append((k, p))
             for lst, t in zip(lists, (target, grad, avgs[k], sqs[k], self.param_state(p)["step"])):

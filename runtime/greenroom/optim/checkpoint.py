@@ -519,6 +519,10 @@ def _verify_against_table(store: BucketStore, file_path: str, name: str, recorde
 
 
 def _verify_layout(path: str, saved: dict, ours: dict) -> None:
+    saved_masters, our_masters = saved.get("master_layout", "fp32"), ours["master_layout"]
+    if saved_masters != our_masters:
+        raise CheckpointError(f"{path}: the state files store the fp32 masters as {saved_masters}, this run as "
+                              f"{our_masters}: resume with master_layout={saved_masters!r} (or pass --no-load-optim)")
     saved_moments = saved.get("moments", 2)
     if saved_moments != ours["moments"]:
         kinds = {1: "a momentum buffer (StreamingMuon)", 2: "two Adam moments (StreamingAdam)"}
@@ -532,6 +536,9 @@ def _verify_layout(path: str, saved: dict, ours: dict) -> None:
     if saved["bucket_numel"] != ours["bucket_numel"]:
         raise CheckpointError(f"{path}: layout differs: saved with bucket_numel {saved['bucket_numel']}, this run "
                               f"has {ours['bucket_numel']}; use the same bucket_numel")
+    # Checkpoints written before masters could be remainders record no such field: whole masters.
+    saved = {**saved, "entries": [{"remainder": False, **e} for e in saved["entries"]],
+             "buckets": [{**b, "segments": {"fixups": None, **b["segments"]}} for b in saved["buckets"]]}
     if len(saved["entries"]) != len(ours["entries"]):
         raise CheckpointError(f"{path}: layout differs: {len(saved['entries'])} streamed params saved, this run "
                               f"has {len(ours['entries'])}")

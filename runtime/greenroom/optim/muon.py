@@ -31,7 +31,7 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, muon
 
 from greenroom.compression import resolve as resolve_compression
-from greenroom.config import GB, MIB, moment_bytes_per_element
+from greenroom.config import GB, MIB
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.adam import _follow_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
@@ -40,12 +40,6 @@ from greenroom.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
 
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def muon_bytes_per_param(moment_dtype: str, *, master_on_disk: bool = True) -> float:
-    """Disk bytes of StreamingMuon's state per parameter: the fp32 master (16-bit params)
-    and one momentum buffer (``greenroom plan`` prints it)."""
-    return (4.0 if master_on_disk else 0.0) + moment_bytes_per_element(moment_dtype)
 
 
 class StreamingMuon(torch.optim.Optimizer):

@@ -24,6 +24,10 @@ encoded (a square root, per-block scales) and have no such view: their state dic
 refused in one line; use ``save_checkpoint``. Compressed bucket files
 (``--offload-train-disk-compression``) hold frames, not tensors: their buckets are
 decoded into host memory instead, so the state dict then holds the rank's state once.
+Masters stored as a remainder (``greenroom.optim.remainder`` Note [remainder], the
+default for bf16 params) are in no file whole: they are rebuilt from the params into
+host memory, so the state dict holds the rank's masters once (4 B/param) and is still
+full fp32 masters in torch's format.
 
 ``load_state_dict`` checks everything first: the group layout, each group's keys, the
 moment dtype, every tensor's shape and dtype. A state dict without a recorded moment
@@ -45,6 +49,7 @@ import torch
 
 from greenroom.diskio import verify_mapped
 from greenroom.errors import GreenroomError
+from greenroom.optim import remainder
 from greenroom.optim.kernel import FIXED_GROUP_KEYS
 from greenroom.tensors import local_tensor
 
@@ -88,13 +93,16 @@ def _map(path: str, nbytes: int) -> mmap.mmap:
         os.close(fd)  # the mapping keeps the file
 
 
-def _bucket_segments(store, bucket, moment_dtype: torch.dtype) -> dict:
+def _bucket_segments(store, bucket, moment_dtype: torch.dtype, streamed: list[torch.Tensor] | None = None) -> dict:
     """Per segment (``master``, ``exp_avg``, ``exp_avg_sq``) a function ``(first element,
     count) -> flat host tensor`` over the bucket's state. Each segment is its own storage:
-    torch.save refuses one storage viewed as two dtypes."""
+    torch.save refuses one storage viewed as two dtypes. ``streamed``: the param of each
+    store entry, which a remainder bucket's masters are rebuilt from."""
     dtypes = {"master": torch.float32, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype}
     segments = {key: seg for key, seg in (("master", bucket.master), ("exp_avg", bucket.exp_avg),
                                           ("exp_avg_sq", bucket.exp_avg_sq)) if seg is not None}
+    if bucket.remainder:
+        segments.pop("master")
     if store.compression is not None:
         # A compressed file holds frames, not the tensors: decode it into host memory
         # (the bound of Note [state dict views] does not hold for compressed state).
@@ -102,6 +110,8 @@ def _bucket_segments(store, bucket, moment_dtype: torch.dtype) -> dict:
         store.engine.read(data, store.files[bucket.index], 0).wait()
         decoded = {key: data[seg.offset:seg.offset + seg.nbytes].clone().view(dtypes[key])
                    for key, seg in segments.items()}
+        if bucket.remainder:
+            decoded["master"] = _rebuilt_masters(streamed, bucket, data)
         return {key: (lambda first, count, t=t: t[first:first + count]) for key, t in decoded.items()}
     mapped = _map(store.path(bucket.index), bucket.file_bytes)
     # The views are read around the I/O engine: check them against the file's checksums
@@ -111,7 +121,23 @@ def _bucket_segments(store, bucket, moment_dtype: torch.dtype) -> dict:
     def view(seg, dtype):
         return lambda first, count: torch.frombuffer(mapped, dtype=dtype, count=count,
                                                      offset=seg.offset + first * dtype.itemsize)
-    return {key: view(seg, dtypes[key]) for key, seg in segments.items()}
+    out = {key: view(seg, dtypes[key]) for key, seg in segments.items()}
+    if bucket.remainder:
+        master = _rebuilt_masters(streamed, bucket,
+                                  torch.frombuffer(mapped, dtype=torch.uint8, count=bucket.data_bytes))
+        out["master"] = lambda first, count: master[first:first + count]
+    return out
+
+
+def _rebuilt_masters(streamed: list[torch.Tensor], bucket, data: torch.Tensor) -> torch.Tensor:
+    """A remainder bucket's fp32 masters, rebuilt in host memory from the params and the
+    bucket's bytes ``data`` (Note [remainder]): the masters of such a bucket are in no
+    file, so its state dict holds them once, 4 B/param of host memory."""
+    master = torch.empty(bucket.numel, dtype=torch.float32)
+    params = [(start, local_tensor(streamed[i]).detach().cpu()) for i, start in zip(bucket.entries, bucket.offsets)]
+    low = data[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.int16)
+    remainder.decode(master, low, data[bucket.fixups.offset:bucket.fixups.offset + bucket.fixups.nbytes], params)
+    return master
 
 
 def export_state_dict(opt: StreamingAdam) -> dict:
@@ -132,7 +158,7 @@ def export_state_dict(opt: StreamingAdam) -> dict:
         if id(p) in where:
             bucket, k = where[id(p)]
             if bucket.index not in maps:
-                maps[bucket.index] = _bucket_segments(store, bucket, moment_dtype)
+                maps[bucket.index] = _bucket_segments(store, bucket, moment_dtype, opt.streamed)
             start, numel = bucket.offsets[k], local.numel()
             for key, segment in maps[bucket.index].items():
                 out[key] = _as_param_like(segment(start, numel).view(local.shape), p)

@@ -19,7 +19,9 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   master is stored). Buckets take consecutive entries of the same group and master kind
   up to ``bucket_numel`` elements; an entry larger than the cap is its own bucket.
 - Each bucket is one preallocated file ``bucket-NNNNN.bin`` of 4 KiB-aligned segments
-  ``[master | exp_avg | exp_avg_sq]`` (no master segment when ``master`` is false),
+  ``[master | exp_avg | exp_avg_sq]`` (no master segment when ``master`` is false; for
+  entries with ``remainder``, ``[low halves | fixups | exp_avg | exp_avg_sq]``, the master
+  rebuilt from the params, ``greenroom.optim.remainder`` Note [remainder]),
   followed by the I/O engine's checksum table (``diskio`` Note [integrity]: kept in the
   file so that a checkpoint's copy carries it and a loaded one is verified on its first
   read); the moment segments use the ``codecs`` of ``moment_dtype``. ``store.layout()`` describes it
@@ -63,9 +65,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from greenroom.diskio import StateFile, TransferEngine, align_up
+from greenroom.diskio import STORE_RAW, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError, StorageError
 from greenroom.fs import human_bytes
+from greenroom.optim import remainder
 from greenroom.optim.codecs import moment_codecs
 
 DEFAULT_BUCKET_NUMEL = 200_000_000
@@ -87,6 +90,11 @@ class Entry:
 
     master: bool = True
     """Store an fp32 master copy (16-bit params); False when the fp32 param is its own."""
+
+    remainder: bool = False
+    """Store the master as its low 16 bits beside the bf16 param (``greenroom.optim.remainder``
+    Note [remainder]): 2 B/param instead of 4. Only for masters of bf16 params; the store
+    then reads the params through its ``params`` callback to rebuild the masters."""
 
     @property
     def numel(self) -> int:
@@ -118,7 +126,8 @@ class Bucket:
     """Total elements of the entries."""
 
     master: Segment | None
-    """The fp32 master segment, or None for fp32 params that are their own master."""
+    """The fp32 master segment (or, for a remainder bucket, its low halves), or None for
+    fp32 params that are their own master."""
 
     exp_avg: Segment
     """First moment."""
@@ -134,6 +143,13 @@ class Bucket:
 
     offsets: tuple[int, ...] = field(default=())
     """Element offset of each entry within the bucket's flat tensors."""
+
+    fixups: Segment | None = None
+    """A remainder bucket's fingerprints and exceptions (Note [remainder]), else None."""
+
+    @property
+    def remainder(self) -> bool:
+        return self.fixups is not None
 
 
 @dataclass(eq=False, slots=True)
@@ -173,7 +189,11 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
     for i, entry in enumerate(entries):
         if entry.numel == 0:
             raise ConfigError(f"entry {entry.name!r} has no elements: leave it out of the store")
-        same_kind = current and (entries[current[0]].group, entries[current[0]].master) == (entry.group, entry.master)
+        if entry.remainder and not entry.master:
+            raise ConfigError(f"entry {entry.name!r}: a remainder needs a master (remainder=True, master=False)")
+        kind = (entry.group, entry.master, entry.remainder)
+        first = entries[current[0]] if current else None
+        same_kind = first is not None and (first.group, first.master, first.remainder) == kind
         if current and (not same_kind or current_numel + entry.numel > bucket_numel):
             groups.append(current)
             current, current_numel = [], 0
@@ -188,8 +208,12 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
             offsets.append(numel)
             numel += entries[i].numel
         cursor = 0
-        master = None
-        if entries[members[0]].master:
+        master = fixups = None
+        if entries[members[0]].remainder:
+            master = Segment(offset=0, nbytes=numel * 2)
+            fixups = Segment(offset=align_up(master.nbytes), nbytes=remainder.fixup_bytes(numel))
+            cursor = align_up(fixups.offset + fixups.nbytes)
+        elif entries[members[0]].master:
             master = Segment(offset=0, nbytes=numel * 4)
             cursor = align_up(master.nbytes)
         exp_avg = Segment(offset=cursor, nbytes=avg_codec.nbytes(numel))
@@ -201,7 +225,7 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
         buckets.append(Bucket(index=index, entries=tuple(members), numel=numel, master=master,
                               exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, data_bytes=cursor,
                               file_bytes=StateFile.file_bytes(cursor, checksums="file", compressed=compressed),
-                              offsets=tuple(offsets)))
+                              offsets=tuple(offsets), fixups=fixups))
     return buckets
 
 
@@ -277,16 +301,24 @@ class BucketStore:
             None to store the bytes as they are.
         host_cache_bytes: host memory for whole buckets kept off the disk (Note [host
             cache]); 0, the default, keeps none.
+        params: entry index -> the entry's bf16 param (on ``device``), read when a
+            remainder bucket is decoded (Note [remainder]); needed only when an entry
+            has ``remainder``.
         moments: moments per entry: 2 (Adam's, the default) or 1 (a momentum buffer in
             the ``exp_avg`` segment; ``exp_avg_sq`` is None).
     """
 
     def __init__(self, entries: Sequence[Entry], directory: str, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                  moment_dtype: str = "fp32", device: torch.device | str = "cpu", chunk_bytes: int = 256 << 20,
-                 compression=None, host_cache_bytes: int = 0, moments: int = 2) -> None:
+                 compression=None, host_cache_bytes: int = 0, moments: int = 2,
+                 params: Callable[[int], torch.Tensor] | None = None) -> None:
         if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
             raise ConfigError(f"host_cache_bytes must be a non-negative integer, got {host_cache_bytes!r}")
         self.entries = list(entries)
+        if params is None and any(e.remainder for e in self.entries):
+            raise ConfigError("BucketStore: entries store their master as a remainder but no params were given")
+        self.params = params
+        self.reseeded_blocks = 0  # fingerprint blocks re-seeded from changed params (a device tensor once any ran)
         self.directory = directory
         self.bucket_numel = bucket_numel
         self.moment_dtype = moment_dtype
@@ -329,8 +361,9 @@ class BucketStore:
                mirror: StateFile | None = None):
         """Write a bucket's bytes to its file (or ``file``), and to ``mirror`` too (an
         in-step checkpoint's copy), telling a codec each segment's element size."""
-        segments = ((bucket.master, 4), (bucket.exp_avg, self.avg_codec.dtype.itemsize),
-                    (bucket.exp_avg_sq, self.sq_codec.dtype.itemsize))
+        # A master's low halves are noise to a codec (Note [remainder]): stored raw, untried.
+        segments = ((bucket.master, STORE_RAW if bucket.remainder else 4), (bucket.fixups, 8),
+                    (bucket.exp_avg, self.avg_codec.dtype.itemsize), (bucket.exp_avg_sq, self.sq_codec.dtype.itemsize))
         sizes = [(seg.offset, size) for seg, size in segments if seg is not None]
         return self.engine.write(raw, file or self.files[bucket.index], 0, element_sizes=tuple(sizes), mirror=mirror)
 
@@ -387,17 +420,23 @@ class BucketStore:
             "bucket_numel": self.bucket_numel,
             "moment_dtype": self.moment_dtype,
             "master_dtype": "fp32",
+            "master_layout": self.master_layout,
             "moments": self.moments,
             "compression": self.compression.name if self.compression is not None else "none",
-            "entries": [{"name": e.name, "shape": list(e.shape), "group": e.group, "master": e.master}
-                        for e in self.entries],
+            "entries": [{"name": e.name, "shape": list(e.shape), "group": e.group, "master": e.master,
+                         "remainder": e.remainder} for e in self.entries],
             "buckets": [{"file": FILE_PATTERN.format(b.index), "entries": list(b.entries), "numel": b.numel,
                          "file_bytes": b.file_bytes,
                          "segments": {name: None if seg is None else [seg.offset, seg.nbytes]
-                                      for name, seg in (("master", b.master), ("exp_avg", b.exp_avg),
-                                                        ("exp_avg_sq", b.exp_avg_sq))}}
+                                      for name, seg in (("master", b.master), ("fixups", b.fixups),
+                                                        ("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq))}}
                         for b in self.buckets],
         }
+
+    @property
+    def master_layout(self) -> str:
+        """``remainder`` when any master is stored as a remainder (Note [remainder]), else ``fp32``."""
+        return "remainder" if any(e.remainder for e in self.entries) else "fp32"
 
     # -- initialization -------------------------------------------------------------
     def initialize(self, source: Callable[[int], torch.Tensor] | Sequence[torch.Tensor]) -> None:
@@ -411,10 +450,13 @@ class BucketStore:
             raw = buffer.raw[:bucket.data_bytes]
             raw.zero_()  # zero bytes decode to zero moments in every codec
             if bucket.master is not None:
-                master = self._master_view(raw, bucket)
+                master = (self._scratch_tensor("master")[:bucket.numel] if bucket.remainder
+                          else self._master_view(raw, bucket))
                 for i, start in zip(bucket.entries, bucket.offsets):
                     n = self.entries[i].numel
                     master[start:start + n].copy_(get(i).detach().reshape(-1))
+                if bucket.remainder:
+                    self._encode_remainder(bucket, master, raw)
             self._store_bucket(bucket.index, raw)
 
     def overwrite(self, fill: Callable[[BucketState], None], indices: Sequence[int] | None = None) -> None:
@@ -581,7 +623,13 @@ class BucketStore:
     def _decode(self, index: int, buffer: _DeviceBuffer) -> BucketState:
         bucket = self.buckets[index]
         raw = buffer.raw
-        master = self._master_view(raw, bucket) if bucket.master is not None else None
+        if bucket.remainder:
+            master = self._scratch_tensor("master")[:bucket.numel]
+            params = [(start, self.params(i)) for i, start in zip(bucket.entries, bucket.offsets)]
+            reseeded = remainder.decode(master, self._low_view(raw, bucket), self._fixups_view(raw, bucket), params)
+            self.reseeded_blocks = reseeded + self.reseeded_blocks
+        else:
+            master = self._master_view(raw, bucket) if bucket.master is not None else None
         moments = []
         for codec, seg, key in ((self.avg_codec, bucket.exp_avg, "exp_avg"),
                                 (self.sq_codec, bucket.exp_avg_sq, "exp_avg_sq")):
@@ -600,12 +648,26 @@ class BucketStore:
 
     def _encode(self, state: BucketState, buffer: _DeviceBuffer) -> None:
         bucket = state.bucket
+        if bucket.remainder:
+            self._encode_remainder(bucket, state.master, buffer.raw)
         for codec, seg, work in ((self.avg_codec, bucket.exp_avg, state.exp_avg),
                                  (self.sq_codec, bucket.exp_avg_sq, state.exp_avg_sq)):
             if seg is not None and not codec.identity:
                 codec.encode(work, buffer.raw[seg.offset:seg.offset + seg.nbytes])
 
+    def _encode_remainder(self, bucket: Bucket, master: torch.Tensor, raw: torch.Tensor) -> None:
+        remainder.encode(master, self._low_view(raw, bucket), self._fixups_view(raw, bucket),
+                         label=f"{self.path(bucket.index)}: bucket {bucket.index} of the optimizer state")
+
     # -- buffers --------------------------------------------------------------------
+    @staticmethod
+    def _low_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        return raw[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.int16)
+
+    @staticmethod
+    def _fixups_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        return raw[bucket.fixups.offset:bucket.fixups.offset + bucket.fixups.nbytes]
+
     @staticmethod
     def _master_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         return raw[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.float32)

@@ -178,12 +178,14 @@ class SlurmJobConfig:
     """How long before the end the signal comes."""
 
     max_restarts: int = 3
-    """Requeues after the preemption signal, counted by SLURM_RESTART_COUNT (0: never)."""
+    """Requeues after the preemption signal, counted by SLURM_RESTART_COUNT. Above 0 the
+    job is also ``--requeue``: Slurm requeues it when it loses a node (a node failure's
+    requeue counts too, and Slurm's MaxBatchRequeue caps those). 0: never, ``--no-requeue``."""
 
     scratch_dir: str | None = None
     """Node-local scratch root (NVMe; a job_container/tmpfs per-job /tmp is on disk and
     fine, /dev/shm is not). None: ``$SCRATCH`` on the node at run time. The per-rank
-    dirs live in ``<scratch>/greenroom_train_offload_<uid>/<job>/<role>/rank<N>``."""
+    dirs live in ``<scratch>/greenroom_train_offload_<uid>/<job>/<role>/rank<NNNNN>``."""
 
     log_dir: str = "logs"
     """Where ``<job_name>-<jobid>.out`` (the batch script) and one file per task and

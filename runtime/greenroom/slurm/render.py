@@ -86,6 +86,9 @@ def sbatch_options(config: SlurmJobConfig) -> list[str]:
     options["signal"] = f"B:{config.preempt_signal}@{config.preempt_signal_seconds}"
     if config.max_restarts:
         options["requeue"] = True
+    else:
+        # Slurm's default (JobRequeue=1) requeues a batch job that loses a node: 0 is never.
+        options["no-requeue"] = True
     # Append: a requeued job keeps one batch log with every restart in it.
     options["open-mode"] = "append"
     # No --output into log_dir: Slurm opens it before the script runs, and a missing dir

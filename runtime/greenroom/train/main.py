@@ -15,7 +15,7 @@ import os
 import greenroom
 from greenroom import publish
 from greenroom.log import get_logger
-from greenroom.train.model import ModelConfig
+from greenroom.train.model import PRECISIONS, ModelConfig
 from greenroom.train.task import VOCAB_SIZE, TaskConfig
 from greenroom.train.trainer import TrainConfig, Trainer
 
@@ -61,10 +61,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--group-size", type=int, default=_TRAIN.group_size, help="completions per prompt")
     opt.add_argument("--minibatches", type=int, default=_TRAIN.minibatches,
                      help="optimizer steps per iteration")
-    opt.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameter dtype")
+    opt.add_argument("--dtype", choices=PRECISIONS, default=_TRAIN.dtype,
+                     help="parameter precision: mixed (bf16 matrices and embeddings, fp32 norms; the default), "
+                          "bf16 or fp32")
     opt.add_argument("--reference-policy", action="store_true",
                      help="keep a frozen copy of the initial policy and penalise KL towards it")
-    opt.add_argument("--kl-coef", type=float, default=_TRAIN.kl_coef, help="KL penalty weight (with --reference-policy)")
+    opt.add_argument("--kl-coef", type=float, default=_TRAIN.kl_coef,
+                     help="KL penalty weight (with --reference-policy)")
     sizes = parser.add_argument_group("model and task sizes")
     sizes.add_argument("--d-model", type=int, default=_MODEL.d_model)
     sizes.add_argument("--n-layers", type=int, default=_MODEL.n_layers)

@@ -1,7 +1,12 @@
 """``greenroom report METRICS.jsonl``: the phases, memory and reward of a run, as a PNG.
 
-Three panels over wall time: which phase ran when (sync, sleep, rollout, wake, train),
-device and host memory at the end of every phase, and the mean reward per iteration.
+Four panels over wall time: which phase ran when (sync, sleep, rollout, wake, train),
+device and host memory at the end of every phase, the GB/s of every sleep, wake and
+streamed optimizer step, and the mean reward per iteration.
+
+A metrics file a resumed run appended to (``--load`` with the same ``--metrics``) holds
+several run segments, each with its clock starting at 0: the time axis continues from
+one segment to the next, and each segment's start is marked with its first iteration.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ PHASE_COLORS = {"sync": "#999999", "sleep": "#d62728", "rollout": "#1f77b4", "wa
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("metrics", metavar="METRICS.jsonl", help="written by greenroom train --metrics")
     parser.add_argument("-o", "--output", metavar="PNG", help="default: METRICS with .png")
+    parser.add_argument("--json", action="store_true",
+                        help="print what was drawn as one JSON object (output, iterations, run segments)")
 
 
 def read_records(path: str) -> list[dict]:
@@ -40,22 +47,49 @@ def read_records(path: str) -> list[dict]:
     return records
 
 
+def segments(records: list[dict]) -> list[tuple[int, float]]:
+    """Where each run segment starts: (index of its first record, seconds to add to its
+    clock). A segment starts where a record's clock goes back (a new process)."""
+    starts = [(0, 0.0)]
+    offset = 0.0
+    for i in range(1, len(records)):
+        previous_end = records[i - 1]["events"][-1]["end"]
+        if records[i]["events"][0]["start"] < previous_end:
+            offset += previous_end
+            starts.append((i, offset))
+    return starts
+
+
+def continued(records: list[dict]) -> list[dict]:
+    """The records with every event's times on one clock across segments."""
+    bounds = segments(records) + [(len(records), 0.0)]
+    out = []
+    for (first, offset), (end, _) in zip(bounds, bounds[1:]):
+        for r in records[first:end]:
+            events = [dict(e, start=e["start"] + offset, end=e["end"] + offset) for e in r["events"]]
+            out.append(dict(r, events=events))
+    return out
+
+
 def draw(records: list[dict], output: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (phases, memory, rewards) = plt.subplots(3, 1, figsize=(11, 8), sharex=True,
-                                                  gridspec_kw={"height_ratios": [1, 2, 2]})
+    starts = segments(records)
+    records = continued(records)
+    fig, (phases, memory, bandwidth, rewards) = plt.subplots(4, 1, figsize=(11, 10), sharex=True,
+                                                             gridspec_kw={"height_ratios": [1, 2, 2, 2]})
     events = [e for r in records for e in r["events"]]
     for name, color in PHASE_COLORS.items():
         spans = [(e["start"], e["end"] - e["start"]) for e in events if e["phase"] == name]
         phases.broken_barh(spans, (0, 1), facecolors=color, label=name)
     phases.set_yticks([])
     phases.legend(ncol=len(PHASE_COLORS), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    resumed = f", {len(starts)} run segments" if len(starts) > 1 else ""
     fig.suptitle(f"greenroom train on {records[0]['device']}, {records[0]['world_size']} rank(s), "
-                 f"offload backend {records[0]['backend']}")
+                 f"offload backend {records[0]['backend']}{resumed}")
     ends = [e["end"] for e in events]
     memory.step(ends, [e["host_rss"] / GB for e in events], where="post", label="host RSS")
     device = [e["device_used"] if e["device_used"] is not None else e["actor_resident"] for e in events]
@@ -63,10 +97,25 @@ def draw(records: list[dict], output: str) -> None:
     memory.step(ends, [d / GB for d in device], where="post", label=label)
     memory.set_ylabel("GB")
     memory.legend()
+    for key, phase in (("sleep_gbps", "sleep"), ("wake_gbps", "wake"), ("stream_gbps", "train")):
+        points = [(next(e["end"] for e in r["events"] if e["phase"] == phase), r[key]) for r in records
+                  if r.get(key)]
+        if points:
+            bandwidth.plot(*zip(*points), marker=".", color=PHASE_COLORS[phase],
+                           label={"train": "streamed optimizer steps"}.get(phase, phase))
+    bandwidth.set_ylabel("GB/s")
+    if bandwidth.lines:
+        bandwidth.legend()
     rewards.plot([r["events"][-1]["end"] for r in records], [r["reward"] for r in records], marker=".")
     rewards.set_ylabel("mean reward")
-    rewards.set_xlabel("seconds since start")
+    rewards.set_xlabel("seconds since the first run started (run time only)")
     rewards.set_ylim(0, 1)
+    for index, _offset in starts[1:]:
+        at = records[index]["events"][0]["start"]
+        for axis in (phases, memory, bandwidth, rewards):
+            axis.axvline(at, color="black", linestyle="--", linewidth=0.8)
+        rewards.annotate(f"resumed at iteration {records[index]['iteration']}", (at, 0.95), fontsize=8,
+                         xytext=(3, 0), textcoords="offset points", va="top")
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)
@@ -76,5 +125,12 @@ def run(args: argparse.Namespace) -> int:
     records = read_records(args.metrics)
     output = args.output or os.path.splitext(args.metrics)[0] + ".png"
     draw(records, output)
-    print(f"wrote {output} ({len(records)} iterations)")
+    starts = segments(records)
+    if args.json:
+        print(json.dumps({"output": output, "iterations": len(records),
+                          "segments": [{"first_iteration": records[i]["iteration"], "offset_s": offset}
+                                       for i, offset in starts]}, sort_keys=True))
+        return 0
+    print(f"wrote {output} ({len(records)} iterations"
+          + (f", {len(starts)} run segments)" if len(starts) > 1 else ")"))
     return 0

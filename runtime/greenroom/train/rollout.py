@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from greenroom.train.model import KVCache, ModelConfig, Transformer
+from greenroom.train.model import KVCache, ModelConfig, Transformer, set_precision
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -19,11 +19,11 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 class RolloutEngine:
-    def __init__(self, config: ModelConfig, *, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
-        # Built on the meta device and materialised in its dtype: its weights are only
+    def __init__(self, config: ModelConfig, *, device: torch.device, precision: str = "fp32") -> None:
+        # Built on the meta device and materialised in its precision: its weights are only
         # ever what sync_from copies in, so no initial values (or fp32 copy) are made.
         with torch.device("meta"):
-            model = Transformer(config).to(dtype)
+            model = set_precision(Transformer(config), precision)
         self.model = model.to_empty(device=device).requires_grad_(False).eval()
         self.device = device
         self.last_cache_bytes = 0
@@ -45,7 +45,7 @@ class RolloutEngine:
         """
         b, p = prompts.shape
         cache = KVCache(self.model.config, b, p + new_tokens, device=self.device,
-                        dtype=next(self.model.parameters()).dtype)
+                        dtype=self.model.embed.weight.dtype)
         self.last_cache_bytes = cache.nbytes
         logits = self.model(prompts.to(self.device), cache)[:, -1]
         tokens, logprobs = [], []

@@ -23,11 +23,11 @@ from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.faults import kill_point
-from greenroom.fs import human_bytes
+from greenroom.fs import human_bytes, stored_bytes
 from greenroom.rankdir import RankDir
 from greenroom.tensors import local_tensor
 from greenroom.train import checkpoint, preflight
-from greenroom.train.model import ModelConfig, Transformer
+from greenroom.train.model import PRECISIONS, ModelConfig, Transformer, set_precision
 from greenroom.train.rollout import RolloutEngine
 from greenroom.train.task import TaskConfig, reward, sample_prompts
 
@@ -94,8 +94,9 @@ class TrainConfig:
     minibatches: int = 4
     """Optimizer steps per iteration, each over an equal share of the completions."""
 
-    dtype: str = "fp32"
-    """Parameter dtype: ``fp32`` or ``bf16``."""
+    dtype: str = "mixed"
+    """Parameter precision: ``mixed`` (bf16 matrices, fp32 norms), ``bf16`` or ``fp32``
+    (``greenroom.train.model.set_precision``)."""
 
     clip: float = 0.2
     """PPO ratio clip."""
@@ -117,6 +118,8 @@ class TrainConfig:
                              f"({self.prompts * self.group_size})")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.dtype not in PRECISIONS:
+            raise ConfigError(f"--dtype: expected one of {', '.join(PRECISIONS)}, got {self.dtype!r}")
         if not isinstance(self.save_interval, int) or self.save_interval < 0:
             raise ConfigError(f"--save-interval must be a whole number of iterations >= 0, got {self.save_interval!r}")
         if (self.save_interval or self.async_save) and not self.save:
@@ -224,12 +227,11 @@ class Trainer:
         self.offloader = actor.build_offloader(offload, self.rank_dir, device=self.device,
                                                backend=c.offload_backend, mover=c.offload_mover)
         self._stack.callback(self.offloader.close)
-        dtype = torch.bfloat16 if c.dtype == "bf16" else torch.float32
         torch.manual_seed(c.seed)
         with self.device:  # built in place: a multi-billion model never exists on the host
-            self.model = Transformer(self.model_config).to(dtype)
+            self.model = set_precision(Transformer(self.model_config), c.dtype)
             with self.offloader.rollout_region():
-                self.engine = RolloutEngine(self.model_config, device=self.device, dtype=dtype)
+                self.engine = RolloutEngine(self.model_config, device=self.device, precision=c.dtype)
         # Frozen: never tracked, never stepped; complete offload finds it, and clean-skip
         # writes it once.
         self.reference = copy.deepcopy(self.model).requires_grad_(False) if c.reference_policy else None
@@ -283,6 +285,9 @@ class Trainer:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh(self.device.type, (self.world_size,))
+            # FSDP2 shards one dtype per group: under ``mixed`` the fp32 norms get their own.
+            for norm in (m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)):
+                fully_shard(norm, mesh=mesh)
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -382,8 +387,11 @@ class Trainer:
             bar.update()
         mark("wake", t)
         t = time.perf_counter()
-        loss_sum = self._train_step(prompts, completions, old_logp, rewards, gen, save=save)
+        streamed_before = self._stream_counters()
+        loss_sum, step_s = self._train_step(prompts, completions, old_logp, rewards, gen, save=save)
         mark("train", t)
+        streamed = {k: after - before for (k, after), before in zip(self._stream_counters().items(),
+                                                                     streamed_before.values())}
         reward_mean, loss_mean = self._mean_over_ranks(rewards.mean().item(), loss_sum / c.minibatches)
         phase = {e["phase"]: e["end"] - e["start"] for e in events}
         return {
@@ -392,18 +400,23 @@ class Trainer:
             "sleep_s": slept.seconds, "sleep_bytes": slept.nbytes, "sleep_gbps": slept.bytes_per_s / GB,
             "sleep_written": slept.copied, "sleep_clean": slept.clean, "sleep_dead": slept.dead,
             "wake_s": woke.seconds, "wake_bytes": woke.nbytes, "wake_gbps": woke.bytes_per_s / GB,
+            "offloaded_bytes": slept.nbytes,
+            **streamed, "stream_s": step_s,
+            "stream_gbps": (streamed["stream_read_bytes"] + streamed["stream_written_bytes"]) / step_s / GB
+            if step_s and streamed["stream_read_bytes"] else 0.0,
+            "disk_stored_bytes": stored_bytes(self.rank_dir.path) if self.rank_dir is not None else 0,
             "kv_cache_bytes": self.engine.last_cache_bytes, "peak_device_bytes": peaks["device"],
             "peak_host_rss": self.memory.peak, "device": str(self.device), "world_size": self.world_size,
             "backend": self.offloader.backend, "events": events,
         }
 
-    def _train_step(self, prompts, completions, old_logp, rewards, gen, *, save: bool = False) -> float:
+    def _train_step(self, prompts, completions, old_logp, rewards, gen, *, save: bool = False) -> tuple[float, float]:
         c = self.config
         grouped = rewards.view(c.prompts, c.group_size)
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
         order = torch.randperm(prompts.shape[0], generator=gen)
         size = prompts.shape[0] // c.minibatches
-        loss_sum = 0.0
+        loss_sum, step_s = 0.0, 0.0
         bar = self._bar(c.minibatches, "train")
         for i in range(c.minibatches):
             idx = order[i * size:(i + 1) * size]
@@ -415,12 +428,25 @@ class Trainer:
             loss.backward()
             if save and i == c.minibatches - 1:
                 self._begin_save()
+            began = time.perf_counter()
             self.optimizer.step()
+            step_s += time.perf_counter() - began
             kill_point("train-step")  # between two optimizer steps: the state files are mid-iteration
             loss_sum += loss.item()
             bar.update()
         bar.close()
-        return loss_sum
+        return loss_sum, step_s
+
+    def _stream_counters(self) -> dict[str, int]:
+        """The streamed state's bytes moved so far: the state's (``read``/``written``) and
+        the disk's (less what compression saved)."""
+        store = getattr(self.optimizer, "store", None)
+        if store is None:
+            return dict.fromkeys(("stream_read_bytes", "stream_written_bytes", "stream_disk_read_bytes",
+                                  "stream_disk_written_bytes"), 0)
+        return {"stream_read_bytes": store.bytes_read, "stream_written_bytes": store.bytes_written,
+                "stream_disk_read_bytes": store.disk_bytes("read"),
+                "stream_disk_written_bytes": store.disk_bytes("written")}
 
     # -- reporting ------------------------------------------------------------------
     def _bar(self, total: int, desc: str):
@@ -435,8 +461,8 @@ class Trainer:
         offload = f"{o.offload_train_target} ({self.offloader.backend})" if o.offload_train else "off"
         streaming = "off"
         if o.stream_optimizer_state_to_disk:
-            streaming = f"on ({o.stream_optimizer_state_moment_dtype} moments)"
-        parts = [f"greenroom train: {self.model_config.num_params():,} params on {self.device}",
+            streaming = f"on ({o.stream_optimizer_state_moment_dtype} moments): {self._streaming_words()}"
+        parts = [f"greenroom train: {self.model_config.num_params():,} params ({self.config.dtype}) on {self.device}",
                  f"{self.world_size} rank(s)", f"offload {offload}", f"streaming {streaming}"]
         if o.uses_disk:
             parts.append(resolve_compression(o.offload_train_disk_compression, cuda=self.device.type == "cuda",
@@ -452,6 +478,19 @@ class Trainer:
         if start:
             parts.append(f"resuming at iteration {start + 1}")
         return ", ".join(parts)
+
+    def _streaming_words(self) -> str:
+        """What streams and what stays resident on this rank."""
+        opt = self.optimizer
+        streamed = sum(local_tensor(p).numel() for p in opt.streamed)
+        resident = sum(local_tensor(p).numel() for p in opt.resident)
+        words = (f"{streamed:,} params stream ({human_bytes(opt.store.state_bytes)} of fp32 masters and moments "
+                 f"in {len(opt.store.buckets)} bucket file(s), read and written back every optimizer step), "
+                 f"{resident:,} stay resident (fp32 params of at most {opt.resident_numel:,} elements)")
+        if not streamed:
+            words += ("; WARNING: nothing streams, every param is a small fp32 one: use --dtype mixed or bf16, "
+                      "or a larger --d-model")
+        return words
 
     def _host_cache_words(self) -> str:
         """What ``--stream-optimizer-state-host-cache-gb`` holds on this rank (whole buckets only)."""
@@ -474,8 +513,12 @@ class Trainer:
         line = (f"iter {record['iteration']:>3}/{record['iterations']}  reward {record['reward']:.3f}  "
                 f"loss {record['loss']:+.4f}  train {record['train_s']:.2f}s  rollout {record['rollout_s']:.2f}s  "
                 f"sleep {record['sleep_s']:.3f}s ({record['sleep_gbps']:.2f} GB/s, "
-                f"wrote {human_bytes(record['sleep_written'])} of {human_bytes(record['sleep_bytes'])})  "
+                f"offloaded {human_bytes(record['offloaded_bytes'])}, wrote {human_bytes(record['sleep_written'])})  "
                 f"wake {record['wake_s']:.3f}s ({record['wake_gbps']:.2f} GB/s)  "
+                + (f"streamed read {human_bytes(record['stream_read_bytes'])} written "
+                   f"{human_bytes(record['stream_written_bytes'])} ({record['stream_gbps']:.2f} GB/s)  "
+                   if record["stream_read_bytes"] else "")
+                + (f"on disk {human_bytes(record['disk_stored_bytes'])}  " if self.rank_dir is not None else "") +
                 f"peak dev {record['peak_device_bytes'] / GB:.3f} GB  host {record['peak_host_rss'] / GB:.2f} GB")
         self._say(line)
         if self.metrics_file is not None:

@@ -1,0 +1,70 @@
+"""The flags the benches and ``doctor`` share with ``greenroom train``, spelled as train
+spells them (``--offload-train-disk-dir``, ...), each with its short alias (``--dir``)
+and the short ``dest`` the bench code reads. One place, so a bench never prints a train
+flag it then rejects.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MOMENT_DTYPES, TARGETS
+from greenroom.errors import ConfigError
+
+
+def disk_dir(parser: argparse.ArgumentParser, *, required: bool = False, positional: bool = False,
+             help: str = "a dir on node-local NVMe") -> None:
+    """``--offload-train-disk-dir DIR`` (alias ``--dir``); with ``positional``, a bare
+    DIR is accepted too (``greenroom doctor /nvme``)."""
+    parser.add_argument("--offload-train-disk-dir", "--dir", dest="dir", metavar="DIR", default=None,
+                        required=required and not positional, help=help)
+    if positional:
+        parser.add_argument("dir_positional", nargs="?", metavar="DIR", help="the same, given bare")
+
+
+def resolve_disk_dir(args: argparse.Namespace, command: str) -> str:
+    """The dir of a command that takes it bare or as the flag (one of the two)."""
+    given = [d for d in (args.dir_positional, args.dir) if d is not None]
+    if not given:
+        raise ConfigError(f"{command}: give the dir: --offload-train-disk-dir DIR (or DIR)")
+    if len(given) == 2 and given[0] != given[1]:
+        raise ConfigError(f"{command}: DIR {given[0]} and --offload-train-disk-dir {given[1]} differ: give one")
+    args.dir = given[0]
+    return args.dir
+
+
+def chunk_mb(parser: argparse.ArgumentParser, *, help: str = "pinned host staging, MiB (default %(default)s)") -> None:
+    parser.add_argument("--offload-train-disk-chunk-mb", "--chunk-mb", dest="chunk_mb", type=int,
+                        default=DEFAULT_CHUNK_MB, metavar="MB", help=help)
+
+
+def compression(parser: argparse.ArgumentParser, *, default: str | None = "auto", choices=COMPRESSIONS,
+                required: bool = False, help: str = "lossless codec of what goes to disk") -> None:
+    parser.add_argument("--offload-train-disk-compression", "--compression", dest="compression", choices=choices,
+                        default=default, required=required, help=f"{help} (default %(default)s)" if default else help)
+
+
+def moment_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stream-optimizer-state-moment-dtype", "--moment-dtype", dest="moment_dtype",
+                        choices=MOMENT_DTYPES, default="fp32", help="storage dtype of the streamed Adam moments")
+
+
+def host_cache_gb(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stream-optimizer-state-host-cache-gb", type=float, default=0.0, metavar="GB",
+                        help="host memory (GB) that keeps whole buckets off the disk (default 0: all stream)")
+
+
+def target(parser: argparse.ArgumentParser, *, default: str = "disk") -> None:
+    parser.add_argument("--offload-train-target", "--target", dest="target", choices=TARGETS, default=default,
+                        help="where the sleeping actor goes (default %(default)s)")
+
+
+def backend_and_mover(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--offload-backend", "--backend", dest="backend", choices=("auto", "tms", "portable"),
+                        default="auto", help="actor offload backend (default: torch_memory_saver on CUDA)")
+    parser.add_argument("--offload-mover", "--mover", dest="mover", choices=("greenroom", "tms"),
+                        default="greenroom", help="on torch_memory_saver: who copies the bytes")
+
+
+def json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,0 +1,70 @@
+"""The one syntax every command takes for sizes and counts.
+
+Bytes (``--size``, ``--raw-size``, ...): a number with an optional unit, binary
+``KiB MiB GiB TiB`` or decimal ``KB MB GB TB`` (``4GiB``, ``512MiB``, ``1.5GB``,
+``1000000``). Counts (``--params``): a number with an optional decimal suffix ``K M B T``
+or an exponent (``7B``, ``70B``, ``744e9``, ``1.5T``, ``2000000``).
+
+Both are argparse ``type=`` callables: a bad value is argparse's one-line error naming
+the flag, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_NUMBER = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def _parse(text: str, units: dict[str, int], what: str, examples: str) -> float:
+    match = _NUMBER.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in units:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what} (e.g. {examples})")
+    value = float(match.group(1)) * units[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive {what.split()[-1]}")
+    return value
+
+
+def parse_bytes(text: str) -> int:
+    """``4GiB`` -> 4294967296; a whole number of bytes."""
+    value = _parse(text, _BYTE_UNITS, "a size", "4GiB, 512MiB, 1.5GB, 1000000")
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def parse_count(text: str) -> int:
+    """``7B`` -> 7000000000; a whole count (of params, elements)."""
+    value = _parse(text, _COUNT_UNITS, "a count", "7B, 70B, 744e9, 2000000")
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def positive_int(text: str) -> int:
+    """A positive integer flag value (``--repeat 3``, ``--world-size 64``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A positive finite number (``--gpu-memory-gb 80``, ``--disk-read-gbps 6.5``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value

@@ -1,0 +1,52 @@
+"""The docs agree with the code: every Python snippet of README.md and docs/*.md compiles,
+imports what it imports and names only greenroom attributes that exist; the
+self-contained ones (the CPU examples) run; the README's flag table is the parser's."""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
+
+
+def python_snippets():
+    for path in DOCS:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if re.match(r"^```(python|py)\s*$", line):
+                    yield os.path.relpath(path, REPO), number
+
+
+SNIPPETS = list(python_snippets())
+RUNS_MARK = "(tests/test_docs.py runs this)"
+
+
+@pytest.mark.parametrize("where", [f"{p}:{n}" for p, n in SNIPPETS])
+def test_snippet_compiles_imports_and_runs_where_it_can(where, tmp_path):
+    path, line = where.rsplit(":", 1)
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime"), "SNIPPET_DIR": str(tmp_path),
+           "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "snippet_check.py"), path, line],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["problems"] == [], result
+    # A snippet that says it runs must have run (the CPU examples).
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+        marked = RUNS_MARK in "".join(f.readlines()[int(line):]).split("```", 1)[0]
+    assert result["ran"] or not marked, result
+    if result["missing"]:
+        pytest.skip(f"{where}: {', '.join(result['missing'])} not installed here; compiled and its greenroom "
+                    "names checked")
+
+
+def test_the_readme_flag_table_is_the_parsers():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "flag-table.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

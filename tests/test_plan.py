@@ -1,0 +1,147 @@
+"""`greenroom plan` as the run's budget, against figures computed by hand.
+
+Three shapes: the seed's (GLM-5.2 744B on 8 nodes of 4 GPUs at DP=1), a 7B run at DP=8 on
+one node, and a 70B run at TP=8 x DP=8 on 8 nodes of 8. Codec ``none`` where bytes are
+checked, so the stored bytes equal the raw ones; the codec's expected ratios have their
+own test in test_compression.py.
+"""
+
+import json
+import os
+
+import pytest
+
+from greenroom import plan as plan_cli
+from greenroom.budget import Layout
+from greenroom.config import OffloadFlags
+from tests.cli_support import greenroom, one_line_error
+
+GB = 1e9
+BUCKET_DEVICE_BYTES_FP32 = 200e6 * (2 * 12 + 4)  # two 200M-element buckets of 12 B + the fp32 grad scratch
+
+
+def plan(flags: dict, **layout) -> dict:
+    gpu = layout.pop("gpu_memory_gb", None)
+    host = layout.pop("host_memory_gb", None)
+    disk = layout.pop("disk_gbps", None)
+    flags = {"offload_train_disk_compression": "none", **flags}
+    return plan_cli.build_plan(OffloadFlags(**flags), Layout(**layout), role="actor", job="j", gpu_memory_gb=gpu,
+                               host_memory_gb=host, disk_gbps=disk)
+
+
+SEED = {"params": 744_000_000_000, "world_size": 32, "nproc_per_node": 4, "data_parallel": 1}
+
+
+def test_the_seeds_shape_needs_streaming():
+    p = plan({"stream_optimizer_state_to_disk": True}, **SEED, gpu_memory_gb=276.6, disk_gbps=(8.0, 4.0))
+    r = p["per_rank"]
+    assert p["model_parallel"] == 32
+    # 744e9 / 32 = 23.25e9 params per rank; bf16 weights and grads 2 B each.
+    assert r["model_params"] == r["optimizer_params"] == 23_250_000_000
+    assert r["weights"] == r["grads"] == 46_500_000_000
+    # fp32 master + two fp32 moments: 12 B x 23.25e9 = 279 GB (the seed's figure).
+    assert r["optimizer_state"] == r["optimizer_state_stored"] == 279_000_000_000
+    assert r["gpu"]["without_streaming"] == 372_000_000_000
+    assert r["gpu"]["with_streaming"] == 93_000_000_000 + BUCKET_DEVICE_BYTES_FP32
+    assert p["fits_gpu"] == {"without_streaming": False, "with_streaming": True}
+    assert r["disk"] == {"streaming": 279_000_000_000, "offload": 0, "total": 279_000_000_000}
+    assert p["per_node"]["disk"]["total"] == 4 * 279_000_000_000
+    assert r["host"] == {"staging": 256 << 20, "host_cache": 0, "pinned_actor_copy": 0, "total": 256 << 20}
+    assert p["per_node"]["host"]["total"] == 4 * (256 << 20)
+    # 8 GB/s read and 4 GB/s write per node, shared by 4 ranks: 2 and 1 GB/s per rank;
+    # a step reads and writes back 279 GB: 139.5 s + 279 s.
+    assert p["seconds"]["streamed_step"] == pytest.approx(418.5)
+    assert "sleep" not in p["seconds"] and p["problems"] == []
+    # Without streaming the same run is refused, and told what to add.
+    resident = plan({}, **SEED, gpu_memory_gb=276.6)
+    assert resident["per_rank"]["optimizer_state"] == 279_000_000_000
+    assert resident["problems"] == ["the model state needs 372.0 GB per rank without streaming, the GPU has 276.6 GB: "
+                                    "add --stream-optimizer-state-to-disk"]
+
+
+def test_the_seeds_command_as_the_issue_gives_it(monkeypatch):
+    monkeypatch.delenv("SCRATCH", raising=False)
+    env = {k: v for k, v in os.environ.items() if k != "SCRATCH"}
+    proc = greenroom("plan", "--params", "744e9", "--world-size", "32", "--nproc-per-node", "4", "--data-parallel",
+                     "1", "--gpu-memory-gb", "276.6", "--stream-optimizer-state-to-disk", "--json", env=env, check_rc=0)
+    p = json.loads(proc.stdout)
+    assert p["per_rank"]["optimizer_state"] == 279_000_000_000
+    assert p["fits_gpu"] == {"without_streaming": False, "with_streaming": True}
+    assert "disk_dir" not in p  # no dir anywhere: the budget, without the free-space check
+    text = greenroom("plan", "--params", "744B", "--world-size", "32", "--nproc-per-node", "4", "--data-parallel",
+                     "1", "--gpu-memory-gb", "276.6", "--stream-optimizer-state-to-disk", env=env, check_rc=0).stdout
+    assert "optimizer state 279.0 GB" in text and "without streaming 372.0 GB (DOES NOT FIT)" in text
+
+
+SEVEN_B = {"params": 7_000_000_000, "world_size": 8, "nproc_per_node": 8, "data_parallel": 8}
+
+
+def test_7b_at_dp8():
+    p = plan({}, **SEVEN_B, gpu_memory_gb=80)
+    r = p["per_rank"]
+    assert p["model_parallel"] == 1
+    # DDP: every rank holds all 7e9 params: 14 + 14 + 84 GB.
+    assert (r["weights"], r["grads"], r["optimizer_state"]) == (14e9, 14e9, 84e9)
+    assert p["fits_gpu"] == {"without_streaming": False, "with_streaming": True}
+    # ZeRO-1 divides the optimizer state by 8: 10.5 GB, 38.5 GB in all.
+    zero1 = plan({}, **SEVEN_B, sharding="optimizer", gpu_memory_gb=80)
+    assert zero1["per_rank"]["optimizer_state"] == 10.5e9 and zero1["per_rank"]["gpu"]["without_streaming"] == 38.5e9
+    assert zero1["problems"] == []
+    # FSDP divides the weights and grads too: 1.75 + 1.75 + 10.5 GB.
+    fsdp = plan({}, **SEVEN_B, sharding="full", gpu_memory_gb=80)
+    assert fsdp["per_rank"]["gpu"]["without_streaming"] == 14e9
+    # Streaming with bf16 moments: 4 + 2 + 2 = 8 B/param on disk, 56 GB per rank, 448 GB per node.
+    bf16 = plan({"stream_optimizer_state_to_disk": True, "stream_optimizer_state_moment_dtype": "bf16"}, **SEVEN_B)
+    assert bf16["per_rank"]["disk"]["streaming"] == 56e9 and bf16["per_node"]["disk"]["total"] == 448e9
+    assert bf16["per_rank"]["gpu"]["with_streaming"] == 28e9 + 200e6 * (2 * 8 + 4)
+
+
+SEVENTY_B = {"params": 70_000_000_000, "world_size": 64, "nproc_per_node": 8, "data_parallel": 8}
+
+
+def test_70b_at_tp8_dp8():
+    p = plan({}, **SEVENTY_B, gpu_memory_gb=80)
+    r = p["per_rank"]
+    # TP=8: 8.75e9 params per rank; 17.5 + 17.5 + 105 = 140 GB.
+    assert p["model_parallel"] == 8 and r["model_params"] == 8.75e9
+    assert r["gpu"]["without_streaming"] == 140e9 and p["fits_gpu"]["without_streaming"] is False
+    zero1 = {**SEVENTY_B, "sharding": "optimizer", "gpu_memory_gb": 80}
+    # Distributed optimizer: 105 / 8 = 13.125 GB of state; 48.125 GB fits 80.
+    assert plan({}, **zero1)["per_rank"]["gpu"]["without_streaming"] == 48.125e9
+    # cpu target: each rank pins a copy of its paused actor (48.125 GB), 385 GB per node.
+    cpu = {"offload_train": True}
+    assert plan(cpu, **zero1, host_memory_gb=512)["per_node"]["host"]["total"] == 385e9
+    assert plan(cpu, **zero1, host_memory_gb=512)["problems"] == []
+    small = plan(cpu, **zero1, host_memory_gb=256)
+    assert small["fits_host"] is False and "need 385.0 GB of host memory" in small["problems"][0]
+    # disk target: the same 48.125 GB per rank go to disk; 16/8 GB/s per node over 8 ranks
+    # is 2/1 GB/s per rank: sleep 48.125 s, wake 24.0625 s.
+    disk = plan({"offload_train": True, "offload_train_target": "disk"}, **zero1, disk_gbps=(16.0, 8.0))
+    assert disk["per_rank"]["disk"]["offload"] == 48.125e9 and disk["per_rank"]["host"]["staging"] == 256 << 20
+    assert disk["seconds"]["sleep"] == pytest.approx(48.125) and disk["seconds"]["wake"] == pytest.approx(24.0625)
+
+
+def test_a_node_of_ranks_is_checked_against_the_nodes_host_memory():
+    # The issue's case: 5 GB of host cache x 8 ranks on a 23 GB machine.
+    flags = {"stream_optimizer_state_to_disk": True, "stream_optimizer_state_host_cache_gb": 5.0}
+    p = plan(flags, params=70_000_000_000, world_size=8, nproc_per_node=8, data_parallel=8, host_memory_gb=23)
+    assert p["per_rank"]["host"]["host_cache"] == 5e9 and p["fits_host"] is False
+
+
+def test_plan_cli_refuses_what_does_not_fit_in_one_line():
+    proc = greenroom("plan", "--params", "70B", "--world-size", "64", "--nproc-per-node", "8", "--data-parallel", "8",
+                     "--gpu-memory-gb", "80")
+    assert "the model state needs 140.0 GB per rank without streaming" in one_line_error(proc)
+
+
+def test_plan_measures_the_disk_when_asked(disk_dir):
+    """``--measure-disk`` runs doctor's probe on the disk dir; the seconds follow from it."""
+    proc = greenroom("plan", "--params", "1e6", "--offload-train", "--offload-train-target", "disk",
+                     "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
+                     "--offload-train-disk-compression", "none", "--measure-disk", "--json", check_rc=0)
+    p = json.loads(proc.stdout)
+    assert p["disk_gbps"]["source"] == "measured" and p["disk_gbps"]["read"] > 0
+    read, write = p["seconds"]["read_bytes_per_s_per_rank"], p["seconds"]["write_bytes_per_s_per_rank"]
+    # 1e6 bf16 params: 12 MB streamed per step each way; 4 MB of weights and grads per sleep.
+    assert p["seconds"]["streamed_step"] == pytest.approx(12e6 / read + 12e6 / write)
+    assert p["seconds"]["sleep"] == pytest.approx(4e6 / write) and p["seconds"]["wake"] == pytest.approx(4e6 / read)
