@@ -4,7 +4,9 @@ breaks the disk under itself at a chosen I/O call; used by tests/test_faults.py.
     python fault_worker.py SCENARIO DIR BREAK [ARG]
 
 SCENARIO: ``step`` (StreamingAdam, 4 buckets), ``sleep`` or ``wake`` (the portable
-actor offloader, disk target). BREAK: ``shutdown`` (the ext4 shutdown ioctl on the
+actor offloader, disk target); ``wake-retry`` and ``sleep-retry`` run under strace's
+fault injection instead (BREAK ``none``): they catch the first failure, print what state
+the offloader is in, and try again (see ``retry``). BREAK: ``shutdown`` (the ext4 shutdown ioctl on the
 file: every later I/O of the filesystem fails with EIO), ``none`` (the disk breaks by
 itself: a thin device that runs out of space) or ``dm:NAME`` (switch the
 device-mapper device NAME to the ``error`` target). The break happens right before the
@@ -72,6 +74,8 @@ def main() -> int:
         opt.step()
         opt.close()
         return 0
+    if scenario.endswith("-retry"):
+        return retry(scenario, directory)
     from greenroom.actor.offloader import PortableOffloader
 
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4)))  # 16 MiB
@@ -86,6 +90,43 @@ def main() -> int:
         offloader.sleep()
         arm("read", nth, how)
         offloader.wake()
+    offloader.close()
+    return 0
+
+
+def retry(scenario: str, directory: str) -> int:
+    """An actor of many small tensors (so a transfer that failed early is long finished
+    when the last is submitted) sleeps and wakes; the first failure of the phase strace
+    breaks is caught and reported on stdout with the offloader's state, then the phase is
+    tried again and the tensors compared with what they were before the sleep."""
+    from greenroom.actor.offloader import PortableOffloader
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(128)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    offloader = PortableOffloader(target="disk", offload_dir=directory, chunk_bytes=1 << 16).track(model)
+
+    def same() -> bool:
+        return all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    first = offloader.sleep if scenario == "sleep-retry" else offloader.wake
+    if scenario == "wake-retry":
+        offloader.sleep()
+    try:
+        first()
+        print("first: returned")
+    except GreenroomError as e:
+        print(f"first: raised: {e}")
+    print(f"asleep: {offloader.is_asleep}")
+    print(f"files: {sorted(os.listdir(directory))}")
+    if scenario == "sleep-retry":
+        print(f"awake and unchanged: {not offloader.is_asleep and same()}")
+        try:
+            offloader.wake()
+        except GreenroomError as e:
+            print(f"wake: raised: {e}")
+        offloader.sleep()
+    offloader.wake()
+    print(f"identical after the retry: {same()}")
     offloader.close()
     return 0
 

@@ -428,6 +428,8 @@ def test_a_chunks_frames_are_packed_and_move_in_one_io(tmp_path, zstd, monkeypat
 
 
 def test_a_reader_with_smaller_staging_than_the_writer_is_refused_larger_reads(tmp_path, zstd):
+    """Written with an 8 MiB chunk, read with 4: the line names both chunk sizes (it used to
+    name "this run's 1 MiB", one staging buffer, a size no flag takes; issue 30 case 9)."""
     t = _compressible(torch.float32, 4 * EXTENT // 4)
     path = str(tmp_path / "bucket")
     with StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f:
@@ -438,7 +440,9 @@ def test_a_reader_with_smaller_staging_than_the_writer_is_refused_larger_reads(t
             engine.read(back, f, 0).wait()
         assert torch.equal(_bytes(back), _bytes(t))
         with TransferEngine(CHUNK // 2) as engine, \
-                pytest.raises(ConfigError, match="larger staging buffers than this run's 1 MiB") as err:
+                pytest.raises(ConfigError, match=r"staging buffers of at least 2 MiB each \(--offload-train-disk-"
+                                                 r"chunk-mb 8 or more\), larger than this run's 1 MiB each "
+                                                 r"\(--offload-train-disk-chunk-mb 4\)") as err:
             engine.read(back, f, 0).wait()
     assert path in str(err.value) and "--offload-train-disk-chunk-mb" in str(err.value) and "\n" not in str(err.value)
 

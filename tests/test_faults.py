@@ -120,10 +120,11 @@ def dm_linear(tmp_path):
             yield state, name
 
 
-def run_worker(*args: str) -> subprocess.CompletedProcess:
-    """The worker in its own process group, killed (and the test failed) if it hangs."""
+def run_worker(*args: str, prefix=()) -> subprocess.CompletedProcess:
+    """The worker in its own process group (under ``prefix``, strace say), killed (and
+    the test failed) if it hangs."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "runtime"), REPO]))
-    proc = subprocess.Popen([sys.executable, WORKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([*prefix, sys.executable, WORKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=WATCHDOG_S)

@@ -95,11 +95,11 @@ def test_interrupted_save_leaves_the_previous_checkpoint_intact(saved, monkeypat
     calls = []
     real_copy = ckpt.copy_file
 
-    def copy_then_fail(src, dst, size):
+    def copy_then_fail(src, dst, size, **kw):
         calls.append(src)
         if len(calls) == 2:
             raise KeyboardInterrupt  # as a ^C half way through the bucket files
-        return real_copy(src, dst, size)
+        return real_copy(src, dst, size, **kw)
 
     monkeypatch.setattr(ckpt, "copy_file", copy_then_fail)
     with pytest.raises(KeyboardInterrupt):

@@ -4,6 +4,8 @@ mid-delete, an aside symlink, and a reclaimer still at work. Real processes and 
 import fcntl
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -11,6 +13,7 @@ from greenroom.reclaim import TRASH_PREFIX, reclaim
 from tests.cli_support import greenroom, one_line_error
 from tests.test_reclaim import dead_owner
 from tests.test_rankdir import start_holder
+from tests.test_train import REPO, env
 
 
 def aside_entries(root):
@@ -82,3 +85,28 @@ def test_min_age_must_be_finite_and_not_negative(disk_dir, age):
     line = one_line_error(greenroom("reclaim", disk_dir, f"--min-age={age}"))
     assert "--min-age must be a finite number of seconds >= 0" in line
     assert os.path.isdir(dead)
+
+
+def test_reclaim_removing_the_parent_a_starting_trainer_is_populating_never_breaks_it(disk_dir, tmp_path_factory):
+    """Issue 30 case 6 (the chart starts init containers and trainers together): the
+    trainer stops between making ``<job>/<role>`` and its rank dir in it; reclaim then
+    removes a dead sibling rank's dir and the now empty parents. The trainer used to die
+    with a FileNotFoundError traceback; it makes the path again and runs."""
+    dead = dead_owner(disk_dir, job="job", rank=1)
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "greenroom.cli", "train", "--offload-train", "--offload-train-target", "disk",
+         "--offload-train-disk-dir", disk_dir, "--iterations", "1", "--prompts", "4", "--group-size", "2",
+         "--minibatches", "1", "--d-model", "16", "--no-progress",
+         "--metrics", str(tmp_path_factory.mktemp("m") / "m.jsonl")],
+        env={**env(), "GREENROOM_JOB_ID": "job", "GREENROOM_TEST_STOP_AT": "rankdir-parents"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    _, status = os.waitpid(trainer.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), "the trainer ended before making its rank dir"
+    swept = greenroom("reclaim", disk_dir, check_rc=0)
+    assert f"reclaimed: {dead}" in swept.stdout
+    assert not os.path.exists(os.path.join(disk_dir, "job")), "reclaim removed the empty parents"
+    os.kill(trainer.pid, signal.SIGCONT)
+    out, err = trainer.communicate(timeout=300)
+    assert trainer.returncode == 0 and "Traceback" not in err, err
+    assert "iter   1/1" in out
+    assert os.listdir(disk_dir) == []

@@ -527,6 +527,10 @@ class Transfer:
             raise self._error
         return self.nbytes
 
+    def unreported_error(self) -> bool:
+        """Whether the transfer failed and nobody has seen its error yet."""
+        return self._error is not None and not self._reported
+
     def _wait_unreported(self) -> None:
         """Like wait(), but an error some caller already saw is not raised twice."""
         self._done.wait()
@@ -641,7 +645,7 @@ class TransferEngine:
                                      f"{file.label}: they were not written through greenroom's I/O engine "
                                      "since the file was opened, so they cannot be read")
             chunks = _frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
-                                   shifts=stored[:, 1].tolist())
+                                   shifts=stored[:, 1].tolist(), buffers=len(self.staging.buffers))
         transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
                             mirror=mirror, expected=expected, _finish=finish)
         ready = None
@@ -649,7 +653,10 @@ class TransferEngine:
             # Copies must see everything the caller's stream has queued on the tensor.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(data.device))
-        self._inflight = [t for t in self._inflight if not t.done()] + [transfer]
+        # A finished transfer leaves the list only once nothing is left to report: one that
+        # failed stays until drain() raises its error (a caller waiting on the engine alone
+        # must see every failure, not just those of transfers still running).
+        self._inflight = [t for t in self._inflight if not t.done() or t.unreported_error()] + [transfer]
         self._jobs.put((kind, data, file, offset, transfer, ready, chunks))
         return transfer
 
@@ -955,7 +962,8 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(start, end) for start, end in merged]
 
 
-def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile, shifts=None) -> list:
+def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile, shifts=None,
+                  buffers: int = DEFAULT_DEPTH) -> list:
     """The chunks of a transfer of a compressed file: whole frames (one per ``EXTENT`` of
     the file that the transfer touches), at most ``step`` bytes together. Each chunk is
     ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
@@ -981,9 +989,13 @@ def _frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: Stat
             while j > i + 1 and shifts[j]:
                 j -= 1
             if shifts[j]:
-                raise ConfigError(f"{file.path}: {file.label} was written through larger staging buffers than "
-                                  f"this run's {step >> 20} MiB: raise --offload-train-disk-chunk-mb to what the "
-                                  "run that wrote it used")
+                # The writer's chunk ran from frame i to the next frame at its own place.
+                k = next((k for k in range(j, len(frames)) if not shifts[k]), len(frames))
+                span = -(-(frames[k - 1][0] + frames[k - 1][1] - frames[i][0]) // (1 << 20))
+                raise ConfigError(f"{file.path}: {file.label} was written through staging buffers of at least "
+                                  f"{span} MiB each (--offload-train-disk-chunk-mb {span * buffers} or more), "
+                                  f"larger than this run's {step >> 20} MiB each (--offload-train-disk-chunk-mb "
+                                  f"{(step * buffers) >> 20}): resume with the chunk size of the run that wrote it")
         chunk_start = frames[i][0]
         chunk_end = frames[j - 1][0] + frames[j - 1][1]
         chunks.append((chunk_start, chunk_end - chunk_start,

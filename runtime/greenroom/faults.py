@@ -2,8 +2,11 @@
 
 ``GREENROOM_TEST_KILL_AT=<point>`` (or ``<point>@<n>`` for its n-th visit) makes the
 process SIGKILL itself when it reaches that point: no cleanup, no flush, exactly what
-a node failure or the OOM killer does. Unset (always, outside the tests), a kill point
-costs one dict lookup. The points are listed in docs/reliability.md.
+a node failure or the OOM killer does. ``GREENROOM_TEST_STOP_AT`` (same syntax) makes it
+SIGSTOP itself there instead, so a test can act at that exact moment (flip a byte, run
+a racing process) and then SIGCONT it: a race made deterministic. Unset (always,
+outside the tests), a point costs one dict lookup per variable. The points are listed
+in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -12,16 +15,19 @@ import os
 import signal
 
 ENV = "GREENROOM_TEST_KILL_AT"
-_visits: dict[str, int] = {}
+STOP_ENV = "GREENROOM_TEST_STOP_AT"
+_visits: dict[tuple[str, str], int] = {}
 
 
 def kill_point(name: str) -> None:
-    wanted = os.environ.get(ENV)
-    if not wanted:
-        return
-    point, _, nth = wanted.partition("@")
-    if point != name:
-        return
-    _visits[name] = _visits.get(name, 0) + 1
-    if _visits[name] >= int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+    for env, signum in ((ENV, signal.SIGKILL), (STOP_ENV, signal.SIGSTOP)):
+        wanted = os.environ.get(env)
+        if not wanted:
+            continue
+        point, _, nth = wanted.partition("@")
+        if point != name:
+            continue
+        key = (env, name)
+        _visits[key] = _visits.get(key, 0) + 1
+        if _visits[key] == int(nth or 1) or (signum == signal.SIGKILL and _visits[key] > int(nth or 1)):
+            os.kill(os.getpid(), signum)

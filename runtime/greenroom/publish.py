@@ -28,15 +28,30 @@ dir is never mistaken for a complete one.
 Small JSON files (the records, the trainer's meta and manifests) carry a CRC-32 of their
 own content (``write_checked_json``/``read_checked_json``), so a damaged one is named,
 never misread.
+
+Note [one writer per checkpoint dir]: two saves to one ``P`` would each stage, publish
+and report success, and ``P`` would hold one of them; a load settling ``P`` while a
+save writes ``P.new`` would discard the save's files under it. So every save, and
+every settle before a load, runs under ``locked(P)``: an exclusive ``flock`` on
+``P.lock`` beside it, whose content names the holder. A second process is refused in
+one line naming the holder (never queued: a save that waits would then silently
+replace the first). ``greenroom train`` takes it for ``--save`` at start-up and holds
+it for the run, so a second trainer is refused before it trains. The lock file is
+removed on release (a process that then wins the lock on the removed inode sees the
+path name another one and starts over, as ``greenroom.rankdir`` does); one a killed
+process left is reused by the next save or load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
 import uuid
 import zlib
 
@@ -46,6 +61,8 @@ from greenroom.faults import kill_point
 GENERATION = "generation.json"
 NEW_SUFFIX = ".new"
 OLD_SUFFIX = ".old"
+LOCK_SUFFIX = ".lock"
+_held: dict[str, list[int]] = {}  # checkpoint path -> [lock fd, depth]: this process's locks
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -59,7 +76,8 @@ def completion_markers(path: str) -> list[str]:
 
 
 def has_checkpoint(path: str) -> bool:
-    return any(os.path.exists(marker) for marker in completion_markers(path))
+    # Resolved as every save and load resolves it: a killed save beside a symlink's target counts.
+    return any(os.path.exists(marker) for marker in completion_markers(os.path.realpath(path)))
 
 
 def _crc_of(payload: dict) -> str:
@@ -173,6 +191,77 @@ def discard(path: str) -> None:
         shutil.rmtree(path)
     else:
         os.unlink(path)
+
+
+# -- one writer per checkpoint dir (Note [one writer per checkpoint dir]) ------------------
+@contextlib.contextmanager
+def locked(path: str, *, reading: bool = False):
+    """Hold ``path``'s checkpoint lock for the block (re-entrant within the process).
+    ``reading``: for a load, where a read-only location (no lock file can be made, so
+    no save can run there either) is read without it."""
+    path = os.path.realpath(path)
+    held = _held.get(path)
+    if held is not None:
+        held[1] += 1
+        try:
+            yield
+        finally:
+            held[1] -= 1
+        return
+    fd = _acquire(path, reading)
+    if fd < 0:
+        yield
+        return
+    _held[path] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _held[path]
+        _release(path + LOCK_SUFFIX, fd)
+
+
+def _acquire(path: str, reading: bool) -> int:
+    lock_path = path + LOCK_SUFFIX
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if reading and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                return -1
+            raise StorageError(f"{lock_path}: cannot create the checkpoint dir's lock file ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "a process"
+            os.close(fd)
+            if reading:
+                raise CheckpointError(
+                    f"{path}: another process ({holder}) holds {lock_path}: it saves there, and a load now could "
+                    "read a checkpoint it is replacing: load it once that run is done, or load a copy") from None
+            raise CheckpointError(
+                f"{path}: another process ({holder}) holds {lock_path}: it is saving there (or resuming from "
+                "it) now, and a second save would replace its checkpoint or be replaced by it: wait for it to "
+                "finish, or give this run another checkpoint dir") from None
+        try:
+            same = os.stat(lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # its holder removed it as we opened it: start over
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def _release(lock_path: str, fd: int) -> None:
+    try:
+        if os.stat(lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+            os.unlink(lock_path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
 
 
 # -- the protocol ----------------------------------------------------------------------

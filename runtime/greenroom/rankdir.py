@@ -22,6 +22,13 @@ so two owners never write the same files. A rank dir opened for a plain path (se
 Note [lock inode]: a reclaimer deletes a dir while holding its lock, so a starting rank
 can win a lock on a file that is being unlinked. After ``flock`` succeeds the rank checks
 that the path still names the inode it locked and starts over if not.
+
+Note [vanishing parents]: ``greenroom reclaim`` (and a sibling rank's ``close``) removes
+an empty ``<job>/<role>`` parent with ``rmdir``, which only succeeds on an empty dir but
+can land between a starting rank's creating that parent and creating its rank dir in
+it (every multi-pod node under the chart: init containers and trainers start
+together). The rank's ``mkdir`` then fails with ENOENT, and it makes the whole path
+again; once its rank dir exists the parent is not empty and stays.
 """
 
 from __future__ import annotations
@@ -41,11 +48,13 @@ import uuid
 
 from greenroom import fs
 from greenroom.errors import ConfigError, StorageError
+from greenroom.faults import kill_point
 
 LOCK_NAME = ".lock"
 OWNER_NAME = "owner.json"
 DIR_MODE = 0o700
 LOCK_WAIT_SECONDS = 3.0
+PARENT_RETRIES = 100  # Note [vanishing parents]: each retry needs another rmdir to land in the gap
 
 
 # Without a scheduler each process is its own job, the same one for all of its rank dirs
@@ -141,6 +150,20 @@ def _make_rank_path(root: str, path: str) -> None:
         _mkdir_own(os.path.join(root, *relative[:i]))
 
 
+def _make_rank_dir(root: str, path: str) -> None:
+    """Create ``path`` and its parents below ``root``; see Note [vanishing parents]."""
+    for _ in range(PARENT_RETRIES):
+        try:
+            _make_rank_path(root, os.path.dirname(path))
+            kill_point("rankdir-parents")
+            _mkdir_own(path)  # the rank dir alone: a parent removed meanwhile is ENOENT here
+            return
+        except FileNotFoundError:
+            continue
+    raise StorageError(f"{path}: its parent dir was removed {PARENT_RETRIES} times while this rank created it "
+                       "(a reclaimer in a loop?); stop it and start again")
+
+
 def write_json_atomic(path: str, payload: dict) -> None:
     """Write ``payload`` so readers see the old file or the new one, never half."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -184,11 +207,24 @@ class RankDir:
     def open(self) -> "RankDir":
         if self._lock_fd >= 0:
             return self
+        try:
+            return self._open()
+        except OSError as e:
+            # A full disk (no block left for a dir or the owner record), a read-only or
+            # failing one: one line naming the path, never a traceback.
+            self.close()
+            name = errno.errorcode.get(e.errno, str(e.errno))
+            advice = ("free space there or point --offload-train-disk-dir at another disk"
+                      if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check --offload-train-disk-dir")
+            raise StorageError(f"{e.filename or self.path}: setting up this rank's dir {self.path} failed: "
+                               f"{e.strerror} ({name}); {advice}") from None
+
+    def _open(self) -> "RankDir":
         self._check_root()
         deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while True:
             try:
-                _make_rank_path(self.root, self.path)
+                _make_rank_dir(self.root, self.path)
             except PermissionError as e:  # a <job> or <role> dir of another user
                 raise ConfigError(f"{self.path}: cannot create {e.filename}: permission denied; "
                                   "use a root of your own or another job id") from None
@@ -207,8 +243,7 @@ class RankDir:
                 if time.monotonic() < deadline:  # a reclaimer holds it only while deleting
                     time.sleep(0.1)
                     continue
-                raise StorageError(f"{self.path} is held by a live process ({self._describe_owner()}); "
-                                   "give each rank its own --rank/--role, or stop the other run") from None
+                raise StorageError(self._held_message()) from None
             try:
                 same = os.stat(os.path.join(self.path, LOCK_NAME)).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -305,13 +340,23 @@ class RankDir:
             record["pod_uid"] = os.environ["GREENROOM_POD_UID"]
         return record
 
-    def _describe_owner(self) -> str:
+    def _held_message(self) -> str:
+        """Why the lock is taken: by the live run the owner record names, or, when that
+        run is gone, by a reclaimer deleting what it left."""
         try:
             with open(os.path.join(self.path, OWNER_NAME), encoding="utf-8") as f:
                 owner = json.load(f)
-            return f"pid {owner.get('pid')} on {owner.get('host')}"
+            who = f"pid {owner.get('pid')} on {owner.get('host')}"
         except (OSError, ValueError):
-            return "owner unknown"
+            owner, who = {}, "owner unknown"
+        if not isinstance(owner, dict):
+            owner, who = {}, "owner unknown"
+        if owner.get("host") == socket.gethostname() and owner.get("boot_id") == boot_id() \
+                and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
+            return (f"{self.path} is locked, but not by its recorded owner ({who}, which has exited): a "
+                    "`greenroom reclaim` is deleting what that run left; start again once it is done")
+        return (f"{self.path} is held by a live process ({who}), another run with the same job id, --role and "
+                "rank: give this run its own --role or job id ($GREENROOM_JOB_ID), or stop the other run")
 
     def _wipe_contents(self) -> None:
         with os.scandir(self.path) as entries:
@@ -341,6 +386,16 @@ class RankDir:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
         self._previous_handlers.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def _raise_exit(signum, _frame) -> None:

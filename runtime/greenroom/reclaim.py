@@ -244,6 +244,7 @@ def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: flo
         lock_fd, held = _lock(dir_fd)
         if held:
             return Decision(path, "kept", "locked by a live process", owner=_read_owner(dir_fd))
+        kill_point("reclaim-locked")
         if lock_fd >= 0:
             try:
                 if os.stat(LOCK_NAME, dir_fd=dir_fd, follow_symlinks=False).st_ino != os.fstat(lock_fd).st_ino:

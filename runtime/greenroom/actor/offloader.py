@@ -96,6 +96,7 @@ class Offloader:
         self.liveness = Liveness() if self.backend != "none" else None
         self.last_sleep: PhaseStats | None = None
         self.last_wake: PhaseStats | None = None
+        self._failed_sleep: str | None = None  # the first line of the last sleep's error, if it failed
         self.state_dir = None  # the claimed offload dir (greenroom.statedir), released after the files close
 
     def track(self, *sources) -> "Offloader":
@@ -135,7 +136,14 @@ class Offloader:
             if callable(release):
                 release()
         units = self._units() if self.backend != "none" else []
-        moved = self._sleep(units)
+        try:
+            moved = self._sleep(units)
+        except BaseException as e:
+            # Nothing was given back yet (the device copy goes only after every byte is
+            # written and synced): the sleep is undone, the actor stays awake as it was.
+            self._failed_sleep = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise
+        self._failed_sleep = None
         self._synchronize()
         self._asleep = units
         self.last_sleep = self._stats(start, units, moved)
@@ -145,6 +153,10 @@ class Offloader:
         """Bring everything back. If it fails (an I/O error, no device memory yet), the
         offloader stays asleep with its copies intact and ``wake()`` can be tried again."""
         if not self.is_asleep:
+            if self._failed_sleep is not None:
+                raise GreenroomError(f"actor offload: wake() after a failed sleep: nothing to wake, the sleep was "
+                                     f"undone and every tensor is still on the device as it was (the sleep failed "
+                                     f"with: {self._failed_sleep})")
             raise GreenroomError("actor offload: wake() while awake: call sleep() first")
         start = time.perf_counter()
         units = self._asleep
@@ -286,7 +298,14 @@ class PortableOffloader(Offloader):
         for u in units:
             if u.storage.nbytes() != u.nbytes:
                 u.storage.resize_(u.nbytes)
-        return self._mover.restore(units)
+        try:
+            return self._mover.restore(units)
+        except BaseException:
+            # Still asleep: give the memory back again, so no tensor holds bytes that were
+            # not (all) read back; the copies are intact and wake() can be tried again.
+            for u in units:
+                u.storage.resize_(0)
+            raise
 
     @contextlib.contextmanager
     def rollout_region(self):

@@ -27,6 +27,15 @@ Masters stored as a remainder (the default for bf16 params) follow their params 
 fingerprint instead: a block of 4096 elements whose params changed is re-seeded whole
 (``greenroom.optim.remainder`` Note [remainder]); ``master_layout="fp32"`` keeps the
 per-element rule above.
+
+Note [a failed step poisons]: a step that raises part way (an I/O error writing bucket 3,
+a flipped bit found in bucket 5) has updated some buckets, counters and params and not
+others, and which is not recorded anywhere; a bucket whose write-back failed may even
+read back as its pre-step bytes, checksums and all. Stepping on from there trains a
+state no run without the fault would reach, silently. So the first failure is kept, and
+every later ``step()``, ``state_dict()`` and ``save_checkpoint()`` raises one line naming
+it, until the whole state is replaced: ``load_checkpoint``, ``load_state_dict`` or
+``initialize_state``.
 """
 
 from __future__ import annotations
@@ -112,6 +121,7 @@ class StreamingAdam(torch.optim.Optimizer):
             raise ConfigError(f"StreamingAdam: master_layout must be one of {', '.join(MASTER_LAYOUTS)}, "
                               f"got {master_layout!r}")
         self._store: BucketStore | None = None
+        self._failed: str | None = None  # Note [a failed step poisons]
         self.master_layout = master_layout
         self.resident_numel = resident_numel
         self.streamed: list[torch.Tensor] = []  # the param of each store entry
@@ -201,6 +211,15 @@ class StreamingAdam(torch.optim.Optimizer):
         """Fresh state: masters from the params, zero moments, no steps taken."""
         self.state.clear()
         self.store.initialize(lambda i: local_tensor(self.streamed[i]))
+        self._failed = None
+
+    def _refuse_if_failed(self, what: str) -> None:
+        """See Note [a failed step poisons]."""
+        if self._failed is not None:
+            raise GreenroomError(
+                f"StreamingAdam: {what} refused: an earlier step() failed ({self._failed}) and left the state "
+                "partly updated (some buckets stepped, some not); load a checkpoint (load_checkpoint or "
+                "load_state_dict) before stepping or saving again")
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; after construction the new params' state goes in new buckets
@@ -242,6 +261,7 @@ class StreamingAdam(torch.optim.Optimizer):
         ``greenroom.optim.state_dict``."""
         from greenroom.optim.state_dict import export_state_dict
 
+        self._refuse_if_failed("state_dict()")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         out = export_state_dict(self)
@@ -260,6 +280,7 @@ class StreamingAdam(torch.optim.Optimizer):
             if hooked is not None:
                 state_dict = hooked
         import_state_dict(self, state_dict)
+        self._failed = None  # every bucket and counter was just replaced
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -268,6 +289,7 @@ class StreamingAdam(torch.optim.Optimizer):
         where the filesystem can); see ``optim.checkpoint``. Returns what it moved."""
         from greenroom.optim.checkpoint import save_checkpoint
 
+        self._refuse_if_failed("save_checkpoint()")
         return save_checkpoint(self, path)
 
     def checkpoint_next_step(self, path: str) -> None:
@@ -285,6 +307,7 @@ class StreamingAdam(torch.optim.Optimizer):
         from greenroom.optim.checkpoint import load_checkpoint
 
         load_checkpoint(self, path, no_load_optim=no_load_optim)
+        self._failed = None  # every bucket, counter and group was just replaced
 
     # -- what a checkpoint reads (optim.checkpoint.StreamedState) -----------------------
     def keyed_params(self) -> dict[str, torch.Tensor]:
@@ -316,6 +339,7 @@ class StreamingAdam(torch.optim.Optimizer):
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
+        self._refuse_if_failed("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -324,16 +348,20 @@ class StreamingAdam(torch.optim.Optimizer):
             self._create_state()
             return loss
         self._refuse_frozen_grads()
-        self._step_resident()
-        for p in self.empty:
-            if p.grad is not None:
-                self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
-        store = self.store
-        needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
-        pending, self._pending_checkpoint = self._pending_checkpoint, None  # checkpoint_next_step's
-        with pending.during_step() if pending is not None else contextlib.nullcontext():
-            for bucket_state in store.stream(needed, mirror=pending):
-                self._step_bucket(bucket_state)
+        try:
+            self._step_resident()
+            for p in self.empty:
+                if p.grad is not None:
+                    self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
+            store = self.store
+            needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
+            pending, self._pending_checkpoint = self._pending_checkpoint, None  # checkpoint_next_step's
+            with pending.during_step() if pending is not None else contextlib.nullcontext():
+                for bucket_state in store.stream(needed, mirror=pending):
+                    self._step_bucket(bucket_state)
+        except BaseException as e:
+            self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise
         if pending is not None:
             self.last_checkpoint = pending
         return loss

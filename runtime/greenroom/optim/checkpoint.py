@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from greenroom import publish
-from greenroom.diskio import ALIGNMENT, EXTENT, StateFile, _aligned_host, page_sums, pread_all, pwrite_all
+from greenroom.diskio import ALIGNMENT, EXTENT, StateFile, _aligned_host, align_up, page_sums, pread_all, pwrite_all
 from greenroom.errors import CheckpointError, IntegrityError, StorageError
 from greenroom.log import get_logger
 from greenroom.optim import reflink
@@ -127,9 +127,16 @@ def save_checkpoint(opt: StreamedState, path: str) -> dict:
     """Write ``opt``'s whole state to the directory ``path``, replacing it atomically
     (``greenroom.publish``: the previous checkpoint stays until this one is complete).
     Returns how: ``{"kind": "clone" or "copy", "bytes_read": ..., "bytes_written": ...}``
-    (the state's bytes the save moved; a clone moves only the checksum tables)."""
-    path = os.path.abspath(path)
+    (the state's bytes the save moved; a clone moves only the checksum tables). One
+    save at a time (``publish`` Note [one writer per checkpoint dir]); a symlink is
+    resolved once, so a killed save beside its target is settled like any other."""
+    path = os.path.realpath(path)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with publish.locked(path):
+        return _save_checkpoint(opt, path)
+
+
+def _save_checkpoint(opt: StreamedState, path: str) -> dict:
     tmp, said = publish.stage(path)
     if said:
         log.warning(f"{path}: {said}")
@@ -148,7 +155,14 @@ def save_checkpoint(opt: StreamedState, path: str) -> dict:
             else:
                 clone = False
                 moved["kind"] = "copy"
-                files[name] = {"bytes": bucket.file_bytes, "crc32": copy_file(src, dst, bucket.file_bytes)}
+                # Every byte copied is checked against the live file's checksums (Note [a
+                # save verifies what it copies]); without them (GREENROOM_VERIFY=0) the
+                # manifest says so.
+                live = FileSums(store.files[bucket.index], expect=True) if store.engine.verify else None
+                files[name] = {"bytes": bucket.file_bytes,
+                               "crc32": copy_file(src, dst, bucket.file_bytes, check=live.add if live else None)}
+                if live is not None:
+                    live.verify()
                 moved["bytes_read"] += bucket.file_bytes
                 moved["bytes_written"] += bucket.file_bytes
         finish_checkpoint(opt, path, tmp, files)
@@ -170,7 +184,7 @@ def finish_checkpoint(opt: StreamedState, path: str, tmp: str, files: dict) -> N
     files = {**files, RESIDENT: {"bytes": size, "crc32": file_crc32(os.path.join(tmp, RESIDENT), size)}}
     manifest = {"format": FORMAT, "version": VERSION, "master_dtype": "fp32",
                 "moment_dtype": store.moment_dtype, "layout": store.layout(), "topology": topology(opt),
-                "param_groups": _hyperparameters(opt),
+                "param_groups": _hyperparameters(opt), "checksums": store.engine.verify,
                 "steps": {k: float(v) for k, v in resident["steps"].items()}, "files": files}
     write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
     publish.publish(path)
@@ -228,18 +242,78 @@ def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
                              "restore it or load an older checkpoint")
 
 
+# -- the live files' own checksums, summed as a copy reads them -------------------------
+class FileSums:
+    """The I/O engine's checksums (``diskio`` Note [integrity]) of a bucket file's data,
+    summed from its bytes as a copy reads them (``add``), and, with ``expect``, those its
+    table records, to ``verify`` them against.
+
+    Note [a save verifies what it copies]: a copy around the engine would take a bit
+    flipped in a live file since its last write, checksum it with the checkpoint's
+    CRC-32 as if it were good, and publish it over the previous checkpoint, to be refused
+    only at the resume. So the copy sums every page it reads as the engine does, and a
+    save whose sums differ from the file's table raises before anything is published
+    (no extra read: ``verify_against_table`` is the reading form). A state written in
+    the step (``optim.instep``) was verified by the step's own reads; a clone
+    (``reflink``) reads nothing and is not checked here.
+    """
+
+    def __init__(self, file: StateFile, *, expect: bool) -> None:
+        self.file = file
+        recorded, self.stored = file.recorded(0, file.data_bytes)
+        self.expected = recorded if expect else None
+        pages = file.data_bytes // ALIGNMENT
+        if file.compression is None:
+            self.owner = torch.arange(pages, dtype=torch.int64) * ALIGNMENT // EXTENT
+        elif self.stored is None:
+            raise IntegrityError(f"{file.path}: no record of what the frames of {file.label} stored: the file "
+                                 "was not written whole through greenroom's I/O engine, so it cannot be copied")
+        else:
+            self.owner = torch.full((pages,), -1, dtype=torch.int64)
+            for k, (nbytes, shift) in enumerate(self.stored.tolist()):
+                first = (k * EXTENT - shift) // ALIGNMENT
+                self.owner[first:first + align_up(nbytes) // ALIGNMENT] = k
+        self.sums = torch.zeros((file.data_bytes + EXTENT - 1) // EXTENT, dtype=torch.int64)
+
+    def add(self, piece: memoryview, offset: int) -> None:
+        """Sum the bytes ``piece`` of the file at ``offset`` (whole pages; the table is skipped)."""
+        n = min(len(piece), self.file.data_bytes - offset)
+        if n <= 0:
+            return
+        sums = page_sums(torch.frombuffer(piece[:n], dtype=torch.uint8), offset)
+        owner = self.owner[offset // ALIGNMENT:offset // ALIGNMENT + sums.numel()]
+        mine = owner >= 0
+        self.sums.index_add_(0, owner[mine], sums[mine])
+
+    def verify(self) -> None:
+        bad = (self.sums != self.expected).nonzero()
+        if bad.numel():
+            k = int(bad[0])
+            start, end = k * EXTENT, min(self.file.data_bytes, (k + 1) * EXTENT)
+            raise IntegrityError(
+                f"{self.file.path}: checksum mismatch at offset {start} (bytes [{start}, {end}) of "
+                f"{self.file.label}) while saving a checkpoint: the live file is not what greenroom wrote (a "
+                "flipped bit, a failing disk or a stray write); nothing was published, the previous checkpoint "
+                "stays: restart from it")
+
+    def record(self) -> None:
+        """Write the sums into the file's table, as a write through the engine would."""
+        self.file.record_sums(0, self.file.data_bytes, self.sums, self.stored)
+
+
 # -- byte movement ---------------------------------------------------------------------
-def copy_file(src: str, dst: str, size: int) -> str:
+def copy_file(src: str, dst: str, size: int, *, check=None) -> str:
     """Copy ``size`` bytes of ``src`` over ``dst`` (created or overwritten in place);
     returns the CRC-32 of the bytes as 8 hex digits. Pages are dropped as it goes. An
-    OSError (ENOSPC, EIO) becomes a ``StorageError`` naming both files."""
+    OSError (ENOSPC, EIO) becomes a ``StorageError`` naming both files. ``check(piece,
+    offset)`` sees every piece of bytes as it is copied (``FileSums.add``)."""
     try:
-        return _copy_file(src, dst, size)
+        return _copy_file(src, dst, size, check)
     except OSError as e:
         raise StorageError(f"copying {src} to {dst} failed: {e.strerror or e}") from e
 
 
-def _copy_file(src: str, dst: str, size: int) -> str:
+def _copy_file(src: str, dst: str, size: int, check=None) -> str:
     crc = 0
     buf = bytearray(min(PIECE, max(size, 1)))
     src_fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
@@ -252,6 +326,8 @@ def _copy_file(src: str, dst: str, size: int) -> str:
                 n = min(PIECE, size - off)
                 view = memoryview(buf)[:n]
                 pread_all(src_fd, view, off, src, error=CheckpointError)
+                if check is not None:
+                    check(view, off)
                 if kernel_copy:
                     kernel_copy = _copy_range(src_fd, dst_fd, n, off)
                 if not kernel_copy:
@@ -283,20 +359,25 @@ def _copy_range(src_fd: int, dst_fd: int, n: int, off: int) -> bool:
     return True
 
 
-def file_crc32(path: str, size: int) -> str:
-    """CRC-32 of the first ``size`` bytes of ``path`` (8 hex digits), pages dropped."""
-    crc = 0
+def _read_pieces(path: str, size: int, fn) -> None:
+    """``fn(piece, offset)`` for the first ``size`` bytes of ``path``, piece by piece, pages dropped."""
     buf = bytearray(min(PIECE, max(size, 1)))
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for off in range(0, size, PIECE):
             view = memoryview(buf)[:min(PIECE, size - off)]
             pread_all(fd, view, off, path, error=CheckpointError)
-            crc = zlib.crc32(view, crc)
+            fn(view, off)
             os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    return f"{crc:08x}"
+
+
+def file_crc32(path: str, size: int) -> str:
+    """CRC-32 of the first ``size`` bytes of ``path`` (8 hex digits), pages dropped."""
+    crc = [0]
+    _read_pieces(path, size, lambda view, _: crc.__setitem__(0, zlib.crc32(view, crc[0])))
+    return f"{crc[0]:08x}"
 
 
 # -- load ------------------------------------------------------------------------------
@@ -307,18 +388,32 @@ def load_checkpoint(opt: StreamedState, path: str, *, no_load_optim: bool = Fals
                     "optimizer state (masters from the current params, zero moments, step 0)")
         opt.initialize_state()
         return
-    said = publish.recover(os.path.abspath(path))
-    if said:
-        log.warning(f"{path}: {said}")
+    path = os.path.realpath(path)
+    with publish.locked(path, reading=True):
+        said = publish.recover(path)
+        if said:
+            log.warning(f"{path}: {said}")
+        _load_checkpoint(opt, path)
+
+
+def _load_checkpoint(opt: StreamedState, path: str) -> None:
     manifest = read_manifest(path)
     verify(opt, path, manifest)
     store = opt.store
+    unsummed = manifest.get("checksums", True) is False and store.engine.verify
+    if unsummed:
+        log.warning(f"{path}: saved with GREENROOM_VERIFY=0, so its bucket files carry no checksums; their bytes "
+                    "passed the checkpoint's CRC-32, and this run checksums them from here on")
     clone = reflink.usable(path, store.directory, store.state_bytes)
     for bucket in store.buckets:
         name = os.path.basename(store.path(bucket.index))
         if not (clone and reflink.clone(os.path.join(path, name), store.path(bucket.index))):
             clone = False
             copy_file(os.path.join(path, name), store.path(bucket.index), bucket.file_bytes)
+        if unsummed:
+            sums = FileSums(store.files[bucket.index], expect=False)
+            _read_pieces(store.path(bucket.index), bucket.data_bytes, sums.add)
+            sums.record()
     store.refill_host_cache()
     resident = torch.load(os.path.join(path, RESIDENT), weights_only=True)
     opt.load_resident_state({key: {"step": step, **resident["moments"].get(key, {})}

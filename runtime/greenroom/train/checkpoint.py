@@ -25,6 +25,7 @@ the file. Resume is same-topology only, as for the streamed state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import zlib
@@ -43,6 +44,15 @@ MANIFEST = "manifest.json"
 FORMAT = 2
 _META_FIELDS = {"format": int, "iteration": int, "world_size": int, "streaming": bool}
 log = get_logger(__name__)
+
+
+_DTYPE_FLAGS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def dtype_flag(state: dict[str, torch.Tensor]) -> str:
+    """The ``--dtype`` the weights (a model's state dict) are in (``str(dtype)`` for one no flag gives)."""
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    return _DTYPE_FLAGS.get(dtype, str(dtype))
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -67,7 +77,7 @@ def begin(directory: str, *, rank: int, barrier) -> str:
     """Start a save: rank 0 settles what an earlier save left and stages ``DIR.new``;
     returns this rank's dir in it (created). The optimizer's in-step checkpoint
     (``optim/`` in it) is requested right after this, before the step that writes it."""
-    directory = os.path.abspath(directory)
+    directory = os.path.realpath(directory)
     if rank == 0:
         os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
         _, said = publish.stage(directory)
@@ -82,14 +92,17 @@ def begin(directory: str, *, rank: int, barrier) -> str:
 def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
          barrier) -> None:
     """A whole save between steps: stage, write every part (the streamed state cloned or
-    copied, ``save_checkpoint``), publish."""
-    try:
-        begin(directory, rank=rank, barrier=barrier)
-    except BaseException:
-        _discard(directory, rank)
-        raise
-    finish(directory, model_state=model_state(model), optimizer=optimizer, optim_state=None, streaming=streaming,
-           optim_written=False, iteration=iteration, rank=rank, world_size=world_size, barrier=barrier)
+    copied, ``save_checkpoint``), publish; under the dir's lock (``publish`` Note [one
+    writer per checkpoint dir]; ``greenroom train`` holds it for the whole run)."""
+    with publish.locked(directory) if rank == 0 else contextlib.nullcontext():
+        try:
+            begin(directory, rank=rank, barrier=barrier)
+        except BaseException:
+            _discard(directory, rank)
+            raise
+        finish(directory, model_state=model_state(model), optimizer=optimizer, optim_state=None,
+               streaming=streaming, optim_written=False, iteration=iteration, rank=rank, world_size=world_size,
+               barrier=barrier)
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -113,7 +126,7 @@ def finish(directory: str, *, model_state: dict, optimizer, optim_state: dict | 
     step wrote it); else it is saved here. ``barrier`` None (``--async-save``, off the
     main thread, where no collective may run): rank 0 waits for every rank's manifest
     file instead, and nothing waits for the publish."""
-    directory = os.path.abspath(directory)
+    directory = os.path.realpath(directory)
     staged = directory + publish.NEW_SUFFIX
     mine = rank_path(staged, rank)
     try:
@@ -141,7 +154,8 @@ def finish(directory: str, *, model_state: dict, optimizer, optim_state: dict | 
             _wait_for_ranks(staged, world_size)
         if rank == 0:
             publish.write_checked_json(os.path.join(staged, META), {
-                "format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming})
+                "format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming,
+                "dtype": dtype_flag(model_state)})
             kill_point("save-meta")
             publish.publish(directory)
     except BaseException:
@@ -154,7 +168,7 @@ def finish(directory: str, *, model_state: dict, optimizer, optim_state: dict | 
 def _discard(directory: str, rank: int) -> None:
     """Leave nothing half-written: the staged dir goes (the next save or load would
     discard it anyway); the previous checkpoint at DIR is untouched."""
-    staged = os.path.abspath(directory) + publish.NEW_SUFFIX
+    staged = os.path.realpath(directory) + publish.NEW_SUFFIX
     if rank == 0 and os.path.isdir(staged):
         publish.discard(staged)
 
@@ -168,6 +182,24 @@ def _wait_for_ranks(staged: str, world_size: int) -> None:
 
 
 # -- load ------------------------------------------------------------------------------
+def _dtype_refusal(directory: str, saved: str, ours: str) -> str:
+    return (f"--load {directory}: the weights were saved as {saved} (--dtype {saved}), this run has --dtype {ours}: "
+            f"resume with --dtype {saved} (casting them would change the model without a word)")
+
+
+def apply_run_hyperparameters(optimizer, directory: str, **flags: float) -> None:
+    """Give every param group this run's ``--lr``/``--weight-decay`` (``flags``, by group
+    key) after a load restored the checkpoint's, saying which value replaced which: a
+    flag given on resume is never ignored without a word."""
+    for key, value in flags.items():
+        saved = sorted({group[key] for group in optimizer.param_groups if group[key] != value})
+        if saved:
+            log.warning(f"--{key.replace('_', '-')} {value:g}: replaces the {key.replace('_', ' ')} "
+                        f"{', '.join(f'{v:g}' for v in saved)} that {directory} was saved with")
+        for group in optimizer.param_groups:
+            group[key] = value
+
+
 def read_meta(directory: str) -> dict:
     path = os.path.join(directory, META)
     meta = publish.read_checked_json(path, _META_FIELDS)
@@ -179,15 +211,16 @@ def read_meta(directory: str) -> dict:
 def settle(directory: str) -> None:
     """Finish or discard what a killed save left at ``directory`` (rank 0, before any
     rank loads), saying which."""
-    said = publish.recover(os.path.abspath(directory))
+    said = publish.recover(os.path.realpath(directory))
     if said:
         log.warning(f"--load {directory}: {said}")
 
 
 def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, rank: int,
-           world_size: int) -> dict:
+           world_size: int, dtype: str | None = None) -> dict:
     """Check the meta, this rank's manifest and every file it names (and the streamed
-    state's own files) before anything is loaded; returns the meta."""
+    state's own files) before anything is loaded; returns the meta. ``dtype``: this
+    run's ``--dtype``, which must be the one the weights were saved in."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"--load {directory}: no such checkpoint dir")
     if publish.generation(directory) is None:
@@ -197,6 +230,8 @@ def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, r
     if meta["world_size"] != world_size:
         raise CheckpointError(f"--load {directory}: saved with {meta['world_size']} ranks, this run has "
                               f"{world_size}; resume is same-topology only")
+    if dtype is not None and meta.get("dtype", dtype) != dtype:
+        raise CheckpointError(_dtype_refusal(directory, meta["dtype"], dtype))
     path = rank_path(directory, rank)
     manifest = publish.read_checked_json(os.path.join(path, MANIFEST), {"files": dict})
     files = manifest["files"]
@@ -236,8 +271,9 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
          world_size: int) -> int:
     """Restore this rank's state from a checkpoint ``verify`` passed; returns the
     iteration to continue from."""
+    ours = dtype_flag(model.state_dict())
     meta = verify(directory, optimizer=optimizer, streaming=streaming, no_load_optim=no_load_optim, rank=rank,
-                  world_size=world_size)
+                  world_size=world_size, dtype=ours)
     path = rank_path(directory, rank)
     state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
     with torch.no_grad():
@@ -245,6 +281,9 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
             if name not in state or state[name].shape != local_tensor(t).shape:
                 raise CheckpointError(f"{os.path.join(path, 'model.pt')}: {name} is missing or has another "
                                       "shape; the checkpoint is of another model (check --d-model etc.)")
+            if state[name].dtype != local_tensor(t).dtype:  # a checkpoint whose meta predates "dtype"
+                raise CheckpointError(_dtype_refusal(directory, _DTYPE_FLAGS.get(state[name].dtype,
+                                                                                 str(state[name].dtype)), ours))
             local_tensor(t).copy_(state[name])
     if no_load_optim:
         log.warning(f"--no-load-optim: starting a fresh optimizer state instead of the one in {directory}")

@@ -7,12 +7,16 @@ do, and leaves nothing behind on disk (the write probe removes its file).
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
 from greenroom import fs, publish
 from greenroom.config import OffloadConfig
 from greenroom.errors import CheckpointError, ConfigError
+from greenroom.log import get_logger
+
+log = get_logger(__name__)
 
 
 def _probe_writable(flag: str, path: str) -> None:
@@ -75,11 +79,42 @@ def check_save_space(save: str, need: int) -> None:
                          "free there; free space or choose another dir")
 
 
-def open_metrics(path: str, *, append: bool):
-    """The metrics file, its dir created; an OSError becomes a one-line error naming it."""
+def open_metrics(path: str, *, append: bool, resume_at: int = 0):
+    """The metrics file, its dir created; an OSError becomes a one-line error naming it.
+    A resumed run (``append``) first drops the records of iterations past ``resume_at``,
+    the checkpoint's: a run killed after it logged them, and they are trained again now,
+    so each iteration keeps one record (``greenroom report`` would plot both)."""
     path = os.path.abspath(path)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if append and os.path.isfile(path):
+            _drop_records_past(path, resume_at)
         return open(path, "a" if append else "w", encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"--metrics {path}: cannot open it for writing ({e.strerror})") from None
+
+
+def _drop_records_past(path: str, iteration: int) -> None:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    kept, dropped, torn = [], [], 0
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            torn += bool(line.strip())  # the last line of a run killed mid-write
+            continue
+        if isinstance(record, dict) and isinstance(record.get("iteration"), int) and record["iteration"] > iteration:
+            dropped.append(record["iteration"])
+        else:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if not dropped and not torn:
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    what = [f"{len(dropped)} record(s) of iterations past the checkpoint's {iteration} ({min(dropped)}-{max(dropped)}: "
+            "logged by a run that did not save them; they are trained again now)"] if dropped else []
+    what += [f"{torn} torn line(s)"] if torn else []
+    log.warning(f"--metrics {path}: dropped {' and '.join(what)}")

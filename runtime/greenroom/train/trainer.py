@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from greenroom import actor
+from greenroom import actor, publish
 from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, OffloadConfig
@@ -156,6 +157,10 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, *, offload: OffloadConfig, model: ModelConfig, task: TaskConfig,
                  rank: int = 0) -> None:
+        # A symlinked --save/--load is resolved once: a killed save is left beside the
+        # target, and every step (settling it, the lock, the swap) must look there.
+        config = dataclasses.replace(config, **{name: os.path.realpath(getattr(config, name))
+                                                for name in ("save", "load") if getattr(config, name)})
         self.config, self.offload, self.model_config, self.task = config, offload, model, task
         self.rank = rank
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -204,6 +209,8 @@ class Trainer:
         c, offload = self.config, self.offload
         if self.rank == 0:
             preflight.check_paths(c, offload)
+            if c.save:  # held for the run: a second trainer saving here is refused now, not at its end
+                self._stack.enter_context(publish.locked(c.save))
         if self.device.type == "cuda" and offload.offload_train and c.offload_backend != "portable":
             # Before any CUDA allocation: torch_memory_saver's hook must be preloaded.
             actor.relaunch_with(actor.launch_env(offload, self.rank, role=c.role, mover=c.offload_mover))
@@ -233,20 +240,35 @@ class Trainer:
         self.offloader.track(self.model, self.optimizer)
         # Loaded before the metrics file is opened: a refused checkpoint leaves no file behind.
         self.start_iteration = self._load() if c.load else 0
+        if self.start_iteration > c.iterations:
+            raise ConfigError(f"--iterations {c.iterations} is below the iteration of --load {c.load} "
+                              f"({self.start_iteration}): a resumed run trains up to --iterations in all, so "
+                              f"give --iterations {self.start_iteration} or more")
         if self.rank == 0 and c.save:
             preflight.check_save_space(c.save, self._checkpoint_bytes() * self.world_size)
         self.metrics_file = None
         if self.rank == 0 and c.metrics:
-            self.metrics_file = self._stack.enter_context(preflight.open_metrics(c.metrics, append=bool(c.load)))
+            self.metrics_file = self._stack.enter_context(preflight.open_metrics(c.metrics, append=bool(c.load),
+                                                                                 resume_at=self.start_iteration))
         self.start_time = time.perf_counter()
 
     def _load(self) -> int:
-        if self.rank == 0:
-            checkpoint.settle(self.config.load)
-        self._barrier()
-        return checkpoint.load(self.config.load, model=self.model, optimizer=self.optimizer,
-                               streaming=self.offload.stream_optimizer_state_to_disk,
-                               no_load_optim=self.offload.no_load_optim, rank=self.rank, world_size=self.world_size)
+        # Under the checkpoint's lock (rank 0's) until every rank has read it: no save
+        # swaps it meanwhile (Note [one writer per checkpoint dir]).
+        with publish.locked(self.config.load, reading=True) if self.rank == 0 else contextlib.nullcontext():
+            if self.rank == 0:
+                checkpoint.settle(self.config.load)
+            self._barrier()
+            try:
+                start = checkpoint.load(self.config.load, model=self.model, optimizer=self.optimizer,
+                                        streaming=self.offload.stream_optimizer_state_to_disk,
+                                        no_load_optim=self.offload.no_load_optim, rank=self.rank,
+                                        world_size=self.world_size)
+            finally:
+                self._barrier()
+        checkpoint.apply_run_hyperparameters(self.optimizer, self.config.load, lr=self.config.lr,
+                                             weight_decay=self.config.weight_decay)
+        return start
 
     def _checkpoint_bytes(self) -> int:
         """What this rank's part of a ``--save`` takes: its weights plus the optimizer

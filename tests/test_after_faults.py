@@ -1,0 +1,136 @@
+"""What comes after a fault (issue 30): a failed wake, a failed sleep and a failed
+optimizer step leave no silent state behind.
+
+The actor cases run tests/fault_worker.py under strace, which fails the third ``preadv2``
+(wake) or ``pwrite64`` (sleep) of each I/O thread with EIO, exactly as a flaky disk would:
+once, then the same calls work again. The optimizer case fails one write of bucket 3 at
+the syscall wrapper of the I/O engine (the fault hook of tests/fault_worker.py's kind),
+so it turns into the same ``StorageError`` a disk's EIO does. Real files throughout.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+
+from greenroom import diskio
+from greenroom.errors import GreenroomError, StorageError
+from greenroom.optim import StreamingAdam
+from tests.conftest import require_tool
+from tests.test_faults import run_worker
+
+EIO_LINE = (r"\S+/actor\.state: (read|write) of \d+ bytes at offset \d+ of the actor's offload file failed: "
+            r"Input/output error \(EIO\); .*")
+
+
+def _under_strace(syscall: str, *args: str):
+    strace = require_tool("strace")
+    inject = ["-f", "-qq", "-o", "/dev/null", "-e", f"trace={syscall}", "-e", f"inject={syscall}:error=EIO:when=3"]
+    proc = run_worker(*args, prefix=[strace, *inject])
+    assert proc.returncode == 0, proc.stderr
+    return dict(line.split(": ", 1) for line in proc.stdout.strip().splitlines())
+
+
+def test_a_wake_whose_read_fails_raises_stays_asleep_and_the_retry_is_bit_identical(disk_dir):
+    """Issue 30 case 1: a transfer that failed before the wake's last read was submitted
+    used to be dropped unseen, and wake() returned with some tensors never read."""
+    said = _under_strace("preadv2", "wake-retry", disk_dir, "none")
+    assert re.fullmatch("raised: " + EIO_LINE, said["first"]), said["first"]
+    assert said["asleep"] == "True"
+    assert said["files"] == "['actor.state']"
+    assert said["identical after the retry"] == "True"
+
+
+def test_a_sleep_whose_write_fails_is_undone_and_a_wake_is_refused_in_one_line(disk_dir):
+    """Issue 30 case 2: the device copy is given back only after every byte is written,
+    so a failed sleep leaves the actor awake and unchanged; wake() then has nothing to
+    hand back and says so, and the next sleep/wake round trip is bit-identical."""
+    said = _under_strace("pwrite64", "sleep-retry", disk_dir, "none")
+    assert re.fullmatch("raised: " + EIO_LINE, said["first"]), said["first"]
+    assert said["asleep"] == "False"
+    assert said["awake and unchanged"] == "True"
+    assert re.fullmatch(r"raised: actor offload: wake\(\) after a failed sleep: nothing to wake, the sleep was "
+                        r"undone and every tensor is still on the device as it was \(the sleep failed with: "
+                        + EIO_LINE + r"\)", said["wake"]), said["wake"]
+    assert said["identical after the retry"] == "True"
+
+
+# -- a failed optimizer step --------------------------------------------------------------
+def _optimizer(directory):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(100_000, dtype=torch.bfloat16)) for _ in range(5)]
+    opt = StreamingAdam(params, lr=1e-2, state_dir=directory, bucket_numel=100_000, chunk_mb=1, resident_numel=0)
+    return params, opt
+
+
+def _grads(params, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+@pytest.fixture
+def fail_a_write_of(monkeypatch):
+    """Make the next write of one file fail with EIO at the syscall wrapper, once."""
+    armed = {}
+    real = diskio.pwrite_all
+
+    def pwrite_all(fd, buf, offset, path):
+        if armed.get("path") == path:
+            del armed["path"]
+            raise OSError(5, "Input/output error")
+        return real(fd, buf, offset, path)
+
+    monkeypatch.setattr(diskio, "pwrite_all", pwrite_all)
+    return lambda path: armed.update(path=path)
+
+
+def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(disk_dir, fail_a_write_of):
+    """Issue 30 case 3: bucket 3's write-back fails in step 2. Stepping on used to train
+    silently from a half-updated state; now every later step(), state_dict() and
+    save_checkpoint() names the first failure, and a checkpoint load makes the run
+    bit-identical again to a twin that never saw the fault."""
+    params, opt = _optimizer(os.path.join(disk_dir, "faulty"))
+    twin_params, twin = _optimizer(os.path.join(disk_dir, "twin"))
+    try:
+        for ps, o in ((params, opt), (twin_params, twin)):
+            _grads(ps, 1)
+            o.step()
+        ckpt = os.path.join(disk_dir, "ckpt")
+        opt.save_checkpoint(ckpt)
+        weights_at_1 = [p.detach().clone() for p in params]
+
+        _grads(params, 2)
+        fail_a_write_of(opt.store.path(3))
+        with pytest.raises(StorageError, match=r"bucket-00003\.bin: write of \d+ bytes at offset \d+ of bucket 3 "
+                                               r"of the optimizer state failed: Input/output error \(EIO\)"):
+            opt.step()
+        first = (r"\(StorageError: \S+/bucket-00003\.bin: write of \d+ bytes at offset \d+ of bucket 3 of the "
+                 r"optimizer state failed: Input/output error \(EIO\); .*\) and left the state partly updated")
+        for what, call in (("step()", opt.step), ("state_dict()", opt.state_dict),
+                           ("save_checkpoint()", lambda: opt.save_checkpoint(ckpt))):
+            with pytest.raises(GreenroomError) as err:
+                call()
+            assert "\n" not in str(err.value)
+            assert re.match(rf"StreamingAdam: {re.escape(what)} refused: an earlier step\(\) failed {first}",
+                            str(err.value)), str(err.value)
+
+        opt.load_checkpoint(ckpt)
+        with torch.no_grad():
+            for p, w in zip(params, weights_at_1):
+                p.copy_(w)
+        for ps, o in ((params, opt), (twin_params, twin)):
+            _grads(ps, 2)
+            o.step()
+            _grads(ps, 3)
+            o.step()
+        for a, b in zip(params, twin_params):
+            assert torch.equal(a, b)
+        ours, theirs = opt.state_dict()["state"], twin.state_dict()["state"]
+        for key in theirs:
+            for name in theirs[key]:
+                assert torch.equal(ours[key][name], theirs[key][name]), (key, name)
+    finally:
+        opt.close()
+        twin.close()
