@@ -24,11 +24,12 @@ flock 9
 # -trimpath and no symbol tables: the same binaries on every machine, and smaller.
 export GOFLAGS="-trimpath -buildvcs=false"
 
-module_key() { (cd "$HERE/$1" && cat go.mod go.sum $(ls ./*.go 2>/dev/null) | sha256sum | cut -c1-12); }
+# The key of a module's build: its files and the link flags it is built with.
+module_key() { (cd "$HERE/$1" && { cat go.mod go.sum $(ls ./*.go 2>/dev/null); [ -z "$LDFLAGS" ] || echo "$LDFLAGS"; } | sha256sum | cut -c1-12); }
 
 links=()
 # build MODULE_DIR NAME=PACKAGE...: one `go build` for a module's programs, so they share
-# the compile of their common packages.
+# the compile of their common packages. LDFLAGS: the link flags (without symbol tables).
 build() {
   local dir=$1; shift
   local out="$ROOT/$dir-$(module_key "$dir")" pkgs=() spec
@@ -40,7 +41,7 @@ build() {
   echo "build.sh: building ${pkgs[*]} (a cold build takes tens of minutes on 2 cores)" >&2
   local tmp
   tmp="$(mktemp -d "$ROOT/.tmp.XXXXXX")"
-  (cd "$HERE/$dir" && go build -ldflags="-s -w" -o "$tmp/" "${pkgs[@]}")
+  (cd "$HERE/$dir" && go build -ldflags="-s -w $LDFLAGS" -o "$tmp/" "${pkgs[@]}")
   mkdir -p "$out"
   for spec in "$@"; do
     local built="$tmp/$(basename "${spec#*=}")"
@@ -50,16 +51,23 @@ build() {
   rm -rf "$tmp"
 }
 
-build kubernetes \
+# The release the components report (`kubectl version`, the discovery helm checks a chart's
+# kubeVersion against); a build from the module would otherwise say v0.0.0-master.
+minor=$(echo "$RELEASE" | cut -d. -f2)
+version_flags=""
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  version_flags+=" -X $pkg.gitVersion=$RELEASE -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+done
+LDFLAGS="$version_flags" build kubernetes \
   kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver \
   kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager \
   kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler \
   kubelet=k8s.io/kubernetes/cmd/kubelet \
   kube-proxy=k8s.io/kubernetes/cmd/kube-proxy
-build jobset jobset=sigs.k8s.io/jobset
-build coredns coredns=.
+LDFLAGS="" build jobset jobset=sigs.k8s.io/jobset
+LDFLAGS="" build coredns coredns=.
 # The pause program runs alone in an image: static.
-CGO_ENABLED=0 build pause pause=.
+LDFLAGS="" CGO_ENABLED=0 build pause pause=.
 
 all="$(printf '%s\n' "${links[@]}" | sha256sum | cut -c1-12)"
 BIN="$ROOT/bin-$all"

@@ -18,6 +18,10 @@ node_name=greenroom-node
 service_cidr=10.96.0.0/16
 service_ip=10.96.0.1   # the `kubernetes` Service: the first address of service_cidr
 export PATH="$repo/.tools/bin:$PATH"
+# shellcheck source=scripts/k8s/node.sh
+source scripts/k8s/node.sh
+# shellcheck source=scripts/k8s/jobset.sh
+source scripts/k8s/jobset.sh
 
 say() { echo "services/k8s: $*"; }
 status() { echo "$1: $2" >>"$dir/status"; say "$1: $2"; }
@@ -80,6 +84,15 @@ start_control_plane() {
     --leader-elect=false --bind-address=127.0.0.1
   # The controller manager's service-account controller makes `default` in each namespace.
   wait_for kube-controller-manager 60 kubectl_admin -n default get serviceaccount default
+  # Node-local volumes for the chart's ephemeral and pvc modes: static local PVs (the tests
+  # make them), bound when a pod is scheduled.
+  kubectl_admin apply -f - >/dev/null <<EOF
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: greenroom-local}
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: WaitForFirstConsumer
+EOF
   status control-plane "up ($(basename "$(dirname "$bin")"))"
 }
 
@@ -105,6 +118,8 @@ start() {
   ip=$(node_ip)
   [ -s "$dir/pki/ca.crt" ] || scripts/k8s/pki.sh "$dir" "$node_name" "$ip" "$service_ip"
   start_control_plane "$bin" "$ip" || { status control-plane "failed to start (logs: $dir/log)"; return 0; }
+  start_jobset "$bin" "$ip" || status jobset "failed to start (logs: $dir/log)"
+  start_node "$bin" "$ip" || status node "failed to start (logs: $dir/log)"
   say "KUBECONFIG=$dir/admin.kubeconfig"
 }
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds the CPU greenroom image the test cluster's pods run, with `make image`'s own script
+# (scripts/build-image.sh, images/Dockerfile) on the debootstrap base of images/ci-base.sh,
+# and imports it into the cluster's containerd. No registry is reachable and PyPI's torch is
+# the CUDA build, so the wheels are staged by scripts/k8s/stage_wheels.py (torch without its
+# CUDA libraries). The tag is a hash of what goes into the image: an unchanged tree reuses
+# the image podman and containerd already hold.
+# Usage: scripts/k8s/image.sh CONTAINERD_SOCKET   (prints the image name on its last line)
+set -euo pipefail
+[ "$#" -eq 1 ] || { echo "usage: scripts/k8s/image.sh CONTAINERD_SOCKET" >&2; exit 2; }
+socket=$1
+cd "$(dirname "$0")/../.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] && python=.venv/bin/python
+
+tag=$( (git ls-files -s runtime pyproject.toml README.md images scripts/build-image.sh scripts/k8s/stage_wheels.py;
+        git diff HEAD -- runtime pyproject.toml images) | sha256sum | cut -c1-12)
+image=localhost/greenroom:k8s-$tag
+base=localhost/greenroom-ci-base:bookworm
+wheels="${GREENROOM_K8S_CACHE:-$HOME/.cache/greenroom-k8s}/wheels"
+export STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot
+ctr=(ctr --address "$socket" --namespace k8s.io)
+
+if ! "${ctr[@]}" images ls -q "name==$image" | grep -q .; then
+  if ! podman image exists "$image"; then
+    bash images/ci-base.sh "$base" >&2
+    mkdir -p "$wheels"
+    "$python" scripts/k8s/stage_wheels.py "$wheels" >&2
+    GREENROOM_BUILD_ENGINE=podman GREENROOM_IMAGE_WHEELS="$wheels" GREENROOM_PIP_NO_INDEX=1 \
+      GREENROOM_IMAGE_EXTRAS="" scripts/build-image.sh "$image" "$base" >&2
+  fi
+  archive=$(mktemp "${TMPDIR:-/tmp}/greenroom-image.XXXXXX")
+  trap 'rm -f "$archive"' EXIT
+  podman save -q --format docker-archive -o "$archive" "$image"
+  "${ctr[@]}" images import "$archive" >/dev/null
+fi
+echo "$image"

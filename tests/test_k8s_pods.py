@@ -1,0 +1,122 @@
+"""The chart's pods, run for real: a kubelet with containerd and runc on this machine (the
+local cluster's node, scripts/k8s/node.sh), the CPU greenroom image built by `make image`'s
+script (scripts/k8s/image.sh), CoreDNS resolving the headless Service for the rendezvous.
+
+The node's offload root is a dir of this checkout (the node is this machine), so the test
+plants and inspects per-rank dirs there directly, with real lock holders
+(tests/rank_holder.py) for live and dead ranks.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from tests.conftest import REPO
+from tests.k8s_support import (CLUSTER_DIR, helm, install, kubectl, kubectl_json, namespace, pods,
+                               require_cluster, trainer_values, wait_until)
+
+pytestmark = pytest.mark.k8s
+__all__ = ["namespace"]  # the fixture, imported for the tests below
+
+HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
+TRAINER_UID = 1000
+
+
+@pytest.fixture(autouse=True)
+def cluster():
+    require_cluster("node")
+    require_cluster("image")
+
+
+@pytest.fixture
+def node_root():
+    """The offload root the chart mounts from the node (this machine), owned by the test."""
+    path = os.path.join(REPO, ".run", "k8s-node", uuid.uuid4().hex[:12])
+    os.makedirs(path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def holders():
+    procs = []
+
+    def start(root: str, job: str, rank: int = 0) -> tuple[subprocess.Popen, str]:
+        p = subprocess.Popen([sys.executable, HOLDER, root, job, "actor", str(rank)], stdout=subprocess.PIPE, text=True)
+        path = p.stdout.readline().strip()
+        assert path and os.path.isdir(path), "rank holder did not start"
+        procs.append(p)
+        return p, path
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def image_values() -> dict:
+    with open(os.path.join(CLUSTER_DIR, "image")) as f:
+        repository, tag = f.read().strip().rsplit(":", 1)
+    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"}}
+
+
+def train_values(node_root: str, nodes: int = 2, iterations: int = 2) -> dict:
+    """`greenroom train` with disk offload and optimizer-state streaming, small and on the CPU."""
+    values = trainer_values(nodes, "hostPath", **image_values(),
+                            train={"iterations": iterations, "extraArgs": ["--no-progress"]},
+                            offload={"train": True, "target": "disk", "diskChunkMb": 4, "diskCompression": "none"},
+                            streamOptimizerState={"toDisk": True})
+    values["storage"]["hostPath"]["path"] = node_root
+    return values
+
+
+def job_state(ns: str, name: str) -> str | None:
+    conditions = kubectl_json("-n", ns, "get", "job", name).get("status", {}).get("conditions", [])
+    done = [c["type"] for c in conditions if c["type"] in ("Complete", "Failed") and c["status"] == "True"]
+    return done[0] if done else None
+
+
+def logs(ns: str, selector: str, container: str = "trainer") -> str:
+    return kubectl("-n", ns, "logs", "-l", selector, "-c", container, "--tail=-1", "--prefix", check=False).stdout
+
+
+def files_under(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+def test_two_pods_train_with_disk_offload_and_streaming_over_gloo(namespace, node_root):
+    ns = namespace("privileged")
+    install("dp2", ns, train_values(node_root))
+    job = "dp2-greenroom"
+    state = wait_until("the 2-pod Indexed Job finished", lambda: job_state(ns, job), timeout=900)
+    out = logs(ns, "app.kubernetes.io/instance=dp2")
+    assert state == "Complete", out
+    # Both ranks, in their own pods, joined one gloo group through pod 0's DNS name.
+    headers = [line for line in out.splitlines() if "greenroom train:" in line]
+    assert headers and all("2 rank(s)" in h and "offload disk" in h and "streaming on" in h for h in headers), out
+    assert {p["spec"]["nodeName"] for p in pods(ns, "app.kubernetes.io/instance=dp2")} == {"greenroom-node"}
+
+    # helm uninstall leaves no file on the node path: the ranks removed their own.
+    helm("-n", ns, "uninstall", "dp2", "--wait")
+    wait_until("the trainer pods gone", lambda: not pods(ns, "app.kubernetes.io/instance=dp2"))
+    assert files_under(node_root) == []
+
+
+def test_init_container_reclaims_a_dead_rank_and_keeps_a_live_one(namespace, node_root, holders):
+    planted = os.path.join(node_root, "planted-pod-uid")
+    live_proc, live = holders(planted, "job-live")
+    dead_proc, dead = holders(planted, "job-dead")
+    dead_proc.send_signal(signal.SIGKILL)
+    dead_proc.wait()
+    ns = namespace("privileged")
+    install("ic", ns, train_values(node_root, nodes=1, iterations=1))
+    wait_until("the init container ran", lambda: "greenroom-init:" in logs(
+        ns, "app.kubernetes.io/instance=ic", container="prepare-offload-dir"))
+    assert not os.path.exists(dead)
+    assert os.path.isdir(live) and live_proc.poll() is None
