@@ -162,3 +162,20 @@ def pods(namespace: str, selector: str) -> list[dict]:
 def events(namespace: str, reason: str | None = None) -> list[dict]:
     items = kubectl_json("-n", namespace, "get", "events")["items"]
     return [e for e in items if reason is None or e.get("reason") == reason]
+
+
+def janitor_values(root: str, image: dict | None = None) -> dict:
+    """The janitor on `root`: its own chart's values where there is one, else the trainer
+    chart's `janitor` (whose trainer then only sleeps: a live pod on the node)."""
+    image = image or {"repository": "localhost/greenroom", "tag": "k8s-test", "pullPolicy": "Never"}
+    if os.path.isdir(JANITOR_CHART):
+        return {"image": image, "root": root, "rootType": "Directory", "intervalSeconds": 2}
+    values = trainer_values(1, "hostPath", image=image, command=["sleep", "3600"],
+                            torchrun={"enabled": False}, janitor={"enabled": True, "intervalSeconds": 2})
+    values["storage"]["hostPath"]["path"] = root
+    return values
+
+
+def janitor_install(release: str, ns: str, values: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    chart = JANITOR_CHART if os.path.isdir(JANITOR_CHART) else CHART
+    return install(release, ns, values or janitor_values("/mnt/nvme/greenroom"), chart=chart, **kw)

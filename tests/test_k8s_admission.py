@@ -6,12 +6,10 @@ These need the control plane only: the Job and JobSet controllers create the pod
 refused), the scheduler need not place them. What runs in the pods is tests/test_k8s_pods.py.
 """
 
-import os
-
 import pytest
 
-from tests.k8s_support import (CHART, JANITOR_CHART, events, helm, install, kubectl, kubectl_json, namespace,
-                               pods, require_cluster, trainer_values, wait_until)
+from tests.k8s_support import (events, helm, install, janitor_install, kubectl, kubectl_json, namespace, pods,
+                               require_cluster, trainer_values, wait_until)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
@@ -73,15 +71,6 @@ spec:
   storageClassName: greenroom-local
   resources: {requests: {storage: 1Gi}}
 """
-
-
-def janitor_install(release: str, ns: str, user: str | None = None, check: bool = True):
-    """The janitor: its own chart where there is one, else the trainer chart's janitor."""
-    if os.path.isdir(JANITOR_CHART):
-        chart, values = JANITOR_CHART, {}
-    else:
-        chart, values = CHART, {**trainer_values(1), "janitor": {"enabled": True}}
-    return install(release, ns, values, chart=chart, user=user, check=check)
 
 
 def janitor_account(ns: str, release: str) -> str:

@@ -17,8 +17,8 @@ import uuid
 import pytest
 
 from tests.conftest import REPO
-from tests.k8s_support import (CLUSTER_DIR, helm, install, kubectl, kubectl_json, namespace, pods,
-                               require_cluster, trainer_values, wait_until)
+from tests.k8s_support import (CLUSTER_DIR, helm, install, janitor_install, janitor_values, kubectl, kubectl_json,
+                               namespace, pods, require_cluster, trainer_values, wait_until)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
@@ -46,8 +46,10 @@ def node_root():
 def holders():
     procs = []
 
-    def start(root: str, job: str, rank: int = 0) -> tuple[subprocess.Popen, str]:
-        p = subprocess.Popen([sys.executable, HOLDER, root, job, "actor", str(rank)], stdout=subprocess.PIPE, text=True)
+    def start(root: str, job: str, rank: int = 0, pod_uid: str | None = None) -> tuple[subprocess.Popen, str]:
+        env = dict(os.environ, GREENROOM_POD_UID=pod_uid) if pod_uid else None
+        p = subprocess.Popen([sys.executable, HOLDER, root, job, "actor", str(rank)], stdout=subprocess.PIPE,
+                             text=True, env=env)
         path = p.stdout.readline().strip()
         assert path and os.path.isdir(path), "rank holder did not start"
         procs.append(p)
@@ -120,3 +122,56 @@ def test_init_container_reclaims_a_dead_rank_and_keeps_a_live_one(namespace, nod
         ns, "app.kubernetes.io/instance=ic", container="prepare-offload-dir"))
     assert not os.path.exists(dead)
     assert os.path.isdir(live) and live_proc.poll() is None
+
+
+LIVE_POD = """
+apiVersion: v1
+kind: Pod
+metadata: {name: live, labels: {greenroom-test: live}}
+spec:
+  automountServiceAccountToken: false
+  securityContext: {runAsNonRoot: true, runAsUser: 1000, seccompProfile: {type: RuntimeDefault}}
+  containers:
+  - name: sleep
+    image: localhost/greenroom-pause:1
+    imagePullPolicy: Never
+    securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+"""
+
+
+def killed(start, root: str, job: str, pod_uid: str) -> str:
+    """A rank dir of pod `pod_uid` whose process was SIGKILLed: its lock is free."""
+    p, path = start(root, job, pod_uid=pod_uid)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    return path
+
+
+def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(namespace, node_root, holders):
+    ns = namespace("privileged")
+    kubectl("-n", ns, "apply", "-f", "-", stdin=LIVE_POD)
+    wait_until("the live pod running", lambda: kubectl_json("-n", ns, "get", "pod", "live")["status"].get("phase")
+               == "Running")
+    live_uid = kubectl_json("-n", ns, "get", "pod", "live")["metadata"]["uid"]
+    # Both owners are dead processes: only the API can tell the pod that is still there.
+    kept = killed(holders, os.path.join(node_root, live_uid), "job-a", live_uid)
+    gone_uid = str(uuid.uuid4())
+    removed = killed(holders, os.path.join(node_root, gone_uid), "job-b", gone_uid)
+    image = image_values()["image"]
+    janitor_install("jan", ns, janitor_values(node_root, image=image))
+    wait_until("the janitor removed the gone pod's rank dir", lambda: not os.path.exists(removed))
+    assert os.path.isdir(kept)
+
+    def reclaim_events() -> list[dict]:
+        return [e for e in kubectl_json("-n", "default", "get", "events")["items"]
+                if e.get("reason") == "StaleOffloadReclaimed" and gone_uid in e.get("message", "")]
+    (event, *_) = wait_until("the janitor's Event about it", reclaim_events)
+    assert event["involvedObject"]["kind"] == "Node"
+
+    # Scraped from the node, as Prometheus would: the pod's address on the bridge, the
+    # charts' default metrics port.
+    (janitor,) = pods(ns, "app.kubernetes.io/component=janitor")
+    metrics = subprocess.run(["curl", "-fsS", f"http://{janitor['status']['podIP']}:9400/metrics"],
+                             capture_output=True, text=True)
+    assert metrics.returncode == 0, metrics.stderr
+    assert "greenroom_reclaim_dirs_total 1.0" in metrics.stdout, metrics.stdout

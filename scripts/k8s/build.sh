@@ -25,14 +25,18 @@ flock 9
 export GOFLAGS="-trimpath -buildvcs=false"
 
 # The key of a module's build: its files and the link flags it is built with.
-module_key() { (cd "$HERE/$1" && { cat go.mod go.sum $(ls ./*.go 2>/dev/null); [ -z "$LDFLAGS" ] || echo "$LDFLAGS"; } | sha256sum | cut -c1-12); }
+module_key() {
+  (cd "$HERE/$1" && shopt -s nullglob && { cat go.mod go.sum ./*.go; [ -z "$LDFLAGS" ] || echo "$LDFLAGS"; } |
+    sha256sum | cut -c1-12)
+}
 
 links=()
 # build MODULE_DIR NAME=PACKAGE...: one `go build` for a module's programs, so they share
 # the compile of their common packages. LDFLAGS: the link flags (without symbol tables).
 build() {
   local dir=$1; shift
-  local out="$ROOT/$dir-$(module_key "$dir")" pkgs=() spec
+  local out pkgs=() spec
+  out="$ROOT/$dir-$(module_key "$dir")"
   for spec in "$@"; do
     [[ -x "$out/${spec%%=*}" ]] || pkgs+=("${spec#*=}")
     links+=("$out/${spec%%=*}")
@@ -44,7 +48,8 @@ build() {
   (cd "$HERE/$dir" && go build -ldflags="-s -w $LDFLAGS" -o "$tmp/" "${pkgs[@]}")
   mkdir -p "$out"
   for spec in "$@"; do
-    local built="$tmp/$(basename "${spec#*=}")"
+    local built
+    built="$tmp/$(basename "${spec#*=}")"
     [[ "${spec#*=}" == . ]] && built="$tmp/$(basename "$(go -C "$HERE/$dir" list -f '{{.Target}}' .)")"
     [[ -e "$built" ]] && mv "$built" "$out/${spec%%=*}"
   done

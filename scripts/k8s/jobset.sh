@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2154  # dir: set by scripts/services.d/k8s.sh
 # The JobSet controller, sourced by scripts/services.d/k8s.sh (helpers: daemon, wait_for,
 # status, kubectl_admin; variables: dir). It runs on the node as a host process, so its
 # admission webhooks are reached by URL (the node's address, a cert from the cluster CA)
@@ -7,7 +7,8 @@
 jobset_webhook_port=9443
 
 start_jobset() {
-  local bin=$1 ip=$2 config="$bin/jobset-config"
+  local bin=$1 ip=$2
+  local config="$bin/jobset-config"
   mkdir -p "$dir/jobset/certs"
   cp "$dir/pki/jobset-webhook.crt" "$dir/jobset/certs/tls.crt"
   cp "$dir/pki/jobset-webhook.key" "$dir/jobset/certs/tls.key"

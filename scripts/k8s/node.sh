@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2154  # dir, node_name: set by scripts/services.d/k8s.sh
 # The test cluster's node, sourced by scripts/services.d/k8s.sh (its helpers: daemon,
 # wait_for, status, kubectl_admin; its variables: dir, node_name, service_cidr):
 # containerd (runc, CNI bridge) with a locally built pause image, the kubelet, kube-proxy
@@ -110,8 +110,8 @@ import_pause_image() {
 # Containers an earlier cluster left in the kept image store (their tasks died with it).
 remove_stale_containers() {
   local ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io) ids
-  ids=$("${ctr[@]}" containers ls -q)
-  [ -z "$ids" ] || "${ctr[@]}" containers rm $ids >/dev/null 2>&1 || true
+  mapfile -t ids < <("${ctr[@]}" containers ls -q)
+  ((${#ids[@]} == 0)) || "${ctr[@]}" containers rm "${ids[@]}" >/dev/null 2>&1 || true
 }
 
 # kube-dns: a Service without a selector whose endpoints are CoreDNS on this node.
@@ -177,4 +177,31 @@ start_node() {
   else
     status image "scripts/k8s/image.sh failed (see its output above)"
   fi
+}
+
+# Stops the node's pods the way the kubelet does (sandboxes, their network namespaces and
+# volume mounts torn down), then whatever containerd still runs; the controllers must be
+# stopped first so nothing recreates the pods. Leaves no mount under $dir.
+drain_node() {
+  local bin=$1 ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io) id
+  if alive "$dir/kubelet.pid" && alive "$dir/kube-apiserver.pid"; then
+    kubectl_admin delete pods --all --all-namespaces --force --grace-period=0 --wait=false >/dev/null 2>&1 || true
+    wait_for "the kubelet's pod teardown" 60 bash -c "! ${ctr[*]} tasks ls -q | grep -q ." || true
+  fi
+  if alive "$dir/containerd.pid"; then
+    for id in $("${ctr[@]}" tasks ls -q 2>/dev/null); do "${ctr[@]}" tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true; done
+    for id in $("${ctr[@]}" tasks ls -q 2>/dev/null); do "${ctr[@]}" tasks rm -f "$id" >/dev/null 2>&1 || true; done
+    remove_stale_containers
+  fi
+  if alive "$dir/kube-proxy.pid"; then
+    kill "$(cat "$dir/kube-proxy.pid")" 2>/dev/null || true
+    "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true   # its iptables chains
+  fi
+}
+
+# Whatever the kubelet or CNI left mounted under $dir, deepest first.
+unmount_all() {
+  local m
+  awk -v d="$dir" '$5 == d || index($5, d "/") == 1 {print $5}' /proc/self/mountinfo | sort -r |
+    while read -r m; do umount -l "$m" 2>/dev/null || true; done
 }

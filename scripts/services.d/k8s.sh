@@ -114,6 +114,7 @@ start() {
   if ! bin=$(scripts/k8s/build.sh | tail -1); then
     status control-plane "scripts/k8s/build.sh failed (see its output above)"; return 0
   fi
+  ln -sfn "$bin" "$dir/bin"
   local ip
   ip=$(node_ip)
   [ -s "$dir/pki/ca.crt" ] || scripts/k8s/pki.sh "$dir" "$node_name" "$ip" "$service_ip"
@@ -123,18 +124,26 @@ start() {
   say "KUBECONFIG=$dir/admin.kubeconfig"
 }
 
+kill_daemon() {
+  local pid
+  [ -s "$dir/$1.pid" ] || return 0
+  pid=$(cat "$dir/$1.pid")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill "$pid"
+    for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+    kill -9 "$pid" 2>/dev/null || true
+  fi
+  rm -f "$dir/$1.pid"
+}
+
 stop() {
-  local name pid
-  for name in kube-proxy kubelet coredns containerd jobset kube-scheduler kube-controller-manager kube-apiserver etcd; do
-    [ -s "$dir/$name.pid" ] || continue
-    pid=$(cat "$dir/$name.pid")
-    if kill -0 "$pid" 2>/dev/null; then
-      kill "$pid"
-      for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-      kill -9 "$pid" 2>/dev/null || true
-    fi
-    rm -f "$dir/$name.pid"
-  done
+  [ -d "$dir" ] || return 0
+  local name
+  # Controllers first (nothing recreates the pods), then the node's pods, then the rest.
+  for name in jobset kube-controller-manager kube-scheduler; do kill_daemon "$name"; done
+  [ ! -d "$dir/bin" ] || drain_node "$dir/bin"
+  for name in kubelet kube-proxy coredns containerd kube-apiserver etcd; do kill_daemon "$name"; done
+  unmount_all
   rm -rf "$dir"
 }
 
