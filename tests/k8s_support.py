@@ -119,6 +119,10 @@ def namespace():
 
     yield make
     for name in made:
+        # Releases first: their cluster-scoped objects (the janitor's ClusterRole) would
+        # outlive the namespace.
+        for release in helm("-n", name, "list", "-q", check=False).stdout.split():
+            helm("-n", name, "uninstall", release, check=False)
         kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 

@@ -158,7 +158,7 @@ def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(
     gone_uid = str(uuid.uuid4())
     removed = killed(holders, os.path.join(node_root, gone_uid), "job-b", gone_uid)
     image = image_values()["image"]
-    janitor_install("jan", ns, janitor_values(node_root, image=image))
+    janitor_install("jan-pods", ns, janitor_values(node_root, image=image))
     wait_until("the janitor removed the gone pod's rank dir", lambda: not os.path.exists(removed))
     assert os.path.isdir(kept)
 

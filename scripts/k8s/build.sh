@@ -42,7 +42,7 @@ build() {
     links+=("$out/${spec%%=*}")
   done
   ((${#pkgs[@]})) || return 0
-  echo "build.sh: building ${pkgs[*]} (a cold build takes tens of minutes on 2 cores)" >&2
+  echo "build.sh: building ${pkgs[*]} in scripts/k8s/$dir (a cold build of them all: tens of minutes on 2 cores)" >&2
   local tmp
   tmp="$(mktemp -d "$ROOT/.tmp.XXXXXX")"
   (cd "$HERE/$dir" && go build -ldflags="-s -w $LDFLAGS" -o "$tmp/" "${pkgs[@]}")

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Builds the CPU greenroom image the test cluster's pods run, with `make image`'s own script
-# (scripts/build-image.sh, images/Dockerfile) on the debootstrap base of images/ci-base.sh,
-# and imports it into the cluster's containerd. No registry is reachable and PyPI's torch is
-# the CUDA build, so the wheels are staged by scripts/k8s/stage_wheels.py (torch without its
-# CUDA libraries). The tag is a hash of what goes into the image: an unchanged tree reuses
-# the image podman and containerd already hold.
+# Builds the CPU greenroom image the test cluster's pods run (scripts/k8s/Containerfile, on
+# the debootstrap base of images/ci-base.sh) and imports it into the cluster's containerd.
+# No registry is reachable and PyPI's torch is the CUDA build, so the wheels are staged by
+# scripts/k8s/stage_wheels.py (torch without its CUDA libraries). The tag is a hash of what
+# goes into the image: an unchanged tree reuses the image podman and containerd already hold.
 # Usage: scripts/k8s/image.sh CONTAINERD_SOCKET   (prints the image name on its last line)
 set -euo pipefail
 [ "$#" -eq 1 ] || { echo "usage: scripts/k8s/image.sh CONTAINERD_SOCKET" >&2; exit 2; }
@@ -13,7 +12,7 @@ cd "$(dirname "$0")/../.."
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] && python=.venv/bin/python
 
-tag=$( (git ls-files -s runtime pyproject.toml README.md images scripts/build-image.sh scripts/k8s/stage_wheels.py;
+tag=$( (git ls-files -s runtime pyproject.toml README.md images scripts/k8s/Containerfile scripts/k8s/stage_wheels.py;
         git diff HEAD -- runtime pyproject.toml images) | sha256sum | cut -c1-12)
 image=localhost/greenroom:k8s-$tag
 base=localhost/greenroom-ci-base:bookworm
@@ -26,8 +25,13 @@ if ! "${ctr[@]}" images ls -q "name==$image" | grep -q .; then
     bash images/ci-base.sh "$base" >&2
     mkdir -p "$wheels"
     "$python" scripts/k8s/stage_wheels.py "$wheels" >&2
-    GREENROOM_BUILD_ENGINE=podman GREENROOM_IMAGE_WHEELS="$wheels" GREENROOM_PIP_NO_INDEX=1 \
-      GREENROOM_IMAGE_EXTRAS="" scripts/build-image.sh "$image" "$base" >&2
+    context=$(mktemp -d "${TMPDIR:-/tmp}/greenroom-k8s-image.XXXXXX")
+    cp pyproject.toml README.md "$context/"
+    tar -c --exclude=__pycache__ --exclude='*.egg-info' runtime | tar -x -C "$context"
+    mkdir "$context/wheels"
+    cp -l "$wheels"/*.whl "$context/wheels/" 2>/dev/null || cp "$wheels"/*.whl "$context/wheels/"
+    podman build -q --build-arg "BASE_IMAGE=$base" -t "$image" -f scripts/k8s/Containerfile "$context" >&2
+    rm -rf "$context"
   fi
   archive=$(mktemp "${TMPDIR:-/tmp}/greenroom-image.XXXXXX")
   trap 'rm -f "$archive"' EXIT

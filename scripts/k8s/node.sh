@@ -80,8 +80,8 @@ EOF
   cat >"$dir/Corefile" <<EOF
 .:$dns_port {
     errors
-    health 127.0.0.1:8080
-    ready 127.0.0.1:8181
+    health 127.0.0.1:18080
+    ready 127.0.0.1:18181
     kubernetes cluster.local in-addr.arpa ip6.arpa {
         kubeconfig $dir/admin.kubeconfig
         pods insecure
