@@ -17,8 +17,8 @@ import uuid
 import pytest
 
 from tests.conftest import REPO
-from tests.k8s_support import (CLUSTER_DIR, helm, install, janitor_install, janitor_values, kubectl, kubectl_json,
-                               namespace, pods, require_cluster, trainer_values, wait_until)
+from tests.k8s_support import (CLUSTER_DIR, chart_values, helm, install, janitor_install, janitor_values, kubectl,
+                               kubectl_json, namespace, pods, require_cluster, trainer_values, wait_until)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
@@ -63,9 +63,18 @@ def holders():
 
 
 def image_values() -> dict:
+    """The image the cluster imported, and the node's torch it lacks (scripts/k8s/Containerfile:
+    PyPI's torch is the CUDA build, 3 GB with its libraries; the pods mount the node's,
+    read-only, in this privileged namespace)."""
     with open(os.path.join(CLUSTER_DIR, "image")) as f:
         repository, tag = f.read().strip().rsplit(":", 1)
-    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"}}
+    with open(os.path.join(CLUSTER_DIR, "node-torch")) as f:
+        site = f.read().strip()
+    env_key = "extraEnv" if "extraEnv" in chart_values() else "env"
+    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+            "extraVolumes": [{"name": "node-torch", "hostPath": {"path": site, "type": "Directory"}}],
+            "extraVolumeMounts": [{"name": "node-torch", "mountPath": "/opt/node-torch", "readOnly": True}],
+            env_key: [{"name": "PYTHONPATH", "value": "/opt/node-torch"}]}
 
 
 def train_values(node_root: str, nodes: int = 2, iterations: int = 2) -> dict:
@@ -157,7 +166,7 @@ def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(
     kept = killed(holders, os.path.join(node_root, live_uid), "job-a", live_uid)
     gone_uid = str(uuid.uuid4())
     removed = killed(holders, os.path.join(node_root, gone_uid), "job-b", gone_uid)
-    image = image_values()["image"]
+    image = image_values()["image"]  # the janitor imports no torch
     janitor_install("jan-pods", ns, janitor_values(node_root, image=image))
     wait_until("the janitor removed the gone pod's rank dir", lambda: not os.path.exists(removed))
     assert os.path.isdir(kept)

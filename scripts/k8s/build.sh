@@ -26,7 +26,7 @@ export GOFLAGS="-trimpath -buildvcs=false"
 
 # The key of a module's build: its files and the link flags it is built with.
 module_key() {
-  (cd "$HERE/$1" && shopt -s nullglob && { cat go.mod go.sum ./*.go; [ -z "$LDFLAGS" ] || echo "$LDFLAGS"; } |
+  (cd "$HERE/$1" && shopt -s nullglob && { cat go.mod ./go.su[m] ./*.go; [ -z "$LDFLAGS" ] || echo "$LDFLAGS"; } |
     sha256sum | cut -c1-12)
 }
 

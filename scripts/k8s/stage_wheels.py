@@ -1,9 +1,11 @@
-"""Stages the wheels of a CPU greenroom image for the test cluster (scripts/k8s/image.sh).
+"""Stages the wheels of the test cluster's greenroom image (scripts/k8s/image.sh).
 
-PyPI's torch 2.13.0 is the CUDA build; it runs on the CPU without its nvidia-* libraries,
-which are most of its weight. So: the torch wheel without its dependencies, then every
-other distribution greenroom (and the image's megatron-core and torch-memory-saver) needs,
-at the versions installed in this Python, each downloaded with --no-deps.
+Every distribution greenroom and the image's megatron-core and torch-memory-saver need, at
+the versions installed in this Python, each downloaded with --no-deps; except torch and
+its CUDA libraries. PyPI's torch 2.13.0 is the CUDA build and does not import without its
+nvidia-* libraries (libtorch_global_deps.so links them): about 3 GB that every pod start
+would unpack. The pods take torch from the node's Python instead (a read-only hostPath,
+see tests/test_k8s_pods.py); the image carries the rest.
 Usage: python scripts/k8s/stage_wheels.py DIR
 """
 
@@ -16,8 +18,8 @@ import tomllib
 
 from packaging.requirements import Requirement
 
-# torch's CUDA runtime: loaded only when CUDA is used, never on the CPU.
-CUDA_ONLY = re.compile(r"^(nvidia-|triton$|cuda-)")
+# torch and its CUDA runtime: the node's (see above).
+FROM_NODE = re.compile(r"^(torch$|nvidia-|triton$|cuda-)")
 ROOTS = ["greenroom", "megatron-core", "torch-memory-saver"]
 PYPROJECT = os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml")
 
@@ -32,7 +34,7 @@ def closure(roots: list[str]) -> dict[str, str]:
     todo = list(roots)
     while todo:
         name = norm(todo.pop())
-        if name in seen or CUDA_ONLY.match(name):
+        if name in seen or FROM_NODE.match(name):
             continue
         seen[name] = md.version(name)
         for spec in md.requires(name) or []:
