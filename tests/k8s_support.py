@@ -174,8 +174,10 @@ def janitor_values(root: str, image: dict | None = None) -> dict:
     image = image or {"repository": "localhost/greenroom", "tag": "k8s-test", "pullPolicy": "Never"}
     if os.path.isdir(JANITOR_CHART):
         return {"image": image, "root": root, "rootType": "Directory", "intervalSeconds": 2}
+    # Without the init container: it would reclaim the root by the lock rule first.
     values = trainer_values(1, "hostPath", image=image, command=["sleep", "3600"],
-                            torchrun={"enabled": False}, janitor={"enabled": True, "intervalSeconds": 2})
+                            torchrun={"enabled": False}, janitor={"enabled": True, "intervalSeconds": 2},
+                            reclaim={"initContainer": {"enabled": False}})
     values["storage"]["hostPath"]["path"] = root
     return values
 

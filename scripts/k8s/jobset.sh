@@ -32,18 +32,15 @@ EOF
   # the controller by URL.
   local ca
   ca=$(base64 -w0 "$dir/pki/ca.crt")
-  kubectl kustomize "$config/webhook" | kubectl create --dry-run=client -o json -f - |
-    python3 -c '
-import json, sys
+  kubectl kustomize "$config/webhook" | python3 -c '
+import json, sys, yaml
 url, ca = sys.argv[1], sys.argv[2]
-items = json.load(sys.stdin)["items"]
-for item in items:
-    if item["kind"].endswith("WebhookConfiguration"):
-        item["metadata"]["name"] = "jobset-" + item["metadata"]["name"]
-        for hook in item["webhooks"]:
-            hook["clientConfig"] = {"url": url + hook["clientConfig"]["service"]["path"], "caBundle": ca}
-json.dump({"apiVersion": "v1", "kind": "List",
-           "items": [i for i in items if i["kind"].endswith("WebhookConfiguration")]}, sys.stdout)
+hooks = [d for d in yaml.safe_load_all(sys.stdin) if d and d["kind"].endswith("WebhookConfiguration")]
+for item in hooks:
+    item["metadata"]["name"] = "jobset-" + item["metadata"]["name"]
+    for hook in item["webhooks"]:
+        hook["clientConfig"] = {"url": url + hook["clientConfig"]["service"]["path"], "caBundle": ca}
+json.dump({"apiVersion": "v1", "kind": "List", "items": hooks}, sys.stdout)
 ' "https://$ip:$jobset_webhook_port" "$ca" | kubectl_admin apply -f - >/dev/null
   status jobset "up (sigs.k8s.io/jobset controller and webhooks)"
 }

@@ -205,9 +205,10 @@ drain_node() {
   fi
 }
 
-# Whatever the kubelet or CNI left mounted under $dir, deepest first.
+# Whatever the kubelet or CNI left mounted under $dir, deepest first; and the pods' bridge.
 unmount_all() {
   local m
   awk -v d="$dir" '$5 == d || index($5, d "/") == 1 {print $5}' /proc/self/mountinfo | sort -r |
     while read -r m; do umount -l "$m" 2>/dev/null || true; done
+  ! ip link show greenroom0 >/dev/null 2>&1 || ip link delete greenroom0
 }

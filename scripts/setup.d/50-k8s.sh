@@ -6,4 +6,5 @@ set -euo pipefail
 # shellcheck source=scripts/lib/apt-install.sh
 source "$(dirname "$0")/../lib/apt-install.sh"
 apt_install 50-k8s "the Kubernetes cluster tests will skip" \
-  etcd-server containerd runc containernetworking-plugins conntrack iptables iproute2 curl openssl
+  etcd-server containerd runc containernetworking-plugins conntrack iptables iproute2 curl openssl \
+  python3-yaml
