@@ -2,30 +2,41 @@
 every values file in deploy/helm/greenroom/ci/, and every manifest validated by
 kubernetes-validate --strict against Kubernetes 1.30 to 1.35.
 
-No Kubernetes API server can run here: these tests check what the chart renders (structure,
-API schemas, flags, security settings), not how a cluster schedules or runs it.
+No Kubernetes API server runs in these tests: they check what the chart renders (structure,
+API schemas, flags, env), not how a cluster schedules or runs it.
 """
 
 import argparse
 import os
+import shlex
 import subprocess
 import tarfile
 
 import pytest
 import yaml
 
-from tests.chart_support import CHART, CI_VALUES, by_kind, container, helm, manifests, pod_spec, render
+from tests.chart_support import CHART, CI_VALUES, by_kind, container, helm, manifests, pod_spec, readme_lacks, render
 from tests.conftest import REPO, require_tool
 
 pytestmark = pytest.mark.helm
 
 # Versions kubernetes-validate 1.37.0 ships schemas for (an unknown version passes silently).
 KUBE_VERSIONS = ["1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0"]
+STORAGE_MODES = {"hostPath": None, "emptyDir": "emptydir.yaml", "ephemeral": "ephemeral.yaml", "pvc": "pvc.yaml"}
+
+
+def env_of(c: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+def argv_of(c: dict) -> list[str]:
+    return c["command"] + c["args"]
 
 
 def test_ci_values_files_cover_the_issues_matrix():
-    assert set(CI_VALUES) >= {"cpu-target.yaml", "disk-target.yaml", "streaming.yaml", "both.yaml",
-                              "jobset.yaml", "emptydir.yaml", "janitor.yaml"}
+    assert set(CI_VALUES) >= {"cpu-target.yaml", "disk-target.yaml", "streaming.yaml", "both.yaml", "jobset.yaml",
+                              "emptydir.yaml", "ephemeral.yaml", "pvc.yaml", "custom-command.yaml",
+                              "scheduling.yaml"}
 
 
 @pytest.mark.parametrize("values", [None] + CI_VALUES)
@@ -63,66 +74,93 @@ def test_every_rendered_manifest_validates_strictly(kube_version, tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ERROR" not in out.stdout and "WARN" not in out.stdout
-    assert out.stdout.count(f"passed for resource") >= 2 * len(CI_VALUES)
+    assert out.stdout.count("passed for resource") >= len(CI_VALUES) + 1
 
 
-def test_default_is_an_indexed_job_with_a_headless_service_failing_fast():
+def test_default_is_an_indexed_job_that_restarts_a_disrupted_rank_and_fails_on_a_config_error():
     docs = manifests()
     assert sorted(d["kind"] for d in docs) == ["Job", "Service"]
     (job,) = by_kind(docs, "Job")
     (svc,) = by_kind(docs, "Service")
     spec = job["spec"]
-    assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"] == 1
-    assert spec["backoffLimit"] == 0
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 1
+    assert spec["backoffLimitPerIndex"] == 3 and spec["maxFailedIndexes"] == 0 and "backoffLimit" not in spec
     assert spec["podReplacementPolicy"] == "Failed"
+    assert spec["podFailurePolicy"]["rules"] == [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2]}},
+        {"action": "Count", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [143]}}]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == svc["metadata"]["name"] == job["metadata"]["name"]
     assert pod["restartPolicy"] == "Never"
-    labels = job["metadata"]["labels"]
+    assert job["metadata"]["namespace"] == svc["metadata"]["namespace"] == "train"
     for key in ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
                 "app.kubernetes.io/version", "app.kubernetes.io/managed-by"):
-        assert key in labels
+        assert key in job["metadata"]["labels"]
 
 
-def test_default_command_is_torchrun_running_greenroom_train_with_the_seed_flags():
-    docs = manifests("disk-target.yaml")
-    trainer = container(pod_spec(docs), "trainer")
-    assert trainer["command"] == ["torchrun"]
+def test_default_command_is_torchrun_running_greenroom_train_with_the_seed_flags_appended():
+    trainer = container(pod_spec(manifests("disk-target.yaml")), "trainer")
+    assert trainer["command"] == ["greenroom", "torchrun"]
     args = trainer["args"]
-    assert args[:6] == ["--nnodes=2", "--nproc-per-node=8", "--node-rank=$(GREENROOM_NODE_RANK)",
-                        "--master-addr=$(GREENROOM_MASTER_ADDR)", "--master-port=29500", "--no-python"]
-    assert args[6:] == ["greenroom", "train", "--offload-train", "--offload-train-target", "disk",
+    assert args[:6] == ["--nnodes=2", "--nproc-per-node=8", "--node-rank=$(NODE_RANK)",
+                        "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)", "--no-python"]
+    assert args[6:] == ["greenroom", "train", "--iterations", "100", "--role", "actor",
+                        "--save", "/checkpoints/run1", "--load", "/checkpoints/run1", "--resume", "auto",
+                        "--offload-train", "--offload-train-target", "disk",
                         "--offload-train-disk-dir", "/var/lib/greenroom/offload",
-                        "--offload-train-disk-chunk-mb", "128", "--offload-train-disk-compression", "auto",
-                        "--iterations", "100", "--role", "actor",
-                        "--save", "/checkpoints/run1"]
-    env = {e["name"]: e for e in trainer["env"]}
-    assert env["GREENROOM_MASTER_ADDR"]["value"] == "rel-greenroom-0.rel-greenroom"
-    assert env["GREENROOM_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['batch.kubernetes.io/job-completion-index']"
-    assert env["GREENROOM_JOB_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['batch.kubernetes.io/controller-uid']"
+                        "--offload-train-disk-chunk-mb", "128", "--offload-train-disk-compression", "auto"]
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 8
 
 
-DISK_DIR = ["--offload-train-disk-dir", "/var/lib/greenroom/offload", "--offload-train-disk-chunk-mb", "256",
-            "--offload-train-disk-compression", "auto"]
+def test_the_distributed_env_every_launcher_expects_is_exported():
+    env = env_of(container(pod_spec(manifests("disk-target.yaml")), "trainer"))
+    index = {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/job-completion-index']"}}
+    assert env["NODE_RANK"] == index
+    assert (env["NNODES"], env["NPROC_PER_NODE"], env["WORLD_SIZE"]) == ("2", "8", "16")
+    # The index-0 pod's stable DNS name (Indexed Job hostname under the headless Service).
+    assert env["MASTER_ADDR"] == "rel-greenroom-0.rel-greenroom" and env["MASTER_PORT"] == "29500"
+    assert env["GREENROOM_DISK_DIR"] == "/var/lib/greenroom/offload"
+    assert env["GREENROOM_JOB_ID"] == {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}
+    assert "RANK" not in env  # torchrun sets it per process
+    single = env_of(container(pod_spec(manifests(sets=("torchrun.enabled=false", "nodes=3"))), "trainer"))
+    assert single["RANK"] == index and single["LOCAL_RANK"] == "0" and single["WORLD_SIZE"] == "3"
+    js = env_of(container(pod_spec(manifests("jobset.yaml")), "trainer"))
+    assert js["MASTER_ADDR"] == "rel-greenroom-trainer-0-0.rel-greenroom"
+
+
+@pytest.mark.parametrize("values", CI_VALUES)
+def test_greenroom_args_is_offload_flags_to_argv_and_reads_back_with_from_env(values):
+    """The chart's side of the mapping checked against the Python side: GREENROOM_ARGS
+    parses (OffloadConfig.from_env's parser) to flags whose to_argv() is the same words."""
+    from greenroom.config import OffloadFlags, _flags_parser, env_argv
+    trainer = container(pod_spec(manifests(values)), "trainer")
+    text = env_of(trainer)["GREENROOM_ARGS"]
+    ns = _flags_parser().parse_args(env_argv({"GREENROOM_ARGS": text}))
+    flags = OffloadFlags.from_args(ns)
+    assert shlex.join(flags.to_argv()) == text
+    argv = argv_of(trainer)
+    appended = argv[-len(flags.to_argv()):] == flags.to_argv()
+    assert appended == (values != "custom-command.yaml")  # auto: env only for your own command
 
 
 @pytest.mark.parametrize("values, expected", [
-    ("cpu-target.yaml", ["--offload-train", "--offload-train-target", "cpu", *DISK_DIR, "--role", "actor"]),
+    ("cpu-target.yaml", ["--offload-train", "--offload-train-target", "cpu"]),
     # Streaming alone (the disaggregated case): no actor offload flags at all.
-    ("streaming.yaml", [*DISK_DIR, "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype",
-                        "bf16", "--no-load-optim", "--role", "actor", "--load", "/checkpoints/run1"]),
-    ("both.yaml", ["--offload-train", "--offload-train-target", "disk", *DISK_DIR,
-                   "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "fp8e4m3",
-                   "--stream-optimizer-state-host-cache-gb", "0.5", "--role", "actor"]),
+    ("streaming.yaml", ["--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16",
+                        "--no-load-optim"]),
+    ("both.yaml", ["--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
+                   "--stream-optimizer-state-moment-dtype", "fp8e4m3", "--stream-optimizer-state-host-cache-gb",
+                   "0.5"]),
 ])
 def test_each_seed_value_becomes_its_exact_flag(values, expected):
-    args = container(pod_spec(manifests(values)), "trainer")["args"]
-    assert args[args.index("greenroom"):] == ["greenroom", "train", *expected]
+    words = shlex.split(env_of(container(pod_spec(manifests(values)), "trainer"))["GREENROOM_ARGS"])
+    for flag in expected:
+        assert flag in words
+    assert [w for w in words if w.startswith("--offload-train") and w != "--offload-train-disk-dir"
+            and w not in ("--offload-train-disk-chunk-mb", "--offload-train-disk-compression")] == \
+        [w for w in expected if w.startswith("--offload-train")]
 
 
 def test_the_rendered_train_arguments_parse_with_greenroom_trains_own_parser():
@@ -135,12 +173,25 @@ def test_the_rendered_train_arguments_parse_with_greenroom_trains_own_parser():
         parser.parse_args(train)
 
 
-def test_any_trainer_command_is_used_as_given():
+def test_any_trainer_runs_its_own_image_and_command_under_torchrun_with_the_flags_in_the_env():
     trainer = container(pod_spec(manifests("custom-command.yaml")), "trainer")
-    assert trainer["command"] == ["python", "-m", "my_trainer"]
-    assert trainer["args"] == ["--config", "/configs/run.yaml"]
-    assert "lifecycle" not in trainer
-    assert "resources" not in trainer
+    assert trainer["image"] == "registry.example.com/team/hf-trainer:2.1"
+    assert trainer["command"] == ["greenroom", "torchrun"]
+    assert trainer["args"][-5:] == ["--no-python", "python", "/app/hf_trainer.py", "--output-dir", "/checkpoints/run1"]
+    assert "--nproc-per-node=2" in trainer["args"]
+    env = env_of(trainer)
+    assert "--stream-optimizer-state-moment-dtype bf16" in env["GREENROOM_ARGS"]
+    appended = container(pod_spec(manifests("custom-command.yaml", sets=("greenroomArgs=append",))), "trainer")
+    flags = shlex.split(env["GREENROOM_ARGS"])
+    assert appended["args"][-len(flags) - 3:] == ["/app/hf_trainer.py", "--output-dir", "/checkpoints/run1", *flags]
+    bare = container(pod_spec(manifests(sets=("command={python,t.py}", "args={--x}", "torchrun.enabled=false"))),
+                     "trainer")
+    assert bare["command"] == ["python", "t.py"] and bare["args"] == ["--x"]
+
+
+def test_resume_is_auto_and_strict_on_request():
+    args = container(pod_spec(manifests("streaming.yaml", sets=("train.resume=strict",))), "trainer")["args"]
+    assert args[args.index("--load"):][:4] == ["--load", "/checkpoints/run1", "--resume", "strict"]
 
 
 def test_trainer_pods_are_non_root_without_api_access_or_privileges():
@@ -150,134 +201,124 @@ def test_trainer_pods_are_non_root_without_api_access_or_privileges():
     trainer = container(spec, "trainer")
     assert trainer["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     init = container(spec, "prepare-offload-dir", init=True)
-    # Root only in the init container, with only what chown and reclaim need.
+    # hostPath mode: root only in the init container, with only what chown and reclaim need.
     assert init["securityContext"]["runAsUser"] == 0
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}
     assert init["securityContext"]["allowPrivilegeEscalation"] is False
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
 
 
-def test_node_local_nvme_is_a_hostpath_directory_mounted_per_pod():
-    spec = pod_spec(manifests())
+@pytest.mark.parametrize("mode", STORAGE_MODES)
+def test_each_storage_mode_mounts_its_volume_and_no_root_outside_hostpath(mode):
+    spec = pod_spec(manifests(STORAGE_MODES[mode]) if STORAGE_MODES[mode] else manifests())
     (vol,) = [v for v in spec["volumes"] if v["name"] == "offload"]
-    assert vol["hostPath"] == {"path": "/mnt/nvme/greenroom", "type": "Directory"}
     (mount,) = [m for m in container(spec, "trainer")["volumeMounts"] if m["name"] == "offload"]
-    assert mount == {"name": "offload", "mountPath": "/var/lib/greenroom/offload",
-                     "subPathExpr": "$(GREENROOM_POD_UID)"}
-    (init_mount,) = container(spec, "prepare-offload-dir", init=True)["volumeMounts"]
-    assert init_mount == {"name": "offload", "mountPath": "/greenroom/node"}
-    both = pod_spec(manifests("both.yaml"))
-    (vol,) = [v for v in both["volumes"] if v["name"] == "offload"]
-    assert vol["hostPath"]["type"] == "DirectoryOrCreate"
+    assert mount["mountPath"] == "/var/lib/greenroom/offload"
+    inits = spec.get("initContainers", [])
+    if mode == "hostPath":
+        assert vol["hostPath"] == {"path": "/mnt/nvme/greenroom", "type": "Directory"}
+        assert mount["subPathExpr"] == "$(GREENROOM_POD_UID)"
+        assert [c["name"] for c in inits] == ["prepare-offload-dir"]
+        return
+    assert "subPathExpr" not in mount
+    for c in [*inits, *spec["containers"]]:
+        sc = c.get("securityContext", {})
+        assert sc.get("runAsUser", 1000) != 0 and "add" not in sc.get("capabilities", {}), c["name"]
+    if mode == "emptyDir":
+        assert vol == {"name": "offload", "emptyDir": {"sizeLimit": "500Gi"}}  # no medium: disk
+        assert container(spec, "trainer")["resources"]["requests"]["ephemeral-storage"] == "500Gi"
+        assert not inits
+    elif mode == "ephemeral":
+        claim = vol["ephemeral"]["volumeClaimTemplate"]["spec"]
+        assert claim == {"accessModes": ["ReadWriteOnce"], "storageClassName": "local-path",
+                         "resources": {"requests": {"storage": "300Gi"}}}
+        assert not inits
+    else:
+        assert vol["persistentVolumeClaim"] == {"claimName": "nvme-scratch"}
+        assert [c["name"] for c in inits] == ["reclaim-offload-dir"]
 
 
-def test_emptydir_storage_is_disk_backed_with_a_size_limit():
-    spec = pod_spec(manifests("emptydir.yaml"))
-    (vol,) = [v for v in spec["volumes"] if v["name"] == "offload"]
-    assert vol == {"name": "offload", "emptyDir": {"sizeLimit": "500Gi"}}  # no medium: disk
+def test_must_show_scheduling_hooks_land_on_the_right_objects():
+    docs = manifests(sets=("schedulerName=volcano", "runtimeClassName=nvidia", "priorityClassName=high",
+                           "jobLabels.kueue\\.x-k8s\\.io/queue-name=team-a"))
+    (job,) = by_kind(docs, "Job")
+    # Kueue reads the queue from the Job object, not from its pod template.
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert "kueue.x-k8s.io/queue-name" not in job["spec"]["template"]["metadata"]["labels"]
+    pod = job["spec"]["template"]["spec"]
+    assert (pod["schedulerName"], pod["runtimeClassName"], pod["priorityClassName"]) == ("volcano", "nvidia", "high")
+    (js,) = manifests("jobset.yaml", sets=("jobLabels.kueue\\.x-k8s\\.io/queue-name=team-a",))
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
 
 
-def test_scheduling_values_reach_the_pod():
-    spec = pod_spec(manifests("disk-target.yaml"))
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
-    assert spec["priorityClassName"] == "training"
-    assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}]
-    assert spec["terminationGracePeriodSeconds"] == 60
-    assert {"name": "checkpoints", "mountPath": "/checkpoints"} in container(spec, "trainer")["volumeMounts"]
-    both = pod_spec(manifests("both.yaml"))
-    assert "nodeAffinity" in both["affinity"]
-    assert {"name": "NCCL_DEBUG", "value": "WARN"} in container(both, "trainer")["env"]
+def test_every_other_scheduling_value_reaches_the_pod():
+    docs = manifests("scheduling.yaml")
+    (job,) = by_kind(docs, "Job")
+    assert job["metadata"]["annotations"] == {"example.com/owner": "rl-team"}
+    template = job["spec"]["template"]
+    assert template["metadata"]["labels"]["team"] == "rl"
+    assert template["metadata"]["annotations"]["example.com/trace"] == "on"
+    assert template["metadata"]["annotations"]["greenroom.dev/pod-security-level"] == "privileged"
+    spec = template["spec"]
+    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    trainer = container(spec, "trainer")
+    assert trainer["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert trainer["resources"]["limits"]["hugepages-2Mi"] == trainer["resources"]["requests"]["hugepages-2Mi"] == "1Gi"
+    assert {"name": "hugepages", "emptyDir": {"medium": "HugePages-2Mi"}} in spec["volumes"]
+    assert {"name": "hugepages", "mountPath": "/dev/hugepages"} in trainer["volumeMounts"]
+    assert {"name": "NCCL_IB_HCA", "value": "mlx5"} in trainer["env"]
+    other = pod_spec(manifests("disk-target.yaml"))
+    assert other["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert other["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert other["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    assert {"name": "checkpoints", "mountPath": "/checkpoints"} in container(other, "trainer")["volumeMounts"]
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in container(pod_spec(manifests("both.yaml")), "trainer")["env"]
 
 
-def test_jobset_variant_fails_fast_and_names_its_rendezvous_host():
+def test_a_multi_node_job_places_one_pod_per_node_unless_affinity_is_given():
+    anti = pod_spec(manifests("disk-target.yaml"))["affinity"]["podAntiAffinity"]
+    (term,) = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "greenroom",
+                                                    "app.kubernetes.io/instance": "rel",
+                                                    "app.kubernetes.io/component": "trainer"}
+    assert "affinity" not in pod_spec(manifests())  # one node
+    assert "affinity" not in pod_spec(manifests("disk-target.yaml", sets=("onePodPerNode=false",)))
+    assert "nodeAffinity" in pod_spec(manifests("both.yaml", sets=("nodes=2",)))["affinity"]
+
+
+def test_jobset_variant_restarts_the_set_and_names_its_rendezvous_host():
     docs = manifests("jobset.yaml")
     assert sorted(d["kind"] for d in docs) == ["JobSet"]  # JobSet makes its own Service
     (js,) = docs
     assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
-    assert js["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 3}
     assert js["spec"]["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
     (rj,) = js["spec"]["replicatedJobs"]
-    assert rj["template"]["spec"]["completions"] == 4 and rj["template"]["spec"]["backoffLimit"] == 0
-    trainer = container(rj["template"]["spec"]["template"]["spec"], "trainer")
-    env = {e["name"]: e.get("value") for e in trainer["env"]}
-    assert env["GREENROOM_MASTER_ADDR"] == "rel-greenroom-trainer-0-0.rel-greenroom"
+    assert rj["template"]["spec"]["completions"] == 4 and rj["template"]["spec"]["backoffLimitPerIndex"] == 3
 
 
-def test_janitor_has_least_privilege_and_a_metrics_service():
-    docs = manifests("janitor.yaml")
-    kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Job", "Service", "Service", "ServiceAccount"]
-    (role,) = by_kind(docs, "ClusterRole")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-                             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
-    (binding,) = by_kind(docs, "ClusterRoleBinding")
-    (sa,) = by_kind(docs, "ServiceAccount")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "train"}]
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    (ds,) = by_kind(docs, "DaemonSet")
-    pod = ds["spec"]["template"]["spec"]
-    assert pod["serviceAccountName"] == sa["metadata"]["name"]
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    (c,) = pod["containers"]
-    assert c["command"] == ["greenroom", "reclaim", "/greenroom/node", "--kubernetes", "--node-name",
-                            "$(NODE_NAME)", "--interval", "120", "--metrics-port", "9400"]
-    env = {e["name"]: e for e in c["env"]}
-    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    sc = c["securityContext"]
-    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
-    # The hostPath root is its only writable path.
-    assert c["volumeMounts"] == [{"name": "offload-root", "mountPath": "/greenroom/node"}]
-    assert pod["volumes"] == [{"name": "offload-root", "hostPath": {"path": "/mnt/nvme/greenroom", "type": "Directory"}}]
-    metrics = [s for s in by_kind(docs, "Service") if s["metadata"]["name"].endswith("-janitor-metrics")]
-    (svc,) = metrics
-    assert svc["metadata"]["labels"]["release"] == "prometheus"
-    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9400, "targetPort": "metrics"}]
-    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "janitor"
-    assert container(pod_spec(docs), "trainer")  # the trainer's Job is still there
-    assert pod_spec(docs)["automountServiceAccountToken"] is False
+@pytest.mark.parametrize("values", [None] + CI_VALUES)
+def test_the_job_chart_has_no_cluster_scoped_objects(values):
+    docs = manifests(values) if values else manifests()
+    assert not {d["kind"] for d in docs} & {"ClusterRole", "ClusterRoleBinding", "DaemonSet", "ServiceAccount"}
 
 
-def test_janitor_metrics_service_is_off_by_default():
-    docs = manifests(sets=("janitor.enabled=true",))
-    assert not [s for s in by_kind(docs, "Service") if "janitor" in s["metadata"]["name"]]
-
-
-def test_notes_tell_how_to_follow_the_job():
+def test_notes_tell_how_to_follow_the_job_and_which_pod_security_level_it_needs():
     out = helm("install", "rel", CHART, "--dry-run=client", "--namespace", "train")
     assert out.returncode == 0, out.stderr
     assert "kubectl -n train get job rel-greenroom -w" in out.stdout
     assert "logs -f -l batch.kubernetes.io/job-name=rel-greenroom" in out.stdout
+    assert 'Pod Security: these pods need the "privileged" level' in out.stdout
+    out = helm("install", "rel", CHART, "--dry-run=client", "--namespace", "train", "-f",
+               os.path.join(CHART, "ci", "ephemeral.yaml"))
+    assert 'Pod Security: these pods need the "restricted" level' in out.stdout
+    assert "MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NNODES, NODE_RANK, NPROC_PER_NODE and GREENROOM_ARGS" in out.stdout
 
 
 def test_chart_readme_documents_every_value():
-    readme = open(os.path.join(CHART, "README.md"), encoding="utf-8").read()
-    values = yaml.safe_load(open(os.path.join(CHART, "values.yaml"), encoding="utf-8"))
-
-    def keys(d, prefix=""):
-        for k, v in d.items():
-            path = f"{prefix}{k}"
-            yield path
-            if isinstance(v, dict) and v and path not in ("resources", "podSecurityContext", "securityContext",
-                                                         "reclaim.initContainer.resources", "janitor.resources"):
-                yield from keys(v, path + ".")
-
-    missing = [k for k in keys(values) if f"`{k}`" not in readme]
-    assert not missing, f"README.md lacks {missing}"
-
-
-def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
-    from greenroom.reclaim_cli import configure_parser
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    configure_parser(parser)
-    if "--kubernetes" not in parser._option_string_actions:
-        pytest.skip("greenroom reclaim has no --kubernetes yet (issue 9): the janitor DaemonSet needs it")
-    (ds,) = by_kind(manifests("janitor.yaml"), "DaemonSet")
-    (c,) = ds["spec"]["template"]["spec"]["containers"]
-    argv = [a.replace("$(NODE_NAME)", "node-1") for a in c["command"][2:]]
-    args = parser.parse_args(argv)
-    assert args.root == "/greenroom/node"
+    assert not readme_lacks(CHART, ("resources", "podSecurityContext", "securityContext",
+                                    "reclaim.initContainer.resources"))
 
 
 def test_helm_package_leaves_the_ci_values_out(tmp_path):
@@ -287,33 +328,3 @@ def test_helm_package_leaves_the_ci_values_out(tmp_path):
         names = tgz.getnames()
     assert "greenroom/values.schema.json" in names and "greenroom/README.md" in names
     assert not [n for n in names if n.startswith("greenroom/ci/")]
-
-
-def _flags_from_values(values_file: str):
-    """The seed flags the chart's values describe, as ``OffloadFlags`` (the Python side
-    of the mapping, so the chart's template is checked against ``to_argv``)."""
-    from greenroom.config import OffloadFlags
-    with open(os.path.join(REPO, "deploy", "helm", "greenroom", "values.yaml")) as f:
-        v = yaml.safe_load(f)
-    with open(os.path.join(REPO, "deploy", "helm", "greenroom", "ci", values_file)) as f:
-        for key, value in (yaml.safe_load(f) or {}).items():
-            v[key] = {**v[key], **value} if isinstance(value, dict) and isinstance(v.get(key), dict) else value
-    return OffloadFlags(offload_train=v["offload"]["train"],
-                        offload_train_target=v["offload"]["target"] if v["offload"]["train"] else None,
-                        offload_train_disk_dir=v["storage"]["mountPath"],
-                        offload_train_disk_chunk_mb=v["offload"]["diskChunkMb"],
-                        stream_optimizer_state_to_disk=v["streamOptimizerState"]["toDisk"],
-                        stream_optimizer_state_moment_dtype=v["streamOptimizerState"]["momentDtype"],
-                        stream_optimizer_state_host_cache_gb=v["streamOptimizerState"]["hostCacheGb"],
-                        no_load_optim=v["noLoadOptim"])
-
-
-@pytest.mark.parametrize("values", CI_VALUES)
-def test_the_charts_seed_flags_are_exactly_offload_flags_to_argv(values):
-    if values == "custom-command.yaml":
-        pytest.skip("custom-command.yaml replaces the trainer command: the chart renders no seed flags")
-    trainer = container(pod_spec(manifests(values)), "trainer")
-    argv = trainer.get("args") or trainer["command"]
-    train = argv[argv.index("train") + 1:]
-    expected = _flags_from_values(values).to_argv()
-    assert train[:len(expected)] == expected

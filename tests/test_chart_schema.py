@@ -9,7 +9,7 @@ pytestmark = pytest.mark.helm
 
 
 def test_memory_backed_emptydir_is_refused_saying_why():
-    err = reject("storage.type=emptyDir", "storage.emptyDir.medium=Memory")
+    err = reject("storage.mode=emptyDir", "storage.emptyDir.medium=Memory")
     assert "/storage/emptyDir" in err
     assert "storage.emptyDir.medium Memory (tmpfs) is refused" in err
     assert "defeats offloading" in err
@@ -40,13 +40,34 @@ def test_out_of_range_values_name_their_key(value, where):
     assert f"at '{where}'" in reject(value)
 
 
-def test_janitor_with_emptydir_is_refused_saying_why():
-    err = reject("janitor.enabled=true", "storage.type=emptyDir")
-    assert "janitor.enabled needs storage.type hostPath" in err
+@pytest.mark.parametrize("sets, message", [
+    # Refused the way `greenroom slurm` refuses tasks_per_node > gpus_per_node.
+    (("procsPerNode=8", "gpu.count=1"), "procsPerNode 8 > gpu.count 1: each process needs its own GPU"),
+    (("torchrun.enabled=false", "nodes=2", "procsPerNode=4", "gpu.count=4"),
+     "procsPerNode 4 needs torchrun.enabled: without a launcher each pod runs one process"),
+    (("storage.mode=pvc",), "storage.pvc.claimName is needed with storage.mode pvc"),
+    (("hugepages.size=2Mi", "hugepages.amount=1Gi"), "hugepages need a cpu or memory request"),
+    (("hugepages.size=2Mi",), "hugepages.size needs hugepages.amount"),
+])
+def test_what_compares_two_values_is_refused_naming_them(sets, message):
+    # helm frames the message with its own lines; the message itself is one line.
+    assert any(message in line for line in reject(*sets).splitlines())
+
+
+@pytest.mark.parametrize("value, where", [
+    ("storage.mode=hostpath", "/storage/mode"),
+    ("greenroomArgs=always", "/greenroomArgs"),
+    ("train.resume=maybe", "/train/resume"),
+    ("job.podFailurePolicy.failExitCodes={0}", "/job/podFailurePolicy/failExitCodes/0"),
+    ("schedulerNam=volcano", ""),
+])
+def test_new_values_are_checked_too(value, where):
+    err = reject(value)
+    assert (f"at '{where}'" in err) if where else "additional properties 'schedulerNam' not allowed" in err
 
 
 def test_streaming_under_cpu_offload_is_refused_like_greenroom_train_does():
-    err = reject("offload.target=cpu", "streamOptimizerState.toDisk=true")
+    err = reject("offload.train=true", "offload.target=cpu", "streamOptimizerState.toDisk=true")
     assert "streamOptimizerState.toDisk with offload.train needs offload.target disk" in err
 
 

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import shlex
 import warnings
 
 import pytest
@@ -69,6 +70,7 @@ def test_both_mechanisms_cost_two_chunks_of_staging(disk_dir):
 
 def test_disk_mechanism_without_dir_or_scratch_is_an_error(monkeypatch):
     monkeypatch.delenv("SCRATCH", raising=False)
+    monkeypatch.delenv("GREENROOM_DISK_DIR", raising=False)
     with pytest.raises(ValueError, match=r"^no disk dir: pass --offload-train-disk-dir DIR .* or set \$SCRATCH"):
         OffloadConfig(stream_optimizer_state_to_disk=True)
 
@@ -169,3 +171,38 @@ def test_offload_flags_check_the_rules_without_touching_the_filesystem():
     OffloadFlags(stream_optimizer_state_to_disk=True, offload_train_disk_dir="/dev/shm/on-the-node")
     with pytest.raises(ValueError, match="requires --offload-train-target disk"):
         OffloadFlags(offload_train=True, stream_optimizer_state_to_disk=True)
+
+
+# -- $GREENROOM_ARGS: the flags for any trainer (the chart and the Slurm templates set it) --
+def test_from_env_reads_greenroom_args_and_add_arguments_takes_its_defaults_from_it(monkeypatch, disk_dir):
+    flags = ["--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir", disk_dir,
+             "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16"]
+    monkeypatch.setenv("GREENROOM_ARGS", shlex.join(flags))
+    from_env = OffloadConfig.from_env()
+    assert from_env == OffloadConfig.from_args(greenroom.add_arguments(argparse.ArgumentParser()).parse_args(flags))
+    assert from_env.offload_to_disk and from_env.stream_optimizer_state_moment_dtype == "bf16"
+    # add_arguments: the env gives the defaults, the command line still wins.
+    assert parse().stream_optimizer_state_moment_dtype == "bf16"
+    assert parse("--stream-optimizer-state-moment-dtype", "fp16").stream_optimizer_state_moment_dtype == "fp16"
+    monkeypatch.delenv("GREENROOM_ARGS")
+    assert OffloadConfig.from_env() == OffloadConfig()
+
+
+def test_greenroom_disk_dir_is_the_default_disk_dir(monkeypatch, disk_dir):
+    monkeypatch.setenv("GREENROOM_DISK_DIR", disk_dir)
+    monkeypatch.setenv("SCRATCH", "/elsewhere")
+    assert OffloadConfig(stream_optimizer_state_to_disk=True).offload_train_disk_dir == disk_dir
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("--offload-train --epochs 3", "$GREENROOM_ARGS: --epochs 3 is not a greenroom offload/streaming flag"),
+    ("--offload-train-target nvme", "$GREENROOM_ARGS: argument --offload-train-target: invalid choice: 'nvme'"),
+    ("--offload-train-disk-chunk-mb 'x", "$GREENROOM_ARGS: cannot split"),
+])
+def test_a_bad_greenroom_args_is_one_line_naming_the_variable(monkeypatch, text, expected):
+    monkeypatch.setenv("GREENROOM_ARGS", text)
+    with pytest.raises(ValueError) as e:
+        OffloadConfig.from_env()
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+    line = one_line_error(run_greenroom("plan", env={"GREENROOM_ARGS": text}))
+    assert expected in line

@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -27,6 +28,7 @@ import pytest
 # machine) the module skips instead of failing to import.
 pytest.importorskip("kubernetes", reason="the kubernetes client is not installed (pip install kubernetes)")
 
+from greenroom import k8s_janitor  # noqa: E402
 from greenroom.k8s_janitor import Janitor, JanitorConfig  # noqa: E402
 from tests.cli_support import REPO, greenroom, one_line_error
 
@@ -386,3 +388,35 @@ def test_an_unreadable_listing_skips_the_pass_and_counts_an_api_error(api, disk_
         janitor.one_pass()
     assert os.path.exists(gone)  # nothing is decided without a listing
     assert metric_values(janitor.metrics.registry)['greenroom_reclaim_errors_total{kind="api"}'] == 1
+
+
+def test_empty_dirs_of_gone_pods_are_removed_and_nothing_else(api, disk_dir, monkeypatch):
+    """The init container makes <root>/<pod uid>/; a pod that never wrote a rank dir (or
+    whose ranks cleaned up) leaves it empty. Gone or finished pods' empty trees go; a live
+    pod's, one holding a file, one not named like a pod UID and one made after the pod
+    listing (a pod started since: its init container may have just made it) stay."""
+    gone, done, live, full, fresh = (str(uuid.uuid4()) for _ in range(5))
+    root = os.path.join(disk_dir, "root")
+    api.add_pod(live, "grpo-0")
+    api.add_pod(done, "grpo-1", phase="Failed")
+    for uid in (gone, done, live, full):
+        os.makedirs(os.path.join(root, uid, "job", "actor"))
+    with open(os.path.join(root, full, "job", "notes.txt"), "w") as f:
+        f.write("not greenroom's to judge")
+    os.makedirs(os.path.join(root, "not-a-pod-uid"))
+    old = time.time() - 60
+    for uid in (gone, done, live, full, "not-a-pod-uid"):
+        os.utime(os.path.join(root, uid), (old, old))
+    janitor = Janitor(JanitorConfig(root=root, node_name=NODE), out=open(os.devnull, "w"))
+    janitor.connect()
+    original = k8s_janitor.list_node_pods
+
+    def listing_then_a_new_pod(api_, node):
+        pods = original(api_, node)
+        os.makedirs(os.path.join(root, fresh))  # after the listing: not in it
+        return pods
+
+    monkeypatch.setattr(k8s_janitor, "list_node_pods", listing_then_a_new_pod)
+    janitor.one_pass()
+    assert sorted(os.listdir(root)) == sorted([live, full, fresh, "not-a-pod-uid"])
+    assert os.path.isdir(os.path.join(root, live, "job", "actor"))

@@ -82,7 +82,8 @@ def job_data(tmp_path, disk_dir, name: str, *, iterations: int = 2, streaming: b
 def submit(tmp_path, data: dict) -> str:
     path = tmp_path / f"{data['job_name']}.yaml"
     path.write_text(yaml.safe_dump(data))
-    proc = greenroom("slurm", "submit", str(path), check_rc=0)
+    # cwd: Slurm's own slurm-<job>.out lands where the job is submitted from.
+    proc = greenroom("slurm", "submit", str(path), check_rc=0, cwd=str(tmp_path))
     job = proc.stdout.strip()
     assert job.isdigit(), proc.stdout
     SUBMITTED.append(job)
@@ -183,7 +184,7 @@ def local_variants(tmp_path, disk_dir) -> dict[str, dict]:
 
 def test_sbatch_test_only_accepts_every_rendered_variant(tmp_path, disk_dir):
     variants = local_variants(tmp_path, disk_dir)
-    assert len(variants) == 16
+    assert len(variants) == 17
     for name, data in variants.items():
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(data))
@@ -304,3 +305,38 @@ def test_submitit_path_refuses_containers_with_a_one_line_error(tmp_path, disk_d
     config = config_from_dict(job_data(tmp_path, disk_dir, "c", container={"runtime": "pyxis", "image": "x"}))
     with pytest.raises(ValueError, match="^container: not supported through submitit"):
         executor_for(config, str(tmp_path / "submitit"))
+
+
+# -- any trainer -------------------------------------------------------------------------
+
+def test_hf_trainer_script_runs_as_two_tasks_from_a_plain_sbatch_of_the_rendered_file(tmp_path, disk_dir):
+    """Not greenroom train: deploy/examples/hf_trainer.py (HF Trainer, StreamingAdam, the
+    offloader) takes its flags from $GREENROOM_ARGS only (command: with the default
+    greenroom_args auto). Rendered to a file and submitted with plain sbatch, into a log
+    dir nobody created: the script makes it."""
+    data = job_data(tmp_path, disk_dir, "hf")
+    del data["greenroom"]
+    data["log_dir"] = str(tmp_path / "not" / "yet" / "logs")
+    data["train"] = {"offload_train": True, "offload_train_target": "disk", "offload_train_disk_chunk_mb": 1,
+                     "stream_optimizer_state_to_disk": True}
+    script = os.path.join(REPO, "deploy", "examples", "hf_trainer.py")
+    data["command"] = [sys.executable, script, str(tmp_path / "out"), "--steps", "3"]
+    config = tmp_path / "hf.yaml"
+    config.write_text(yaml.safe_dump(data))
+    greenroom("slurm", "render", str(config), "-o", str(tmp_path / "hf.sh"), check_rc=0)
+    proc = subprocess.run(["sbatch", "--parsable", str(tmp_path / "hf.sh")], capture_output=True, text=True,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    SUBMITTED.append(job)
+    info = wait_done(tmp_path, "hf", job)
+    step_logs = {}
+    for t in (0, 1):
+        with open(tmp_path / "not" / "yet" / "logs" / f"hf-{job}-r0-{t}.out", encoding="utf-8") as f:
+            step_logs[t] = f.read()
+    assert info["JobState"] == "COMPLETED", step_logs
+    for t, text in step_logs.items():
+        # Each task is one rank of a 2-process job, each slept and woke every step.
+        assert f"rank {t} of 2" in text and "step 3: slept" in text, text
+    assert os.path.exists(tmp_path / "not" / "yet" / "logs" / f"hf-{job}.out")
+    assert not os.path.exists(os.path.join(offload_root(disk_dir), job)), "per-rank dirs left after the job"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from greenroom.slurm.config import config_from_dict, load_config, time_minutes
-from greenroom.slurm.render import TEMPLATE_DIR, render, setup_lines, shipped_templates, train_args
+from greenroom.slurm.render import TEMPLATE_DIR, program, render, seed_flags, setup_lines, shipped_templates
 from tests.cli_support import REPO, greenroom, one_line_error
 from tests.conftest import require_tool
 
@@ -43,7 +43,8 @@ def write_config(tmp_path, data: dict, name: str = "job.yaml") -> str:
 
 
 def test_every_example_is_a_valid_config():
-    assert [example_name(p) for p in EXAMPLES] == ["apptainer", "multi-node-torchrun", "pyxis", "single-node"]
+    assert [example_name(p) for p in EXAMPLES] == ["apptainer", "hf-trainer", "multi-node-torchrun", "pyxis",
+                                                   "single-node"]
     for path in EXAMPLES:
         load_config(path)
 
@@ -86,14 +87,65 @@ def test_seed_flags_pass_through_as_the_exact_flags():
         "stream_optimizer_state_to_disk": True, "stream_optimizer_state_moment_dtype": "bf16",
         "stream_optimizer_state_host_cache_gb": 32, "no_load_optim": True, "iterations": 7, "role": "critic",
         "checkpoint_dir": "/ck"}})
-    assert train_args(config) == [
-        "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-chunk-mb", "64",
-        "--offload-train-disk-compression", "auto", "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16",
-        "--stream-optimizer-state-host-cache-gb", "32", "--no-load-optim", "--iterations", "7", "--role", "critic", "--save", "/ck"]
+    flags = ["--offload-train", "--offload-train-target", "disk", "--offload-train-disk-chunk-mb", "64",
+             "--offload-train-disk-compression", "auto", "--stream-optimizer-state-to-disk",
+             "--stream-optimizer-state-moment-dtype", "bf16", "--stream-optimizer-state-host-cache-gb", "32",
+             "--no-load-optim"]
+    assert seed_flags(config) == flags
+    # One command for the first run and every requeue: --resume auto starts fresh while /ck is missing.
+    assert program(config) == ["greenroom", "train", "--iterations", "7", "--role", "critic",
+                               "--save", "/ck", "--load", "/ck", "--resume", "auto"]
     script = render(config)
-    assert '--offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT"' in script
-    assert ("for complete in /ck/generation.json /ck.new/generation.json /ck.old/generation.json; do\n"
-            '  if [ -e "$complete" ]; then trainer+=(--load /ck); break; fi') in script
+    assert f"trainer+=({' '.join(flags)} --offload-train-disk-dir \"$GREENROOM_OFFLOAD_ROOT\")" in script
+    assert "GREENROOM_ARGS=" + shlex.quote(shlex.join(flags)) in script
+
+
+def test_greenroom_args_reach_any_trainer_and_parse_as_offload_config(tmp_path):
+    """The exported $GREENROOM_ARGS, evaluated by bash with a scratch path that needs
+    quoting, is what OffloadConfig.from_env() reads back: the YAML's flags plus the dir."""
+    from greenroom.config import OffloadConfig
+    scratch = tmp_path / "my scratch"
+    scratch.mkdir()
+    config = config_from_dict({"scratch_dir": str(scratch), "command": ["python", "my_trainer.py"],
+                               "train": {"offload_train": True, "offload_train_target": "disk",
+                                         "stream_optimizer_state_to_disk": True}})
+    lines = script_lines = render(config).splitlines()
+    assert "trainer=(python my_trainer.py)" in script_lines
+    assert not [line for line in lines if line.startswith("trainer+=")]  # auto: env only for a command
+    start = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_SCRATCH="))
+    end = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_ARGS"))
+    probe = "\n".join(lines[start:end + 1] + ['printf "%s" "$GREENROOM_ARGS"'])
+    env = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout
+    offload = OffloadConfig.from_env({"GREENROOM_ARGS": env})
+    assert offload.offload_to_disk and offload.stream_optimizer_state_to_disk
+    assert offload.offload_train_disk_dir == os.path.join(str(scratch), f"greenroom_train_offload_{os.getuid()}")
+
+
+def test_command_with_append_gets_the_flags_and_greenroom_train_arguments_are_refused():
+    config = config_from_dict({"command": "torchrun-entry --config 'a b.yaml'", "greenroom_args": "append",
+                               "train": {"offload_train": True}})
+    script = render(config)
+    assert "trainer=(torchrun-entry --config 'a b.yaml')" in script
+    assert "trainer+=(--offload-train --offload-train-target cpu --offload-train-disk-chunk-mb 256" in script
+    with pytest.raises(ValueError, match="train.checkpoint_dir is a greenroom train argument"):
+        config_from_dict({"command": ["python", "t.py"], "train": {"checkpoint_dir": "/ck"}})
+
+
+def test_the_script_makes_its_log_dir_and_sends_no_output_there_before():
+    script = render(config_from_dict({"log_dir": "/shared/logs/run1"}))
+    assert not [line for line in script.splitlines() if line.startswith("#SBATCH --output")]
+    lines = script.splitlines()
+    mkdir = lines.index("mkdir -p /shared/logs/run1")
+    assert lines[mkdir + 1] == 'exec >>/shared/logs/run1/"$SLURM_JOB_NAME-$SLURM_JOB_ID.out" 2>&1'
+    assert mkdir < lines.index("# -- Environment")
+
+
+def test_pyxis_names_its_container_once_per_job_and_the_exit_reclaim_never_runs_on_the_host():
+    config = config_from_dict({"container": {"runtime": "pyxis", "image": "reg/greenroom:1"}})
+    script = render(config)
+    assert script.count('--container-name=greenroom-"$SLURM_JOB_ID"') == 2  # reclaim and trainer steps
+    on_exit = script[script.index("on_exit() {"):script.index("trap on_exit EXIT")]
+    assert "|| true" not in on_exit and "greenroom reclaim" not in on_exit.replace("reclaim ||", "")
 
 
 def test_values_with_spaces_and_dollars_reach_the_trainer_as_one_word(tmp_path):
@@ -105,13 +157,15 @@ def test_values_with_spaces_and_dollars_reach_the_trainer_as_one_word(tmp_path):
     script = render(config)
     env_line = next(line for line in script.splitlines() if line.startswith("export GREETING="))
     scratch_line = next(line for line in script.splitlines() if line.startswith("export GREENROOM_SCRATCH="))
-    trainer_line = next(line for line in script.splitlines() if line.startswith("trainer=("))
-    probe = "\n".join([env_line, scratch_line, trainer_line.replace('"$GREENROOM_OFFLOAD_ROOT"', "X"),
+    trainer_lines = [line for line in script.splitlines() if line.startswith(("trainer=(", "trainer+=("))]
+    probe = "\n".join([env_line, scratch_line, *[line.replace('"$GREENROOM_OFFLOAD_ROOT"', "X") for line in trainer_lines],
                        'printf "%s\\n" "$GREETING" "$GREENROOM_SCRATCH" "${trainer[@]}"'])
     out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "it's $USER; rm -rf /"
     assert out[1] == weird
-    assert out[-4:-1] == ["--metrics", "a b;c", "--offload-train-disk-dir"]
+    trainer = out[2:]
+    assert trainer[trainer.index("--metrics"):][:2] == ["--metrics", "a b;c"]
+    assert trainer[-2:] == ["--offload-train-disk-dir", "X"]
 
 
 def test_torchrun_launcher_asks_one_task_per_node_with_all_its_cpus():
@@ -169,9 +223,12 @@ BAD_VALUES = [
     ({"env": {"1BAD": "x"}}, "env: '1BAD' is not a valid environment variable name"),
     ({"container": {"runtime": "docker", "image": "x"}}, "container.runtime: expected one of pyxis, apptainer"),
     ({"train": {"offload_train_target": "nvme"}}, "train.offload_train_target: expected one of cpu, disk"),
+    ({"train": {"resume": "maybe"}}, "train.resume: expected one of auto, strict"),
+    ({"command": []}, "command: expected a non-empty list of words"),
+    ({"greenroom_args": "both"}, "greenroom_args: expected one of auto, append, env"),
     ({"train": {"offload_train": False, "offload_train_target": "disk"}},
      "train: --offload-train-target disk requires --offload-train"),
-    ({"train": {"offload_train_target": "cpu", "stream_optimizer_state_to_disk": True}},
+    ({"train": {"offload_train": True, "offload_train_target": "cpu", "stream_optimizer_state_to_disk": True}},
      "train: --stream-optimizer-state-to-disk under --offload-train requires --offload-train-target disk"),
     ({"train": {"stream_optimizer_state_moment_dtype": "int8"}},
      "train.stream_optimizer_state_moment_dtype: expected one of fp32, bf16"),
@@ -181,7 +238,7 @@ BAD_VALUES = [
      "train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got nan"),
     ({"train": {"stream_optimizer_state_host_cache_gb": "8GB"}},
      "train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got '8GB'"),
-    ({"train": {"stream_optimizer_state_host_cache_gb": 8, "stream_optimizer_state_to_disk": False}},
+    ({"train": {"stream_optimizer_state_host_cache_gb": 8}},
      "train: --stream-optimizer-state-host-cache-gb caches streamed buckets and needs"),
 ]
 
@@ -215,6 +272,13 @@ def test_misspelt_variable_in_a_custom_template_is_an_error_not_empty(tmp_path):
 
 def test_custom_template_can_include_the_shipped_setup(tmp_path):
     template = tmp_path / "mine.sh.j2"
-    template.write_text('#!/bin/bash\n{% include "_setup.sh.j2" %}\necho {{ train_args }}\n')
+    template.write_text('#!/bin/bash\n{% include "_setup.sh.j2" %}\necho {{ seed_flags }}\n')
     proc = greenroom("slurm", "render", write_config(tmp_path, {"template": str(template)}), check_rc=0)
-    assert "reclaim()" in proc.stdout and shlex.split(proc.stdout.splitlines()[-1])[1] == "--offload-train"
+    assert "reclaim()" in proc.stdout and shlex.split(proc.stdout.splitlines()[-1])[1] == "--offload-train-disk-chunk-mb"
+
+
+def test_a_cpu_target_alone_is_a_valid_job():
+    """The YAML's defaults are OffloadFlags' (no streaming), so naming the cpu target
+    never trips a rule about a flag the user did not set."""
+    config = config_from_dict({"train": {"offload_train": True, "offload_train_target": "cpu"}})
+    assert seed_flags(config)[:3] == ["--offload-train", "--offload-train-target", "cpu"]

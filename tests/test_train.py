@@ -339,3 +339,24 @@ def test_reference_policy_moves_untracked_and_consumed_grads_are_not_written(dis
         assert r["sleep_dead"] >= weights
         assert r["sleep_written"] + r["sleep_dead"] + r["sleep_clean"] == r["sleep_bytes"]
     assert_same_state(load_state(resident, 0), load_state(offloaded, 0))
+
+
+def test_resume_auto_starts_fresh_where_nothing_was_saved_and_resumes_after(disk_dir):
+    """One command for the first run and every restart (the chart's and the templates'):
+    --save DIR --load DIR --resume auto. Exact --load (the default, strict) stays strict,
+    and under auto a dir that is there but is not a checkpoint is still refused."""
+    ck = os.path.join(disk_dir, "ck")
+    base = [*SMALL[2:], "--offload-train-disk-dir", os.path.join(disk_dir, "offload"),
+            "--metrics", os.path.join(disk_dir, "m.jsonl"), "--save", ck, "--load", ck]
+    strict = train([*base, "--iterations", "2"], check=False)
+    assert strict.returncode == 2 and f"--load {ck}: no such checkpoint dir" in strict.stderr
+    first = train([*base, "--iterations", "2", "--resume", "auto"])
+    assert "no checkpoint there yet (--resume auto): starting fresh" in first.stdout + first.stderr
+    again = train([*base, "--iterations", "3", "--resume", "auto"])
+    assert "resuming at iteration 3" in again.stdout
+    junk = os.path.join(disk_dir, "junk")
+    os.makedirs(junk)
+    with open(os.path.join(junk, "data.txt"), "w") as f:
+        f.write("not a checkpoint")
+    refused = train([*SMALL, "--load", junk, "--resume", "auto"], check=False)
+    assert refused.returncode == 2 and f"--load {junk}: no valid generation.json" in refused.stderr

@@ -23,6 +23,7 @@ COMMANDS = {
     "bench": ("greenroom.bench", "benchmarks: disk, stream, offload"),
     "report": ("greenroom.train.report", "plot a metrics .jsonl to a PNG"),
     "slurm": ("greenroom.slurm.cli", "render or submit the Slurm templates"),
+    "torchrun": ("greenroom.torchrun_cli", "torchrun, exiting with the failed worker's exit code"),
 }
 
 
@@ -43,8 +44,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     log.configure()
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser(argv)
+    except (ValueError, GreenroomError) as e:  # e.g. a bad $GREENROOM_ARGS, read for the defaults
+        chosen = next((a for a in argv if not a.startswith("-")), "")
+        print(f"greenroom {chosen}: error: {e}", file=sys.stderr)
+        return 2
+    args, passed_on = parser.parse_known_args(argv)
+    if passed_on:
+        if not getattr(args, "pass_on", False):
+            parser.error(f"unrecognized arguments: {' '.join(passed_on)}")
+        args.pass_on = passed_on  # e.g. torchrun's own arguments, untouched
     try:
         return args._run(args) or 0
     except (ValueError, GreenroomError) as e:

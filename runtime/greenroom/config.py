@@ -5,6 +5,11 @@ Any trainer adopts greenroom with two calls::
     greenroom.add_arguments(parser)
     config = greenroom.OffloadConfig.from_args(parser.parse_args())
 
+or, with no parser of its own, ``config = greenroom.OffloadConfig.from_env()``. Both read
+``$GREENROOM_ARGS``: the flags as ``to_argv()`` writes them, which the Helm chart and the
+Slurm templates export to every trainer whatever its command (flags given on the command
+line win over it).
+
 Every rule violation is a ``ValueError`` whose message is one line naming the flag and
 the fix; the CLI turns it into exit code 2 without a traceback.
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import warnings
 from dataclasses import dataclass, field
 
@@ -75,8 +81,18 @@ def format_gb(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
+# The launcher's flags for any trainer (chart and Slurm templates), as one shell-quoted string.
+ARGS_ENV = "GREENROOM_ARGS"
+# The per-pod (chart) or per-node (Slurm) dir the launcher assigned for the per-rank dirs.
+DISK_DIR_ENV = "GREENROOM_DISK_DIR"
+
+
 def default_disk_dir() -> str | None:
-    """``$SCRATCH/greenroom_train_offload_<uid>``, or None when $SCRATCH is unset."""
+    """``$GREENROOM_DISK_DIR`` (set by the chart and the templates), else
+    ``$SCRATCH/greenroom_train_offload_<uid>``; None when neither is set."""
+    assigned = os.environ.get(DISK_DIR_ENV)
+    if assigned:
+        return assigned
     scratch = os.environ.get("SCRATCH")
     if not scratch:
         return None
@@ -222,6 +238,12 @@ class OffloadFlags:
     def from_args(cls, ns: argparse.Namespace):
         return cls(**{name: getattr(ns, name) for name in FLAG_FIELDS})
 
+    @classmethod
+    def from_env(cls, environ=None):
+        """The flags in ``$GREENROOM_ARGS`` (defaults where it is unset or empty); a word
+        that is not one of the seed's flags is a one-line error naming the variable."""
+        return cls.from_args(_flags_parser().parse_args(env_argv(environ)))
+
 
 # The dataclass fields that are flags, in flag order (``--`` + the name with dashes).
 FLAG_FIELDS = ("offload_train", "offload_train_target", "offload_train_disk_dir", "offload_train_disk_chunk_mb",
@@ -267,8 +289,41 @@ class OffloadConfig(OffloadFlags):
             warnings.warn(message + "; continuing because of --allow-tmpfs", stacklevel=3)
 
 
+def env_argv(environ=None) -> list[str]:
+    """``$GREENROOM_ARGS`` split as a shell would, checked to hold only the seed's flags."""
+    text = (os.environ if environ is None else environ).get(ARGS_ENV, "")
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"${ARGS_ENV}: cannot split {text!r} ({e}); write the flags as to_argv() does") from None
+    try:
+        _, unknown = _flags_parser().parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"${ARGS_ENV}: {e}") from None
+    if unknown:
+        raise ConfigError(f"${ARGS_ENV}: {' '.join(unknown)} is not a greenroom offload/streaming flag; "
+                          "it holds only those (pass the trainer's own arguments on its command line)")
+    return argv
+
+
+def _flags_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"${ARGS_ENV}", add_help=False, exit_on_error=False)
+    _add_flags(parser)
+    return parser
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the seed's flags (and ``--allow-tmpfs``) to any argparse parser."""
+    """Add the seed's flags (and ``--allow-tmpfs``) to any argparse parser; their
+    defaults come from ``$GREENROOM_ARGS`` where it is set (the command line wins)."""
+    _add_flags(parser)
+    argv = env_argv()
+    if argv:
+        given = _flags_parser().parse_args(argv)
+        parser.set_defaults(**{name: getattr(given, name) for name in FLAG_FIELDS})
+    return parser
+
+
+def _add_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("greenroom offload and streaming")
     group.add_argument("--offload-train", action="store_true",
                        help="move the actor's device memory out while it sleeps")
@@ -277,7 +332,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="where the sleeping actor goes: cpu (pinned host copy, default) or disk")
     group.add_argument("--offload-train-disk-dir", default=None, metavar="DIR",
                        help="root of the per-rank dirs, on node-local NVMe "
-                            "(default $SCRATCH/greenroom_train_offload_<uid>)")
+                            "(default $GREENROOM_DISK_DIR, else $SCRATCH/greenroom_train_offload_<uid>)")
     group.add_argument("--offload-train-disk-chunk-mb", type=int, default=DEFAULT_CHUNK_MB, metavar="MB",
                        help="pinned host staging buffer per mechanism and rank, MiB (default %(default)s)")
     group.add_argument("--offload-train-disk-compression", choices=COMPRESSIONS, default="auto",
@@ -294,4 +349,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="on resume, start a fresh optimizer state instead of requiring the saved one")
     group.add_argument("--allow-tmpfs", action="store_true",
                        help="accept a tmpfs/ramfs disk dir (tests only; it keeps the data in RAM)")
-    return parser

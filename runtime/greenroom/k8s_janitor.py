@@ -12,6 +12,11 @@ Kubernetes node we know more, through the pods bound to this node (field selecto
 - a dir without a pod UID, or of a pod that has finished (Succeeded/Failed, it cannot
   restart), is left to the lock rule and ``--min-age``.
 
+The per-pod dirs themselves (``<root>/<pod uid>/``, made by the chart's init container)
+go too once they are empty and their pod is gone or finished: a pod that never wrote a
+rank dir (cpu target, an early failure) or whose ranks cleaned up after themselves would
+otherwise leave one empty dir per pod on the node forever.
+
 Every reclaim becomes a Kubernetes Event on the Node (reason ``StaleOffloadReclaimed``,
 bytes freed, the pod and job it belonged to) and moves Prometheus counters served on
 ``--metrics-port``. Without API access (no in-cluster service account and no kubeconfig,
@@ -27,9 +32,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -156,6 +163,39 @@ def list_node_pods(api: k8s.CoreV1Api, node_name: str) -> dict[str, PodInfo]:
     return found
 
 
+_POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def remove_empty_pod_dirs(root: str, pods: dict[str, PodInfo], *, listed_at: float, dry_run: bool) -> list[str]:
+    """Remove ``<root>/<pod uid>/`` trees that hold nothing but empty dirs, of pods that are
+    not on the node any more (or finished). Only dirs already there when the pod listing was
+    taken (``listed_at``): a pod started since is not in it, and its init container may have
+    just made its dir. ``rmdir`` only, so a file written meanwhile keeps its dir."""
+    removed = []
+    root_dev = os.lstat(root).st_dev
+    for entry in os.scandir(root):
+        pod = pods.get(entry.name)
+        if not _POD_UID.match(entry.name) or (pod is not None and pod.phase not in TERMINAL_PHASES):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not entry.is_dir(follow_symlinks=False) or st.st_dev != root_dev or st.st_mtime >= listed_at:
+                continue
+            tree = list(os.walk(entry.path, topdown=False))
+        except OSError:
+            continue
+        if any(files for _, _, files in tree):
+            continue
+        if not dry_run:
+            try:
+                for path, _, _ in tree:
+                    os.rmdir(path)
+            except OSError:
+                continue  # something appeared in it, or it went: leave it
+        removed.append(entry.path)
+    return removed
+
+
 @dataclass
 class PodRule:
     """The owner policy for ``greenroom.reclaim``: decides by the pod named in the record."""
@@ -231,6 +271,7 @@ class Janitor:
         rule = None
         if not self.lock_rule_only:
             try:
+                listed_at = time.time()
                 pods = list_node_pods(self.api, self.config.node_name)
             except NoApiAccess as e:
                 self._fall_back(str(e))
@@ -243,6 +284,10 @@ class Janitor:
         # A node where nothing ran yet has no root: an empty pass, not a crash loop.
         report = reclaim(self.config.root, dry_run=self.config.dry_run, min_age=self.config.min_age,
                          policy=rule, missing_ok=True)
+        if rule is not None and os.path.isdir(self.config.root):
+            for path in remove_empty_pod_dirs(self.config.root, rule.pods, listed_at=listed_at,
+                                              dry_run=self.config.dry_run):
+                log.info(f"{'would remove' if self.config.dry_run else 'removed'} the empty dir of a gone pod: {path}")
         self.metrics.record(report)
         print_report(report, as_json=self.config.as_json, out=self.out)
         self.out.flush()

@@ -1,8 +1,8 @@
 """``greenroom slurm render|submit CONFIG.yaml``: print the sbatch script, or submit it.
 
-``submit`` validates and renders first, so a bad value never reaches the queue; it
-creates the log dir (Slurm does not, and a job whose log dir is missing dies silently),
-pipes the script to ``sbatch`` and prints the job id. ``--test-only`` asks ``sbatch
+``submit`` validates and renders first, so a bad value never reaches the queue, pipes
+the script to ``sbatch`` and prints the job id. The script makes its own log dir, so
+``render -o job.sh && sbatch job.sh`` runs the same job. ``--test-only`` asks ``sbatch
 --test-only`` instead: Slurm checks the request without queueing it.
 """
 
@@ -43,5 +43,5 @@ def run(args: argparse.Namespace) -> int:
     if args.test_only:
         print(sbatch.test_only(script))
         return 0
-    print(sbatch.submit(script, log_dir=config.log_dir))
+    print(sbatch.submit(script))
     return 0

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import re
+import shlex
 import signal
 import warnings
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from greenroom import fs
-from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MOMENT_DTYPES, TARGETS, OffloadFlags
+from greenroom.config import COMPRESSIONS, MOMENT_DTYPES, TARGETS, OffloadFlags
 from greenroom.errors import ConfigError
 
 LAUNCHERS = ("srun", "torchrun")
@@ -40,35 +41,42 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_SIGNAL_SECONDS = 65535  # sbatch --signal's upper bound
 
 
+# Seed-flag defaults are OffloadFlags' own (one source: a test compares them).
+_FLAG_DEFAULTS = OffloadFlags()
+GREENROOM_ARGS_MODES = ("auto", "append", "env")
+RESUME_MODES = ("auto", "strict")
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainArgs:
-    """What the job's ``greenroom train`` is told: the seed's flags passed through as
-    the exact flags, plus the run's own. ``--offload-train-disk-dir`` is not here: the
-    job derives it from the node-local scratch dir at run time."""
+    """The seed's flags (every trainer gets them in ``$GREENROOM_ARGS``; ``greenroom
+    train`` also on its command line), plus ``greenroom train``'s own. The defaults are
+    ``OffloadFlags``'. ``--offload-train-disk-dir`` is not here: the job derives it from
+    the node-local scratch dir at run time."""
 
-    offload_train: bool = True
+    offload_train: bool = _FLAG_DEFAULTS.offload_train
     """``--offload-train``."""
 
-    offload_train_target: str = "disk"
-    """``--offload-train-target`` (cpu or disk)."""
+    offload_train_target: str | None = None
+    """``--offload-train-target`` (cpu or disk; None: not given, which means cpu)."""
 
-    offload_train_disk_chunk_mb: int = DEFAULT_CHUNK_MB
+    offload_train_disk_chunk_mb: int = _FLAG_DEFAULTS.offload_train_disk_chunk_mb
     """``--offload-train-disk-chunk-mb``: pinned staging buffer per mechanism and rank."""
 
-    offload_train_disk_compression: str = "auto"
+    offload_train_disk_compression: str = _FLAG_DEFAULTS.offload_train_disk_compression
     """``--offload-train-disk-compression``: auto, none, nvcomp-ans or zstd."""
 
-    stream_optimizer_state_to_disk: bool = True
+    stream_optimizer_state_to_disk: bool = _FLAG_DEFAULTS.stream_optimizer_state_to_disk
     """``--stream-optimizer-state-to-disk``."""
 
-    stream_optimizer_state_moment_dtype: str = "fp32"
+    stream_optimizer_state_moment_dtype: str = _FLAG_DEFAULTS.stream_optimizer_state_moment_dtype
     """``--stream-optimizer-state-moment-dtype``."""
 
-    stream_optimizer_state_host_cache_gb: float = 0.0
+    stream_optimizer_state_host_cache_gb: float = _FLAG_DEFAULTS.stream_optimizer_state_host_cache_gb
     """``--stream-optimizer-state-host-cache-gb``: host memory per rank (GB) for whole
     buckets kept off the disk; 0 (the default) leaves the flag out."""
 
-    no_load_optim: bool = False
+    no_load_optim: bool = _FLAG_DEFAULTS.no_load_optim
     """``--no-load-optim``: on resume accept a fresh optimizer state."""
 
     iterations: int | None = None
@@ -78,8 +86,11 @@ class TrainArgs:
     """``--role``: names the per-rank dirs, so two models of one job never share files."""
 
     checkpoint_dir: str | None = None
-    """``--save`` dir on shared storage; a requeued job resumes from it with ``--load``
-    once it holds a complete checkpoint (``greenroom.publish.has_checkpoint``)."""
+    """``--save`` and ``--load`` dir on shared storage (``greenroom train`` only)."""
+
+    resume: str = "auto"
+    """``--resume`` with ``checkpoint_dir``: ``auto`` starts fresh while the dir does not
+    exist yet, so the first run and every requeue run one command; ``strict`` requires it."""
 
     extra_args: list[str] = field(default_factory=list)
     """Further ``greenroom train`` arguments, passed through verbatim (each quoted)."""
@@ -87,8 +98,7 @@ class TrainArgs:
     def offload_flags(self) -> OffloadFlags:
         """The seed's flags of this job (the disk dir is only known on the node)."""
         with warnings.catch_warnings():
-            # The YAML always has a target (its default): "ignored without --offload-train"
-            # would be noise here; the rendered flags leave it out in that case.
+            # "target ignored without --offload-train": the rendered flags leave it out then.
             warnings.simplefilter("ignore")
             return OffloadFlags(offload_train=self.offload_train, offload_train_target=self.offload_train_target,
                                 offload_train_disk_chunk_mb=self.offload_train_disk_chunk_mb,
@@ -115,7 +125,8 @@ class ContainerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SlurmJobConfig:
-    """One Slurm job running ``greenroom train`` (see deploy/slurm/examples/)."""
+    """One Slurm job running ``greenroom train`` or your own trainer (``command``); see
+    deploy/slurm/examples/."""
 
     job_name: str = "greenroom"
     """``--job-name``; also names the log files."""
@@ -176,7 +187,8 @@ class SlurmJobConfig:
 
     log_dir: str = "logs"
     """Where ``<job_name>-<jobid>.out`` (the batch script) and one file per task and
-    restart go; created by ``greenroom slurm submit``."""
+    restart go; the script creates it (Slurm's own ``slurm-<jobid>.out``, in the dir the
+    job was submitted from, keeps only what happens before the script starts)."""
 
     greenroom: str = "greenroom"
     """The command that runs greenroom on the nodes, e.g. ``/opt/venv/bin/greenroom``
@@ -184,6 +196,17 @@ class SlurmJobConfig:
 
     torchrun: str = "torchrun"
     """The torchrun command (launcher ``torchrun`` only)."""
+
+    command: str | list[str] | None = None
+    """Your trainer's command (a list of words, or one string split like a shell would),
+    run by each task or, with the torchrun launcher, by torchrun (``--no-python``: start
+    it with its interpreter). None: ``greenroom train`` with ``train``'s flags."""
+
+    greenroom_args: str = "auto"
+    """How ``train``'s seed flags reach the trainer. Always: ``$GREENROOM_ARGS`` (read by
+    ``OffloadConfig.from_env()`` and ``add_arguments``); ``append`` also appends them to
+    the command line, ``env`` does not; ``auto``: append for ``greenroom train``, env for
+    your ``command``."""
 
     env: dict[str, str] = field(default_factory=dict)
     """Environment exported to every step (values quoted)."""
@@ -249,6 +272,19 @@ class SlurmJobConfig:
             _sbatch_word("sbatch_extra key", str(key))
             if value is not True:
                 _sbatch_word(f"sbatch_extra.{key}", str(value))
+        if self.command is not None:
+            words = self.command if isinstance(self.command, list) else None
+            if isinstance(self.command, str) and self.command.strip():
+                try:
+                    words = shlex.split(self.command)
+                except ValueError as e:
+                    raise ConfigError(f"command: cannot split {self.command!r} ({e})") from None
+            if not words or not all(isinstance(w, str) and w for w in words):
+                raise ConfigError(f"command: expected a non-empty list of words (or one string), got {self.command!r}")
+            self.command = words
+        if self.greenroom_args not in GREENROOM_ARGS_MODES:
+            raise ConfigError(f"greenroom_args: expected one of {', '.join(GREENROOM_ARGS_MODES)}, "
+                              f"got {self.greenroom_args!r}")
         for name in ("greenroom", "torchrun", "template"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
@@ -259,6 +295,12 @@ class SlurmJobConfig:
         if self.scratch_dir is not None:
             check_scratch_dir(self.scratch_dir)
         _check_train(self.train)
+        if self.command is not None:
+            t = self.train
+            for name, unset in (("iterations", None), ("checkpoint_dir", None), ("extra_args", [])):
+                if getattr(t, name) != unset:
+                    raise ConfigError(f"train.{name} is a greenroom train argument, and command runs your own "
+                                      "trainer: put it in command (train holds only the seed flags then)")
         if self.container is not None:
             if self.container.runtime not in CONTAINER_RUNTIMES:
                 raise ConfigError(f"container.runtime: expected one of {', '.join(CONTAINER_RUNTIMES)}, "
@@ -268,6 +310,11 @@ class SlurmJobConfig:
             for mount in self.container.mounts:
                 if not isinstance(mount, str) or ":" not in mount or "," in mount:
                     raise ConfigError(f"container.mounts: expected SRC:DST[:FLAGS] (no commas), got {mount!r}")
+
+    @property
+    def appends_flags(self) -> bool:
+        """Whether the seed flags go on the trainer's command line too."""
+        return self.greenroom_args == "append" or (self.greenroom_args == "auto" and self.command is None)
 
     @property
     def processes(self) -> int:
@@ -286,7 +333,7 @@ def check_scratch_dir(path: str) -> None:
 
 
 def _check_train(train: TrainArgs) -> None:
-    if train.offload_train_target not in TARGETS:
+    if train.offload_train_target is not None and train.offload_train_target not in TARGETS:
         raise ConfigError(f"train.offload_train_target: expected one of {', '.join(TARGETS)}, "
                          f"got {train.offload_train_target!r}")
     if train.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
@@ -301,6 +348,8 @@ def _check_train(train: TrainArgs) -> None:
         raise ConfigError(f"train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got {cache!r}")
     if train.iterations is not None:
         _positive_int("train.iterations", train.iterations)
+    if train.resume not in RESUME_MODES:
+        raise ConfigError(f"train.resume: expected one of {', '.join(RESUME_MODES)}, got {train.resume!r}")
     if not isinstance(train.role, str) or not train.role or "/" in train.role:
         raise ConfigError(f"train.role: {train.role!r} is not a valid directory name")
     if not isinstance(train.extra_args, list) or not all(isinstance(a, str) for a in train.extra_args):

@@ -19,7 +19,6 @@ import shlex
 import jinja2
 
 from greenroom.errors import ConfigError
-from greenroom.publish import completion_markers
 from greenroom.slurm.config import SlurmJobConfig
 
 TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
@@ -34,15 +33,24 @@ def _quote_words(command: str) -> str:
     return " ".join(shlex.quote(word) for word in shlex.split(command))
 
 
-def train_args(config: SlurmJobConfig) -> list[str]:
-    """``greenroom train``'s arguments (after ``train``), as the exact seed flags."""
+def seed_flags(config: SlurmJobConfig) -> list[str]:
+    """The seed flags as ``OffloadFlags.to_argv`` writes them, less the disk dir (known
+    only on the node): ``$GREENROOM_ARGS``, and appended to the command line."""
+    return config.train.offload_flags().to_argv(disk_dir=False)
+
+
+def program(config: SlurmJobConfig) -> list[str]:
+    """The trainer's command: ``command``, or ``greenroom train`` with its own arguments
+    (``--save``/``--load`` of the checkpoint dir under ``--resume``)."""
+    if config.command is not None:
+        return list(config.command)
     t = config.train
-    args = t.offload_flags().to_argv(disk_dir=False)
+    args = shlex.split(config.greenroom) + ["train"]
     if t.iterations is not None:
         args += ["--iterations", str(t.iterations)]
     args += ["--role", t.role]
     if t.checkpoint_dir:
-        args += ["--save", t.checkpoint_dir]
+        args += ["--save", t.checkpoint_dir, "--load", t.checkpoint_dir, "--resume", t.resume]
     return args + list(t.extra_args)
 
 
@@ -80,7 +88,8 @@ def sbatch_options(config: SlurmJobConfig) -> list[str]:
         options["requeue"] = True
     # Append: a requeued job keeps one batch log with every restart in it.
     options["open-mode"] = "append"
-    options["output"] = f"{config.log_dir}/%x-%j.out"
+    # No --output into log_dir: Slurm opens it before the script runs, and a missing dir
+    # fails the launch. The script makes log_dir and moves its own output there.
     options.update(extra)
     return [f"--{key}" if value is True else f"--{key}={value}" for key, value in options.items()]
 
@@ -93,7 +102,9 @@ def _container_parts(config: SlurmJobConfig) -> tuple[str, str]:
     extra = "".join("," + shlex.quote(m) for m in c.mounts)
     # Each part ends in a space so the template can put it straight before the command.
     if c.runtime == "pyxis":
-        return (f'--container-image={shlex.quote(c.image)} '
+        # One named container per job and node: pyxis imports the image once, and every
+        # step of the job (reclaim, trainer, exit reclaim) reuses it.
+        return (f'--container-image={shlex.quote(c.image)} --container-name=greenroom-"$SLURM_JOB_ID" '
                 f'--container-mounts="$GREENROOM_SCRATCH:$GREENROOM_SCRATCH"{extra} '), ""
     binds = "".join(f" --bind {shlex.quote(m)}" for m in c.mounts)
     nv = " --nv" if config.gpus_per_node else ""
@@ -102,7 +113,6 @@ def _container_parts(config: SlurmJobConfig) -> tuple[str, str]:
 
 def context(config: SlurmJobConfig, *, source: str) -> dict:
     srun_container, exec_container = _container_parts(config)
-    t = config.train
     return {
         "source": source,
         "sbatch_options": sbatch_options(config),
@@ -113,14 +123,15 @@ def context(config: SlurmJobConfig, *, source: str) -> dict:
         "setup": config.setup,
         "greenroom": _quote_words(config.greenroom),
         "torchrun": _quote_words(config.torchrun),
-        "train_args": " ".join(shlex.quote(a) for a in train_args(config)),
-        "checkpoint": shlex.quote(t.checkpoint_dir) if t.checkpoint_dir else None,
-        "checkpoint_markers": (" ".join(shlex.quote(m) for m in completion_markers(t.checkpoint_dir))
-                               if t.checkpoint_dir else None),
+        "program": " ".join(shlex.quote(a) for a in program(config)),
+        "seed_flags": " ".join(shlex.quote(a) for a in seed_flags(config)),
+        "greenroom_args": shlex.quote(shlex.join(seed_flags(config))),
+        "append_flags": config.appends_flags,
         "launcher": config.launcher,
         "tasks_per_node": config.tasks_per_node,
         "preempt_signal": config.preempt_signal,
         "max_restarts": config.max_restarts,
+        "pyxis": config.container is not None and config.container.runtime == "pyxis",
         "srun_container": srun_container,
         "exec_container": exec_container,
     }

@@ -50,9 +50,9 @@ def write_script(path: str, script: str) -> None:
         raise ConfigError(f"-o {path}: cannot write the script there ({e.strerror})") from None
 
 
-def submit(script: str, *, log_dir: str) -> str:
-    """``sbatch`` the script (from stdin) and return the job id."""
-    os.makedirs(log_dir, exist_ok=True)
+def submit(script: str) -> str:
+    """``sbatch`` the script (from stdin) and return the job id (the script makes its
+    own log dir, so a plain ``sbatch`` of a rendered file works the same)."""
     proc = _run([_tool("sbatch"), "--parsable"], stdin=script)
     return proc.stdout.strip().split(";")[0]
 

@@ -21,14 +21,14 @@ containers are not supported here: use ``greenroom slurm submit`` for those.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 
 import submitit
 
 from greenroom.errors import ConfigError, GreenroomError
-from greenroom.publish import has_checkpoint
 from greenroom.slurm.config import SlurmJobConfig, time_minutes
-from greenroom.slurm.render import resource_options, setup_lines, train_args
+from greenroom.slurm.render import program, resource_options, seed_flags, setup_lines
 from greenroom.slurm.sbatch import job_state
 
 __all__ = ["TrainTask", "executor_for", "submit_train", "job_state"]
@@ -45,10 +45,8 @@ class TrainTask:
     """What each submitit task runs: ``greenroom train`` with this rank's environment."""
 
     args: tuple[str, ...]
-    """``greenroom train`` arguments (``render.train_args``)."""
-
-    checkpoint_dir: str | None = None
-    """Resume from here when it holds a complete checkpoint (as the template does)."""
+    """``greenroom train`` arguments: its own (``--load`` under ``--resume auto``, as the
+    template's), then the seed flags."""
 
     def __call__(self) -> int:
         env = submitit.JobEnvironment()
@@ -56,8 +54,6 @@ class TrainTask:
                           WORLD_SIZE=str(env.num_tasks))
         # Exported by the setup lines on the node: the per-user root under the scratch dir.
         argv = ["train", *self.args, "--offload-train-disk-dir", os.environ["GREENROOM_OFFLOAD_ROOT"]]
-        if self.checkpoint_dir and has_checkpoint(self.checkpoint_dir):
-            argv += ["--load", self.checkpoint_dir]
         from greenroom.cli import main
 
         rc = main(argv)
@@ -70,6 +66,9 @@ def executor_for(config: SlurmJobConfig, folder: str) -> submitit.AutoExecutor:
     """An AutoExecutor with the job's resources, setup lines and srun arguments."""
     if config.container is not None:
         raise ConfigError("container: not supported through submitit; use `greenroom slurm submit`")
+    if config.command is not None:
+        raise ConfigError("command: submitit runs greenroom train in-process; use `greenroom slurm submit` "
+                          "for your own trainer")
     if config.launcher != "srun":
         raise ConfigError("launcher: submitit starts one task per process itself; use launcher: srun")
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
@@ -89,5 +88,6 @@ def executor_for(config: SlurmJobConfig, folder: str) -> submitit.AutoExecutor:
 
 def submit_train(config: SlurmJobConfig, folder: str) -> submitit.Job:
     """Submit ``greenroom train`` for ``config``; the job's logs live under ``folder``."""
-    task = TrainTask(args=tuple(train_args(config)), checkpoint_dir=config.train.checkpoint_dir)
+    own = program(config)[len(shlex.split(config.greenroom)) + 1:]  # after `greenroom train`
+    task = TrainTask(args=(*own, *seed_flags(config)))
     return executor_for(config, folder).submit(task)

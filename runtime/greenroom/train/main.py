@@ -13,9 +13,14 @@ import argparse
 import os
 
 import greenroom
+from greenroom import publish
+from greenroom.log import get_logger
 from greenroom.train.model import ModelConfig
 from greenroom.train.task import VOCAB_SIZE, TaskConfig
 from greenroom.train.trainer import TrainConfig, Trainer
+
+RESUME_MODES = ("strict", "auto")
+log = get_logger(__name__)
 
 # Slotted dataclasses keep no class-level defaults: read them from instances.
 _TRAIN, _MODEL, _TASK = TrainConfig(), ModelConfig(), TaskConfig()
@@ -29,6 +34,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--role", default="actor", help="which model of the job this is (names its per-rank dir)")
     run.add_argument("--save", metavar="DIR", help="write model and optimizer state here at the end")
     run.add_argument("--load", metavar="DIR", help="resume from a --save dir (same topology)")
+    run.add_argument("--resume", choices=RESUME_MODES, default="strict",
+                     help="strict (default): --load DIR must hold a checkpoint; auto: a --load DIR that does "
+                          "not exist yet (or is empty) is a fresh start, so one command serves the first run "
+                          "and every restart (the chart's and the Slurm templates' default)")
     run.add_argument("--metrics", metavar="PATH", default=_TRAIN.metrics,
                      help="JSON lines, one per iteration (default %(default)s)")
     run.add_argument("--seed", type=int, default=_TRAIN.seed)
@@ -58,12 +67,26 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     sizes.add_argument("--digits", type=int, default=_TASK.digits, help="length of the string to reverse")
 
 
+def resume_dir(load: str | None, mode: str) -> str | None:
+    """The dir to load, or None for a fresh start: under ``auto`` when nothing was ever
+    saved there (no dir, or an empty one, and no save left half-swapped beside it). An
+    existing dir that is not a checkpoint stays an error, in either mode."""
+    if load is None or mode == "strict":
+        return load
+    if publish.has_checkpoint(load):
+        return load  # there, or a save killed mid-swap left it beside (--load settles that)
+    if os.path.lexists(load) and not (os.path.isdir(load) and not os.listdir(load)):
+        return load  # something that is not a checkpoint: the strict checks say what
+    log.info(f"--load {load}: no checkpoint there yet (--resume auto): starting fresh")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     offload = greenroom.OffloadConfig.from_args(args)
     task = TaskConfig(digits=args.digits)
     model = ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers,
                         n_heads=args.n_heads, max_seq_len=task.seq_len)
-    config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save, load=args.load,
+    config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save, load=resume_dir(args.load, args.resume),
                          metrics=args.metrics, seed=args.seed, device=args.device, parallel=args.parallel,
                          offload_backend=args.offload_backend, offload_mover=args.offload_mover,
                          progress=not args.no_progress, lr=args.lr, weight_decay=args.weight_decay,

@@ -15,20 +15,31 @@
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue
 #SBATCH --open-mode=append
-#SBATCH --output=logs/%x-%j.out
 #SBATCH --constraint=nvme
 set -euo pipefail
+# The log dir cannot be on #SBATCH --output (Slurm opens that before this script runs, and
+# a missing dir fails the launch): made here, and this script's own output moves into it.
+mkdir -p logs
+exec >>logs/"$SLURM_JOB_NAME-$SLURM_JOB_ID.out" 2>&1
 
 # -- Environment
+# The distributed env every launcher expects (srun sets RANK/LOCAL_RANK/NODE_RANK per task).
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 # Derived from the job id unless configured: two jobs sharing a node must not collide.
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+export NNODES="$SLURM_JOB_NUM_NODES"
+export NPROC_PER_NODE=8
+export WORLD_SIZE=$((NNODES * NPROC_PER_NODE))
 export GREENROOM_SCRATCH=/local/nvme
 # The per-rank dirs: <root>/<job id>/<role>/rank<N>, one root per user and node.
 GREENROOM_OFFLOAD_ROOT="$GREENROOM_SCRATCH/greenroom_train_offload_$(id -u)"
 export GREENROOM_OFFLOAD_ROOT
 export GREENROOM_LOG_DIR=logs
+# The seed flags for any trainer (OffloadConfig.from_env() reads them), the disk dir last.
+export GREENROOM_DISK_DIR="$GREENROOM_OFFLOAD_ROOT"
+GREENROOM_ARGS='--offload-train --offload-train-target disk --offload-train-disk-chunk-mb 512 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32'" --offload-train-disk-dir $(printf '%q' "$GREENROOM_OFFLOAD_ROOT")"
+export GREENROOM_ARGS
 export GREENROOM_RESTART="${SLURM_RESTART_COUNT:-0}"
 
 # -- Site setup (from the config)
@@ -46,7 +57,8 @@ on_exit() {
   local rc=$?
   trap - EXIT
   # A cancelled job starts no new step: then reclaim at least this node directly.
-  reclaim || greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT" || true
+  reclaim || greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT" \
+    || echo "greenroom: exit reclaim failed; the next job's reclaim removes this job's files" >&2
   exit "$rc"
 }
 trap on_exit EXIT
@@ -55,12 +67,8 @@ trap 'exit 143' TERM
 reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway" >&2
 
 # -- Trainer
-trainer=(greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 512 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32 --role actor --save /shared/checkpoints/greenroom-4n --no-progress --parallel fsdp --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
-# A requeued job resumes from the last complete checkpoint: generation.json is written
-# last; a save killed mid-swap leaves the complete one at .new or .old, which --load settles.
-for complete in /shared/checkpoints/greenroom-4n/generation.json /shared/checkpoints/greenroom-4n.new/generation.json /shared/checkpoints/greenroom-4n.old/generation.json; do
-  if [ -e "$complete" ]; then trainer+=(--load /shared/checkpoints/greenroom-4n); break; fi
-done
+trainer=(greenroom train --role actor --save /shared/checkpoints/greenroom-4n --load /shared/checkpoints/greenroom-4n --resume auto --no-progress --parallel fsdp)
+trainer+=(--offload-train --offload-train-target disk --offload-train-disk-chunk-mb 512 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32 --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
 
 preempted=0
 # shellcheck disable=SC2329  # invoked by the trap below
@@ -75,8 +83,9 @@ trap on_preempt USR1
 
 step_log="$GREENROOM_LOG_DIR/%x-%j-r$GREENROOM_RESTART-%t.out"
 # One torchrun per node; it starts the node's processes and sets their ranks.
+# shellcheck disable=SC2016
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 --output="$step_log" \
-  torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=8 \
+  bash -c 'NODE_RANK=$SLURM_NODEID exec "$@"' node torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=8 \
   --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
   --no-python "${trainer[@]}" &
 step=$!

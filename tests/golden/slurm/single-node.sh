@@ -13,20 +13,31 @@
 #SBATCH --signal=B:USR1@180
 #SBATCH --requeue
 #SBATCH --open-mode=append
-#SBATCH --output=logs/%x-%j.out
 set -euo pipefail
+# The log dir cannot be on #SBATCH --output (Slurm opens that before this script runs, and
+# a missing dir fails the launch): made here, and this script's own output moves into it.
+mkdir -p logs
+exec >>logs/"$SLURM_JOB_NAME-$SLURM_JOB_ID.out" 2>&1
 
 # -- Environment
 export NCCL_DEBUG=WARN
+# The distributed env every launcher expects (srun sets RANK/LOCAL_RANK/NODE_RANK per task).
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR
 # Derived from the job id unless configured: two jobs sharing a node must not collide.
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+export NNODES="$SLURM_JOB_NUM_NODES"
+export NPROC_PER_NODE=8
+export WORLD_SIZE=$((NNODES * NPROC_PER_NODE))
 export GREENROOM_SCRATCH="${SCRATCH:?set SCRATCH to node-local NVMe, or scratch_dir in the job config}"
 # The per-rank dirs: <root>/<job id>/<role>/rank<N>, one root per user and node.
 GREENROOM_OFFLOAD_ROOT="$GREENROOM_SCRATCH/greenroom_train_offload_$(id -u)"
 export GREENROOM_OFFLOAD_ROOT
 export GREENROOM_LOG_DIR=logs
+# The seed flags for any trainer (OffloadConfig.from_env() reads them), the disk dir last.
+export GREENROOM_DISK_DIR="$GREENROOM_OFFLOAD_ROOT"
+GREENROOM_ARGS='--offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype bf16'" --offload-train-disk-dir $(printf '%q' "$GREENROOM_OFFLOAD_ROOT")"
+export GREENROOM_ARGS
 export GREENROOM_RESTART="${SLURM_RESTART_COUNT:-0}"
 
 # -- Reclaim: the per-rank files that earlier jobs' dead ranks left on these nodes (a
@@ -41,7 +52,8 @@ on_exit() {
   local rc=$?
   trap - EXIT
   # A cancelled job starts no new step: then reclaim at least this node directly.
-  reclaim || /opt/greenroom/venv/bin/greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT" || true
+  reclaim || /opt/greenroom/venv/bin/greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT" \
+    || echo "greenroom: exit reclaim failed; the next job's reclaim removes this job's files" >&2
   exit "$rc"
 }
 trap on_exit EXIT
@@ -50,12 +62,8 @@ trap 'exit 143' TERM
 reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway" >&2
 
 # -- Trainer
-trainer=(/opt/greenroom/venv/bin/greenroom train --offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype bf16 --iterations 200 --role actor --save /shared/checkpoints/greenroom-actor --no-progress --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
-# A requeued job resumes from the last complete checkpoint: generation.json is written
-# last; a save killed mid-swap leaves the complete one at .new or .old, which --load settles.
-for complete in /shared/checkpoints/greenroom-actor/generation.json /shared/checkpoints/greenroom-actor.new/generation.json /shared/checkpoints/greenroom-actor.old/generation.json; do
-  if [ -e "$complete" ]; then trainer+=(--load /shared/checkpoints/greenroom-actor); break; fi
-done
+trainer=(/opt/greenroom/venv/bin/greenroom train --iterations 200 --role actor --save /shared/checkpoints/greenroom-actor --load /shared/checkpoints/greenroom-actor --resume auto --no-progress)
+trainer+=(--offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype bf16 --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
 
 preempted=0
 # shellcheck disable=SC2329  # invoked by the trap below
@@ -72,7 +80,7 @@ step_log="$GREENROOM_LOG_DIR/%x-%j-r$GREENROOM_RESTART-%t.out"
 # One task per process, each taking its rank from Slurm (expanded in the task's shell).
 # shellcheck disable=SC2016
 srun --kill-on-bad-exit=1 --output="$step_log" \
-  bash -c 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS exec "$@"' rank \
+  bash -c 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID NODE_RANK=$SLURM_NODEID WORLD_SIZE=$SLURM_NTASKS exec "$@"' rank \
   "${trainer[@]}" &
 step=$!
 # wait returns early when a trapped signal arrives: keep waiting until the step ends.

@@ -43,3 +43,17 @@ app.kubernetes.io/part-of: greenroom
 
 {{/* Paths inside the containers. */}}
 {{- define "greenroom.nodeRootMount" -}}/greenroom/node{{- end -}}
+
+{{/* One word as shlex.join writes it: bare when only safe characters, else single-quoted. */}}
+{{- define "greenroom.shellWord" -}}
+{{- if regexMatch "^[A-Za-z0-9_@%+=:,./-]+$" . -}}
+{{- . -}}
+{{- else -}}
+{{- printf "'%s'" (replace "'" "'\"'\"'" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Pod Security Standards level the trainer pods need with these values. */}}
+{{- define "greenroom.podSecurityLevel" -}}
+{{- if or (eq .Values.storage.mode "hostPath") .Values.ipcLock -}}privileged{{- else -}}restricted{{- end -}}
+{{- end -}}

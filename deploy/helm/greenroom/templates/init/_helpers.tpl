@@ -1,4 +1,5 @@
-{{/* The init container that prepares the node-local dir. */}}
+{{/* The init container: hostPath mode prepares the node-local dir (as root); pvc mode
+reclaims the claim as the trainer's uid (restricted). emptyDir and ephemeral have none. */}}
 
 {{/*
 The init container's script. It runs as root (chown needs it) with env
@@ -18,9 +19,45 @@ chmod 0700 "$own"
 echo "greenroom-init: $own ready for uid $GREENROOM_TRAINER_UID"
 {{- end -}}
 
+{{/* pvc mode: the claim's stale dirs, removed as the trainer's own uid (its files). */}}
+{{- define "greenroom.init.pvcScript" -}}
+set -eu
+rc=0
+greenroom reclaim "$GREENROOM_NODE_ROOT" --min-age "$GREENROOM_RECLAIM_MIN_AGE" || rc=$?
+if [ "$rc" -gt 1 ]; then exit "$rc"; fi
+echo "greenroom-init: reclaimed stale per-rank dirs in the claim"
+{{- end -}}
+
 {{/* The init container: reclaims dead ranks' dirs on the node, then makes this pod's own. */}}
 {{- define "greenroom.init.container" -}}
 {{- $v := .Values -}}
+{{- if eq $v.storage.mode "pvc" }}
+- name: reclaim-offload-dir
+  image: {{ include "greenroom.image" . }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: ["/bin/sh", "-c"]
+  args:
+    - |
+      {{- include "greenroom.init.pvcScript" . | nindent 6 }}
+  env:
+    - name: GREENROOM_NODE_ROOT
+      value: {{ include "greenroom.nodeRootMount" . | quote }}
+    - name: GREENROOM_RECLAIM_MIN_AGE
+      value: {{ $v.reclaim.initContainer.minAgeSeconds | quote }}
+  # The pod's uid (podSecurityContext), no capabilities: restricted.
+  securityContext:
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    capabilities:
+      drop: [ALL]
+  {{- with $v.reclaim.initContainer.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: offload
+      mountPath: {{ include "greenroom.nodeRootMount" . }}
+{{- else }}
 - name: prepare-offload-dir
   image: {{ include "greenroom.image" . }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
@@ -57,4 +94,5 @@ echo "greenroom-init: $own ready for uid $GREENROOM_TRAINER_UID"
   volumeMounts:
     - name: offload
       mountPath: {{ include "greenroom.nodeRootMount" . }}
+{{- end }}
 {{- end -}}

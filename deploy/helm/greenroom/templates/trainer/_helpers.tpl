@@ -1,10 +1,8 @@
-{{/* The trainer: its pod template, container, command and the seed flags. */}}
+{{/* The trainer: its command, env and container. The pod and Job are in _pod.tpl. */}}
 
-{{/* The seed flags and greenroom train's own, as a YAML list of strings. */}}
-{{- define "greenroom.trainer.args" -}}
+{{/* The seed's flags, exactly as OffloadFlags.to_argv() writes them (a YAML list). */}}
+{{- define "greenroom.trainer.seedFlags" -}}
 {{- $v := .Values -}}
-- greenroom
-- train
 {{- if $v.offload.train }}
 - --offload-train
 - --offload-train-target
@@ -28,6 +26,28 @@
 {{- if $v.noLoadOptim }}
 - --no-load-optim
 {{- end }}
+{{- end -}}
+
+{{/* GREENROOM_ARGS: the seed flags as one shell-quoted string (shlex.join). */}}
+{{- define "greenroom.trainer.argsEnv" -}}
+{{- $words := list -}}
+{{- range (include "greenroom.trainer.seedFlags" . | fromYamlArray) -}}
+{{- $words = append $words (include "greenroom.shellWord" (toString .)) -}}
+{{- end -}}
+{{- join " " $words -}}
+{{- end -}}
+
+{{/* The program and its own arguments: `command`/`args`, or greenroom train with train.*. */}}
+{{- define "greenroom.trainer.program" -}}
+{{- $v := .Values -}}
+{{- if $v.command }}
+{{- toYaml $v.command }}
+{{- range $v.args }}
+- {{ . | quote }}
+{{- end }}
+{{- else }}
+- greenroom
+- train
 {{- if not (kindIs "invalid" $v.train.iterations) }}
 - --iterations
 - {{ $v.train.iterations | quote }}
@@ -38,42 +58,55 @@
 - --save
 - {{ . | quote }}
 {{- end }}
-{{- with $v.train.load }}
+{{- with (default $v.train.save $v.train.load) }}
 - --load
 - {{ . | quote }}
+- --resume
+- {{ $v.train.resume | quote }}
 {{- end }}
 {{- range $v.train.extraArgs }}
 - {{ . | quote }}
 {{- end }}
+{{- end }}
 {{- end -}}
 
-{{/* The trainer container's command and args. */}}
+{{/* Whether the seed flags are appended to the program's command line. */}}
+{{- define "greenroom.trainer.appendFlags" -}}
+{{- $mode := .Values.greenroomArgs -}}
+{{- if or (eq $mode "append") (and (eq $mode "auto") (not .Values.command)) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The whole argv the container runs (launcher, program, flags), as a list. */}}
+{{- define "greenroom.trainer.argv" -}}
+{{- $v := .Values -}}
+{{- $argv := list -}}
+{{- if $v.torchrun.enabled -}}
+{{- $argv = concat $v.torchrun.command (list
+      (printf "--nnodes=%d" (int $v.nodes))
+      (printf "--nproc-per-node=%d" (int $v.procsPerNode))
+      "--node-rank=$(NODE_RANK)" "--master-addr=$(MASTER_ADDR)" "--master-port=$(MASTER_PORT)") -}}
+{{- $argv = concat $argv $v.torchrun.extraArgs (list "--no-python") -}}
+{{- end -}}
+{{- $argv = concat $argv (include "greenroom.trainer.program" . | fromYamlArray) -}}
+{{- if include "greenroom.trainer.appendFlags" . -}}
+{{- $argv = concat $argv (include "greenroom.trainer.seedFlags" . | fromYamlArray) -}}
+{{- end -}}
+{{- toYaml $argv -}}
+{{- end -}}
+
+{{/* command: the launcher (torchrun's, else `command` or greenroom train); args: the rest. */}}
 {{- define "greenroom.trainer.command" -}}
 {{- $v := .Values -}}
-{{- if $v.command }}
+{{- $argv := include "greenroom.trainer.argv" . | fromYamlArray -}}
+{{- $head := 2 -}}
+{{- if $v.torchrun.enabled }}{{ $head = len $v.torchrun.command }}{{ else if $v.command }}{{ $head = len $v.command }}{{ end -}}
 command:
-{{- toYaml $v.command | nindent 2 }}
-{{- with $v.args }}
-args:
-{{- toYaml . | nindent 2 }}
+{{- range slice $argv 0 $head }}
+  - {{ toString . | quote }}
 {{- end }}
-{{- else if $v.torchrun.enabled }}
-command:
-  - torchrun
 args:
-  - {{ printf "--nnodes=%d" (int $v.nodes) | quote }}
-  - {{ printf "--nproc-per-node=%d" (int $v.procsPerNode) | quote }}
-  - "--node-rank=$(GREENROOM_NODE_RANK)"
-  - "--master-addr=$(GREENROOM_MASTER_ADDR)"
-  - {{ printf "--master-port=%d" (int $v.torchrun.port) | quote }}
-{{- range $v.torchrun.extraArgs }}
-  - {{ . | quote }}
-{{- end }}
-  - --no-python
-{{- include "greenroom.trainer.args" . | nindent 2 }}
-{{- else }}
-command:
-{{- include "greenroom.trainer.args" . | nindent 2 }}
+{{- range slice $argv $head }}
+  - {{ toString . | quote }}
 {{- end }}
 {{- end -}}
 
@@ -86,45 +119,95 @@ SIGTERM that follows. Never fails the hook (a failed hook only delays terminatio
 greenroom reclaim "$GREENROOM_DISK_DIR" || true
 {{- end -}}
 
+{{/* The env every launcher and trainer expects, then greenroom's own, then extraEnv. */}}
+{{- define "greenroom.trainer.env" -}}
+{{- $v := .Values -}}
+- name: NODE_RANK
+  valueFrom: {fieldRef: {fieldPath: "metadata.labels['batch.kubernetes.io/job-completion-index']"}}
+- name: NNODES
+  value: {{ $v.nodes | quote }}
+- name: NPROC_PER_NODE
+  value: {{ $v.procsPerNode | quote }}
+- name: WORLD_SIZE
+  value: {{ mul $v.nodes $v.procsPerNode | quote }}
+- name: MASTER_ADDR
+  value: {{ include "greenroom.masterAddr" . | quote }}
+- name: MASTER_PORT
+  value: {{ $v.torchrun.port | quote }}
+{{- if not $v.torchrun.enabled }}
+# One process per pod without torchrun: its rank is the pod's.
+- name: RANK
+  valueFrom: {fieldRef: {fieldPath: "metadata.labels['batch.kubernetes.io/job-completion-index']"}}
+- name: LOCAL_RANK
+  value: "0"
+{{- end }}
+- name: GREENROOM_ARGS
+  value: {{ include "greenroom.trainer.argsEnv" . | quote }}
+- name: GREENROOM_DISK_DIR
+  value: {{ $v.storage.mountPath | quote }}
+- name: GREENROOM_JOB_ID
+  valueFrom: {fieldRef: {fieldPath: "metadata.labels['batch.kubernetes.io/controller-uid']"}}
+- name: GREENROOM_POD_UID
+  valueFrom: {fieldRef: {fieldPath: metadata.uid}}
+- name: GREENROOM_POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: GREENROOM_POD_NAMESPACE
+  valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+- name: GREENROOM_NODE_NAME
+  valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
+{{- with $v.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The trainer's resources: `resources` plus the GPU limit, hugepages and, for an
+emptyDir, its size as the ephemeral-storage request (so the scheduler places it). */}}
+{{- define "greenroom.trainer.resources" -}}
+{{- $v := .Values -}}
+{{- $res := deepCopy (default (dict) $v.resources) -}}
+{{- $limits := default (dict) $res.limits -}}
+{{- $requests := default (dict) $res.requests -}}
+{{- if $v.gpu.count -}}
+{{- $_ := set $limits $v.gpu.resourceName (int $v.gpu.count) -}}
+{{- end -}}
+{{- if $v.hugepages.size -}}
+{{- $_ := set $limits (printf "hugepages-%s" $v.hugepages.size) $v.hugepages.amount -}}
+{{- $_ := set $requests (printf "hugepages-%s" $v.hugepages.size) $v.hugepages.amount -}}
+{{- end -}}
+{{- if and (eq $v.storage.mode "emptyDir") (not (hasKey $requests "ephemeral-storage")) -}}
+{{- $_ := set $requests "ephemeral-storage" $v.storage.emptyDir.sizeLimit -}}
+{{- end -}}
+{{- if $limits }}{{ $_ := set $res "limits" $limits }}{{ end -}}
+{{- if $requests }}{{ $_ := set $res "requests" $requests }}{{ end -}}
+{{- if $res }}{{ toYaml $res }}{{ end -}}
+{{- end -}}
+
+{{/* The trainer's securityContext: `securityContext`, plus IPC_LOCK when asked. */}}
+{{- define "greenroom.trainer.securityContext" -}}
+{{- $sc := deepCopy .Values.securityContext -}}
+{{- if .Values.ipcLock -}}
+{{- $caps := default (dict) $sc.capabilities -}}
+{{- $_ := set $caps "add" (concat (default (list) $caps.add) (list "IPC_LOCK")) -}}
+{{- $_ := set $sc "capabilities" $caps -}}
+{{- end -}}
+{{- toYaml $sc -}}
+{{- end -}}
+
 {{/* The trainer container. */}}
 {{- define "greenroom.trainer.container" -}}
 {{- $v := .Values -}}
 - name: trainer
   image: {{ include "greenroom.image" . }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
-  {{- include "greenroom.trainer.command" . | trim | nindent 2 }}
+  {{- include "greenroom.trainer.command" . | nindent 2 }}
   env:
-    - name: GREENROOM_JOB_ID
-      valueFrom: {fieldRef: {fieldPath: "metadata.labels['batch.kubernetes.io/controller-uid']"}}
-    - name: GREENROOM_NODE_RANK
-      valueFrom: {fieldRef: {fieldPath: "metadata.labels['batch.kubernetes.io/job-completion-index']"}}
-    - name: GREENROOM_MASTER_ADDR
-      value: {{ include "greenroom.masterAddr" . | quote }}
-    - name: GREENROOM_DISK_DIR
-      value: {{ $v.storage.mountPath | quote }}
-    - name: GREENROOM_POD_UID
-      valueFrom: {fieldRef: {fieldPath: metadata.uid}}
-    - name: GREENROOM_POD_NAME
-      valueFrom: {fieldRef: {fieldPath: metadata.name}}
-    - name: GREENROOM_POD_NAMESPACE
-      valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
-    - name: GREENROOM_NODE_NAME
-      valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
-    {{- with $v.env }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
-  {{- if or $v.gpu.count $v.resources }}
+    {{- include "greenroom.trainer.env" . | nindent 4 }}
+  {{- with (include "greenroom.trainer.resources" .) }}
   resources:
-    {{- $res := deepCopy (default (dict) $v.resources) -}}
-    {{- if $v.gpu.count -}}
-    {{- $limits := default (dict) $res.limits -}}
-    {{- $_ := set $limits $v.gpu.resourceName (int $v.gpu.count) -}}
-    {{- $_ := set $res "limits" $limits -}}
-    {{- end }}
-    {{- toYaml $res | nindent 4 }}
+    {{- . | nindent 4 }}
   {{- end }}
   securityContext:
-    {{- toYaml $v.securityContext | nindent 4 }}
+    {{- include "greenroom.trainer.securityContext" . | nindent 4 }}
   {{- if $v.reclaim.preStop.enabled }}
   lifecycle:
     preStop:
@@ -134,7 +217,7 @@ greenroom reclaim "$GREENROOM_DISK_DIR" || true
           - -c
           - {{ include "greenroom.trainer.preStopScript" . | quote }}
   {{- end }}
-  {{- if and $v.torchrun.enabled (not $v.command) }}
+  {{- if $v.torchrun.enabled }}
   ports:
     - name: rendezvous
       containerPort: {{ $v.torchrun.port }}
@@ -142,113 +225,18 @@ greenroom reclaim "$GREENROOM_DISK_DIR" || true
   volumeMounts:
     - name: offload
       mountPath: {{ $v.storage.mountPath }}
+      {{- if eq $v.storage.mode "hostPath" }}
       subPathExpr: $(GREENROOM_POD_UID)
+      {{- end }}
     {{- if $v.shmSizeLimit }}
     - name: dshm
       mountPath: /dev/shm
     {{- end }}
+    {{- if $v.hugepages.size }}
+    - name: hugepages
+      mountPath: /dev/hugepages
+    {{- end }}
     {{- with $v.extraVolumeMounts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-{{- end -}}
-
-{{/* The pod's volumes: the node-local NVMe (hostPath or a disk emptyDir) and /dev/shm. */}}
-{{- define "greenroom.trainer.volumes" -}}
-{{- $v := .Values -}}
-- name: offload
-  {{- if eq $v.storage.type "emptyDir" }}
-  emptyDir:
-    sizeLimit: {{ $v.storage.emptyDir.sizeLimit }}
-  {{- else }}
-  hostPath:
-    path: {{ $v.storage.hostPath.path }}
-    type: {{ $v.storage.hostPath.type }}
-  {{- end }}
-{{- if $v.shmSizeLimit }}
-- name: dshm
-  emptyDir:
-    medium: Memory
-    sizeLimit: {{ $v.shmSizeLimit }}
-{{- end }}
-{{- with $v.extraVolumes }}
-{{- toYaml . | nindent 0 }}
-{{- end }}
-{{- end -}}
-
-{{/* The pod template shared by the Job and the JobSet. */}}
-{{- define "greenroom.trainer.podTemplate" -}}
-{{- $v := .Values -}}
-metadata:
-  labels:
-    {{- include "greenroom.labels" . | nindent 4 }}
-    app.kubernetes.io/component: trainer
-    {{- with $v.podLabels }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
-  {{- with $v.podAnnotations }}
-  annotations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-spec:
-  restartPolicy: Never
-  {{- if ne $v.workload "jobset" }}
-  subdomain: {{ include "greenroom.fullname" . }}
-  {{- end }}
-  automountServiceAccountToken: false
-  {{- with $v.serviceAccountName }}
-  serviceAccountName: {{ . }}
-  {{- end }}
-  enableServiceLinks: false
-  terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
-  {{- with $v.priorityClassName }}
-  priorityClassName: {{ . }}
-  {{- end }}
-  {{- with $v.imagePullSecrets }}
-  imagePullSecrets:
-    {{- range . }}
-    - name: {{ . }}
-    {{- end }}
-  {{- end }}
-  {{- with $v.nodeSelector }}
-  nodeSelector:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $v.tolerations }}
-  tolerations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $v.affinity }}
-  affinity:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  securityContext:
-    {{- toYaml $v.podSecurityContext | nindent 4 }}
-  {{- if $v.reclaim.initContainer.enabled }}
-  initContainers:
-    {{- include "greenroom.init.container" . | nindent 4 }}
-  {{- end }}
-  containers:
-    {{- include "greenroom.trainer.container" . | nindent 4 }}
-  volumes:
-    {{- include "greenroom.trainer.volumes" . | nindent 4 }}
-{{- end -}}
-
-{{/* The Job spec shared by the Job and the JobSet's replicated job. */}}
-{{- define "greenroom.trainer.jobSpec" -}}
-{{- $v := .Values -}}
-completionMode: Indexed
-completions: {{ $v.nodes }}
-parallelism: {{ $v.nodes }}
-backoffLimit: {{ $v.job.backoffLimit }}
-# A failed pod is replaced only once it has fully terminated, so two pods of one rank
-# never share the node's files or the rendezvous.
-podReplacementPolicy: Failed
-{{- if not (kindIs "invalid" $v.job.ttlSecondsAfterFinished) }}
-ttlSecondsAfterFinished: {{ $v.job.ttlSecondsAfterFinished }}
-{{- end }}
-{{- if not (kindIs "invalid" $v.job.activeDeadlineSeconds) }}
-activeDeadlineSeconds: {{ $v.job.activeDeadlineSeconds }}
-{{- end }}
-template:
-  {{- include "greenroom.trainer.podTemplate" . | nindent 2 }}
 {{- end -}}
