@@ -7,11 +7,12 @@ refused), the scheduler need not place them. What runs in the pods is tests/test
 """
 
 import json
+import os
 
 import pytest
 
-from tests.k8s_support import (events, helm, install, janitor_install, kubectl, kubectl_json, namespace, pods,
-                               require_cluster, trainer_values, wait_until)
+from tests.k8s_support import (CHART, events, helm, install, janitor_install, kubectl, kubectl_json, namespace,
+                               pods, require_cluster, trainer_values, values_file, wait_until)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
@@ -41,15 +42,27 @@ def test_hostpath_is_admitted_when_privileged_and_refused_under_baseline(namespa
     assert refusals(privileged) == []
 
     baseline = namespace("baseline")
-    # Pod Security enforces on pods: the Job is accepted (helm relays the API server's
-    # warning), its pods are not.
-    out = install("hp", baseline, values)
+    # The chart reads the namespace's level from the API (lookup) and refuses in one line.
+    refused = install("hp", baseline, values, check=False)
+    assert refused.returncode != 0
+    assert f'namespace {baseline} enforces Pod Security "baseline", and these values need "privileged"' \
+        in refused.stderr, refused.stderr
+    assert "storage.mode hostPath" in refused.stderr
+    # The API server refuses the same pods by itself: the manifests applied without helm
+    # (a template render does no lookup) give a Job whose pods are never created.
+    path = values_file(values)
+    try:
+        rendered = helm("template", "hp", CHART, "--namespace", baseline, "-f", path).stdout
+    finally:
+        os.unlink(path)
+    out = kubectl("-n", baseline, "apply", "-f", "-", stdin=rendered)
     assert "would violate PodSecurity" in out.stderr and "baseline:latest" in out.stderr, out.stderr
     (message, *_) = wait_until("the Job controller's pod creation refused under baseline",
                                lambda: refusals(baseline))
     assert 'violates PodSecurity "baseline:latest"' in message
     assert "hostPath volumes" in message
     assert trainer_pods(baseline, "hp") == []
+    kubectl("-n", baseline, "delete", "-f", "-", stdin=rendered)
 
 
 @pytest.mark.parametrize("mode", ["emptyDir", "ephemeral", "pvc"])
