@@ -6,6 +6,11 @@
 
 jobset_webhook_port=9443
 
+crd_established() {
+  kubectl_admin get crd jobsets.jobset.x-k8s.io \
+    -o jsonpath='{.status.conditions[?(@.type=="Established")].status}' | grep -qx True
+}
+
 start_jobset() {
   local bin=$1 ip=$2
   local config="$bin/jobset-config"
@@ -22,7 +27,7 @@ metrics: {bindAddress: "127.0.0.1:8443", certDir: $dir/jobset/certs}
 health: {healthProbeBindAddress: "127.0.0.1:8082"}
 EOF
   kubectl_admin apply --server-side -f "$config/crd/bases/" >/dev/null
-  kubectl_admin wait --for condition=Established crd/jobsets.jobset.x-k8s.io --timeout=60s >/dev/null
+  wait_for "the JobSet CRD" 60 crd_established
   # The controller is a host process with the admin kubeconfig: in this test cluster it
   # stands where upstream's Deployment and its ServiceAccount would.
   KUBECONFIG="$dir/admin.kubeconfig" daemon jobset "$bin/jobset" --config "$dir/jobset/config.yaml"
