@@ -53,6 +53,10 @@ def S(sandbox, *parts):
 CASES = {
     # train
     "train --iterations -1": (lambda s: ["train", *SMALL, "--iterations", "-1"], {}, "--iterations must be a positive"),
+    "train --save-interval -1": (lambda s: ["train", *SMALL, "--save", f"{s}/ck", "--save-interval", "-1"], {},
+                                 "--save-interval must be a whole number of iterations >= 0"),
+    "train --async-save without --save": (lambda s: ["train", *SMALL, "--async-save"], {},
+                                          "--async-save needs --save DIR"),
     "train --iterations abc": (lambda s: ["train", "--iterations", "abc"], {}, "--iterations: invalid int value"),
     "train --lr -1": (lambda s: ["train", *SMALL, "--lr", "-1"], {}, "--lr must be positive"),
     "train --minibatches 3 (does not divide)": (lambda s: ["train", *SMALL, "--minibatches", "3"], {},

@@ -38,10 +38,27 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
     assert os.listdir(disk_dir) == []  # the bench's rank dir is gone
 
 
+def test_bench_stream_checkpoint_json_reports_the_in_step_checkpoint_reading_nothing(disk_dir):
+    r = json.loads(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint", "--json",
+                             check_rc=0).stdout)
+    c = r["checkpoint"]
+    i = c["in_step"]
+    assert i["extra_bytes_read"] == 0  # every bucket streamed: the checkpoint came from the step's own pass
+    assert i["extra_bytes_written"] == r["state_bytes"]  # its second write, the whole state
+    assert i["step_seconds"] > 0 and len(i["plain_step_seconds"]) == 2 and i["ratio"] > 0
+    assert i["extra_seconds"] == i["step_seconds"] - sum(i["plain_step_seconds"]) / 2
+    # Between steps: ext4 and tmpfs cannot clone, so the save copies (reads and writes the state once).
+    assert c["save_kind"] in ("clone", "copy")
+    if c["save_kind"] == "copy":
+        assert c["save_bytes_read"] == c["save_bytes_written"] == r["state_bytes"]
+    assert c["load_seconds"] > 0
+    assert os.listdir(disk_dir) == []
+
+
 def test_bench_stream_text_report_and_bad_input(disk_dir):
     proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--param-dtype", "fp32", "--checkpoint",
                      check_rc=0)
-    assert "verified load" in proc.stdout
+    assert "verified load" in proc.stdout and "checkpoint in the step" in proc.stdout
     assert "disk bound" in proc.stdout and "step/bound" in proc.stdout and "page cache growth" in proc.stdout
     assert "--params" in one_line_error(greenroom("bench", "stream", "--params", "1.5", "--dir", disk_dir))
     assert "--dir" in one_line_error(greenroom("bench", "stream", "--params", "10", "--dir",

@@ -21,11 +21,13 @@ def test_plan_reports_dirs_staging_disk_and_verdict(disk_dir):
     assert "pinned staging per rank: 256.0 MiB (2 x 128.0 MiB chunk: offload and streaming each stage their own)" in out
     assert os.path.join(disk_dir, "job7", "critic", "rank00000") in out
     assert "verdict:    OK" in out
+    assert "StreamingAdam 8 B (master + 2 moments), StreamingMuon 6 B (master + momentum)" in out
     plan = json.loads(greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
                                 "--params", "1e6", "--world-size", "2",
                                 "--stream-optimizer-state-moment-dtype", "bf16", "--json", check_rc=0).stdout)
     # bf16 moments: 4 B master + 2 x 2 B moments = 8 B/param, over 2 shards.
     assert plan["disk_bytes_per_rank"]["streaming"] == 4_000_000
+    assert plan["streamed_bytes_per_param"] == {"adam": 8.0, "muon": 6.0}  # Muon: master + one bf16 momentum
     assert plan["staging_bytes_per_rank"] == 256 << 20 and plan["fits"] is True
 
 

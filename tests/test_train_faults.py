@@ -70,12 +70,12 @@ def reference(tmp_path_factory):
     return state_of(straight), half
 
 
-def kill_and_resume(disk_dir, reference, point, *, prefix=()):
+def kill_and_resume(disk_dir, reference, point, *, prefix=(), extra=()):
     expected, half = reference
     ckpt = os.path.join(disk_dir, "ckpt")
     shutil.copytree(half, ckpt)
     root, metrics = os.path.join(disk_dir, "offload"), os.path.join(disk_dir, "m.jsonl")
-    args = ["--iterations", "4", "--load", ckpt, "--save", ckpt]
+    args = ["--iterations", "4", "--load", ckpt, "--save", ckpt, *extra]
     killed = run(args, root=root, metrics=metrics, kill_at=point, prefix=prefix)
     assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), (killed.returncode, killed.stderr[-2000:])
     assert os.listdir(root), "a SIGKILLed run leaves its per-rank dir for reclaim"
@@ -95,6 +95,8 @@ def test_killed_during_the_loop_resumes_bit_identically(disk_dir, reference, poi
 
 
 @pytest.mark.parametrize("point,said", [
+    ("instep-bucket", "an unfinished save"),  # the last step writing the streamed state into the staged save
+    ("instep-streamed", "an unfinished save"),
     ("save-model", "an unfinished save"),
     ("save-optim", "an unfinished save"),
     ("save-manifest", "an unfinished save"),
@@ -109,6 +111,29 @@ def test_killed_during_the_save_resumes_bit_identically_and_says_what_it_settled
     finished = point in ("save-staged@2", "save-swapped", "discard")
     # A save that completed is kept (nothing left to train); an unfinished one is dropped.
     assert ("resuming at iteration 5" if finished else "resuming at iteration 3") in resumed.stdout
+
+
+def test_async_saves_every_iteration_end_bit_identical(disk_dir, reference):
+    """--save-interval 1 --async-save: a checkpoint after every iteration, each published
+    beside the next iteration; the last one equals the uninterrupted run's."""
+    expected, _ = reference
+    ckpt, root = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "offload")
+    done = run(["--iterations", "4", "--save", ckpt, "--save-interval", "1", "--async-save"], root=root,
+               metrics=os.path.join(disk_dir, "m.jsonl"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for it in range(1, 5):
+        assert f"saved iteration {it} to {ckpt} (published in the background)" in done.stdout
+    assert_same(expected, state_of(ckpt))
+
+
+@pytest.mark.parametrize("point", ["save-meta@2", "save-staged@4", "instep-streamed@2"])
+def test_killed_during_an_async_save_resumes_bit_identically(disk_dir, reference, point):
+    """With --save-interval 1 --async-save each save is published on a thread beside the
+    next iteration. Killed in iteration 4's publish before (save-meta@2) or after
+    (save-staged@4, @3 being the optimizer's own) its generation record, or in the step
+    writing its streamed state: the resume settles what was left and ends bit-identical."""
+    resumed = kill_and_resume(disk_dir, reference, point, extra=["--save-interval", "1", "--async-save"])
+    assert "resuming at iteration" in resumed.stdout
 
 
 def test_killed_between_the_two_renames_without_rename_exchange(disk_dir, reference):

@@ -80,6 +80,7 @@ import errno
 import os
 import queue
 import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -367,6 +368,8 @@ class StateFile:
         if stored is not None:
             table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2).copy_(stored)
         self.write(memoryview(table.numpy()), self.table_offset)
+        # What a checkpoint's manifest records of a file it did not read (optim.instep).
+        self.table_crc32 = f"{zlib.crc32(memoryview(table.numpy())):08x}"
 
     def _table(self, offset: int, nbytes: int) -> tuple[torch.Tensor, int]:
         assert offset == 0 and nbytes == self.data_bytes, "a file with its checksums in it is read whole"
@@ -474,6 +477,9 @@ class Transfer:
     recorded before a read)."""
     expected: torch.Tensor | None = None
     """Of a read: the recorded extent sums, when fetched with ``stored`` (one table read)."""
+    mirror: "StateFile | None" = None
+    """Of a write: a second file that gets the same stored bytes and table (an in-step
+    checkpoint's copy, ``greenroom.optim.instep``)."""
     _finish: Callable[["Transfer"], None] | None = None
     _remaining: int = 0
     _error: BaseException | None = None
@@ -557,14 +563,17 @@ class TransferEngine:
 
     # -- public API ---------------------------------------------------------------
     def write(self, src: torch.Tensor, file: StateFile, offset: int, *,
-              element_sizes: tuple[tuple[int, int], ...] | None = None) -> Transfer:
+              element_sizes: tuple[tuple[int, int], ...] | None = None, mirror: StateFile | None = None) -> Transfer:
         """Write ``src``'s bytes to ``file`` at ``offset`` (4 KiB aligned).
 
         ``element_sizes``: for a compressed file, ``(byte offset in src, element size)``
         pairs, ascending from 0, telling the codec how wide the elements of each region are
         (``src`` may be raw bytes holding several dtypes); default ``src``'s own.
+        ``mirror``: a file of the same layout that gets every byte written to ``file``
+        from the same staging buffer, and the same checksum table: a second copy for
+        the price of a second write, no read.
         """
-        return self._submit("write", src, file, offset, element_sizes)
+        return self._submit("write", src, file, offset, element_sizes, mirror)
 
     def read(self, dst: torch.Tensor, file: StateFile, offset: int) -> Transfer:
         """Fill ``dst`` from ``file`` at ``offset`` (4 KiB aligned)."""
@@ -601,7 +610,8 @@ class TransferEngine:
         self.close()
 
     # -- machinery ----------------------------------------------------------------
-    def _submit(self, kind: str, tensor: torch.Tensor, file: StateFile, offset: int, element_sizes) -> Transfer:
+    def _submit(self, kind: str, tensor: torch.Tensor, file: StateFile, offset: int, element_sizes,
+                mirror: StateFile | None = None) -> Transfer:
         assert not self._closed
         assert offset % ALIGNMENT == 0, "see Note [alignment]"
         data = _byte_view(tensor)
@@ -630,7 +640,7 @@ class TransferEngine:
             chunks = _frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
                                    shifts=stored[:, 1].tolist())
         transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
-                            expected=expected, _finish=finish)
+                            mirror=mirror, expected=expected, _finish=finish)
         ready = None
         if data.is_cuda:
             # Copies must see everything the caller's stream has queued on the tensor.
@@ -701,6 +711,8 @@ class TransferEngine:
     @staticmethod
     def _seal(transfer: Transfer) -> None:
         transfer.file.record_sums(transfer.offset, align_up(transfer.nbytes), transfer.sums, transfer.stored)
+        if transfer.mirror is not None:
+            transfer.mirror.record_sums(transfer.offset, align_up(transfer.nbytes), transfer.sums, transfer.stored)
 
     @staticmethod
     def _check(transfer: Transfer) -> None:
@@ -719,6 +731,8 @@ class TransferEngine:
             staged = buf[:align_up(n)]
             sums, first = self._sums_of(staged, file_offset, transfer)
             file.write(memoryview(staged.numpy()), file_offset)
+            if transfer.mirror is not None:
+                transfer.mirror.write(memoryview(staged.numpy()), file_offset)
         except BaseException as e:  # reported through Transfer.wait()
             error = e
         finally:
@@ -816,6 +830,8 @@ class TransferEngine:
             runs = _merge([(place, place + align_up(n)) for place, n in zip(places, lengths)])
             for start, end in runs:
                 file.write(memoryview(arr[start:end]), chunk_offset + start)
+                if transfer.mirror is not None:
+                    transfer.mirror.write(memoryview(arr[start:end]), chunk_offset + start)
             if transfer.sums is not None:
                 sums = _frame_sums(buf, chunk_offset, runs, lengths)
         except BaseException as e:  # reported through Transfer.wait()

@@ -73,6 +73,12 @@ def build_plan(config: OffloadConfig, *, world_size: int, params: int, nproc_per
         "stored_bytes_per_rank": {"streaming": int(stored_stream), "offload": int(stored_offload),
                                   "total": int(stored_stream + stored_offload)},
     }
+    if config.stream_optimizer_state_to_disk:
+        from greenroom.optim.muon import muon_bytes_per_param  # each optimizer counts its own state
+
+        # Per 16-bit param (fp32 master on disk); the disk figures above are StreamingAdam's.
+        plan["streamed_bytes_per_param"] = {"adam": streamed_bytes_per_param(moments),
+                                            "muon": muon_bytes_per_param(moments)}
     if config.uses_disk:
         root = config.offload_train_disk_dir
         mount = fs.mount_of(root)
@@ -117,6 +123,10 @@ def print_plan(plan: dict) -> None:
     print("rank dirs:  " + ", ".join(plan["rank_dirs"][:2]) + (" ..." if len(plan["rank_dirs"]) > 2 else ""))
     print(f"disk per rank: {fs.human_bytes(d['total'])} (streamed state {fs.human_bytes(d['streaming'])}, "
           f"paused actor {fs.human_bytes(d['offload'])}) for {plan['params']:,} params over {plan['world_size']} rank(s)")
+    if "streamed_bytes_per_param" in plan:
+        per = plan["streamed_bytes_per_param"]
+        print(f"streamed state per 16-bit param: StreamingAdam {per['adam']:g} B (master + 2 moments), "
+              f"StreamingMuon {per['muon']:g} B (master + momentum); the figures above are StreamingAdam's")
     stored = plan["stored_bytes_per_rank"]
     if plan["compression"] != "none" and d["total"]:
         print(f"compression: {plan['compression']}: a step or sleep is expected to move "

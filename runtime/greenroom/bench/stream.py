@@ -19,7 +19,11 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
   transformer trained 50 steps (``greenroom.bench.trained``), tiled to ``--params``:
   what a codec meets in training, where ``normal`` (the default) is N(0, 1) params and
   grads with zero moments;
-- with ``--checkpoint``, the seconds of a synchronous ``save_checkpoint`` and of a
+- with ``--checkpoint``, after the timed steps: one step that writes a checkpoint from its
+  own pass (``checkpoint_next_step``) between two plain steps, with its extra seconds
+  over their mean, the extra bytes it read (0 when every bucket streams) and wrote, and
+  its publish; then a ``save_checkpoint`` between steps (a clone of the files where the
+  filesystem can, else a copy: its kind, seconds, bytes read and written) and a
   verified ``load_checkpoint`` of the whole state;
 - with ``--state-dict``, the seconds and GB/s of ``torch.save(opt.state_dict(), f)`` and of
   ``opt.load_state_dict(torch.load(f, mmap=True))``, then the same through
@@ -33,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 
@@ -68,7 +73,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "state, tiled")
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--checkpoint", action="store_true",
-                        help="also time save_checkpoint and load_checkpoint (a dir beside the bucket files)")
+                        help="also time a step that writes a checkpoint in its own pass, save_checkpoint between "
+                             "steps, and load_checkpoint (dirs beside the bucket files)")
     parser.add_argument("--state-dict", action="store_true",
                         help="also time torch.save(opt.state_dict()) / load_state_dict, and the same through DCP")
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
@@ -169,7 +175,8 @@ def measure(args: argparse.Namespace) -> dict:
                                                  + opt.store.disk_bytes("written") - disk_written0),
                                   "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before
                                                         if cuda else None)})
-            checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint")) if args.checkpoint else None
+            checkpoint = (_time_checkpoint(opt, rank_dir.subdir("checkpoint"), allocated) if args.checkpoint
+                          else None)
             state_dict = _time_state_dict(opt, rank_dir.subdir("state-dict")) if args.state_dict else None
             state_bytes = opt.store.state_bytes
             buckets = len(opt.store.buckets)
@@ -231,17 +238,38 @@ def _fill_trained(opt, trained) -> None:
     opt.store.overwrite(fill)
 
 
-def _time_checkpoint(opt, directory: str) -> dict:
-    """Seconds of a synchronous save and of a verified load of the whole state."""
-    path = os.path.join(directory, "optim")
-    with RssSampler(0.02, page_cache=True) as host:
+def _time_checkpoint(opt, directory: str, synchronize) -> dict:
+    """A plain step, a step that writes a checkpoint in its own pass, a plain step; then a
+    save between steps and a verified load of the whole state."""
+    def timed(fn) -> float:
         start = time.perf_counter()
-        opt.save_checkpoint(path)
+        fn()
+        synchronize()
+        return time.perf_counter() - start
+
+    in_step_path = os.path.join(directory, "in-step")
+    with RssSampler(0.02, page_cache=True) as host:
+        before = timed(opt.step)
+        opt.checkpoint_next_step(in_step_path)
+        checkpointed = timed(opt.step)
+        written = opt.last_checkpoint
+        after = timed(opt.step)
+        plain = (before + after) / 2
+        in_step = {"step_seconds": checkpointed, "plain_step_seconds": [before, after],
+                   "extra_seconds": checkpointed - plain, "ratio": checkpointed / plain,
+                   "extra_bytes_read": written.extra_bytes_read, "extra_bytes_written": written.extra_bytes_written,
+                   "publish_seconds": written.publish_seconds}
+        shutil.rmtree(in_step_path)  # the disk holds the live state and one checkpoint at a time
+        path = os.path.join(directory, "optim")
+        start = time.perf_counter()
+        moved = opt.save_checkpoint(path)
         save = time.perf_counter() - start
         start = time.perf_counter()
         opt.load_checkpoint(path)
         load = time.perf_counter() - start
-    return {"save_seconds": save, "load_seconds": load, "bytes": opt.store.state_bytes,
+    return {"in_step": in_step, "save_kind": moved["kind"], "save_seconds": save,
+            "save_bytes_read": moved["bytes_read"], "save_bytes_written": moved["bytes_written"],
+            "load_seconds": load, "bytes": opt.store.state_bytes,
             "page_cache_growth_bytes": host.cached_peak - host.cached_before}
 
 
@@ -249,8 +277,6 @@ def _time_state_dict(opt, directory: str) -> dict:
     """torch.save / load_state_dict of the whole state, then the same through DCP; each
     phase with its seconds, the bytes it wrote or read, peak RSS and peak anonymous RSS
     (the part that is no dropable page cache) above what the process held before."""
-    import shutil
-
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -328,8 +354,14 @@ def run(args: argparse.Namespace) -> int:
           f"1000 steps write {r['disk_bytes_written_per_1000_steps'] / 1e12:.2f} TB")
     if r["checkpoint"] is not None:
         c = r["checkpoint"]
-        print(f"checkpoint of {c['bytes'] / GB:.2f} GB: save {c['save_seconds']:.2f} s "
-              f"({c['bytes'] / c['save_seconds'] / GB:.2f} GB/s), verified load {c['load_seconds']:.2f} s")
+        i = c["in_step"]
+        print(f"checkpoint in the step: {i['step_seconds']:.2f} s against plain steps "
+              f"{i['plain_step_seconds'][0]:.2f} / {i['plain_step_seconds'][1]:.2f} s ({i['ratio']:.2f}x, "
+              f"{i['extra_seconds']:+.2f} s, of it publish {i['publish_seconds']:.2f} s); extra read "
+              f"{i['extra_bytes_read'] / GB:.2f} GB, extra written {i['extra_bytes_written'] / GB:.2f} GB")
+        print(f"checkpoint between steps ({c['save_kind']}) of {c['bytes'] / GB:.2f} GB: {c['save_seconds']:.2f} s, "
+              f"read {c['save_bytes_read'] / GB:.2f} GB, written {c['save_bytes_written'] / GB:.2f} GB; "
+              f"verified load {c['load_seconds']:.2f} s")
     if r["state_dict"] is not None:
         for name, d in r["state_dict"].items():
             print(f"{name.replace('_', ' ')}: {d['seconds']:.2f} s, {d['bytes'] / GB:.2f} GB, "

@@ -5,6 +5,10 @@
 - ``codecs``: moment storage dtypes (fp32, bf16, fp16, fp8 with per-block scales).
 - ``kernel``: one bucket's update with torch's own AdamW functional.
 - ``adam``: ``StreamingAdam``, the ``torch.optim.Optimizer``.
+- ``muon``: ``StreamingMuon``, ``torch.optim.Muon`` with its momentum streamed the same way
+  (``muon_state``: its state dict in torch's format).
+- ``instep``: the checkpoint a step writes from its own streaming pass.
+- ``reflink``: extent clones of the bucket files where the filesystem can.
 - ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` with the manifest and its refusals.
 - ``state_dict``: ``StreamingAdam.state_dict()`` / ``load_state_dict()`` in torch's format,
   views of the bucket files (trainers, ``torch.distributed.checkpoint``).
@@ -13,7 +17,8 @@
 """
 
 from greenroom.optim.adam import RESIDENT_NUMEL, StreamingAdam
+from greenroom.optim.muon import StreamingMuon
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, Bucket, BucketState, BucketStore, Entry
 
 __all__ = ["Bucket", "BucketState", "BucketStore", "DEFAULT_BUCKET_NUMEL", "Entry", "RESIDENT_NUMEL",
-           "StreamingAdam"]
+           "StreamingAdam", "StreamingMuon"]

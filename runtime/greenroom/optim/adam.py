@@ -25,6 +25,7 @@ params the step updates, no I/O. fp32 params are their own master and need no ru
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Callable, Iterable
@@ -119,6 +120,8 @@ class StreamingAdam(torch.optim.Optimizer):
                                   device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
                                   host_cache_bytes=int(host_cache_gb * GB))
         self._grad_scratch: torch.Tensor | None = None
+        self._pending_checkpoint = None  # an InStepCheckpoint for the next step
+        self.last_checkpoint = None  # the last in-step checkpoint written (bench figures)
         self.initialize_state()
 
     def _classify(self, group_indices: Iterable[int]) -> list[Entry]:
@@ -238,11 +241,22 @@ class StreamingAdam(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def save_checkpoint(self, path: str) -> None:
-        """Write the state to ``path`` (synchronously, atomically); see ``optim.checkpoint``."""
+    def save_checkpoint(self, path: str) -> dict:
+        """Write the state to ``path`` (synchronously, atomically; a clone of the files
+        where the filesystem can); see ``optim.checkpoint``. Returns what it moved."""
         from greenroom.optim.checkpoint import save_checkpoint
 
-        save_checkpoint(self, path)
+        return save_checkpoint(self, path)
+
+    def checkpoint_next_step(self, path: str) -> None:
+        """Have the next ``step()`` write a checkpoint of its result at ``path`` from its
+        own streaming pass (no extra read) and publish it when the step ends; see
+        ``greenroom.optim.instep``. A later call replaces an unused request."""
+        from greenroom.optim.instep import InStepCheckpoint
+
+        if self._pending_checkpoint is not None:
+            self._pending_checkpoint.abandon()
+        self._pending_checkpoint = InStepCheckpoint(self, path)
 
     def load_checkpoint(self, path: str, no_load_optim: bool = False) -> None:
         """Restore the state saved at ``path``, verified first; see ``optim.checkpoint``."""
@@ -294,8 +308,12 @@ class StreamingAdam(torch.optim.Optimizer):
                 self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
         store = self.store
         needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
-        for bucket_state in store.stream(needed):
-            self._step_bucket(bucket_state)
+        pending, self._pending_checkpoint = self._pending_checkpoint, None  # checkpoint_next_step's
+        with pending.during_step() if pending is not None else contextlib.nullcontext():
+            for bucket_state in store.stream(needed, mirror=pending):
+                self._step_bucket(bucket_state)
+        if pending is not None:
+            self.last_checkpoint = pending
         return loss
 
     def _is_state_probe(self) -> bool:
@@ -411,6 +429,9 @@ class StreamingAdam(torch.optim.Optimizer):
         """Drain I/O and release the files and device buffers (the files stay until the
         rank dir goes)."""
         if self._store is not None:
+            if self._pending_checkpoint is not None:
+                self._pending_checkpoint.abandon()
+                self._pending_checkpoint = None
             store, self._store = self._store, None
             store.close()
             self._grad_scratch = None

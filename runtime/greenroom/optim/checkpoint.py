@@ -10,16 +10,21 @@ A checkpoint is a directory::
 copied) and atomic through ``greenroom.publish``, the protocol the trainer's ``--save``
 shares: everything goes into ``<path>.new``, which is fsynced and then swapped with
 ``<path>`` in one rename, so an interrupted save leaves the previous checkpoint as it
-was, and the next save or load settles what a killed one left. Bytes move with
-``copy_file_range``, which reflinks on filesystems that can (XFS, btrfs) and copies inside
-the kernel elsewhere. Each 64 MiB piece is read once to take its CRC-32 and then copied
+was, and the next save or load settles what a killed one left. Where the filesystem
+shares extents (XFS with reflink, btrfs) the bucket files are cloned (``reflink``): no
+data moves, and the manifest records each file's checksum table's CRC-32
+(``table_crc32``), read back from the clone. Elsewhere bytes move with
+``copy_file_range``: each 64 MiB piece is read once to take its CRC-32 and then copied
 from the page cache, so the disk reads each byte once; both files' pages are dropped
-piece by piece, so the copy does not grow the page cache either.
+piece by piece, so the copy does not grow the page cache either. A checkpoint can also
+be written by a step's own pass (``instep``), recorded by ``table_crc32`` too, and
+ended here (``finish_checkpoint``).
 
 ``load_checkpoint`` checks everything before it reads a byte of state, in this order:
 the manifest exists (else the checkpoint predates streaming: refused unless
-``no_load_optim``), the dtypes, the topology, the layout, the file sizes and every
-checksum. Only then are the files copied into the live ones.
+``no_load_optim``), the dtypes, the topology, the layout (and the optimizer's moments
+per param), the file sizes and every checksum (a ``table_crc32`` file: the table, then
+every byte against it). Only then are the files copied (or cloned) into the live ones.
 
 The optimizer is read and restored only through ``StreamedState``, which ``StreamingAdam``
 and greenroom.megatron's ``StreamingDistributedOptimizer`` implement.
@@ -36,9 +41,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from greenroom import publish
-from greenroom.diskio import pread_all, pwrite_all
-from greenroom.errors import CheckpointError, StorageError
+from greenroom.diskio import ALIGNMENT, EXTENT, StateFile, _aligned_host, page_sums, pread_all, pwrite_all
+from greenroom.errors import CheckpointError, IntegrityError, StorageError
 from greenroom.log import get_logger
+from greenroom.optim import reflink
 from greenroom.rankdir import write_json_atomic
 
 if TYPE_CHECKING:
@@ -117,9 +123,11 @@ def _resident_state(opt: StreamedState) -> dict:
 
 
 # -- save ------------------------------------------------------------------------------
-def save_checkpoint(opt: StreamedState, path: str) -> None:
+def save_checkpoint(opt: StreamedState, path: str) -> dict:
     """Write ``opt``'s whole state to the directory ``path``, replacing it atomically
-    (``greenroom.publish``: the previous checkpoint stays until this one is complete)."""
+    (``greenroom.publish``: the previous checkpoint stays until this one is complete).
+    Returns how: ``{"kind": "clone" or "copy", "bytes_read": ..., "bytes_written": ...}``
+    (the state's bytes the save moved; a clone moves only the checksum tables)."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp, said = publish.stage(path)
@@ -129,24 +137,95 @@ def save_checkpoint(opt: StreamedState, path: str) -> None:
         store = opt.store
         store.flush()  # the cached buckets' files are stale until written out
         files = {}
+        moved = {"kind": "clone", "bytes_read": 0, "bytes_written": 0}
+        clone = reflink.usable(store.directory, tmp, store.state_bytes)
         for bucket in store.buckets:
             name = os.path.basename(store.path(bucket.index))
-            files[name] = {"bytes": bucket.file_bytes,
-                           "crc32": copy_file(store.path(bucket.index), os.path.join(tmp, name), bucket.file_bytes)}
-        resident = _resident_state(opt)
-        publish.torch_save(resident, os.path.join(tmp, RESIDENT))
-        size = os.path.getsize(os.path.join(tmp, RESIDENT))
-        files[RESIDENT] = {"bytes": size, "crc32": file_crc32(os.path.join(tmp, RESIDENT), size)}
-        manifest = {"format": FORMAT, "version": VERSION, "master_dtype": "fp32",
-                    "moment_dtype": store.moment_dtype, "layout": store.layout(), "topology": topology(opt),
-                    "param_groups": _hyperparameters(opt),
-                    "steps": {k: float(v) for k, v in resident["steps"].items()}, "files": files}
-        write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
-        publish.publish(path)
+            src, dst = store.path(bucket.index), os.path.join(tmp, name)
+            if clone and reflink.clone(src, dst):
+                files[name] = {"bytes": bucket.file_bytes, "table_crc32": table_crc32(store, bucket.index, dst)}
+                moved["bytes_read"] += bucket.file_bytes - bucket.data_bytes  # the table only
+            else:
+                clone = False
+                moved["kind"] = "copy"
+                files[name] = {"bytes": bucket.file_bytes, "crc32": copy_file(src, dst, bucket.file_bytes)}
+                moved["bytes_read"] += bucket.file_bytes
+                moved["bytes_written"] += bucket.file_bytes
+        finish_checkpoint(opt, path, tmp, files)
+        return moved
     except BaseException:
         if os.path.isdir(tmp):
             publish.discard(tmp)
         raise
+
+
+def finish_checkpoint(opt: StreamedState, path: str, tmp: str, files: dict) -> None:
+    """Write ``resident.pt`` and the manifest (``files``: the bucket files' entries) into
+    the staged ``tmp`` and publish it at ``path``: the end of every save, copied, cloned
+    or written in the step (``optim.instep``)."""
+    store = opt.store
+    resident = _resident_state(opt)
+    publish.torch_save(resident, os.path.join(tmp, RESIDENT))
+    size = os.path.getsize(os.path.join(tmp, RESIDENT))
+    files = {**files, RESIDENT: {"bytes": size, "crc32": file_crc32(os.path.join(tmp, RESIDENT), size)}}
+    manifest = {"format": FORMAT, "version": VERSION, "master_dtype": "fp32",
+                "moment_dtype": store.moment_dtype, "layout": store.layout(), "topology": topology(opt),
+                "param_groups": _hyperparameters(opt),
+                "steps": {k: float(v) for k, v in resident["steps"].items()}, "files": files}
+    write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+    publish.publish(path)
+
+
+def table_crc32(store: BucketStore, index: int, path: str) -> str:
+    """CRC-32 of the checksum table at the end of bucket ``index``'s file at ``path``
+    (a few KiB read): what the manifest records of a file that was cloned, not read."""
+    with store.open_existing(index, path) as f:
+        return _table_crc32_on_disk(f)
+
+
+def _table_crc32_on_disk(f: StateFile) -> str:
+    table = _aligned_host(f.table_bytes(f.size, compressed=f.compression is not None))
+    f.read(memoryview(table.numpy()), f.table_offset)
+    return f"{zlib.crc32(memoryview(table.numpy())):08x}"
+
+
+def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
+    """Read ``f``'s whole data region, piece by piece, and check it against the file's own
+    checksum table (``diskio`` Note [integrity]; for a compressed file, each frame's
+    stored bytes where its record puts them, Note [packed frames]): a file copied or
+    cloned around the I/O engine, before it is trusted. ``IntegrityError`` names the
+    first extent that differs."""
+    sums, stored = f.recorded(0, f.data_bytes)
+    if f.compression is not None and stored is None:
+        raise IntegrityError(f"{f.path}: {f.label} has no record of its stored frames; it cannot be verified")
+    buf = _aligned_host(min(piece_bytes, f.data_bytes))
+    pages = []
+    for offset in range(0, f.data_bytes, piece_bytes):
+        view = buf[:min(piece_bytes, f.data_bytes - offset)]
+        f.read(memoryview(view.numpy()), offset)
+        pages.append(page_sums(view, offset))
+    pages = torch.cat(pages)
+    extents = sums.numel()
+    if stored is None:  # extent k: its pages
+        owner = torch.arange(pages.numel(), dtype=torch.int64) * ALIGNMENT // EXTENT
+    else:  # extent k: the pages of its frame's stored bytes, ``shift`` before its own place
+        counts = (stored[:, 0].to(torch.int64) + ALIGNMENT - 1) // ALIGNMENT
+        first = (torch.arange(extents, dtype=torch.int64) * EXTENT - stored[:, 1].to(torch.int64)) // ALIGNMENT
+        owner = torch.repeat_interleave(torch.arange(extents, dtype=torch.int64), counts)
+        within = torch.arange(owner.numel(), dtype=torch.int64) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)
+        index = first[owner] + within
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= pages.numel()):
+            raise IntegrityError(f"{f.path}: the frame records of {f.label} point outside its data; "
+                                 "the table is damaged")
+        pages = pages[index]
+    got = torch.zeros(extents, dtype=torch.int64).index_add_(0, owner, pages)
+    bad = (got != sums).nonzero()
+    if bad.numel():
+        k = int(bad[0])
+        raise IntegrityError(f"{f.path}: checksum mismatch in extent {k} (bytes [{k * EXTENT}, "
+                             f"{min((k + 1) * EXTENT, f.data_bytes)}) of {f.label}): the file is corrupt: "
+                             "restore it or load an older checkpoint")
 
 
 # -- byte movement ---------------------------------------------------------------------
@@ -234,9 +313,12 @@ def load_checkpoint(opt: StreamedState, path: str, *, no_load_optim: bool = Fals
     manifest = read_manifest(path)
     verify(opt, path, manifest)
     store = opt.store
+    clone = reflink.usable(path, store.directory, store.state_bytes)
     for bucket in store.buckets:
         name = os.path.basename(store.path(bucket.index))
-        copy_file(os.path.join(path, name), store.path(bucket.index), bucket.file_bytes)
+        if not (clone and reflink.clone(os.path.join(path, name), store.path(bucket.index))):
+            clone = False
+            copy_file(os.path.join(path, name), store.path(bucket.index), bucket.file_bytes)
     store.refill_host_cache()
     resident = torch.load(os.path.join(path, RESIDENT), weights_only=True)
     opt.load_resident_state({key: {"step": step, **resident["moments"].get(key, {})}
@@ -270,7 +352,8 @@ def read_manifest(path: str) -> dict:
                                   "the checkpoint is damaged")
     for name, meta in manifest["files"].items():
         if (not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int)
-                or not isinstance(meta.get("crc32"), str) or os.sep in name or name in (".", "..")):
+                or not isinstance(meta.get("crc32", meta.get("table_crc32")), str)
+                or os.sep in name or name in (".", "..")):
             raise CheckpointError(f"{manifest_path}: the entry for {name!r} in 'files' is malformed; "
                                   "the checkpoint is damaged")
     return manifest
@@ -302,6 +385,9 @@ def verify(opt: StreamedState, path: str, manifest: dict) -> None:
         actual = os.path.getsize(file_path)
         if actual != meta["bytes"]:
             raise CheckpointError(f"{file_path}: {actual} bytes, the manifest says {meta['bytes']} (truncated?)")
+        if "table_crc32" in meta:
+            _verify_against_table(store, file_path, name, meta["table_crc32"])
+            continue
         crc = file_crc32(file_path, meta["bytes"])
         if crc != meta["crc32"]:
             raise CheckpointError(f"{file_path}: checksum {crc} does not match the manifest's {meta['crc32']}; "
@@ -320,7 +406,29 @@ def _verify_topology(path: str, saved: dict, ours: dict) -> None:
                                   "same-topology only")
 
 
+def _verify_against_table(store: BucketStore, file_path: str, name: str, recorded: str) -> None:
+    """Check a bucket file written in the step or cloned: its checksum table against the
+    manifest's CRC-32 of it, then every byte against the table."""
+    index = next((b.index for b in store.buckets if os.path.basename(store.path(b.index)) == name), None)
+    if index is None:
+        raise CheckpointError(f"{file_path}: not a bucket file of this run's layout; the checkpoint is damaged")
+    try:
+        with store.open_existing(index, file_path) as f:
+            crc = _table_crc32_on_disk(f)
+            if crc != recorded:
+                raise CheckpointError(f"{file_path}: checksum table CRC-32 {crc} does not match the manifest's "
+                                      f"{recorded}; the file is corrupt: restore it or load an older checkpoint")
+            verify_against_table(f)
+    except (StorageError, IntegrityError) as e:
+        raise CheckpointError(f"{e}") from None
+
+
 def _verify_layout(path: str, saved: dict, ours: dict) -> None:
+    saved_moments = saved.get("moments", 2)
+    if saved_moments != ours["moments"]:
+        kinds = {1: "a momentum buffer (StreamingMuon)", 2: "two Adam moments (StreamingAdam)"}
+        raise CheckpointError(f"{path}: the state was saved with {kinds.get(saved_moments, saved_moments)} per "
+                              f"param, this optimizer keeps {kinds[ours['moments']]}; load it with that optimizer")
     saved_codec, our_codec = saved.get("compression", "none"), ours["compression"]
     if saved_codec != our_codec:
         raise CheckpointError(f"{path}: the state files were written with --offload-train-disk-compression "

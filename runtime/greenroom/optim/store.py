@@ -123,8 +123,8 @@ class Bucket:
     exp_avg: Segment
     """First moment."""
 
-    exp_avg_sq: Segment
-    """Second moment."""
+    exp_avg_sq: Segment | None
+    """Second moment; None in a store of one moment (Muon's momentum buffer)."""
 
     data_bytes: int
     """Bytes of the segments (aligned): what a step reads and writes back."""
@@ -143,7 +143,7 @@ class BucketState:
     bucket: Bucket
     master: torch.Tensor | None
     exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg_sq: torch.Tensor | None
     _shapes: list[tuple[int, ...]]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -156,10 +156,14 @@ class BucketState:
 
 
 def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str, *,
-                  compressed: bool = False) -> list[Bucket]:
+                  compressed: bool = False, moments: int = 2) -> list[Bucket]:
     """Group consecutive entries (same group and master kind) into buckets of at most
     ``bucket_numel`` elements; an entry larger than the cap gets a bucket of its own.
-    ``compressed``: the files' table also records the bytes each frame stored."""
+    ``compressed``: the files' table also records the bytes each frame stored.
+    ``moments``: 2 (Adam's ``exp_avg`` and ``exp_avg_sq``) or 1 (``exp_avg`` only: a
+    momentum buffer, as Muon keeps)."""
+    if moments not in (1, 2):
+        raise ConfigError(f"moments must be 1 or 2, got {moments!r}")
     if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel <= 0:
         raise ConfigError(f"bucket_numel must be a positive integer, got {bucket_numel!r}")
     avg_codec, sq_codec = moment_codecs(moment_dtype)
@@ -190,8 +194,10 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
             cursor = align_up(master.nbytes)
         exp_avg = Segment(offset=cursor, nbytes=avg_codec.nbytes(numel))
         cursor = align_up(cursor + exp_avg.nbytes)
-        exp_avg_sq = Segment(offset=cursor, nbytes=sq_codec.nbytes(numel))
-        cursor = align_up(cursor + exp_avg_sq.nbytes)
+        exp_avg_sq = None
+        if moments == 2:
+            exp_avg_sq = Segment(offset=cursor, nbytes=sq_codec.nbytes(numel))
+            cursor = align_up(cursor + exp_avg_sq.nbytes)
         buckets.append(Bucket(index=index, entries=tuple(members), numel=numel, master=master,
                               exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, data_bytes=cursor,
                               file_bytes=StateFile.file_bytes(cursor, checksums="file", compressed=compressed),
@@ -271,11 +277,13 @@ class BucketStore:
             None to store the bytes as they are.
         host_cache_bytes: host memory for whole buckets kept off the disk (Note [host
             cache]); 0, the default, keeps none.
+        moments: moments per entry: 2 (Adam's, the default) or 1 (a momentum buffer in
+            the ``exp_avg`` segment; ``exp_avg_sq`` is None).
     """
 
     def __init__(self, entries: Sequence[Entry], directory: str, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                  moment_dtype: str = "fp32", device: torch.device | str = "cpu", chunk_bytes: int = 256 << 20,
-                 compression=None, host_cache_bytes: int = 0) -> None:
+                 compression=None, host_cache_bytes: int = 0, moments: int = 2) -> None:
         if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
             raise ConfigError(f"host_cache_bytes must be a non-negative integer, got {host_cache_bytes!r}")
         self.entries = list(entries)
@@ -285,7 +293,9 @@ class BucketStore:
         self.device = torch.device(device)
         self.avg_codec, self.sq_codec = moment_codecs(moment_dtype)
         self.compression = compression
-        self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype, compressed=compression is not None)
+        self.moments = moments
+        self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype, compressed=compression is not None,
+                                     moments=moments)
         self._buffers: list[_DeviceBuffer] = []
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
@@ -315,12 +325,32 @@ class BucketStore:
         return StateFile(self.path(bucket.index), bucket.data_bytes, checksums="file", compression=self.compression,
                          label=f"bucket {bucket.index} of the optimizer state")
 
-    def _write(self, raw: torch.Tensor, bucket: Bucket):
-        """Write a bucket's bytes to its file, telling a codec each segment's element size."""
+    def _write(self, raw: torch.Tensor, bucket: Bucket, *, file: StateFile | None = None,
+               mirror: StateFile | None = None):
+        """Write a bucket's bytes to its file (or ``file``), and to ``mirror`` too (an
+        in-step checkpoint's copy), telling a codec each segment's element size."""
         segments = ((bucket.master, 4), (bucket.exp_avg, self.avg_codec.dtype.itemsize),
                     (bucket.exp_avg_sq, self.sq_codec.dtype.itemsize))
         sizes = [(seg.offset, size) for seg, size in segments if seg is not None]
-        return self.engine.write(raw, self.files[bucket.index], 0, element_sizes=tuple(sizes))
+        return self.engine.write(raw, file or self.files[bucket.index], 0, element_sizes=tuple(sizes), mirror=mirror)
+
+    def open_copy(self, index: int, path: str) -> StateFile:
+        """A preallocated file at ``path`` of bucket ``index``'s layout, to mirror its
+        writes into (``stream(mirror=...)``) or write a cached bucket to."""
+        bucket = self.buckets[index]
+        return StateFile(path, bucket.data_bytes, checksums="file", compression=self.compression,
+                         label=f"bucket {bucket.index} of a checkpoint of the optimizer state")
+
+    def open_existing(self, index: int, path: str) -> StateFile:
+        """Bucket ``index``'s layout over an existing file at ``path`` (a checkpoint's copy),
+        its length checked, to read its table or verify it."""
+        bucket = self.buckets[index]
+        return StateFile(path, bucket.data_bytes, create=False, checksums="file", compression=self.compression,
+                         label=f"bucket {bucket.index} of a checkpoint of the optimizer state")
+
+    def write_cached(self, index: int, file: StateFile):
+        """Write cached bucket ``index``'s host bytes to ``file`` (no read: the cache is the state)."""
+        return self._write(self.host_cache[index], self.buckets[index], file=file)
 
     # -- facts ----------------------------------------------------------------------
     def disk_bytes(self, way: str) -> int:
@@ -357,6 +387,7 @@ class BucketStore:
             "bucket_numel": self.bucket_numel,
             "moment_dtype": self.moment_dtype,
             "master_dtype": "fp32",
+            "moments": self.moments,
             "compression": self.compression.name if self.compression is not None else "none",
             "entries": [{"name": e.name, "shape": list(e.shape), "group": e.group, "master": e.master}
                         for e in self.entries],
@@ -423,7 +454,7 @@ class BucketStore:
         added = [dataclasses.replace(b, index=first_bucket + b.index,
                                      entries=tuple(first_entry + i for i in b.entries))
                  for b in build_buckets(entries, self.bucket_numel, self.moment_dtype,
-                                       compressed=self.compression is not None)]
+                                       compressed=self.compression is not None, moments=self.moments)]
         files = []
         try:
             for bucket in added:
@@ -449,9 +480,12 @@ class BucketStore:
                 left -= nbytes
 
     # -- the step -------------------------------------------------------------------
-    def stream(self, indices: Sequence[int] | None = None) -> Iterator[BucketState]:
+    def stream(self, indices: Sequence[int] | None = None, *,
+               mirror: Callable[[int], StateFile | None] | None = None) -> Iterator[BucketState]:
         """Yield the buckets ``indices`` (default all, in order) on the device, reading
-        ahead one and writing back behind; all writes are drained when it finishes."""
+        ahead one and writing back behind; all writes are drained when it finishes.
+        ``mirror(index)``: a file that each written-back bucket's bytes also go to, from
+        the same staging (an in-step checkpoint; None for a bucket not to mirror)."""
         order = list(range(len(self.buckets))) if indices is None else list(indices)
         if not order:
             return
@@ -468,7 +502,7 @@ class BucketStore:
                 state = self._decode(index, buffer)
                 yield state
                 self._encode(state, buffer)
-                buffer.write = self._submit_write(index, buffer)
+                buffer.write = self._submit_write(index, buffer, mirror(index) if mirror is not None else None)
         finally:
             try:
                 self.engine.drain()
@@ -485,14 +519,14 @@ class BucketStore:
         self.bytes_read += bucket.file_bytes
         return self.engine.read(raw, self.files[index], 0)
 
-    def _submit_write(self, index: int, buffer: _DeviceBuffer):
+    def _submit_write(self, index: int, buffer: _DeviceBuffer, mirror: StateFile | None = None):
         bucket = self.buckets[index]
         raw = buffer.raw[:bucket.data_bytes]
         if index in self.host_cache:
             self._stale.add(index)
             return self._host_copy(self.host_cache[index], raw, to_device=False)
         self.bytes_written += bucket.file_bytes
-        return self._write(raw, bucket)
+        return self._write(raw, bucket, mirror=mirror)
 
     def _host_copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> _HostCopy:
         """Copy between a device buffer and the host cache: on the CPU at once; on CUDA on
@@ -551,6 +585,9 @@ class BucketStore:
         moments = []
         for codec, seg, key in ((self.avg_codec, bucket.exp_avg, "exp_avg"),
                                 (self.sq_codec, bucket.exp_avg_sq, "exp_avg_sq")):
+            if seg is None:
+                moments.append(None)
+                continue
             seg_raw = raw[seg.offset:seg.offset + seg.nbytes]
             if codec.identity:
                 moments.append(codec.view(seg_raw, bucket.numel))
@@ -565,7 +602,7 @@ class BucketStore:
         bucket = state.bucket
         for codec, seg, work in ((self.avg_codec, bucket.exp_avg, state.exp_avg),
                                  (self.sq_codec, bucket.exp_avg_sq, state.exp_avg_sq)):
-            if not codec.identity:
+            if seg is not None and not codec.identity:
                 codec.encode(work, buffer.raw[seg.offset:seg.offset + seg.nbytes])
 
     # -- buffers --------------------------------------------------------------------

@@ -14,7 +14,10 @@ The whole checkpoint, every rank's model and optimizer state and the meta, becom
 visible in one rename (``greenroom.publish``, the protocol the optimizer's checkpoint
 uses too): rank 0 stages ``DIR.new``, every rank writes its part there, and rank 0
 writes the meta and swaps it in once all are done. Until then ``DIR`` is the previous
-complete checkpoint. ``load`` first settles what a killed save left (and says what it
+complete checkpoint. A save at the end of an iteration (``--save``, ``--save-interval``)
+stages before the iteration's last optimizer step, which writes the streamed state
+into ``optim/`` from its own pass (``greenroom.optim.instep``); the weights, manifests,
+meta and publish follow the step, in the background with ``--async-save``. ``load`` first settles what a killed save left (and says what it
 did), then checks every file's size and checksum before it loads a byte; each damaged or
 missing file, and each malformed manifest or meta, is one ``CheckpointError`` line naming
 the file. Resume is same-topology only, as for the streamed state.
@@ -23,6 +26,7 @@ the file. Resume is same-topology only, as for the streamed state.
 from __future__ import annotations
 
 import os
+import time
 import zlib
 
 import torch
@@ -59,27 +63,70 @@ def _crc32(path: str) -> tuple[int, str]:
 
 
 # -- save ------------------------------------------------------------------------------
-def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
-         barrier) -> None:
+def begin(directory: str, *, rank: int, barrier) -> str:
+    """Start a save: rank 0 settles what an earlier save left and stages ``DIR.new``;
+    returns this rank's dir in it (created). The optimizer's in-step checkpoint
+    (``optim/`` in it) is requested right after this, before the step that writes it."""
     directory = os.path.abspath(directory)
-    staged = directory + publish.NEW_SUFFIX
     if rank == 0:
         os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
         _, said = publish.stage(directory)
         if said:
             log.warning(f"--save {directory}: {said}")
     barrier()
+    mine = rank_path(directory + publish.NEW_SUFFIX, rank)
+    os.makedirs(mine, mode=0o700)
+    return mine
+
+
+def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
+         barrier) -> None:
+    """A whole save between steps: stage, write every part (the streamed state cloned or
+    copied, ``save_checkpoint``), publish."""
+    try:
+        begin(directory, rank=rank, barrier=barrier)
+    except BaseException:
+        _discard(directory, rank)
+        raise
+    finish(directory, model_state=model_state(model), optimizer=optimizer, optim_state=None, streaming=streaming,
+           optim_written=False, iteration=iteration, rank=rank, world_size=world_size, barrier=barrier)
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights as host copies: what ``finish`` writes (taken before the next step
+    changes them, so ``finish`` may run beside it)."""
+    return _model_state(model)
+
+
+def optimizer_state(optimizer) -> dict:
+    """A resident optimizer's state dict with every tensor copied to the host."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v,
+                    optimizer.state_dict())
+
+
+def finish(directory: str, *, model_state: dict, optimizer, optim_state: dict | None, streaming: bool,
+           optim_written: bool, iteration: int, rank: int, world_size: int, barrier=None) -> None:
+    """Write this rank's part of a begun save and publish it (rank 0, once every rank's
+    part is there). ``optim_written``: the streamed state is already in ``optim/`` (the
+    step wrote it); else it is saved here. ``barrier`` None (``--async-save``, off the
+    main thread, where no collective may run): rank 0 waits for every rank's manifest
+    file instead, and nothing waits for the publish."""
+    directory = os.path.abspath(directory)
+    staged = directory + publish.NEW_SUFFIX
     mine = rank_path(staged, rank)
     try:
-        os.makedirs(mine, mode=0o700)
-        publish.torch_save(_model_state(model), os.path.join(mine, "model.pt"))
+        publish.torch_save(model_state, os.path.join(mine, "model.pt"))
         kill_point("save-model")
         names = ["model.pt"]
         if streaming:
-            optimizer.save_checkpoint(os.path.join(mine, "optim"))
+            if not optim_written:
+                optimizer.save_checkpoint(os.path.join(mine, "optim"))
             names.append(os.path.join("optim", "manifest.json"))
         else:
-            publish.torch_save(optimizer.state_dict(), os.path.join(mine, "optim.pt"))
+            publish.torch_save(optim_state if optim_state is not None else optimizer.state_dict(),
+                               os.path.join(mine, "optim.pt"))
             names.append("optim.pt")
         kill_point("save-optim")
         files = {}
@@ -88,19 +135,36 @@ def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, r
             files[name] = {"bytes": size, "crc32": crc}
         publish.write_checked_json(os.path.join(mine, MANIFEST), {"files": files})
         kill_point("save-manifest")
-        barrier()
+        if barrier is not None:
+            barrier()
+        elif rank == 0:
+            _wait_for_ranks(staged, world_size)
         if rank == 0:
             publish.write_checked_json(os.path.join(staged, META), {
                 "format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming})
             kill_point("save-meta")
             publish.publish(directory)
     except BaseException:
-        # Leave nothing half-written: the staged dir goes (the next save or load would
-        # discard it anyway); the previous checkpoint at DIR is untouched.
-        if rank == 0 and os.path.isdir(staged):
-            publish.discard(staged)
+        _discard(directory, rank)
         raise
-    barrier()
+    if barrier is not None:
+        barrier()
+
+
+def _discard(directory: str, rank: int) -> None:
+    """Leave nothing half-written: the staged dir goes (the next save or load would
+    discard it anyway); the previous checkpoint at DIR is untouched."""
+    staged = os.path.abspath(directory) + publish.NEW_SUFFIX
+    if rank == 0 and os.path.isdir(staged):
+        publish.discard(staged)
+
+
+def _wait_for_ranks(staged: str, world_size: int) -> None:
+    """Until every rank's manifest is in ``staged`` (each rank writes its own last)."""
+    for rank in range(world_size):
+        manifest = os.path.join(rank_path(staged, rank), MANIFEST)
+        while not os.path.exists(manifest):
+            time.sleep(0.05)
 
 
 # -- load ------------------------------------------------------------------------------

@@ -33,6 +33,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                      help="total iterations (a resumed run continues up to this count; default %(default)s)")
     run.add_argument("--role", default="actor", help="which model of the job this is (names its per-rank dir)")
     run.add_argument("--save", metavar="DIR", help="write model and optimizer state here at the end")
+    run.add_argument("--save-interval", type=int, default=_TRAIN.save_interval, metavar="N",
+                     help="with --save: also save every N iterations (default 0: only at the end)")
+    run.add_argument("--async-save", action="store_true",
+                     help="with --save: publish each checkpoint in the background; the next iteration does not "
+                          "wait for it (the streamed state is written by the step itself either way)")
     run.add_argument("--load", metavar="DIR", help="resume from a --save dir (same topology)")
     run.add_argument("--resume", choices=RESUME_MODES, default="strict",
                      help="strict (default): --load DIR must hold a checkpoint; auto: a --load DIR that does "
@@ -86,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     task = TaskConfig(digits=args.digits)
     model = ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers,
                         n_heads=args.n_heads, max_seq_len=task.seq_len)
-    config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save, load=resume_dir(args.load, args.resume),
+    config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save,
+                         load=resume_dir(args.load, args.resume),
+                         save_interval=args.save_interval, async_save=args.async_save,
                          metrics=args.metrics, seed=args.seed, device=args.device, parallel=args.parallel,
                          offload_backend=args.offload_backend, offload_mover=args.offload_mover,
                          progress=not args.no_progress, lr=args.lr, weight_decay=args.weight_decay,

@@ -47,6 +47,13 @@ class TrainConfig:
     save: str | None = None
     """Dir to write model and optimizer state to at the end."""
 
+    save_interval: int = 0
+    """With ``save``: also save every this many iterations (0: only at the end)."""
+
+    async_save: bool = False
+    """With ``save``: publish each save (weights, manifests, meta, the swap) in the
+    background, so the next iteration does not wait for it."""
+
     load: str | None = None
     """Dir of a previous ``save`` to resume from (same topology)."""
 
@@ -109,6 +116,11 @@ class TrainConfig:
                              f"({self.prompts * self.group_size})")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not isinstance(self.save_interval, int) or self.save_interval < 0:
+            raise ConfigError(f"--save-interval must be a whole number of iterations >= 0, got {self.save_interval!r}")
+        if (self.save_interval or self.async_save) and not self.save:
+            flag = "--save-interval" if self.save_interval else "--async-save"
+            raise ConfigError(f"{flag} needs --save DIR (where the checkpoints go)")
 
 
 def _token_logp(model, prompts, completions, device) -> torch.Tensor:
@@ -147,6 +159,9 @@ class Trainer:
         self.device = self._resolve_device()
         self._stack = contextlib.ExitStack()
         self.rank_dir: RankDir | None = None
+        self._save_thread: threading.Thread | None = None  # an --async-save publish in flight
+        self._save_error: BaseException | None = None
+        self._saved_iteration = 0
 
     def _resolve_device(self) -> torch.device:
         wanted = self.config.device
@@ -174,6 +189,8 @@ class Trainer:
         """Run the cleanups. The exception that ended the run is what the user sees: a
         cleanup error is added to it as a note, never put in its place."""
         try:
+            if self._save_thread is not None:
+                self._save_thread.join()  # a publish in flight finishes (or fails) before the files close
             self._stack.close()
         except BaseException as cleanup:
             if exc is None:
@@ -279,19 +296,31 @@ class Trainer:
         self._say(self._header(start))
         with self._preemption_deferred() as preempted:
             for it in range(start, c.iterations):
-                self._log(self.iteration(it))
+                saves = self._saves_after(it + 1)
+                self._log(self.iteration(it, save=saves))
+                if saves:
+                    self._finish_save(it + 1)
                 if preempted() and it + 1 < c.iterations:
                     # Save where every rank agrees to stop, then exit as SIGTERM would:
                     # the scheduler requeues and the next run resumes with --load.
-                    self._save(it + 1)
+                    if not saves:
+                        self._save(it + 1)
+                    self._join_save()
                     self._say(f"preempted: saved iteration {it + 1}, exiting")
                     raise SystemExit(PREEMPTED_EXIT)
-            if c.save:
-                self._save(c.iterations)
+            if c.save and start >= c.iterations:
+                self._save(c.iterations)  # nothing left to train: the checkpoint as loaded
+            self._join_save()
         if self.metrics_file is not None:
             self._say(f"metrics: {os.path.abspath(c.metrics)} (plot with: greenroom report {c.metrics})")
 
-    def iteration(self, it: int) -> dict:
+    def _saves_after(self, iteration: int) -> bool:
+        """Whether ``--save`` writes a checkpoint at the end of ``iteration``."""
+        c = self.config
+        return bool(c.save) and (iteration == c.iterations
+                                 or bool(c.save_interval) and iteration % c.save_interval == 0)
+
+    def iteration(self, it: int, *, save: bool = False) -> dict:
         c = self.config
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.rank * 7_919 + it)
         events: list[dict] = []
@@ -330,7 +359,7 @@ class Trainer:
             bar.update()
         mark("wake", t)
         t = time.perf_counter()
-        loss_sum = self._train_step(prompts, completions, old_logp, rewards, gen)
+        loss_sum = self._train_step(prompts, completions, old_logp, rewards, gen, save=save)
         mark("train", t)
         reward_mean, loss_mean = self._mean_over_ranks(rewards.mean().item(), loss_sum / c.minibatches)
         phase = {e["phase"]: e["end"] - e["start"] for e in events}
@@ -345,7 +374,7 @@ class Trainer:
             "backend": self.offloader.backend, "events": events,
         }
 
-    def _train_step(self, prompts, completions, old_logp, rewards, gen) -> float:
+    def _train_step(self, prompts, completions, old_logp, rewards, gen, *, save: bool = False) -> float:
         c = self.config
         grouped = rewards.view(c.prompts, c.group_size)
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
@@ -361,6 +390,8 @@ class Trainer:
                                advantages[idx].to(self.device), c.clip, reference=self.reference,
                                kl_coef=c.kl_coef)
             loss.backward()
+            if save and i == c.minibatches - 1:
+                self._begin_save()
             self.optimizer.step()
             kill_point("train-step")  # between two optimizer steps: the state files are mid-iteration
             loss_sum += loss.item()
@@ -444,10 +475,58 @@ class Trainer:
         return t.tolist()
 
     def _save(self, iteration: int) -> None:
+        """A save between steps (preemption, or a run with nothing left to train)."""
+        self._join_save()
         checkpoint.save(self.config.save, model=self.model, optimizer=self.optimizer,
                         streaming=self.offload.stream_optimizer_state_to_disk, iteration=iteration,
                         rank=self.rank, world_size=self.world_size, barrier=self._barrier)
         self._say(f"saved iteration {iteration} to {self.config.save}")
+
+    def _begin_save(self) -> None:
+        """Before the iteration's last optimizer step: stage the save, and have a
+        streaming optimizer write its state into it from that step's own pass."""
+        self._join_save()  # the previous save is published before this one stages
+        mine = checkpoint.begin(self.config.save, rank=self.rank, barrier=self._barrier)
+        if self.offload.stream_optimizer_state_to_disk:
+            self.optimizer.checkpoint_next_step(os.path.join(mine, "optim"))
+
+    def _finish_save(self, iteration: int) -> None:
+        """After the step: the weights, manifests, meta and the publish; with
+        ``--async-save`` on a thread, from host copies taken now."""
+        c = self.config
+        streaming = self.offload.stream_optimizer_state_to_disk
+        kwargs = dict(model_state=checkpoint.model_state(self.model), optimizer=self.optimizer,
+                      # A resident optimizer's state, copied only for a publish beside the next step.
+                      optim_state=checkpoint.optimizer_state(self.optimizer) if c.async_save and not streaming
+                      else None,
+                      streaming=streaming, optim_written=streaming, iteration=iteration, rank=self.rank,
+                      world_size=self.world_size)
+        if not c.async_save:
+            checkpoint.finish(c.save, barrier=self._barrier, **kwargs)
+            self._say(f"saved iteration {iteration} to {c.save}")
+            return
+
+        def publish() -> None:
+            try:
+                checkpoint.finish(c.save, **kwargs)
+            except BaseException as e:  # raised by the next _join_save, on the main thread
+                self._save_error = e
+
+        self._save_error = None
+        self._save_thread = threading.Thread(target=publish, name="greenroom-async-save")
+        self._save_thread.start()
+        self._saved_iteration = iteration
+
+    def _join_save(self) -> None:
+        """Wait for an ``--async-save`` publish in flight; raise what it raised."""
+        thread = self._save_thread
+        if thread is None:
+            return
+        thread.join()
+        self._save_thread = None
+        if self._save_error is not None:
+            raise self._save_error
+        self._say(f"saved iteration {self._saved_iteration} to {self.config.save} (published in the background)")
 
     @contextlib.contextmanager
     def _preemption_deferred(self):

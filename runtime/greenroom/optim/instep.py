@@ -1,0 +1,128 @@
+"""A checkpoint written by the step's own streaming pass: no extra read, no extra pass.
+
+``opt.checkpoint_next_step(path)`` stages ``path`` (``greenroom.publish.stage``: the
+previous checkpoint stays until this one is complete) and preallocates one file per
+bucket in ``path.new``, so running out of space is refused before the step changes
+anything. The next ``opt.step()`` streams as always, and each bucket, once updated and
+in the engine's staging buffer on its way back to its live file, is written from that
+same buffer to its checkpoint file too (``TransferEngine.write(mirror=...)``), with the
+same checksum table. The checkpoint costs the second write, overlapped with the step's
+own I/O, and nothing else: no byte of the state is read again.
+
+After the step's pass: a bucket the step did not stream (no grads) is copied from its
+live file (the only reads, counted in ``extra_bytes_read``), a bucket in the host cache
+is written from host memory; then ``resident.pt``, the manifest and the publish, as
+``save_checkpoint`` ends (``checkpoint.finish_checkpoint``). The manifest records each
+bucket file's size and the CRC-32 of its checksum table; a load verifies the table
+against that and every byte against the table, before it reads a byte of state.
+
+A kill at any point leaves the previous checkpoint at ``path`` (the staged dir has no
+generation record until the publish writes it; the next save or load discards it). An
+error during the step discards the staged dir and raises as the step would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from greenroom import publish
+from greenroom.diskio import StateFile, verify_default
+from greenroom.errors import ConfigError
+from greenroom.faults import kill_point
+from greenroom.log import get_logger
+from greenroom.optim.checkpoint import copy_file, finish_checkpoint
+
+log = get_logger(__name__)
+
+
+class InStepCheckpoint:
+    """The checkpoint the next step of ``opt`` writes at ``path`` (see the module docstring)."""
+
+    def __init__(self, opt, path: str) -> None:
+        if not verify_default():
+            raise ConfigError("an in-step checkpoint records the bucket files' checksum tables, which "
+                              "GREENROOM_VERIFY=0 leaves empty: checkpoint with verification on")
+        self.opt = opt
+        self.path = os.path.abspath(path)
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        self.tmp, said = publish.stage(self.path)
+        if said:
+            log.warning(f"{self.path}: {said}")
+        self.files: list[StateFile] = []
+        self.mirrored: set[int] = set()
+        self.extra_bytes_read = 0
+        self._written = 0
+        self.publish_seconds = 0.0
+        store = opt.store
+        try:
+            for bucket in store.buckets:
+                self.files.append(store.open_copy(bucket.index, self._file_path(bucket.index)))
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _file_path(self, index: int) -> str:
+        return os.path.join(self.tmp, os.path.basename(self.opt.store.path(index)))
+
+    def __call__(self, index: int) -> StateFile | None:
+        """The mirror of bucket ``index`` for ``BucketStore.stream`` (None for a cached
+        bucket: it goes to its host memory, and is written from there at the end)."""
+        if index in self.opt.store.host_cache:
+            return None
+        self.mirrored.add(index)
+        kill_point("instep-bucket")
+        return self.files[index]
+
+    @property
+    def extra_bytes_written(self) -> int:
+        """Bytes written to the checkpoint's bucket files (after compression)."""
+        return self._written + sum(f.disk_bytes_written for f in self.files)
+
+    @contextlib.contextmanager
+    def during_step(self):
+        """Around the step's stream: yields the mirror; publishes after it, or discards."""
+        try:
+            yield self
+            self._finish()
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _finish(self) -> None:
+        store = self.opt.store
+        store.engine.drain()
+        kill_point("instep-streamed")
+        start = time.perf_counter()
+        pending = []
+        for bucket in store.buckets:
+            if bucket.index in self.mirrored:
+                continue
+            if bucket.index in store.host_cache:
+                pending.append(store.write_cached(bucket.index, self.files[bucket.index]))
+        for transfer in pending:
+            transfer.wait()
+        files = {}
+        for bucket, f in zip(store.buckets, self.files):
+            name = os.path.basename(f.path)
+            if bucket.index in self.mirrored or bucket.index in store.host_cache:
+                files[name] = {"bytes": bucket.file_bytes, "table_crc32": f.table_crc32}
+                f.close()
+            else:  # not streamed this step: its live file is the state, copied (the only read)
+                f.close()
+                files[name] = {"bytes": bucket.file_bytes,
+                               "crc32": copy_file(store.path(bucket.index), f.path, bucket.file_bytes)}
+                self.extra_bytes_read += bucket.file_bytes
+        self._written = self.extra_bytes_written
+        self.files = []
+        finish_checkpoint(self.opt, self.path, self.tmp, files)
+        self.publish_seconds = time.perf_counter() - start
+
+    def abandon(self) -> None:
+        """Close the files and discard the staged dir: the previous checkpoint stays."""
+        for f in self.files:
+            f.close()
+        self.files = []
+        if os.path.isdir(self.tmp):
+            publish.discard(self.tmp)

@@ -1,0 +1,135 @@
+"""``StreamingMuon.state_dict()`` / ``load_state_dict()`` in ``torch.optim.Muon``'s format.
+
+The format::
+
+    {"state": {i: {"momentum_buffer": t, "master": t}, ...},
+     "param_groups": [{"lr": ..., "weight_decay": ..., "momentum": ..., "nesterov": ...,
+                       "ns_coefficients": ..., "eps": ..., "ns_steps": ..., "adjust_lr_fn": ...,
+                       "moment_dtype": "fp32", "params": [0, 1, ...]}, ...]}
+
+``master`` (fp32) exists for 16-bit params only; only params with a momentum buffer have
+state, as in torch. The tensors are views of the bucket files, as StreamingAdam's are
+(``greenroom.optim.state_dict`` Note [state dict views], whose helpers this uses).
+``load_state_dict`` checks everything before it writes; ``torch.optim.Muon``'s dicts
+load, a 16-bit param's momentum (torch keeps it in the param's dtype) widened exactly
+to fp32 storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from greenroom.errors import GreenroomError
+from greenroom.optim.state_dict import _as_param_like, _bucket_segments, _view_dtype
+
+_KEYS = ("momentum_buffer", "master")
+
+
+def _param_list(opt) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def export_state_dict(opt) -> dict:
+    moment_dtype = _view_dtype(opt, "state_dict()")
+    store = opt.store
+    store.flush()
+    index = {id(p): i for i, p in enumerate(_param_list(opt))}
+    where = {id(opt.streamed[i]): (bucket, k) for bucket in store.buckets for k, i in enumerate(bucket.entries)}
+    maps: dict[int, dict] = {}
+    state: dict[int, dict] = {}
+    for p in opt.state:
+        bucket, k = where[id(p)]
+        if bucket.index not in maps:
+            maps[bucket.index] = _bucket_segments(store, bucket, moment_dtype)
+        segments = maps[bucket.index]
+        start = bucket.offsets[k]
+        out = {"momentum_buffer": _as_param_like(segments["exp_avg"](start, p.numel()).view(p.shape), p)}
+        if "master" in segments:
+            out["master"] = segments["master"](start, p.numel()).view(p.shape)
+        state[index[id(p)]] = out
+    groups = []
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["moment_dtype"] = opt.moment_dtype
+        packed["params"] = [index[id(p)] for p in g["params"]]
+        groups.append(packed)
+    return {"state": state, "param_groups": groups}
+
+
+def _fail(msg: str) -> None:
+    raise GreenroomError(f"StreamingMuon.load_state_dict: {msg}; nothing was changed")
+
+
+def _check(name: str, value: Any, shape, dtype: torch.dtype, widen: torch.dtype | None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        _fail(f"{name} is a {type(value).__name__}, expected a tensor")
+    if tuple(value.shape) != tuple(shape):
+        _fail(f"{name} has shape {tuple(value.shape)}, this optimizer's is {tuple(shape)}")
+    if value.dtype != dtype and value.dtype != widen:
+        _fail(f"{name} is {value.dtype}, this optimizer stores {dtype}")
+    return value
+
+
+def import_state_dict(opt, state_dict: Any) -> None:
+    moment_dtype = _view_dtype(opt, "load_state_dict()")
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        _fail("expected a dict with 'state' and 'param_groups' (an optimizer state dict)")
+    groups, saved_groups = opt.param_groups, state_dict["param_groups"]
+    if len(groups) != len(saved_groups):
+        _fail(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
+    ids, recorded = [], []
+    for gi, (g, saved) in enumerate(zip(groups, saved_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            _fail(f"param group {gi} has no 'params' list")
+        if len(saved["params"]) != len(g["params"]):
+            _fail(f"param group {gi} has {len(saved['params'])} params in the state dict, {len(g['params'])} here")
+        if saved.get("moment_dtype") not in (None, opt.moment_dtype):
+            _fail(f"its momentum is {saved['moment_dtype']}, this optimizer stores {opt.moment_dtype}")
+        ids.extend(saved["params"])
+        recorded.extend([saved.get("moment_dtype")] * len(saved["params"]))
+    params = _param_list(opt)
+    position = {pid: n for n, pid in enumerate(ids)}
+    checked: dict[int, dict] = {}
+    for pid, pstate in state_dict["state"].items():
+        if pid not in position:
+            _fail(f"state for param id {pid!r}, which no param group lists")
+        n = position[pid]
+        p = params[n]
+        if id(p) in opt.frozen:
+            _fail(f"param {n} has state in the state dict but requires_grad=False here (no state kept)")
+        if not isinstance(pstate, dict) or "momentum_buffer" not in pstate or set(pstate) - set(_KEYS):
+            _fail(f"param {n}'s state must be a dict of momentum_buffer (and master for 16-bit params)")
+        widen = p.dtype if recorded[n] is None and moment_dtype == torch.float32 else None
+        got = {"momentum_buffer": _check(f"param {n}'s momentum_buffer", pstate["momentum_buffer"], p.shape,
+                                         moment_dtype, widen)}
+        if "master" in pstate:
+            if p.dtype == torch.float32:
+                _fail(f"param {n} is fp32 (its own master) but the state dict has a master for it")
+            got["master"] = _check(f"param {n}'s master", pstate["master"], p.shape, torch.float32, None)
+        checked[n] = got
+    number = {id(p): n for n, p in enumerate(params)}
+    opt.store.engine.drain()
+
+    def fill(bucket_state) -> None:
+        bucket = bucket_state.bucket
+        bufs = bucket_state.views(bucket_state.exp_avg)
+        masters = bucket_state.views(bucket_state.master) if bucket.master is not None else None
+        for k, i in enumerate(bucket.entries):
+            p = opt.streamed[i]
+            got = checked.get(number[id(p)], {})
+            if "momentum_buffer" in got:
+                bufs[k].copy_(got["momentum_buffer"])
+            if masters is not None:
+                masters[k].copy_(got.get("master", p.detach()))
+
+    if checked or opt.state:
+        opt.store.overwrite(fill)
+    opt.state.clear()
+    for n in checked:
+        opt.state[params[n]] = {}
+    for g, saved in zip(opt.param_groups, saved_groups):
+        for key, value in saved.items():
+            if key not in ("params", "param_names", "moment_dtype"):
+                g[key] = value

@@ -1,0 +1,213 @@
+"""Checkpoints written by the step's own pass (``checkpoint_next_step``), and under SIGKILL.
+
+- The in-step checkpoint of step N holds the same bytes as ``save_checkpoint`` right
+  after step N (the bucket files byte for byte), reads no byte of the state, and a load
+  of it continues bit-identically to ``torch.optim.AdamW``: with every bucket streamed,
+  with a bucket the step skipped (copied, the only read), with the host cache, and with
+  a compressed store.
+- Damage is refused in one line naming the file, before the live state changes.
+- A kill at any point of the in-step save leaves the previous checkpoint loadable (or,
+  once swapped in, the new one), in a real process killed with SIGKILL.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from greenroom.errors import CheckpointError, ConfigError, StorageError
+from greenroom.optim import StreamingAdam
+from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
+
+SHAPES = ODD_SHAPES + [(100,)]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _optimizer(params, directory, **kwargs):
+    groups = [{"params": params[:4]}, {"params": params[4:], "lr": 2e-3, "weight_decay": 0.05}]
+    kwargs = {"lr": 1e-2, "weight_decay": 0.01, "bucket_numel": 2000, "resident_numel": 100, **kwargs}
+    return StreamingAdam(groups, state_dir=directory, **kwargs)
+
+
+def _reference(params):
+    groups = [{"params": params[:4]}, {"params": params[4:], "lr": 2e-3, "weight_decay": 0.05}]
+    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01, foreach=True)
+
+
+def _files(path):
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path)) if n.startswith("bucket-")}
+
+
+@pytest.mark.parametrize("case", ["all streamed", "a bucket skipped", "host cache", "zstd"])
+def test_in_step_checkpoint_matches_a_save_after_the_step_and_loads_bit_identically(disk_dir, case):
+    ours, ref_params = twins(SHAPES)
+    kwargs = {"host cache": {"host_cache_gb": 2e-5}, "zstd": {"compression": "zstd"}}.get(case, {})
+    opt = _optimizer(ours, os.path.join(disk_dir, "live"), **kwargs)
+    ref = _reference(ref_params)
+    if case == "host cache":
+        assert 0 < len(opt.store.host_cache) < len(opt.store.buckets)
+    skip = {0, 1, 2, 3} if case == "a bucket skipped" else ()  # group 0's params: its buckets get no grads
+    for step in range(3):
+        set_grads(ours, ref_params, step=step, skip=skip if step == 2 else ())
+        if step == 2:
+            opt.checkpoint_next_step(os.path.join(disk_dir, "in-step"))
+        opt.step()
+        ref.step()
+    written = opt.last_checkpoint
+    if case == "a bucket skipped":
+        assert written.extra_bytes_read > 0
+    else:
+        assert written.extra_bytes_read == 0
+    assert written.extra_bytes_written > 0
+    opt.save_checkpoint(os.path.join(disk_dir, "after"))
+    if case != "zstd":  # compressed files leave the gaps between frames as they were
+        assert _files(os.path.join(disk_dir, "in-step")) == _files(os.path.join(disk_dir, "after"))
+    weights = [p.detach().clone() for p in ours]  # the model's part of the checkpoint
+    for step in range(3, 5):  # moves on, then comes back
+        set_grads(ours, step=step)
+        opt.step()
+    with torch.no_grad():
+        for p, w in zip(ours, weights):
+            p.copy_(w)
+    opt.load_checkpoint(os.path.join(disk_dir, "in-step"))
+    for step in range(3, 6):
+        set_grads(ours, ref_params, step=step)
+        opt.step()
+        ref.step()
+    assert_state_equal(opt, ref, ours, ref_params)
+    opt.close()
+
+
+def _damaged(disk_dir, change):
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "live"))
+    set_grads(params, step=0)
+    opt.checkpoint_next_step(os.path.join(disk_dir, "ckpt"))
+    opt.step()
+    change(os.path.join(disk_dir, "ckpt", "bucket-00001.bin"), opt.store.buckets[1])
+    before = _files(os.path.join(disk_dir, "live"))
+    with pytest.raises(CheckpointError) as info:
+        opt.load_checkpoint(os.path.join(disk_dir, "ckpt"))
+    assert _files(os.path.join(disk_dir, "live")) == before
+    opt.close()
+    return str(info.value)
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x04]))
+
+
+def test_a_flipped_data_byte_is_refused_naming_the_file_and_extent(disk_dir):
+    said = _damaged(disk_dir, lambda path, bucket: _flip(path, 100))
+    assert "bucket-00001.bin: checksum mismatch in extent 0" in said and "\n" not in said
+
+
+def test_a_flipped_table_byte_is_refused_naming_the_file(disk_dir):
+    said = _damaged(disk_dir, lambda path, bucket: _flip(path, bucket.data_bytes + 3))
+    assert "bucket-00001.bin: checksum table CRC-32" in said and "does not match the manifest's" in said
+
+
+def test_an_in_step_checkpoint_needs_verification_on(disk_dir, monkeypatch):
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "live"))
+    monkeypatch.setenv("GREENROOM_VERIFY", "0")
+    with pytest.raises(ConfigError, match="GREENROOM_VERIFY=0"):
+        opt.checkpoint_next_step(os.path.join(disk_dir, "ckpt"))
+    assert not os.path.exists(os.path.join(disk_dir, "ckpt.new"))
+    opt.close()
+
+
+def test_no_room_for_the_checkpoint_is_refused_before_the_step_changes_anything(disk_dir, tmp_path):
+    """A 256 KiB tmpfs (root only) cannot hold the preallocated checkpoint files: refused
+    in one line at the request, nothing staged left, the live state untouched."""
+    full = str(tmp_path / "full")
+    os.makedirs(full)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", full], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        params, _ = twins(SHAPES + [(300, 1000)])  # 2.4 MB of state
+        opt = _optimizer(params, os.path.join(disk_dir, "live"))
+        before = _files(os.path.join(disk_dir, "live"))
+        with pytest.raises(StorageError, match="not enough space to preallocate") as info:
+            opt.checkpoint_next_step(os.path.join(full, "ckpt"))
+        assert "\n" not in str(info.value)
+        assert os.listdir(full) == []
+        assert _files(os.path.join(disk_dir, "live")) == before
+        set_grads(params, step=0)
+        opt.step()  # the refused request left nothing pending: a plain step
+        assert opt.last_checkpoint is None
+        opt.close()
+    finally:
+        subprocess.run(["umount", full], check=True)
+
+
+# -- SIGKILL at every point of the in-step save -----------------------------------------
+WORKER = textwrap.dedent("""
+    import os, shutil, sys
+    sys.path.insert(0, {repo!r})
+    from tests.test_optim_instep import SHAPES, _optimizer
+    from tests.test_optim_support import set_grads, twins
+    base, point = sys.argv[1], sys.argv[2]
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(base, "live"))
+    for step in range(2):
+        set_grads(params, step=step)
+        opt.step()
+    opt.save_checkpoint(os.path.join(base, "ckpt"))
+    shutil.copytree(os.path.join(base, "ckpt"), os.path.join(base, "before"))
+    if point != "none":
+        os.environ["GREENROOM_TEST_KILL_AT"] = point
+    set_grads(params, step=2)
+    opt.checkpoint_next_step(os.path.join(base, "ckpt"))
+    opt.step()
+    opt.close()
+""")
+
+
+def _run_worker(base, point):
+    script = os.path.join(base, "worker.py")
+    with open(script, "w") as f:
+        f.write(WORKER.format(repo=REPO))
+    return subprocess.run([sys.executable, script, base, point], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """The bucket files of the checkpoint an uninterrupted in-step save publishes."""
+    base = str(tmp_path_factory.mktemp("instep-reference"))
+    done = _run_worker(base, "none")
+    assert done.returncode == 0, done.stderr
+    return _files(os.path.join(base, "ckpt"))
+
+
+@pytest.mark.parametrize("point,published", [
+    ("instep-bucket@2", False),   # mid-stream: the second bucket's mirror handed out
+    ("instep-bucket@3", False),   # the last of the 3 buckets
+    ("instep-streamed", False),   # every bucket mirrored, nothing published
+    ("save-staged", False),       # complete and recorded, not yet swapped in
+    ("save-swapped", True),       # swapped in, the replaced one not yet discarded
+    ("discard", True),
+])
+def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(disk_dir, finished, point, published):
+    killed = _run_worker(disk_dir, point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "fresh"))
+    opt.load_checkpoint(os.path.join(disk_dir, "ckpt"))  # settles what the kill left, verifies, loads
+    opt.close()
+    expected = finished if published else _files(os.path.join(disk_dir, "before"))
+    if point == "save-staged":  # a complete save found beside the previous one is finished, not dropped
+        expected = finished
+    assert _files(os.path.join(disk_dir, "ckpt")) == expected
+    shutil.rmtree(os.path.join(disk_dir, "before"))
+    assert sorted(n for n in os.listdir(disk_dir) if n.startswith("ckpt")) == ["ckpt"]
