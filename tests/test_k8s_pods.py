@@ -15,6 +15,7 @@ import sys
 import uuid
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 from tests.k8s_support import (CLUSTER_DIR, chart_values, helm, install, janitor_install, janitor_values, kubectl,
@@ -184,3 +185,44 @@ def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(
                              capture_output=True, text=True)
     assert metrics.returncode == 0, metrics.stderr
     assert "greenroom_reclaim_dirs_total 1.0" in metrics.stdout, metrics.stdout
+
+
+def model_state(ckpt: str) -> dict:
+    return torch.load(os.path.join(ckpt, "rank00000", "model.pt"), weights_only=True)
+
+
+def test_a_deleted_trainer_saves_on_sigterm_runs_again_and_resumes_bit_identically(namespace, node_root):
+    ckpt = node_root + "-ckpt"
+    os.makedirs(ckpt)
+    os.chown(ckpt, TRAINER_UID, TRAINER_UID)
+    try:
+        ns = namespace("privileged")
+
+        def values(name: str) -> dict:
+            v = train_values(node_root, nodes=1, iterations=12)
+            v["train"].update(save=f"/ckpt/{name}", load=f"/ckpt/{name}")
+            v["extraVolumes"].append({"name": "ckpt", "hostPath": {"path": ckpt, "type": "Directory"}})
+            v["extraVolumeMounts"].append({"name": "ckpt", "mountPath": "/ckpt"})
+            return v
+
+        install("whole", ns, values("whole"))
+        install("cut", ns, values("cut"))
+        selector = "app.kubernetes.io/instance=cut"
+        wait_until("the trainer past its first iteration", lambda: "iter   1/12" in logs(ns, selector))
+        (first,) = pods(ns, selector)
+        # preStop, then SIGTERM: the trainer saves and exits 143, which the Job's pod
+        # failure policy counts and runs again; the new pod resumes with --resume auto.
+        kubectl("-n", ns, "delete", "pod", first["metadata"]["name"], "--wait=false")
+        for release in ("whole", "cut"):
+            state = wait_until(f"{release} finished", lambda: job_state(ns, f"{release}-greenroom"), timeout=900)
+            assert state == "Complete", logs(ns, f"app.kubernetes.io/instance={release}")
+        # The pod that finished is a new one, and it resumed from the save on SIGTERM.
+        (second,) = pods(ns, selector)
+        assert second["metadata"]["uid"] != first["metadata"]["uid"]
+        assert "resuming at iteration" in logs(ns, selector)
+        whole, cut = model_state(os.path.join(ckpt, "whole")), model_state(os.path.join(ckpt, "cut"))
+        assert whole.keys() == cut.keys()
+        for key in whole:
+            assert torch.equal(whole[key], cut[key]), key
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
