@@ -70,7 +70,7 @@ CASES = {
     "train disk dir under a file": (lambda s: ["train", *SMALL, *DISK, "--offload-train-disk-dir",
                                                S(s, "afile", "sub")], {}, "is a file, not a directory"),
     "train disk dir not writable": (lambda s: ["train", *SMALL, *DISK, "--offload-train-disk-dir",
-                                               "/proc/greenroom-test"], {}, "cannot create files there"),
+                                               "/proc/greenroom-test"], {}, "takes no new directory"),
     "train --save is a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--save", S(s, "afile")], {},
                                "is not a directory"),
     "train --save under a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--save",

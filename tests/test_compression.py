@@ -162,7 +162,7 @@ def test_flags_resolve_in_one_line_each():
         compression.resolve("lz4", cuda=False, chunk_bytes=CHUNK)
 
 
-def _adamw_and_streaming(tmp_path, compression_name: str, name: str = "optim"):
+def _adamw_and_streaming(directory: str, compression_name: str, name: str = "optim"):
     from greenroom.optim import StreamingAdam
 
     torch.manual_seed(0)
@@ -170,7 +170,7 @@ def _adamw_and_streaming(tmp_path, compression_name: str, name: str = "optim"):
     ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
     adamw = torch.optim.AdamW(ref, lr=1e-2, foreach=True)
-    opt = StreamingAdam(ours, lr=1e-2, state_dir=str(tmp_path / name), bucket_numel=200_000, chunk_mb=8,
+    opt = StreamingAdam(ours, lr=1e-2, state_dir=os.path.join(directory, name), bucket_numel=200_000, chunk_mb=8,
                         resident_numel=0, compression=compression_name)
     return ref, ours, adamw, opt
 
@@ -184,8 +184,8 @@ def _step(params_pairs, optimizers, seed):
         opt.step()
 
 
-def test_streaming_adam_with_compressed_buckets_is_bit_identical_to_adamw(tmp_path):
-    ref, ours, adamw, opt = _adamw_and_streaming(tmp_path, "zstd")
+def test_streaming_adam_with_compressed_buckets_is_bit_identical_to_adamw(disk_dir):
+    ref, ours, adamw, opt = _adamw_and_streaming(disk_dir, "zstd")
     try:
         assert opt.compression_line == "compression: zstd" and opt.store.layout()["compression"] == "zstd"
         for i in range(4):
@@ -200,16 +200,16 @@ def test_streaming_adam_with_compressed_buckets_is_bit_identical_to_adamw(tmp_pa
         opt.close()
 
 
-def test_a_compressed_checkpoint_loads_and_a_mismatched_codec_is_refused(tmp_path):
-    ref, ours, adamw, opt = _adamw_and_streaming(tmp_path, "zstd")
-    ckpt = str(tmp_path / "ckpt")
+def test_a_compressed_checkpoint_loads_and_a_mismatched_codec_is_refused(disk_dir):
+    ref, ours, adamw, opt = _adamw_and_streaming(disk_dir, "zstd")
+    ckpt = os.path.join(disk_dir, "ckpt")
     try:
         for i in range(2):
             _step((ref, ours), (adamw, opt), i)
         opt.save_checkpoint(ckpt)
     finally:
         opt.close()
-    _, resumed_params, _, resumed = _adamw_and_streaming(tmp_path, "zstd", "resumed")
+    _, resumed_params, _, resumed = _adamw_and_streaming(disk_dir, "zstd", "resumed")
     try:
         for p, q in zip(resumed_params, ours):
             p.data.copy_(q)
@@ -219,7 +219,7 @@ def test_a_compressed_checkpoint_loads_and_a_mismatched_codec_is_refused(tmp_pat
         assert all(torch.equal(a, b) for a, b in zip(ref, resumed_params))
     finally:
         resumed.close()
-    _, _, _, plain = _adamw_and_streaming(tmp_path, "none", "plain")
+    _, _, _, plain = _adamw_and_streaming(disk_dir, "none", "plain")
     try:
         with pytest.raises(CheckpointError) as err:
             plain.load_checkpoint(ckpt)
@@ -228,14 +228,14 @@ def test_a_compressed_checkpoint_loads_and_a_mismatched_codec_is_refused(tmp_pat
         plain.close()
 
 
-def test_disk_offload_with_compression_restores_every_byte(tmp_path):
+def test_disk_offload_with_compression_restores_every_byte(disk_dir):
     from greenroom.actor import build_offloader
     from greenroom.config import OffloadConfig
     from greenroom.rankdir import RankDir
 
-    config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=str(tmp_path),
+    config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=str(disk_dir),
                            offload_train_disk_chunk_mb=8, offload_train_disk_compression="zstd")
-    with RankDir(str(tmp_path), role="actor", rank=0) as rank_dir:
+    with RankDir(str(disk_dir), role="actor", rank=0) as rank_dir:
         offloader = build_offloader(config, rank_dir, device="cpu", backend="portable", scope="tracked")
         with offloader:
             weights = _compressible(torch.bfloat16, 3_000_000)
@@ -250,14 +250,14 @@ def test_disk_offload_with_compression_restores_every_byte(tmp_path):
     assert written < 2 * (weights.numel() * 2 + noise.numel())  # two sleeps, the weights compressed
 
 
-def test_plan_reports_the_expected_stored_bytes_beside_the_raw_size(tmp_path):
+def test_plan_reports_the_expected_stored_bytes_beside_the_raw_size(disk_dir):
     import json
     import subprocess
     import sys
 
     def plan(codec: str) -> dict:
         out = subprocess.run([sys.executable, "-m", "greenroom.cli", "plan", "--offload-train", "--offload-train-target",
-                              "disk", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(tmp_path),
+                              "disk", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(disk_dir),
                               "--params", "1e6", "--offload-train-disk-compression", codec, "--json"],
                              capture_output=True, text=True, check=True).stdout
         return json.loads(out)
@@ -305,7 +305,7 @@ def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path,
 
 
 @pytest.mark.gpu
-def test_streaming_adam_with_nvcomp_is_bit_identical_to_fused_adamw(tmp_path):
+def test_streaming_adam_with_nvcomp_is_bit_identical_to_fused_adamw(disk_dir):
     _nvcomp_or_skip()
     from greenroom.optim import StreamingAdam
 
@@ -313,8 +313,8 @@ def test_streaming_adam_with_nvcomp_is_bit_identical_to_fused_adamw(tmp_path):
     ref = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in [(1024, 1024), (4099,), (333, 777)]]
     ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
     adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01, fused=True)
-    opt = StreamingAdam(ours, lr=1e-2, weight_decay=0.01, state_dir=str(tmp_path / "optim"), bucket_numel=1 << 19,
-                        chunk_mb=8, resident_numel=0, compression="nvcomp-ans")
+    opt = StreamingAdam(ours, lr=1e-2, weight_decay=0.01, state_dir=os.path.join(disk_dir, "optim"),
+                        bucket_numel=1 << 19, chunk_mb=8, resident_numel=0, compression="nvcomp-ans")
     try:
         for i in range(4):
             _step((ref, ours), (adamw, opt), i)

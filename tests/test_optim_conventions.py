@@ -40,7 +40,7 @@ def test_add_param_group_appends_buckets_and_stays_exact(disk_dir):
     opt.add_param_group({"params": ours[4:], "lr": 3e-3, "weight_decay": 0.2})
     ref.add_param_group({"params": ref_params[4:], "lr": 3e-3, "weight_decay": 0.2})
     assert len(opt.store.buckets) > before
-    assert sorted(os.listdir(disk_dir)) == [f"bucket-{i:05d}.bin" for i in range(len(opt.store.buckets))]
+    assert sorted(os.listdir(opt.state_dir)) == [f"bucket-{i:05d}.bin" for i in range(len(opt.store.buckets))]
     for step in range(1, 4):
         set_grads(ours, ref_params, step=step)
         opt.step()

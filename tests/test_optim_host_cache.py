@@ -16,6 +16,7 @@ import torch
 
 from greenroom.optim import StreamingAdam
 from greenroom.optim.store import BucketStore, Entry, build_buckets
+from greenroom.rankdir import RankDir
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 BUCKET_NUMEL = 1500  # ODD_SHAPES then make 4 buckets of 24, 84, 12 and 60 KiB of fp32 state
@@ -107,8 +108,10 @@ def test_fp32_bit_identical_to_uncached_and_adamw_across_a_checkpoint(disk_dir, 
 
 def test_a_step_does_not_touch_a_cached_buckets_file_and_moves_only_the_rest(disk_dir):
     ours, plain_params = twins(ODD_SHAPES)
-    plain = _opt(plain_params, os.path.join(disk_dir, "plain"), 0)
-    opt = _opt(ours, os.path.join(disk_dir, "cached"), 30000)
+    # One rank dir for both: their files outlive close() until it goes (a plain path's go with close()).
+    rank_dir = RankDir(disk_dir, job="cache", role="actor").open()
+    plain = _opt(plain_params, rank_dir, 0)
+    opt = _opt(ours, rank_dir, 30000)
     cached = sorted(opt.store.host_cache)
     assert cached and len(cached) < len(opt.store.buckets)
     before = _files(opt)
@@ -127,6 +130,7 @@ def test_a_step_does_not_touch_a_cached_buckets_file_and_moves_only_the_rest(dis
     plain.close()
     # close() writes the cached buckets out: the files then hold the state.
     assert _files(paths[0]) == _files(paths[1])
+    rank_dir.close()
 
 
 @pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])

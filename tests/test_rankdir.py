@@ -81,3 +81,25 @@ def test_exception_removes_the_dir(disk_dir):
 def test_bad_job_or_role_names_are_refused(disk_dir, bad):
     with pytest.raises(ValueError, match="is not a valid directory name"):
         RankDir(disk_dir, job="j", role=bad)
+
+
+def test_the_root_and_existing_parents_keep_their_mode_and_only_new_dirs_get_0700(disk_dir):
+    root = os.path.join(disk_dir, "shared")
+    os.makedirs(os.path.join(root, "j", "actor"))
+    for path, mode in ((root, 0o1777), (os.path.join(root, "j"), 0o755), (os.path.join(root, "j", "actor"), 0o750)):
+        os.chmod(path, mode)
+    with RankDir(root, job="j", role="actor") as rd, RankDir(root, job="j2", role="critic") as other:
+        assert stat.S_IMODE(os.stat(root).st_mode) == 0o1777
+        assert stat.S_IMODE(os.stat(os.path.join(root, "j")).st_mode) == 0o755
+        assert stat.S_IMODE(os.stat(os.path.join(root, "j", "actor")).st_mode) == 0o750
+        for made in (os.path.join(root, "j2"), os.path.join(root, "j2", "critic"), rd.path, other.path):
+            assert stat.S_IMODE(os.stat(made).st_mode) == 0o700, made
+    # The <job>/<role> layout dirs are greenroom's whoever made them: removed once empty.
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o1777 and os.listdir(root) == []
+    missing = os.path.join(disk_dir, "new", "root")
+    umask = os.umask(0o022)
+    try:
+        with RankDir(missing, job="j"):
+            assert stat.S_IMODE(os.stat(missing).st_mode) == 0o755, "a missing root is made with the default mode"
+    finally:
+        os.umask(umask)

@@ -16,7 +16,8 @@ parser.add_argument("output_dir")
 parser.add_argument("--steps", type=int, default=4)
 args = parser.parse_args()
 offload = greenroom.OffloadConfig.from_args(args)
-rank_dir = RankDir(offload.offload_train_disk_dir, rank=int(os.environ.get("RANK", "0"))).open()
+rank_dir = RankDir(offload.offload_train_disk_dir, rank=int(os.environ.get("RANK", "0")),
+                   allow_tmpfs=offload.allow_tmpfs).open()
 
 training = TrainingArguments(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=2,
                              use_cpu=not torch.cuda.is_available(), report_to=[], save_strategy="no",
@@ -25,7 +26,7 @@ torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
 model.to(training.device)  # before the optimizer and the offloader see its params
-optimizer = StreamingAdam.from_config(model.parameters(), offload, rank_dir.subdir("optim"), lr=1e-3)
+optimizer = StreamingAdam.from_config(model.parameters(), offload, rank_dir, lr=1e-3)  # its own optim/ of the rank dir
 offloader = build_offloader(offload, rank_dir, device=training.device).track(model, optimizer)
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from greenroom import fs
 from greenroom.errors import ConfigError
+from greenroom.rankdir import check_root
 
 TARGETS = ("cpu", "disk")
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
@@ -269,10 +270,8 @@ class OffloadConfig(OffloadFlags):
             raise ConfigError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
                              "or set $SCRATCH")
         self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
-        existing = fs.nearest_existing(self.offload_train_disk_dir)
-        if not os.path.isdir(existing):
-            raise ConfigError(f"--offload-train-disk-dir {self.offload_train_disk_dir}: {existing} is a file, not a "
-                             "directory; point it at a dir on node-local NVMe")
+        # Before any work: a root this user cannot make a rank dir in (greenroom.rankdir).
+        check_root(self.offload_train_disk_dir, name="--offload-train-disk-dir")
         check_host_bytes("--offload-train-disk-chunk-mb", self.offload_train_disk_chunk_mb,
                          self.staging_bytes_per_rank)
         if self.host_cache_bytes:

@@ -2,7 +2,10 @@
 
 Checks the filesystem type (tmpfs/ramfs keep the data in RAM), free space, O_DIRECT
 support, the memlock limit (pinned staging needs it) and a quick bandwidth probe, then
-prints one verdict line. Exit 0 when fit, 1 when not, 2 when DIR is unusable.
+prints one verdict line. Exit 0 when fit, 1 when not, 2 when DIR is unusable: not a
+dir, or one this user cannot make a rank dir in (``greenroom.rankdir.root_problem``, the
+check ``train`` and ``plan`` make). The probes run in a rank dir of their own, removed
+after (and reclaimable, should doctor be killed); DIR itself is never changed.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import resource
 from greenroom import fs
 from greenroom.config import DEFAULT_CHUNK_MB, MIB, check_host_bytes
 from greenroom.errors import ConfigError
+from greenroom.rankdir import RankDir, check_root
 
 PROBE_BYTES = 256 * MIB
 
@@ -35,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     check_host_bytes("--chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
     if not os.path.isdir(args.dir):
         raise ConfigError(f"doctor: DIR {args.dir} is not a directory (create it on node-local NVMe first)")
-    if not os.access(args.dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"doctor: DIR {args.dir} is not writable by uid {os.getuid()}")
+    check_root(args.dir, name="doctor: DIR")
     problems = []
     mount = fs.mount_of(args.dir)
     print(f"filesystem: {mount.fstype} ({mount.source} at {mount.mount_point})")
@@ -44,7 +47,12 @@ def run(args: argparse.Namespace) -> int:
         problems.append(f"{mount.fstype} keeps the data in RAM")
     free = fs.free_bytes(args.dir)
     print(f"free space: {free / 2**30:.1f} GiB")
-    direct = fs.supports_o_direct(args.dir)
+    with RankDir(args.dir, role="doctor", allow_tmpfs=True) as rank_dir:
+        return _probe(args, rank_dir.path, free, problems)
+
+
+def _probe(args: argparse.Namespace, scratch: str, free: int, problems: list[str]) -> int:
+    direct = fs.supports_o_direct(scratch)
     print(f"O_DIRECT:   {'yes' if direct else 'no (buffered I/O with fdatasync + DONTNEED)'}")
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     need = 2 * args.chunk_mb * MIB
@@ -57,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_probe:
         from greenroom.bench.disk import raw_bandwidth
 
-        probe = raw_bandwidth(args.dir, min(PROBE_BYTES, max(free // 4, MIB)))
+        probe = raw_bandwidth(scratch, min(PROBE_BYTES, max(free // 4, MIB)))
         print(f"bandwidth:  write {probe.write_bytes_per_s / 1e9:.2f} GB/s, "
               f"read {probe.read_bytes_per_s / 1e9:.2f} GB/s (quick probe)")
     if problems:

@@ -6,6 +6,19 @@ janitor (``greenroom.reclaim``): a dir with an owner record and a free lock belo
 dead process. At start the rank wipes whatever an earlier run left in its own dir; at
 exit (return, exception, SIGTERM, SIGINT) it removes the dir.
 
+Note [what greenroom creates]: the root is the user's (a shared 1777 scratch, a dir
+another user owns, a mount point). Opening a rank dir never changes its mode, owner or
+sticky bit; a root that does not exist is made with the default mode (umask), and only
+the dirs greenroom makes below it (``<job>``, ``<role>``, ``rank<N>`` and the rank's
+subdirs) get mode 0700. A root this user cannot create a subdir in (not writable, a
+read-only filesystem, a file) is refused in one line before anything is created
+(``root_problem``, which ``doctor``, ``plan`` and the config rules ask too).
+
+Note [claims]: the mechanisms of one process share its rank dir, each in a subdir of its
+own that ``claim`` hands out (``optim``, then ``optim-2`` for a second optimizer, ...),
+so two owners never write the same files. A rank dir opened for a plain path (see
+``greenroom.statedir``) closes itself when its last claim is released.
+
 Note [lock inode]: a reclaimer deletes a dir while holding its lock, so a starting rank
 can win a lock on a file that is being unlinked. After ``flock`` succeeds the rank checks
 that the path still names the inode it locked and starts over if not.
@@ -14,6 +27,7 @@ that the path still names the inode it locked and starts over if not.
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import json
 import os
@@ -25,12 +39,19 @@ import threading
 import time
 import uuid
 
+from greenroom import fs
 from greenroom.errors import ConfigError, StorageError
 
 LOCK_NAME = ".lock"
 OWNER_NAME = "owner.json"
 DIR_MODE = 0o700
 LOCK_WAIT_SECONDS = 3.0
+
+
+# Without a scheduler each process is its own job, the same one for all of its rank dirs
+# (so two owners of one path in one process meet at the lock).
+_LOCAL_JOB = f"local-{uuid.uuid4().hex[:12]}"
+_OPEN: "set[RankDir]" = set()  # the rank dirs this process holds
 
 
 def job_id() -> str:
@@ -41,7 +62,7 @@ def job_id() -> str:
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     if run and run != "none":
         return f"torchrun-{run}"
-    return f"local-{uuid.uuid4().hex[:12]}"
+    return _LOCAL_JOB
 
 
 def boot_id() -> str:
@@ -52,6 +73,16 @@ def boot_id() -> str:
         return "unknown"
 
 
+def held_rank_dir(path: str) -> "RankDir | None":
+    """The rank dir this process holds that contains ``path``, if any."""
+    path = os.path.realpath(path)
+    for rank_dir in _OPEN:
+        mine = os.path.realpath(rank_dir.path)
+        if path == mine or path.startswith(mine + os.sep):
+            return rank_dir
+    return None
+
+
 def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
     for name, value in (("the job id (from $GREENROOM_JOB_ID, $SLURM_JOB_ID or torchrun)", job), ("--role", role)):
         if not value or "/" in value or value in (".", ".."):
@@ -59,9 +90,55 @@ def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
     return os.path.join(root, job, role, f"rank{rank:05d}")
 
 
-def _makedirs(path: str) -> None:
-    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
-    os.chmod(path, DIR_MODE)
+def root_problem(root: str) -> str | None:
+    """Why this user can make no rank dir under ``root``, or None when it can.
+
+    A root that does not exist yet must be creatable in its nearest existing parent.
+    Tried with a probe dir (made and removed at once), not read from mode bits: those say
+    nothing for root, ACLs, /proc or a read-only mount.
+    """
+    root = os.path.abspath(root)
+    existing = fs.nearest_existing(root)
+    own = existing == os.path.realpath(root)
+    if not os.path.isdir(existing):
+        return "is a file, not a directory" if own else f"cannot be made: {existing} is a file, not a directory"
+    probe = os.path.join(existing, f".greenroom-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.mkdir(probe, DIR_MODE)
+    except OSError as e:
+        reason = "read-only filesystem" if e.errno == errno.EROFS else e.strerror
+        if own:
+            return f"is not writable by uid {os.geteuid()}: it takes no new directory ({reason})"
+        return f"cannot be made by uid {os.geteuid()}: {existing} takes no new directory ({reason})"
+    os.rmdir(probe)
+    return None
+
+
+def check_root(root: str, *, name: str) -> None:
+    """``root_problem`` as a ``ConfigError`` naming the flag or argument ``name``."""
+    problem = root_problem(root)
+    if problem is not None:
+        raise ConfigError(f"{name} {os.path.abspath(root)} {problem}; point it at a dir on node-local NVMe "
+                          "that you can write")
+
+
+def _mkdir_own(path: str) -> None:
+    """Make ``path`` with mode 0700 unless it exists; an existing dir keeps its mode
+    (Note [what greenroom creates])."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        return
+    os.chmod(path, DIR_MODE)  # our own new dir: the umask must not narrow it further
+
+
+def _make_rank_path(root: str, path: str) -> None:
+    """Make the root (default mode) if missing, then each dir below it up to ``path``
+    (mode 0700, only those this call creates)."""
+    os.makedirs(root, exist_ok=True)
+    relative = os.path.relpath(path, root).split(os.sep)
+    for i in range(1, len(relative) + 1):
+        _mkdir_own(os.path.join(root, *relative[:i]))
 
 
 def write_json_atomic(path: str, payload: dict) -> None:
@@ -83,17 +160,23 @@ class RankDir:
         role: which model of the job (actor, critic, ...), so two never share files.
         rank: this process's global rank.
         job: the job id (default: from the scheduler, see ``job_id``).
+        allow_tmpfs: accept a memory-backed root (``--allow-tmpfs``, tests only).
 
-    Use as a context manager, or call ``open()``/``close()``. ``subdir(name)`` gives
-    each mechanism its own subdirectory (``offload/``, ``optim/``).
+    Use as a context manager, or call ``open()``/``close()``. ``claim(name)`` gives each
+    mechanism its own subdirectory (``offload/``, ``optim/``; Note [claims]).
     """
 
-    def __init__(self, root: str, *, role: str = "actor", rank: int = 0, job: str | None = None) -> None:
+    def __init__(self, root: str, *, role: str = "actor", rank: int = 0, job: str | None = None,
+                 allow_tmpfs: bool = False) -> None:
         self.root = os.path.abspath(root)
         self.job = job or job_id()
         self.role = role
         self.rank = rank
         self.path = rank_dir_path(self.root, self.job, role, rank)
+        self.allow_tmpfs = allow_tmpfs
+        self.close_with_last_claim = False
+        self._claims: set[str] = set()
+        self._claimed_ever: set[str] = set()
         self._lock_fd = -1
         self._previous_handlers: dict[int, object] = {}
 
@@ -101,10 +184,14 @@ class RankDir:
     def open(self) -> "RankDir":
         if self._lock_fd >= 0:
             return self
-        _makedirs(self.root)
+        self._check_root()
         deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while True:
-            _makedirs(self.path)
+            try:
+                _make_rank_path(self.root, self.path)
+            except PermissionError as e:  # a <job> or <role> dir of another user
+                raise ConfigError(f"{self.path}: cannot create {e.filename}: permission denied; "
+                                  "use a root of your own or another job id") from None
             try:
                 fd = os.open(os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             except FileNotFoundError:
@@ -113,6 +200,10 @@ class RankDir:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
+                if any(other.path == self.path for other in _OPEN):
+                    raise StorageError(f"{self.path} is held by this process (pid {os.getpid()} on "
+                                       f"{socket.gethostname()}): close its other owner first, or give this "
+                                       "one its own dir") from None
                 if time.monotonic() < deadline:  # a reclaimer holds it only while deleting
                     time.sleep(0.1)
                     continue
@@ -126,6 +217,7 @@ class RankDir:
                 break
             os.close(fd)  # see Note [lock inode]
         self._lock_fd = fd
+        _OPEN.add(self)
         self._wipe_contents()
         write_json_atomic(os.path.join(self.path, OWNER_NAME), self.owner_record())
         self._install_exit_hooks()
@@ -143,6 +235,9 @@ class RankDir:
                 break  # not empty: another rank or role of the job is still there
         os.close(self._lock_fd)
         self._lock_fd = -1
+        _OPEN.discard(self)
+        self._claims.clear()
+        self._claimed_ever.clear()
         self._restore_handlers()
 
     def __enter__(self) -> "RankDir":
@@ -158,10 +253,50 @@ class RankDir:
     def subdir(self, name: str) -> str:
         assert self.is_open, "open() the rank dir first"
         path = os.path.join(self.path, name)
-        _makedirs(path)
+        _mkdir_own(path)
         return path
 
+    def claim(self, name: str) -> str:
+        """A new subdir for one owner: ``name``, then ``name-2``, ``name-3``... for the next
+        owners in this process (Note [claims]); ``release`` gives it back."""
+        if not self.is_open:
+            raise ConfigError(f"{self.path}: open() the RankDir before handing it to an optimizer or offloader")
+        n = 1
+        while (chosen := name if n == 1 else f"{name}-{n}") in self._claimed_ever:
+            n += 1
+        self._claimed_ever.add(chosen)
+        path = self.subdir(chosen)
+        self._claims.add(path)
+        return path
+
+    def claim_path(self, path: str) -> str:
+        """Claim ``path`` itself, a dir inside this rank dir that its caller named."""
+        path = os.path.abspath(path)
+        if path in self._claims:
+            raise StorageError(f"{path} is the state dir of another owner in this process (pid {os.getpid()} on "
+                               f"{socket.gethostname()}): give each optimizer its own dir, or close the other")
+        os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+        self._claims.add(path)
+        return path
+
+    def release(self, path: str) -> None:
+        """The owner of a claimed subdir is done with it; its files go when the rank dir does."""
+        self._claims.discard(path)
+        self.close_if_unclaimed()
+
+    def close_if_unclaimed(self) -> None:
+        """Close a rank dir opened for a plain path that no owner went on to claim."""
+        if self.close_with_last_claim and not self._claims:
+            self.close()
+
     # -- internals ----------------------------------------------------------------
+    def _check_root(self) -> None:
+        check_root(self.root, name="rank dir root")
+        if not self.allow_tmpfs and fs.is_memory_backed(self.root):
+            mount = fs.mount_of(self.root)
+            raise ConfigError(f"{self.root} is on {mount.fstype} ({mount.mount_point}), which keeps the data in RAM "
+                              "and defeats the purpose; point it at node-local NVMe")
+
     def owner_record(self) -> dict:
         record = {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": boot_id(),
                   "start_time": time.time(), "job": self.job, "role": self.role, "rank": self.rank,

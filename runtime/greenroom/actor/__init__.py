@@ -19,6 +19,7 @@ from greenroom.compression import resolve as resolve_compression
 from greenroom.config import OffloadConfig
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
+from greenroom.statedir import claim_state_dir
 
 BACKENDS = ("auto", "tms", "portable")
 log = get_logger(__name__)
@@ -31,7 +32,10 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
 
     Args:
         config: the validated flags; ``--offload-train`` off gives a resident no-op.
-        rank_dir: the open ``greenroom.rankdir.RankDir`` (needed for the disk target).
+        rank_dir: for the disk target, where the files go: the open
+            ``greenroom.rankdir.RankDir`` (its ``offload/`` subdir), or a plain path, under
+            which this rank's own locked rank dir is made and removed on ``close()``
+            (``greenroom.statedir``).
         device: the actor's device.
         backend: ``tms`` (CUDA, hook preloaded), ``portable``, or ``auto``: tms where the
             hook is loaded on CUDA, portable otherwise.
@@ -47,11 +51,26 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
     device = torch.device(device)
     if not config.offload_train:
         return Offloader(target=config.offload_train_target, device=device)
-    offload_dir = rank_dir.subdir("offload") if config.offload_to_disk else None
     codec = None
     if config.offload_to_disk:
+        if rank_dir is None:
+            raise ConfigError("build_offloader: the disk target needs rank_dir (an open RankDir, or a path)")
         codec, _ = resolve_compression(config.offload_train_disk_compression, cuda=device.type == "cuda",
                                        chunk_bytes=config.chunk_bytes)
+    state_dir = claim_state_dir(rank_dir, name="offload", what="build_offloader") if config.offload_to_disk else None
+    try:
+        offloader = _build(config, state_dir.path if state_dir else None, codec, device=device, backend=backend,
+                           mover=mover, scope=scope, skip_clean=skip_clean)
+    except BaseException:
+        if state_dir is not None:
+            state_dir.release()
+        raise
+    offloader.state_dir = state_dir
+    return offloader
+
+
+def _build(config: OffloadConfig, offload_dir: str | None, codec, *, device: torch.device, backend: str,
+           mover: str | None, scope: str, skip_clean: bool | None) -> Offloader:
     if backend == "auto":
         backend = "tms" if device.type == "cuda" and hooks_loaded() else "portable"
         if device.type == "cuda" and backend == "portable":

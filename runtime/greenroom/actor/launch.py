@@ -75,7 +75,8 @@ def torch_cuda_major() -> int | None:
 
 
 def offload_dir(config: OffloadConfig, rank: int, *, role: str, job: str) -> str:
-    """The rank's ``offload/`` dir, the same path ``RankDir(...).subdir("offload")`` gives."""
+    """The rank's ``offload/`` dir: the path ``build_offloader`` claims in ``RankDir(...)``
+    (the first claim of a name gets the name itself)."""
     return os.path.join(rank_dir_path(config.offload_train_disk_dir, job, role, rank), "offload")
 
 

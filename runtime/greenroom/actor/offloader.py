@@ -96,6 +96,7 @@ class Offloader:
         self.liveness = Liveness() if self.backend != "none" else None
         self.last_sleep: PhaseStats | None = None
         self.last_wake: PhaseStats | None = None
+        self.state_dir = None  # the claimed offload dir (greenroom.statedir), released after the files close
 
     def track(self, *sources) -> "Offloader":
         """Name what the actor holds: modules (params, grads, buffers), optimizers
@@ -198,6 +199,11 @@ class Offloader:
         if self.liveness is not None:
             self.liveness.close()
             self.liveness = None
+
+    def _release_dir(self) -> None:
+        if self.state_dir is not None:
+            state_dir, self.state_dir = self.state_dir, None
+            state_dir.release()
 
     def __enter__(self) -> "Offloader":
         return self
@@ -309,4 +315,7 @@ class PortableOffloader(Offloader):
         try:
             super().close()
         finally:
-            self._mover.close()
+            try:
+                self._mover.close()
+            finally:
+                self._release_dir()

@@ -153,5 +153,8 @@ class TmsOffloader(Offloader):
         try:
             super().close()
         finally:
-            if self._mover is not None:
-                self._mover.close()
+            try:
+                if self._mover is not None:
+                    self._mover.close()
+            finally:
+                self._release_dir()

@@ -19,6 +19,7 @@ import time
 from greenroom.bench.disk import _parse_size, raw_bandwidth
 from greenroom.config import COMPRESSIONS, GB, MIB
 from greenroom.errors import ConfigError
+from greenroom.rankdir import RankDir, check_root
 
 CHUNK = 64 * MIB  # one staging buffer of the default 256 MiB chunk
 FRAME = MIB
@@ -95,7 +96,8 @@ def measure(args: argparse.Namespace) -> dict:
               "device": str(device), "ratio": n / max(stored[0], 1),
               "encode_bytes_per_s": n / encode_s, "decode_bytes_per_s": n / decode_s}
     if args.dir:
-        raw = raw_bandwidth(args.dir, min(n, 1 << 30))
+        with RankDir(args.dir, role="bench-codec", allow_tmpfs=True) as rank_dir:
+            raw = raw_bandwidth(rank_dir.path, min(n, 1 << 30))
         result.update(raw_write_bytes_per_s=raw.write_bytes_per_s, raw_read_bytes_per_s=raw.read_bytes_per_s,
                       encode_vs_disk=result["encode_bytes_per_s"] / raw.write_bytes_per_s,
                       decode_vs_disk=result["decode_bytes_per_s"] / raw.read_bytes_per_s)
@@ -105,6 +107,8 @@ def measure(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.threads <= 0:
         raise ConfigError(f"bench codec --threads: expected a positive number, got {args.threads}")
+    if args.dir:
+        check_root(args.dir, name="bench codec --dir")
     r = measure(args)
     if args.json:
         print(json.dumps(r, sort_keys=True))

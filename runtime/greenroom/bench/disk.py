@@ -21,6 +21,7 @@ from greenroom.compression import resolve as resolve_compression
 from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MIB, check_host_bytes
 from greenroom.diskio import DEFAULT_DEPTH, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError
+from greenroom.rankdir import RankDir, check_root
 
 RAW_BLOCK = 64 * MIB
 RAW_THREADS = 4
@@ -127,14 +128,16 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: str,
             compression: str = "none") -> dict:
-    raw = raw_bandwidth(directory, size)
-    ours = engine_bandwidth(directory, size, chunk_bytes=chunk_bytes, depth=depth, device=device)
-    coded = None
-    if compression != "none":
-        coded = asdict(engine_bandwidth(directory, size, chunk_bytes=chunk_bytes, depth=depth, device=device,
-                                        compression=compression))
-        coded["write_vs_plain"] = coded["write_bytes_per_s"] / ours.write_bytes_per_s
-        coded["read_vs_plain"] = coded["read_bytes_per_s"] / ours.read_bytes_per_s
+    # The scratch files live in a rank dir of their own (locked, reclaimable after a crash).
+    with RankDir(directory, role="bench-disk", allow_tmpfs=True) as rank_dir:
+        raw = raw_bandwidth(rank_dir.path, size)
+        ours = engine_bandwidth(rank_dir.path, size, chunk_bytes=chunk_bytes, depth=depth, device=device)
+        coded = None
+        if compression != "none":
+            coded = asdict(engine_bandwidth(rank_dir.path, size, chunk_bytes=chunk_bytes, depth=depth, device=device,
+                                            compression=compression))
+            coded["write_vs_plain"] = coded["write_bytes_per_s"] / ours.write_bytes_per_s
+            coded["read_vs_plain"] = coded["read_bytes_per_s"] / ours.read_bytes_per_s
     return {
         "compression": compression, "engine_compressed": coded,
         "dir": directory, "filesystem": fs.mount_of(directory).fstype, "size_bytes": size, "device": device,
@@ -148,6 +151,7 @@ def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: 
 def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.dir):
         raise ConfigError(f"bench disk: DIR {args.dir} is not a directory")
+    check_root(args.dir, name="bench disk: DIR")
     if args.chunk_mb <= 0 or args.depth <= 0:
         raise ConfigError("bench disk: --chunk-mb and --depth must be positive integers")
     check_host_bytes("--chunk-mb", args.chunk_mb, args.chunk_mb * MIB)

@@ -90,7 +90,9 @@ def measure(args: argparse.Namespace) -> dict:
         actor.relaunch_with(actor.launch_env(config, 0, role="bench", mover=args.mover))
     size = int(args.gib * GIB)
     untracked_size = int(args.untracked_gib * GIB)
-    rank_dir = RankDir(config.offload_train_disk_dir, role="bench").open() if config.uses_disk else None
+    rank_dir = None
+    if config.uses_disk:
+        rank_dir = RankDir(config.offload_train_disk_dir, role="bench", allow_tmpfs=config.allow_tmpfs).open()
     if config.offload_to_disk:
         out_key, in_key = "write_bytes_per_s", "read_bytes_per_s"
     else:

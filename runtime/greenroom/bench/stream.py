@@ -48,6 +48,7 @@ from greenroom.actor.memory import RssSampler
 from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, GB, MIB, MOMENT_DTYPES, check_host_bytes
 from greenroom.errors import ConfigError
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
+from greenroom.rankdir import check_root
 
 PARAM_NUMEL = 50_000_000
 
@@ -98,6 +99,7 @@ def _validate(args: argparse.Namespace) -> None:
                          default=0, counted="the host cache plus the pinned staging")
     if not os.path.isdir(args.dir):
         raise ConfigError(f"--dir {args.dir} is not a directory")
+    check_root(args.dir, name="--dir")
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
         raise ConfigError(f"--dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps the data in RAM; "
                          "point it at node-local NVMe (or pass --allow-tmpfs for a test)")
@@ -113,7 +115,6 @@ def measure(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     n = int(args.params)
-    raw = raw_bandwidth(args.dir, max(int(args.raw_gib * (1 << 30)), 1 << 20))
     dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     sizes = [min(args.param_numel, n - start) for start in range(0, n, args.param_numel)]
     trained = None
@@ -138,7 +139,8 @@ def measure(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device)
 
-    with RankDir(args.dir, role="bench-stream") as rank_dir:
+    with RankDir(args.dir, role="bench-stream", allow_tmpfs=args.allow_tmpfs) as rank_dir:
+        raw = raw_bandwidth(rank_dir.subdir("raw"), max(int(args.raw_gib * (1 << 30)), 1 << 20))
         base = allocated()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import os
 import threading
 from dataclasses import dataclass
 
@@ -48,7 +49,10 @@ from greenroom.megatron import checks
 from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
 from greenroom.optim import kernel
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
+from greenroom.rankdir import RankDir, check_root, held_rank_dir
+from greenroom.statedir import StateDir, claim_state_dir, open_rank_dir
 
+WHAT = "greenroom.megatron.streaming"  # how refusals name the caller
 # sharded_state_dict's marker for "param state lives in greenroom's files".
 SHARDING_TYPE = "greenroom_streamed"
 
@@ -60,15 +64,33 @@ class StreamingSettings:
     config: OffloadConfig
     """The validated flags (moment dtype, chunk size, disk dir)."""
 
-    rank_dir: object
-    """This rank's open ``greenroom.rankdir.RankDir``; the files go in ``optim/``."""
+    rank_dir: RankDir | str | os.PathLike | None
+    """This rank's open ``greenroom.rankdir.RankDir``, or a plain path (None: the config's
+    disk dir) under which the block's first optimizer makes this rank's own rank dir; each
+    optimizer of the block claims a subdir of it (``optim/``, ``optim-2/``, ...)."""
 
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     """Elements per bucket, independent of DDP's buckets; a larger shard is its own."""
 
+    opened: RankDir | None = None
+    """The rank dir the block made under a plain path, if it made one."""
+
     def __post_init__(self) -> None:
         if isinstance(self.bucket_numel, bool) or not isinstance(self.bucket_numel, int) or self.bucket_numel <= 0:
             raise ConfigError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
+
+    def claim(self) -> StateDir:
+        """A dir for one more optimizer of the block (made when the first needs it, so a
+        block that builds none makes nothing)."""
+        given = self.config.offload_train_disk_dir if self.rank_dir is None else self.rank_dir
+        if isinstance(given, RankDir):
+            return claim_state_dir(given, name="optim", what=WHAT)
+        if given is None:
+            raise ConfigError(f"{WHAT}: no dir for the state: pass rank_dir, or set --offload-train-disk-dir")
+        holder = held_rank_dir(os.fspath(given)) or self.opened
+        if holder is None:
+            self.opened = holder = open_rank_dir(given, role="optim", what=WHAT)
+        return claim_state_dir(holder, name="optim", what=WHAT)
 
 
 # The settings for the DistributedOptimizer being constructed in this context; its
@@ -82,6 +104,7 @@ class _Building:
     model_chunks: list
     entries: list | None = None
     store: BucketStore | None = None
+    state_dir: StateDir | None = None
 
 
 class StreamingDistributedOptimizer(DistributedOptimizer):
@@ -89,6 +112,8 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
 
     Built by megatron itself inside ``greenroom.megatron.streaming(...)``; see there.
     """
+
+    _state_dir: StateDir | None = None  # the dir this member claimed; released by close()
 
     def __init__(self, *args, **kwargs) -> None:
         settings = _SETTINGS.get()
@@ -111,11 +136,16 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
-            if building.store is not None:
-                building.store.close()
+            try:
+                if building.store is not None:
+                    building.store.close()
+            finally:
+                if building.state_dir is not None:
+                    building.state_dir.release()
             raise
         finally:
             _BUILDING.reset(token)
+        self._state_dir = building.state_dir
         if self.is_stub_optimizer:
             self._store = None
             return
@@ -139,8 +169,10 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         building.entries = entries
         codec, _ = resolve_compression(settings.config.offload_train_disk_compression, cuda=True,
                                        chunk_bytes=settings.config.chunk_bytes)
+        # Each member of a chain (dense, expert) claims a dir of its own: optim/, optim-2/.
+        building.state_dir = settings.claim()
         building.store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
-                                     settings.rank_dir.subdir("optim"), bucket_numel=settings.bucket_numel,
+                                     building.state_dir.path, bucket_numel=settings.bucket_numel,
                                      moment_dtype=settings.config.stream_optimizer_state_moment_dtype,
                                      device=device, chunk_bytes=settings.config.chunk_bytes, compression=codec,
                                      host_cache_bytes=settings.config.host_cache_bytes)
@@ -360,9 +392,15 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         return freed
 
     def close(self) -> None:
-        """Release the bucket files' handles and the staging memory."""
-        if self._store is not None:
-            self._store.close()
+        """Release the bucket files' handles and the staging memory, then this member's
+        dir (removed at once when ``streaming()`` was given a plain path)."""
+        try:
+            if self._store is not None:
+                self._store.close()
+        finally:
+            if self._state_dir is not None:
+                state_dir, self._state_dir = self._state_dir, None
+                state_dir.release()
 
 
 class _AlreadyStepped:
@@ -466,14 +504,30 @@ def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BU
     While the block lasts megatron's ``DistributedOptimizer`` name means the streaming
     subclass (see Note [the class swap]); the optimizer objects it returns are ordinary
     DistributedOptimizers (and ChainedOptimizers of them) to the rest of megatron.
+
+    ``rank_dir`` is this rank's open ``RankDir``, or a plain path: then this rank's own
+    rank dir is made under it (``greenroom.statedir``) and removed when the last of the
+    block's optimizers is ``close()``d (or at exit).
     """
-    global _swapping_thread
     settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel)
     if not config.stream_optimizer_state_to_disk:
         raise ConfigError("greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "
                          "(OffloadConfig.stream_optimizer_state_to_disk=True)")
+    if rank_dir is not None and not isinstance(rank_dir, RankDir):
+        check_root(os.fspath(rank_dir), name=f"{WHAT}: state_dir")  # refused at once, made when needed
     import megatron.core.optimizer as mcore_optimizer
 
+    try:
+        with _swapped(settings, mcore_optimizer):
+            yield settings
+    finally:
+        if settings.opened is not None:
+            settings.opened.close_if_unclaimed()  # every optimizer built failed: nothing keeps it
+
+
+@contextlib.contextmanager
+def _swapped(settings: StreamingSettings, mcore_optimizer):
+    global _swapping_thread
     with _SWAP_LOCK:
         outer = _swapping_thread
         _swapping_thread = threading.get_ident()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Callable, Iterable
 
 import torch
@@ -38,6 +37,7 @@ from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.rankdir import RankDir
+from greenroom.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
 
 # fp32 params up to this many elements keep their Adam state on the device (256 KiB per
@@ -55,8 +55,11 @@ class StreamingAdam(torch.optim.Optimizer):
             weight_decay 0.01). Groups carry every key AdamW's groups carry; ``amsgrad``,
             ``maximize``, ``capturable``, ``differentiable`` and a coupled weight decay
             are not implemented and are refused when set.
-        state_dir: the dir for the bucket files: a path, or a ``RankDir`` (its
-            ``optim/`` subdir is used; the files go when the rank dir does).
+        state_dir: where the bucket files go: an open ``RankDir`` (a subdir of its own,
+            ``optim/``), or a path: this rank's own rank dir is made under it,
+            ``<path>/<job>/optim/rank<N>/``, locked for the optimizer's life (a second
+            owner is refused), refused on tmpfs, and removed by ``close()``, at exit or
+            by ``greenroom reclaim`` after a crash (``greenroom.statedir``).
         bucket_numel: elements per bucket (a larger param gets a bucket of its own).
         moment_dtype: storage dtype of both moments, ``greenroom.config.MOMENT_DTYPES``.
         chunk_mb: the pinned host staging of this optimizer's I/O, MiB.
@@ -103,9 +106,6 @@ class StreamingAdam(torch.optim.Optimizer):
         self.empty: list[torch.Tensor] = []  # empty FSDP2 shards: a step counter only, as AdamW keeps
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                                       fused=fused, **FIXED_GROUP_KEYS))
-        if isinstance(state_dir, RankDir):
-            state_dir = state_dir.subdir("optim")
-        self.state_dir = str(state_dir)
         entries = self._classify(range(len(self.param_groups)))
         devices = {local_tensor(p).device for p in self.streamed + self.resident}
         if len(devices) > 1:
@@ -113,12 +113,18 @@ class StreamingAdam(torch.optim.Optimizer):
                              "one optimizer streams for one device")
         self.device = devices.pop() if devices else torch.device("cpu")
         self.fused, self.foreach = choose_implementation(self.device, fused=fused, foreach=foreach)
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         codec, self.compression_line = resolve_compression(compression, cuda=self.device.type == "cuda",
                                                            chunk_bytes=chunk_mb * MIB)
-        self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
-                                  device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
-                                  host_cache_bytes=int(host_cache_gb * GB))
+        # Claimed last, once nothing else can refuse: a refused optimizer leaves no dir.
+        self._state_dir = claim_state_dir(state_dir, name="optim", what="StreamingAdam")
+        self.state_dir = self._state_dir.path
+        try:
+            self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
+                                      device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
+                                      host_cache_bytes=int(host_cache_gb * GB))
+        except BaseException:
+            self._state_dir.release()
+            raise
         self._grad_scratch: torch.Tensor | None = None
         self._pending_checkpoint = None  # an InStepCheckpoint for the next step
         self.last_checkpoint = None  # the last in-step checkpoint written (bench figures)
@@ -426,15 +432,18 @@ class StreamingAdam(torch.optim.Optimizer):
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
-        """Drain I/O and release the files and device buffers (the files stay until the
-        rank dir goes)."""
+        """Drain I/O and release the files and device buffers. The files go with the rank
+        dir: at once when ``state_dir`` was a plain path, else when the ``RankDir`` closes."""
         if self._store is not None:
             if self._pending_checkpoint is not None:
                 self._pending_checkpoint.abandon()
                 self._pending_checkpoint = None
             store, self._store = self._store, None
-            store.close()
-            self._grad_scratch = None
+            try:
+                store.close()
+            finally:
+                self._grad_scratch = None
+                self._state_dir.release()
 
     def __del__(self) -> None:
         if getattr(self, "_store", None) is not None:

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from greenroom.errors import ConfigError
+from greenroom.rankdir import check_root
 
 
 class StreamingCheckpointIO(TorchCheckpointIO):
@@ -31,6 +32,9 @@ class StreamingCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError("StreamingCheckpointIO.save_checkpoint: storage_options are not supported")
         path = _local(path)
+        # A dir this user cannot write is one line before any byte is serialized; missing
+        # parents are made with the default mode, and nothing that exists is changed.
+        check_root(os.path.dirname(os.path.abspath(path)), name="StreamingCheckpointIO: checkpoint dir")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
         try:

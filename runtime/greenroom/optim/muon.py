@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Callable, Iterable
 
 import torch
@@ -37,6 +36,7 @@ from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.adam import _follow_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.rankdir import RankDir
+from greenroom.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
 
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -90,21 +90,24 @@ class StreamingMuon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
-        if isinstance(state_dir, RankDir):
-            state_dir = state_dir.subdir("optim")
-        self.state_dir = str(state_dir)
         entries = self._classify(range(len(self.param_groups)))
         devices = {p.device for p in self.streamed}
         if len(devices) > 1:
             raise ConfigError(f"StreamingMuon: params are on several devices ({sorted(map(str, devices))}); "
                              "one optimizer streams for one device")
         self.device = devices.pop() if devices else torch.device("cpu")
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         codec, self.compression_line = resolve_compression(compression, cuda=self.device.type == "cuda",
                                                            chunk_bytes=chunk_mb * MIB)
-        self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
-                                  device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
-                                  host_cache_bytes=int(host_cache_gb * GB), moments=1)
+        # As StreamingAdam's (greenroom.statedir): claimed last, so a refused optimizer leaves no dir.
+        self._state_dir = claim_state_dir(state_dir, name="optim", what="StreamingMuon")
+        self.state_dir = self._state_dir.path
+        try:
+            self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
+                                      device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
+                                      host_cache_bytes=int(host_cache_gb * GB), moments=1)
+        except BaseException:
+            self._state_dir.release()
+            raise
         self._grad_scratch: torch.Tensor | None = None
         self._pending_checkpoint = None  # an InStepCheckpoint for the next step
         self.last_checkpoint = None
@@ -333,8 +336,11 @@ class StreamingMuon(torch.optim.Optimizer):
                 self._pending_checkpoint.abandon()
                 self._pending_checkpoint = None
             store, self._store = self._store, None
-            store.close()
-            self._grad_scratch = None
+            try:
+                store.close()
+            finally:
+                self._grad_scratch = None
+                self._state_dir.release()
 
     def __del__(self) -> None:
         if getattr(self, "_store", None) is not None:

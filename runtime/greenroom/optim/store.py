@@ -267,7 +267,7 @@ class BucketStore:
 
     Args:
         entries: the tensors whose state streams, in order.
-        directory: where the bucket files go (``RankDir.subdir("optim")``); created files
+        directory: where the bucket files go (a claimed dir, ``greenroom.statedir``); created files
             are preallocated, and existing ones of the right size are reused in place.
         bucket_numel: element cap per bucket.
         moment_dtype: storage dtype of both moments (``greenroom.config.MOMENT_DTYPES``).

@@ -209,7 +209,8 @@ class Trainer:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
             self._stack.callback(dist.destroy_process_group)
         if offload.uses_disk:
-            self.rank_dir = RankDir(offload.offload_train_disk_dir, role=c.role, rank=self.rank).open()
+            self.rank_dir = RankDir(offload.offload_train_disk_dir, role=c.role, rank=self.rank,
+                                    allow_tmpfs=offload.allow_tmpfs).open()
             self._stack.callback(self.rank_dir.close)
         self.memory = RssSampler()
         self._stack.callback(self.memory.close)
@@ -278,7 +279,7 @@ class Trainer:
             except ImportError:
                 raise GreenroomError("--stream-optimizer-state-to-disk needs greenroom.optim.StreamingAdam, "
                                      "which this install lacks") from None
-            optimizer = StreamingAdam.from_config(params, self.offload, self.rank_dir.subdir("optim"),
+            optimizer = StreamingAdam.from_config(params, self.offload, self.rank_dir,
                                                   lr=self.config.lr, weight_decay=self.config.weight_decay)
             if hasattr(optimizer, "close"):
                 self._stack.callback(optimizer.close)
