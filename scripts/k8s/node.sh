@@ -1,0 +1,214 @@
+# shellcheck shell=bash disable=SC2154  # dir, node_name: set by scripts/services.d/k8s.sh
+# The test cluster's node, sourced by scripts/services.d/k8s.sh (its helpers: daemon,
+# wait_for, status, kubectl_admin; its variables: dir, node_name, service_cidr):
+# containerd (runc, CNI bridge) with a locally built pause image, the kubelet, kube-proxy
+# (iptables) and CoreDNS for cluster DNS, both run as host processes.
+
+pod_cidr=10.244.0.0/16
+dns_ip=10.96.0.10   # the kube-dns Service's ClusterIP; kubelet hands it to every pod
+dns_port=1053       # CoreDNS on the node; the kube-dns Service maps port 53 to it
+pause_image=localhost/greenroom-pause:1
+# containerd's image store outlives the cluster (the greenroom image is GBs to import);
+# its state (tasks, sockets) lives and dies with the cluster under $dir.
+containerd_root="${GREENROOM_K8S_CACHE:-$HOME/.cache/greenroom-k8s}/containerd"
+
+write_node_configs() {
+  local bin=$1 ip=$2
+  mkdir -p "$dir/containerd" "$dir/cni/net.d" "$dir/kubelet"
+  cat >"$dir/containerd/config.toml" <<EOF
+version = 2
+root = "$containerd_root"
+state = "$dir/containerd/state"
+[grpc]
+  address = "$dir/containerd/containerd.sock"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$pause_image"
+  # These machines refuse lowering oom_score_adj (the kubelet asks -998 for sandboxes; runc
+  # then fails with "can't get final child's PID from pipe: EOF"): never below containerd's own.
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$dir/cni/net.d"
+EOF
+  cat >"$dir/cni/net.d/10-greenroom.conflist" <<EOF
+{"cniVersion": "1.0.0", "name": "greenroom-test", "plugins": [
+  {"type": "bridge", "bridge": "greenroom0", "isGateway": true, "ipMasq": true, "hairpinMode": true,
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$pod_cidr"}]], "routes": [{"dst": "0.0.0.0/0"}],
+            "dataDir": "$dir/cni/ipam"}},
+  {"type": "portmap", "capabilities": {"portMappings": true}}]}
+EOF
+  # Eviction thresholds near zero: a CI disk that is 90% full must not evict the tests' pods.
+  cat >"$dir/kubelet/config.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $dir/pki/ca.crt}
+authorization: {mode: Webhook}
+tlsCertFile: $dir/pki/kubelet.crt
+tlsPrivateKeyFile: $dir/pki/kubelet.key
+cgroupDriver: cgroupfs
+containerRuntimeEndpoint: unix://$dir/containerd/containerd.sock
+clusterDNS: [$dns_ip]
+clusterDomain: cluster.local
+failSwapOn: false
+failCgroupV1: false
+address: $ip
+healthzBindAddress: 127.0.0.1
+evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+EOF
+  cat >"$dir/kube-proxy.yaml" <<EOF
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: $dir/kube-proxy.kubeconfig}
+mode: iptables
+clusterCIDR: $pod_cidr
+hostnameOverride: $node_name
+bindAddress: 127.0.0.1
+healthzBindAddress: 127.0.0.1:10256
+metricsBindAddress: 127.0.0.1:10249
+conntrack: {maxPerCore: 0}
+EOF
+  cat >"$dir/Corefile" <<EOF
+.:$dns_port {
+    errors
+    health 127.0.0.1:18080
+    ready 127.0.0.1:18181
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+        kubeconfig $dir/admin.kubeconfig
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }
+    cache 5
+    forward . /etc/resolv.conf
+}
+EOF
+}
+
+# The pause image, made from the locally built pause program (no registry to pull from).
+import_pause_image() {
+  local bin=$1 ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io)
+  "${ctr[@]}" images check "name==$pause_image" 2>/dev/null | grep -q "$pause_image" && return 0
+  local work
+  work=$(mktemp -d)
+  mkdir "$work/rootfs"
+  cp "$bin/pause" "$work/rootfs/pause"
+  tar -C "$work/rootfs" -c . | podman --storage-driver vfs import -q --change 'ENTRYPOINT ["/pause"]' - "$pause_image" >/dev/null
+  podman --storage-driver vfs save -q --format docker-archive -o "$work/pause.tar" "$pause_image"
+  "${ctr[@]}" images import "$work/pause.tar" >/dev/null
+  rm -rf "$work"
+}
+
+# Containers an earlier cluster left in the kept image store (their tasks died with it).
+remove_stale_containers() {
+  local ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io) ids
+  mapfile -t ids < <("${ctr[@]}" containers ls -q)
+  ((${#ids[@]} == 0)) || "${ctr[@]}" containers rm "${ids[@]}" >/dev/null 2>&1 || true
+}
+
+# kube-dns: a Service without a selector whose endpoints are CoreDNS on this node.
+publish_dns() {
+  local ip=$1
+  kubectl_admin apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Service
+metadata: {name: kube-dns, namespace: kube-system, labels: {k8s-app: kube-dns}}
+spec:
+  clusterIP: $dns_ip
+  ports:
+  - {name: dns, port: 53, targetPort: $dns_port, protocol: UDP}
+  - {name: dns-tcp, port: 53, targetPort: $dns_port, protocol: TCP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: kube-dns-node
+  namespace: kube-system
+  labels: {kubernetes.io/service-name: kube-dns, endpointslice.kubernetes.io/managed-by: greenroom-test}
+addressType: IPv4
+endpoints:
+- addresses: [$ip]
+ports:
+- {name: dns, port: $dns_port, protocol: UDP}
+- {name: dns-tcp, port: $dns_port, protocol: TCP}
+EOF
+}
+
+node_ready() {
+  kubectl_admin get node "$node_name" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' | grep -qx True
+}
+
+start_node() {
+  local bin=$1 ip=$2 missing=()
+  for tool in containerd ctr runc podman iptables conntrack; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+  if ((${#missing[@]})); then status node "not started: ${missing[*]} not installed"; return 0; fi
+  write_node_configs "$bin" "$ip"
+  # Pods reach ClusterIPs through kube-proxy's iptables rules on the bridge.
+  modprobe br_netfilter 2>/dev/null || true
+  sysctl -qw net.ipv4.ip_forward=1 net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
+  daemon containerd containerd --config "$dir/containerd/config.toml"
+  wait_for containerd 30 ctr --address "$dir/containerd/containerd.sock" version || {
+    status node "containerd did not start: $(tail -1 "$dir/log/containerd.log")"; return 0; }
+  remove_stale_containers
+  import_pause_image "$bin" || { status node "the pause image could not be imported into containerd"; return 0; }
+  daemon kubelet "$bin/kubelet" --config="$dir/kubelet/config.yaml" --kubeconfig="$dir/kubelet.kubeconfig" \
+    --root-dir="$dir/kubelet/root" --hostname-override="$node_name" --node-ip="$ip"
+  daemon kube-proxy "$bin/kube-proxy" --config="$dir/kube-proxy.yaml"
+  daemon coredns "$bin/coredns" -conf "$dir/Corefile"
+  publish_dns "$ip"
+  if ! wait_for "node $node_name" 90 node_ready; then
+    status node "the kubelet did not make $node_name Ready: $(grep -E '^E[0-9]{4}' "$dir/log/kubelet.log" | tail -1)"
+    return 0
+  fi
+  status node "up ($node_name Ready)"
+  local image python=python3 site
+  [ -x .venv/bin/python ] && python=.venv/bin/python
+  # The pods' torch: the node's, mounted read-only (scripts/k8s/Containerfile says why).
+  if ! site=$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null); then
+    status image "no torch in $python on the node (make install): the pods could not train"; return 0
+  fi
+  echo "$site" >"$dir/node-torch"
+  if image=$(scripts/k8s/image.sh "$dir/containerd/containerd.sock" | tail -1); then
+    echo "$image" >"$dir/image"
+    status image "up ($image in containerd, torch from the node's $site)"
+  else
+    status image "scripts/k8s/image.sh failed (see its output above)"
+  fi
+}
+
+# Stops the node's pods the way the kubelet does (sandboxes, their network namespaces and
+# volume mounts torn down), then whatever containerd still runs; the controllers must be
+# stopped first so nothing recreates the pods. Leaves no mount under $dir.
+drain_node() {
+  local bin=$1 ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io) id
+  if alive "$dir/kubelet.pid" && alive "$dir/kube-apiserver.pid"; then
+    kubectl_admin delete pods --all --all-namespaces --force --grace-period=0 --wait=false >/dev/null 2>&1 || true
+    wait_for "the kubelet's pod teardown" 60 bash -c "! ${ctr[*]} tasks ls -q | grep -q ." || true
+  fi
+  if alive "$dir/containerd.pid"; then
+    for id in $("${ctr[@]}" tasks ls -q 2>/dev/null); do "${ctr[@]}" tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true; done
+    for id in $("${ctr[@]}" tasks ls -q 2>/dev/null); do "${ctr[@]}" tasks rm -f "$id" >/dev/null 2>&1 || true; done
+    remove_stale_containers
+  fi
+  if alive "$dir/kube-proxy.pid"; then
+    kill "$(cat "$dir/kube-proxy.pid")" 2>/dev/null || true
+    "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true   # its iptables chains
+  fi
+}
+
+# Whatever the kubelet or CNI left mounted under $dir, deepest first; and the pods' bridge.
+unmount_all() {
+  local m
+  awk -v d="$dir" '$5 == d || index($5, d "/") == 1 {print $5}' /proc/self/mountinfo | sort -r |
+    while read -r m; do umount -l "$m" 2>/dev/null || true; done
+  ! ip link show greenroom0 >/dev/null 2>&1 || ip link delete greenroom0
+}

@@ -1,0 +1,228 @@
+"""The chart's pods, run for real: a kubelet with containerd and runc on this machine (the
+local cluster's node, scripts/k8s/node.sh), the CPU greenroom image built by `make image`'s
+script (scripts/k8s/image.sh), CoreDNS resolving the headless Service for the rendezvous.
+
+The node's offload root is a dir of this checkout (the node is this machine), so the test
+plants and inspects per-rank dirs there directly, with real lock holders
+(tests/rank_holder.py) for live and dead ranks.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.k8s_support import (CLUSTER_DIR, chart_values, helm, install, janitor_install, janitor_values, kubectl,
+                               kubectl_json, namespace, pods, require_cluster, trainer_values, wait_until)
+
+pytestmark = pytest.mark.k8s
+__all__ = ["namespace"]  # the fixture, imported for the tests below
+
+HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
+TRAINER_UID = 1000
+
+
+@pytest.fixture(autouse=True)
+def cluster():
+    require_cluster("node")
+    require_cluster("image")
+
+
+@pytest.fixture
+def node_root():
+    """The offload root the chart mounts from the node (this machine), owned by the test."""
+    path = os.path.join(REPO, ".run", "k8s-node", uuid.uuid4().hex[:12])
+    os.makedirs(path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def holders():
+    procs = []
+
+    def start(root: str, job: str, rank: int = 0, pod_uid: str | None = None) -> tuple[subprocess.Popen, str]:
+        env = dict(os.environ, GREENROOM_POD_UID=pod_uid) if pod_uid else None
+        p = subprocess.Popen([sys.executable, HOLDER, root, job, "actor", str(rank)], stdout=subprocess.PIPE,
+                             text=True, env=env)
+        path = p.stdout.readline().strip()
+        assert path and os.path.isdir(path), "rank holder did not start"
+        procs.append(p)
+        return p, path
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def image_values() -> dict:
+    """The image the cluster imported, and the node's torch it lacks (scripts/k8s/Containerfile:
+    PyPI's torch is the CUDA build, 3 GB with its libraries; the pods mount the node's,
+    read-only, in this privileged namespace)."""
+    with open(os.path.join(CLUSTER_DIR, "image")) as f:
+        repository, tag = f.read().strip().rsplit(":", 1)
+    with open(os.path.join(CLUSTER_DIR, "node-torch")) as f:
+        site = f.read().strip()
+    env_key = "extraEnv" if "extraEnv" in chart_values() else "env"
+    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+            "extraVolumes": [{"name": "node-torch", "hostPath": {"path": site, "type": "Directory"}}],
+            "extraVolumeMounts": [{"name": "node-torch", "mountPath": "/opt/node-torch", "readOnly": True}],
+            env_key: [{"name": "PYTHONPATH", "value": "/opt/node-torch"}]}
+
+
+def train_values(node_root: str, nodes: int = 2, iterations: int = 2) -> dict:
+    """`greenroom train` with disk offload and optimizer-state streaming, small and on the CPU."""
+    values = trainer_values(nodes, "hostPath", **image_values(),
+                            train={"iterations": iterations, "extraArgs": ["--no-progress"]},
+                            offload={"train": True, "target": "disk", "diskChunkMb": 4, "diskCompression": "none"},
+                            streamOptimizerState={"toDisk": True})
+    values["storage"]["hostPath"]["path"] = node_root
+    return values
+
+
+def job_state(ns: str, name: str) -> str | None:
+    conditions = kubectl_json("-n", ns, "get", "job", name).get("status", {}).get("conditions", [])
+    done = [c["type"] for c in conditions if c["type"] in ("Complete", "Failed") and c["status"] == "True"]
+    return done[0] if done else None
+
+
+def logs(ns: str, selector: str, container: str = "trainer") -> str:
+    return kubectl("-n", ns, "logs", "-l", selector, "-c", container, "--tail=-1", "--prefix", check=False).stdout
+
+
+def files_under(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+def test_two_pods_train_with_disk_offload_and_streaming_over_gloo(namespace, node_root):
+    ns = namespace("privileged")
+    install("dp2", ns, train_values(node_root))
+    job = "dp2-greenroom"
+    state = wait_until("the 2-pod Indexed Job finished", lambda: job_state(ns, job), timeout=900)
+    out = logs(ns, "app.kubernetes.io/instance=dp2")
+    assert state == "Complete", out
+    # Both ranks, in their own pods, joined one gloo group through pod 0's DNS name.
+    headers = [line for line in out.splitlines() if "greenroom train:" in line]
+    assert headers and all("2 rank(s)" in h and "offload disk" in h and "streaming on" in h for h in headers), out
+    assert {p["spec"]["nodeName"] for p in pods(ns, "app.kubernetes.io/instance=dp2")} == {"greenroom-node"}
+
+    # helm uninstall leaves no file on the node path: the ranks removed their own.
+    helm("-n", ns, "uninstall", "dp2", "--wait")
+    wait_until("the trainer pods gone", lambda: not pods(ns, "app.kubernetes.io/instance=dp2"))
+    assert files_under(node_root) == []
+
+
+def test_init_container_reclaims_a_dead_rank_and_keeps_a_live_one(namespace, node_root, holders):
+    planted = os.path.join(node_root, "planted-pod-uid")
+    live_proc, live = holders(planted, "job-live")
+    dead_proc, dead = holders(planted, "job-dead")
+    dead_proc.send_signal(signal.SIGKILL)
+    dead_proc.wait()
+    ns = namespace("privileged")
+    install("ic", ns, train_values(node_root, nodes=1, iterations=1))
+    wait_until("the init container ran", lambda: "greenroom-init:" in logs(
+        ns, "app.kubernetes.io/instance=ic", container="prepare-offload-dir"))
+    assert not os.path.exists(dead)
+    assert os.path.isdir(live) and live_proc.poll() is None
+
+
+LIVE_POD = """
+apiVersion: v1
+kind: Pod
+metadata: {name: live, labels: {greenroom-test: live}}
+spec:
+  automountServiceAccountToken: false
+  securityContext: {runAsNonRoot: true, runAsUser: 1000, seccompProfile: {type: RuntimeDefault}}
+  containers:
+  - name: sleep
+    image: localhost/greenroom-pause:1
+    imagePullPolicy: Never
+    securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+"""
+
+
+def killed(start, root: str, job: str, pod_uid: str) -> str:
+    """A rank dir of pod `pod_uid` whose process was SIGKILLed: its lock is free."""
+    p, path = start(root, job, pod_uid=pod_uid)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    return path
+
+
+def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(namespace, node_root, holders):
+    ns = namespace("privileged")
+    kubectl("-n", ns, "apply", "-f", "-", stdin=LIVE_POD)
+    wait_until("the live pod running", lambda: kubectl_json("-n", ns, "get", "pod", "live")["status"].get("phase")
+               == "Running")
+    live_uid = kubectl_json("-n", ns, "get", "pod", "live")["metadata"]["uid"]
+    # Both owners are dead processes: only the API can tell the pod that is still there.
+    kept = killed(holders, os.path.join(node_root, live_uid), "job-a", live_uid)
+    gone_uid = str(uuid.uuid4())
+    removed = killed(holders, os.path.join(node_root, gone_uid), "job-b", gone_uid)
+    image = image_values()["image"]  # the janitor imports no torch
+    janitor_install("jan-pods", ns, janitor_values(node_root, image=image))
+    wait_until("the janitor removed the gone pod's rank dir", lambda: not os.path.exists(removed))
+    assert os.path.isdir(kept)
+
+    def reclaim_events() -> list[dict]:
+        return [e for e in kubectl_json("-n", "default", "get", "events")["items"]
+                if e.get("reason") == "StaleOffloadReclaimed" and gone_uid in e.get("message", "")]
+    (event, *_) = wait_until("the janitor's Event about it", reclaim_events)
+    assert event["involvedObject"]["kind"] == "Node"
+
+    # Scraped from the node, as Prometheus would: the pod's address on the bridge, the
+    # charts' default metrics port.
+    (janitor,) = pods(ns, "app.kubernetes.io/component=janitor")
+    metrics = subprocess.run(["curl", "-fsS", f"http://{janitor['status']['podIP']}:9400/metrics"],
+                             capture_output=True, text=True)
+    assert metrics.returncode == 0, metrics.stderr
+    assert "greenroom_reclaim_dirs_total 1.0" in metrics.stdout, metrics.stdout
+
+
+def model_state(ckpt: str) -> dict:
+    return torch.load(os.path.join(ckpt, "rank00000", "model.pt"), weights_only=True)
+
+
+def test_a_deleted_trainer_saves_on_sigterm_runs_again_and_resumes_bit_identically(namespace, node_root):
+    ckpt = node_root + "-ckpt"
+    os.makedirs(ckpt)
+    os.chown(ckpt, TRAINER_UID, TRAINER_UID)
+    try:
+        ns = namespace("privileged")
+
+        def values(name: str) -> dict:
+            v = train_values(node_root, nodes=1, iterations=12)
+            v["train"].update(save=f"/ckpt/{name}", load=f"/ckpt/{name}")
+            v["extraVolumes"].append({"name": "ckpt", "hostPath": {"path": ckpt, "type": "Directory"}})
+            v["extraVolumeMounts"].append({"name": "ckpt", "mountPath": "/ckpt"})
+            return v
+
+        install("whole", ns, values("whole"))
+        install("cut", ns, values("cut"))
+        selector = "app.kubernetes.io/instance=cut"
+        wait_until("the trainer past its first iteration", lambda: "iter   1/12" in logs(ns, selector))
+        (first,) = pods(ns, selector)
+        # preStop, then SIGTERM: the trainer saves and exits 143, which the Job's pod
+        # failure policy counts and runs again; the new pod resumes with --resume auto.
+        kubectl("-n", ns, "delete", "pod", first["metadata"]["name"], "--wait=false")
+        for release in ("whole", "cut"):
+            state = wait_until(f"{release} finished", lambda: job_state(ns, f"{release}-greenroom"), timeout=900)
+            assert state == "Complete", logs(ns, f"app.kubernetes.io/instance={release}")
+        # The pod that finished is a new one, and it resumed from the save on SIGTERM.
+        (second,) = pods(ns, selector)
+        assert second["metadata"]["uid"] != first["metadata"]["uid"]
+        assert "resuming at iteration" in logs(ns, selector)
+        whole, cut = model_state(os.path.join(ckpt, "whole")), model_state(os.path.join(ckpt, "cut"))
+        assert whole.keys() == cut.keys()
+        for key in whole:
+            assert torch.equal(whole[key], cut[key]), key
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
