@@ -27,7 +27,7 @@ export NNODES="$SLURM_JOB_NUM_NODES"
 export NPROC_PER_NODE=4
 export WORLD_SIZE=$((NNODES * NPROC_PER_NODE))
 export GREENROOM_SCRATCH=/local/nvme
-# The per-rank dirs: <root>/<job id>/<role>/rank<N>, one root per user and node.
+# The per-rank dirs: <root>/<job id>/<role>/rank<NNNNN>, one root per user and node.
 GREENROOM_OFFLOAD_ROOT="$GREENROOM_SCRATCH/greenroom_train_offload_$(id -u)"
 export GREENROOM_OFFLOAD_ROOT
 export GREENROOM_LOG_DIR=logs
