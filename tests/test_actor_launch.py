@@ -66,7 +66,8 @@ def test_other_preloads_are_kept_and_an_old_hook_is_replaced(monkeypatch):
 def test_nothing_to_preload_without_offload_or_without_cuda(disk_dir):
     assert actor.launch_env(OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir),
                             0, cuda_major=13) == {}
-    # This machine's torch is a CPU build: the portable backend needs no hook.
+    # No GPU here (a CPU build, or PyPI's CUDA build without a device): the portable
+    # backend needs no hook.
     assert actor.launch_env(disk_config(disk_dir), 0) == {}
 
 

@@ -166,6 +166,9 @@ def list_node_pods(api: k8s.CoreV1Api, node_name: str) -> dict[str, PodInfo]:
 _POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
+MTIME_SLACK_S = 1.0
+
+
 def remove_empty_pod_dirs(root: str, pods: dict[str, PodInfo], *, listed_at: float, dry_run: bool) -> list[str]:
     """Remove ``<root>/<pod uid>/`` trees that hold nothing but empty dirs, of pods that are
     not on the node any more (or finished). Only dirs already there when the pod listing was
@@ -179,7 +182,11 @@ def remove_empty_pod_dirs(root: str, pods: dict[str, PodInfo], *, listed_at: flo
             continue
         try:
             st = entry.stat(follow_symlinks=False)
-            if not entry.is_dir(follow_symlinks=False) or st.st_dev != root_dev or st.st_mtime >= listed_at:
+            # A second of slack: file times come from the kernel's coarse clock, which lags
+            # time.time() by up to a tick, so a dir made just after the listing can carry
+            # a time just before it.
+            if (not entry.is_dir(follow_symlinks=False) or st.st_dev != root_dev
+                    or st.st_mtime >= listed_at - MTIME_SLACK_S):
                 continue
             tree = list(os.walk(entry.path, topdown=False))
         except OSError:

@@ -69,9 +69,14 @@ def check_disk_support(hook: str) -> None:
 
 
 def torch_cuda_major() -> int | None:
+    """torch's CUDA major where a GPU is there to use; None on a CPU build, and on a CUDA
+    build without a usable GPU (PyPI's torch on a CPU machine), where the portable backend
+    runs and the hook, which needs libcuda, must not be preloaded."""
     import torch
 
-    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+    if not torch.version.cuda or not torch.cuda.is_available():
+        return None
+    return int(torch.version.cuda.split(".")[0])
 
 
 def offload_dir(config: OffloadConfig, rank: int, *, role: str, job: str) -> str:
