@@ -40,7 +40,7 @@ test: install system-deps
 # A one-node Kubernetes cluster built from upstream (scripts/services.d/k8s.sh): the first
 # run builds it (cached in ~/.cache/greenroom-k8s/); prints the KUBECONFIG to use.
 cluster: system-deps
-	scripts/services.d/k8s.sh start
+	GREENROOM_K8S_BUILD_TIMEOUT_S=0 scripts/services.d/k8s.sh start
 	@scripts/services.d/k8s.sh env
 
 cluster-down:
