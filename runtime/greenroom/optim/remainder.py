@@ -40,7 +40,6 @@ from greenroom.errors import GreenroomError
 FINGERPRINT_BLOCK = 4096
 _PIECE = FINGERPRINT_BLOCK * 1024  # elements per piece: bounds the temporaries (~60 MB)
 _ROUNDS_UP = 0x8000
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 assert sys.byteorder == "little", "the remainder layout reads an fp32's halves as two int16, low first"
 
@@ -71,12 +70,14 @@ def _fixup_views(fixups: torch.Tensor, numel: int) -> tuple[torch.Tensor, ...]:
 
 def _weights(device: torch.device) -> torch.Tensor:
     """A fixed odd int64 weight per position of a block: a fingerprint is the weighted
-    sum of the block's 16-bit patterns, so any one changed element changes it."""
-    if device not in _WEIGHTS:
-        gen = torch.Generator().manual_seed(0x5EED)
-        w = torch.randint(0, 1 << 30, (FINGERPRINT_BLOCK,), generator=gen, dtype=torch.int64) * 2 + 1
-        _WEIGHTS[device] = w.to(device)
-    return _WEIGHTS[device]
+    sum of the block's 16-bit patterns, so any one changed element changes it.
+
+    Made per call (4096 draws), never cached in a module global: a cached tensor made
+    while an actor's memory is tracked belongs to that actor, and a sleep that released
+    it (or a failed wake that gave it back) left the cache pointing at freed storage, a
+    segfault in the next encode of the process."""
+    gen = torch.Generator().manual_seed(0x5EED)
+    return (torch.randint(0, 1 << 30, (FINGERPRINT_BLOCK,), generator=gen, dtype=torch.int64) * 2 + 1).to(device)
 
 
 def _fingerprints(high: torch.Tensor) -> torch.Tensor:
