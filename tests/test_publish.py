@@ -100,3 +100,60 @@ def test_checked_json_requires_its_fields_with_their_types(disk_dir):
     publish.write_checked_json(path, {"iteration": True})
     with pytest.raises(CheckpointError, match="field 'iteration' is missing or not int"):
         publish.read_checked_json(path, {"iteration": int})
+
+
+READER = """
+import sys
+from greenroom import publish
+with publish.locked(sys.argv[1], reading=True):
+    print("holding", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def another_reader(path):
+    """A second process holding ``path``'s lock as a load does, until its stdin closes."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", READER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline() == "holding\n"
+    return proc
+
+
+def test_loads_share_the_lock_and_a_save_is_refused_while_any_reads(disk_dir):
+    """Every rank of an FSDP job loads its own and its peers' checkpoints at once: loads
+    never refuse each other; a save meanwhile is refused in one line, never queued."""
+    path = os.path.join(disk_dir, "ck")
+    make(path, "one")
+    other = another_reader(path)
+    try:
+        with publish.locked(path, reading=True):
+            assert publish.recover(path) is None and content(path) == "one"
+        assert os.path.exists(path + ".lock"), "the other reader still holds it"
+        with pytest.raises(CheckpointError, match=r"holds .*ck\.lock: it is saving there \(or resuming from it\)"):
+            with publish.locked(path):
+                pass
+    finally:
+        other.communicate("")
+    with publish.locked(path):
+        make(path, "two")
+    assert content(path) == "two" and not os.path.exists(path + ".lock")
+
+
+def test_a_load_that_must_settle_a_killed_save_waits_for_no_reader_and_touches_nothing(disk_dir):
+    path = os.path.join(disk_dir, "ck")
+    make(path, "one")
+    publish.stage(path)  # a save killed while it wrote ck.new
+    other = another_reader(path)
+    try:
+        with pytest.raises(CheckpointError, match=r"another process holds .*ck\.lock while it reads .* retry"):
+            with publish.locked(path, reading=True):
+                publish.recover(path)
+        assert leftovers(path) == [path + ".new"]
+    finally:
+        other.communicate("")
+    with publish.locked(path, reading=True):
+        assert "discarded" in publish.recover(path)
+    assert leftovers(path) == [] and content(path) == "one"

@@ -33,7 +33,9 @@ Note [one writer per checkpoint dir]: two saves to one ``P`` would each stage, p
 and report success, and ``P`` would hold one of them; a load settling ``P`` while a
 save writes ``P.new`` would discard the save's files under it. So every save, and
 every settle before a load, runs under ``locked(P)``: an exclusive ``flock`` on
-``P.lock`` beside it, whose content names the holder. A second process is refused in
+``P.lock`` beside it, whose content names the holder. A load holds it shared, so any
+number of readers (every rank of a job reading each other's checkpoints) load at once;
+one that finds a killed save to settle upgrades to exclusive first. A second process is refused in
 one line naming the holder (never queued: a save that waits would then silently
 replace the first). ``greenroom train`` takes it for ``--save`` at start-up and holds
 it for the run, so a second trainer is refused before it trains. The lock file is
@@ -62,7 +64,7 @@ GENERATION = "generation.json"
 NEW_SUFFIX = ".new"
 OLD_SUFFIX = ".old"
 LOCK_SUFFIX = ".lock"
-_held: dict[str, list[int]] = {}  # checkpoint path -> [lock fd, depth]: this process's locks
+_held: dict[str, list[int]] = {}  # checkpoint path -> [lock fd, depth, exclusive]: this process's locks
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -196,12 +198,14 @@ def discard(path: str) -> None:
 # -- one writer per checkpoint dir (Note [one writer per checkpoint dir]) ------------------
 @contextlib.contextmanager
 def locked(path: str, *, reading: bool = False):
-    """Hold ``path``'s checkpoint lock for the block (re-entrant within the process).
-    ``reading``: for a load, where a read-only location (no lock file can be made, so
-    no save can run there either) is read without it."""
+    """Hold ``path``'s checkpoint lock for the block (re-entrant within the process):
+    exclusive for a save, shared for a load (``reading``), where a read-only location
+    (no lock file can be made, so no save can run there either) is read without it."""
     path = os.path.realpath(path)
     held = _held.get(path)
     if held is not None:
+        if not reading and not held[2]:
+            _upgrade(path, "save there")
         held[1] += 1
         try:
             yield
@@ -212,12 +216,11 @@ def locked(path: str, *, reading: bool = False):
     if fd < 0:
         yield
         return
-    _held[path] = [fd, 1]
+    _held[path] = [fd, 1, not reading]
     try:
         yield
     finally:
-        del _held[path]
-        _release(path + LOCK_SUFFIX, fd)
+        _release(path + LOCK_SUFFIX, fd, exclusive=_held.pop(path)[2])
 
 
 def _acquire(path: str, reading: bool) -> int:
@@ -230,9 +233,9 @@ def _acquire(path: str, reading: bool) -> int:
                 return -1
             raise StorageError(f"{lock_path}: cannot create the checkpoint dir's lock file ({e.strerror})") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if reading else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "a process"
+            holder = _holder(fd)
             os.close(fd)
             if reading:
                 raise CheckpointError(
@@ -249,13 +252,37 @@ def _acquire(path: str, reading: bool) -> int:
         if same:
             break
         os.close(fd)  # its holder removed it as we opened it: start over
-    os.ftruncate(fd, 0)
+    if not reading:  # readers leave the record alone: it names the last saver or a reader, never garbage
+        os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return fd
 
 
-def _release(lock_path: str, fd: int) -> None:
+def _holder(fd: int) -> str:
+    lines = os.pread(fd, 256, 0).decode("utf-8", "replace").strip().splitlines()
+    return lines[0] if lines else "a process"
+
+
+def _upgrade(path: str, why: str) -> None:
+    """Turn this process's shared hold on ``path`` into an exclusive one, or refuse in
+    one line when another reader holds it too."""
+    held = _held[path]
     try:
+        fcntl.flock(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise CheckpointError(
+            f"{path}: another process holds {path + LOCK_SUFFIX} while it reads the checkpoint, and this process "
+            f"must {why}: retry once that process has loaded it") from None
+    held[2] = True
+
+
+def _release(lock_path: str, fd: int, *, exclusive: bool) -> None:
+    try:
+        if not exclusive:
+            try:  # the last reader removes the file; one still held by another reader stays
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
         if os.stat(lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
             os.unlink(lock_path)
     except FileNotFoundError:
@@ -279,6 +306,9 @@ def recover(path: str) -> str | None:
     """Settle what a killed save left next to ``path``; returns a sentence saying what
     was done (None when there was nothing). See Note [generation chain]."""
     new, old = path + NEW_SUFFIX, path + OLD_SUFFIX
+    held = _held.get(path)
+    if held is not None and not held[2] and (os.path.lexists(new) or os.path.lexists(old)):
+        _upgrade(path, f"settle what a killed save left beside it ({os.path.basename(new)}/.old)")
     said = []
     if os.path.lexists(new):
         gen_new, gen_cur = generation(new), generation(path)
