@@ -252,6 +252,12 @@ def node_state(node: str) -> str:
     return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
+def node_back(node: str) -> None:
+    """Bring ``node`` back and wait until the controller takes it as idle again."""
+    service("node-up", node)
+    wait_for(f"{node} to return to service", lambda: node_state(node) == "idle", explain=lambda: node_state(node))
+
+
 def test_lost_node_requeues_its_files_go_when_it_returns_and_the_job_resumes_bit_identically(
         tmp_path, scratch, one_node_reference):
     # The last checkpoint: the same job, run to iteration 2.
@@ -271,7 +277,7 @@ def test_lost_node_requeues_its_files_go_when_it_returns_and_the_job_resumes_bit
         assert node_state("node2").startswith("down"), node_state("node2")
         assert node_rank_dirs(scratch, "node2", job) == stale, "a crashed node cannot clean up"
     finally:
-        service("node-up", "node2")
+        node_back("node2")
     text = assert_completed(tmp_path, "lost", job, restarts="1")
     # node2's reclaim step, on the requeued run's start, removed what the crash left there.
     for d in stale:
@@ -297,7 +303,7 @@ def test_lost_node_without_restarts_fails_the_job_and_the_next_job_reclaims_node
         assert info["JobState"] == "NODE_FAIL" and info["Restarts"] == "0", logs(tmp_path, "fail", job)
         assert node_rank_dirs(scratch, "node2", job) == stale, "a crashed node cannot clean up"
     finally:
-        service("node-up", "node2")
+        node_back("node2")
     # The next greenroom job on node2 reclaims what the crash left there, in its setup step.
     nxt = submit(tmp_path, multi_job(tmp_path, scratch, "after", iterations=1, max_restarts=0))
     text = assert_completed(tmp_path, "after", nxt)

@@ -145,6 +145,10 @@ link_up() {
   ns=$(netns_of "$node"); veth=$(veth_of "$node")
   ip link show "$veth" >/dev/null 2>&1 && return 0
   ip link add "$veth" type veth peer name eth0 netns "$ns"
+  # A fixed address per node: a node brought back after node-down is the same host to
+  # its peers, whose ARP caches still hold it (a new random MAC made srun from node1 to
+  # the returned node2 fail with "Communication connection failure" until they expired).
+  ip -n "$ns" link set eth0 address "02:67:72:00:00:1$(node_index "$node")"
   ip link set "$veth" master "$bridge" up
   ip -n "$ns" addr add "$net.1$(node_index "$node")/24" dev eth0
   ip -n "$ns" link set eth0 up
@@ -231,7 +235,7 @@ stop() {
   local name pid i node ns
   for name in slurmd-localhost "${nodes[@]/#/slurmd-}" slurmctld munged; do
     [ -s "$dir/$name.pid" ] || continue
-    if [ "$name" = munged ] && pgrep -x 'slurmctld|slurmd' >/dev/null; then
+    if [ "$name" = munged ] && { pgrep -x slurmctld || pgrep -x slurmd; } >/dev/null; then
       # Another cluster on this machine (another checkout's) came to use our munged.
       say "leaving munged running: another Slurm daemon uses it"; rm -f "$dir/munged.pid"; continue
     fi
