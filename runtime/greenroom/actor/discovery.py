@@ -12,6 +12,20 @@ Two views of "live", one per backend:
     Every live block of torch's caching allocator (its memory snapshot), outside the
     pools of other tags (the rollout), as runs of adjacent live blocks. The allocator's
     free cache is not live and is not moved.
+
+Note [greenroom's own tensors]: ``python_storages`` sees storages, not who holds them,
+so a torch tensor greenroom kept in a module global or a class attribute (a cache)
+would be the actor's too: moved out by every sleep, and freed for good by a wake that
+failed and was not retried, after which the next use in the process reads freed memory
+(``greenroom.optim.remainder`` cached its fingerprint weights so: a segfault). Telling
+greenroom's internals apart by where they are referenced from would also take the
+actor's state that greenroom holds for the trainer (a streaming optimizer's resident
+moments), which must move. So greenroom keeps no torch-owned tensor beyond a call in a
+module or class: small constants are made per call; what must stay put while the actor
+sleeps is memory torch does not own (``diskio``'s checksum tables, numpy-backed: not
+resizable, so never moved) or is named (the movers' ``owned()`` and the rollout's
+storages go to ``Exclusions``; the I/O layer's ``StagingBuffers`` are skipped by type).
+tests/test_failed_wake_leaves_greenroom_intact.py walks every module and class for it.
 """
 
 from __future__ import annotations
