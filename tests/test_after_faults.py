@@ -16,7 +16,7 @@ import torch
 
 from greenroom import diskio
 from greenroom.errors import GreenroomError, StorageError
-from greenroom.optim import StreamingAdam
+from greenroom.optim import StreamingAdam, StreamingMuon
 from tests.conftest import require_tool
 from tests.test_faults import run_worker
 
@@ -57,10 +57,12 @@ def test_a_sleep_whose_write_fails_is_undone_and_a_wake_is_refused_in_one_line(d
 
 
 # -- a failed optimizer step --------------------------------------------------------------
-def _optimizer(directory):
+def _optimizer(directory, kind):
+    """Five bf16 matrices (Muon takes 2-D params only), a bucket each."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(100_000, dtype=torch.bfloat16)) for _ in range(5)]
-    opt = StreamingAdam(params, lr=1e-2, state_dir=directory, bucket_numel=100_000, chunk_mb=1, resident_numel=0)
+    params = [torch.nn.Parameter(torch.randn(100, 1000, dtype=torch.bfloat16)) for _ in range(5)]
+    extra = {"resident_numel": 0} if kind is StreamingAdam else {}
+    opt = kind(params, lr=1e-2, state_dir=directory, bucket_numel=100_000, chunk_mb=1, **extra)
     return params, opt
 
 
@@ -86,13 +88,15 @@ def fail_a_write_of(monkeypatch):
     return lambda path: armed.update(path=path)
 
 
-def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(disk_dir, fail_a_write_of):
+@pytest.mark.parametrize("kind", [StreamingAdam, StreamingMuon], ids=lambda k: k.__name__)
+def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(disk_dir, fail_a_write_of, kind):
     """Issue 30 case 3: bucket 3's write-back fails in step 2. Stepping on used to train
     silently from a half-updated state; now every later step(), state_dict() and
     save_checkpoint() names the first failure, and a checkpoint load makes the run
-    bit-identical again to a twin that never saw the fault."""
-    params, opt = _optimizer(os.path.join(disk_dir, "faulty"))
-    twin_params, twin = _optimizer(os.path.join(disk_dir, "twin"))
+    bit-identical again to a twin that never saw the fault. StreamingMuon through the
+    same code (``greenroom.optim.streamed``): it stepped on silently before."""
+    params, opt = _optimizer(os.path.join(disk_dir, "faulty"), kind)
+    twin_params, twin = _optimizer(os.path.join(disk_dir, "twin"), kind)
     try:
         for ps, o in ((params, opt), (twin_params, twin)):
             _grads(ps, 1)
@@ -113,7 +117,7 @@ def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(
             with pytest.raises(GreenroomError) as err:
                 call()
             assert "\n" not in str(err.value)
-            assert re.match(rf"StreamingAdam: {re.escape(what)} refused: an earlier step\(\) failed {first}",
+            assert re.match(rf"{kind.__name__}: {re.escape(what)} refused: an earlier step\(\) failed {first}",
                             str(err.value)), str(err.value)
 
         opt.load_checkpoint(ckpt)

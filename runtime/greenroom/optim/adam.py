@@ -28,14 +28,8 @@ fingerprint instead: a block of 4096 elements whose params changed is re-seeded 
 (``greenroom.optim.remainder`` Note [remainder]); ``master_layout="fp32"`` keeps the
 per-element rule above.
 
-Note [a failed step poisons]: a step that raises part way (an I/O error writing bucket 3,
-a flipped bit found in bucket 5) has updated some buckets, counters and params and not
-others, and which is not recorded anywhere; a bucket whose write-back failed may even
-read back as its pre-step bytes, checksums and all. Stepping on from there trains a
-state no run without the fault would reach, silently. So the first failure is kept, and
-every later ``step()``, ``state_dict()`` and ``save_checkpoint()`` raises one line naming
-it, until the whole state is replaced: ``load_checkpoint``, ``load_state_dict`` or
-``initialize_state``.
+A step that raises part way poisons the optimizer until a checkpoint is loaded:
+``greenroom.optim.streamed`` Note [a failed step poisons].
 """
 
 from __future__ import annotations
@@ -51,6 +45,7 @@ from greenroom.config import GB, MIB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
+from greenroom.optim.streamed import StreamedOptimizer
 from greenroom.rankdir import RankDir
 from greenroom.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
@@ -63,7 +58,7 @@ MASTER_LAYOUTS = ("remainder", "fp32")
 _FOLLOW_PIECE = 1 << 24  # elements per piece of the masters-follow-the-params check
 
 
-class StreamingAdam(torch.optim.Optimizer):
+class StreamingAdam(StreamedOptimizer):
     """AdamW (decoupled weight decay) with its state streamed from per-bucket files.
 
     Args:
@@ -98,6 +93,8 @@ class StreamingAdam(torch.optim.Optimizer):
     ``greenroom.optim.state_dict``).
     """
 
+    what = "StreamingAdam"
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dir: str | RankDir,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, moment_dtype: str = "fp32", chunk_mb: int = 256,
@@ -121,7 +118,7 @@ class StreamingAdam(torch.optim.Optimizer):
             raise ConfigError(f"StreamingAdam: master_layout must be one of {', '.join(MASTER_LAYOUTS)}, "
                               f"got {master_layout!r}")
         self._store: BucketStore | None = None
-        self._failed: str | None = None  # Note [a failed step poisons]
+        self._failed: str | None = None  # streamed.py Note [a failed step poisons]
         self.master_layout = master_layout
         self.resident_numel = resident_numel
         self.streamed: list[torch.Tensor] = []  # the param of each store entry
@@ -211,15 +208,7 @@ class StreamingAdam(torch.optim.Optimizer):
         """Fresh state: masters from the params, zero moments, no steps taken."""
         self.state.clear()
         self.store.initialize(lambda i: local_tensor(self.streamed[i]))
-        self._failed = None
-
-    def _refuse_if_failed(self, what: str) -> None:
-        """See Note [a failed step poisons]."""
-        if self._failed is not None:
-            raise GreenroomError(
-                f"StreamingAdam: {what} refused: an earlier step() failed ({self._failed}) and left the state "
-                "partly updated (some buckets stepped, some not); load a checkpoint (load_checkpoint or "
-                "load_state_dict) before stepping or saving again")
+        self._state_replaced()
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; after construction the new params' state goes in new buckets
@@ -280,7 +269,7 @@ class StreamingAdam(torch.optim.Optimizer):
             if hooked is not None:
                 state_dict = hooked
         import_state_dict(self, state_dict)
-        self._failed = None  # every bucket and counter was just replaced
+        self._state_replaced()  # every bucket and counter
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -307,7 +296,7 @@ class StreamingAdam(torch.optim.Optimizer):
         from greenroom.optim.checkpoint import load_checkpoint
 
         load_checkpoint(self, path, no_load_optim=no_load_optim)
-        self._failed = None  # every bucket, counter and group was just replaced
+        self._state_replaced()  # every bucket, counter and group
 
     # -- what a checkpoint reads (optim.checkpoint.StreamedState) -----------------------
     def keyed_params(self) -> dict[str, torch.Tensor]:
@@ -348,7 +337,7 @@ class StreamingAdam(torch.optim.Optimizer):
             self._create_state()
             return loss
         self._refuse_frozen_grads()
-        try:
+        with self._poisoned_if_it_fails():
             self._step_resident()
             for p in self.empty:
                 if p.grad is not None:
@@ -359,9 +348,6 @@ class StreamingAdam(torch.optim.Optimizer):
             with pending.during_step() if pending is not None else contextlib.nullcontext():
                 for bucket_state in store.stream(needed, mirror=pending):
                     self._step_bucket(bucket_state)
-        except BaseException as e:
-            self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            raise
         if pending is not None:
             self.last_checkpoint = pending
         return loss

@@ -19,6 +19,9 @@ params, and embeddings, which are 2-D but should not be given to it, go to AdamW
 Muon keeps no step counter. ``self.state[p]`` exists (empty) for each param that has a
 momentum buffer, as torch's ``state[p]["momentum_buffer"]`` does; a checkpoint records
 those params with step 0.
+
+A step that raises part way poisons the optimizer until a checkpoint is loaded, as
+StreamingAdam's does (``greenroom.optim.streamed`` Note [a failed step poisons]).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from greenroom.config import GB, MIB
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.adam import _follow_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
+from greenroom.optim.streamed import StreamedOptimizer
 from greenroom.rankdir import RankDir
 from greenroom.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
@@ -42,7 +46,7 @@ from greenroom.tensors import local_tensor
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class StreamingMuon(torch.optim.Optimizer):
+class StreamingMuon(StreamedOptimizer):
     """``torch.optim.Muon`` with its momentum streamed from per-bucket files.
 
     Args:
@@ -56,6 +60,8 @@ class StreamingMuon(torch.optim.Optimizer):
     views of the bucket files; ``save_checkpoint``/``load_checkpoint`` and the in-step
     checkpoint (``checkpoint_next_step``) are StreamingAdam's.
     """
+
+    what = "StreamingMuon"
 
     def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
@@ -79,6 +85,7 @@ class StreamingMuon(torch.optim.Optimizer):
                 or not 0 <= host_cache_gb < math.inf):
             raise ConfigError(f"StreamingMuon: host_cache_gb must be a finite number of GB >= 0, got {host_cache_gb!r}")
         self._store: BucketStore | None = None
+        self._failed: str | None = None  # streamed.py Note [a failed step poisons]
         self.streamed: list[torch.Tensor] = []
         self.frozen: set[int] = set()
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -153,6 +160,7 @@ class StreamingMuon(torch.optim.Optimizer):
         """Fresh state: masters from the params, zero momentum."""
         self.state.clear()
         self.store.initialize(lambda i: self.streamed[i])
+        self._state_replaced()
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; after construction the new params' state goes in new buckets."""
@@ -184,6 +192,7 @@ class StreamingMuon(torch.optim.Optimizer):
         """torch.optim.Muon's format, the tensors views of the bucket files."""
         from greenroom.optim.muon_state import export_state_dict
 
+        self._refuse_if_failed("state_dict()")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         out = export_state_dict(self)
@@ -202,18 +211,21 @@ class StreamingMuon(torch.optim.Optimizer):
             if hooked is not None:
                 state_dict = hooked
         import_state_dict(self, state_dict)
+        self._state_replaced()  # every bucket
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def save_checkpoint(self, path: str) -> dict:
         from greenroom.optim.checkpoint import save_checkpoint
 
+        self._refuse_if_failed("save_checkpoint()")
         return save_checkpoint(self, path)
 
     def load_checkpoint(self, path: str, no_load_optim: bool = False) -> None:
         from greenroom.optim.checkpoint import load_checkpoint
 
         load_checkpoint(self, path, no_load_optim=no_load_optim)
+        self._state_replaced()  # every bucket and group
 
     def checkpoint_next_step(self, path: str) -> None:
         """Write a checkpoint at ``path`` as part of the next ``step()``'s own pass; see
@@ -249,6 +261,7 @@ class StreamingMuon(torch.optim.Optimizer):
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
+        self._refuse_if_failed("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -267,7 +280,7 @@ class StreamingMuon(torch.optim.Optimizer):
         store = self.store
         needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
         pending, self._pending_checkpoint = self._pending_checkpoint, None  # checkpoint_next_step's
-        with pending.during_step() if pending is not None else contextlib.nullcontext():
+        with self._poisoned_if_it_fails(), pending.during_step() if pending is not None else contextlib.nullcontext():
             for bucket_state in store.stream(needed, mirror=pending):
                 self._step_bucket(bucket_state)
         if pending is not None:
