@@ -250,28 +250,13 @@ class StreamingAdam(StreamedOptimizer):
         ``greenroom.optim.state_dict``."""
         from greenroom.optim.state_dict import export_state_dict
 
-        self._refuse_if_failed("state_dict()")
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        out = export_state_dict(self)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            hooked = hook(self, out)
-            if hooked is not None:
-                out = hooked
-        return out
+        return self._hooked_state_dict(export_state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Verify everything, then write bucket by bucket; see ``greenroom.optim.state_dict``."""
         from greenroom.optim.state_dict import import_state_dict
 
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hooked = hook(self, state_dict)
-            if hooked is not None:
-                state_dict = hooked
-        import_state_dict(self, state_dict)
-        self._state_replaced()  # every bucket and counter
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        self._hooked_load_state_dict(state_dict, import_state_dict)
 
     def save_checkpoint(self, path: str) -> dict:
         """Write the state to ``path`` (synchronously, atomically; a clone of the files

@@ -192,28 +192,13 @@ class StreamingMuon(StreamedOptimizer):
         """torch.optim.Muon's format, the tensors views of the bucket files."""
         from greenroom.optim.muon_state import export_state_dict
 
-        self._refuse_if_failed("state_dict()")
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        out = export_state_dict(self)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            hooked = hook(self, out)
-            if hooked is not None:
-                out = hooked
-        return out
+        return self._hooked_state_dict(export_state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Verify everything, then write bucket by bucket (``torch.optim.Muon``'s dicts load too)."""
         from greenroom.optim.muon_state import import_state_dict
 
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hooked = hook(self, state_dict)
-            if hooked is not None:
-                state_dict = hooked
-        import_state_dict(self, state_dict)
-        self._state_replaced()  # every bucket
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        self._hooked_load_state_dict(state_dict, import_state_dict)
 
     def save_checkpoint(self, path: str) -> dict:
         from greenroom.optim.checkpoint import save_checkpoint

@@ -14,6 +14,7 @@ it, until the whole state is replaced: ``load_checkpoint``, ``load_state_dict`` 
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Callable
 
 import torch
 
@@ -21,8 +22,8 @@ from greenroom.errors import GreenroomError
 
 
 class StreamedOptimizer(torch.optim.Optimizer):
-    """The shared part of the streaming optimizers: the poison of a failed step. A
-    subclass sets ``self._failed = None`` before ``torch.optim.Optimizer.__init__`` and
+    """The shared part of the streaming optimizers: the poison of a failed step, and
+    torch's state-dict hooks around a format of the subclass's own. A subclass sets ``self._failed = None`` before ``torch.optim.Optimizer.__init__`` and
     names itself in ``what`` (the messages' first word)."""
 
     what = "StreamedOptimizer"
@@ -48,3 +49,28 @@ class StreamedOptimizer(torch.optim.Optimizer):
     def _state_replaced(self) -> None:
         """The whole state was just replaced (loaded or initialized): no poison left."""
         self._failed = None
+
+    def _hooked_state_dict(self, export: Callable[[Any], dict]) -> dict:
+        """``export(self)`` between the hooks torch's ``Optimizer.state_dict`` runs (a
+        post hook may return a replacement); refused while poisoned."""
+        self._refuse_if_failed("state_dict()")
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        out = export(self)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            hooked = hook(self, out)
+            if hooked is not None:
+                out = hooked
+        return out
+
+    def _hooked_load_state_dict(self, state_dict: dict, load: Callable[[Any, dict], None]) -> None:
+        """``load(self, state_dict)`` between the hooks torch's ``Optimizer.load_state_dict``
+        runs (a pre hook may return a replacement dict); it replaces the whole state."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hooked = hook(self, state_dict)
+            if hooked is not None:
+                state_dict = hooked
+        load(self, state_dict)
+        self._state_replaced()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
