@@ -1,7 +1,10 @@
-"""Shared fixtures: a scratch dir on a real disk, and skip helpers for optional tools."""
+"""Shared fixtures: a scratch dir on a real disk, processes holding rank dirs, and skip
+helpers for optional tools."""
 
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -9,6 +12,7 @@ import pytest
 from greenroom import fs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
 
 
 @pytest.fixture
@@ -21,6 +25,31 @@ def disk_dir(tmp_path):
     os.makedirs(path)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def holders():
+    """``start(root, job, rank=0, role="actor", pod_uid=None)``: a real process holding a
+    rank dir under ``root`` (tests/rank_holder.py: a RankDir with its flock; as the pod
+    ``pod_uid`` where given), and the dir's path. Those still running are killed after
+    the test."""
+    procs = []
+
+    def start(root: str, job: str, rank: int = 0, role: str = "actor",
+              pod_uid: str | None = None) -> tuple[subprocess.Popen, str]:
+        env = dict(os.environ, GREENROOM_POD_UID=pod_uid) if pod_uid else None
+        p = subprocess.Popen([sys.executable, HOLDER, root, job, role, str(rank)], stdout=subprocess.PIPE, text=True,
+                             env=env)
+        path = p.stdout.readline().strip()
+        assert path and os.path.isdir(path), "rank holder did not start"
+        procs.append(p)
+        return p, path
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 
 def require_tool(name: str) -> str:

@@ -51,6 +51,19 @@ def require_cluster(part: str = "control-plane") -> None:
         pytest.skip(f"the test cluster's {part} is not up: {reason}")
 
 
+def cluster_fixture(*parts: str):
+    """A test module's autouse fixture (``cluster = cluster_fixture("node")``): each of its
+    tests skips, saying why, unless these parts of the cluster are up (default: the
+    control plane)."""
+
+    @pytest.fixture(autouse=True)
+    def cluster():
+        for part in parts or ("control-plane",):
+            require_cluster(part)
+
+    return cluster
+
+
 def kubectl(*argv: str, check: bool = True, user: str | None = None,
             stdin: str | None = None) -> subprocess.CompletedProcess:
     cmd = ["kubectl", "--kubeconfig", KUBECONFIG, *argv]

@@ -17,29 +17,9 @@ import sys
 import pytest
 
 from tests.chart_support import container, manifests, pod_spec
-from tests.conftest import REPO
 
 pytestmark = pytest.mark.helm
 
-HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
-
-
-@pytest.fixture
-def holders():
-    procs = []
-
-    def start(root, job, rank=0, role="actor"):
-        p = subprocess.Popen([sys.executable, HOLDER, root, job, role, str(rank)], stdout=subprocess.PIPE, text=True)
-        path = p.stdout.readline().strip()
-        assert path and os.path.isdir(path), "rank holder did not start"
-        procs.append(p)
-        return p, path
-
-    yield start
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
 
 
 def dead_rank(start, root, job, rank=0):

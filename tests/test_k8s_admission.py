@@ -11,18 +11,14 @@ import os
 
 import pytest
 
-from tests.k8s_support import (CHART, events, helm, install, janitor_install, kubectl, kubectl_json, namespace,
-                               pods, require_cluster, trainer_values, values_file, wait_until)
+from tests.k8s_support import (CHART, cluster_fixture, events, helm, install, janitor_install, kubectl, kubectl_json,
+                               namespace, pods, require_cluster, trainer_values, values_file, wait_until)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
+cluster = cluster_fixture()
 
 TRAINERS = "app.kubernetes.io/component=trainer"
-
-
-@pytest.fixture(autouse=True)
-def cluster():
-    require_cluster()
 
 
 def trainer_pods(ns: str, release: str) -> list[dict]:

@@ -11,27 +11,20 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import uuid
 
 import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.k8s_support import (CLUSTER_DIR, chart_values, helm, install, janitor_install, janitor_values, kubectl,
-                               kubectl_json, namespace, pods, require_cluster, trainer_values, wait_until)
+from tests.k8s_support import (CLUSTER_DIR, chart_values, cluster_fixture, helm, install, janitor_install,
+                               janitor_values, kubectl, kubectl_json, namespace, pods, trainer_values, wait_until)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
+cluster = cluster_fixture("node", "image")
 
-HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
 TRAINER_UID = 1000
-
-
-@pytest.fixture(autouse=True)
-def cluster():
-    require_cluster("node")
-    require_cluster("image")
 
 
 @pytest.fixture
@@ -41,26 +34,6 @@ def node_root():
     os.makedirs(path)
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def holders():
-    procs = []
-
-    def start(root: str, job: str, rank: int = 0, pod_uid: str | None = None) -> tuple[subprocess.Popen, str]:
-        env = dict(os.environ, GREENROOM_POD_UID=pod_uid) if pod_uid else None
-        p = subprocess.Popen([sys.executable, HOLDER, root, job, "actor", str(rank)], stdout=subprocess.PIPE,
-                             text=True, env=env)
-        path = p.stdout.readline().strip()
-        assert path and os.path.isdir(path), "rank holder did not start"
-        procs.append(p)
-        return p, path
-
-    yield start
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
 
 
 def image_values() -> dict:

@@ -11,7 +11,6 @@ import copy
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,44 +22,20 @@ import yaml
 from greenroom.slurm import sbatch
 from greenroom.slurm.config import config_from_dict
 from tests.cli_support import REPO, greenroom
+from tests.slurm_support import SLURM_CONF, SUBMITTED, cancel_leftover_jobs, local_cluster
 
 pytestmark = pytest.mark.slurm
 
-SLURM_CONF = os.path.join(REPO, ".run", "slurm", "slurm.conf")
 DEADLINE_S = 180
 FOREVER = 1_000_000  # iterations of a job that runs until it is cancelled
-
-
-SUBMITTED: list[str] = []
-
-
-@pytest.fixture(autouse=True)
-def cancel_leftover_jobs():
-    """A failing test must not leave a run-forever job holding the node's CPUs."""
-    yield
-    while SUBMITTED:
-        subprocess.run(["scancel", SUBMITTED.pop()], capture_output=True)
+__all__ = ["cancel_leftover_jobs"]  # the autouse fixture, imported for the tests below
 
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     """The local cluster, or a skip saying why it is not there."""
-    if shutil.which("sbatch") is None:
-        pytest.skip("sbatch not installed: `make test` installs Slurm when run as root on Debian")
-    if not os.path.exists(SLURM_CONF):
-        pytest.skip(f"no {SLURM_CONF}: `make test` starts the local cluster (scripts/services.d/slurm.sh)")
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = SLURM_CONF  # reaches sbatch here and the jobs' own srun
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True)
-        if proc.returncode != 0 or not proc.stdout.strip():
-            pytest.skip(f"the local Slurm cluster does not answer: {' '.join(proc.stderr.split())}")
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
+    yield from local_cluster(SLURM_CONF, f"no {SLURM_CONF}: `make test` starts the local cluster "
+                             "(scripts/services.d/slurm.sh)", "-h", "-N", "-o", "%T")
 
 
 def job_data(tmp_path, disk_dir, name: str, *, iterations: int = 2, streaming: bool = True, **over) -> dict:

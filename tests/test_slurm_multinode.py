@@ -24,18 +24,18 @@ import yaml
 from greenroom.slurm import sbatch
 from greenroom.slurm.config import config_from_dict
 from tests.cli_support import REPO, greenroom
-from tests.test_slurm_cluster import SLURM_CONF, job_data, logs, wait_done, wait_for
+from tests.slurm_support import CLUSTER, SUBMITTED, cancel_leftover_jobs, local_cluster
+from tests.test_slurm_cluster import job_data, logs, wait_done, wait_for
 from tests.test_train import assert_same_state, load_state
 
 pytestmark = pytest.mark.slurm
 
-CLUSTER = os.path.join(REPO, ".run", "slurm")
 NVME = os.path.join(CLUSTER, "nvme")  # what every host sees as its own node-local disk
 NODES = ("node1", "node2")
 SERVICE = os.path.join(REPO, "scripts", "services.d", "slurm.sh")
 FOREVER = 1_000_000
 ITERATIONS = 12  # long enough to see both nodes' rank dirs, and to lose one, mid-run
-SUBMITTED: list[str] = []
+__all__ = ["cancel_leftover_jobs"]  # the autouse fixture, imported for the tests below
 
 
 def node_disk(node: str) -> str:
@@ -46,30 +46,9 @@ def node_disk(node: str) -> str:
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     """The multi-node partition of the local cluster, or a skip saying why it is not there."""
-    if shutil.which("sbatch") is None:
-        pytest.skip("sbatch not installed: `make test` installs Slurm when run as root on Debian")
-    if not os.path.exists(os.path.join(CLUSTER, "multi")):
-        pytest.skip("the local cluster has no namespaced nodes: `make test` starts them as root "
-                    "where network namespaces work (scripts/services.d/slurm.sh)")
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = SLURM_CONF
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-N", "-p", "multi", "-o", "%N %T"], capture_output=True, text=True)
-        if proc.returncode != 0 or not proc.stdout.strip():
-            pytest.skip(f"the local Slurm cluster does not answer: {' '.join(proc.stderr.split())}")
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
-
-
-@pytest.fixture(autouse=True)
-def cancel_leftover_jobs():
-    yield
-    while SUBMITTED:
-        subprocess.run(["scancel", SUBMITTED.pop()], capture_output=True)
+    yield from local_cluster(os.path.join(CLUSTER, "multi"), "the local cluster has no namespaced nodes: `make test` "
+                             "starts them as root where network namespaces work (scripts/services.d/slurm.sh)",
+                             "-h", "-N", "-p", "multi", "-o", "%N %T")
 
 
 @pytest.fixture

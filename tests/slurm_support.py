@@ -1,0 +1,50 @@
+"""The local Slurm cluster (scripts/services.d/slurm.sh) for the tests that submit to it:
+a skip saying why where it (or the part a module needs) is not there, ``SLURM_CONF``
+pointing at it while a module runs, and no job left running after a test.
+
+A test module takes the fixtures by importing them (pytest uses the fixtures a module's
+namespace holds) and records every job it submits in ``SUBMITTED``.
+"""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO
+
+CLUSTER = os.path.join(REPO, ".run", "slurm")
+SLURM_CONF = os.path.join(CLUSTER, "slurm.conf")
+SUBMITTED: list[str] = []  # the ids of the jobs the running test submitted
+
+
+@pytest.fixture(autouse=True)
+def cancel_leftover_jobs():
+    """A failing test must not leave a run-forever job holding the node's CPUs."""
+    yield
+    while SUBMITTED:
+        subprocess.run(["scancel", SUBMITTED.pop()], capture_output=True)
+
+
+def local_cluster(marker: str, missing: str, *sinfo: str):
+    """The body of a module's cluster fixture (``yield from`` it): skips unless sbatch is
+    installed, the path ``marker`` exists (else the reason ``missing``) and ``sinfo
+    *sinfo`` answers; meanwhile ``SLURM_CONF`` is the local cluster's (it reaches sbatch
+    here and the jobs' own srun), restored after."""
+    if shutil.which("sbatch") is None:
+        pytest.skip("sbatch not installed: `make test` installs Slurm when run as root on Debian")
+    if not os.path.exists(marker):
+        pytest.skip(missing)
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = SLURM_CONF
+    try:
+        proc = subprocess.run(["sinfo", *sinfo], capture_output=True, text=True)
+        if proc.returncode != 0 or not proc.stdout.strip():
+            pytest.skip(f"the local Slurm cluster does not answer: {' '.join(proc.stderr.split())}")
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
