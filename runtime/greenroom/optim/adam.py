@@ -34,20 +34,16 @@ A step that raises part way poisons the optimizer until a checkpoint is loaded:
 
 from __future__ import annotations
 
-import contextlib
-import math
 from typing import Callable, Iterable
 
 import torch
 
-from greenroom.compression import resolve as resolve_compression
-from greenroom.config import GB, MIB, OffloadConfig
+from greenroom.config import OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.optim.streamed import StreamedOptimizer
 from greenroom.rankdir import RankDir
-from greenroom.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
 
 # fp32 params up to this many elements keep their Adam state on the device (256 KiB per
@@ -109,11 +105,7 @@ class StreamingAdam(StreamedOptimizer):
                 raise ConfigError(f"StreamingAdam: invalid betas[{i}] {beta!r}: must be in [0, 1)")
         if not 0.0 <= weight_decay:
             raise ConfigError(f"StreamingAdam: invalid weight_decay {weight_decay!r}: must be >= 0")
-        if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, int) or chunk_mb <= 0:
-            raise ConfigError(f"StreamingAdam: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
-        if (isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, (int, float))
-                or not 0 <= host_cache_gb < math.inf):
-            raise ConfigError(f"StreamingAdam: host_cache_gb must be a finite number of GB >= 0, got {host_cache_gb!r}")
+        self._check_staging(chunk_mb, host_cache_gb)
         if master_layout not in MASTER_LAYOUTS:
             raise ConfigError(f"StreamingAdam: master_layout must be one of {', '.join(MASTER_LAYOUTS)}, "
                               f"got {master_layout!r}")
@@ -134,22 +126,9 @@ class StreamingAdam(StreamedOptimizer):
                              "one optimizer streams for one device")
         self.device = devices.pop() if devices else torch.device("cpu")
         self.fused, self.foreach = choose_implementation(self.device, fused=fused, foreach=foreach)
-        codec, self.compression_line = resolve_compression(compression, cuda=self.device.type == "cuda",
-                                                           chunk_bytes=chunk_mb * MIB)
-        # Claimed last, once nothing else can refuse: a refused optimizer leaves no dir.
-        self._state_dir = claim_state_dir(state_dir, name="optim", what="StreamingAdam")
-        self.state_dir = self._state_dir.path
-        try:
-            self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
-                                      device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
-                                      host_cache_bytes=int(host_cache_gb * GB),
-                                      params=lambda i: local_tensor(self.streamed[i]))
-        except BaseException:
-            self._state_dir.release()
-            raise
-        self._grad_scratch: torch.Tensor | None = None
-        self._pending_checkpoint = None  # an InStepCheckpoint for the next step
-        self.last_checkpoint = None  # the last in-step checkpoint written (bench figures)
+        self._open_store(entries, state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype, chunk_mb=chunk_mb,
+                         host_cache_gb=host_cache_gb, compression=compression,
+                         params=lambda i: local_tensor(self.streamed[i]))
         self.initialize_state()
 
     def _classify(self, group_indices: Iterable[int]) -> list[Entry]:
@@ -189,20 +168,6 @@ class StreamingAdam(StreamedOptimizer):
                    compression=config.offload_train_disk_compression,
                    host_cache_gb=config.stream_optimizer_state_host_cache_gb, **kwargs)
 
-    # -- facts ------------------------------------------------------------------------
-    @property
-    def store(self) -> BucketStore:
-        assert self._store is not None, "StreamingAdam is closed"
-        return self._store
-
-    @property
-    def moment_dtype(self) -> str:
-        return self.store.moment_dtype
-
-    def _keyed(self) -> dict[str, torch.Tensor]:
-        """Every param by ``group.index``: how checkpoints name it."""
-        return {f"{gi}.{pi}": p for gi, group in enumerate(self.param_groups) for pi, p in enumerate(group["params"])}
-
     # -- state ------------------------------------------------------------------------
     def initialize_state(self) -> None:
         """Fresh state: masters from the params, zero moments, no steps taken."""
@@ -236,15 +201,6 @@ class StreamingAdam(StreamedOptimizer):
             new = self.store.extend(entries)
             self.store.overwrite(self._fresh_fill(), new)
 
-    def _fresh_fill(self):
-        """A ``BucketStore.overwrite`` fill: masters from the params, moments zero."""
-        def fill(state) -> None:
-            if state.master is None:
-                return
-            for i, view in zip(state.bucket.entries, state.views(state.master)):
-                view.copy_(local_tensor(self.streamed[i]).detach())
-        return fill
-
     def state_dict(self) -> dict:
         """torch's format, the tensors views of the bucket files; see
         ``greenroom.optim.state_dict``."""
@@ -257,31 +213,6 @@ class StreamingAdam(StreamedOptimizer):
         from greenroom.optim.state_dict import import_state_dict
 
         self._hooked_load_state_dict(state_dict, import_state_dict)
-
-    def save_checkpoint(self, path: str) -> dict:
-        """Write the state to ``path`` (synchronously, atomically; a clone of the files
-        where the filesystem can); see ``optim.checkpoint``. Returns what it moved."""
-        from greenroom.optim.checkpoint import save_checkpoint
-
-        self._refuse_if_failed("save_checkpoint()")
-        return save_checkpoint(self, path)
-
-    def checkpoint_next_step(self, path: str) -> None:
-        """Have the next ``step()`` write a checkpoint of its result at ``path`` from its
-        own streaming pass (no extra read) and publish it when the step ends; see
-        ``greenroom.optim.instep``. A later call replaces an unused request."""
-        from greenroom.optim.instep import InStepCheckpoint
-
-        if self._pending_checkpoint is not None:
-            self._pending_checkpoint.abandon()
-        self._pending_checkpoint = InStepCheckpoint(self, path)
-
-    def load_checkpoint(self, path: str, no_load_optim: bool = False) -> None:
-        """Restore the state saved at ``path``, verified first; see ``optim.checkpoint``."""
-        from greenroom.optim.checkpoint import load_checkpoint
-
-        load_checkpoint(self, path, no_load_optim=no_load_optim)
-        self._state_replaced()  # every bucket, counter and group
 
     # -- what a checkpoint reads (optim.checkpoint.StreamedState) -----------------------
     def keyed_params(self) -> dict[str, torch.Tensor]:
@@ -306,10 +237,6 @@ class StreamingAdam(StreamedOptimizer):
     def hyperparameters(self) -> list[dict]:
         return [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
 
-    def load_hyperparameters(self, groups: list[dict]) -> None:
-        for group, saved in zip(self.param_groups, groups):
-            group.update(saved)
-
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -327,14 +254,7 @@ class StreamingAdam(StreamedOptimizer):
             for p in self.empty:
                 if p.grad is not None:
                     self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
-            store = self.store
-            needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
-            pending, self._pending_checkpoint = self._pending_checkpoint, None  # checkpoint_next_step's
-            with pending.during_step() if pending is not None else contextlib.nullcontext():
-                for bucket_state in store.stream(needed, mirror=pending):
-                    self._step_bucket(bucket_state)
-        if pending is not None:
-            self.last_checkpoint = pending
+            self._stream_buckets()
         return loss
 
     def _is_state_probe(self) -> bool:
@@ -421,49 +341,6 @@ class StreamingAdam(StreamedOptimizer):
         if masters is not None:
             for k, p in todo:
                 local_tensor(p).copy_(masters[k])  # the new master, cast to the param's dtype
-
-    def _grads_for(self, numel: int) -> torch.Tensor:
-        if self._grad_scratch is None or self._grad_scratch.numel() < numel:
-            largest = max(b.numel for b in self.store.buckets if b.master is not None)
-            self._grad_scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
-        return self._grad_scratch[:numel]
-
-    # -- device memory -----------------------------------------------------------------
-    def device_bytes(self) -> int:
-        """Device memory the streaming holds between steps: the store's bucket buffers
-        and the fp32 grad scratch (the resident params' state is in ``self.state``)."""
-        scratch = 0 if self._grad_scratch is None else self._grad_scratch.numel() * 4
-        return (self._store.device_bytes() if self._store is not None else 0) + scratch
-
-    def release_device_memory(self) -> int:
-        """Give back ``device_bytes()``: between steps those buffers hold nothing the
-        bucket files lack, and the next step makes them again. The offloader calls this
-        on a tracked optimizer before the actor sleeps, so they are neither moved nor
-        kept. Returns the bytes given back."""
-        freed = self.device_bytes()
-        if self._store is not None:
-            self._store.release_device_buffers()
-        self._grad_scratch = None
-        return freed
-
-    # -- lifetime ---------------------------------------------------------------------
-    def close(self) -> None:
-        """Drain I/O and release the files and device buffers. The files go with the rank
-        dir: at once when ``state_dir`` was a plain path, else when the ``RankDir`` closes."""
-        if self._store is not None:
-            if self._pending_checkpoint is not None:
-                self._pending_checkpoint.abandon()
-                self._pending_checkpoint = None
-            store, self._store = self._store, None
-            try:
-                store.close()
-            finally:
-                self._grad_scratch = None
-                self._state_dir.release()
-
-    def __del__(self) -> None:
-        if getattr(self, "_store", None) is not None:
-            self.close()  # the store's I/O threads would otherwise outlive it
 
 
 def _follow_param(master: torch.Tensor, param: torch.Tensor) -> None:

@@ -26,22 +26,16 @@ StreamingAdam's does (``greenroom.optim.streamed`` Note [a failed step poisons])
 
 from __future__ import annotations
 
-import contextlib
-import math
 from typing import Callable, Iterable
 
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, muon
 
-from greenroom.compression import resolve as resolve_compression
-from greenroom.config import GB, MIB
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.adam import _follow_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.optim.streamed import StreamedOptimizer
 from greenroom.rankdir import RankDir
-from greenroom.statedir import claim_state_dir
-from greenroom.tensors import local_tensor
 
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -79,11 +73,7 @@ class StreamingMuon(StreamedOptimizer):
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ConfigError(f"StreamingMuon: adjust_lr_fn {adjust_lr_fn!r} is not supported "
                              "(None, 'original' or 'match_rms_adamw')")
-        if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, int) or chunk_mb <= 0:
-            raise ConfigError(f"StreamingMuon: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
-        if (isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, (int, float))
-                or not 0 <= host_cache_gb < math.inf):
-            raise ConfigError(f"StreamingMuon: host_cache_gb must be a finite number of GB >= 0, got {host_cache_gb!r}")
+        self._check_staging(chunk_mb, host_cache_gb)
         self._store: BucketStore | None = None
         self._failed: str | None = None  # streamed.py Note [a failed step poisons]
         self.streamed: list[torch.Tensor] = []
@@ -97,21 +87,8 @@ class StreamingMuon(StreamedOptimizer):
             raise ConfigError(f"StreamingMuon: params are on several devices ({sorted(map(str, devices))}); "
                              "one optimizer streams for one device")
         self.device = devices.pop() if devices else torch.device("cpu")
-        codec, self.compression_line = resolve_compression(compression, cuda=self.device.type == "cuda",
-                                                           chunk_bytes=chunk_mb * MIB)
-        # As StreamingAdam's (greenroom.statedir): claimed last, so a refused optimizer leaves no dir.
-        self._state_dir = claim_state_dir(state_dir, name="optim", what="StreamingMuon")
-        self.state_dir = self._state_dir.path
-        try:
-            self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
-                                      device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
-                                      host_cache_bytes=int(host_cache_gb * GB), moments=1)
-        except BaseException:
-            self._state_dir.release()
-            raise
-        self._grad_scratch: torch.Tensor | None = None
-        self._pending_checkpoint = None  # an InStepCheckpoint for the next step
-        self.last_checkpoint = None
+        self._open_store(entries, state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype, chunk_mb=chunk_mb,
+                         host_cache_gb=host_cache_gb, compression=compression, moments=1)
         self.initialize_state()
 
     def _name(self, gi: int, pi: int) -> str:
@@ -142,19 +119,6 @@ class StreamingMuon(StreamedOptimizer):
                 self.streamed.append(p)
         return entries
 
-    # -- facts ------------------------------------------------------------------------
-    @property
-    def store(self) -> BucketStore:
-        assert self._store is not None, "StreamingMuon is closed"
-        return self._store
-
-    @property
-    def moment_dtype(self) -> str:
-        return self.store.moment_dtype
-
-    def _keyed(self) -> dict[str, torch.Tensor]:
-        return {f"{gi}.{pi}": p for gi, group in enumerate(self.param_groups) for pi, p in enumerate(group["params"])}
-
     # -- state ------------------------------------------------------------------------
     def initialize_state(self) -> None:
         """Fresh state: masters from the params, zero momentum."""
@@ -181,12 +145,7 @@ class StreamingMuon(StreamedOptimizer):
         entries = self._classify([len(self.param_groups) - 1])
         if entries:
             new = self.store.extend(entries)
-
-            def fill(state) -> None:
-                if state.master is not None:
-                    for i, view in zip(state.bucket.entries, state.views(state.master)):
-                        view.copy_(self.streamed[i].detach())
-            self.store.overwrite(fill, new)
+            self.store.overwrite(self._fresh_fill(), new)
 
     def state_dict(self) -> dict:
         """torch.optim.Muon's format, the tensors views of the bucket files."""
@@ -199,27 +158,6 @@ class StreamingMuon(StreamedOptimizer):
         from greenroom.optim.muon_state import import_state_dict
 
         self._hooked_load_state_dict(state_dict, import_state_dict)
-
-    def save_checkpoint(self, path: str) -> dict:
-        from greenroom.optim.checkpoint import save_checkpoint
-
-        self._refuse_if_failed("save_checkpoint()")
-        return save_checkpoint(self, path)
-
-    def load_checkpoint(self, path: str, no_load_optim: bool = False) -> None:
-        from greenroom.optim.checkpoint import load_checkpoint
-
-        load_checkpoint(self, path, no_load_optim=no_load_optim)
-        self._state_replaced()  # every bucket and group
-
-    def checkpoint_next_step(self, path: str) -> None:
-        """Write a checkpoint at ``path`` as part of the next ``step()``'s own pass; see
-        ``greenroom.optim.instep``."""
-        from greenroom.optim.instep import InStepCheckpoint
-
-        if self._pending_checkpoint is not None:
-            self._pending_checkpoint.abandon()
-        self._pending_checkpoint = InStepCheckpoint(self, path)
 
     # -- what a checkpoint reads (optim.checkpoint.StreamedState) -----------------------
     def keyed_params(self) -> dict[str, torch.Tensor]:
@@ -238,10 +176,6 @@ class StreamingMuon(StreamedOptimizer):
 
     def hyperparameters(self) -> list[dict]:
         return [{k: v for k, v in group.items() if k not in ("params", "param_names")} for group in self.param_groups]
-
-    def load_hyperparameters(self, groups: list[dict]) -> None:
-        for group, saved in zip(self.param_groups, groups):
-            group.update(saved)
 
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -262,14 +196,8 @@ class StreamingMuon(StreamedOptimizer):
                     raise GreenroomError("StreamingMuon: Muon does not support complex parameters")
                 if p.grad.is_sparse:
                     raise GreenroomError("StreamingMuon: Muon does not support sparse gradients")
-        store = self.store
-        needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
-        pending, self._pending_checkpoint = self._pending_checkpoint, None  # checkpoint_next_step's
-        with self._poisoned_if_it_fails(), pending.during_step() if pending is not None else contextlib.nullcontext():
-            for bucket_state in store.stream(needed, mirror=pending):
-                self._step_bucket(bucket_state)
-        if pending is not None:
-            self.last_checkpoint = pending
+        with self._poisoned_if_it_fails():
+            self._stream_buckets()
         return loss
 
     def _step_bucket(self, bucket_state) -> None:
@@ -303,37 +231,3 @@ class StreamingMuon(StreamedOptimizer):
         if masters is not None:
             for k, p in todo:
                 p.copy_(masters[k])
-
-    def _grads_for(self, numel: int) -> torch.Tensor:
-        if self._grad_scratch is None or self._grad_scratch.numel() < numel:
-            largest = max(b.numel for b in self.store.buckets if b.master is not None)
-            self._grad_scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
-        return self._grad_scratch[:numel]
-
-    # -- device memory and lifetime ------------------------------------------------------
-    def device_bytes(self) -> int:
-        scratch = 0 if self._grad_scratch is None else self._grad_scratch.numel() * 4
-        return (self._store.device_bytes() if self._store is not None else 0) + scratch
-
-    def release_device_memory(self) -> int:
-        freed = self.device_bytes()
-        if self._store is not None:
-            self._store.release_device_buffers()
-        self._grad_scratch = None
-        return freed
-
-    def close(self) -> None:
-        if self._store is not None:
-            if self._pending_checkpoint is not None:
-                self._pending_checkpoint.abandon()
-                self._pending_checkpoint = None
-            store, self._store = self._store, None
-            try:
-                store.close()
-            finally:
-                self._grad_scratch = None
-                self._state_dir.release()
-
-    def __del__(self) -> None:
-        if getattr(self, "_store", None) is not None:
-            self.close()

@@ -1,5 +1,7 @@
 """What every streaming optimizer (``StreamingAdam``, ``StreamingMuon``) does the same way
-around its state, whatever its update rule.
+around its state, whatever its update rule: the bucket store and the claimed state dir,
+the poison of a failed step, torch's state-dict hooks, checkpoints, the device scratch
+and the lifetime.
 
 Note [a failed step poisons]: a step that raises part way (an I/O error writing bucket 3,
 a flipped bit found in bucket 5) has updated some buckets, counters and params and not
@@ -14,21 +16,83 @@ it, until the whole state is replaced: ``load_checkpoint``, ``load_state_dict`` 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable
 
 import torch
 
-from greenroom.errors import GreenroomError
+from greenroom.compression import resolve as resolve_compression
+from greenroom.config import GB, MIB
+from greenroom.errors import ConfigError, GreenroomError
+from greenroom.optim.store import BucketStore, Entry
+from greenroom.rankdir import RankDir
+from greenroom.statedir import claim_state_dir
+from greenroom.tensors import local_tensor
 
 
 class StreamedOptimizer(torch.optim.Optimizer):
-    """The shared part of the streaming optimizers: the poison of a failed step, and
-    torch's state-dict hooks around a format of the subclass's own. A subclass sets ``self._failed = None`` before ``torch.optim.Optimizer.__init__`` and
-    names itself in ``what`` (the messages' first word)."""
+    """The shared part of the streaming optimizers. A subclass names itself in ``what``
+    (the first word of its messages), sets ``_store = None`` and ``_failed = None`` before
+    ``torch.optim.Optimizer.__init__``, sorts its params into ``streamed`` (the param of
+    each store entry) and then calls ``_open_store``."""
 
     what = "StreamedOptimizer"
+    streamed: list[torch.Tensor]
+    _store: BucketStore | None
     _failed: str | None
 
+    # -- construction -----------------------------------------------------------------
+    def _check_staging(self, chunk_mb: int, host_cache_gb: float) -> None:
+        if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, int) or chunk_mb <= 0:
+            raise ConfigError(f"{self.what}: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
+        if (isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, (int, float))
+                or not 0 <= host_cache_gb < math.inf):
+            raise ConfigError(f"{self.what}: host_cache_gb must be a finite number of GB >= 0, got {host_cache_gb!r}")
+
+    def _open_store(self, entries: list[Entry], state_dir: str | RankDir, *, bucket_numel: int, moment_dtype: str,
+                    chunk_mb: int, host_cache_gb: float, compression: str, **store_options) -> None:
+        """Resolve the codec, claim the state dir and lay out the bucket files of
+        ``entries`` on ``self.device``."""
+        codec, self.compression_line = resolve_compression(compression, cuda=self.device.type == "cuda",
+                                                           chunk_bytes=chunk_mb * MIB)
+        # Claimed last, once nothing else can refuse: a refused optimizer leaves no dir.
+        self._state_dir = claim_state_dir(state_dir, name="optim", what=self.what)
+        self.state_dir = self._state_dir.path
+        try:
+            self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
+                                      device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
+                                      host_cache_bytes=int(host_cache_gb * GB), **store_options)
+        except BaseException:
+            self._state_dir.release()
+            raise
+        self._grad_scratch: torch.Tensor | None = None
+        self._pending_checkpoint = None  # an InStepCheckpoint for the next step
+        self.last_checkpoint = None  # the last in-step checkpoint written (bench figures)
+
+    # -- facts ------------------------------------------------------------------------
+    @property
+    def store(self) -> BucketStore:
+        assert self._store is not None, f"{self.what} is closed"
+        return self._store
+
+    @property
+    def moment_dtype(self) -> str:
+        return self.store.moment_dtype
+
+    def _keyed(self) -> dict[str, torch.Tensor]:
+        """Every param by ``group.index``: how checkpoints name it."""
+        return {f"{gi}.{pi}": p for gi, group in enumerate(self.param_groups) for pi, p in enumerate(group["params"])}
+
+    def _fresh_fill(self):
+        """A ``BucketStore.overwrite`` fill: masters from the params, moments zero."""
+        def fill(state) -> None:
+            if state.master is None:
+                return
+            for i, view in zip(state.bucket.entries, state.views(state.master)):
+                view.copy_(local_tensor(self.streamed[i]).detach())
+        return fill
+
+    # -- a failed step ------------------------------------------------------------------
     def _refuse_if_failed(self, call: str) -> None:
         """See Note [a failed step poisons]."""
         if self._failed is not None:
@@ -50,6 +114,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         """The whole state was just replaced (loaded or initialized): no poison left."""
         self._failed = None
 
+    # -- state dicts and checkpoints ----------------------------------------------------
     def _hooked_state_dict(self, export: Callable[[Any], dict]) -> dict:
         """``export(self)`` between the hooks torch's ``Optimizer.state_dict`` runs (a
         post hook may return a replacement); refused while poisoned."""
@@ -74,3 +139,94 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self._state_replaced()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def save_checkpoint(self, path: str) -> dict:
+        """Write the state to ``path`` (synchronously, atomically; a clone of the files
+        where the filesystem can); see ``optim.checkpoint``. Returns what it moved."""
+        from greenroom.optim.checkpoint import save_checkpoint
+
+        self._refuse_if_failed("save_checkpoint()")
+        return save_checkpoint(self, path)
+
+    def checkpoint_next_step(self, path: str) -> None:
+        """Have the next ``step()`` write a checkpoint of its result at ``path`` from its
+        own streaming pass (no extra read) and publish it when the step ends; see
+        ``greenroom.optim.instep``. A later call replaces an unused request."""
+        from greenroom.optim.instep import InStepCheckpoint
+
+        if self._pending_checkpoint is not None:
+            self._pending_checkpoint.abandon()
+        self._pending_checkpoint = InStepCheckpoint(self, path)
+
+    def load_checkpoint(self, path: str, no_load_optim: bool = False) -> None:
+        """Restore the state saved at ``path``, verified first; see ``optim.checkpoint``."""
+        from greenroom.optim.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path, no_load_optim=no_load_optim)
+        self._state_replaced()  # every bucket, counter and group
+
+    def load_hyperparameters(self, groups: list[dict]) -> None:
+        for group, saved in zip(self.param_groups, groups):
+            group.update(saved)
+
+    # -- the step ---------------------------------------------------------------------
+    def _stream_buckets(self) -> None:
+        """Stream every bucket holding a param with a grad through ``_step_bucket`` (the
+        subclass's update of one bucket), writing the checkpoint ``checkpoint_next_step``
+        asked for from the same pass."""
+        store = self.store
+        needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        with pending.during_step() if pending is not None else contextlib.nullcontext():
+            for bucket_state in store.stream(needed, mirror=pending):
+                self._step_bucket(bucket_state)
+        if pending is not None:
+            self.last_checkpoint = pending
+
+    def _step_bucket(self, bucket_state) -> None:
+        raise NotImplementedError
+
+    # -- device memory -----------------------------------------------------------------
+    def _grads_for(self, numel: int) -> torch.Tensor:
+        """fp32 grads for a bucket's fp32 masters, on the device (one scratch, the size of
+        the largest bucket with masters)."""
+        if self._grad_scratch is None or self._grad_scratch.numel() < numel:
+            largest = max(b.numel for b in self.store.buckets if b.master is not None)
+            self._grad_scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
+        return self._grad_scratch[:numel]
+
+    def device_bytes(self) -> int:
+        """Device memory the streaming holds between steps: the store's bucket buffers
+        and the fp32 grad scratch (state kept resident is in ``self.state``)."""
+        scratch = 0 if self._grad_scratch is None else self._grad_scratch.numel() * 4
+        return (self._store.device_bytes() if self._store is not None else 0) + scratch
+
+    def release_device_memory(self) -> int:
+        """Give back ``device_bytes()``: between steps those buffers hold nothing the
+        bucket files lack, and the next step makes them again. The offloader calls this
+        on a tracked optimizer before the actor sleeps, so they are neither moved nor
+        kept. Returns the bytes given back."""
+        freed = self.device_bytes()
+        if self._store is not None:
+            self._store.release_device_buffers()
+        self._grad_scratch = None
+        return freed
+
+    # -- lifetime ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Drain I/O and release the files and device buffers. The files go with the rank
+        dir: at once when ``state_dir`` was a plain path, else when the ``RankDir`` closes."""
+        if self._store is not None:
+            if self._pending_checkpoint is not None:
+                self._pending_checkpoint.abandon()
+                self._pending_checkpoint = None
+            store, self._store = self._store, None
+            try:
+                store.close()
+            finally:
+                self._grad_scratch = None
+                self._state_dir.release()
+
+    def __del__(self) -> None:
+        if getattr(self, "_store", None) is not None:
+            self.close()  # the store's I/O threads would otherwise outlive it
