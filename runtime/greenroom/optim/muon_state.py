@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from greenroom.errors import GreenroomError
-from greenroom.optim.state_dict import _as_param_like, _bucket_segments, _view_dtype
+from greenroom.optim.state_dict import (_as_param_like, _bucket_segments, _view_dtype, check_groups, check_tensor,
+                                        refusal)
 
 _KEYS = ("momentum_buffer", "master")
 
@@ -58,39 +58,18 @@ def export_state_dict(opt) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _fail(msg: str) -> None:
-    raise GreenroomError(f"StreamingMuon.load_state_dict: {msg}; nothing was changed")
-
-
-def _check(name: str, value: Any, shape, dtype: torch.dtype, widen: torch.dtype | None) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        _fail(f"{name} is a {type(value).__name__}, expected a tensor")
-    if tuple(value.shape) != tuple(shape):
-        _fail(f"{name} has shape {tuple(value.shape)}, this optimizer's is {tuple(shape)}")
-    if value.dtype != dtype and value.dtype != widen:
-        _fail(f"{name} is {value.dtype}, this optimizer stores {dtype}")
-    return value
+_fail = refusal("StreamingMuon.load_state_dict")
 
 
 def import_state_dict(opt, state_dict: Any) -> None:
     moment_dtype = _view_dtype(opt, "load_state_dict()")
-    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-        _fail("expected a dict with 'state' and 'param_groups' (an optimizer state dict)")
-    groups, saved_groups = opt.param_groups, state_dict["param_groups"]
-    if len(groups) != len(saved_groups):
-        _fail(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
-    ids, recorded = [], []
-    for gi, (g, saved) in enumerate(zip(groups, saved_groups)):
-        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
-            _fail(f"param group {gi} has no 'params' list")
-        if len(saved["params"]) != len(g["params"]):
-            _fail(f"param group {gi} has {len(saved['params'])} params in the state dict, {len(g['params'])} here")
+
+    def check_group(gi: int, saved: dict) -> None:
         if saved.get("moment_dtype") not in (None, opt.moment_dtype):
             _fail(f"its momentum is {saved['moment_dtype']}, this optimizer stores {opt.moment_dtype}")
-        ids.extend(saved["params"])
-        recorded.extend([saved.get("moment_dtype")] * len(saved["params"]))
+
+    position, recorded = check_groups(opt, state_dict, _fail, check_group)
     params = _param_list(opt)
-    position = {pid: n for n, pid in enumerate(ids)}
     checked: dict[int, dict] = {}
     for pid, pstate in state_dict["state"].items():
         if pid not in position:
@@ -102,12 +81,12 @@ def import_state_dict(opt, state_dict: Any) -> None:
         if not isinstance(pstate, dict) or "momentum_buffer" not in pstate or set(pstate) - set(_KEYS):
             _fail(f"param {n}'s state must be a dict of momentum_buffer (and master for 16-bit params)")
         widen = p.dtype if recorded[n] is None and moment_dtype == torch.float32 else None
-        got = {"momentum_buffer": _check(f"param {n}'s momentum_buffer", pstate["momentum_buffer"], p.shape,
-                                         moment_dtype, widen)}
+        got = {"momentum_buffer": check_tensor(_fail, f"param {n}'s momentum_buffer", pstate["momentum_buffer"],
+                                               p.shape, moment_dtype, widen)}
         if "master" in pstate:
             if p.dtype == torch.float32:
                 _fail(f"param {n} is fp32 (its own master) but the state dict has a master for it")
-            got["master"] = _check(f"param {n}'s master", pstate["master"], p.shape, torch.float32, None)
+            got["master"] = check_tensor(_fail, f"param {n}'s master", pstate["master"], p.shape, torch.float32)
         checked[n] = got
     number = {id(p): n for n, p in enumerate(params)}
     opt.store.engine.drain()
@@ -129,7 +108,7 @@ def import_state_dict(opt, state_dict: Any) -> None:
     opt.state.clear()
     for n in checked:
         opt.state[params[n]] = {}
-    for g, saved in zip(opt.param_groups, saved_groups):
+    for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
         for key, value in saved.items():
             if key not in ("params", "param_names", "moment_dtype"):
                 g[key] = value

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
 
@@ -182,50 +182,68 @@ def export_state_dict(opt: StreamingAdam) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-# -- import ----------------------------------------------------------------------------
-def _fail(msg: str) -> None:
-    raise GreenroomError(f"StreamingAdam.load_state_dict: {msg}; nothing was changed")
+# -- import (these checks are StreamingMuon's too: greenroom.optim.muon_state) ----------
+def refusal(what: str) -> Callable[[str], NoReturn]:
+    """How a load refuses: one line, ``what: msg; nothing was changed``."""
+    def fail(msg: str) -> NoReturn:
+        raise GreenroomError(f"{what}: {msg}; nothing was changed")
+    return fail
 
 
-def _check_tensor(name: str, value: Any, shape: torch.Size, dtype: torch.dtype,
-                  widen: torch.dtype | None = None) -> torch.Tensor:
+_fail = refusal("StreamingAdam.load_state_dict")
+
+
+def check_tensor(fail, name: str, value: Any, shape: torch.Size, dtype: torch.dtype,
+                 widen: torch.dtype | None = None) -> torch.Tensor:
     """``value``'s local tensor, of ``shape`` and ``dtype`` (or ``widen``, which converts
-    to ``dtype`` exactly)."""
+    to ``dtype`` exactly); else ``fail``."""
     if not isinstance(value, torch.Tensor):
-        _fail(f"{name} is a {type(value).__name__}, expected a tensor")
+        fail(f"{name} is a {type(value).__name__}, expected a tensor")
     local = local_tensor(value)
     if tuple(local.shape) != tuple(shape):
-        _fail(f"{name} has shape {tuple(local.shape)}, this optimizer's is {tuple(shape)}")
+        fail(f"{name} has shape {tuple(local.shape)}, this optimizer's is {tuple(shape)}")
     if local.dtype != dtype and local.dtype != widen:
-        _fail(f"{name} is {local.dtype}, this optimizer stores {dtype}")
+        fail(f"{name} is {local.dtype}, this optimizer stores {dtype}")
     return local
+
+
+def check_groups(opt, state_dict: Any, fail, check_group: Callable[[int, dict], None]) -> tuple[dict, list]:
+    """The frame of a torch optimizer state dict checked against ``opt``: ``state`` and
+    ``param_groups``, a saved group per group, each with as many params (and whatever
+    ``check_group(index, saved group)`` checks besides). Returns ``{saved param id:
+    position in opt's param list}`` and the ``moment_dtype`` each param's group recorded."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        fail("expected a dict with 'state' and 'param_groups' (an optimizer state dict)")
+    groups, saved_groups = opt.param_groups, state_dict["param_groups"]
+    if len(groups) != len(saved_groups):
+        fail(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
+    ids, recorded = [], []
+    for gi, (g, saved) in enumerate(zip(groups, saved_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            fail(f"param group {gi} has no 'params' list")
+        if len(saved["params"]) != len(g["params"]):
+            fail(f"param group {gi} has {len(saved['params'])} params in the state dict, {len(g['params'])} here")
+        check_group(gi, saved)
+        ids.extend(saved["params"])
+        recorded.extend([saved.get("moment_dtype")] * len(saved["params"]))
+    return {pid: n for n, pid in enumerate(ids)}, recorded
+
+
+def _check_adam_group(opt: StreamingAdam, gi: int, saved: dict) -> None:
+    recorded = saved.get("moment_dtype")
+    if recorded is not None and recorded != opt.moment_dtype:
+        _fail(f"its moments are {recorded}, this optimizer stores {opt.moment_dtype} "
+              f"(build it with moment_dtype={recorded!r})")
+    for key, allowed in FIXED_GROUP_KEYS.items():
+        if key in saved and saved[key] != allowed:
+            _fail(f"param group {gi} has {key}={saved[key]!r}, which StreamingAdam does not implement")
 
 
 def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> dict[int, dict]:
     """Every check, before anything changes; returns ``{param index: local tensors}``."""
-    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-        _fail("expected a dict with 'state' and 'param_groups' (an optimizer state dict)")
-    groups, saved_groups = opt.param_groups, state_dict["param_groups"]
-    if len(groups) != len(saved_groups):
-        _fail(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}")
-    ids, recorded_by_group = [], []
-    for gi, (g, saved) in enumerate(zip(groups, saved_groups)):
-        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
-            _fail(f"param group {gi} has no 'params' list")
-        if len(saved["params"]) != len(g["params"]):
-            _fail(f"param group {gi} has {len(saved['params'])} params in the state dict, "
-                  f"{len(g['params'])} here")
-        recorded = saved.get("moment_dtype")
-        if recorded is not None and recorded != opt.moment_dtype:
-            _fail(f"its moments are {recorded}, this optimizer stores {opt.moment_dtype} "
-                  f"(build it with moment_dtype={recorded!r})")
-        for key, allowed in FIXED_GROUP_KEYS.items():
-            if key in saved and saved[key] != allowed:
-                _fail(f"param group {gi} has {key}={saved[key]!r}, which StreamingAdam does not implement")
-        ids.extend(saved["params"])
-        recorded_by_group.extend([recorded] * len(saved["params"]))
+    position, recorded_by_group = check_groups(opt, state_dict, _fail,
+                                               lambda gi, saved: _check_adam_group(opt, gi, saved))
     params = _param_list(opt)
-    position = {pid: n for n, pid in enumerate(ids)}
     resident = {id(p) for p in opt.resident}
     checked = {}
     for pid, pstate in state_dict["state"].items():
@@ -252,12 +270,13 @@ def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> d
         # torch.optim.AdamW keeps a 16-bit param's moments in the param's dtype; widening
         # them to fp32 storage is exact, so such a state dict (no moment dtype recorded) loads.
         widen = p.dtype if recorded_by_group[n] is None and want == torch.float32 else None
-        tensors = {key: _check_tensor(f"param {n}'s {key}", pstate[key], local.shape, want, widen)
+        tensors = {key: check_tensor(_fail, f"param {n}'s {key}", pstate[key], local.shape, want, widen)
                    for key in _MOMENTS if key in pstate}
         if "master" in pstate:
             if p.dtype == torch.float32:
                 _fail(f"param {n} is fp32 (its own master) but the state dict has a master for it")
-            tensors["master"] = _check_tensor(f"param {n}'s master", pstate["master"], local.shape, torch.float32)
+            tensors["master"] = check_tensor(_fail, f"param {n}'s master", pstate["master"], local.shape,
+                                             torch.float32)
         checked[n] = {"step": float(step), **tensors}
     return checked
 
