@@ -19,14 +19,13 @@ from tqdm import tqdm
 
 from greenroom import actor, publish
 from greenroom.actor.memory import RssSampler, device_used_bytes
-from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.faults import kill_point
-from greenroom.fs import human_bytes, stored_bytes
+from greenroom.fs import stored_bytes
 from greenroom.rankdir import RankDir
 from greenroom.tensors import local_tensor
-from greenroom.train import checkpoint, preflight
+from greenroom.train import checkpoint, preflight, summary
 from greenroom.train.model import PRECISIONS, ModelConfig, Transformer, set_precision
 from greenroom.train.rollout import RolloutEngine
 from greenroom.train.task import TaskConfig, reward, sample_prompts
@@ -457,69 +456,15 @@ class Trainer:
                     file=sys.stderr)
 
     def _header(self, start: int) -> str:
-        o = self.offload
-        offload = f"{o.offload_train_target} ({self.offloader.backend})" if o.offload_train else "off"
-        streaming = "off"
-        if o.stream_optimizer_state_to_disk:
-            streaming = f"on ({o.stream_optimizer_state_moment_dtype} moments): {self._streaming_words()}"
-        parts = [f"greenroom train: {self.model_config.num_params():,} params ({self.config.dtype}) on {self.device}",
-                 f"{self.world_size} rank(s)", f"offload {offload}", f"streaming {streaming}"]
-        if o.uses_disk:
-            parts.append(resolve_compression(o.offload_train_disk_compression, cuda=self.device.type == "cuda",
-                                             chunk_bytes=o.chunk_bytes)[1])
-        if o.staging_bytes_per_rank:
-            count = o.staging_bytes_per_rank // o.chunk_bytes
-            parts.append(f"staging {count} x {o.offload_train_disk_chunk_mb} MiB host memory per rank"
-                         + (" (one per mechanism)" if count > 1 else ""))
-        if o.host_cache_bytes:
-            parts.append(self._host_cache_words())
-        if self.rank_dir is not None:
-            parts.append(f"rank dir {self.rank_dir.path}")
-        if start:
-            parts.append(f"resuming at iteration {start + 1}")
-        return ", ".join(parts)
-
-    def _streaming_words(self) -> str:
-        """What streams and what stays resident on this rank."""
-        opt = self.optimizer
-        streamed = sum(local_tensor(p).numel() for p in opt.streamed)
-        resident = sum(local_tensor(p).numel() for p in opt.resident)
-        words = (f"{streamed:,} params stream ({human_bytes(opt.store.state_bytes)} of fp32 masters and moments "
-                 f"in {len(opt.store.buckets)} bucket file(s), read and written back every optimizer step), "
-                 f"{resident:,} stay resident (fp32 params of at most {opt.resident_numel:,} elements)")
-        if not streamed:
-            words += ("; WARNING: nothing streams, every param is a small fp32 one: use --dtype mixed or bf16, "
-                      "or a larger --d-model")
-        return words
-
-    def _host_cache_words(self) -> str:
-        """What ``--stream-optimizer-state-host-cache-gb`` holds on this rank (whole buckets only)."""
-        store = self.optimizer.store
-        budget = f"{self.offload.stream_optimizer_state_host_cache_gb:g} GB"
-        pinned = "pinned host memory" if self.device.type == "cuda" else "host memory"
-        if not store.buckets:
-            return f"host cache {budget} unused: no param streams (all are small fp32 ones, kept on the device)"
-        if not store.host_cache:
-            smallest = min(b.data_bytes for b in store.buckets)
-            return (f"host cache {budget} holds no bucket (the smallest takes {smallest / GB:.3g} GB): "
-                    "every bucket streams from disk")
-        return (f"host cache {len(store.host_cache)} of {len(store.buckets)} buckets, "
-                f"{store.host_cache_bytes / GB:.3g} GB of {pinned} per rank (of {budget}), "
-                f"disk {store.disk_bytes_per_step / GB:.3g} GB each way per step")
+        return summary.header(self.offload, params=self.model_config.num_params(), dtype=self.config.dtype,
+                              device=self.device, world_size=self.world_size, backend=self.offloader.backend,
+                              optimizer=self.optimizer, start=start,
+                              rank_dir_path=self.rank_dir.path if self.rank_dir is not None else None)
 
     def _log(self, record: dict) -> None:
         if self.rank != 0:
             return
-        line = (f"iter {record['iteration']:>3}/{record['iterations']}  reward {record['reward']:.3f}  "
-                f"loss {record['loss']:+.4f}  train {record['train_s']:.2f}s  rollout {record['rollout_s']:.2f}s  "
-                f"sleep {record['sleep_s']:.3f}s ({record['sleep_gbps']:.2f} GB/s, "
-                f"offloaded {human_bytes(record['offloaded_bytes'])}, wrote {human_bytes(record['sleep_written'])})  "
-                f"wake {record['wake_s']:.3f}s ({record['wake_gbps']:.2f} GB/s)  "
-                + (f"streamed read {human_bytes(record['stream_read_bytes'])} written "
-                   f"{human_bytes(record['stream_written_bytes'])} ({record['stream_gbps']:.2f} GB/s)  "
-                   if record["stream_read_bytes"] else "")
-                + (f"on disk {human_bytes(record['disk_stored_bytes'])}  " if self.rank_dir is not None else "") +
-                f"peak dev {record['peak_device_bytes'] / GB:.3f} GB  host {record['peak_host_rss'] / GB:.2f} GB")
+        line = summary.iteration_line(record, on_disk=self.rank_dir is not None)
         self._say(line)
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(record) + "\n")
