@@ -3,13 +3,19 @@
 - The in-step checkpoint of step N holds the same bytes as ``save_checkpoint`` right
   after step N (the bucket files byte for byte), reads no byte of the state, and a load
   of it continues bit-identically to ``torch.optim.AdamW``: with every bucket streamed,
-  with a bucket the step skipped (copied, the only read), with the host cache, and with
-  a compressed store.
+  with a bucket the step skipped (linked or copied), with the host cache, and with a
+  compressed store; by links (the checkpoint beside the state, one ext4) and by a second
+  write (the checkpoint on another filesystem: a real tmpfs mount, so link() gives EXDEV).
+- By links: the checkpoint's files are the step's own new inodes (no byte written
+  twice); the next step writes new inodes again and leaves the checkpoint's bytes as
+  they were, as it leaves a user's ``cp -l`` backup; a load links the files back and the
+  resumed run never writes them; a write into a shared inode is refused in one line.
 - Damage is refused in one line naming the file, before the live state changes.
 - A kill at any point of the in-step save leaves the previous checkpoint loadable (or,
   once swapped in, the new one), in a real process killed with SIGKILL.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -43,30 +49,67 @@ def _files(path):
     return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path)) if n.startswith("bucket-")}
 
 
+def _inodes(path):
+    return {n: os.stat(os.path.join(path, n)).st_ino for n in sorted(os.listdir(path)) if n.startswith("bucket-")}
+
+
+@contextlib.contextmanager
+def other_fs(tmp_path):
+    """A dir on a tmpfs of its own (root only): another filesystem than the state's, so
+    link() between them fails with EXDEV, as it does for a checkpoint on another disk."""
+    mount_point = str(tmp_path / "other-fs")
+    os.makedirs(mount_point)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", mount_point],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs (another filesystem for the checkpoint) needs root")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", mount_point], check=True)
+
+
+@pytest.mark.parametrize("mode", ["link", "write"])
 @pytest.mark.parametrize("case", ["all streamed", "a bucket skipped", "host cache", "zstd"])
-def test_in_step_checkpoint_matches_a_save_after_the_step_and_loads_bit_identically(disk_dir, case):
+def test_in_step_checkpoint_matches_a_save_after_the_step_and_loads_bit_identically(disk_dir, tmp_path, case, mode):
     ours, ref_params = twins(SHAPES)
     kwargs = {"host cache": {"host_cache_gb": 2e-5}, "zstd": {"compression": "zstd"}}.get(case, {})
     opt = _optimizer(ours, os.path.join(disk_dir, "live"), **kwargs)
     ref = _reference(ref_params)
     if case == "host cache":
         assert 0 < len(opt.store.host_cache) < len(opt.store.buckets)
+    with other_fs(tmp_path) if mode == "write" else contextlib.nullcontext(disk_dir) as where:
+        try:
+            _checkpoint_and_resume(opt, ref, ours, ref_params, where, case, mode)
+        finally:
+            opt.close()
+
+
+def _checkpoint_and_resume(opt, ref, ours, ref_params, where, case, mode):
     skip = {0, 1, 2, 3} if case == "a bucket skipped" else ()  # group 0's params: its buckets get no grads
     for step in range(3):
         set_grads(ours, ref_params, step=step, skip=skip if step == 2 else ())
         if step == 2:
-            opt.checkpoint_next_step(os.path.join(disk_dir, "in-step"))
+            opt.checkpoint_next_step(os.path.join(where, "in-step"))
         opt.step()
         ref.step()
     written = opt.last_checkpoint
+    assert written.mode == mode
+    skipped = [b for b in opt.store.buckets if b.index not in written.mirrored and b.index not in opt.store.host_cache]
     if case == "a bucket skipped":
-        assert written.extra_bytes_read > 0
+        assert skipped
+        assert written.extra_bytes_read == sum(b.file_bytes - b.data_bytes if mode == "link" else b.file_bytes
+                                               for b in skipped)  # a link reads the table only
     else:
         assert written.extra_bytes_read == 0
-    assert written.extra_bytes_written > 0
-    opt.save_checkpoint(os.path.join(disk_dir, "after"))
+    if mode == "link" and case != "host cache":  # a cached bucket is written from host memory
+        assert written.extra_bytes_written == 0
+        assert _inodes(os.path.join(where, "in-step")) == _inodes(opt.store.directory)
+    else:
+        assert written.extra_bytes_written > 0
+    opt.save_checkpoint(os.path.join(where, "after"))
     if case != "zstd":  # compressed files leave the gaps between frames as they were
-        assert _files(os.path.join(disk_dir, "in-step")) == _files(os.path.join(disk_dir, "after"))
+        assert _files(os.path.join(where, "in-step")) == _files(os.path.join(where, "after"))
+    saved = _files(os.path.join(where, "in-step"))
     weights = [p.detach().clone() for p in ours]  # the model's part of the checkpoint
     for step in range(3, 5):  # moves on, then comes back
         set_grads(ours, step=step)
@@ -74,13 +117,16 @@ def test_in_step_checkpoint_matches_a_save_after_the_step_and_loads_bit_identica
     with torch.no_grad():
         for p, w in zip(ours, weights):
             p.copy_(w)
-    opt.load_checkpoint(os.path.join(disk_dir, "in-step"))
+    assert _files(os.path.join(where, "in-step")) == saved  # the steps after it wrote new inodes
+    opt.load_checkpoint(os.path.join(where, "in-step"))
+    if mode == "link":
+        assert _inodes(os.path.join(where, "in-step")) == _inodes(opt.store.directory)
     for step in range(3, 6):
         set_grads(ours, ref_params, step=step)
         opt.step()
         ref.step()
     assert_state_equal(opt, ref, ours, ref_params)
-    opt.close()
+    assert _files(os.path.join(where, "in-step")) == saved  # the resumed run never wrote the checkpoint
 
 
 def _damaged(disk_dir, change):

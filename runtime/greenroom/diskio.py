@@ -65,6 +65,14 @@ always lie inside its own raw range and its staging buffer; a reader with smalle
 buffers than the writer's is refused in one line. Every frame's checksum covers its
 stored bytes at the offsets they were stored at.
 
+Note [shared inodes]: a bucket file's inode may have more than one name: a checkpoint
+written in the step links the new bucket files into its dir (``optim.instep``), a load
+links a checkpoint's files in, and a user may keep a ``cp -l`` backup. Bytes written in
+place would land in every name, so a file with its checksums in it is never written
+while ``fstat`` counts more than one link (the writer, ``optim.store``, gives such a
+bucket a new inode and renames it over the live name; this check in ``write`` is the
+last line, one ``fstat`` per chunk).
+
 Note [failing fast]: a driver or worker thread never dies with a transfer unfinished.
 An exception while splitting a transfer fails the chunks not yet handed out; one in a
 worker fails its chunk; either way the transfer completes with the error and
@@ -316,9 +324,16 @@ class StateFile:
 
     # -- blocking I/O -------------------------------------------------------------
     def write(self, buf: memoryview, file_offset: int) -> int:
-        """Write all of ``buf`` at ``file_offset``; returns the bytes written."""
+        """Write all of ``buf`` at ``file_offset``; returns the bytes written. A file with
+        its checksums in it is refused while another name links its inode (Note [shared
+        inodes])."""
         self._check_range(len(buf), file_offset)
         try:
+            if self.table_offset is not None and os.fstat(self.fd).st_nlink > 1:
+                raise StorageError(f"{self.path}: refusing to write {self.label} in place: its inode has "
+                                   f"{os.fstat(self.fd).st_nlink} links (a checkpoint or a hard-linked backup "
+                                   "shares it); greenroom writes such a bucket to a new file instead, so this is "
+                                   "a bug: report it")
             done = pwrite_all(self.fd, buf, file_offset, self.path)
             with self._count_lock:
                 self.disk_bytes_written += done

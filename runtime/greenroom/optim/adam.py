@@ -357,7 +357,7 @@ class StreamingAdam(torch.optim.Optimizer):
             needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
             pending, self._pending_checkpoint = self._pending_checkpoint, None  # checkpoint_next_step's
             with pending.during_step() if pending is not None else contextlib.nullcontext():
-                for bucket_state in store.stream(needed, mirror=pending):
+                for bucket_state in store.stream(needed, checkpoint=pending):
                     self._step_bucket(bucket_state)
         except BaseException as e:
             self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -36,6 +36,20 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   no copy of the whole state ever exists on the device or the host.
 - ``host_cache_bytes`` (``--stream-optimizer-state-host-cache-gb``): see Note [host cache].
 
+Note [new inodes]: a bucket is written in place only while its file's inode has one
+name (``fstat``'s ``st_nlink``, checked on the open fd: a checkpoint's link and a user's
+``cp -l`` backup count alike; ``diskio`` Note [shared inodes]). A bucket whose file is
+shared is written to a new file beside it (``bucket-NNNNN.bin.new``, preallocated: all
+of a step's new files are made before its first write, so running out of space fails
+before any bucket changed), which is renamed over the live name once written; the
+other names keep the old inode, untouched. A step that writes a checkpoint by links
+(``optim.instep``) hands each bucket a new file in the checkpoint's staging dir
+instead: once written, the live name becomes a link to it (``.new`` then rename), so the
+checkpoint holds the step's result at the price of no extra byte, and the next step
+writes those buckets to new inodes again. Either way a live name always names a whole
+bucket (the old one or the new one, each with its own table), and a kill leaves every
+other name as it was.
+
 Note [host cache]: whole buckets, as many as fit in ``host_cache_bytes``, live in host
 memory (pinned when the store's device is CUDA) instead of going to the disk each step.
 Which: the buckets in order, each taken while it still fits (a bucket too large for
@@ -61,18 +75,32 @@ import math
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from greenroom.diskio import STORE_RAW, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError, StorageError
+from greenroom.faults import kill_point
 from greenroom.fs import human_bytes
 from greenroom.optim import remainder
+from greenroom.optim.hardlink import NEW_SUFFIX, link_over
 from greenroom.optim.codecs import moment_codecs
 
 DEFAULT_BUCKET_NUMEL = 200_000_000
 FILE_PATTERN = "bucket-{:05d}.bin"
+
+
+class StepCheckpoint(Protocol):
+    """What ``BucketStore.stream`` asks of the checkpoint a step writes (``optim.instep``)."""
+
+    links: bool
+    """True: each bucket is written to the checkpoint's new file, which the live name then
+    links; False: each is written in place (or to a new inode) and to the checkpoint's
+    file too, a second write from the same staging."""
+
+    def bucket_file(self, index: int) -> StateFile | None:
+        """The checkpoint's file of bucket ``index`` (None: not through the stream)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -230,18 +258,26 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
 
 
 class _DeviceBuffer:
-    """A device buffer holding one bucket file's bytes, and the write still reading it."""
+    """A device buffer holding one bucket file's bytes, the write still reading it, and
+    the new file that write fills, to be installed once it is over (Note [new inodes])."""
 
-    __slots__ = ("raw", "write")
+    __slots__ = ("raw", "write", "replacing")
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.write = None
+        self.replacing: _Replacement | None = None
 
-    def wait_write(self) -> None:
-        if self.write is not None:
-            write, self.write = self.write, None
-            write.wait()
+
+@dataclass(eq=False, slots=True)
+class _Replacement:
+    """A new file that bucket ``index`` is being written to, to take its live name once
+    written: ``linked`` when the file lives elsewhere (a checkpoint's staging dir) and
+    the live name gets a link to it, else it is a temporary name beside the live one."""
+
+    index: int
+    file: StateFile
+    linked: bool
 
 
 class _HostCopy:
@@ -332,6 +368,8 @@ class BucketStore:
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self._retired_bytes_read = 0  # disk bytes of the files that new inodes replaced
+        self._retired_bytes_written = 0
         self.host_cache_budget = host_cache_bytes
         self.host_cache: dict[int, torch.Tensor] = {}  # bucket index -> its bytes (Note [host cache])
         self._stale: set[int] = set()  # cached buckets whose file lags behind the cache
@@ -389,7 +427,8 @@ class BucketStore:
     def disk_bytes(self, way: str) -> int:
         """Bytes ``read`` from or ``written`` to the bucket files since they were opened:
         the state's bytes, less what compression saved."""
-        return sum(getattr(f, f"disk_bytes_{way}") for f in self.files)
+        retired = self._retired_bytes_read if way == "read" else self._retired_bytes_written
+        return retired + sum(getattr(f, f"disk_bytes_{way}") for f in self.files)
 
     def path(self, index: int) -> str:
         return os.path.join(self.directory, FILE_PATTERN.format(index))
@@ -484,9 +523,7 @@ class BucketStore:
             host.copy_(raw)
             self._stale.add(index)
             return
-        self._write(raw, self.buckets[index]).wait()
-        self.bytes_written += self.buckets[index].file_bytes
-        self.files[index].sync()
+        self._store_file(index, raw)
 
     def extend(self, entries: Sequence[Entry]) -> list[int]:
         """Append ``entries`` in new buckets of their own (``add_param_group``); returns
@@ -523,35 +560,136 @@ class BucketStore:
 
     # -- the step -------------------------------------------------------------------
     def stream(self, indices: Sequence[int] | None = None, *,
-               mirror: Callable[[int], StateFile | None] | None = None) -> Iterator[BucketState]:
+               checkpoint: StepCheckpoint | None = None) -> Iterator[BucketState]:
         """Yield the buckets ``indices`` (default all, in order) on the device, reading
-        ahead one and writing back behind; all writes are drained when it finishes.
-        ``mirror(index)``: a file that each written-back bucket's bytes also go to, from
-        the same staging (an in-step checkpoint; None for a bucket not to mirror)."""
+        ahead one and writing back behind; all writes are drained when it finishes, and
+        every bucket written to a new file has its live name (Note [new inodes]).
+        ``checkpoint``: an in-step checkpoint (``optim.instep``) that each written-back
+        bucket also goes to: by a link to the new file it hands out, or by a second
+        write from the same staging."""
         order = list(range(len(self.buckets))) if indices is None else list(indices)
         if not order:
             return
+        linked = checkpoint is not None and checkpoint.links
+        fresh = {} if linked else self._new_files([i for i in order if i not in self.host_cache])
         buffers = [self._buffer(0), self._buffer(1)]
         pending = self._submit_read(order[0], buffers[0])
+        failed = True
         try:
             for k, index in enumerate(order):
                 buffer = buffers[k % 2]
                 pending.wait()
                 if k + 1 < len(order):
                     ahead = buffers[(k + 1) % 2]
-                    ahead.wait_write()  # bucket k-1 leaves that buffer before k+1 comes in
+                    self._finish_write(ahead)  # bucket k-1 leaves that buffer before k+1 comes in
                     pending = self._submit_read(order[k + 1], ahead)
                 state = self._decode(index, buffer)
                 yield state
                 self._encode(state, buffer)
-                buffer.write = self._submit_write(index, buffer, mirror(index) if mirror is not None else None)
+                self._submit_write(index, buffer, checkpoint, fresh)
+            failed = False
         finally:
             try:
                 self.engine.drain()
+            except BaseException:
+                failed = True
+                raise
             finally:
                 self._sync_host_copies()
                 for buffer in buffers:
                     buffer.write = None
+                    replacing, buffer.replacing = buffer.replacing, None
+                    if replacing is not None and not failed:
+                        self._install(replacing)
+                    elif replacing is not None:
+                        self._drop(replacing)
+                for index, f in fresh.items():  # made for a bucket the stream never wrote
+                    self._drop(_Replacement(index, f, False))
+
+    def _finish_write(self, buffer: _DeviceBuffer) -> None:
+        """Wait for the write still reading ``buffer``; give its new file the live name."""
+        if buffer.write is not None:
+            write, buffer.write = buffer.write, None
+            write.wait()
+        replacing, buffer.replacing = buffer.replacing, None
+        if replacing is not None:
+            self._install(replacing)
+
+    # -- new inodes for shared files (Note [new inodes]) ------------------------------
+    def shared(self, index: int) -> bool:
+        """Whether bucket ``index``'s live file has another name (a checkpoint, a backup)."""
+        return os.fstat(self.files[index].fd).st_nlink > 1
+
+    def _new_files(self, indices: Sequence[int]) -> dict[int, StateFile]:
+        """A preallocated new file beside the live one for each of the buckets ``indices``
+        whose live file is shared: all made before any is written."""
+        made: dict[int, StateFile] = {}
+        try:
+            for index in indices:
+                if index not in made and self.shared(index):
+                    made[index] = self._open_at(index, self.path(index) + NEW_SUFFIX)
+        except BaseException:
+            for index, f in made.items():
+                self._drop(_Replacement(index, f, False))
+            raise
+        return made
+
+    def _open_at(self, index: int, path: str) -> StateFile:
+        bucket = self.buckets[index]
+        if os.path.lexists(path):
+            os.unlink(path)  # a .new of ours left by a write that failed
+        return StateFile(path, bucket.data_bytes, checksums="file", compression=self.compression,
+                         label=f"bucket {bucket.index} of the optimizer state")
+
+    def _install(self, replacing: _Replacement) -> None:
+        """Give a fully written new file bucket ``replacing.index``'s live name (atomic:
+        the name names the old bucket or the new one, never a part of either)."""
+        index, live = replacing.index, self.path(replacing.index)
+        old = self.files[index]
+        if replacing.linked:
+            link_over(replacing.file.path, live)
+            self._retired_bytes_written += replacing.file.disk_bytes_written
+            new = self._reopen(index)
+        else:
+            os.rename(replacing.file.path, live)
+            replacing.file.path = live
+            new = replacing.file
+        self.files[index] = new
+        self._retire(old)
+        kill_point("bucket-replaced")
+
+    def _reopen(self, index: int) -> StateFile:
+        """The live file of bucket ``index`` opened again (after its name got a new inode)."""
+        bucket = self.buckets[index]
+        return StateFile(self.path(index), bucket.data_bytes, create=False, checksums="file",
+                         compression=self.compression, label=f"bucket {bucket.index} of the optimizer state")
+
+    def replace_file(self, index: int, path: str) -> None:
+        """Make the live name of bucket ``index`` name the file at ``path`` (a new inode
+        written around the engine, a checkpoint's copy or clone) and open it."""
+        os.rename(path, self.path(index))
+        old = self.files[index]
+        self.files[index] = self._reopen(index)
+        self._retire(old)
+
+    def link_file(self, index: int, source: str) -> None:
+        """Make the live name of bucket ``index`` a link to ``source`` (a checkpoint's file,
+        loaded without a byte moved; the next write gives the bucket a new inode)."""
+        link_over(source, self.path(index))
+        old = self.files[index]
+        self.files[index] = self._reopen(index)
+        self._retire(old)
+
+    def _retire(self, old: StateFile) -> None:
+        self._retired_bytes_read += old.disk_bytes_read
+        self._retired_bytes_written += old.disk_bytes_written
+        old.close()
+
+    def _drop(self, replacing: _Replacement) -> None:
+        """Forget a new file that will not be installed: closed, and removed if it is ours."""
+        replacing.file.close()
+        if not replacing.linked and os.path.lexists(replacing.file.path):
+            os.unlink(replacing.file.path)
 
     def _submit_read(self, index: int, buffer: _DeviceBuffer):
         bucket = self.buckets[index]
@@ -561,14 +699,29 @@ class BucketStore:
         self.bytes_read += bucket.file_bytes
         return self.engine.read(raw, self.files[index], 0)
 
-    def _submit_write(self, index: int, buffer: _DeviceBuffer, mirror: StateFile | None = None):
+    def _submit_write(self, index: int, buffer: _DeviceBuffer, checkpoint: StepCheckpoint | None,
+                      fresh: dict[int, StateFile]) -> None:
+        """Start the write-back of bucket ``index`` from ``buffer``: to its cache, to a new
+        file (the checkpoint's, or ``fresh``'s for a shared file), or in place; with a
+        mirror file of the checkpoint's too where it writes twice."""
         bucket = self.buckets[index]
         raw = buffer.raw[:bucket.data_bytes]
+        target = checkpoint.bucket_file(index) if checkpoint is not None else None
         if index in self.host_cache:
             self._stale.add(index)
-            return self._host_copy(self.host_cache[index], raw, to_device=False)
+            buffer.write = self._host_copy(self.host_cache[index], raw, to_device=False)
+            return
         self.bytes_written += bucket.file_bytes
-        return self._write(raw, bucket, mirror=mirror)
+        mirror = None
+        if target is not None and checkpoint.links:
+            buffer.replacing = _Replacement(index, target, True)
+        elif index in fresh:
+            buffer.replacing = _Replacement(index, fresh.pop(index), False)
+            mirror = target
+        else:
+            mirror = target
+        file = buffer.replacing.file if buffer.replacing is not None else None
+        buffer.write = self._write(raw, bucket, file=file, mirror=mirror)
 
     def _host_copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> _HostCopy:
         """Copy between a device buffer and the host cache: on the CPU at once; on CUDA on
@@ -602,12 +755,25 @@ class BucketStore:
         self._sync_host_copies()
         stale = sorted(self._stale)
         for index in stale:
-            self._write(self.host_cache[index], self.buckets[index])
-        self.engine.drain()
-        for index in stale:
-            self.files[index].sync()
-            self.bytes_written += self.buckets[index].file_bytes
+            self._store_file(index, self.host_cache[index])
             self._stale.discard(index)
+
+    def _store_file(self, index: int, raw: torch.Tensor) -> None:
+        """Write a whole bucket's bytes to its file, synced, its pages dropped; to a new
+        inode when the file is shared (Note [new inodes])."""
+        fresh = self._new_files([index])
+        replacing = _Replacement(index, fresh[index], False) if fresh else None
+        file = replacing.file if replacing is not None else self.files[index]
+        try:
+            self._write(raw, self.buckets[index], file=file).wait()
+            file.sync()
+        except BaseException:
+            if replacing is not None:
+                self._drop(replacing)
+            raise
+        if replacing is not None:
+            self._install(replacing)
+        self.bytes_written += self.buckets[index].file_bytes
 
     def refill_host_cache(self) -> None:
         """Read the cached buckets back from their files (verified against the files'
