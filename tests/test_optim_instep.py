@@ -202,29 +202,33 @@ WORKER = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     from tests.test_optim_instep import SHAPES, _optimizer
     from tests.test_optim_support import set_grads, twins
-    base, point = sys.argv[1], sys.argv[2]
+    base, point, previous, last = sys.argv[1:5]
     params, _ = twins(SHAPES)
     opt = _optimizer(params, os.path.join(base, "live"))
     for step in range(2):
         set_grads(params, step=step)
+        if step == 1 and previous == "linked":  # the live files share the previous checkpoint's inodes
+            opt.checkpoint_next_step(os.path.join(base, "ckpt"))
         opt.step()
-    opt.save_checkpoint(os.path.join(base, "ckpt"))
+    if previous == "saved":  # a copy between steps (ext4 cannot clone): nothing shared
+        opt.save_checkpoint(os.path.join(base, "ckpt"))
     shutil.copytree(os.path.join(base, "ckpt"), os.path.join(base, "before"))
     if point != "none":
         os.environ["GREENROOM_TEST_KILL_AT"] = point
     set_grads(params, step=2)
-    opt.checkpoint_next_step(os.path.join(base, "ckpt"))
+    if last == "checkpoint":
+        opt.checkpoint_next_step(os.path.join(base, "ckpt"))
     opt.step()
     opt.close()
 """)
 
 
-def _run_worker(base, point):
+def _run_worker(base, point, previous="saved", last="checkpoint"):
     script = os.path.join(base, "worker.py")
     with open(script, "w") as f:
         f.write(WORKER.format(repo=REPO))
-    return subprocess.run([sys.executable, script, base, point], capture_output=True, text=True, timeout=120,
-                          cwd=REPO)
+    return subprocess.run([sys.executable, script, base, point, previous, last], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -236,24 +240,118 @@ def finished(tmp_path_factory):
     return _files(os.path.join(base, "ckpt"))
 
 
-@pytest.mark.parametrize("point,published", [
-    ("instep-bucket@2", False),   # mid-stream: the second bucket's mirror handed out
-    ("instep-bucket@3", False),   # the last of the 3 buckets
-    ("instep-streamed", False),   # every bucket mirrored, nothing published
-    ("save-staged", False),       # complete and recorded, not yet swapped in
-    ("save-swapped", True),       # swapped in, the replaced one not yet discarded
-    ("discard", True),
+def _state(opt):
+    sd = opt.state_dict()
+    return {(key, name): t.clone() for key, entry in sd["state"].items() for name, t in entry.items()}
+
+
+def _assert_live_buckets_whole(base, opt):
+    """Every live bucket name the killed run left names a whole bucket: the step's or the
+    one before it, each verified against its own checksum table (never a torn mix)."""
+    from greenroom.optim.checkpoint import verify_against_table
+
+    live = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(base, "live")) for n in names
+            if n.startswith("bucket-") and n.endswith(".bin")]
+    assert len(live) == len(opt.store.buckets)
+    for path in live:
+        index = int(os.path.basename(path)[len("bucket-"):-len(".bin")])
+        with opt.store.open_existing(index, path) as f:
+            verify_against_table(f)
+
+
+@pytest.mark.parametrize("point,published,previous", [
+    ("instep-bucket@2", False, "saved"),   # mid-stream: the second bucket's file handed out
+    ("bucket-replaced@2", False, "saved"),  # two buckets' live names already relinked to the new checkpoint's files
+    ("instep-bucket@3", False, "saved"),   # the last of the 3 buckets
+    ("instep-streamed", False, "saved"),   # every bucket written, nothing published
+    ("save-staged", False, "saved"),       # complete and recorded, not yet swapped in
+    ("save-swapped", True, "saved"),       # swapped in, the replaced one not yet discarded
+    ("discard", True, "saved"),
+    # The previous checkpoint by links too: the live files were its inodes when the step began.
+    ("bucket-replaced@2", False, "linked"),
+    ("instep-streamed", False, "linked"),
+    ("save-swapped", True, "linked"),
 ])
-def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(disk_dir, finished, point, published):
-    killed = _run_worker(disk_dir, point)
+def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(disk_dir, finished, point, published, previous):
+    killed = _run_worker(disk_dir, point, previous)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     params, _ = twins(SHAPES)
     opt = _optimizer(params, os.path.join(disk_dir, "fresh"))
+    _assert_live_buckets_whole(disk_dir, opt)
     opt.load_checkpoint(os.path.join(disk_dir, "ckpt"))  # settles what the kill left, verifies, loads
-    opt.close()
     expected = finished if published else _files(os.path.join(disk_dir, "before"))
     if point == "save-staged":  # a complete save found beside the previous one is finished, not dropped
         expected = finished
     assert _files(os.path.join(disk_dir, "ckpt")) == expected
+    if expected is not finished:  # the previous checkpoint, loaded bit-identically to its untouched copy
+        loaded = _state(opt)
+        opt.load_checkpoint(os.path.join(disk_dir, "before"))
+        assert loaded.keys() == _state(opt).keys()
+        assert all(torch.equal(loaded[k], t) for k, t in _state(opt).items())
+    opt.close()
     shutil.rmtree(os.path.join(disk_dir, "before"))
     assert sorted(n for n in os.listdir(disk_dir) if n.startswith("ckpt")) == ["ckpt"]
+
+
+@pytest.mark.parametrize("point", ["bucket-replaced@1", "bucket-replaced@2"])
+def test_killed_in_the_step_after_a_linked_checkpoint_leaves_it_as_it_was(disk_dir, point):
+    """The plain step after a checkpoint by links writes every bucket to a new inode; a
+    kill after some of them were renamed over the live names leaves the checkpoint's
+    bytes as they were, loading bit-identically, and every live name whole."""
+    killed = _run_worker(disk_dir, point, "linked", "plain")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "fresh"))
+    _assert_live_buckets_whole(disk_dir, opt)
+    assert _files(os.path.join(disk_dir, "ckpt")) == _files(os.path.join(disk_dir, "before"))
+    opt.load_checkpoint(os.path.join(disk_dir, "ckpt"))
+    loaded = _state(opt)
+    opt.load_checkpoint(os.path.join(disk_dir, "before"))
+    assert all(torch.equal(loaded[k], t) for k, t in _state(opt).items())
+    opt.close()
+
+
+# -- links: the checkpoint's inodes are never written ------------------------------------
+def test_the_step_after_a_linked_checkpoint_writes_new_inodes_and_leaves_a_hard_linked_backup_alone(disk_dir):
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "live"))
+    set_grads(params, step=0)
+    opt.step()
+    backup = os.path.join(disk_dir, "backup")  # a user's `cp -l` of the live dir, no checkpoint involved
+    os.makedirs(backup)
+    for name in _files(opt.store.directory):
+        os.link(os.path.join(opt.store.directory, name), os.path.join(backup, name))
+    backed_up = _files(backup)
+    set_grads(params, step=1)
+    opt.checkpoint_next_step(os.path.join(disk_dir, "ckpt"))
+    opt.step()
+    ckpt = os.path.join(disk_dir, "ckpt")
+    assert _inodes(ckpt) == _inodes(opt.store.directory)
+    assert all(os.stat(os.path.join(ckpt, n)).st_nlink == 2 for n in _inodes(ckpt))
+    saved = _files(ckpt)
+    for step in (2, 3):
+        set_grads(params, step=step)
+        opt.step()
+    assert not set(_inodes(ckpt).values()) & set(_inodes(opt.store.directory).values())
+    assert all(os.stat(os.path.join(ckpt, n)).st_nlink == 1 for n in _inodes(ckpt))
+    assert _files(ckpt) == saved
+    assert _files(backup) == backed_up
+    assert not [n for n in os.listdir(opt.store.directory) if n.endswith(".new")]
+    opt.close()
+
+
+def test_a_write_in_place_into_a_shared_bucket_file_is_refused_in_one_line(disk_dir):
+    """The last line of the rule (``diskio`` Note [shared inodes]): the engine's file
+    refuses the write itself, whatever the caller forgot."""
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "live"))
+    set_grads(params, step=0)
+    opt.step()
+    other = os.path.join(disk_dir, "other-name")
+    os.link(opt.store.path(0), other)
+    before = open(other, "rb").read()
+    with pytest.raises(StorageError, match="refusing to write bucket 0 of the optimizer state in place") as info:
+        opt.store.files[0].write(memoryview(bytearray(4096)), 0)
+    assert "\n" not in str(info.value) and "2 links" in str(info.value)
+    assert open(other, "rb").read() == before
+    opt.close()
