@@ -35,20 +35,8 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   written to its final file, synced and its pages dropped before the next one starts;
   no copy of the whole state ever exists on the device or the host.
 - ``host_cache_bytes`` (``--stream-optimizer-state-host-cache-gb``): see Note [host cache].
-
-Note [new inodes]: a bucket is written in place only while its file's inode has one
-name (``fstat``'s ``st_nlink``, checked on the open fd: a checkpoint's link and a user's
-``cp -l`` backup count alike; ``diskio`` Note [shared inodes]). A bucket whose file is
-shared is written to a new file beside it (``bucket-NNNNN.bin.new``, preallocated: all
-of a step's new files are made before its first write, so running out of space fails
-before any bucket changed), which is renamed over the live name once written; the
-other names keep the old inode, untouched. A step that writes a checkpoint by links
-(``optim.instep``) hands each bucket a new file in the checkpoint's staging dir
-instead: once written, the live name becomes a link to it (``.new`` then rename), so the
-checkpoint holds the step's result at the price of no extra byte, and the next step
-writes those buckets to new inodes again. Either way a live name always names a whole
-bucket (the old one or the new one, each with its own table), and a kill leaves every
-other name as it was.
+- A bucket file with another name (a checkpoint's link, a backup) is never written in
+  place: ``optim.bucket_files`` Note [new inodes].
 
 Note [host cache]: whole buckets, as many as fit in ``host_cache_bytes``, live in host
 memory (pinned when the store's device is CUDA) instead of going to the disk each step.
@@ -71,24 +59,19 @@ files hold the state afterwards. With ``host_cache_bytes`` 0 nothing of this run
 from __future__ import annotations
 
 import dataclasses
-import math
-import mmap
 import os
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from greenroom.diskio import STORE_RAW, StateFile, TransferEngine, align_up
-from greenroom.errors import ConfigError, StorageError
-from greenroom.faults import kill_point
-from greenroom.fs import human_bytes
+from greenroom.diskio import STORE_RAW, StateFile, TransferEngine
+from greenroom.errors import ConfigError
 from greenroom.optim import remainder
-from greenroom.optim.hardlink import NEW_SUFFIX, link_over
+from greenroom.optim.bucket_files import BucketFiles, Replacement
 from greenroom.optim.codecs import moment_codecs
-
-DEFAULT_BUCKET_NUMEL = 200_000_000
-FILE_PATTERN = "bucket-{:05d}.bin"
+from greenroom.optim.hostcache import HostCopy, host_memory, unpin
+from greenroom.optim.layout import (DEFAULT_BUCKET_NUMEL, FILE_PATTERN, Bucket, BucketState, Entry, Segment,
+                                    build_buckets)
 
 
 class StepCheckpoint(Protocol):
@@ -103,160 +86,6 @@ class StepCheckpoint(Protocol):
         """The checkpoint's file of bucket ``index`` (None: not through the stream)."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Entry:
-    """One tensor whose optimizer state streams."""
-
-    name: str
-    """A stable name (the param's name, or ``group.index``): recorded in the layout."""
-
-    shape: tuple[int, ...]
-    """The (local shard's) shape; the state has this many elements."""
-
-    group: int = 0
-    """Param group index: a bucket never mixes groups (one lr and weight decay each)."""
-
-    master: bool = True
-    """Store an fp32 master copy (16-bit params); False when the fp32 param is its own."""
-
-    remainder: bool = False
-    """Store the master as its low 16 bits beside the bf16 param (``greenroom.optim.remainder``
-    Note [remainder]): 2 B/param instead of 4. Only for masters of bf16 params; the store
-    then reads the params through its ``params`` callback to rebuild the masters."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Segment:
-    """A 4 KiB-aligned range of a bucket file."""
-
-    offset: int
-    """Byte offset in the file (a multiple of 4096)."""
-
-    nbytes: int
-    """Bytes of data (the codec's size, before alignment)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Bucket:
-    """Consecutive entries whose state lives in one file."""
-
-    index: int
-    """Position in the store; the file is ``FILE_PATTERN.format(index)``."""
-
-    entries: tuple[int, ...]
-    """Indices into the store's entries, in order."""
-
-    numel: int
-    """Total elements of the entries."""
-
-    master: Segment | None
-    """The fp32 master segment (or, for a remainder bucket, its low halves), or None for
-    fp32 params that are their own master."""
-
-    exp_avg: Segment
-    """First moment."""
-
-    exp_avg_sq: Segment | None
-    """Second moment; None in a store of one moment (Muon's momentum buffer)."""
-
-    data_bytes: int
-    """Bytes of the segments (aligned): what a step reads and writes back."""
-
-    file_bytes: int
-    """Size of the file: the segments and the checksum table after them."""
-
-    offsets: tuple[int, ...] = field(default=())
-    """Element offset of each entry within the bucket's flat tensors."""
-
-    fixups: Segment | None = None
-    """A remainder bucket's fingerprints and exceptions (Note [remainder]), else None."""
-
-    @property
-    def remainder(self) -> bool:
-        return self.fixups is not None
-
-
-@dataclass(eq=False, slots=True)
-class BucketState:
-    """One bucket's state on the device, as ``BucketStore.stream`` yields it."""
-
-    bucket: Bucket
-    master: torch.Tensor | None
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor | None
-    _shapes: list[tuple[int, ...]]
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-entry views of one of the bucket's flat tensors, in the entries' shapes."""
-        out = []
-        for start, shape in zip(self.bucket.offsets, self._shapes):
-            n = math.prod(shape)
-            out.append(flat[start:start + n].view(shape))
-        return out
-
-
-def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str, *,
-                  compressed: bool = False, moments: int = 2) -> list[Bucket]:
-    """Group consecutive entries (same group and master kind) into buckets of at most
-    ``bucket_numel`` elements; an entry larger than the cap gets a bucket of its own.
-    ``compressed``: the files' table also records the bytes each frame stored.
-    ``moments``: 2 (Adam's ``exp_avg`` and ``exp_avg_sq``) or 1 (``exp_avg`` only: a
-    momentum buffer, as Muon keeps)."""
-    if moments not in (1, 2):
-        raise ConfigError(f"moments must be 1 or 2, got {moments!r}")
-    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel <= 0:
-        raise ConfigError(f"bucket_numel must be a positive integer, got {bucket_numel!r}")
-    avg_codec, sq_codec = moment_codecs(moment_dtype)
-    groups: list[list[int]] = []
-    current: list[int] = []
-    current_numel = 0
-    for i, entry in enumerate(entries):
-        if entry.numel == 0:
-            raise ConfigError(f"entry {entry.name!r} has no elements: leave it out of the store")
-        if entry.remainder and not entry.master:
-            raise ConfigError(f"entry {entry.name!r}: a remainder needs a master (remainder=True, master=False)")
-        kind = (entry.group, entry.master, entry.remainder)
-        first = entries[current[0]] if current else None
-        same_kind = first is not None and (first.group, first.master, first.remainder) == kind
-        if current and (not same_kind or current_numel + entry.numel > bucket_numel):
-            groups.append(current)
-            current, current_numel = [], 0
-        current.append(i)
-        current_numel += entry.numel
-    if current:
-        groups.append(current)
-    buckets = []
-    for index, members in enumerate(groups):
-        offsets, numel = [], 0
-        for i in members:
-            offsets.append(numel)
-            numel += entries[i].numel
-        cursor = 0
-        master = fixups = None
-        if entries[members[0]].remainder:
-            master = Segment(offset=0, nbytes=numel * 2)
-            fixups = Segment(offset=align_up(master.nbytes), nbytes=remainder.fixup_bytes(numel))
-            cursor = align_up(fixups.offset + fixups.nbytes)
-        elif entries[members[0]].master:
-            master = Segment(offset=0, nbytes=numel * 4)
-            cursor = align_up(master.nbytes)
-        exp_avg = Segment(offset=cursor, nbytes=avg_codec.nbytes(numel))
-        cursor = align_up(cursor + exp_avg.nbytes)
-        exp_avg_sq = None
-        if moments == 2:
-            exp_avg_sq = Segment(offset=cursor, nbytes=sq_codec.nbytes(numel))
-            cursor = align_up(cursor + exp_avg_sq.nbytes)
-        buckets.append(Bucket(index=index, entries=tuple(members), numel=numel, master=master,
-                              exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, data_bytes=cursor,
-                              file_bytes=StateFile.file_bytes(cursor, checksums="file", compressed=compressed),
-                              offsets=tuple(offsets), fixups=fixups))
-    return buckets
-
-
 class _DeviceBuffer:
     """A device buffer holding one bucket file's bytes, the write still reading it, and
     the new file that write fills, to be installed once it is over (Note [new inodes])."""
@@ -266,63 +95,10 @@ class _DeviceBuffer:
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.write = None
-        self.replacing: _Replacement | None = None
+        self.replacing: Replacement | None = None
 
 
-@dataclass(eq=False, slots=True)
-class _Replacement:
-    """A new file that bucket ``index`` is being written to, to take its live name once
-    written: ``linked`` when the file lives elsewhere (a checkpoint's staging dir) and
-    the live name gets a link to it, else it is a temporary name beside the live one."""
-
-    index: int
-    file: StateFile
-    linked: bool
-
-
-class _HostCopy:
-    """A copy between a device buffer and the host cache, as ``stream`` waits for it
-    (the engine's ``Transfer`` for a file). A read lets the caller's stream go on once
-    the bytes are in; a write-back blocks the host until the device buffer is free."""
-
-    __slots__ = ("event", "stream")
-
-    def __init__(self, event=None, stream=None) -> None:
-        self.event, self.stream = event, stream  # None: a synchronous (CPU) copy, already over
-
-    def wait(self) -> None:
-        if self.event is None:
-            return
-        if self.stream is not None:
-            self.stream.wait_event(self.event)
-        else:
-            self.event.synchronize()
-
-
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch registers
-
-
-def _host_memory(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` of page-aligned anonymous host memory as a uint8 tensor, registered with
-    CUDA (pinned) when ``pin``. Not torch's pinned allocator, which rounds each
-    allocation up to a power of two (a 2.4 GB bucket would take 4.3 GB); and not
-    torch-owned, so actor offload on a CPU device leaves it in place, as it does the
-    engine's own memory."""
-    memory = mmap.mmap(-1, nbytes)
-    tensor = torch.frombuffer(memory, dtype=torch.uint8)
-    if pin:
-        code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
-        if code != 0:
-            raise StorageError(f"--stream-optimizer-state-host-cache-gb: pinning {human_bytes(nbytes)} of host memory "
-                               f"failed (CUDA error {code}); use a smaller host cache")
-    return tensor
-
-
-def _unpin(tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-
-class BucketStore:
+class BucketStore(BucketFiles):
     """Per-bucket state files for ``entries`` in ``directory``, streamed to ``device``.
 
     Args:
@@ -391,10 +167,6 @@ class BucketStore:
                         os.unlink(f.path)
             raise
 
-    def _open_file(self, bucket: Bucket) -> StateFile:
-        return StateFile(self.path(bucket.index), bucket.data_bytes, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of the optimizer state")
-
     def _write(self, raw: torch.Tensor, bucket: Bucket, *, file: StateFile | None = None,
                mirror: StateFile | None = None):
         """Write a bucket's bytes to its file (or ``file``), and to ``mirror`` too (an
@@ -405,34 +177,11 @@ class BucketStore:
         sizes = [(seg.offset, size) for seg, size in segments if seg is not None]
         return self.engine.write(raw, file or self.files[bucket.index], 0, element_sizes=tuple(sizes), mirror=mirror)
 
-    def open_copy(self, index: int, path: str) -> StateFile:
-        """A preallocated file at ``path`` of bucket ``index``'s layout, to mirror its
-        writes into (``stream(mirror=...)``) or write a cached bucket to."""
-        bucket = self.buckets[index]
-        return StateFile(path, bucket.data_bytes, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of a checkpoint of the optimizer state")
-
-    def open_existing(self, index: int, path: str) -> StateFile:
-        """Bucket ``index``'s layout over an existing file at ``path`` (a checkpoint's copy),
-        its length checked, to read its table or verify it."""
-        bucket = self.buckets[index]
-        return StateFile(path, bucket.data_bytes, create=False, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of a checkpoint of the optimizer state")
-
     def write_cached(self, index: int, file: StateFile):
         """Write cached bucket ``index``'s host bytes to ``file`` (no read: the cache is the state)."""
         return self._write(self.host_cache[index], self.buckets[index], file=file)
 
     # -- facts ----------------------------------------------------------------------
-    def disk_bytes(self, way: str) -> int:
-        """Bytes ``read`` from or ``written`` to the bucket files since they were opened:
-        the state's bytes, less what compression saved."""
-        retired = self._retired_bytes_read if way == "read" else self._retired_bytes_written
-        return retired + sum(getattr(f, f"disk_bytes_{way}") for f in self.files)
-
-    def path(self, index: int) -> str:
-        return os.path.join(self.directory, FILE_PATTERN.format(index))
-
     @property
     def state_bytes(self) -> int:
         """Bytes of all bucket files (what one full step reads, and writes)."""
@@ -555,7 +304,7 @@ class BucketStore:
         for index in indices:
             nbytes = self.buckets[index].data_bytes
             if nbytes <= left:
-                self.host_cache[index] = _host_memory(nbytes, self._pinned)
+                self.host_cache[index] = host_memory(nbytes, self._pinned)
                 left -= nbytes
 
     # -- the step -------------------------------------------------------------------
@@ -604,7 +353,7 @@ class BucketStore:
                     elif replacing is not None:
                         self._drop(replacing)
                 for index, f in fresh.items():  # made for a bucket the stream never wrote
-                    self._drop(_Replacement(index, f, False))
+                    self._drop(Replacement(index, f, False))
 
     def _finish_write(self, buffer: _DeviceBuffer) -> None:
         """Wait for the write still reading ``buffer``; give its new file the live name."""
@@ -614,82 +363,6 @@ class BucketStore:
         replacing, buffer.replacing = buffer.replacing, None
         if replacing is not None:
             self._install(replacing)
-
-    # -- new inodes for shared files (Note [new inodes]) ------------------------------
-    def shared(self, index: int) -> bool:
-        """Whether bucket ``index``'s live file has another name (a checkpoint, a backup)."""
-        return os.fstat(self.files[index].fd).st_nlink > 1
-
-    def _new_files(self, indices: Sequence[int]) -> dict[int, StateFile]:
-        """A preallocated new file beside the live one for each of the buckets ``indices``
-        whose live file is shared: all made before any is written."""
-        made: dict[int, StateFile] = {}
-        try:
-            for index in indices:
-                if index not in made and self.shared(index):
-                    made[index] = self._open_at(index, self.path(index) + NEW_SUFFIX)
-        except BaseException:
-            for index, f in made.items():
-                self._drop(_Replacement(index, f, False))
-            raise
-        return made
-
-    def _open_at(self, index: int, path: str) -> StateFile:
-        bucket = self.buckets[index]
-        if os.path.lexists(path):
-            os.unlink(path)  # a .new of ours left by a write that failed
-        return StateFile(path, bucket.data_bytes, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of the optimizer state")
-
-    def _install(self, replacing: _Replacement) -> None:
-        """Give a fully written new file bucket ``replacing.index``'s live name (atomic:
-        the name names the old bucket or the new one, never a part of either)."""
-        index, live = replacing.index, self.path(replacing.index)
-        old = self.files[index]
-        if replacing.linked:
-            link_over(replacing.file.path, live)
-            self._retired_bytes_written += replacing.file.disk_bytes_written
-            new = self._reopen(index)
-        else:
-            os.rename(replacing.file.path, live)
-            replacing.file.path = live
-            new = replacing.file
-        self.files[index] = new
-        self._retire(old)
-        kill_point("bucket-replaced")
-
-    def _reopen(self, index: int) -> StateFile:
-        """The live file of bucket ``index`` opened again (after its name got a new inode)."""
-        bucket = self.buckets[index]
-        return StateFile(self.path(index), bucket.data_bytes, create=False, checksums="file",
-                         compression=self.compression, label=f"bucket {bucket.index} of the optimizer state")
-
-    def replace_file(self, index: int, path: str) -> None:
-        """Make the live name of bucket ``index`` name the file at ``path`` (a new inode
-        written around the engine, a checkpoint's copy or clone) and open it."""
-        os.rename(path, self.path(index))
-        old = self.files[index]
-        self.files[index] = self._reopen(index)
-        self._retire(old)
-
-    def link_file(self, index: int, source: str) -> None:
-        """Make the live name of bucket ``index`` a link to ``source`` (a checkpoint's file,
-        loaded without a byte moved; the next write gives the bucket a new inode)."""
-        link_over(source, self.path(index))
-        old = self.files[index]
-        self.files[index] = self._reopen(index)
-        self._retire(old)
-
-    def _retire(self, old: StateFile) -> None:
-        self._retired_bytes_read += old.disk_bytes_read
-        self._retired_bytes_written += old.disk_bytes_written
-        old.close()
-
-    def _drop(self, replacing: _Replacement) -> None:
-        """Forget a new file that will not be installed: closed, and removed if it is ours."""
-        replacing.file.close()
-        if not replacing.linked and os.path.lexists(replacing.file.path):
-            os.unlink(replacing.file.path)
 
     def _submit_read(self, index: int, buffer: _DeviceBuffer):
         bucket = self.buckets[index]
@@ -714,22 +387,22 @@ class BucketStore:
         self.bytes_written += bucket.file_bytes
         mirror = None
         if target is not None and checkpoint.links:
-            buffer.replacing = _Replacement(index, target, True)
+            buffer.replacing = Replacement(index, target, True)
         elif index in fresh:
-            buffer.replacing = _Replacement(index, fresh.pop(index), False)
+            buffer.replacing = Replacement(index, fresh.pop(index), False)
             mirror = target
         else:
             mirror = target
         file = buffer.replacing.file if buffer.replacing is not None else None
         buffer.write = self._write(raw, bucket, file=file, mirror=mirror)
 
-    def _host_copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> _HostCopy:
+    def _host_copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> HostCopy:
         """Copy between a device buffer and the host cache: on the CPU at once; on CUDA on
         the store's copy stream, after what the caller's stream has queued, so it runs
         beside the caller's update of the other buffer."""
         if not (dst.is_cuda or src.is_cuda):
             dst.copy_(src)
-            return _HostCopy()
+            return HostCopy()
         current = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -740,7 +413,7 @@ class BucketStore:
             done.record(self._copy_stream)
         # The caller's stream waits for a read on the device; a write-back's buffer is
         # reused by the engine, which only orders after the caller's stream: the host waits.
-        return _HostCopy(done, current if to_device else None)
+        return HostCopy(done, current if to_device else None)
 
     def _sync_host_copies(self) -> None:
         if self._copy_stream is not None:
@@ -762,7 +435,7 @@ class BucketStore:
         """Write a whole bucket's bytes to its file, synced, its pages dropped; to a new
         inode when the file is shared (Note [new inodes])."""
         fresh = self._new_files([index])
-        replacing = _Replacement(index, fresh[index], False) if fresh else None
+        replacing = Replacement(index, fresh[index], False) if fresh else None
         file = replacing.file if replacing is not None else self.files[index]
         try:
             self._write(raw, self.buckets[index], file=file).wait()
@@ -878,7 +551,7 @@ class BucketStore:
                 f.close()
             if self._pinned:
                 for host in self.host_cache.values():
-                    _unpin(host)
+                    unpin(host)
             self.host_cache.clear()
             self._stale.clear()
 
