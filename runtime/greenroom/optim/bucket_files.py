@@ -7,7 +7,7 @@ rule below.
 
 Note [new inodes]: a bucket is written in place only while its file's inode has one
 name (``fstat``'s ``st_nlink``, checked on the open fd: a checkpoint's link and a user's
-``cp -l`` backup count alike; ``diskio`` Note [shared inodes]). A bucket whose file is
+``cp -l`` backup count alike; ``statefile`` Note [shared inodes]). A bucket whose file is
 shared is written to a new file beside it (``bucket-NNNNN.bin.new``, preallocated: all
 of a step's new files are made before its first write, so running out of space fails
 before any bucket changed), which is renamed over the live name once written; the

@@ -29,7 +29,7 @@ every byte against it). Only then do the live files take the checkpoint's bytes.
 Note [a load never writes a checkpoint's inode]: where the state dir takes hard links
 to the checkpoint's files (one filesystem), each live name becomes a link to the
 checkpoint's file: no byte moves, and the next write of that bucket goes to a new inode
-(``optim.store`` Note [new inodes]), so the resumed run never writes the checkpoint.
+(``optim.bucket_files`` Note [new inodes]), so the resumed run never writes the checkpoint.
 Elsewhere the bytes are cloned or copied: in place into a live file whose inode has no
 other name, else into a new file renamed over the live name. A checkpoint saved without
 checksums is copied (its tables are written after the copy, into the live file only).
@@ -214,7 +214,7 @@ def _table_crc32_on_disk(f: StateFile) -> str:
 
 def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
     """Read ``f``'s whole data region, piece by piece, and check it against the file's own
-    checksum table (``diskio`` Note [integrity]; for a compressed file, each frame's
+    checksum table (``integrity`` Note [integrity]; for a compressed file, each frame's
     stored bytes where its record puts them, Note [packed frames]): a file copied or
     cloned around the I/O engine, before it is trusted. ``IntegrityError`` names the
     first extent that differs."""
@@ -253,7 +253,7 @@ def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
 
 # -- the live files' own checksums, summed as a copy reads them -------------------------
 class FileSums:
-    """The I/O engine's checksums (``diskio`` Note [integrity]) of a bucket file's data,
+    """The I/O engine's checksums (``integrity`` Note [integrity]) of a bucket file's data,
     summed from its bytes as a copy reads them (``add``), and, with ``expect``, those its
     table records, to ``verify`` them against.
 

@@ -9,7 +9,7 @@ reaches its checkpoint file one of two ways:
 - by a link (where the state dir and the checkpoint share a filesystem that takes hard
   links: ext4, XFS, btrfs): the step writes the bucket to the checkpoint's new file
   *instead of* its live file, and the live name is then made a link to that file
-  (``optim.store`` Note [new inodes]). The checkpoint costs no byte read or written; the
+  (``optim.bucket_files`` Note [new inodes]). The checkpoint costs no byte read or written; the
   next step writes those buckets to new inodes, never into the checkpoint's.
 - by a second write (links refused: another filesystem, EXDEV; a filesystem or policy
   that forbids them, EPERM): from the engine's staging buffer, on its way to the live

@@ -22,7 +22,7 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   ``[master | exp_avg | exp_avg_sq]`` (no master segment when ``master`` is false; for
   entries with ``remainder``, ``[low halves | fixups | exp_avg | exp_avg_sq]``, the master
   rebuilt from the params, ``greenroom.optim.remainder`` Note [remainder]),
-  followed by the I/O engine's checksum table (``diskio`` Note [integrity]: kept in the
+  followed by the I/O engine's checksum table (``integrity`` Note [integrity]: kept in the
   file so that a checkpoint's copy carries it and a loaded one is verified on its first
   read); the moment segments use the ``codecs`` of ``moment_dtype``. ``store.layout()`` describes it
   all as JSON (the checkpoint manifest embeds it).
@@ -88,7 +88,7 @@ class StepCheckpoint(Protocol):
 
 class _DeviceBuffer:
     """A device buffer holding one bucket file's bytes, the write still reading it, and
-    the new file that write fills, to be installed once it is over (Note [new inodes])."""
+    the new file that write fills, to be installed once it is over (``optim.bucket_files`` Note [new inodes])."""
 
     __slots__ = ("raw", "write", "replacing")
 
@@ -312,7 +312,7 @@ class BucketStore(BucketFiles):
                checkpoint: StepCheckpoint | None = None) -> Iterator[BucketState]:
         """Yield the buckets ``indices`` (default all, in order) on the device, reading
         ahead one and writing back behind; all writes are drained when it finishes, and
-        every bucket written to a new file has its live name (Note [new inodes]).
+        every bucket written to a new file has its live name (``optim.bucket_files`` Note [new inodes]).
         ``checkpoint``: an in-step checkpoint (``optim.instep``) that each written-back
         bucket also goes to: by a link to the new file it hands out, or by a second
         write from the same staging."""
@@ -433,7 +433,7 @@ class BucketStore(BucketFiles):
 
     def _store_file(self, index: int, raw: torch.Tensor) -> None:
         """Write a whole bucket's bytes to its file, synced, its pages dropped; to a new
-        inode when the file is shared (Note [new inodes])."""
+        inode when the file is shared (``optim.bucket_files`` Note [new inodes])."""
         fresh = self._new_files([index])
         replacing = Replacement(index, fresh[index], False) if fresh else None
         file = replacing.file if replacing is not None else self.files[index]
