@@ -133,7 +133,8 @@ def test_bench_stream_checkpoint_on_another_filesystem_writes_the_state_twice(di
         pytest.skip("mounting a tmpfs (another filesystem for the checkpoint) needs root")
     try:
         proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint", "--checkpoint-dir", other,
-                         "--json", check_rc=0)
+                         "--io-only", "--json", check_rc=0)
+        assert json.loads(proc.stdout)["io_only"] is True
         i = json.loads(proc.stdout)["checkpoint"]["in_step"]
         assert i["mode"] == "write" and i["extra_bytes_read"] == 0
         assert i["extra_bytes_written"] == json.loads(proc.stdout)["state_bytes"]

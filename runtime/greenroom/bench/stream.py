@@ -29,6 +29,10 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
   fallback); then a ``save_checkpoint`` between steps (a clone of the files where the
   filesystem can, else a copy: its kind, seconds, bytes read and written) and a
   verified ``load_checkpoint`` of the whole state;
+- with ``--io-only``, every step streams and writes back every bucket unchanged, without
+  the optimizer's arithmetic: the step's disk I/O and checksums alone, which is what a
+  step on the CPU machine (two cores: the arithmetic takes longer than the disk) cannot
+  show otherwise, and what a GPU step approaches when the update hides under the I/O;
 - with ``--state-dict``, the seconds and GB/s of ``torch.save(opt.state_dict(), f)`` and of
   ``opt.load_state_dict(torch.load(f, mmap=True))``, then the same through
   ``torch.distributed.checkpoint`` (one process), each with peak host RSS and its
@@ -87,6 +91,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                         help="with --checkpoint: where the in-step checkpoint goes (a rank dir of the bench's under "
                              "DIR, removed after); default beside the bucket files")
+    parser.add_argument("--io-only", action="store_true",
+                        help="skip the optimizer arithmetic: each step streams every bucket back unchanged (its disk "
+                             "I/O and checksums alone)")
     parser.add_argument("--state-dict", action="store_true",
                         help="also time torch.save(opt.state_dict()) / load_state_dict, and the same through DCP")
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
@@ -178,6 +185,8 @@ def measure(args: argparse.Namespace) -> dict:
             init_seconds = time.perf_counter() - start
         if trained is not None:
             _fill_trained(opt, trained)
+        if args.io_only:
+            opt._step_bucket = lambda bucket_state: None  # the stream reads, verifies and writes back as always
         init_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
         try:
             steps = []
@@ -244,7 +253,7 @@ def measure(args: argparse.Namespace) -> dict:
         "disk_bytes": last["disk_bytes_read"] + last["disk_bytes_written"],
         "disk_bytes_written_per_1000_steps": 1000 * last["disk_bytes_written"],
         "stored_ratio": last["bytes_written"] / max(last["disk_bytes_written"], 1),
-        "compression": compression_line, "state": args.state,
+        "compression": compression_line, "state": args.state, "io_only": args.io_only,
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         # All cached: no disk I/O in the step, so no disk bound to compare with.
         "disk_bound_seconds": bound, "ratio": last["seconds"] / bound if bound else None,
