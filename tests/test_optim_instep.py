@@ -340,6 +340,30 @@ def test_the_step_after_a_linked_checkpoint_writes_new_inodes_and_leaves_a_hard_
     opt.close()
 
 
+def test_a_load_right_after_a_linked_checkpoint_leaves_one_link_per_name_and_resumes(disk_dir):
+    """The live names already name the checkpoint's inodes: the load's links change
+    nothing (rename(2) between two names of one inode is a no-op) and leave no stray
+    ``.new`` name; the next steps still leave the checkpoint as it was."""
+    ours, ref_params = twins(SHAPES)
+    opt = _optimizer(ours, os.path.join(disk_dir, "live"))
+    ref = _reference(ref_params)
+    set_grads(ours, ref_params, step=0)
+    opt.checkpoint_next_step(os.path.join(disk_dir, "ckpt"))
+    opt.step()
+    ref.step()
+    saved = _files(os.path.join(disk_dir, "ckpt"))
+    opt.load_checkpoint(os.path.join(disk_dir, "ckpt"))
+    assert sorted(os.listdir(opt.store.directory)) == sorted(_inodes(opt.store.directory))
+    assert all(os.stat(os.path.join(disk_dir, "ckpt", n)).st_nlink == 2 for n in saved)
+    for step in (1, 2):
+        set_grads(ours, ref_params, step=step)
+        opt.step()
+        ref.step()
+    assert_state_equal(opt, ref, ours, ref_params)
+    assert _files(os.path.join(disk_dir, "ckpt")) == saved
+    opt.close()
+
+
 def test_a_write_in_place_into_a_shared_bucket_file_is_refused_in_one_line(disk_dir):
     """The last line of the rule (``diskio`` Note [shared inodes]): the engine's file
     refuses the write itself, whatever the caller forgot."""

@@ -48,3 +48,7 @@ def link_over(source: str, target: str) -> None:
         os.unlink(tmp)  # ours, from a replacement that did not finish
     os.link(source, tmp)
     os.rename(tmp, target)
+    if os.path.lexists(tmp):
+        # ``target`` already named that inode (a load right after the checkpoint it
+        # loads): rename(2) between two names of one inode does nothing and succeeds.
+        os.unlink(tmp)

@@ -2,7 +2,7 @@
 
 - ``Entry``: one tensor's worth of state (name, shape, param group, whether an fp32
   master is stored, whether as a remainder).
-- ``Bucket``: consecutive entries of one kind in one file of 4 KiB-aligned ``Segment``\ s,
+- ``Bucket``: consecutive entries of one kind in one file of 4 KiB-aligned ``Segment`` ranges,
   ``[master | exp_avg | exp_avg_sq]`` (``optim.store`` describes the file).
 - ``build_buckets``: the grouping rule; ``BucketState``: one bucket on the device, as
   ``BucketStore.stream`` yields it.
