@@ -7,10 +7,13 @@ anything. The next ``opt.step()`` streams as always, and each bucket, once updat
 reaches its checkpoint file one of two ways:
 
 - by a link (where the state dir and the checkpoint share a filesystem that takes hard
-  links: ext4, XFS, btrfs): the step writes the bucket to the checkpoint's new file
-  *instead of* its live file, and the live name is then made a link to that file
-  (``optim.bucket_files`` Note [new inodes]). The checkpoint costs no byte read or written; the
-  next step writes those buckets to new inodes, never into the checkpoint's.
+  links: ext4, XFS, btrfs): the step writes the bucket in place as any step does (its
+  live inode has no other name), and once written, the checkpoint's name is made a link
+  to the live file (``link_live``). Where the live inode is shared (the previous
+  checkpoint was one step ago, or a user's ``cp -l`` backup), the step writes the
+  bucket to the checkpoint's new file instead and the live name is made a link to it
+  (``optim.bucket_files`` Note [new inodes]). The checkpoint costs no byte read or
+  written; the next step writes those buckets to new inodes, never into the checkpoint's.
 - by a second write (links refused: another filesystem, EXDEV; a filesystem or policy
   that forbids them, EPERM): from the engine's staging buffer, on its way to the live
   file, the same bytes and checksum table go to the checkpoint file too
@@ -46,7 +49,7 @@ from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
 from greenroom.log import get_logger
 from greenroom.optim.checkpoint import copy_file, finish_checkpoint, table_crc32
-from greenroom.optim.hardlink import links_work
+from greenroom.optim.hardlink import link_over, links_work
 
 log = get_logger(__name__)
 _said_copies: set[tuple[int, int]] = set()  # (state dir's st_dev, checkpoint dir's st_dev) already logged
@@ -67,6 +70,7 @@ class InStepCheckpoint:
             log.warning(f"{self.path}: {said}")
         self.files: list[StateFile] = []
         self.mirrored: set[int] = set()
+        self._tables: dict[int, str] = {}  # a linked live file's table CRC-32 (``link_live``)
         self.extra_bytes_read = 0
         self._written = 0
         self.publish_seconds = 0.0
@@ -107,6 +111,15 @@ class InStepCheckpoint:
         kill_point("instep-bucket")
         return self.files[index]
 
+    def link_live(self, index: int) -> None:
+        """Bucket ``index``'s live file holds the step's result, written in place: the
+        checkpoint's name becomes a link to it, replacing the file preallocated for it."""
+        store = self.opt.store
+        self.files[index].close()
+        link_over(store.path(index), self.files[index].path)
+        self._tables[index] = store.files[index].table_crc32
+        kill_point("bucket-linked")
+
     @property
     def extra_bytes_written(self) -> int:
         """Bytes written to the checkpoint's bucket files (after compression) beyond what
@@ -143,7 +156,8 @@ class InStepCheckpoint:
             name = os.path.basename(f.path)
             f.close()
             if bucket.index in self.mirrored or bucket.index in store.host_cache:
-                files[name] = {"bytes": bucket.file_bytes, "table_crc32": f.table_crc32}
+                files[name] = {"bytes": bucket.file_bytes,
+                               "table_crc32": self._tables.get(bucket.index) or f.table_crc32}
             elif self.links:  # not streamed this step: its live file is the state, linked
                 os.unlink(f.path)
                 os.link(store.path(bucket.index), f.path)

@@ -78,24 +78,29 @@ class StepCheckpoint(Protocol):
     """What ``BucketStore.stream`` asks of the checkpoint a step writes (``optim.instep``)."""
 
     links: bool
-    """True: each bucket is written to the checkpoint's new file, which the live name then
-    links; False: each is written in place (or to a new inode) and to the checkpoint's
-    file too, a second write from the same staging."""
+    """True: the checkpoint takes each bucket's file by a link (the live file once written
+    in place, or, where the live inode is shared, the checkpoint's own new file, which
+    the live name then links); False: each bucket is written to the checkpoint's file
+    too, a second write from the same staging."""
 
     def bucket_file(self, index: int) -> StateFile | None:
         """The checkpoint's file of bucket ``index`` (None: not through the stream)."""
+
+    def link_live(self, index: int) -> None:
+        """Bucket ``index``'s live file now holds the step's result: link it in."""
 
 
 class _DeviceBuffer:
     """A device buffer holding one bucket file's bytes, the write still reading it, and
     the new file that write fills, to be installed once it is over (``optim.bucket_files`` Note [new inodes])."""
 
-    __slots__ = ("raw", "write", "replacing")
+    __slots__ = ("raw", "write", "replacing", "link_out")
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.write = None
         self.replacing: Replacement | None = None
+        self.link_out: int | None = None  # a bucket written in place, for the checkpoint to link once written
 
 
 class BucketStore(BucketFiles):
@@ -330,7 +335,7 @@ class BucketStore(BucketFiles):
                 pending.wait()
                 if k + 1 < len(order):
                     ahead = buffers[(k + 1) % 2]
-                    self._finish_write(ahead)  # bucket k-1 leaves that buffer before k+1 comes in
+                    self._finish_write(ahead, checkpoint)  # bucket k-1 leaves that buffer before k+1 comes in
                     pending = self._submit_read(order[k + 1], ahead)
                 state = self._decode(index, buffer)
                 yield state
@@ -347,22 +352,27 @@ class BucketStore(BucketFiles):
                 self._sync_host_copies()
                 for buffer in buffers:
                     buffer.write = None
-                    replacing, buffer.replacing = buffer.replacing, None
-                    if replacing is not None and not failed:
-                        self._install(replacing)
-                    elif replacing is not None:
-                        self._drop(replacing)
+                    if failed:
+                        replacing, buffer.replacing, buffer.link_out = buffer.replacing, None, None
+                        if replacing is not None:
+                            self._drop(replacing)
+                    else:
+                        self._finish_write(buffer, checkpoint)
                 for index, f in fresh.items():  # made for a bucket the stream never wrote
                     self._drop(Replacement(index, f, False))
 
-    def _finish_write(self, buffer: _DeviceBuffer) -> None:
-        """Wait for the write still reading ``buffer``; give its new file the live name."""
+    def _finish_write(self, buffer: _DeviceBuffer, checkpoint: StepCheckpoint | None) -> None:
+        """Wait for the write still reading ``buffer``; give its new file the live name, or
+        have the checkpoint link the live file it wrote in place."""
         if buffer.write is not None:
             write, buffer.write = buffer.write, None
             write.wait()
         replacing, buffer.replacing = buffer.replacing, None
         if replacing is not None:
             self._install(replacing)
+        link_out, buffer.link_out = buffer.link_out, None
+        if link_out is not None:
+            checkpoint.link_live(link_out)
 
     def _submit_read(self, index: int, buffer: _DeviceBuffer):
         bucket = self.buckets[index]
@@ -386,8 +396,10 @@ class BucketStore(BucketFiles):
             return
         self.bytes_written += bucket.file_bytes
         mirror = None
-        if target is not None and checkpoint.links:
+        if target is not None and checkpoint.links and self.shared(index):
             buffer.replacing = Replacement(index, target, True)
+        elif target is not None and checkpoint.links:
+            buffer.link_out = index  # in place (no other name shares it), then linked into the checkpoint
         elif index in fresh:
             buffer.replacing = Replacement(index, fresh.pop(index), False)
             mirror = target
