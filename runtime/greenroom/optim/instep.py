@@ -31,10 +31,11 @@ byte against the table, before it reads a byte of state.
 A kill at any point leaves the previous checkpoint at ``path`` as it was: its files are
 never written (a live name that shares one of its inodes gets a new inode before any
 write), the staged dir has no generation record until the publish writes it, and the
-next save or load discards it. Each live bucket name names a whole bucket, the step's
-or the one before it (the live dir belongs to the killed process and is wiped by the
-next run, ``greenroom.rankdir``). An error during the step discards the staged dir and
-raises as the step would.
+next save or load discards it. The live files are those of any step killed midway: a
+bucket given a new inode is whole (the step's or the one before), one caught mid-write
+in place may be torn and is refused by its checksums if read (the live dir belongs to
+the killed process and is wiped by the next run, ``greenroom.rankdir``). An error during
+the step discards the staged dir and raises as the step would.
 """
 
 from __future__ import annotations
