@@ -202,33 +202,33 @@ WORKER = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     from tests.test_optim_instep import SHAPES, _optimizer
     from tests.test_optim_support import set_grads, twins
-    base, point, previous, last = sys.argv[1:5]
+    base, point, previous, last, where = sys.argv[1:6]
     params, _ = twins(SHAPES)
     opt = _optimizer(params, os.path.join(base, "live"))
     for step in range(2):
         set_grads(params, step=step)
         if step == 1 and previous == "linked":  # the live files share the previous checkpoint's inodes
-            opt.checkpoint_next_step(os.path.join(base, "ckpt"))
+            opt.checkpoint_next_step(os.path.join(where, "ckpt"))
         opt.step()
     if previous == "saved":  # a copy between steps (ext4 cannot clone): nothing shared
-        opt.save_checkpoint(os.path.join(base, "ckpt"))
-    shutil.copytree(os.path.join(base, "ckpt"), os.path.join(base, "before"))
+        opt.save_checkpoint(os.path.join(where, "ckpt"))
+    shutil.copytree(os.path.join(where, "ckpt"), os.path.join(base, "before"))
     if point != "none":
         os.environ["GREENROOM_TEST_KILL_AT"] = point
     set_grads(params, step=2)
     if last == "checkpoint":
-        opt.checkpoint_next_step(os.path.join(base, "ckpt"))
+        opt.checkpoint_next_step(os.path.join(where, "ckpt"))
     opt.step()
     opt.close()
 """)
 
 
-def _run_worker(base, point, previous="saved", last="checkpoint"):
+def _run_worker(base, point, previous="saved", last="checkpoint", where=None):
     script = os.path.join(base, "worker.py")
     with open(script, "w") as f:
         f.write(WORKER.format(repo=REPO))
-    return subprocess.run([sys.executable, script, base, point, previous, last], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    return subprocess.run([sys.executable, script, base, point, previous, last, where or base], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -264,31 +264,41 @@ def _assert_live_buckets_whole(base, opt, *, torn_refused=False):
                 assert torn_refused and "checksum mismatch" in str(e) and "\n" not in str(e)
 
 
-@pytest.mark.parametrize("point,published,previous", [
-    ("instep-bucket@2", False, "saved"),   # mid-stream: the second bucket's file handed out
-    ("bucket-linked@2", False, "saved"),   # two buckets written in place and linked into the staged checkpoint
-    ("instep-bucket@3", False, "saved"),   # the last of the 3 buckets
-    ("instep-streamed", False, "saved"),   # every bucket written, nothing published
-    ("save-staged", False, "saved"),       # complete and recorded, not yet swapped in
-    ("save-swapped", True, "saved"),       # swapped in, the replaced one not yet discarded
-    ("discard", True, "saved"),
+@pytest.mark.parametrize("point,published,previous,mode", [
+    ("instep-bucket@2", False, "saved", "link"),   # mid-stream: the second bucket's file handed out
+    ("bucket-linked@2", False, "saved", "link"),   # two buckets written in place, linked into the staged one
+    ("instep-bucket@3", False, "saved", "link"),   # the last of the 3 buckets
+    ("instep-streamed", False, "saved", "link"),   # every bucket written, nothing published
+    ("save-staged", False, "saved", "link"),       # complete and recorded, not yet swapped in
+    ("save-swapped", True, "saved", "link"),       # swapped in, the replaced one not yet discarded
+    ("discard", True, "saved", "link"),
     # The previous checkpoint by links too: the live files were its inodes when the step
     # began, so the step writes each bucket to the new checkpoint's file and relinks the live name.
-    ("bucket-replaced@2", False, "linked"),
-    ("instep-streamed", False, "linked"),
-    ("save-swapped", True, "linked"),
+    ("bucket-replaced@2", False, "linked", "link"),
+    ("instep-streamed", False, "linked", "link"),
+    ("save-swapped", True, "linked", "link"),
+    # The checkpoint on another filesystem (a tmpfs: link() gives EXDEV): the second write.
+    ("instep-bucket@2", False, "saved", "write"),
+    ("instep-streamed", False, "saved", "write"),
+    ("save-swapped", True, "saved", "write"),
 ])
-def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(disk_dir, finished, point, published, previous):
-    killed = _run_worker(disk_dir, point, previous)
+def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(disk_dir, tmp_path, finished, point, published,
+                                                                    previous, mode):
+    with other_fs(tmp_path) if mode == "write" else contextlib.nullcontext(disk_dir) as where:
+        _killed_and_loaded(disk_dir, where, finished, point, published, previous)
+
+
+def _killed_and_loaded(disk_dir, where, finished, point, published, previous):
+    killed = _run_worker(disk_dir, point, previous, where=where)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     params, _ = twins(SHAPES)
     opt = _optimizer(params, os.path.join(disk_dir, "fresh"))
     _assert_live_buckets_whole(disk_dir, opt, torn_refused=previous == "saved")
-    opt.load_checkpoint(os.path.join(disk_dir, "ckpt"))  # settles what the kill left, verifies, loads
+    opt.load_checkpoint(os.path.join(where, "ckpt"))  # settles what the kill left, verifies, loads
     expected = finished if published else _files(os.path.join(disk_dir, "before"))
     if point == "save-staged":  # a complete save found beside the previous one is finished, not dropped
         expected = finished
-    assert _files(os.path.join(disk_dir, "ckpt")) == expected
+    assert _files(os.path.join(where, "ckpt")) == expected
     if expected is not finished:  # the previous checkpoint, loaded bit-identically to its untouched copy
         loaded = _state(opt)
         opt.load_checkpoint(os.path.join(disk_dir, "before"))
@@ -296,7 +306,7 @@ def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(disk_dir, f
         assert all(torch.equal(loaded[k], t) for k, t in _state(opt).items())
     opt.close()
     shutil.rmtree(os.path.join(disk_dir, "before"))
-    assert sorted(n for n in os.listdir(disk_dir) if n.startswith("ckpt")) == ["ckpt"]
+    assert sorted(n for n in os.listdir(where) if n.startswith("ckpt")) == ["ckpt"]
 
 
 @pytest.mark.parametrize("point", ["bucket-replaced@1", "bucket-replaced@2"])
