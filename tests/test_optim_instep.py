@@ -380,6 +380,43 @@ def test_a_load_right_after_a_linked_checkpoint_leaves_one_link_per_name_and_res
     opt.close()
 
 
+def test_a_copying_load_into_shared_live_files_leaves_the_other_names_alone(disk_dir, tmp_path):
+    """A checkpoint on another filesystem is copied in, not linked; where a live file has
+    another name (a ``cp -l`` backup), the copy goes to a new inode renamed over the live
+    name, so the backup keeps its bytes, and the run resumes bit-identically."""
+    ours, ref_params = twins(SHAPES)
+    opt = _optimizer(ours, os.path.join(disk_dir, "live"))
+    ref = _reference(ref_params)
+    with other_fs(tmp_path) as where:
+        set_grads(ours, ref_params, step=0)
+        opt.checkpoint_next_step(os.path.join(where, "ckpt"))
+        opt.step()
+        ref.step()
+        assert opt.last_checkpoint.mode == "write"
+        weights = [p.detach().clone() for p in ours]
+        set_grads(ours, step=1)
+        opt.step()  # moves on; the checkpoint is of step 0
+        backup = os.path.join(disk_dir, "backup")
+        os.makedirs(backup)
+        for name in _files(opt.store.directory):
+            os.link(os.path.join(opt.store.directory, name), os.path.join(backup, name))
+        backed_up = _files(backup)
+        with torch.no_grad():
+            for p, w in zip(ours, weights):
+                p.copy_(w)
+        opt.load_checkpoint(os.path.join(where, "ckpt"))
+        assert _files(backup) == backed_up
+        assert _files(opt.store.directory) == _files(os.path.join(where, "ckpt"))
+        assert not set(_inodes(backup).values()) & set(_inodes(opt.store.directory).values())
+        for step in (1, 2):
+            set_grads(ours, ref_params, step=step)
+            opt.step()
+            ref.step()
+        assert_state_equal(opt, ref, ours, ref_params)
+        assert _files(backup) == backed_up
+        opt.close()
+
+
 def test_a_write_in_place_into_a_shared_bucket_file_is_refused_in_one_line(disk_dir):
     """The last line of the rule (``diskio`` Note [shared inodes]): the engine's file
     refuses the write itself, whatever the caller forgot."""
