@@ -319,8 +319,9 @@ class BucketStore(BucketFiles):
         ahead one and writing back behind; all writes are drained when it finishes, and
         every bucket written to a new file has its live name (``optim.bucket_files`` Note [new inodes]).
         ``checkpoint``: an in-step checkpoint (``optim.instep``) that each written-back
-        bucket also goes to: by a link to the new file it hands out, or by a second
-        write from the same staging."""
+        bucket also goes to: by a link (to the live file once written in place, or, for
+        a shared one, to the new file the checkpoint hands out), or by a second write
+        from the same staging."""
         order = list(range(len(self.buckets))) if indices is None else list(indices)
         if not order:
             return
