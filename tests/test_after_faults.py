@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from greenroom import diskio
+from greenroom import statefile
 from greenroom.errors import GreenroomError, StorageError
 from greenroom.optim import StreamingAdam, StreamingMuon
 from tests.conftest import require_tool
@@ -76,7 +76,7 @@ def _grads(params, seed):
 def fail_a_write_of(monkeypatch):
     """Make the next write of one file fail with EIO at the syscall wrapper, once."""
     armed = {}
-    real = diskio.pwrite_all
+    real = statefile.pwrite_all
 
     def pwrite_all(fd, buf, offset, path):
         if armed.get("path") == path:
@@ -84,7 +84,7 @@ def fail_a_write_of(monkeypatch):
             raise OSError(5, "Input/output error")
         return real(fd, buf, offset, path)
 
-    monkeypatch.setattr(diskio, "pwrite_all", pwrite_all)
+    monkeypatch.setattr(statefile, "pwrite_all", pwrite_all)  # what StateFile.write calls
     return lambda path: armed.update(path=path)
 
 

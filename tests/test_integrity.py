@@ -32,7 +32,7 @@ def flip_byte(path: str, offset: int) -> None:
 
 
 def test_page_sums_match_the_definition_mod_2_64():
-    from greenroom.diskio import _LANES, _PAGE_A, _PAGE_B
+    from greenroom.integrity import _LANES, _PAGE_A, _PAGE_B
 
     buf = torch.randint(0, 256, (3 * ALIGNMENT,), dtype=torch.uint8)
     got = page_sums(buf, 5 * ALIGNMENT)

@@ -2,6 +2,9 @@
 
 import json
 import os
+import subprocess
+
+import pytest
 
 from greenroom.optim.footprint import streamed_bytes_per_param
 from tests.cli_support import greenroom, one_line_error
@@ -46,10 +49,14 @@ def test_bench_stream_checkpoint_json_reports_the_in_step_checkpoint_reading_not
                              check_rc=0).stdout)
     c = r["checkpoint"]
     i = c["in_step"]
+    # Beside the bucket files (one filesystem): the checkpoint links the step's own new files.
+    assert i["mode"] == "link"
     assert i["extra_bytes_read"] == 0  # every bucket streamed: the checkpoint came from the step's own pass
-    assert i["extra_bytes_written"] == r["state_bytes"]  # its second write, the whole state
+    assert i["extra_bytes_written"] == 0  # no second write: its files are the step's
+    assert i["step_disk_bytes_written"] == r["disk_bytes_written"]  # the step wrote the state once, as a plain one
     assert i["step_seconds"] > 0 and len(i["plain_step_seconds"]) == 2 and i["ratio"] > 0
     assert i["extra_seconds"] == i["step_seconds"] - sum(i["plain_step_seconds"]) / 2
+    assert i["step_after_ratio"] > 0 and i["ratio_to_step_before"] > 0
     # Between steps: ext4 and tmpfs cannot clone, so the save copies (reads and writes the state once).
     assert c["save_kind"] in ("clone", "copy")
     if c["save_kind"] == "copy":
@@ -115,3 +122,29 @@ def test_the_runtime_never_imports_deepspeed():
     importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                        if "import deepspeed" in p.read_text() or "from deepspeed" in p.read_text())
     assert importers == ["bench/deepspeed_peer.py"]  # the peer's child process alone
+
+
+def test_bench_stream_checkpoint_on_another_filesystem_writes_the_state_twice(disk_dir, tmp_path):
+    """--checkpoint-dir on a tmpfs of its own (root only): link() gives EXDEV, so the step
+    writes each bucket a second time, from the same staging, and says so once."""
+    other = str(tmp_path / "other-fs")
+    os.makedirs(other)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", other], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs (another filesystem for the checkpoint) needs root")
+    try:
+        proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint", "--checkpoint-dir", other,
+                         "--io-only", "--json", check_rc=0)
+        assert json.loads(proc.stdout)["io_only"] is True
+        i = json.loads(proc.stdout)["checkpoint"]["in_step"]
+        assert i["mode"] == "write" and i["extra_bytes_read"] == 0
+        assert i["extra_bytes_written"] == json.loads(proc.stdout)["state_bytes"]
+        assert proc.stderr.count("writes every bucket twice") == 1
+        assert os.listdir(other) == []
+    finally:
+        subprocess.run(["umount", other], check=True)
+
+
+def test_bench_stream_checkpoint_dir_without_checkpoint_is_refused_in_one_line(disk_dir):
+    line = one_line_error(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint-dir", disk_dir,
+                                    check_rc=2))
+    assert "--checkpoint-dir needs --checkpoint" in line

@@ -5,7 +5,7 @@ to move fewer bytes. ``diskio.TransferEngine`` cuts every transfer of a compress
 ``StateFile`` into *frames*, one per ``diskio.EXTENT`` of the file, and hands each frame
 to a codec here. A frame that shrinks is stored as a header and the payload; one that
 does not pay (less than ``MIN_RATIO``) is stored raw; a chunk's frames are packed back
-to back (Note [packed frames] of ``diskio``). The file stays preallocated at the raw
+to back (Note [packed frames] of ``greenroom.frames``). The file stays preallocated at the raw
 size, so running out of space is still a setup error; what and where each frame stored
 is recorded beside its checksum, so a read fetches only the stored bytes.
 

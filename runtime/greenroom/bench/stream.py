@@ -22,9 +22,17 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
 - with ``--checkpoint``, after the timed steps: one step that writes a checkpoint from its
   own pass (``checkpoint_next_step``) between two plain steps, with its extra seconds
   over their mean, the extra bytes it read (0 when every bucket streams) and wrote, and
-  its publish; then a ``save_checkpoint`` between steps (a clone of the files where the
+  its publish, and how (``mode``: ``link`` where the checkpoint dir takes hard links to
+  the bucket files, extra bytes 0; ``write`` elsewhere, a second write of the state); the
+  step after it (which writes the linked buckets to new inodes) against the one before;
+  ``--checkpoint-dir`` puts that checkpoint on another dir (another filesystem: the
+  fallback); then a ``save_checkpoint`` between steps (a clone of the files where the
   filesystem can, else a copy: its kind, seconds, bytes read and written) and a
   verified ``load_checkpoint`` of the whole state;
+- with ``--io-only``, every step streams and writes back every bucket unchanged, without
+  the optimizer's arithmetic: the step's disk I/O and checksums alone, which is what a
+  step on the CPU machine (two cores: the arithmetic takes longer than the disk) cannot
+  show otherwise, and what a GPU step approaches when the update hides under the I/O;
 - with ``--state-dict``, the seconds and GB/s of ``torch.save(opt.state_dict(), f)`` and of
   ``opt.load_state_dict(torch.load(f, mmap=True))``, then the same through
   ``torch.distributed.checkpoint`` (one process), each with peak host RSS and its
@@ -80,6 +88,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", action="store_true",
                         help="also time a step that writes a checkpoint in its own pass, save_checkpoint between "
                              "steps, and load_checkpoint (dirs beside the bucket files)")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                        help="with --checkpoint: where the in-step checkpoint goes (a rank dir of the bench's under "
+                             "DIR, removed after); default beside the bucket files")
+    parser.add_argument("--io-only", action="store_true",
+                        help="skip the optimizer arithmetic: each step streams every bucket back unchanged (its disk "
+                             "I/O and checksums alone)")
     parser.add_argument("--state-dict", action="store_true",
                         help="also time torch.save(opt.state_dict()) / load_state_dict, and the same through DCP")
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
@@ -104,6 +118,12 @@ def _validate(args: argparse.Namespace) -> None:
                          default=0, counted="the host cache plus the pinned staging")
     if not os.path.isdir(args.dir):
         raise ConfigError(f"--offload-train-disk-dir {args.dir} is not a directory")
+    if args.checkpoint_dir is not None:
+        if not args.checkpoint:
+            raise ConfigError("--checkpoint-dir needs --checkpoint")
+        if not os.path.isdir(args.checkpoint_dir):
+            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
+        check_root(args.checkpoint_dir, name="--checkpoint-dir")
     check_root(args.dir, name="--offload-train-disk-dir")
     if args.against == "deepspeed":
         from greenroom.bench import peer
@@ -165,6 +185,8 @@ def measure(args: argparse.Namespace) -> dict:
             init_seconds = time.perf_counter() - start
         if trained is not None:
             _fill_trained(opt, trained)
+        if args.io_only:
+            opt._step_bucket = lambda bucket_state: None  # the stream reads, verifies and writes back as always
         init_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
         try:
             steps = []
@@ -190,8 +212,14 @@ def measure(args: argparse.Namespace) -> dict:
                                                         if cuda else None),
                                   # All the process holds, params and grads too: what a peer reports.
                                   "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None})
-            checkpoint = (_time_checkpoint(opt, rank_dir.subdir("checkpoint"), allocated) if args.checkpoint
-                          else None)
+            checkpoint = None
+            if args.checkpoint and args.checkpoint_dir is not None:
+                with RankDir(args.checkpoint_dir, role="bench-stream-checkpoint",
+                             allow_tmpfs=True) as checkpoint_dir:
+                    checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint"), allocated,
+                                                  in_step_dir=checkpoint_dir.subdir("in-step"))
+            elif args.checkpoint:
+                checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint"), allocated)
             state_dict = _time_state_dict(opt, rank_dir.subdir("state-dict")) if args.state_dict else None
             state_bytes = opt.store.state_bytes
             buckets = len(opt.store.buckets)
@@ -225,7 +253,7 @@ def measure(args: argparse.Namespace) -> dict:
         "disk_bytes": last["disk_bytes_read"] + last["disk_bytes_written"],
         "disk_bytes_written_per_1000_steps": 1000 * last["disk_bytes_written"],
         "stored_ratio": last["bytes_written"] / max(last["disk_bytes_written"], 1),
-        "compression": compression_line, "state": args.state,
+        "compression": compression_line, "state": args.state, "io_only": args.io_only,
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         # All cached: no disk I/O in the step, so no disk bound to compare with.
         "disk_bound_seconds": bound, "ratio": last["seconds"] / bound if bound else None,
@@ -261,26 +289,32 @@ def _fill_trained(opt, trained) -> None:
     opt.store.overwrite(fill)
 
 
-def _time_checkpoint(opt, directory: str, synchronize) -> dict:
-    """A plain step, a step that writes a checkpoint in its own pass, a plain step; then a
-    save between steps and a verified load of the whole state."""
+def _time_checkpoint(opt, directory: str, synchronize, in_step_dir: str | None = None) -> dict:
+    """A plain step, a step that writes a checkpoint in its own pass (into
+    ``in_step_dir``, default beside the rest), a plain step; then a save between steps
+    and a verified load of the whole state."""
     def timed(fn) -> float:
         start = time.perf_counter()
         fn()
         synchronize()
         return time.perf_counter() - start
 
-    in_step_path = os.path.join(directory, "in-step")
+    in_step_path = os.path.join(in_step_dir or directory, "in-step")
+    store = opt.store
     with RssSampler(0.02, page_cache=True) as host:
         before = timed(opt.step)
         opt.checkpoint_next_step(in_step_path)
+        read0, written0 = store.disk_bytes("read"), store.disk_bytes("written")
         checkpointed = timed(opt.step)
+        step_read, step_written = store.disk_bytes("read") - read0, store.disk_bytes("written") - written0
         written = opt.last_checkpoint
         after = timed(opt.step)
         plain = (before + after) / 2
-        in_step = {"step_seconds": checkpointed, "plain_step_seconds": [before, after],
+        in_step = {"mode": written.mode, "step_seconds": checkpointed, "plain_step_seconds": [before, after],
                    "extra_seconds": checkpointed - plain, "ratio": checkpointed / plain,
+                   "ratio_to_step_before": checkpointed / before, "step_after_ratio": after / before,
                    "extra_bytes_read": written.extra_bytes_read, "extra_bytes_written": written.extra_bytes_written,
+                   "step_disk_bytes_read": step_read, "step_disk_bytes_written": step_written,
                    "publish_seconds": written.publish_seconds}
         shutil.rmtree(in_step_path)  # the disk holds the live state and one checkpoint at a time
         path = os.path.join(directory, "optim")
@@ -385,10 +419,11 @@ def run(args: argparse.Namespace) -> int:
     if r["checkpoint"] is not None:
         c = r["checkpoint"]
         i = c["in_step"]
-        print(f"checkpoint in the step: {i['step_seconds']:.2f} s against plain steps "
+        print(f"checkpoint in the step by {i['mode']}: {i['step_seconds']:.2f} s against plain steps "
               f"{i['plain_step_seconds'][0]:.2f} / {i['plain_step_seconds'][1]:.2f} s ({i['ratio']:.2f}x, "
               f"{i['extra_seconds']:+.2f} s, of it publish {i['publish_seconds']:.2f} s); extra read "
-              f"{i['extra_bytes_read'] / GB:.2f} GB, extra written {i['extra_bytes_written'] / GB:.2f} GB")
+              f"{i['extra_bytes_read'] / GB:.2f} GB, extra written {i['extra_bytes_written'] / GB:.2f} GB; "
+              f"the step after it {i['step_after_ratio']:.2f}x the one before")
         print(f"checkpoint between steps ({c['save_kind']}) of {c['bytes'] / GB:.2f} GB: {c['save_seconds']:.2f} s, "
               f"read {c['save_bytes_read'] / GB:.2f} GB, written {c['save_bytes_written'] / GB:.2f} GB; "
               f"verified load {c['load_seconds']:.2f} s")

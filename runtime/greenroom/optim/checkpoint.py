@@ -24,7 +24,15 @@ ended here (``finish_checkpoint``).
 the manifest exists (else the checkpoint predates streaming: refused unless
 ``no_load_optim``), the dtypes, the topology, the layout (and the optimizer's moments
 per param), the file sizes and every checksum (a ``table_crc32`` file: the table, then
-every byte against it). Only then are the files copied (or cloned) into the live ones.
+every byte against it). Only then do the live files take the checkpoint's bytes.
+
+Note [a load never writes a checkpoint's inode]: where the state dir takes hard links
+to the checkpoint's files (one filesystem), each live name becomes a link to the
+checkpoint's file: no byte moves, and the next write of that bucket goes to a new inode
+(``optim.bucket_files`` Note [new inodes]), so the resumed run never writes the checkpoint.
+Elsewhere the bytes are cloned or copied: in place into a live file whose inode has no
+other name, else into a new file renamed over the live name. A checkpoint saved without
+checksums is copied (its tables are written after the copy, into the live file only).
 
 The optimizer is read and restored only through ``StreamedState``, which ``StreamingAdam``
 and greenroom.megatron's ``StreamingDistributedOptimizer`` implement.
@@ -45,6 +53,7 @@ from greenroom.diskio import ALIGNMENT, EXTENT, StateFile, _aligned_host, align_
 from greenroom.errors import CheckpointError, IntegrityError, StorageError
 from greenroom.log import get_logger
 from greenroom.optim import reflink
+from greenroom.optim.hardlink import NEW_SUFFIX, links_work
 from greenroom.rankdir import write_json_atomic
 
 if TYPE_CHECKING:
@@ -205,7 +214,7 @@ def _table_crc32_on_disk(f: StateFile) -> str:
 
 def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
     """Read ``f``'s whole data region, piece by piece, and check it against the file's own
-    checksum table (``diskio`` Note [integrity]; for a compressed file, each frame's
+    checksum table (``integrity`` Note [integrity]; for a compressed file, each frame's
     stored bytes where its record puts them, Note [packed frames]): a file copied or
     cloned around the I/O engine, before it is trusted. ``IntegrityError`` names the
     first extent that differs."""
@@ -244,7 +253,7 @@ def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
 
 # -- the live files' own checksums, summed as a copy reads them -------------------------
 class FileSums:
-    """The I/O engine's checksums (``diskio`` Note [integrity]) of a bucket file's data,
+    """The I/O engine's checksums (``integrity`` Note [integrity]) of a bucket file's data,
     summed from its bytes as a copy reads them (``add``), and, with ``expect``, those its
     table records, to ``verify`` them against.
 
@@ -404,12 +413,16 @@ def _load_checkpoint(opt: StreamedState, path: str) -> None:
     if unsummed:
         log.warning(f"{path}: saved with GREENROOM_VERIFY=0, so its bucket files carry no checksums; their bytes "
                     "passed the checkpoint's CRC-32, and this run checksums them from here on")
-    clone = reflink.usable(path, store.directory, store.state_bytes)
+    # Note [a load never writes a checkpoint's inode]
+    link = not unsummed and bool(store.buckets) and links_work(os.path.join(path, _name(store, 0)),
+                                                                 store.directory)
+    clone = not link and reflink.usable(path, store.directory, store.state_bytes)
     for bucket in store.buckets:
-        name = os.path.basename(store.path(bucket.index))
-        if not (clone and reflink.clone(os.path.join(path, name), store.path(bucket.index))):
-            clone = False
-            copy_file(os.path.join(path, name), store.path(bucket.index), bucket.file_bytes)
+        name = _name(store, bucket.index)
+        if link:
+            store.link_file(bucket.index, os.path.join(path, name))
+        else:
+            clone = _load_bytes(store, bucket.index, os.path.join(path, name), clone)
         if unsummed:
             sums = FileSums(store.files[bucket.index], expect=False)
             _read_pieces(store.path(bucket.index), bucket.data_bytes, sums.add)
@@ -420,6 +433,35 @@ def _load_checkpoint(opt: StreamedState, path: str) -> None:
                              for key, step in resident["steps"].items()})
     opt.load_hyperparameters([{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()}
                               for saved in manifest["param_groups"]])
+
+
+def _name(store: BucketStore, index: int) -> str:
+    return os.path.basename(store.path(index))
+
+
+def _load_bytes(store: BucketStore, index: int, source: str, clone: bool) -> bool:
+    """Put the checkpoint file ``source`` into bucket ``index``'s live file by a clone
+    (while ``clone``) or a copy: in place while the live inode has no other name, else
+    into a new file renamed over it. Returns whether to go on cloning."""
+    bucket = store.buckets[index]
+    live = store.path(index)
+    shared = store.shared(index)
+    target = live + NEW_SUFFIX if shared else live
+    if shared:
+        store.open_copy(index, target).close()  # preallocated: no space is refused before the copy
+    try:
+        if clone and reflink.clone(source, target):
+            cloned = True
+        else:
+            cloned = False
+            copy_file(source, target, bucket.file_bytes)
+    except BaseException:
+        if shared and os.path.lexists(target):
+            os.unlink(target)
+        raise
+    if shared:
+        store.replace_file(index, target)
+    return cloned
 
 
 def read_manifest(path: str) -> dict:

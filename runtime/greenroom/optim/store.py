@@ -22,7 +22,7 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   ``[master | exp_avg | exp_avg_sq]`` (no master segment when ``master`` is false; for
   entries with ``remainder``, ``[low halves | fixups | exp_avg | exp_avg_sq]``, the master
   rebuilt from the params, ``greenroom.optim.remainder`` Note [remainder]),
-  followed by the I/O engine's checksum table (``diskio`` Note [integrity]: kept in the
+  followed by the I/O engine's checksum table (``integrity`` Note [integrity]: kept in the
   file so that a checkpoint's copy carries it and a loaded one is verified on its first
   read); the moment segments use the ``codecs`` of ``moment_dtype``. ``store.layout()`` describes it
   all as JSON (the checkpoint manifest embeds it).
@@ -35,6 +35,8 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   written to its final file, synced and its pages dropped before the next one starts;
   no copy of the whole state ever exists on the device or the host.
 - ``host_cache_bytes`` (``--stream-optimizer-state-host-cache-gb``): see Note [host cache].
+- A bucket file with another name (a checkpoint's link, a backup) is never written in
+  place: ``optim.bucket_files`` Note [new inodes].
 
 Note [host cache]: whole buckets, as many as fit in ``host_cache_bytes``, live in host
 memory (pinned when the store's device is CUDA) instead of going to the disk each step.
@@ -57,236 +59,51 @@ files hold the state afterwards. With ``host_cache_bytes`` 0 nothing of this run
 from __future__ import annotations
 
 import dataclasses
-import math
-import mmap
 import os
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from greenroom.diskio import STORE_RAW, StateFile, TransferEngine, align_up
-from greenroom.errors import ConfigError, StorageError
-from greenroom.fs import human_bytes
+from greenroom.diskio import STORE_RAW, StateFile, TransferEngine
+from greenroom.errors import ConfigError
 from greenroom.optim import remainder
+from greenroom.optim.bucket_files import BucketFiles, Replacement
 from greenroom.optim.codecs import moment_codecs
-
-DEFAULT_BUCKET_NUMEL = 200_000_000
-FILE_PATTERN = "bucket-{:05d}.bin"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Entry:
-    """One tensor whose optimizer state streams."""
-
-    name: str
-    """A stable name (the param's name, or ``group.index``): recorded in the layout."""
-
-    shape: tuple[int, ...]
-    """The (local shard's) shape; the state has this many elements."""
-
-    group: int = 0
-    """Param group index: a bucket never mixes groups (one lr and weight decay each)."""
-
-    master: bool = True
-    """Store an fp32 master copy (16-bit params); False when the fp32 param is its own."""
-
-    remainder: bool = False
-    """Store the master as its low 16 bits beside the bf16 param (``greenroom.optim.remainder``
-    Note [remainder]): 2 B/param instead of 4. Only for masters of bf16 params; the store
-    then reads the params through its ``params`` callback to rebuild the masters."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+from greenroom.optim.hostcache import HostCopy, host_memory, unpin
+from greenroom.optim.layout import (DEFAULT_BUCKET_NUMEL, FILE_PATTERN, Bucket, BucketState, Entry, Segment,
+                                    build_buckets)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Segment:
-    """A 4 KiB-aligned range of a bucket file."""
+class StepCheckpoint(Protocol):
+    """What ``BucketStore.stream`` asks of the checkpoint a step writes (``optim.instep``)."""
 
-    offset: int
-    """Byte offset in the file (a multiple of 4096)."""
+    links: bool
+    """True: the checkpoint takes each bucket's file by a link (the live file once written
+    in place, or, where the live inode is shared, the checkpoint's own new file, which
+    the live name then links); False: each bucket is written to the checkpoint's file
+    too, a second write from the same staging."""
 
-    nbytes: int
-    """Bytes of data (the codec's size, before alignment)."""
+    def bucket_file(self, index: int) -> StateFile | None:
+        """The checkpoint's file of bucket ``index`` (None: not through the stream)."""
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Bucket:
-    """Consecutive entries whose state lives in one file."""
-
-    index: int
-    """Position in the store; the file is ``FILE_PATTERN.format(index)``."""
-
-    entries: tuple[int, ...]
-    """Indices into the store's entries, in order."""
-
-    numel: int
-    """Total elements of the entries."""
-
-    master: Segment | None
-    """The fp32 master segment (or, for a remainder bucket, its low halves), or None for
-    fp32 params that are their own master."""
-
-    exp_avg: Segment
-    """First moment."""
-
-    exp_avg_sq: Segment | None
-    """Second moment; None in a store of one moment (Muon's momentum buffer)."""
-
-    data_bytes: int
-    """Bytes of the segments (aligned): what a step reads and writes back."""
-
-    file_bytes: int
-    """Size of the file: the segments and the checksum table after them."""
-
-    offsets: tuple[int, ...] = field(default=())
-    """Element offset of each entry within the bucket's flat tensors."""
-
-    fixups: Segment | None = None
-    """A remainder bucket's fingerprints and exceptions (Note [remainder]), else None."""
-
-    @property
-    def remainder(self) -> bool:
-        return self.fixups is not None
-
-
-@dataclass(eq=False, slots=True)
-class BucketState:
-    """One bucket's state on the device, as ``BucketStore.stream`` yields it."""
-
-    bucket: Bucket
-    master: torch.Tensor | None
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor | None
-    _shapes: list[tuple[int, ...]]
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-entry views of one of the bucket's flat tensors, in the entries' shapes."""
-        out = []
-        for start, shape in zip(self.bucket.offsets, self._shapes):
-            n = math.prod(shape)
-            out.append(flat[start:start + n].view(shape))
-        return out
-
-
-def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str, *,
-                  compressed: bool = False, moments: int = 2) -> list[Bucket]:
-    """Group consecutive entries (same group and master kind) into buckets of at most
-    ``bucket_numel`` elements; an entry larger than the cap gets a bucket of its own.
-    ``compressed``: the files' table also records the bytes each frame stored.
-    ``moments``: 2 (Adam's ``exp_avg`` and ``exp_avg_sq``) or 1 (``exp_avg`` only: a
-    momentum buffer, as Muon keeps)."""
-    if moments not in (1, 2):
-        raise ConfigError(f"moments must be 1 or 2, got {moments!r}")
-    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel <= 0:
-        raise ConfigError(f"bucket_numel must be a positive integer, got {bucket_numel!r}")
-    avg_codec, sq_codec = moment_codecs(moment_dtype)
-    groups: list[list[int]] = []
-    current: list[int] = []
-    current_numel = 0
-    for i, entry in enumerate(entries):
-        if entry.numel == 0:
-            raise ConfigError(f"entry {entry.name!r} has no elements: leave it out of the store")
-        if entry.remainder and not entry.master:
-            raise ConfigError(f"entry {entry.name!r}: a remainder needs a master (remainder=True, master=False)")
-        kind = (entry.group, entry.master, entry.remainder)
-        first = entries[current[0]] if current else None
-        same_kind = first is not None and (first.group, first.master, first.remainder) == kind
-        if current and (not same_kind or current_numel + entry.numel > bucket_numel):
-            groups.append(current)
-            current, current_numel = [], 0
-        current.append(i)
-        current_numel += entry.numel
-    if current:
-        groups.append(current)
-    buckets = []
-    for index, members in enumerate(groups):
-        offsets, numel = [], 0
-        for i in members:
-            offsets.append(numel)
-            numel += entries[i].numel
-        cursor = 0
-        master = fixups = None
-        if entries[members[0]].remainder:
-            master = Segment(offset=0, nbytes=numel * 2)
-            fixups = Segment(offset=align_up(master.nbytes), nbytes=remainder.fixup_bytes(numel))
-            cursor = align_up(fixups.offset + fixups.nbytes)
-        elif entries[members[0]].master:
-            master = Segment(offset=0, nbytes=numel * 4)
-            cursor = align_up(master.nbytes)
-        exp_avg = Segment(offset=cursor, nbytes=avg_codec.nbytes(numel))
-        cursor = align_up(cursor + exp_avg.nbytes)
-        exp_avg_sq = None
-        if moments == 2:
-            exp_avg_sq = Segment(offset=cursor, nbytes=sq_codec.nbytes(numel))
-            cursor = align_up(cursor + exp_avg_sq.nbytes)
-        buckets.append(Bucket(index=index, entries=tuple(members), numel=numel, master=master,
-                              exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, data_bytes=cursor,
-                              file_bytes=StateFile.file_bytes(cursor, checksums="file", compressed=compressed),
-                              offsets=tuple(offsets), fixups=fixups))
-    return buckets
+    def link_live(self, index: int) -> None:
+        """Bucket ``index``'s live file now holds the step's result: link it in."""
 
 
 class _DeviceBuffer:
-    """A device buffer holding one bucket file's bytes, and the write still reading it."""
+    """A device buffer holding one bucket file's bytes, the write still reading it, and
+    the new file that write fills, to be installed once it is over (``optim.bucket_files`` Note [new inodes])."""
 
-    __slots__ = ("raw", "write")
+    __slots__ = ("raw", "write", "replacing", "link_out")
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.write = None
-
-    def wait_write(self) -> None:
-        if self.write is not None:
-            write, self.write = self.write, None
-            write.wait()
+        self.replacing: Replacement | None = None
+        self.link_out: int | None = None  # a bucket written in place, for the checkpoint to link once written
 
 
-class _HostCopy:
-    """A copy between a device buffer and the host cache, as ``stream`` waits for it
-    (the engine's ``Transfer`` for a file). A read lets the caller's stream go on once
-    the bytes are in; a write-back blocks the host until the device buffer is free."""
-
-    __slots__ = ("event", "stream")
-
-    def __init__(self, event=None, stream=None) -> None:
-        self.event, self.stream = event, stream  # None: a synchronous (CPU) copy, already over
-
-    def wait(self) -> None:
-        if self.event is None:
-            return
-        if self.stream is not None:
-            self.stream.wait_event(self.event)
-        else:
-            self.event.synchronize()
-
-
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch registers
-
-
-def _host_memory(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` of page-aligned anonymous host memory as a uint8 tensor, registered with
-    CUDA (pinned) when ``pin``. Not torch's pinned allocator, which rounds each
-    allocation up to a power of two (a 2.4 GB bucket would take 4.3 GB); and not
-    torch-owned, so actor offload on a CPU device leaves it in place, as it does the
-    engine's own memory."""
-    memory = mmap.mmap(-1, nbytes)
-    tensor = torch.frombuffer(memory, dtype=torch.uint8)
-    if pin:
-        code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
-        if code != 0:
-            raise StorageError(f"--stream-optimizer-state-host-cache-gb: pinning {human_bytes(nbytes)} of host memory "
-                               f"failed (CUDA error {code}); use a smaller host cache")
-    return tensor
-
-
-def _unpin(tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-
-class BucketStore:
+class BucketStore(BucketFiles):
     """Per-bucket state files for ``entries`` in ``directory``, streamed to ``device``.
 
     Args:
@@ -332,6 +149,8 @@ class BucketStore:
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self._retired_bytes_read = 0  # disk bytes of the files that new inodes replaced
+        self._retired_bytes_written = 0
         self.host_cache_budget = host_cache_bytes
         self.host_cache: dict[int, torch.Tensor] = {}  # bucket index -> its bytes (Note [host cache])
         self._stale: set[int] = set()  # cached buckets whose file lags behind the cache
@@ -353,10 +172,6 @@ class BucketStore:
                         os.unlink(f.path)
             raise
 
-    def _open_file(self, bucket: Bucket) -> StateFile:
-        return StateFile(self.path(bucket.index), bucket.data_bytes, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of the optimizer state")
-
     def _write(self, raw: torch.Tensor, bucket: Bucket, *, file: StateFile | None = None,
                mirror: StateFile | None = None):
         """Write a bucket's bytes to its file (or ``file``), and to ``mirror`` too (an
@@ -367,33 +182,11 @@ class BucketStore:
         sizes = [(seg.offset, size) for seg, size in segments if seg is not None]
         return self.engine.write(raw, file or self.files[bucket.index], 0, element_sizes=tuple(sizes), mirror=mirror)
 
-    def open_copy(self, index: int, path: str) -> StateFile:
-        """A preallocated file at ``path`` of bucket ``index``'s layout, to mirror its
-        writes into (``stream(mirror=...)``) or write a cached bucket to."""
-        bucket = self.buckets[index]
-        return StateFile(path, bucket.data_bytes, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of a checkpoint of the optimizer state")
-
-    def open_existing(self, index: int, path: str) -> StateFile:
-        """Bucket ``index``'s layout over an existing file at ``path`` (a checkpoint's copy),
-        its length checked, to read its table or verify it."""
-        bucket = self.buckets[index]
-        return StateFile(path, bucket.data_bytes, create=False, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of a checkpoint of the optimizer state")
-
     def write_cached(self, index: int, file: StateFile):
         """Write cached bucket ``index``'s host bytes to ``file`` (no read: the cache is the state)."""
         return self._write(self.host_cache[index], self.buckets[index], file=file)
 
     # -- facts ----------------------------------------------------------------------
-    def disk_bytes(self, way: str) -> int:
-        """Bytes ``read`` from or ``written`` to the bucket files since they were opened:
-        the state's bytes, less what compression saved."""
-        return sum(getattr(f, f"disk_bytes_{way}") for f in self.files)
-
-    def path(self, index: int) -> str:
-        return os.path.join(self.directory, FILE_PATTERN.format(index))
-
     @property
     def state_bytes(self) -> int:
         """Bytes of all bucket files (what one full step reads, and writes)."""
@@ -484,9 +277,7 @@ class BucketStore:
             host.copy_(raw)
             self._stale.add(index)
             return
-        self._write(raw, self.buckets[index]).wait()
-        self.bytes_written += self.buckets[index].file_bytes
-        self.files[index].sync()
+        self._store_file(index, raw)
 
     def extend(self, entries: Sequence[Entry]) -> list[int]:
         """Append ``entries`` in new buckets of their own (``add_param_group``); returns
@@ -518,40 +309,71 @@ class BucketStore:
         for index in indices:
             nbytes = self.buckets[index].data_bytes
             if nbytes <= left:
-                self.host_cache[index] = _host_memory(nbytes, self._pinned)
+                self.host_cache[index] = host_memory(nbytes, self._pinned)
                 left -= nbytes
 
     # -- the step -------------------------------------------------------------------
     def stream(self, indices: Sequence[int] | None = None, *,
-               mirror: Callable[[int], StateFile | None] | None = None) -> Iterator[BucketState]:
+               checkpoint: StepCheckpoint | None = None) -> Iterator[BucketState]:
         """Yield the buckets ``indices`` (default all, in order) on the device, reading
-        ahead one and writing back behind; all writes are drained when it finishes.
-        ``mirror(index)``: a file that each written-back bucket's bytes also go to, from
-        the same staging (an in-step checkpoint; None for a bucket not to mirror)."""
+        ahead one and writing back behind; all writes are drained when it finishes, and
+        every bucket written to a new file has its live name (``optim.bucket_files`` Note [new inodes]).
+        ``checkpoint``: an in-step checkpoint (``optim.instep``) that each written-back
+        bucket also goes to: by a link (to the live file once written in place, or, for
+        a shared one, to the new file the checkpoint hands out), or by a second write
+        from the same staging."""
         order = list(range(len(self.buckets))) if indices is None else list(indices)
         if not order:
             return
+        linked = checkpoint is not None and checkpoint.links
+        fresh = {} if linked else self._new_files([i for i in order if i not in self.host_cache])
         buffers = [self._buffer(0), self._buffer(1)]
         pending = self._submit_read(order[0], buffers[0])
+        failed = True
         try:
             for k, index in enumerate(order):
                 buffer = buffers[k % 2]
                 pending.wait()
                 if k + 1 < len(order):
                     ahead = buffers[(k + 1) % 2]
-                    ahead.wait_write()  # bucket k-1 leaves that buffer before k+1 comes in
+                    self._finish_write(ahead, checkpoint)  # bucket k-1 leaves that buffer before k+1 comes in
                     pending = self._submit_read(order[k + 1], ahead)
                 state = self._decode(index, buffer)
                 yield state
                 self._encode(state, buffer)
-                buffer.write = self._submit_write(index, buffer, mirror(index) if mirror is not None else None)
+                self._submit_write(index, buffer, checkpoint, fresh)
+            failed = False
         finally:
             try:
                 self.engine.drain()
+            except BaseException:
+                failed = True
+                raise
             finally:
                 self._sync_host_copies()
                 for buffer in buffers:
                     buffer.write = None
+                    if failed:
+                        replacing, buffer.replacing, buffer.link_out = buffer.replacing, None, None
+                        if replacing is not None:
+                            self._drop(replacing)
+                    else:
+                        self._finish_write(buffer, checkpoint)
+                for index, f in fresh.items():  # made for a bucket the stream never wrote
+                    self._drop(Replacement(index, f, False))
+
+    def _finish_write(self, buffer: _DeviceBuffer, checkpoint: StepCheckpoint | None) -> None:
+        """Wait for the write still reading ``buffer``; give its new file the live name, or
+        have the checkpoint link the live file it wrote in place."""
+        if buffer.write is not None:
+            write, buffer.write = buffer.write, None
+            write.wait()
+        replacing, buffer.replacing = buffer.replacing, None
+        if replacing is not None:
+            self._install(replacing)
+        link_out, buffer.link_out = buffer.link_out, None
+        if link_out is not None:
+            checkpoint.link_live(link_out)
 
     def _submit_read(self, index: int, buffer: _DeviceBuffer):
         bucket = self.buckets[index]
@@ -561,22 +383,39 @@ class BucketStore:
         self.bytes_read += bucket.file_bytes
         return self.engine.read(raw, self.files[index], 0)
 
-    def _submit_write(self, index: int, buffer: _DeviceBuffer, mirror: StateFile | None = None):
+    def _submit_write(self, index: int, buffer: _DeviceBuffer, checkpoint: StepCheckpoint | None,
+                      fresh: dict[int, StateFile]) -> None:
+        """Start the write-back of bucket ``index`` from ``buffer``: to its cache, to a new
+        file (the checkpoint's, or ``fresh``'s for a shared file), or in place; with a
+        mirror file of the checkpoint's too where it writes twice."""
         bucket = self.buckets[index]
         raw = buffer.raw[:bucket.data_bytes]
+        target = checkpoint.bucket_file(index) if checkpoint is not None else None
         if index in self.host_cache:
             self._stale.add(index)
-            return self._host_copy(self.host_cache[index], raw, to_device=False)
+            buffer.write = self._host_copy(self.host_cache[index], raw, to_device=False)
+            return
         self.bytes_written += bucket.file_bytes
-        return self._write(raw, bucket, mirror=mirror)
+        mirror = None
+        if target is not None and checkpoint.links and self.shared(index):
+            buffer.replacing = Replacement(index, target, True)
+        elif target is not None and checkpoint.links:
+            buffer.link_out = index  # in place (no other name shares it), then linked into the checkpoint
+        elif index in fresh:
+            buffer.replacing = Replacement(index, fresh.pop(index), False)
+            mirror = target
+        else:
+            mirror = target
+        file = buffer.replacing.file if buffer.replacing is not None else None
+        buffer.write = self._write(raw, bucket, file=file, mirror=mirror)
 
-    def _host_copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> _HostCopy:
+    def _host_copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> HostCopy:
         """Copy between a device buffer and the host cache: on the CPU at once; on CUDA on
         the store's copy stream, after what the caller's stream has queued, so it runs
         beside the caller's update of the other buffer."""
         if not (dst.is_cuda or src.is_cuda):
             dst.copy_(src)
-            return _HostCopy()
+            return HostCopy()
         current = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -587,7 +426,7 @@ class BucketStore:
             done.record(self._copy_stream)
         # The caller's stream waits for a read on the device; a write-back's buffer is
         # reused by the engine, which only orders after the caller's stream: the host waits.
-        return _HostCopy(done, current if to_device else None)
+        return HostCopy(done, current if to_device else None)
 
     def _sync_host_copies(self) -> None:
         if self._copy_stream is not None:
@@ -602,12 +441,25 @@ class BucketStore:
         self._sync_host_copies()
         stale = sorted(self._stale)
         for index in stale:
-            self._write(self.host_cache[index], self.buckets[index])
-        self.engine.drain()
-        for index in stale:
-            self.files[index].sync()
-            self.bytes_written += self.buckets[index].file_bytes
+            self._store_file(index, self.host_cache[index])
             self._stale.discard(index)
+
+    def _store_file(self, index: int, raw: torch.Tensor) -> None:
+        """Write a whole bucket's bytes to its file, synced, its pages dropped; to a new
+        inode when the file is shared (``optim.bucket_files`` Note [new inodes])."""
+        fresh = self._new_files([index])
+        replacing = Replacement(index, fresh[index], False) if fresh else None
+        file = replacing.file if replacing is not None else self.files[index]
+        try:
+            self._write(raw, self.buckets[index], file=file).wait()
+            file.sync()
+        except BaseException:
+            if replacing is not None:
+                self._drop(replacing)
+            raise
+        if replacing is not None:
+            self._install(replacing)
+        self.bytes_written += self.buckets[index].file_bytes
 
     def refill_host_cache(self) -> None:
         """Read the cached buckets back from their files (verified against the files'
@@ -712,7 +564,7 @@ class BucketStore:
                 f.close()
             if self._pinned:
                 for host in self.host_cache.values():
-                    _unpin(host)
+                    unpin(host)
             self.host_cache.clear()
             self._stale.clear()
 

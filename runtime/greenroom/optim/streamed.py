@@ -178,7 +178,7 @@ class StreamedOptimizer(torch.optim.Optimizer):
         needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
         pending, self._pending_checkpoint = self._pending_checkpoint, None
         with pending.during_step() if pending is not None else contextlib.nullcontext():
-            for bucket_state in store.stream(needed, mirror=pending):
+            for bucket_state in store.stream(needed, checkpoint=pending):
                 self._step_bucket(bucket_state)
         if pending is not None:
             self.last_checkpoint = pending

@@ -1,0 +1,261 @@
+"""Compressed transfers (``greenroom.compression``): frames packed per chunk, and their records.
+
+Note [packed frames]: a compressed file (``greenroom.compression``) is cut into frames,
+one per ``EXTENT``, and a chunk's frames are stored back to back from the chunk's own
+place, each at a page boundary: a chunk moves in one I/O of about its stored size,
+whatever each frame shrank to (stored at their own places, 1 MiB frames went out as
+~0.9 MB I/Os and ran slower than the raw chunk). Each frame's record holds its stored
+bytes and its *shift*, how far before its own place they start (0 for a chunk's first
+frame). A read's chunks start only at frames with shift 0, so a chunk's stored bytes
+always lie inside its own raw range and its staging buffer; a reader with smaller
+buffers than the writer's is refused in one line. Every frame's checksum covers its
+stored bytes at the offsets they were stored at.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from greenroom import compression
+from greenroom.errors import ConfigError, IntegrityError
+from greenroom.integrity import ALIGNMENT, EXTENT, align_up, page_sums
+
+if TYPE_CHECKING:
+    from greenroom.statefile import StateFile
+
+STORE_RAW = 0  # the element size of a region a codec need not try (incompressible: stored as it is)
+
+
+class FrameTransfers:
+    """The compressed chunks of ``TransferEngine`` (a base class: it uses the engine's
+    ``staging`` and per-thread ``_thread``)."""
+
+    def _io_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This I/O thread's own stream on ``device``: codec kernels of concurrent chunks
+        run side by side, and never queue behind the driver's copies."""
+        streams = getattr(self._thread, "streams", None)
+        if streams is None:
+            streams = self._thread.streams = {}
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
+
+    def _write_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
+        """Compress the chunk's frames and write them packed (Note [packed frames]): each a
+        header and the payload, or the raw bytes where compression does not pay."""
+        error = sums = None
+        first = frames[0][3]
+        try:
+            codec = file.compression
+            buf = self.staging.buffers[slot]
+            arr = buf.numpy()
+            header = compression.HEADER_BYTES
+            lengths, places, at = [], [], 0
+            if codec.on_device and piece.is_cuda:
+                io_stream = self._io_stream(piece.device)
+                io_stream.wait_stream(stream)
+                views = [piece[pos:pos + raw] for pos, raw, _, _ in frames]
+                coded = [k for k, (_, _, size, _) in enumerate(frames) if size != STORE_RAW]
+                payloads = [None] * len(frames)
+                if coded:
+                    for k, payload in zip(coded, codec.encode([views[k] for k in coded],
+                                                              [frames[k][2] for k in coded], io_stream)):
+                        payloads[k] = payload
+                with torch.cuda.stream(io_stream):
+                    for (pos, raw, size, _), view, payload in zip(frames, views, payloads):
+                        if payload is not None and compression.pays(raw, payload.numel()):
+                            _put_header(arr, at, codec, size, raw, payload.numel())
+                            buf[at + header:at + header + payload.numel()].copy_(payload, non_blocking=True)
+                            lengths.append(header + payload.numel())
+                        else:
+                            buf[at:at + raw].copy_(view, non_blocking=True)
+                            lengths.append(raw)
+                        places.append(at)
+                        at += align_up(lengths[-1])
+                io_stream.synchronize()
+                del payloads
+            else:
+                if done_copy is not None:
+                    done_copy.synchronize()
+                # In place, front to back: a frame's stored bytes end before the next
+                # frame's raw bytes begin, so no frame is overwritten before it is encoded.
+                for pos, raw, size, _ in frames:
+                    # A host tensor in a file of a device codec is stored as it is.
+                    payload = None if codec.on_device or size == STORE_RAW else codec.encode(arr[pos:pos + raw], size)
+                    if payload is not None and compression.pays(raw, len(payload)):
+                        _put_header(arr, at, codec, size, raw, len(payload))
+                        arr[at + header:at + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                        lengths.append(header + len(payload))
+                    else:
+                        if at != pos:
+                            arr[at:at + raw] = arr[pos:pos + raw]  # numpy copies overlapping ranges safely
+                        lengths.append(raw)
+                    places.append(at)
+                    at += align_up(lengths[-1])
+            for place, n in zip(places, lengths):
+                buf[place + n:place + align_up(n)].zero_()  # deterministic padding in the frame's own pages
+            transfer.stored[first:first + len(frames)] = torch.tensor(
+                [[n, pos - place] for (pos, _, _, _), n, place in zip(frames, lengths, places)], dtype=torch.int32)
+            runs = _merge([(place, place + align_up(n)) for place, n in zip(places, lengths)])
+            for start, end in runs:
+                file.write(memoryview(arr[start:end]), chunk_offset + start)
+                if transfer.mirror is not None:
+                    transfer.mirror.write(memoryview(arr[start:end]), chunk_offset + start)
+            if transfer.sums is not None:
+                sums = _frame_sums(buf, chunk_offset, runs, lengths)
+        except BaseException as e:  # reported through Transfer.wait()
+            error = e
+        finally:
+            self.staging.release(slot)
+            transfer._chunk_finished(error, sums, first)
+
+    def _read_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
+        """Read the chunk's stored bytes (Note [packed frames]), check them, decode, and fill ``piece``."""
+        error = sums = None
+        first = frames[0][3]
+        try:
+            buf = self.staging.buffers[slot]
+            arr = buf.numpy()
+            header = compression.HEADER_BYTES
+            lengths, places, end = [], [], 0
+            for (pos, raw, _, _), (n, shift) in zip(frames, transfer.stored[first:first + len(frames)].tolist()):
+                place = pos - shift
+                if not 0 < n <= raw or (n < raw and n <= header) or shift % ALIGNMENT or not end <= place <= pos:
+                    raise IntegrityError(f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}: the "
+                                         f"file records {n} stored bytes at {shift} bytes before it for a frame of "
+                                         f"{raw}: the record is damaged; stopped before using it: restart from the "
+                                         "last checkpoint")
+                lengths.append(n)
+                places.append(place)
+                end = place + align_up(n)
+            runs = _merge([(place, place + align_up(n)) for place, n in zip(places, lengths)])
+            for start, stop in runs:
+                file.read(memoryview(arr[start:stop]), chunk_offset + start)
+            if transfer.sums is not None:  # of the stored bytes, before decoding overwrites them
+                sums = _frame_sums(buf, chunk_offset, runs, lengths)
+            on_device, on_host = [], []
+            for (pos, raw, _, _), n, place in zip(frames, lengths, places):
+                if n == raw:
+                    on_host.append((pos, raw, place, n, None, 1, ""))
+                    continue
+                where = f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}"
+                codec_id, size = compression.parse_header(arr[place:place + header].tobytes(), raw_bytes=raw,
+                                                          stored_bytes=n, where=where)
+                codec = compression.codec_by_id(codec_id, where)
+                (on_device if codec.on_device else on_host).append((pos, raw, place, n, codec, size, where))
+            io_stream = None
+            if piece.is_cuda or on_device:
+                device = piece.device if piece.is_cuda else torch.device("cuda", torch.cuda.current_device())
+                io_stream = self._io_stream(device)
+                if stream is not None:
+                    io_stream.wait_stream(stream)  # the caller's work on ``piece`` comes first
+            outs = []
+            if on_device:
+                # First: the payloads are copied to the device before any frame below is
+                # unpacked over them.
+                with torch.cuda.stream(io_stream):
+                    outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
+                                                                                   device=io_stream.device)
+                            for pos, raw, _, _, _, _, _ in on_device]
+                # The chunk's stored bytes from its first device frame to its last go to
+                # the device in one copy; each payload decodes from its offset in it.
+                base = on_device[0][2]
+                top = max(place + n for _, _, place, n, _, _, _ in on_device)
+                on_device[0][4].decode(buf[base:top], [(place + header - base, n - header)
+                                                       for _, _, place, n, _, _, _ in on_device],
+                                       outs, [job[5] for job in on_device], io_stream, [job[6] for job in on_device])
+            # Back to front, in place: a frame unpacks over the stored bytes of itself and
+            # of the frames after it (already unpacked), never of the frames before it.
+            for pos, raw, place, n, codec, size, where in reversed(on_host):
+                if codec is not None:
+                    codec.decode(memoryview(arr[place + header:place + n]), arr[pos:pos + raw], size, where)
+                elif place != pos:
+                    arr[pos:pos + raw] = arr[place:place + raw]
+            in_buffer = _merge([(pos, pos + raw) for pos, raw, _, _, _, _, _ in on_host])
+            if io_stream is not None:
+                with torch.cuda.stream(io_stream):
+                    for start, stop in in_buffer:
+                        piece[start:stop].copy_(buf[start:stop], non_blocking=True)
+                io_stream.synchronize()  # the staging buffer is reused once released
+            else:
+                for start, stop in in_buffer:
+                    piece[start:stop].copy_(buf[start:stop])
+            if not piece.is_cuda:
+                for (pos, raw, _, _, _, _, _), out in zip(on_device, outs):
+                    piece[pos:pos + raw].copy_(out)
+        except BaseException as e:
+            error = e
+        finally:
+            self.staging.release(slot)
+            transfer._chunk_finished(error, sums, first)
+
+
+def _put_header(arr: np.ndarray, pos: int, codec, itemsize: int, raw: int, payload: int) -> None:
+    """The header of a compressed frame, at the start of its slot in the staging buffer."""
+    arr[pos:pos + compression.HEADER_BYTES] = np.frombuffer(compression.pack_header(codec.id, itemsize, raw, payload),
+                                                            dtype=np.uint8)
+
+
+def _frame_sums(buf: torch.Tensor, chunk_offset: int, runs: list[tuple[int, int]], lengths: list[int]) -> torch.Tensor:
+    """Each frame's checksum (Note [integrity]) of the bytes it stored, at the file offsets
+    they were stored at: one pass over each run of the chunk's buffer that moved in one I/O
+    (the runs hold the frames' aligned stored bytes back to back, in order)."""
+    pages = torch.cat([page_sums(buf[start:end], chunk_offset + start) for start, end in runs])
+    frame_of_page = torch.repeat_interleave(torch.arange(len(lengths)),
+                                            torch.tensor([align_up(n) // ALIGNMENT for n in lengths]))
+    return torch.zeros(len(lengths), dtype=torch.int64).index_add_(0, frame_of_page, pages)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for start, end in ranges:
+        if merged and merged[-1][1] == start:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile, *, buffers: int,
+                 shifts=None) -> list:
+    """The chunks of a transfer of a compressed file: whole frames (one per ``EXTENT`` of
+    the file that the transfer touches), at most ``step`` bytes together. Each chunk is
+    ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
+    index)])``; a frame's element size is that of the region it starts in, or 1 where it
+    does not divide the frame. A read passes the recorded ``shifts`` (Note [packed
+    frames]): its chunks start only at frames stored at their own place."""
+    if step < EXTENT:
+        raise ConfigError(f"{file.path}: compression needs staging buffers of at least {EXTENT >> 20} MiB, got "
+                          f"{step} bytes: raise --offload-train-disk-chunk-mb to {buffers * EXTENT >> 20} or more")
+    frames, position, end = [], offset, offset + nbytes
+    while position < end:
+        stop = min(end, (position // EXTENT + 1) * EXTENT)
+        start, raw = position - offset, stop - position
+        size = next(s for at, s in reversed(element_sizes) if at <= start)
+        frames.append((start, raw, size if size == STORE_RAW else 1 if raw % size else size))
+        position = stop
+    chunks, i = [], 0
+    while i < len(frames):
+        j = i + 1
+        while j < len(frames) and frames[j][0] + frames[j][1] - frames[i][0] <= step:
+            j += 1
+        if shifts is not None and j < len(frames):
+            while j > i + 1 and shifts[j]:
+                j -= 1
+            if shifts[j]:
+                # The writer's chunk ran from frame i to the next frame at its own place.
+                k = next((k for k in range(j, len(frames)) if not shifts[k]), len(frames))
+                span = -(-(frames[k - 1][0] + frames[k - 1][1] - frames[i][0]) // (1 << 20))
+                raise ConfigError(f"{file.path}: {file.label} was written through staging buffers of at least "
+                                  f"{span} MiB each (--offload-train-disk-chunk-mb {span * buffers} or more), "
+                                  f"larger than this run's {step >> 20} MiB each (--offload-train-disk-chunk-mb "
+                                  f"{(step * buffers) >> 20}): resume with the chunk size of the run that wrote it")
+        chunk_start = frames[i][0]
+        chunk_end = frames[j - 1][0] + frames[j - 1][1]
+        chunks.append((chunk_start, chunk_end - chunk_start,
+                       [(start - chunk_start, raw, size, k) for k, (start, raw, size) in enumerate(frames[i:j], i)]))
+        i = j
+    return chunks
