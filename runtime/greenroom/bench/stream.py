@@ -62,9 +62,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.moment_dtype(parser)
     parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                         help="bf16: master + moments stream (12 B/param in fp32); fp32: moments only")
-    parser.add_argument("--master-layout", choices=("remainder", "fp32"), default="remainder",
-                        help="how a bf16 param's fp32 master is stored: its low 16 bits beside the param "
-                             "(default) or whole (StreamingAdam master_layout)")
+    cliflags.master_layout(parser)
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default %(default)s)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="elements per bucket")
     parser.add_argument("--param-numel", type=int, default=PARAM_NUMEL, help="elements per param tensor")
@@ -96,6 +94,7 @@ def _validate(args: argparse.Namespace) -> None:
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
+    cliflags.resolve_master_layout(args, "bench stream")
     cache = args.stream_optimizer_state_host_cache_gb
     if not 0 <= cache < math.inf:
         raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0, got {cache!r}")

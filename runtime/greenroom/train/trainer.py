@@ -461,7 +461,8 @@ class Trainer:
         offload = f"{o.offload_train_target} ({self.offloader.backend})" if o.offload_train else "off"
         streaming = "off"
         if o.stream_optimizer_state_to_disk:
-            streaming = f"on ({o.stream_optimizer_state_moment_dtype} moments): {self._streaming_words()}"
+            streaming = (f"on ({o.stream_optimizer_state_moment_dtype} moments, masters "
+                         f"{o.stream_optimizer_state_master_layout}): {self._streaming_words()}")
         parts = [f"greenroom train: {self.model_config.num_params():,} params ({self.config.dtype}) on {self.device}",
                  f"{self.world_size} rank(s)", f"offload {offload}", f"streaming {streaming}"]
         if o.uses_disk:
