@@ -92,6 +92,10 @@ def test_bench_stream_master_layout_flag_selects_whole_masters_and_refuses_fp32_
             "--raw-size", "32MiB", "--steps", "1", "--compression", "none", "--dir", disk_dir, "--json"]
     r = json.loads(greenroom(*argv, "--stream-optimizer-state-master-layout", "fp32", check_rc=0).stdout)
     assert r["master_layout"] == "fp32" and r["disk_bytes_per_param"] >= 12
+    # Where the host memory went, phase by phase (no pinned allocator on a CPU device).
+    phases = r["host_rss_phases"]
+    assert set(phases) == {"start", "params", "optimizer", "steps"} and r["pinned_host"] is None
+    assert all(0 < p["anon"] <= p["rss"] for p in phases.values())
     line = one_line_error(greenroom(*argv, "--param-dtype", "fp32", "--master-layout", "fp32"))
     assert "--stream-optimizer-state-master-layout fp32" in line and "--param-dtype fp32" in line
     assert os.listdir(disk_dir) == []

@@ -123,6 +123,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
+    rss_phases = {"start": _rss_now()}
     n = int(args.params)
     dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     sizes = [min(args.param_numel, n - start) for start in range(0, n, args.param_numel)]
@@ -141,6 +142,8 @@ def measure(args: argparse.Namespace) -> dict:
         params = [torch.nn.Parameter(torch.empty(s, dtype=dtype, device=device).normal_()) for s in sizes]
         for p in params:
             p.grad = torch.empty_like(p).normal_()
+
+    rss_phases["params"] = _rss_now()  # the params and grads (host memory only on a CPU device), the trained state
 
     def allocated() -> int | None:
         if not cuda:
@@ -162,6 +165,7 @@ def measure(args: argparse.Namespace) -> dict:
                                 master_layout=args.master_layout)
             allocated()
             init_seconds = time.perf_counter() - start
+        rss_phases["optimizer"] = _rss_now()  # + the store: its staging, files' records, (on a CPU device) buffers
         if trained is not None:
             _fill_trained(opt, trained)
         init_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
@@ -189,6 +193,8 @@ def measure(args: argparse.Namespace) -> dict:
                                                         if cuda else None),
                                   # All the process holds, params and grads too: what a peer reports.
                                   "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None})
+            rss_phases["steps"] = _rss_now()
+            pinned = _pinned_host_stats() if cuda else None
             checkpoint = (_time_checkpoint(opt, rank_dir.subdir("checkpoint"), allocated) if args.checkpoint
                           else None)
             state_dict = _time_state_dict(opt, rank_dir.subdir("state-dict")) if args.state_dict else None
@@ -234,12 +240,32 @@ def measure(args: argparse.Namespace) -> dict:
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
         "peak_device_total_bytes": max((s["peak_device_total_bytes"] for s in steps), default=None) if cuda else None,
         "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
+        # Where the host memory went: RSS and its anonymous part after each phase, and
+        # torch's pinned host allocator (which rounds a block up to a power of two).
+        "host_rss_phases": rss_phases, "pinned_host": pinned,
         # rss_before already holds the host cache (filled at init): the step adds staging at most.
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
         "page_cache_growth_bytes": host.cached_peak - host.cached_before,
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
         "checkpoint": checkpoint, "state_dict": state_dict, "verify": verify,
     }
+
+
+def _rss_now() -> dict:
+    """This process's RSS and its anonymous part (RSS less file-backed pages), bytes."""
+    info = psutil.Process().memory_info()
+    return {"rss": info.rss, "anon": info.rss - info.shared}
+
+
+def _pinned_host_stats() -> dict | None:
+    """The byte counts of torch's pinned host allocator (None where this torch lacks them)."""
+    import torch
+
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return None
+    return {k: v for k, v in stats.items() if "bytes" in k and k.endswith((".current", ".peak"))}
 
 
 def _fill_trained(opt, trained) -> None:
@@ -400,6 +426,8 @@ def run(args: argparse.Namespace) -> int:
                   f"page cache +{d['page_cache_growth_bytes'] / GB:.2f} GB")
     print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
           f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
+    print("host RSS (anonymous) after: " + ", ".join(f"{name} {p['rss'] / GB:.2f} ({p['anon'] / GB:.2f}) GB"
+                                                     for name, p in r["host_rss_phases"].items()))
     if r.get("against") is not None:
         from greenroom.bench import peer
 
