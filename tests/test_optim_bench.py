@@ -101,6 +101,14 @@ def test_bench_stream_master_layout_flag_selects_whole_masters_and_refuses_fp32_
     assert os.listdir(disk_dir) == []
 
 
+def test_the_raw_probe_reads_and_writes_at_once_when_asked(disk_dir):
+    from greenroom.bench.disk import raw_bandwidth
+    both = raw_bandwidth(disk_dir, 8 << 20, block=1 << 20, mixed=True)
+    assert both.mixed_read_bytes_per_s > 0 and both.mixed_write_bytes_per_s > 0 and both.read_bytes_per_s > 0
+    assert raw_bandwidth(disk_dir, 8 << 20, block=1 << 20).mixed_read_bytes_per_s is None
+    assert os.listdir(disk_dir) == []  # the scratch file is gone
+
+
 def test_bench_stream_bf16_params_without_a_codec_move_ten_bytes_per_param(disk_dir):
     # The figure: with the masters as remainders, fp32 moments and no codec, a
     # step reads (and writes) at most 10.05 bytes per param, against 12 with whole masters.

@@ -152,7 +152,7 @@ def measure(args: argparse.Namespace) -> dict:
         return torch.cuda.memory_allocated(device)
 
     with RankDir(args.dir, role="bench-stream", allow_tmpfs=args.allow_tmpfs) as rank_dir:
-        raw = raw_bandwidth(rank_dir.subdir("raw"), max(args.raw_size, 1 << 20))
+        raw = raw_bandwidth(rank_dir.subdir("raw"), max(args.raw_size, 1 << 20), mixed=True)
         base = allocated()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -212,6 +212,10 @@ def measure(args: argparse.Namespace) -> dict:
     bound = last["bytes_read"] / raw.read_bytes_per_s + last["bytes_written"] / raw.write_bytes_per_s
     # What the whole-fp32-master layout moves without a codec (12 B/param with fp32
     # moments): the bound the targets are stated against.
+    # What a step whose reads and write-backs overlap fully could reach on this disk.
+    overlapped = (max(last["disk_bytes_read"] / raw.mixed_read_bytes_per_s,
+                      last["disk_bytes_written"] / raw.mixed_write_bytes_per_s)
+                  if raw.mixed_read_bytes_per_s else None)
     full_bytes = n * streamed_bytes_per_param(args.moment_dtype, master_on_disk=args.param_dtype == "bf16")
     full_bound = full_bytes / raw.read_bytes_per_s + full_bytes / raw.write_bytes_per_s
     staging = args.chunk_mb * MIB
@@ -234,6 +238,9 @@ def measure(args: argparse.Namespace) -> dict:
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         # All cached: no disk I/O in the step, so no disk bound to compare with.
         "disk_bound_seconds": bound, "ratio": last["seconds"] / bound if bound else None,
+        "raw_mixed_read_bytes_per_s": raw.mixed_read_bytes_per_s,
+        "raw_mixed_write_bytes_per_s": raw.mixed_write_bytes_per_s,
+        "overlapped_bound_seconds": overlapped, "overlapped_ratio": last["seconds"] / overlapped if overlapped else None,
         "master_layout": args.master_layout, "disk_bytes_per_param": last["disk_bytes_read"] / n,
         "full_master_bytes": full_bytes, "full_master_bound_seconds": full_bound,
         "full_master_ratio": last["seconds"] / full_bound,
@@ -401,6 +408,10 @@ def run(args: argparse.Namespace) -> int:
         print("disk bound 0 s: every bucket is in the host cache")
     else:
         print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
+    if r["overlapped_ratio"] is not None:
+        print(f"reads and writes at once (same run): read {r['raw_mixed_read_bytes_per_s'] / GB:.2f} GB/s, write "
+              f"{r['raw_mixed_write_bytes_per_s'] / GB:.2f} GB/s; a fully overlapped step's bound "
+              f"{r['overlapped_bound_seconds']:.2f} s, step / it {r['overlapped_ratio']:.2f}")
     print(f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param each way; step / bound of "
           f"the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} B/param "
           f"({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}")
