@@ -46,7 +46,7 @@ import psutil
 from greenroom import cliflags, fs
 from greenroom.actor.memory import RssSampler
 from greenroom.config import GB, MIB, check_host_bytes
-from greenroom.errors import ConfigError
+from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 from greenroom.rankdir import check_root
@@ -379,12 +379,19 @@ def run(args: argparse.Namespace) -> int:
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"
     result = measure(args)
+    peer_failed = None
     if args.against == "deepspeed":
         from greenroom.bench import peer
 
-        result["against"] = peer.beside_deepspeed(args, result)
+        try:
+            result["against"] = peer.beside_deepspeed(args, result)
+        except GreenroomError as e:  # greenroom's own figures are still printed, then the peer's failure
+            peer_failed = e
+            result["against"] = {"error": str(e)}
     if args.json:
-        print(json.dumps(result, sort_keys=True))
+        print(json.dumps(result, sort_keys=True), flush=True)
+        if peer_failed is not None:
+            raise peer_failed
         return 0
     r = result
     print(f"bench stream: {r['params']:,} {r['param_dtype']} params, {r['moment_dtype']} moments, on {r['device']}; "
@@ -439,6 +446,8 @@ def run(args: argparse.Namespace) -> int:
           f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
     print("host RSS (anonymous) after: " + ", ".join(f"{name} {p['rss'] / GB:.2f} ({p['anon'] / GB:.2f}) GB"
                                                      for name, p in r["host_rss_phases"].items()))
+    if peer_failed is not None:
+        raise peer_failed
     if r.get("against") is not None:
         from greenroom.bench import peer
 
