@@ -124,6 +124,9 @@ def measure(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     rss_phases = {"start": _rss_now()}
+    if cuda:
+        torch.empty(1, device=device)  # the CUDA context alone, before the fixture and the params
+        rss_phases["cuda_context"] = _rss_now()
     n = int(args.params)
     dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     sizes = [min(args.param_numel, n - start) for start in range(0, n, args.param_numel)]
