@@ -151,8 +151,8 @@ def test_greenroom_args_is_offload_flags_to_argv_and_reads_back_with_from_env(va
     ("streaming.yaml", ["--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16",
                         "--no-load-optim"]),
     ("both.yaml", ["--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
-                   "--stream-optimizer-state-moment-dtype", "fp8e4m3", "--stream-optimizer-state-host-cache-gb",
-                   "0.5"]),
+                   "--stream-optimizer-state-moment-dtype", "fp8e4m3", "--stream-optimizer-state-master-layout", "fp32",
+                   "--stream-optimizer-state-host-cache-gb", "0.5"]),
 ])
 def test_each_seed_value_becomes_its_exact_flag(values, expected):
     words = shlex.split(env_of(container(pod_spec(manifests(values)), "trainer"))["GREENROOM_ARGS"])

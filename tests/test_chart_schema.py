@@ -74,3 +74,9 @@ def test_streaming_under_cpu_offload_is_refused_like_greenroom_train_does():
 def test_host_cache_without_streaming_is_refused_like_greenroom_train_does():
     err = reject("streamOptimizerState.hostCacheGb=8")
     assert "streamOptimizerState.hostCacheGb needs streamOptimizerState.toDisk" in err
+
+
+def test_whole_masters_without_streaming_are_refused_like_greenroom_train_does():
+    err = reject("streamOptimizerState.masterLayout=fp32")
+    assert "streamOptimizerState.masterLayout fp32 needs streamOptimizerState.toDisk" in err
+    assert "/streamOptimizerState/masterLayout" in reject("streamOptimizerState.masterLayout=fp16")

@@ -121,6 +121,8 @@ def test_host_cache_needs_streaming_and_counts_with_the_staging(disk_dir):
     (["--stream-optimizer-state-to-disk", "--offload-train-disk-dir", "/dev/shm/gr"], "is on tmpfs"),
     (["--stream-optimizer-state-host-cache-gb", "1"],
      "--stream-optimizer-state-host-cache-gb caches streamed buckets and needs --stream-optimizer-state-to-disk"),
+    (["--stream-optimizer-state-master-layout", "fp32"],
+     "--stream-optimizer-state-master-layout fp32 lays out streamed masters and needs --stream-optimizer-state-to-disk"),
 ])
 def test_cli_prints_one_line_and_exits_2(argv, expected):
     proc = run_greenroom("plan", "--params", "1e6", *argv)
@@ -149,6 +151,7 @@ def test_cli_rejects_a_choice_outside_the_seed_with_exit_2():
     dict(stream_optimizer_state_to_disk=True, offload_train_disk_dir="/nvme/x", allow_tmpfs=True),
     dict(stream_optimizer_state_to_disk=True, stream_optimizer_state_host_cache_gb=8),
     dict(stream_optimizer_state_to_disk=True, stream_optimizer_state_host_cache_gb=0.1 + 0.2),
+    dict(stream_optimizer_state_to_disk=True, stream_optimizer_state_master_layout="fp32"),
 ])
 def test_to_argv_parses_back_to_the_same_flags(flags):
     from greenroom.config import OffloadFlags
@@ -164,6 +167,35 @@ def test_to_argv_writes_the_host_cache_only_when_set():
     assert argv[argv.index("--stream-optimizer-state-host-cache-gb") + 1] == "8"  # as Helm and YAML write it
     argv = OffloadFlags(stream_optimizer_state_to_disk=True, stream_optimizer_state_host_cache_gb=0.5).to_argv()
     assert argv[argv.index("--stream-optimizer-state-host-cache-gb") + 1] == "0.5"
+
+
+def test_master_layout_defaults_to_remainder_and_is_written_only_when_whole(monkeypatch, disk_dir):
+    from greenroom.config import OffloadFlags
+    assert OffloadFlags().stream_optimizer_state_master_layout == "remainder"
+    assert "--stream-optimizer-state-master-layout" not in OffloadFlags(stream_optimizer_state_to_disk=True).to_argv()
+    argv = OffloadFlags(stream_optimizer_state_to_disk=True, stream_optimizer_state_master_layout="fp32").to_argv()
+    assert argv[argv.index("--stream-optimizer-state-master-layout") + 1] == "fp32"
+    # $GREENROOM_ARGS carries it to any trainer's parser, as the other flags.
+    monkeypatch.setenv("GREENROOM_ARGS", " ".join(argv))
+    assert OffloadFlags.from_env().stream_optimizer_state_master_layout == "fp32"
+    with pytest.raises(ValueError, match=r"^--stream-optimizer-state-master-layout: expected one of remainder, fp32, "
+                                         r"got 'fp16'$"):
+        OffloadFlags(stream_optimizer_state_to_disk=True, stream_optimizer_state_master_layout="fp16")
+
+
+def test_from_config_builds_streaming_adam_with_the_master_layout(disk_dir):
+    import torch
+
+    from greenroom.optim import StreamingAdam
+    params = [torch.nn.Parameter(torch.randn(5000, dtype=torch.bfloat16))]
+    for layout in ("remainder", "fp32"):
+        config = OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir,
+                               stream_optimizer_state_master_layout=layout)
+        opt = StreamingAdam.from_config(params, config, os.path.join(disk_dir, layout), resident_numel=0)
+        try:
+            assert opt.store.master_layout == layout
+        finally:
+            opt.close()
 
 
 def test_offload_flags_check_the_rules_without_touching_the_filesystem():

@@ -37,6 +37,7 @@ def test_chart_values_defaults_are_offload_flags():
                          offload_train_disk_compression=v["offload"]["diskCompression"],
                          stream_optimizer_state_to_disk=v["streamOptimizerState"]["toDisk"],
                          stream_optimizer_state_moment_dtype=v["streamOptimizerState"]["momentDtype"],
+                         stream_optimizer_state_master_layout=v["streamOptimizerState"]["masterLayout"],
                          stream_optimizer_state_host_cache_gb=v["streamOptimizerState"]["hostCacheGb"],
                          no_load_optim=v["noLoadOptim"])
     assert chart == DEFAULTS

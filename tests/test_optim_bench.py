@@ -94,6 +94,28 @@ def test_bench_stream_with_a_host_cache_moves_only_the_uncached_buckets(disk_dir
     assert os.listdir(disk_dir) == []
 
 
+def test_bench_stream_master_layout_flag_selects_whole_masters_and_refuses_fp32_params(disk_dir):
+    argv = ["bench", "stream", "--params", "4000000", "--bucket-numel", "2000000", "--chunk-mb", "8",
+            "--raw-size", "32MiB", "--steps", "1", "--compression", "none", "--dir", disk_dir, "--json"]
+    r = json.loads(greenroom(*argv, "--stream-optimizer-state-master-layout", "fp32", check_rc=0).stdout)
+    assert r["master_layout"] == "fp32" and r["disk_bytes_per_param"] >= 12
+    # Where the host memory went, phase by phase (no pinned allocator on a CPU device).
+    phases = r["host_rss_phases"]
+    assert set(phases) == {"start", "params", "optimizer", "steps"} and r["pinned_host"] is None
+    assert all(0 < p["anon"] <= p["rss"] for p in phases.values())
+    line = one_line_error(greenroom(*argv, "--param-dtype", "fp32", "--master-layout", "fp32"))
+    assert "--stream-optimizer-state-master-layout fp32" in line and "--param-dtype fp32" in line
+    assert os.listdir(disk_dir) == []
+
+
+def test_the_raw_probe_reads_and_writes_at_once_when_asked(disk_dir):
+    from greenroom.bench.disk import raw_bandwidth
+    both = raw_bandwidth(disk_dir, 8 << 20, block=1 << 20, mixed=True)
+    assert both.mixed_read_bytes_per_s > 0 and both.mixed_write_bytes_per_s > 0 and both.read_bytes_per_s > 0
+    assert raw_bandwidth(disk_dir, 8 << 20, block=1 << 20).mixed_read_bytes_per_s is None
+    assert os.listdir(disk_dir) == []  # the scratch file is gone
+
+
 def test_bench_stream_bf16_params_without_a_codec_move_ten_bytes_per_param(disk_dir):
     # The figure: with the masters as remainders, fp32 moments and no codec, a
     # step reads (and writes) at most 10.05 bytes per param, against 12 with whole masters.

@@ -48,6 +48,46 @@ def test_every_bf16_pattern_class_round_trips_bit_exact(monkeypatch):
     assert _same_bits(rebuilt, master)
 
 
+def _rule_applied_whole(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low halves and the fixup segment Note [remainder] defines, computed on the
+    whole tensor in int64 (no pieces, no work tensors): what encode must write."""
+    n = master.numel()
+    bits = master.view(torch.int32).to(torch.int64)
+    lo = bits & 0xFFFF
+    high = master.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    rebuilt = ((high - (lo > 0x8000).to(torch.int64)) << 16) | lo
+    wrong = ((rebuilt - bits) % (1 << 32)).nonzero().view(-1)
+    fixups = torch.zeros(remainder.fixup_bytes(n), dtype=torch.uint8)
+    fingerprints, count, indices, wrong_bits = remainder._fixup_views(fixups, n)
+    fingerprints.copy_((high.view(-1, remainder.FINGERPRINT_BLOCK) * remainder._weights(master.device)).sum(dim=1))
+    count.fill_(wrong.numel())
+    indices[:wrong.numel()].copy_(wrong)
+    wrong_bits[:wrong.numel()].copy_(master.view(torch.int32)[wrong])
+    return master.view(torch.int16).view(-1, 2)[:, 0].clone(), fixups
+
+
+@pytest.mark.parametrize("piece_blocks", [1, 3, 1 << 10])
+def test_encode_and_decode_by_pieces_write_the_bytes_of_the_rule_applied_whole(monkeypatch, piece_blocks):
+    monkeypatch.setattr(remainder, "capacity", lambda numel: numel)
+    monkeypatch.setattr(remainder, "_PIECE", piece_blocks * remainder.FINGERPRINT_BLOCK)
+    master = _every_pattern()
+    n, block = master.numel(), remainder.FINGERPRINT_BLOCK
+    expected_low, expected_fixups = _rule_applied_whole(master)
+    low = torch.empty(n, dtype=torch.int16)
+    fixups = torch.zeros(remainder.fixup_bytes(n), dtype=torch.uint8)
+    remainder.encode(master, low, fixups, label="test")
+    assert torch.equal(low, expected_low) and torch.equal(fixups, expected_fixups)
+    # Decoded beside params of which one block changed: that block is the params' value,
+    # every other element the master's exact bits.
+    param = master.to(torch.bfloat16)
+    param[5 * block + 1] = 2.0
+    expected = master.clone()
+    expected[5 * block:6 * block] = param[5 * block:6 * block].float()
+    rebuilt = torch.full_like(master, 7.0)
+    assert int(remainder.decode(rebuilt, low, fixups, [(0, param)])) == 1
+    assert _same_bits(rebuilt, expected)
+
+
 def test_a_bucket_of_trained_looking_masters_round_trips_through_its_file(disk_dir):
     gen = torch.Generator().manual_seed(0)
     master = torch.randn(50_000, generator=gen) * 0.02

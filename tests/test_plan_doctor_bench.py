@@ -30,6 +30,17 @@ def test_plan_reports_dirs_staging_disk_and_verdict(disk_dir):
     # Muon: master + one bf16 momentum; StreamingAdam's default for bf16 params: the master as a 16-bit remainder
     assert plan["streamed_bytes_per_param"] == {"adam": 8.0, "muon": 6.0, "adam_bf16_remainder": 6 + 8 / 4096 + 12 / 1024}
     assert plan["staging_bytes_per_rank"] == 256 << 20 and plan["fits"] is True
+    assert plan["master_layout"] == "remainder"
+
+
+def test_plan_with_whole_masters_drops_the_remainder_figure(disk_dir):
+    argv = ["plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir, "--params", "1e6",
+            "--stream-optimizer-state-master-layout", "fp32"]
+    plan = json.loads(greenroom(*argv, "--json", check_rc=0).stdout)
+    assert plan["master_layout"] == "fp32"
+    assert plan["streamed_bytes_per_param"] == {"adam": 12.0, "muon": 8.0}
+    out = greenroom(*argv, check_rc=0).stdout
+    assert "streaming:  on, moments fp32, masters fp32" in out and "(masters whole)" in out
 
 
 def test_plan_reports_the_host_cache_with_the_staging(disk_dir):

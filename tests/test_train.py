@@ -126,6 +126,20 @@ def test_the_header_warns_when_nothing_streams(disk_dir):
     assert records(os.path.join(disk_dir, "m.jsonl"))[0]["stream_read_bytes"] == 0
 
 
+@needs_streaming
+def test_the_master_layout_flag_reaches_the_optimizer(disk_dir):
+    # bf16 matrices stream: as remainders (the default) 2 B/param of master, whole 4 B.
+    read = {}
+    for layout in ("remainder", "fp32"):
+        metrics = os.path.join(disk_dir, f"{layout}.jsonl")
+        result = train([*SMALL[2:], "--iterations", "1", "--stream-optimizer-state-to-disk",
+                        "--stream-optimizer-state-master-layout", layout,
+                        "--offload-train-disk-dir", os.path.join(disk_dir, layout), "--metrics", metrics])
+        assert f"masters {layout})" in result.stdout.splitlines()[0]
+        read[layout] = records(metrics)[0]["stream_read_bytes"]
+    assert 0 < read["remainder"] < read["fp32"]
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_under_torchrun_each_with_its_own_dir(disk_dir, parallel):
     root = os.path.join(disk_dir, "offload")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MOMENT_DTYPES, TARGETS
+from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS
 from greenroom.errors import ConfigError
 
 
@@ -47,6 +47,27 @@ def compression(parser: argparse.ArgumentParser, *, default: str | None = "auto"
 def moment_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-optimizer-state-moment-dtype", "--moment-dtype", dest="moment_dtype",
                         choices=MOMENT_DTYPES, default="fp32", help="storage dtype of the streamed Adam moments")
+
+
+def master_layout(parser: argparse.ArgumentParser) -> None:
+    """``--stream-optimizer-state-master-layout`` (alias ``--master-layout``); default None
+    (not given) resolves to ``remainder``, so a command can refuse an explicit value that
+    does not apply (``resolve_master_layout``)."""
+    parser.add_argument("--stream-optimizer-state-master-layout", "--master-layout", dest="master_layout",
+                        choices=MASTER_LAYOUTS, default=None,
+                        help="how a bf16 param's fp32 master is stored: its low 16 bits beside the param "
+                             "(remainder, the default) or whole (fp32)")
+
+
+def resolve_master_layout(args: argparse.Namespace, command: str) -> str:
+    """The master layout of a command whose params are ``args.param_dtype``: a layout
+    given for fp32 params (their own masters, nothing is laid out) is refused."""
+    if args.master_layout is not None and args.param_dtype != "bf16":
+        raise ConfigError(f"{command}: --stream-optimizer-state-master-layout {args.master_layout} lays out the fp32 "
+                          f"masters of bf16 params; --param-dtype {args.param_dtype} params are their own masters: "
+                          "drop the master layout (or use --param-dtype bf16)")
+    args.master_layout = args.master_layout or "remainder"
+    return args.master_layout
 
 
 def host_cache_gb(parser: argparse.ArgumentParser) -> None:

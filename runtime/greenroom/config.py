@@ -39,6 +39,9 @@ from greenroom.rankdir import check_root
 
 TARGETS = ("cpu", "disk")
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
+# How StreamingAdam stores a bf16 param's fp32 master (greenroom.optim.remainder): its low
+# 16 bits beside the param (the default, exact), or the whole fp32 value.
+MASTER_LAYOUTS = ("remainder", "fp32")
 # fp8 moments carry one fp32 scale per block of this many elements (see
 # greenroom.optim.codecs); plan's byte counts include it.
 FP8_SCALE_BLOCK = 128
@@ -122,6 +125,11 @@ class OffloadFlags:
     stream_optimizer_state_moment_dtype: str = "fp32"
     """Storage dtype of the streamed Adam moments."""
 
+    stream_optimizer_state_master_layout: str = "remainder"
+    """How ``StreamingAdam`` stores a bf16 param's fp32 master: ``remainder`` (its low 16
+    bits beside the param, rebuilt exactly; ``greenroom.optim.remainder``) or ``fp32``
+    (whole, 2 B/param more). Other params are unaffected."""
+
     stream_optimizer_state_host_cache_gb: float = 0.0
     """GB (1e9 bytes) of host memory per rank that keeps whole buckets of the streamed
     state instead of the disk (pinned when CUDA is up); 0: every bucket streams."""
@@ -155,6 +163,13 @@ class OffloadFlags:
             raise ConfigError(
                 f"--stream-optimizer-state-moment-dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
                 f"got {self.stream_optimizer_state_moment_dtype!r}")
+        layout = self.stream_optimizer_state_master_layout
+        if layout not in MASTER_LAYOUTS:
+            raise ConfigError(f"--stream-optimizer-state-master-layout: expected one of {', '.join(MASTER_LAYOUTS)}, "
+                              f"got {layout!r}")
+        if layout != "remainder" and not self.stream_optimizer_state_to_disk:
+            raise ConfigError(f"--stream-optimizer-state-master-layout {layout} lays out streamed masters and needs "
+                              "--stream-optimizer-state-to-disk: add it (or drop the master layout)")
         cache = self.stream_optimizer_state_host_cache_gb
         if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache < math.inf:
             raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0, "
@@ -190,6 +205,8 @@ class OffloadFlags:
         if self.stream_optimizer_state_to_disk:
             argv += ["--stream-optimizer-state-to-disk",
                      "--stream-optimizer-state-moment-dtype", self.stream_optimizer_state_moment_dtype]
+            if self.stream_optimizer_state_master_layout != "remainder":
+                argv += ["--stream-optimizer-state-master-layout", self.stream_optimizer_state_master_layout]
             if self.stream_optimizer_state_host_cache_gb:
                 argv += ["--stream-optimizer-state-host-cache-gb",
                          format_gb(self.stream_optimizer_state_host_cache_gb)]
@@ -243,8 +260,8 @@ class OffloadFlags:
 # The dataclass fields that are flags, in flag order (``--`` + the name with dashes).
 FLAG_FIELDS = ("offload_train", "offload_train_target", "offload_train_disk_dir", "offload_train_disk_chunk_mb",
                "offload_train_disk_compression", "stream_optimizer_state_to_disk",
-               "stream_optimizer_state_moment_dtype", "stream_optimizer_state_host_cache_gb", "no_load_optim",
-               "allow_tmpfs")
+               "stream_optimizer_state_moment_dtype", "stream_optimizer_state_master_layout",
+               "stream_optimizer_state_host_cache_gb", "no_load_optim", "allow_tmpfs")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -338,6 +355,9 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                             "is on the GPU during the step")
     group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",
                        help="storage dtype of the streamed Adam moments (fp32 is bit-identical to resident AdamW)")
+    group.add_argument("--stream-optimizer-state-master-layout", choices=MASTER_LAYOUTS, default="remainder",
+                       help="how a bf16 param's streamed fp32 master is stored: its low 16 bits beside the param "
+                            "(remainder, exact, 2 B/param less) or whole (fp32)")
     group.add_argument("--stream-optimizer-state-host-cache-gb", type=float, default=0.0, metavar="GB",
                        help="host memory per rank (GB, pinned with CUDA) that keeps whole buckets of the "
                             "streamed state off the disk; the rest streams (0: all of it)")

@@ -44,6 +44,7 @@ def build_plan(config: OffloadFlags, layout: Layout, *, role: str, job: str, gpu
         "offload": config.offload_train_target if config.offload_train else "off",
         "streaming": config.stream_optimizer_state_to_disk,
         "moment_dtype": config.stream_optimizer_state_moment_dtype,
+        "master_layout": config.stream_optimizer_state_master_layout,
         "compression": codec or "none",
         "params": layout.params, "param_dtype": layout.param_dtype, "world_size": layout.world_size,
         "nproc_per_node": n, "nodes": layout.world_size // n, "data_parallel": layout.data_parallel,
@@ -72,9 +73,12 @@ def build_plan(config: OffloadFlags, layout: Layout, *, role: str, job: str, gpu
     if config.stream_optimizer_state_to_disk:
         moments = config.stream_optimizer_state_moment_dtype
         # Per 16-bit param (fp32 master on disk); the figures above are StreamingAdam's.
-        plan["streamed_bytes_per_param"] = {"adam": streamed_bytes_per_param(moments),
-                                            "adam_bf16_remainder": streamed_bytes_per_param(moments, remainder=True),
-                                            "muon": muon_bytes_per_param(moments)}
+        per = {"adam": streamed_bytes_per_param(moments), "muon": muon_bytes_per_param(moments)}
+        if config.stream_optimizer_state_master_layout == "remainder":
+            # What StreamingAdam stores for a bf16 param by default; --stream-optimizer-state-master-layout
+            # fp32 stores the whole master ("adam").
+            per["adam_bf16_remainder"] = streamed_bytes_per_param(moments, remainder=True)
+        plan["streamed_bytes_per_param"] = per
     if config.uses_disk and config.offload_train_disk_dir is not None:
         root = config.offload_train_disk_dir
         mount = fs.mount_of(root)
@@ -128,7 +132,8 @@ def _gb(nbytes: float) -> str:
 
 def print_plan(plan: dict) -> None:
     r = plan["per_rank"]
-    streaming = f"on, moments {plan['moment_dtype']}" if plan["streaming"] else "off"
+    streaming = (f"on, moments {plan['moment_dtype']}, masters {plan['master_layout']}" if plan["streaming"]
+                 else "off")
     print(f"offload:    {plan['offload']}")
     print(f"streaming:  {streaming}")
     print(f"layout:     {plan['params']:,} {plan['param_dtype']} params on {plan['world_size']} rank(s), "
@@ -181,10 +186,10 @@ def print_plan(plan: dict) -> None:
           f"paused actor {fs.human_bytes(d['offload'])})")
     if "streamed_bytes_per_param" in plan:
         per = plan["streamed_bytes_per_param"]
+        bound = (f" (upper bounds: with masters as remainders it stores a bf16 param in "
+                 f"{per['adam_bf16_remainder']:.3f} B)" if "adam_bf16_remainder" in per else " (masters whole)")
         print(f"streamed state per 16-bit param: StreamingAdam {per['adam']:g} B (master + 2 moments), "
-              f"StreamingMuon {per['muon']:g} B (master + momentum); the figures above are StreamingAdam's "
-              f"(upper bounds: its default stores a bf16 param's master as a 16-bit remainder, "
-              f"{per['adam_bf16_remainder']:.3f} B)")
+              f"StreamingMuon {per['muon']:g} B (master + momentum); the figures above are StreamingAdam's{bound}")
     stored = plan["stored_bytes_per_rank"]
     if plan["compression"] != "none" and d["total"]:
         print(f"compression: {plan['compression']}: a step or sleep is expected to move "

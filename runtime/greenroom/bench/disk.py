@@ -37,10 +37,17 @@ class Bandwidth:
     write_bytes_per_s: float
     read_bytes_per_s: float
     o_direct: bool
+    # With ``mixed``: each side's rate while half the threads read one half of the file
+    # and the others write the other half (what a step that overlaps its reads and
+    # write-backs can get from this disk); None when not probed.
+    mixed_read_bytes_per_s: float | None = None
+    mixed_write_bytes_per_s: float | None = None
 
 
-def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, block: int = RAW_BLOCK) -> Bandwidth:
-    """Plain positional I/O of ``size`` bytes into a scratch file in ``directory``."""
+def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, block: int = RAW_BLOCK,
+                  mixed: bool = False) -> Bandwidth:
+    """Plain positional I/O of ``size`` bytes into a scratch file in ``directory``; with
+    ``mixed`` (and two blocks or more), then reads and writes at once (``Bandwidth``)."""
     size = align_up(size, block)
     direct = fs.supports_o_direct(directory)
     path = os.path.join(directory, f".greenroom-raw-{os.getpid()}")
@@ -55,22 +62,34 @@ def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, bloc
             # special-cases zero blocks would otherwise flatter the bound.
             b.write(os.urandom(block))
 
-        def run(op) -> float:
+        def run(op, offsets=offsets, buffers=buffers) -> float:
             def worker(i: int) -> None:
-                for off in offsets[i::threads]:
+                for off in offsets[i::len(buffers)]:
                     op(buffers[i], off)
             start = time.perf_counter()
-            with cf.ThreadPoolExecutor(threads) as pool:
-                list(pool.map(worker, range(threads)))
+            with cf.ThreadPoolExecutor(len(buffers)) as pool:
+                list(pool.map(worker, range(len(buffers))))
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return time.perf_counter() - start
 
-        write_s = run(lambda buf, off: os.pwrite(fd, buf, off))
-        read_s = run(lambda buf, off: os.preadv(fd, [buf], off))
+        def write(buf, off) -> None:
+            os.pwrite(fd, buf, off)
+
+        def read(buf, off) -> None:
+            os.preadv(fd, [buf], off)
+
+        result = Bandwidth(size / run(write), size / run(read), direct)
+        if mixed and len(offsets) >= 2 and threads >= 2:
+            half, side = len(offsets) // 2, threads // 2
+            with cf.ThreadPoolExecutor(2) as sides:
+                reading = sides.submit(run, read, offsets[:half], buffers[:side])
+                writing = sides.submit(run, write, offsets[half:], buffers[side:])
+                result.mixed_read_bytes_per_s = half * block / reading.result()
+                result.mixed_write_bytes_per_s = (len(offsets) - half) * block / writing.result()
         for b in buffers:
             b.close()
-        return Bandwidth(size / write_s, size / read_s, direct)
+        return result
     finally:
         os.close(fd)
         os.unlink(path)

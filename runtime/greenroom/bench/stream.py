@@ -54,7 +54,7 @@ import psutil
 from greenroom import cliflags, fs
 from greenroom.actor.memory import RssSampler
 from greenroom.config import GB, MIB, check_host_bytes
-from greenroom.errors import ConfigError
+from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 from greenroom.rankdir import check_root
@@ -70,9 +70,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.moment_dtype(parser)
     parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                         help="bf16: master + moments stream (12 B/param in fp32); fp32: moments only")
-    parser.add_argument("--master-layout", choices=("remainder", "fp32"), default="remainder",
-                        help="how a bf16 param's fp32 master is stored: its low 16 bits beside the param "
-                             "(default) or whole (StreamingAdam master_layout)")
+    cliflags.master_layout(parser)
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default %(default)s)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="elements per bucket")
     parser.add_argument("--param-numel", type=int, default=PARAM_NUMEL, help="elements per param tensor")
@@ -110,6 +108,7 @@ def _validate(args: argparse.Namespace) -> None:
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
+    cliflags.resolve_master_layout(args, "bench stream")
     cache = args.stream_optimizer_state_host_cache_gb
     if not 0 <= cache < math.inf:
         raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0, got {cache!r}")
@@ -144,6 +143,10 @@ def measure(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
+    rss_phases = {"start": _rss_now()}
+    if cuda:
+        torch.empty(1, device=device)  # the CUDA context alone, before the fixture and the params
+        rss_phases["cuda_context"] = _rss_now()
     n = int(args.params)
     dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
     sizes = [min(args.param_numel, n - start) for start in range(0, n, args.param_numel)]
@@ -163,6 +166,8 @@ def measure(args: argparse.Namespace) -> dict:
         for p in params:
             p.grad = torch.empty_like(p).normal_()
 
+    rss_phases["params"] = _rss_now()  # the params and grads (host memory only on a CPU device), the trained state
+
     def allocated() -> int | None:
         if not cuda:
             return None
@@ -170,7 +175,7 @@ def measure(args: argparse.Namespace) -> dict:
         return torch.cuda.memory_allocated(device)
 
     with RankDir(args.dir, role="bench-stream", allow_tmpfs=args.allow_tmpfs) as rank_dir:
-        raw = raw_bandwidth(rank_dir.subdir("raw"), max(args.raw_size, 1 << 20))
+        raw = raw_bandwidth(rank_dir.subdir("raw"), max(args.raw_size, 1 << 20), mixed=True)
         base = allocated()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -183,6 +188,7 @@ def measure(args: argparse.Namespace) -> dict:
                                 master_layout=args.master_layout)
             allocated()
             init_seconds = time.perf_counter() - start
+        rss_phases["optimizer"] = _rss_now()  # + the store: its staging, files' records, (on a CPU device) buffers
         if trained is not None:
             _fill_trained(opt, trained)
         if args.io_only:
@@ -212,6 +218,8 @@ def measure(args: argparse.Namespace) -> dict:
                                                         if cuda else None),
                                   # All the process holds, params and grads too: what a peer reports.
                                   "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None})
+            rss_phases["steps"] = _rss_now()
+            pinned = _pinned_host_stats() if cuda else None
             checkpoint = None
             if args.checkpoint and args.checkpoint_dir is not None:
                 with RankDir(args.checkpoint_dir, role="bench-stream-checkpoint",
@@ -235,6 +243,10 @@ def measure(args: argparse.Namespace) -> dict:
     bound = last["bytes_read"] / raw.read_bytes_per_s + last["bytes_written"] / raw.write_bytes_per_s
     # What the whole-fp32-master layout moves without a codec (12 B/param with fp32
     # moments): the bound the issue's targets are stated against.
+    # What a step whose reads and write-backs overlap fully could reach on this disk.
+    overlapped = (max(last["disk_bytes_read"] / raw.mixed_read_bytes_per_s,
+                      last["disk_bytes_written"] / raw.mixed_write_bytes_per_s)
+                  if raw.mixed_read_bytes_per_s else None)
     full_bytes = n * streamed_bytes_per_param(args.moment_dtype, master_on_disk=args.param_dtype == "bf16")
     full_bound = full_bytes / raw.read_bytes_per_s + full_bytes / raw.write_bytes_per_s
     staging = args.chunk_mb * MIB
@@ -257,18 +269,41 @@ def measure(args: argparse.Namespace) -> dict:
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         # All cached: no disk I/O in the step, so no disk bound to compare with.
         "disk_bound_seconds": bound, "ratio": last["seconds"] / bound if bound else None,
+        "raw_mixed_read_bytes_per_s": raw.mixed_read_bytes_per_s,
+        "raw_mixed_write_bytes_per_s": raw.mixed_write_bytes_per_s,
+        "overlapped_bound_seconds": overlapped, "overlapped_ratio": last["seconds"] / overlapped if overlapped else None,
         "master_layout": args.master_layout, "disk_bytes_per_param": last["disk_bytes_read"] / n,
         "full_master_bytes": full_bytes, "full_master_bound_seconds": full_bound,
         "full_master_ratio": last["seconds"] / full_bound,
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
         "peak_device_total_bytes": max((s["peak_device_total_bytes"] for s in steps), default=None) if cuda else None,
         "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
+        # Where the host memory went: RSS and its anonymous part after each phase, and
+        # torch's pinned host allocator (which rounds a block up to a power of two).
+        "host_rss_phases": rss_phases, "pinned_host": pinned,
         # rss_before already holds the host cache (filled at init): the step adds staging at most.
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
         "page_cache_growth_bytes": host.cached_peak - host.cached_before,
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
         "checkpoint": checkpoint, "state_dict": state_dict, "verify": verify,
     }
+
+
+def _rss_now() -> dict:
+    """This process's RSS and its anonymous part (RSS less file-backed pages), bytes."""
+    info = psutil.Process().memory_info()
+    return {"rss": info.rss, "anon": info.rss - info.shared}
+
+
+def _pinned_host_stats() -> dict | None:
+    """The byte counts of torch's pinned host allocator (None where this torch lacks them)."""
+    import torch
+
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return None
+    return {k: v for k, v in stats.items() if "bytes" in k and k.endswith((".current", ".peak"))}
 
 
 def _fill_trained(opt, trained) -> None:
@@ -381,12 +416,19 @@ def run(args: argparse.Namespace) -> int:
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"
     result = measure(args)
+    peer_failed = None
     if args.against == "deepspeed":
         from greenroom.bench import peer
 
-        result["against"] = peer.beside_deepspeed(args, result)
+        try:
+            result["against"] = peer.beside_deepspeed(args, result)
+        except GreenroomError as e:  # greenroom's own figures are still printed, then the peer's failure
+            peer_failed = e
+            result["against"] = {"error": str(e)}
     if args.json:
-        print(json.dumps(result, sort_keys=True))
+        print(json.dumps(result, sort_keys=True), flush=True)
+        if peer_failed is not None:
+            raise peer_failed
         return 0
     r = result
     print(f"bench stream: {r['params']:,} {r['param_dtype']} params, {r['moment_dtype']} moments, on {r['device']}; "
@@ -410,6 +452,10 @@ def run(args: argparse.Namespace) -> int:
         print("disk bound 0 s: every bucket is in the host cache")
     else:
         print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
+    if r["overlapped_ratio"] is not None:
+        print(f"reads and writes at once (same run): read {r['raw_mixed_read_bytes_per_s'] / GB:.2f} GB/s, write "
+              f"{r['raw_mixed_write_bytes_per_s'] / GB:.2f} GB/s; a fully overlapped step's bound "
+              f"{r['overlapped_bound_seconds']:.2f} s, step / it {r['overlapped_ratio']:.2f}")
     print(f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param each way; step / bound of "
           f"the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} B/param "
           f"({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}")
@@ -436,6 +482,10 @@ def run(args: argparse.Namespace) -> int:
                   f"page cache +{d['page_cache_growth_bytes'] / GB:.2f} GB")
     print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
           f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
+    print("host RSS (anonymous) after: " + ", ".join(f"{name} {p['rss'] / GB:.2f} ({p['anon'] / GB:.2f}) GB"
+                                                     for name, p in r["host_rss_phases"].items()))
+    if peer_failed is not None:
+        raise peer_failed
     if r.get("against") is not None:
         from greenroom.bench import peer
 

@@ -38,7 +38,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from greenroom.config import OffloadConfig
+from greenroom.config import MASTER_LAYOUTS, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
@@ -50,7 +50,6 @@ from greenroom.tensors import local_tensor
 # moment): expert biases and A_log vectors are far below it, weight matrices far above.
 RESIDENT_NUMEL = 65_536
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MASTER_LAYOUTS = ("remainder", "fp32")
 _FOLLOW_PIECE = 1 << 24  # elements per piece of the masters-follow-the-params check
 
 
@@ -159,11 +158,13 @@ class StreamingAdam(StreamedOptimizer):
     @classmethod
     def from_config(cls, params: Iterable, config: OffloadConfig, rank_dir: str | RankDir,
                     **kwargs) -> "StreamingAdam":
-        """Build from the seed's flags: moment dtype, chunk size and host cache from ``config``;
-        ``kwargs`` are the AdamW hyperparameters (and ``bucket_numel`` etc.)."""
+        """Build from the seed's flags: moment dtype, master layout, chunk size, codec and host
+        cache from ``config``; ``kwargs`` are the AdamW hyperparameters (and ``bucket_numel``
+        etc.)."""
         if not config.stream_optimizer_state_to_disk:
             raise ConfigError("StreamingAdam.from_config: the config does not set --stream-optimizer-state-to-disk")
         return cls(params, state_dir=rank_dir, moment_dtype=config.stream_optimizer_state_moment_dtype,
+                   master_layout=config.stream_optimizer_state_master_layout,
                    chunk_mb=config.offload_train_disk_chunk_mb,
                    compression=config.offload_train_disk_compression,
                    host_cache_gb=config.stream_optimizer_state_host_cache_gb, **kwargs)

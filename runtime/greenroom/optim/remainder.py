@@ -80,22 +80,50 @@ def _weights(device: torch.device) -> torch.Tensor:
     return (torch.randint(0, 1 << 30, (FINGERPRINT_BLOCK,), generator=gen, dtype=torch.int64) * 2 + 1).to(device)
 
 
-def _fingerprints(high: torch.Tensor) -> torch.Tensor:
-    """Per block of ``high`` (int32 holding unsigned 16-bit patterns) its fingerprint (int64)."""
+def _fingerprints(high: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per block of ``high`` (int32 holding unsigned 16-bit patterns) its fingerprint (int64),
+    with the weights ``w`` (``_weights``)."""
     n = high.numel()
     full = n // FINGERPRINT_BLOCK * FINGERPRINT_BLOCK
-    w = _weights(high.device)
     parts = []
     if full:
-        parts.append((high[:full].view(-1, FINGERPRINT_BLOCK).to(torch.int64) * w).sum(dim=1))
+        parts.append((high[:full].view(-1, FINGERPRINT_BLOCK) * w).sum(dim=1))  # int32 * int64: int64
     if full < n:
-        parts.append((high[full:].to(torch.int64) * w[:n - full]).sum().view(1))
+        parts.append((high[full:] * w[:n - full]).sum().view(1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _pieces(numel: int):
     for start in range(0, numel, _PIECE):
         yield start, min(numel, start + _PIECE)
+
+
+class _Work:
+    """Piece-sized work tensors, made once per call and reused by every piece: a bucket
+    of 2e8 elements is 48 pieces, and fresh temporaries per piece (a dozen of 16-32 MB)
+    left the host allocator holding a few hundred MB of freed pieces on a CPU device."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        n = min(numel, _PIECE)
+        self.lo, self.high, self.rebuilt = (torch.empty(n, dtype=torch.int32, device=device) for _ in range(3))
+        self.flag = torch.empty(n, dtype=torch.bool, device=device)
+        self.cast = torch.empty(n, dtype=torch.bfloat16, device=device)
+        self.weights = _weights(device)
+
+    def halves(self, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The low halves of ``bits`` (int32) and room for the high ones, both as int32."""
+        n = bits.numel()
+        lo = self.lo[:n]
+        torch.bitwise_and(bits, 0xFFFF, out=lo)
+        return lo, self.high[:n]
+
+    def rebuild(self, high: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+        """``(high - (lo > 0x8000)) << 16 | lo``: the master the rule rebuilds."""
+        rebuilt = self.rebuilt[:lo.numel()]
+        torch.gt(lo, _ROUNDS_UP, out=rebuilt)  # 1 where the low half rounded the param up
+        torch.sub(high, rebuilt, out=rebuilt)
+        rebuilt.bitwise_left_shift_(16).bitwise_or_(lo)
+        return rebuilt
 
 
 def encode(master: torch.Tensor, low: torch.Tensor, fixups: torch.Tensor, *, label: str) -> int:
@@ -106,14 +134,16 @@ def encode(master: torch.Tensor, low: torch.Tensor, fixups: torch.Tensor, *, lab
     fingerprints, count, indices, bits_out = _fixup_views(fixups, numel)
     halves = master.view(torch.int16).view(-1, 2)
     low.copy_(halves[:, 0])
+    work = _Work(numel, master.device)
     found_at, found_bits = [], []
     for start, stop in _pieces(numel):
         bits = master[start:stop].view(torch.int32)
-        lo = bits & 0xFFFF
-        high = master[start:stop].to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-        fingerprints[start // FINGERPRINT_BLOCK:blocks(stop)].copy_(_fingerprints(high))
-        rebuilt = ((high - (lo > _ROUNDS_UP).to(torch.int32)) << 16) | lo
-        wrong = (rebuilt != bits).nonzero().view(-1)
+        lo, high = work.halves(bits)
+        cast = work.cast[:stop - start]
+        cast.copy_(master[start:stop])  # the bf16 param this master casts to
+        high.copy_(cast.view(torch.int16)).bitwise_and_(0xFFFF)  # its pattern, sign-extended, then unsigned
+        fingerprints[start // FINGERPRINT_BLOCK:blocks(stop)].copy_(_fingerprints(high, work.weights))
+        wrong = torch.ne(work.rebuild(high, lo), bits, out=work.flag[:stop - start]).nonzero().view(-1)
         if wrong.numel():
             found_at.append(wrong + start)
             found_bits.append(bits[wrong])
@@ -143,16 +173,18 @@ def decode(master: torch.Tensor, low: torch.Tensor, fixups: torch.Tensor,
     for start, p in params:
         halves[start:start + p.numel(), 1].copy_(p.detach().reshape(-1).view(torch.int16))
     changed = torch.empty(blocks(numel), dtype=torch.bool, device=master.device)
+    work = _Work(numel, master.device)
     for start, stop in _pieces(numel):
         bits = master[start:stop].view(torch.int32)
-        lo = bits & 0xFFFF
-        high = (bits >> 16) & 0xFFFF
+        lo, high = work.halves(bits)
+        torch.bitwise_right_shift(bits, 16, out=high).bitwise_and_(0xFFFF)
         first, last = start // FINGERPRINT_BLOCK, blocks(stop)
         piece_changed = changed[first:last]
-        torch.ne(_fingerprints(high), fingerprints[first:last], out=piece_changed)
+        torch.ne(_fingerprints(high, work.weights), fingerprints[first:last], out=piece_changed)
         reseed = piece_changed.repeat_interleave(FINGERPRINT_BLOCK)[:stop - start]
-        rebuilt = bits - ((lo > _ROUNDS_UP).to(torch.int32) << 16)
-        bits.copy_(torch.where(reseed, bits & ~0xFFFF, rebuilt))
+        rebuilt = work.rebuild(high, lo)
+        param_value = torch.bitwise_and(bits, ~0xFFFF, out=lo)  # the param's value: its high half, low half 0
+        torch.where(reseed, param_value, rebuilt, out=bits)
     n = int(count.item())
     if not 0 <= n <= indices.numel():
         raise GreenroomError(f"the fixup list of a bucket records {n} exceptions, more than its {indices.numel()}: "

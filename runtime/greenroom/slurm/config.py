@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from greenroom import fs
-from greenroom.config import COMPRESSIONS, MOMENT_DTYPES, TARGETS, OffloadFlags
+from greenroom.config import COMPRESSIONS, MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
 from greenroom.errors import ConfigError
 
 LAUNCHERS = ("srun", "torchrun")
@@ -72,6 +72,9 @@ class TrainArgs:
     stream_optimizer_state_moment_dtype: str = _FLAG_DEFAULTS.stream_optimizer_state_moment_dtype
     """``--stream-optimizer-state-moment-dtype``."""
 
+    stream_optimizer_state_master_layout: str = _FLAG_DEFAULTS.stream_optimizer_state_master_layout
+    """``--stream-optimizer-state-master-layout``: remainder (the default, left out) or fp32."""
+
     stream_optimizer_state_host_cache_gb: float = _FLAG_DEFAULTS.stream_optimizer_state_host_cache_gb
     """``--stream-optimizer-state-host-cache-gb``: host memory per rank (GB) for whole
     buckets kept off the disk; 0 (the default) leaves the flag out."""
@@ -105,6 +108,7 @@ class TrainArgs:
                                 offload_train_disk_compression=self.offload_train_disk_compression,
                                 stream_optimizer_state_to_disk=self.stream_optimizer_state_to_disk,
                                 stream_optimizer_state_moment_dtype=self.stream_optimizer_state_moment_dtype,
+                                stream_optimizer_state_master_layout=self.stream_optimizer_state_master_layout,
                                 stream_optimizer_state_host_cache_gb=self.stream_optimizer_state_host_cache_gb,
                                 no_load_optim=self.no_load_optim)
 
@@ -341,6 +345,9 @@ def _check_train(train: TrainArgs) -> None:
     if train.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
         raise ConfigError(f"train.stream_optimizer_state_moment_dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
                          f"got {train.stream_optimizer_state_moment_dtype!r}")
+    if train.stream_optimizer_state_master_layout not in MASTER_LAYOUTS:
+        raise ConfigError(f"train.stream_optimizer_state_master_layout: expected one of {', '.join(MASTER_LAYOUTS)}, "
+                         f"got {train.stream_optimizer_state_master_layout!r}")
     _positive_int("train.offload_train_disk_chunk_mb", train.offload_train_disk_chunk_mb)
     if train.offload_train_disk_compression not in COMPRESSIONS:
         raise ConfigError(f"train.offload_train_disk_compression: expected one of {', '.join(COMPRESSIONS)}, "

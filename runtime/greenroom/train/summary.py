@@ -18,7 +18,8 @@ def header(o: OffloadConfig, *, params: int, dtype: str, device: torch.device, w
     offload = f"{o.offload_train_target} ({backend})" if o.offload_train else "off"
     streaming = "off"
     if o.stream_optimizer_state_to_disk:
-        streaming = f"on ({o.stream_optimizer_state_moment_dtype} moments): {streaming_words(optimizer)}"
+        streaming = (f"on ({o.stream_optimizer_state_moment_dtype} moments, masters "
+                     f"{o.stream_optimizer_state_master_layout}): {streaming_words(optimizer)}")
     parts = [f"greenroom train: {params:,} params ({dtype}) on {device}", f"{world_size} rank(s)",
              f"offload {offload}", f"streaming {streaming}"]
     if o.uses_disk:

@@ -18,6 +18,11 @@
 - --stream-optimizer-state-to-disk
 - --stream-optimizer-state-moment-dtype
 - {{ $v.streamOptimizerState.momentDtype | quote }}
+{{- $layout := $v.streamOptimizerState.masterLayout | default "remainder" }}
+{{- if ne $layout "remainder" }}
+- --stream-optimizer-state-master-layout
+- {{ $layout | quote }}
+{{- end }}
 {{- if $v.streamOptimizerState.hostCacheGb }}
 - --stream-optimizer-state-host-cache-gb
 - {{ $v.streamOptimizerState.hostCacheGb | quote }}
