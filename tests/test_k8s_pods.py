@@ -64,18 +64,10 @@ def holders():
 
 
 def image_values() -> dict:
-    """The image the cluster imported, and the node's torch it lacks (scripts/k8s/Containerfile:
-    PyPI's torch is the CUDA build, 3 GB with its libraries; the pods mount the node's,
-    read-only, in this privileged namespace)."""
+    """The image the cluster imported: images/Dockerfile built on the CI base (scripts/k8s/image.sh)."""
     with open(os.path.join(CLUSTER_DIR, "image")) as f:
         repository, tag = f.read().strip().rsplit(":", 1)
-    with open(os.path.join(CLUSTER_DIR, "node-torch")) as f:
-        site = f.read().strip()
-    env_key = "extraEnv" if "extraEnv" in chart_values() else "env"
-    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-            "extraVolumes": [{"name": "node-torch", "hostPath": {"path": site, "type": "Directory"}}],
-            "extraVolumeMounts": [{"name": "node-torch", "mountPath": "/opt/node-torch", "readOnly": True}],
-            env_key: [{"name": "PYTHONPATH", "value": "/opt/node-torch"}]}
+    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"}}
 
 
 def train_values(node_root: str, nodes: int = 2, iterations: int = 2) -> dict:
@@ -167,8 +159,7 @@ def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(
     kept = killed(holders, os.path.join(node_root, live_uid), "job-a", live_uid)
     gone_uid = str(uuid.uuid4())
     removed = killed(holders, os.path.join(node_root, gone_uid), "job-b", gone_uid)
-    image = image_values()["image"]  # the janitor imports no torch
-    janitor_install("jan-pods", ns, janitor_values(node_root, image=image))
+    janitor_install("jan-pods", ns, janitor_values(node_root, image=image_values()["image"]))
     wait_until("the janitor removed the gone pod's rank dir", lambda: not os.path.exists(removed))
     assert os.path.isdir(kept)
 
@@ -201,8 +192,8 @@ def test_a_deleted_trainer_saves_on_sigterm_runs_again_and_resumes_bit_identical
         def values(name: str) -> dict:
             v = train_values(node_root, nodes=1, iterations=12)
             v["train"].update(save=f"/ckpt/{name}", load=f"/ckpt/{name}")
-            v["extraVolumes"].append({"name": "ckpt", "hostPath": {"path": ckpt, "type": "Directory"}})
-            v["extraVolumeMounts"].append({"name": "ckpt", "mountPath": "/ckpt"})
+            v["extraVolumes"] = [{"name": "ckpt", "hostPath": {"path": ckpt, "type": "Directory"}}]
+            v["extraVolumeMounts"] = [{"name": "ckpt", "mountPath": "/ckpt"}]
             return v
 
         install("whole", ns, values("whole"))

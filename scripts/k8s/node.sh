@@ -170,16 +170,10 @@ start_node() {
     return 0
   fi
   status node "up ($node_name Ready)"
-  local image python=python3 site
-  [ -x .venv/bin/python ] && python=.venv/bin/python
-  # The pods' torch: the node's, mounted read-only (scripts/k8s/Containerfile says why).
-  if ! site=$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null); then
-    status image "no torch in $python on the node (make install): the pods could not train"; return 0
-  fi
-  echo "$site" >"$dir/node-torch"
+  local image
   if image=$(scripts/k8s/image.sh "$dir/containerd/containerd.sock" | tail -1); then
     echo "$image" >"$dir/image"
-    status image "up ($image in containerd, torch from the node's $site)"
+    status image "up ($image in containerd)"
   else
     status image "scripts/k8s/image.sh failed (see its output above)"
   fi
