@@ -1,6 +1,7 @@
 """The chart's pods, run for real: a kubelet with containerd and runc on this machine (the
-local cluster's node, scripts/k8s/node.sh), the CPU greenroom image built by `make image`'s
-script (scripts/k8s/image.sh), CoreDNS resolving the headless Service for the rendezvous.
+local cluster's node, scripts/k8s/node.sh), the image `make image` builds from
+images/Dockerfile, on the CI base with PyPI's CUDA torch (scripts/k8s/image.sh), CoreDNS
+resolving the headless Service for the rendezvous.
 
 The node's offload root is a dir of this checkout (the node is this machine), so the test
 plants and inspects per-rank dirs there directly, with real lock holders
@@ -68,6 +69,37 @@ def image_values() -> dict:
     with open(os.path.join(CLUSTER_DIR, "image")) as f:
         repository, tag = f.read().strip().rsplit(":", 1)
     return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"}}
+
+
+TORCH_POD = """
+apiVersion: v1
+kind: Pod
+metadata: {name: torch-import}
+spec:
+  restartPolicy: Never
+  automountServiceAccountToken: false
+  containers:
+  - name: python
+    image: %s
+    imagePullPolicy: Never
+    command: [python3, -c, "import torch; print(torch.__version__, torch.cuda.is_available())"]
+"""
+
+
+def test_the_images_own_cuda_torch_imports_on_the_cpu_node(namespace):
+    # The image's torch is PyPI's CUDA build with its nvidia-* runtime wheels, nothing of
+    # the node's mounted: it imports, and finds no GPU here.
+    ns = namespace("privileged")
+    image = image_values()["image"]
+    kubectl("-n", ns, "apply", "-f", "-", stdin=TORCH_POD % f"{image['repository']}:{image['tag']}")
+
+    def finished() -> str | None:
+        phase = kubectl_json("-n", ns, "get", "pod", "torch-import")["status"].get("phase")
+        return phase if phase in ("Succeeded", "Failed") else None
+    phase = wait_until("the pod finished", finished)
+    out = kubectl("-n", ns, "logs", "torch-import", check=False)
+    assert phase == "Succeeded", out.stdout + out.stderr
+    assert out.stdout.strip() == f"{torch.__version__} False"
 
 
 def train_values(node_root: str, nodes: int = 2, iterations: int = 2) -> dict:

@@ -43,8 +43,13 @@ if ! "${ctr[@]}" images ls -q "name==$image" | grep -q .; then
   podman save --format docker-archive "$image" | "${ctr[@]}" images import - >/dev/null
   podman rmi -f "$image" >/dev/null
 fi
-# Earlier tags of this image, in both stores: each is GBs.
-"${ctr[@]}" images ls -q | grep "^$repository:k8s-" | grep -vxF "$image" | xargs -r "${ctr[@]}" images rm >/dev/null
-podman images --format '{{.Repository}}:{{.Tag}}' "$repository" | grep "^$repository:k8s-" |
+# Earlier tags of this image, in both stores: each is GBs. containerd's CRI plugin names
+# every image a second time by its ID (sha256:...): the names sharing a stale tag's
+# manifest digest go with it.
+"${ctr[@]}" images ls | awk -v keep="$image" -v repo="$repository:k8s-" '
+  NR > 1 {name[NR] = $1; digest[NR] = $3; if (index($1, repo) == 1 && $1 != keep) stale[$3] = 1}
+  END {for (i in name) if ((digest[i] in stale) && name[i] != keep) print name[i]}' |
+  xargs -r "${ctr[@]}" images rm >/dev/null
+podman images --format '{{.Repository}}:{{.Tag}}' "$repository" | awk -v repo="$repository:k8s-" 'index($0, repo) == 1' |
   xargs -r podman rmi -f >/dev/null
 echo "$image"
