@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 RUN_DIR ?= $(CURDIR)/.run/offload
 # One worker per core, each test file on one worker: a file's module fixtures (the image
 # build, the Slurm jobs) run once and its tests never race each other.
-PYTEST_ARGS ?= -n auto --dist loadfile
+PYTEST_ARGS ?= -n auto --dist loadfile -rsfE
 IMAGE ?= greenroom
 TAG ?= $(shell $(PYTHON) -c "import tomllib;print(tomllib.load(open('pyproject.toml','rb'))['project']['version'])" 2>/dev/null || echo dev)
 BASE_IMAGE ?= nvcr.io/nvidia/pytorch:25.09-py3
