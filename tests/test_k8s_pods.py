@@ -127,6 +127,7 @@ def files_under(root: str) -> list[str]:
 
 
 def test_two_pods_train_with_disk_offload_and_streaming_over_gloo(namespace, node_root):
+    require_cluster("dns")  # the rendezvous resolves pod 0's name
     ns = namespace("privileged")
     install("dp2", ns, train_values(node_root))
     job = "dp2-greenroom"

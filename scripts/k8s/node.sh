@@ -1,12 +1,11 @@
 # shellcheck shell=bash disable=SC2154  # dir, node_name: set by scripts/services.d/k8s.sh
 # The test cluster's node, sourced by scripts/services.d/k8s.sh (its helpers: daemon,
-# wait_for, status, kubectl_admin; its variables: dir, node_name, service_cidr):
-# containerd (runc, CNI bridge) with a locally built pause image, the kubelet, kube-proxy
-# (iptables) and CoreDNS for cluster DNS, both run as host processes.
+# wait_for, status, kubectl_admin; its variables: dir, node_name, service_cidr; dns_ip
+# from scripts/k8s/dns.sh):
+# containerd (runc, CNI bridge) with a locally built pause image, the kubelet, and kube-proxy
+# (iptables) as a host process. Cluster DNS runs in a pod (scripts/k8s/dns.sh).
 
 pod_cidr=10.244.0.0/16
-dns_ip=10.96.0.10   # the kube-dns Service's ClusterIP; kubelet hands it to every pod
-dns_port=1053       # CoreDNS on the node; the kube-dns Service maps port 53 to it
 pause_image=localhost/greenroom-pause:1
 # containerd's image store outlives the cluster (the greenroom image is GBs to import);
 # its state (tasks, sockets) lives and dies with the cluster under $dir.
@@ -77,20 +76,6 @@ healthzBindAddress: 127.0.0.1:10256
 metricsBindAddress: 127.0.0.1:10249
 conntrack: {maxPerCore: 0}
 EOF
-  cat >"$dir/Corefile" <<EOF
-.:$dns_port {
-    errors
-    health 127.0.0.1:18080
-    ready 127.0.0.1:18181
-    kubernetes cluster.local in-addr.arpa ip6.arpa {
-        kubeconfig $dir/admin.kubeconfig
-        pods insecure
-        fallthrough in-addr.arpa ip6.arpa
-    }
-    cache 5
-    forward . /etc/resolv.conf
-}
-EOF
 }
 
 # The pause image, made from the locally built pause program (no registry to pull from).
@@ -114,34 +99,6 @@ remove_stale_containers() {
   ((${#ids[@]} == 0)) || "${ctr[@]}" containers rm "${ids[@]}" >/dev/null 2>&1 || true
 }
 
-# kube-dns: a Service without a selector whose endpoints are CoreDNS on this node.
-publish_dns() {
-  local ip=$1
-  kubectl_admin apply -f - >/dev/null <<EOF
-apiVersion: v1
-kind: Service
-metadata: {name: kube-dns, namespace: kube-system, labels: {k8s-app: kube-dns}}
-spec:
-  clusterIP: $dns_ip
-  ports:
-  - {name: dns, port: 53, targetPort: $dns_port, protocol: UDP}
-  - {name: dns-tcp, port: 53, targetPort: $dns_port, protocol: TCP}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: kube-dns-node
-  namespace: kube-system
-  labels: {kubernetes.io/service-name: kube-dns, endpointslice.kubernetes.io/managed-by: greenroom-test}
-addressType: IPv4
-endpoints:
-- addresses: [$ip]
-ports:
-- {name: dns, port: $dns_port, protocol: UDP}
-- {name: dns-tcp, port: $dns_port, protocol: TCP}
-EOF
-}
-
 node_ready() {
   kubectl_admin get node "$node_name" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' | grep -qx True
 }
@@ -163,8 +120,6 @@ start_node() {
   daemon kubelet "$bin/kubelet" --config="$dir/kubelet/config.yaml" --kubeconfig="$dir/kubelet.kubeconfig" \
     --root-dir="$dir/kubelet/root" --hostname-override="$node_name" --node-ip="$ip"
   daemon kube-proxy "$bin/kube-proxy" --config="$dir/kube-proxy.yaml"
-  daemon coredns "$bin/coredns" -conf "$dir/Corefile"
-  publish_dns "$ip"
   if ! wait_for "node $node_name" 90 node_ready; then
     status node "the kubelet did not make $node_name Ready: $(grep -E '^E[0-9]{4}' "$dir/log/kubelet.log" | tail -1)"
     return 0

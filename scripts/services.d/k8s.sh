@@ -3,7 +3,8 @@
 # built by scripts/k8s/build.sh (cached in ~/.cache/greenroom-k8s/):
 #   control plane: etcd, kube-apiserver (RBAC, Node authorizer, Pod Security admission,
 #   service-account tokens), kube-controller-manager, kube-scheduler, the JobSet controller;
-#   node (scripts/k8s/node.sh): containerd + runc + CNI bridge, kubelet, kube-proxy, CoreDNS.
+#   node (scripts/k8s/node.sh): containerd + runc + CNI bridge, kubelet, kube-proxy;
+#   cluster DNS (scripts/k8s/dns.sh): CoreDNS as a Deployment in kube-system.
 #   start: builds what is not cached, writes certs and configs under .run/k8s/, starts the
 #          daemons and waits until the API server is ready (and the node, where it runs)
 #   stop:  kills the daemons this script started (by PID) and removes .run/k8s/
@@ -22,6 +23,8 @@ export PATH="$repo/.tools/bin:$PATH"
 source scripts/k8s/node.sh
 # shellcheck source=scripts/k8s/jobset.sh
 source scripts/k8s/jobset.sh
+# shellcheck source=scripts/k8s/dns.sh
+source scripts/k8s/dns.sh
 
 say() { echo "services/k8s: $*"; }
 status() { echo "$1: $2" >>"$dir/status"; say "$1: $2"; }
@@ -128,6 +131,11 @@ start() {
   start_control_plane "$bin" "$ip" || { status control-plane "failed to start (logs: $dir/log)"; return 0; }
   start_jobset "$bin" "$ip" || status jobset "failed to start (logs: $dir/log)"
   start_node "$bin" "$ip" || status node "failed to start (logs: $dir/log)"
+  if grep -q "^node: up" "$dir/status"; then
+    start_dns "$bin" || status dns "failed to start (kubectl -n kube-system logs deployment/coredns)"
+  else
+    status dns "not started: the node is not up"
+  fi
   say "KUBECONFIG=$dir/admin.kubeconfig"
 }
 
@@ -149,7 +157,7 @@ stop() {
   # Controllers first (nothing recreates the pods), then the node's pods, then the rest.
   for name in jobset kube-controller-manager kube-scheduler; do kill_daemon "$name"; done
   [ ! -d "$dir/bin" ] || drain_node "$dir/bin"
-  for name in kubelet kube-proxy coredns containerd kube-apiserver etcd; do kill_daemon "$name"; done
+  for name in kubelet kube-proxy containerd kube-apiserver etcd; do kill_daemon "$name"; done
   unmount_all
   rm -rf "$dir"
 }
