@@ -1,6 +1,6 @@
 # shellcheck shell=bash disable=SC2154  # dir: set by scripts/services.d/k8s.sh
 # Cluster DNS for the test cluster, sourced by scripts/services.d/k8s.sh (its helpers:
-# status, kubectl_admin): CoreDNS (built by scripts/k8s/build.sh) as a Deployment in
+# status, kubectl_admin; program_image from scripts/k8s/node.sh): CoreDNS (built by scripts/k8s/build.sh) as a Deployment in
 # kube-system with its own ServiceAccount and read-only RBAC, behind the kube-dns Service
 # whose ClusterIP the kubelet hands to every pod. It finds the API server the in-cluster
 # way (the `kubernetes` Service and its ServiceAccount token).
@@ -8,28 +8,10 @@
 dns_ip=10.96.0.10   # the kube-dns Service's ClusterIP (the kubelet's clusterDNS)
 dns_port=1053       # CoreDNS's port in its pod: above 1024, so it needs no capability
 
-# The CoreDNS image: the built program on the CI base (it links glibc), tagged by the
-# program's build hash; no registry is reachable.
-coredns_image() {
-  local bin=$1 image ctx ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io)
-  image=localhost/greenroom-coredns:$(basename "$(dirname "$(readlink -f "$bin/coredns")")")
-  if ! "${ctr[@]}" images ls -q "name==$image" | grep -q .; then
-    bash images/ci-base.sh >&2
-    ctx=$(mktemp -d)
-    cp "$bin/coredns" "$ctx/coredns"
-    printf '%s\n' "FROM localhost/greenroom-ci-base:bookworm" "COPY coredns /coredns" "USER 65534:65534" \
-      'ENTRYPOINT ["/coredns", "-conf", "/etc/coredns/Corefile"]' >"$ctx/Containerfile"
-    STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot BUILDAH_LAYERS=false podman build -q -t "$image" "$ctx" >/dev/null
-    rm -rf "$ctx"
-    STORAGE_DRIVER=vfs podman save --format docker-archive "$image" | "${ctr[@]}" images import - >/dev/null
-    STORAGE_DRIVER=vfs podman rmi -f "$image" >/dev/null
-  fi
-  echo "$image"
-}
-
 start_dns() {
   local bin=$1 image
-  image=$(coredns_image "$bin") || { status dns "the CoreDNS image could not be built"; return 0; }
+  image=$(program_image localhost/greenroom-coredns "$bin/coredns" "USER 65534:65534") ||
+    { status dns "the CoreDNS image could not be built"; return 0; }
   kubectl_admin apply -f - >/dev/null <<MANIFESTS
 apiVersion: v1
 kind: ServiceAccount
@@ -82,6 +64,7 @@ spec:
       - name: coredns
         image: $image
         imagePullPolicy: Never
+        command: [/coredns, -conf, /etc/coredns/Corefile]
         ports:
         - {name: dns, containerPort: $dns_port, protocol: UDP}
         - {name: dns-tcp, containerPort: $dns_port, protocol: TCP}

@@ -11,7 +11,8 @@
 # ~/.cache/greenroom-k8s/containerd). The tag is a hash of what goes into the image (the
 # tracked sources, uncommitted changes, the staged versions): an unchanged tree finds its
 # image already imported. podman's copy is removed once containerd has it (vfs stores each
-# layer whole: the image is GBs), and so are the images of earlier tags.
+# layer whole: the image is GBs), and so are the images of earlier tags
+# (scripts/k8s/prune-images.sh).
 # Usage: scripts/k8s/image.sh CONTAINERD_SOCKET   (prints the image name on its last line)
 set -euo pipefail
 [ "$#" -eq 1 ] || { echo "usage: scripts/k8s/image.sh CONTAINERD_SOCKET" >&2; exit 2; }
@@ -43,13 +44,6 @@ if ! "${ctr[@]}" images ls -q "name==$image" | grep -q .; then
   podman save --format docker-archive "$image" | "${ctr[@]}" images import - >/dev/null
   podman rmi -f "$image" >/dev/null
 fi
-# Earlier tags of this image, in both stores: each is GBs. containerd's CRI plugin names
-# every image a second time by its ID (sha256:...): the names sharing a stale tag's
-# manifest digest go with it.
-"${ctr[@]}" images ls | awk -v keep="$image" -v repo="$repository:k8s-" '
-  NR > 1 {name[NR] = $1; digest[NR] = $3; if (index($1, repo) == 1 && $1 != keep) stale[$3] = 1}
-  END {for (i in name) if ((digest[i] in stale) && name[i] != keep) print name[i]}' |
-  xargs -r "${ctr[@]}" images rm >/dev/null
-podman images --format '{{.Repository}}:{{.Tag}}' "$repository" | awk -v repo="$repository:k8s-" 'index($0, repo) == 1' |
-  xargs -r podman rmi -f >/dev/null
+# Earlier tags of this image: each is GBs.
+scripts/k8s/prune-images.sh "$socket" "$repository" "$image"
 echo "$image"

@@ -2,8 +2,8 @@
 # The test cluster's node, sourced by scripts/services.d/k8s.sh (its helpers: daemon,
 # wait_for, status, kubectl_admin; its variables: dir, node_name, service_cidr; dns_ip
 # from scripts/k8s/dns.sh):
-# containerd (runc, CNI bridge) with a locally built pause image, the kubelet, and kube-proxy
-# (iptables) as a host process. Cluster DNS runs in a pod (scripts/k8s/dns.sh).
+# containerd (runc, CNI bridge) with a locally built pause image and the kubelet as host
+# processes; kube-proxy (scripts/k8s/proxy.sh) and cluster DNS (scripts/k8s/dns.sh) in pods.
 
 pod_cidr=10.244.0.0/16
 pause_image=localhost/greenroom-pause:1
@@ -64,18 +64,6 @@ evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available:
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 EOF
-  cat >"$dir/kube-proxy.yaml" <<EOF
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-clientConnection: {kubeconfig: $dir/kube-proxy.kubeconfig}
-mode: iptables
-clusterCIDR: $pod_cidr
-hostnameOverride: $node_name
-bindAddress: 127.0.0.1
-healthzBindAddress: 127.0.0.1:10256
-metricsBindAddress: 127.0.0.1:10249
-conntrack: {maxPerCore: 0}
-EOF
 }
 
 # The pause image, made from the locally built pause program (no registry to pull from).
@@ -90,6 +78,28 @@ import_pause_image() {
   podman --storage-driver vfs save -q --format docker-archive -o "$work/pause.tar" "$pause_image"
   "${ctr[@]}" images import "$work/pause.tar" >/dev/null
   rm -rf "$work"
+}
+
+# program_image REPOSITORY PROGRAM [CONTAINERFILE-LINE...]: an image of a program built
+# here, on the CI base (the programs link glibc), imported into containerd unless it has it
+# already (no registry is reachable); prints its name. The tag hashes the program and the
+# lines; the repository's other tags are removed.
+program_image() {
+  local repository=$1 program=$2 image ctx ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io)
+  shift 2
+  image=$repository:$( (sha256sum <"$program"; printf '%s\n' "$@") | sha256sum | cut -c1-12)
+  if ! "${ctr[@]}" images ls -q "name==$image" | grep -q .; then
+    bash images/ci-base.sh >&2
+    ctx=$(mktemp -d)
+    cp "$program" "$ctx/"
+    printf '%s\n' "FROM localhost/greenroom-ci-base:bookworm" "$@" "COPY $(basename "$program") /" >"$ctx/Containerfile"
+    STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot BUILDAH_LAYERS=false podman build -q -t "$image" "$ctx" >/dev/null
+    rm -rf "$ctx"
+    STORAGE_DRIVER=vfs podman save --format docker-archive "$image" | "${ctr[@]}" images import - >/dev/null
+    STORAGE_DRIVER=vfs podman rmi -f "$image" >/dev/null
+    scripts/k8s/prune-images.sh "$dir/containerd/containerd.sock" "$repository" "$image"
+  fi
+  echo "$image"
 }
 
 # Containers an earlier cluster left in the kept image store (their tasks died with it).
@@ -119,12 +129,12 @@ start_node() {
   import_pause_image "$bin" || { status node "the pause image could not be imported into containerd"; return 0; }
   daemon kubelet "$bin/kubelet" --config="$dir/kubelet/config.yaml" --kubeconfig="$dir/kubelet.kubeconfig" \
     --root-dir="$dir/kubelet/root" --hostname-override="$node_name" --node-ip="$ip"
-  daemon kube-proxy "$bin/kube-proxy" --config="$dir/kube-proxy.yaml"
   if ! wait_for "node $node_name" 90 node_ready; then
     status node "the kubelet did not make $node_name Ready: $(grep -E '^E[0-9]{4}' "$dir/log/kubelet.log" | tail -1)"
     return 0
   fi
-  status node "up ($node_name Ready)"
+  start_proxy "$bin" "$ip" || return 0
+  status node "up ($node_name Ready, kube-proxy running)"
   local image
   if image=$(scripts/k8s/image.sh "$dir/containerd/containerd.sock" | tail -1); then
     echo "$image" >"$dir/image"
@@ -148,10 +158,8 @@ drain_node() {
     for id in $("${ctr[@]}" tasks ls -q 2>/dev/null); do "${ctr[@]}" tasks rm -f "$id" >/dev/null 2>&1 || true; done
     remove_stale_containers
   fi
-  if alive "$dir/kube-proxy.pid"; then
-    kill "$(cat "$dir/kube-proxy.pid")" 2>/dev/null || true
-    "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true   # its iptables chains
-  fi
+  # kube-proxy's pod is gone with the rest; the chains it made are not.
+  "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true
 }
 
 # Whatever the kubelet or CNI left mounted under $dir, deepest first; and the pods' bridge.

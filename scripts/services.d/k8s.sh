@@ -3,8 +3,9 @@
 # built by scripts/k8s/build.sh (cached in ~/.cache/greenroom-k8s/):
 #   control plane: etcd, kube-apiserver (RBAC, Node authorizer, Pod Security admission,
 #   service-account tokens), kube-controller-manager, kube-scheduler, the JobSet controller;
-#   node (scripts/k8s/node.sh): containerd + runc + CNI bridge, kubelet, kube-proxy;
-#   cluster DNS (scripts/k8s/dns.sh): CoreDNS as a Deployment in kube-system.
+#   node (scripts/k8s/node.sh): containerd + runc + CNI bridge, kubelet; kube-proxy as a
+#   DaemonSet (scripts/k8s/proxy.sh); cluster DNS (scripts/k8s/dns.sh): CoreDNS as a
+#   Deployment; both in kube-system with their own ServiceAccounts.
 #   start: builds what is not cached, writes certs and configs under .run/k8s/, starts the
 #          daemons and waits until the API server is ready (and the node, where it runs)
 #   stop:  kills the daemons this script started (by PID) and removes .run/k8s/
@@ -25,6 +26,8 @@ source scripts/k8s/node.sh
 source scripts/k8s/jobset.sh
 # shellcheck source=scripts/k8s/dns.sh
 source scripts/k8s/dns.sh
+# shellcheck source=scripts/k8s/proxy.sh
+source scripts/k8s/proxy.sh
 
 say() { echo "services/k8s: $*"; }
 status() { echo "$1: $2" >>"$dir/status"; say "$1: $2"; }
@@ -157,7 +160,7 @@ stop() {
   # Controllers first (nothing recreates the pods), then the node's pods, then the rest.
   for name in jobset kube-controller-manager kube-scheduler; do kill_daemon "$name"; done
   [ ! -d "$dir/bin" ] || drain_node "$dir/bin"
-  for name in kubelet kube-proxy containerd kube-apiserver etcd; do kill_daemon "$name"; done
+  for name in kubelet containerd kube-apiserver etcd; do kill_daemon "$name"; done
   unmount_all
   rm -rf "$dir"
 }
