@@ -162,6 +162,20 @@ drain_node() {
   "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true
 }
 
+# The iptables chains the kubelet makes at start (kube-proxy --cleanup takes its own); only
+# after a kubelet of this cluster ran, so another's are never touched.
+remove_kubelet_chains() {
+  local ipt table
+  for ipt in iptables ip6tables; do
+    "$ipt" -D INPUT -j KUBE-FIREWALL 2>/dev/null || true
+    "$ipt" -D OUTPUT -j KUBE-FIREWALL 2>/dev/null || true
+    "$ipt" -F KUBE-FIREWALL 2>/dev/null || true
+    "$ipt" -X KUBE-FIREWALL 2>/dev/null || true
+    for table in mangle nat filter; do "$ipt" -t "$table" -X KUBE-KUBELET-CANARY 2>/dev/null || true; done
+    "$ipt" -t mangle -X KUBE-IPTABLES-HINT 2>/dev/null || true
+  done
+}
+
 # Whatever the kubelet or CNI left mounted under $dir, deepest first; and the pods' bridge.
 unmount_all() {
   local m

@@ -8,7 +8,8 @@
 #   Deployment; both in kube-system with their own ServiceAccounts.
 #   start: builds what is not cached, writes certs and configs under .run/k8s/, starts the
 #          daemons and waits until the API server is ready (and the node, where it runs)
-#   stop:  kills the daemons this script started (by PID) and removes .run/k8s/
+#   stop:  kills the daemons this script started (by PID), removes .run/k8s/ and the
+#          iptables chains its kubelet and kube-proxy made
 #   env:   prints `export KUBECONFIG=...`
 # What could not start is written to .run/k8s/status (`part: reason`): the tests read it
 # and skip with that reason. Clients use KUBECONFIG=<repo>/.run/k8s/admin.kubeconfig.
@@ -156,11 +157,13 @@ kill_daemon() {
 
 stop() {
   [ -d "$dir" ] || return 0
-  local name
+  local name kubelet_ran=0
   # Controllers first (nothing recreates the pods), then the node's pods, then the rest.
   for name in jobset kube-controller-manager kube-scheduler; do kill_daemon "$name"; done
   [ ! -d "$dir/bin" ] || drain_node "$dir/bin"
+  [ ! -s "$dir/kubelet.pid" ] || kubelet_ran=1
   for name in kubelet containerd kube-apiserver etcd; do kill_daemon "$name"; done
+  [ "$kubelet_ran" = 0 ] || remove_kubelet_chains
   unmount_all
   rm -rf "$dir"
 }
