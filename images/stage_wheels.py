@@ -28,6 +28,11 @@ ROOTS = ["greenroom", "torch", "megatron-core", "torch-memory-saver"]
 PYPROJECT = os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")
 
 
+def fail(message: str) -> None:
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -43,7 +48,11 @@ def closure(roots: list[str]) -> dict[str, str]:
         if known is not None and extras <= known:
             continue
         extras_seen[name] = (known or set()) | extras
-        for spec in md.requires(name) or []:
+        try:
+            requires = md.requires(name) or []
+        except md.PackageNotFoundError:
+            fail(f"stage_wheels: {name} (the image needs it) is not installed in {sys.executable}: run make install")
+        for spec in requires:
             req = Requirement(spec)
             wanted = req.marker is None or any(req.marker.evaluate({"extra": e}) for e in {"", *extras})
             if wanted:
@@ -53,7 +62,7 @@ def closure(roots: list[str]) -> dict[str, str]:
 
 def main() -> None:
     if len(sys.argv) != 2:
-        sys.exit("usage: python images/stage_wheels.py DIR")
+        fail("usage: python images/stage_wheels.py DIR")
     dest = sys.argv[1]
     pins = closure(ROOTS)
     del pins["greenroom"]  # built from the source tree by the image build
