@@ -6,9 +6,13 @@ bookworm made with debootstrap (images/ci-base.sh, cached under .tools/), and th
 torch wheel plus every dependency are downloaded on the host and staged into the build
 (no index inside the build). The production base keeps its own torch; that path is the
 same Dockerfile with a torch already installed, which this test does not exercise.
+Without the CPU wheel the build is skipped here; the Kubernetes test cluster builds and
+runs the same Dockerfile with PyPI's CUDA torch (scripts/k8s/image.sh), whose wheel
+staging (images/stage_wheels.py) is tested below.
 """
 
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -135,3 +139,30 @@ def test_build_script_refuses_bad_input_in_one_line(argv, message):
     out = subprocess.run(["scripts/build-image.sh", *argv], cwd=REPO, capture_output=True, text=True, env=env)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == message
+
+
+def _stage_wheels_module():
+    spec = importlib.util.spec_from_file_location("stage_wheels", os.path.join(REPO, "images", "stage_wheels.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_staged_wheels_follow_torchs_cuda_extras_at_the_installed_versions():
+    # PyPI's torch asks for cuda-toolkit[cublas,...]: the offline build needs the wheels
+    # behind those extras too (the test cluster's image, scripts/k8s/image.sh).
+    from importlib import metadata
+    if not any(r.startswith("cuda-toolkit[") for r in metadata.requires("torch") or []):
+        pytest.skip(f"torch {metadata.version('torch')} here is not PyPI's CUDA build (no cuda-toolkit extras)")
+    pins = _stage_wheels_module().closure(["torch"])
+    for name in ("torch", "cuda-toolkit", "nvidia-cublas", "nvidia-cuda-runtime", "nvidia-cudnn-cu13", "triton"):
+        assert pins[name] == metadata.version(name), name
+
+
+def test_staging_refuses_a_missing_distribution_in_one_line():
+    out = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'images'); import stage_wheels; "
+                          "stage_wheels.closure(['no-such-distribution-greenroom'])"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr == ("stage_wheels: no-such-distribution-greenroom (the image needs it) is not installed in "
+                          f"{sys.executable}: run make install\n")

@@ -1,6 +1,7 @@
 """The chart's pods, run for real: a kubelet with containerd and runc on this machine (the
-local cluster's node, scripts/k8s/node.sh), the CPU greenroom image built by `make image`'s
-script (scripts/k8s/image.sh), CoreDNS resolving the headless Service for the rendezvous.
+local cluster's node, scripts/k8s/node.sh), the image `make image` builds from
+images/Dockerfile, on the CI base with PyPI's CUDA torch (scripts/k8s/image.sh), CoreDNS
+resolving the headless Service for the rendezvous.
 
 The node's offload root is a dir of this checkout (the node is this machine), so the test
 plants and inspects per-rank dirs there directly, with real lock holders
@@ -37,18 +38,41 @@ def node_root():
 
 
 def image_values() -> dict:
-    """The image the cluster imported, and the node's torch it lacks (scripts/k8s/Containerfile:
-    PyPI's torch is the CUDA build, 3 GB with its libraries; the pods mount the node's,
-    read-only, in this privileged namespace)."""
+    """The image the cluster imported: images/Dockerfile built on the CI base (scripts/k8s/image.sh)."""
     with open(os.path.join(CLUSTER_DIR, "image")) as f:
         repository, tag = f.read().strip().rsplit(":", 1)
-    with open(os.path.join(CLUSTER_DIR, "node-torch")) as f:
-        site = f.read().strip()
-    env_key = "extraEnv" if "extraEnv" in chart_values() else "env"
-    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-            "extraVolumes": [{"name": "node-torch", "hostPath": {"path": site, "type": "Directory"}}],
-            "extraVolumeMounts": [{"name": "node-torch", "mountPath": "/opt/node-torch", "readOnly": True}],
-            env_key: [{"name": "PYTHONPATH", "value": "/opt/node-torch"}]}
+    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"}}
+
+
+TORCH_POD = """
+apiVersion: v1
+kind: Pod
+metadata: {name: torch-import}
+spec:
+  restartPolicy: Never
+  automountServiceAccountToken: false
+  containers:
+  - name: python
+    image: %s
+    imagePullPolicy: Never
+    command: [python3, -c, "import torch; print(torch.__version__, torch.cuda.is_available())"]
+"""
+
+
+def test_the_images_own_cuda_torch_imports_on_the_cpu_node(namespace):
+    # The image's torch is PyPI's CUDA build with its nvidia-* runtime wheels, nothing of
+    # the node's mounted: it imports, and finds no GPU here.
+    ns = namespace("privileged")
+    image = image_values()["image"]
+    kubectl("-n", ns, "apply", "-f", "-", stdin=TORCH_POD % f"{image['repository']}:{image['tag']}")
+
+    def finished() -> str | None:
+        phase = kubectl_json("-n", ns, "get", "pod", "torch-import")["status"].get("phase")
+        return phase if phase in ("Succeeded", "Failed") else None
+    phase = wait_until("the pod finished", finished)
+    out = kubectl("-n", ns, "logs", "torch-import", check=False)
+    assert phase == "Succeeded", out.stdout + out.stderr
+    assert out.stdout.strip() == f"{torch.__version__} False"
 
 
 def train_values(node_root: str, nodes: int = 2, iterations: int = 2) -> dict:
@@ -76,6 +100,7 @@ def files_under(root: str) -> list[str]:
 
 
 def test_two_pods_train_with_disk_offload_and_streaming_over_gloo(namespace, node_root):
+    require_cluster("dns")  # the rendezvous resolves pod 0's name
     ns = namespace("privileged")
     install("dp2", ns, train_values(node_root))
     job = "dp2-greenroom"
@@ -140,8 +165,7 @@ def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(
     kept = killed(holders, os.path.join(node_root, live_uid), "job-a", live_uid)
     gone_uid = str(uuid.uuid4())
     removed = killed(holders, os.path.join(node_root, gone_uid), "job-b", gone_uid)
-    image = image_values()["image"]  # the janitor imports no torch
-    janitor_install("jan-pods", ns, janitor_values(node_root, image=image))
+    janitor_install("jan-pods", ns, janitor_values(node_root, image=image_values()["image"]))
     wait_until("the janitor removed the gone pod's rank dir", lambda: not os.path.exists(removed))
     assert os.path.isdir(kept)
 
@@ -174,8 +198,8 @@ def test_a_deleted_trainer_saves_on_sigterm_runs_again_and_resumes_bit_identical
         def values(name: str) -> dict:
             v = train_values(node_root, nodes=1, iterations=12)
             v["train"].update(save=f"/ckpt/{name}", load=f"/ckpt/{name}")
-            v["extraVolumes"].append({"name": "ckpt", "hostPath": {"path": ckpt, "type": "Directory"}})
-            v["extraVolumeMounts"].append({"name": "ckpt", "mountPath": "/ckpt"})
+            v["extraVolumes"] = [{"name": "ckpt", "hostPath": {"path": ckpt, "type": "Directory"}}]
+            v["extraVolumeMounts"] = [{"name": "ckpt", "mountPath": "/ckpt"}]
             return v
 
         install("whole", ns, values("whole"))

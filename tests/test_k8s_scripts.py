@@ -7,7 +7,7 @@ import subprocess
 from tests.conftest import REPO, require_tool
 
 SCRIPTS = ["scripts/services.d/k8s.sh", "scripts/k8s/build.sh", "scripts/k8s/pki.sh", "scripts/k8s/node.sh",
-           "scripts/k8s/jobset.sh", "scripts/k8s/image.sh", "scripts/setup.d/50-k8s.sh"]
+           "scripts/k8s/jobset.sh", "scripts/k8s/dns.sh", "scripts/k8s/proxy.sh", "scripts/k8s/image.sh", "scripts/k8s/prune-images.sh", "scripts/setup.d/50-k8s.sh"]
 
 
 def test_cluster_scripts_pass_shellcheck():

@@ -1,12 +1,11 @@
 # shellcheck shell=bash disable=SC2154  # dir, node_name: set by scripts/services.d/k8s.sh
 # The test cluster's node, sourced by scripts/services.d/k8s.sh (its helpers: daemon,
-# wait_for, status, kubectl_admin; its variables: dir, node_name, service_cidr):
-# containerd (runc, CNI bridge) with a locally built pause image, the kubelet, kube-proxy
-# (iptables) and CoreDNS for cluster DNS, both run as host processes.
+# wait_for, status, kubectl_admin; its variables: dir, node_name, service_cidr; dns_ip
+# from scripts/k8s/dns.sh):
+# containerd (runc, CNI bridge) with a locally built pause image and the kubelet as host
+# processes; kube-proxy (scripts/k8s/proxy.sh) and cluster DNS (scripts/k8s/dns.sh) in pods.
 
 pod_cidr=10.244.0.0/16
-dns_ip=10.96.0.10   # the kube-dns Service's ClusterIP; kubelet hands it to every pod
-dns_port=1053       # CoreDNS on the node; the kube-dns Service maps port 53 to it
 pause_image=localhost/greenroom-pause:1
 # containerd's image store outlives the cluster (the greenroom image is GBs to import);
 # its state (tasks, sockets) lives and dies with the cluster under $dir.
@@ -65,32 +64,6 @@ evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available:
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 EOF
-  cat >"$dir/kube-proxy.yaml" <<EOF
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-clientConnection: {kubeconfig: $dir/kube-proxy.kubeconfig}
-mode: iptables
-clusterCIDR: $pod_cidr
-hostnameOverride: $node_name
-bindAddress: 127.0.0.1
-healthzBindAddress: 127.0.0.1:10256
-metricsBindAddress: 127.0.0.1:10249
-conntrack: {maxPerCore: 0}
-EOF
-  cat >"$dir/Corefile" <<EOF
-.:$dns_port {
-    errors
-    health 127.0.0.1:18080
-    ready 127.0.0.1:18181
-    kubernetes cluster.local in-addr.arpa ip6.arpa {
-        kubeconfig $dir/admin.kubeconfig
-        pods insecure
-        fallthrough in-addr.arpa ip6.arpa
-    }
-    cache 5
-    forward . /etc/resolv.conf
-}
-EOF
 }
 
 # The pause image, made from the locally built pause program (no registry to pull from).
@@ -107,39 +80,33 @@ import_pause_image() {
   rm -rf "$work"
 }
 
+# program_image REPOSITORY PROGRAM [CONTAINERFILE-LINE...]: an image of a program built
+# here, on the CI base (the programs link glibc), imported into containerd unless it has it
+# already (no registry is reachable); prints its name. The tag hashes the program and the
+# lines; the repository's other tags are removed.
+program_image() {
+  local repository=$1 program=$2 image ctx ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io)
+  shift 2
+  image=$repository:$( (sha256sum <"$program"; printf '%s\n' "$@") | sha256sum | cut -c1-12)
+  if ! "${ctr[@]}" images ls -q "name==$image" | grep -q .; then
+    bash images/ci-base.sh >&2
+    ctx=$(mktemp -d)
+    cp "$program" "$ctx/"
+    printf '%s\n' "FROM localhost/greenroom-ci-base:bookworm" "$@" "COPY $(basename "$program") /" >"$ctx/Containerfile"
+    STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot BUILDAH_LAYERS=false podman build -q -t "$image" "$ctx" >/dev/null
+    rm -rf "$ctx"
+    STORAGE_DRIVER=vfs podman save --format docker-archive "$image" | "${ctr[@]}" images import - >/dev/null
+    STORAGE_DRIVER=vfs podman rmi -f "$image" >/dev/null
+    scripts/k8s/prune-images.sh "$dir/containerd/containerd.sock" "$repository" "$image"
+  fi
+  echo "$image"
+}
+
 # Containers an earlier cluster left in the kept image store (their tasks died with it).
 remove_stale_containers() {
   local ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io) ids
   mapfile -t ids < <("${ctr[@]}" containers ls -q)
   ((${#ids[@]} == 0)) || "${ctr[@]}" containers rm "${ids[@]}" >/dev/null 2>&1 || true
-}
-
-# kube-dns: a Service without a selector whose endpoints are CoreDNS on this node.
-publish_dns() {
-  local ip=$1
-  kubectl_admin apply -f - >/dev/null <<EOF
-apiVersion: v1
-kind: Service
-metadata: {name: kube-dns, namespace: kube-system, labels: {k8s-app: kube-dns}}
-spec:
-  clusterIP: $dns_ip
-  ports:
-  - {name: dns, port: 53, targetPort: $dns_port, protocol: UDP}
-  - {name: dns-tcp, port: 53, targetPort: $dns_port, protocol: TCP}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: kube-dns-node
-  namespace: kube-system
-  labels: {kubernetes.io/service-name: kube-dns, endpointslice.kubernetes.io/managed-by: greenroom-test}
-addressType: IPv4
-endpoints:
-- addresses: [$ip]
-ports:
-- {name: dns, port: $dns_port, protocol: UDP}
-- {name: dns-tcp, port: $dns_port, protocol: TCP}
-EOF
 }
 
 node_ready() {
@@ -162,24 +129,16 @@ start_node() {
   import_pause_image "$bin" || { status node "the pause image could not be imported into containerd"; return 0; }
   daemon kubelet "$bin/kubelet" --config="$dir/kubelet/config.yaml" --kubeconfig="$dir/kubelet.kubeconfig" \
     --root-dir="$dir/kubelet/root" --hostname-override="$node_name" --node-ip="$ip"
-  daemon kube-proxy "$bin/kube-proxy" --config="$dir/kube-proxy.yaml"
-  daemon coredns "$bin/coredns" -conf "$dir/Corefile"
-  publish_dns "$ip"
   if ! wait_for "node $node_name" 90 node_ready; then
     status node "the kubelet did not make $node_name Ready: $(grep -E '^E[0-9]{4}' "$dir/log/kubelet.log" | tail -1)"
     return 0
   fi
-  status node "up ($node_name Ready)"
-  local image python=python3 site
-  [ -x .venv/bin/python ] && python=.venv/bin/python
-  # The pods' torch: the node's, mounted read-only (scripts/k8s/Containerfile says why).
-  if ! site=$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null); then
-    status image "no torch in $python on the node (make install): the pods could not train"; return 0
-  fi
-  echo "$site" >"$dir/node-torch"
+  start_proxy "$bin" "$ip" || return 0
+  status node "up ($node_name Ready, kube-proxy running)"
+  local image
   if image=$(scripts/k8s/image.sh "$dir/containerd/containerd.sock" | tail -1); then
     echo "$image" >"$dir/image"
-    status image "up ($image in containerd, torch from the node's $site)"
+    status image "up ($image in containerd)"
   else
     status image "scripts/k8s/image.sh failed (see its output above)"
   fi
@@ -199,10 +158,22 @@ drain_node() {
     for id in $("${ctr[@]}" tasks ls -q 2>/dev/null); do "${ctr[@]}" tasks rm -f "$id" >/dev/null 2>&1 || true; done
     remove_stale_containers
   fi
-  if alive "$dir/kube-proxy.pid"; then
-    kill "$(cat "$dir/kube-proxy.pid")" 2>/dev/null || true
-    "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true   # its iptables chains
-  fi
+  # kube-proxy's pod is gone with the rest; the chains it made are not.
+  "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true
+}
+
+# The iptables chains the kubelet makes at start (kube-proxy --cleanup takes its own); only
+# after a kubelet of this cluster ran, so another's are never touched.
+remove_kubelet_chains() {
+  local ipt table
+  for ipt in iptables ip6tables; do
+    "$ipt" -D INPUT -j KUBE-FIREWALL 2>/dev/null || true
+    "$ipt" -D OUTPUT -j KUBE-FIREWALL 2>/dev/null || true
+    "$ipt" -F KUBE-FIREWALL 2>/dev/null || true
+    "$ipt" -X KUBE-FIREWALL 2>/dev/null || true
+    for table in mangle nat filter; do "$ipt" -t "$table" -X KUBE-KUBELET-CANARY 2>/dev/null || true; done
+    "$ipt" -t mangle -X KUBE-IPTABLES-HINT 2>/dev/null || true
+  done
 }
 
 # Whatever the kubelet or CNI left mounted under $dir, deepest first; and the pods' bridge.

@@ -3,10 +3,13 @@
 # built by scripts/k8s/build.sh (cached in ~/.cache/greenroom-k8s/):
 #   control plane: etcd, kube-apiserver (RBAC, Node authorizer, Pod Security admission,
 #   service-account tokens), kube-controller-manager, kube-scheduler, the JobSet controller;
-#   node (scripts/k8s/node.sh): containerd + runc + CNI bridge, kubelet, kube-proxy, CoreDNS.
+#   node (scripts/k8s/node.sh): containerd + runc + CNI bridge, kubelet; kube-proxy as a
+#   DaemonSet (scripts/k8s/proxy.sh); cluster DNS (scripts/k8s/dns.sh): CoreDNS as a
+#   Deployment; both in kube-system with their own ServiceAccounts.
 #   start: builds what is not cached, writes certs and configs under .run/k8s/, starts the
 #          daemons and waits until the API server is ready (and the node, where it runs)
-#   stop:  kills the daemons this script started (by PID) and removes .run/k8s/
+#   stop:  kills the daemons this script started (by PID), removes .run/k8s/ and the
+#          iptables chains its kubelet and kube-proxy made
 #   env:   prints `export KUBECONFIG=...`
 # What could not start is written to .run/k8s/status (`part: reason`): the tests read it
 # and skip with that reason. Clients use KUBECONFIG=<repo>/.run/k8s/admin.kubeconfig.
@@ -22,6 +25,10 @@ export PATH="$repo/.tools/bin:$PATH"
 source scripts/k8s/node.sh
 # shellcheck source=scripts/k8s/jobset.sh
 source scripts/k8s/jobset.sh
+# shellcheck source=scripts/k8s/dns.sh
+source scripts/k8s/dns.sh
+# shellcheck source=scripts/k8s/proxy.sh
+source scripts/k8s/proxy.sh
 
 say() { echo "services/k8s: $*"; }
 status() { echo "$1: $2" >>"$dir/status"; say "$1: $2"; }
@@ -128,6 +135,11 @@ start() {
   start_control_plane "$bin" "$ip" || { status control-plane "failed to start (logs: $dir/log)"; return 0; }
   start_jobset "$bin" "$ip" || status jobset "failed to start (logs: $dir/log)"
   start_node "$bin" "$ip" || status node "failed to start (logs: $dir/log)"
+  if grep -q "^node: up" "$dir/status"; then
+    start_dns "$bin" || status dns "failed to start (kubectl -n kube-system logs deployment/coredns)"
+  else
+    status dns "not started: the node is not up"
+  fi
   say "KUBECONFIG=$dir/admin.kubeconfig"
 }
 
@@ -145,11 +157,13 @@ kill_daemon() {
 
 stop() {
   [ -d "$dir" ] || return 0
-  local name
+  local name kubelet_ran=0
   # Controllers first (nothing recreates the pods), then the node's pods, then the rest.
   for name in jobset kube-controller-manager kube-scheduler; do kill_daemon "$name"; done
   [ ! -d "$dir/bin" ] || drain_node "$dir/bin"
-  for name in kubelet kube-proxy coredns containerd kube-apiserver etcd; do kill_daemon "$name"; done
+  [ ! -s "$dir/kubelet.pid" ] || kubelet_ran=1
+  for name in kubelet containerd kube-apiserver etcd; do kill_daemon "$name"; done
+  [ "$kubelet_ran" = 0 ] || remove_kubelet_chains
   unmount_all
   rm -rf "$dir"
 }
