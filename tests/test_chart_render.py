@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.chart_support import CHART, CI_VALUES, by_kind, container, helm, manifests, pod_spec, readme_lacks, render
-from tests.conftest import REPO, require_tool
+from tests.conftest import require_tool
 
 pytestmark = pytest.mark.helm
 

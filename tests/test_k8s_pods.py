@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.k8s_support import (CLUSTER_DIR, chart_values, cluster_fixture, helm, install, janitor_install,
-                               janitor_values, kubectl, kubectl_json, namespace, pods, trainer_values, wait_until)
+from tests.k8s_support import (CLUSTER_DIR, cluster_fixture, helm, install, janitor_install,
+                               janitor_values, kubectl, kubectl_json, namespace, pods, require_cluster, trainer_values,
+                               wait_until)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below

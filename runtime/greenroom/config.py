@@ -356,8 +356,9 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",
                        help="storage dtype of the streamed Adam moments (fp32 is bit-identical to resident AdamW)")
     group.add_argument("--stream-optimizer-state-master-layout", choices=MASTER_LAYOUTS, default="remainder",
-                       help="how a bf16 param's streamed fp32 master is stored: its low 16 bits beside the param "
-                            "(remainder, exact, 2 B/param less) or whole (fp32)")
+                       help="how `StreamingAdam` stores a bf16 param's fp32 master: its low 16 bits beside the "
+                            "param, rebuilt exactly (10 B/param with fp32 moments), or whole (`fp32`, 12 B/param); "
+                            "Megatron's mains are stored whole either way")
     group.add_argument("--stream-optimizer-state-host-cache-gb", type=float, default=0.0, metavar="GB",
                        help="host memory per rank (GB, pinned with CUDA) that keeps whole buckets of the "
                             "streamed state off the disk; the rest streams (0: all of it)")

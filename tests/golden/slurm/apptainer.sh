@@ -44,7 +44,7 @@ reclaim() {
   srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
     --kill-on-bad-exit=1 apptainer exec --nv --bind "$GREENROOM_SCRATCH" --bind /shared/checkpoints:/shared/checkpoints /shared/images/greenroom-0.1.0.sif greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT"
 }
-# shellcheck disable=SC2329  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (SC2317: shellcheck before 0.10)
 on_exit() {
   local rc=$?
   trap - EXIT
@@ -63,7 +63,7 @@ trainer=(greenroom train --role actor --no-progress)
 trainer+=(--offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --offload-train-disk-compression auto --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
 
 preempted=0
-# shellcheck disable=SC2329  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (SC2317: shellcheck before 0.10)
 on_preempt() {
   preempted=1
   echo "greenroom: SIGUSR1 (preemption or time limit): stopping the trainer"

@@ -48,7 +48,7 @@ reclaim() {
   srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
     --kill-on-bad-exit=1 greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT"
 }
-# shellcheck disable=SC2329  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (SC2317: shellcheck before 0.10)
 on_exit() {
   local rc=$?
   trap - EXIT
@@ -66,7 +66,7 @@ reclaim || echo "greenroom: reclaim reported errors (see above); starting anyway
 trainer=(python deploy/examples/hf_trainer.py /shared/out/hf-trainer --steps 100)
 
 preempted=0
-# shellcheck disable=SC2329  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (SC2317: shellcheck before 0.10)
 on_preempt() {
   preempted=1
   echo "greenroom: SIGUSR1 (preemption or time limit): stopping the trainer"

@@ -52,7 +52,7 @@ reclaim() {
   srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
     --kill-on-bad-exit=1 greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT"
 }
-# shellcheck disable=SC2329  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (SC2317: shellcheck before 0.10)
 on_exit() {
   local rc=$?
   trap - EXIT
@@ -71,7 +71,7 @@ trainer=(greenroom train --role actor --save /shared/checkpoints/greenroom-4n --
 trainer+=(--offload-train --offload-train-target disk --offload-train-disk-chunk-mb 512 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32 --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
 
 preempted=0
-# shellcheck disable=SC2329  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (SC2317: shellcheck before 0.10)
 on_preempt() {
   preempted=1
   echo "greenroom: SIGUSR1 (preemption or time limit): stopping the trainer"

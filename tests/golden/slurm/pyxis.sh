@@ -45,7 +45,7 @@ reclaim() {
   srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
     --kill-on-bad-exit=1 --container-image=registry.example.com/greenroom:0.1.0 --container-name=greenroom-"$SLURM_JOB_ID" --container-mounts="$GREENROOM_SCRATCH:$GREENROOM_SCRATCH",/shared/checkpoints:/shared/checkpoints greenroom reclaim --missing-ok "$GREENROOM_OFFLOAD_ROOT"
 }
-# shellcheck disable=SC2329  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (SC2317: shellcheck before 0.10)
 on_exit() {
   local rc=$?
   trap - EXIT
@@ -64,7 +64,7 @@ trainer=(greenroom train --role actor --save /shared/checkpoints/greenroom-pyxis
 trainer+=(--offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype fp32 --offload-train-disk-dir "$GREENROOM_OFFLOAD_ROOT")
 
 preempted=0
-# shellcheck disable=SC2329  # invoked by the trap below
+# shellcheck disable=SC2317,SC2329  # invoked by the trap below (SC2317: shellcheck before 0.10)
 on_preempt() {
   preempted=1
   echo "greenroom: SIGUSR1 (preemption or time limit): stopping the trainer"
