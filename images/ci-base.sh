@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Makes the base image CI builds on: no registry is reachable there, so the base is a
 # Debian bookworm made with debootstrap from the machine's Debian mirror, with Python.
-# Usage: images/ci-base.sh [IMAGE]   (default localhost/greenroom-ci-base:bookworm)
+# Usage: images/ci-base.sh [IMAGE]   (default localhost/greenroom-ci-base:bookworm-2)
 # Idempotent: an image podman already has is kept, and the rootfs tarball is cached in
 # .tools/ so a rerun imports it instead of bootstrapping again (~30 s -> ~5 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-image=${1:-localhost/greenroom-ci-base:bookworm}
-cache=.tools/ci-base-bookworm.tar
+image=${1:-localhost/greenroom-ci-base:bookworm-2}
+cache=.tools/ci-base-bookworm-2.tar
 if podman image exists "$image" 2>/dev/null; then
   echo "ci-base: $image already present"
   exit 0
@@ -17,6 +17,10 @@ if [ ! -s "$cache" ]; then
   mirror=${mirror:-http://deb.debian.org/debian}
   rootfs=$(mktemp -d .tools/ci-base-rootfs.XXXXXX 2>/dev/null || { mkdir -p .tools; mktemp -d .tools/ci-base-rootfs.XXXXXX; })
   trap 'rm -rf "$rootfs"' EXIT
+  # The tarball's "./" carries this dir's mode into the image's /: mktemp's 0700 left /
+  # closed to every user but root (the image's uid 1000 could not exec anything). Images
+  # of that base were tagged bookworm; bookworm-2 is the fixed one.
+  chmod 0755 "$rootfs"
   echo "ci-base: debootstrap bookworm from $mirror"
   debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,ca-certificates \
     bookworm "$rootfs" "$mirror" >/dev/null

@@ -2,13 +2,14 @@
 then run with podman (runc) to execute greenroom inside it.
 
 No registry is reachable in CI, so the NGC base cannot be pulled: the base is a Debian
-bookworm made with debootstrap (images/ci-base.sh, cached under .tools/), and the CPU
-torch wheel plus every dependency are downloaded on the host and staged into the build
-(no index inside the build). The production base keeps its own torch; that path is the
-same Dockerfile with a torch already installed, which this test does not exercise.
-Without the CPU wheel the build is skipped here; the Kubernetes test cluster builds and
-runs the same Dockerfile with PyPI's CUDA torch (scripts/k8s/image.sh), whose wheel
-staging (images/stage_wheels.py) is tested below.
+bookworm made with debootstrap (images/ci-base.sh, cached under .tools/), and PyPI's torch
+(the CUDA build, which imports on a CPU machine) with its nvidia-* runtime wheels and every
+dependency are staged on the host (images/stage_wheels.py, ~/.cache/greenroom-k8s/wheels)
+and installed from there (no index inside the build). The image is the one the Kubernetes
+test cluster's pods run: images/ci-image.sh builds it once, tagged by a hash of its
+sources, and both this test and scripts/k8s/image.sh use that build (a warm run builds
+nothing). The production base keeps its own torch; that path is the same Dockerfile with a
+torch already installed, which this test does not exercise.
 """
 
 import glob
@@ -24,47 +25,24 @@ from tests.conftest import REPO, require_tool
 
 pytestmark = pytest.mark.image
 
-IMAGE = "localhost/greenroom:ci-test"
-BASE = "localhost/greenroom-ci-base:bookworm"
-WHEELS = os.path.join(REPO, ".tools", "image-wheels")
-TORCH_WHEEL_GLOB = "/opt/wheels/torch-2.13.0+cpu-cp311-*.whl"
+BASE = "localhost/greenroom-ci-base:bookworm-2"
 # This machine: vfs storage and chroot isolation (overlay and the default isolation fail
 # on its hybrid cgroups); runc, because crun fails on rlimits here.
-ENV = dict(os.environ, STORAGE_DRIVER="vfs", BUILDAH_ISOLATION="chroot", GREENROOM_BUILD_ENGINE="podman")
+ENV = dict(os.environ, STORAGE_DRIVER="vfs", BUILDAH_ISOLATION="chroot")
 RUN = ["podman", "--runtime", "runc", "run", "--rm", "--network", "none",
        "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
 
 
-def _stage_wheels() -> None:
-    """The CPU torch wheel and greenroom's dependencies, as wheels for the image's Python."""
-    staged = ("torch-*.whl", "megatron_core-*.whl", "zstandard-*.whl")
-    if all(glob.glob(os.path.join(WHEELS, pattern)) for pattern in staged):
-        return
-    torch_wheels = glob.glob(TORCH_WHEEL_GLOB)
-    if not torch_wheels:
-        pytest.skip(f"no CPU torch wheel matching {TORCH_WHEEL_GLOB} on this machine")
-    os.makedirs(WHEELS, exist_ok=True)
-    # The image is Debian bookworm's Python 3.11, the same as CI's host Python.
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", WHEELS, torch_wheels[0],
-                    "torch-memory-saver==0.0.10", "megatron-core==0.16.1", "setuptools>=68", REPO],
-                   check=True, cwd=REPO)
-
-
 @pytest.fixture(scope="module")
 def image():
+    """The CI image, built by images/ci-image.sh unless podman already has its tag."""
     require_tool("podman")
     require_tool("runc")
     if subprocess.run(["podman", "image", "exists", BASE], env=ENV).returncode != 0:
         require_tool("debootstrap")
-        subprocess.run(["bash", "images/ci-base.sh", BASE], check=True, cwd=REPO, env=ENV)
-    _stage_wheels()
-    build = subprocess.run(
-        ["scripts/build-image.sh", IMAGE, BASE], cwd=REPO, capture_output=True, text=True,
-        # A CPU image: without the nvcomp extra (its CUDA wheel is not staged).
-        env=dict(ENV, GREENROOM_IMAGE_WHEELS=WHEELS, GREENROOM_PIP_NO_INDEX="1", GREENROOM_IMAGE_EXTRAS=""))
+    build = subprocess.run(["bash", "images/ci-image.sh"], cwd=REPO, capture_output=True, text=True, env=ENV)
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
-    yield IMAGE
-    subprocess.run(["podman", "rmi", "-f", IMAGE], env=ENV, capture_output=True)
+    return build.stdout.strip().splitlines()[-1]
 
 
 def _run(image, *argv, volume=None, user=None):
@@ -123,7 +101,7 @@ def test_one_iteration_of_greenroom_train_with_disk_offload_into_a_host_dir(imag
 
 def test_image_scripts_pass_shellcheck():
     shellcheck = require_tool("shellcheck")
-    scripts = ["scripts/build-image.sh", "images/ci-base.sh", "scripts/setup.d/20-helm.sh",
+    scripts = ["scripts/build-image.sh", "images/ci-base.sh", "images/ci-image.sh", "scripts/setup.d/20-helm.sh",
                "scripts/setup.d/30-containers.sh", "scripts/setup.d/10-slurm.sh", "scripts/lib/apt-install.sh"]
     # -x follows the shared apt helper the setup steps source.
     out = subprocess.run([shellcheck, "-x", *scripts], cwd=REPO, capture_output=True, text=True)

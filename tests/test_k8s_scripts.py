@@ -32,3 +32,11 @@ def test_build_says_what_is_missing_without_go(tmp_path):
                          env={"PATH": str(bin_dir), "HOME": str(tmp_path)})
     assert out.returncode == 3
     assert out.stderr.count("\n") == 1 and "go not found on PATH" in out.stderr
+
+
+def test_prune_images_refuses_a_call_without_a_prefix_in_one_line():
+    # Without a prefix it would not know which tags are its own to remove.
+    out = subprocess.run(["bash", "scripts/k8s/prune-images.sh", "/no/socket", "localhost/greenroom:ci-x"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr == "usage: scripts/k8s/prune-images.sh CONTAINERD_SOCKET KEEP_IMAGE PREFIX...\n"

@@ -74,13 +74,18 @@ LDFLAGS="" build coredns coredns=.
 # The pause program runs alone in an image: static.
 LDFLAGS="" CGO_ENABLED=0 build pause pause=.
 
-all="$(printf '%s\n' "${links[@]}" | sha256sum | cut -c1-12)"
+# The key also names what is copied from the JobSet module: a change there makes a new dir.
+jobset_config=(components default)
+all="$(printf '%s\n' "${links[@]}" "${jobset_config[@]}" | sha256sum | cut -c1-12)"
 BIN="$ROOT/bin-$all"
 if [[ ! -d "$BIN" ]]; then
   mkdir -p "$BIN.tmp"
   ln -sf "${links[@]}" "$BIN.tmp/"
-  # The JobSet CRD and webhook configuration, from the same module release as its controller.
-  cp -r "$(go -C "$HERE/jobset" list -m -f '{{.Dir}}' sigs.k8s.io/jobset)/config/components" "$BIN.tmp/jobset-config"
+  # Upstream's deployment of the JobSet controller (config/default and the components it
+  # builds on), from the same module release as the controller.
+  module_config="$(go -C "$HERE/jobset" list -m -f '{{.Dir}}' sigs.k8s.io/jobset)/config"
+  mkdir "$BIN.tmp/jobset-config"
+  for part in "${jobset_config[@]}"; do cp -r "$module_config/$part" "$BIN.tmp/jobset-config/"; done
   chmod -R u+w "$BIN.tmp/jobset-config"
   mv "$BIN.tmp" "$BIN"
 fi

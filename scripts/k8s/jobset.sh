@@ -1,51 +1,60 @@
 # shellcheck shell=bash disable=SC2154  # dir: set by scripts/services.d/k8s.sh
-# The JobSet controller, sourced by scripts/services.d/k8s.sh (helpers: daemon, wait_for,
-# status, kubectl_admin; variables: dir). It runs on the node as a host process, so its
-# admission webhooks are reached by URL (the node's address, a cert from the cluster CA)
-# instead of through a Service; the CRD and webhook rules are the module release's own.
-
-jobset_webhook_port=9443
+# The JobSet controller, sourced by scripts/services.d/k8s.sh (helpers: status,
+# kubectl_admin; program_image from scripts/k8s/node.sh). It runs in the cluster as the
+# JobSet project deploys it: the module release's own config/default (the CRD, the
+# jobset-system namespace, the controller's ServiceAccount and RBAC, its Deployment, the
+# webhook Service and configurations, the internal cert management that writes the
+# webhook's serving cert into a Secret and the CA into the webhook configurations). Only
+# the image differs: upstream's is in a registry this machine cannot reach, so the
+# controller built by scripts/k8s/build.sh is packaged on the CI base (program_image) and
+# imported into the node's containerd.
 
 crd_established() {
   kubectl_admin get crd jobsets.jobset.x-k8s.io \
     -o jsonpath='{.status.conditions[?(@.type=="Established")].status}' | grep -qx True
 }
 
+# The JobSet webhook answers once the controller has written its cert and the CA is in
+# the webhook configuration: a server-side dry run of a JobSet goes through the webhooks.
+jobset_webhook_answers() {
+  kubectl_admin create --dry-run=server -f - <<EOF2
+apiVersion: jobset.x-k8s.io/v1alpha2
+kind: JobSet
+metadata: {name: webhook-probe, namespace: default}
+spec:
+  replicatedJobs:
+  - name: probe
+    template:
+      spec:
+        template:
+          spec:
+            restartPolicy: Never
+            containers: [{name: probe, image: localhost/greenroom-pause:1}]
+EOF2
+}
+
 start_jobset() {
-  local bin=$1 ip=$2
-  local config="$bin/jobset-config"
-  mkdir -p "$dir/jobset/certs"
-  cp "$dir/pki/jobset-webhook.crt" "$dir/jobset/certs/tls.crt"
-  cp "$dir/pki/jobset-webhook.key" "$dir/jobset/certs/tls.key"
-  cat >"$dir/jobset/config.yaml" <<EOF
-apiVersion: config.jobset.x-k8s.io/v1alpha1
-kind: Configuration
-leaderElection: {leaderElect: false}
-internalCertManagement: {enable: false}
-webhook: {port: $jobset_webhook_port, host: $ip, certDir: $dir/jobset/certs}
-metrics: {bindAddress: "127.0.0.1:8443", certDir: $dir/jobset/certs}
-health: {healthProbeBindAddress: "127.0.0.1:8082"}
-EOF
-  kubectl_admin apply --server-side -f "$config/crd/bases/" >/dev/null
-  wait_for "the JobSet CRD" 60 crd_established
-  # The controller is a host process with the admin kubeconfig: in this test cluster it
-  # stands where upstream's Deployment and its ServiceAccount would.
-  KUBECONFIG="$dir/admin.kubeconfig" daemon jobset "$bin/jobset" --config "$dir/jobset/config.yaml"
-  wait_for "the JobSet controller" 60 curl -fsS http://127.0.0.1:8082/readyz || {
-    status jobset "the controller did not become ready: $(tail -1 "$dir/log/jobset.log")"; return 0; }
-  # Upstream's webhook configurations (with their pod objectSelector patches), pointed at
-  # the controller by URL.
-  local ca
-  ca=$(base64 -w0 "$dir/pki/ca.crt")
-  kubectl kustomize "$config/webhook" | python3 -c '
+  local bin=$1 image
+  image=$(program_image localhost/greenroom-jobset "$bin/jobset" "USER 65532:65532") ||
+    { status jobset "the JobSet controller image could not be built"; return 0; }
+  # Upstream's manifests with the local image (never pulled) and its path in that image.
+  kubectl kustomize "$bin/jobset-config/default" | python3 -c '
 import json, sys, yaml
-url, ca = sys.argv[1], sys.argv[2]
-hooks = [d for d in yaml.safe_load_all(sys.stdin) if d and d["kind"].endswith("WebhookConfiguration")]
-for item in hooks:
-    item["metadata"]["name"] = "jobset-" + item["metadata"]["name"]
-    for hook in item["webhooks"]:
-        hook["clientConfig"] = {"url": url + hook["clientConfig"]["service"]["path"], "caBundle": ca}
-json.dump({"apiVersion": "v1", "kind": "List", "items": hooks}, sys.stdout)
-' "https://$ip:$jobset_webhook_port" "$ca" | kubectl_admin apply -f - >/dev/null
-  status jobset "up (sigs.k8s.io/jobset controller and webhooks)"
+image = sys.argv[1]
+items = [d for d in yaml.safe_load_all(sys.stdin) if d]
+for item in items:
+    if item["kind"] == "Deployment":
+        for container in item["spec"]["template"]["spec"]["containers"]:
+            container.update(image=image, imagePullPolicy="Never", command=["/jobset"])
+json.dump({"apiVersion": "v1", "kind": "List", "items": items}, sys.stdout)
+' "$image" | kubectl_admin apply --server-side -f - >/dev/null ||
+    { status jobset "upstream's manifests (config/default) were not applied"; return 0; }
+  wait_for "the JobSet CRD" 60 crd_established
+  if ! kubectl_admin -n jobset-system rollout status deployment/jobset-controller-manager --timeout=180s >/dev/null; then
+    status jobset "the controller did not become ready: $(kubectl_admin -n jobset-system logs deployment/jobset-controller-manager --tail=1 2>&1)"
+    return 0
+  fi
+  wait_for "the JobSet webhook" 120 jobset_webhook_answers ||
+    { status jobset "the webhook did not answer: $(jobset_webhook_answers 2>&1 | tail -1)"; return 0; }
+  status jobset "up (sigs.k8s.io/jobset in jobset-system, $image)"
 }

@@ -92,12 +92,12 @@ program_image() {
     bash images/ci-base.sh >&2
     ctx=$(mktemp -d)
     cp "$program" "$ctx/"
-    printf '%s\n' "FROM localhost/greenroom-ci-base:bookworm" "$@" "COPY $(basename "$program") /" >"$ctx/Containerfile"
+    printf '%s\n' "FROM localhost/greenroom-ci-base:bookworm-2" "$@" "COPY $(basename "$program") /" >"$ctx/Containerfile"
     STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot BUILDAH_LAYERS=false podman build -q -t "$image" "$ctx" >/dev/null
     rm -rf "$ctx"
     STORAGE_DRIVER=vfs podman save --format docker-archive "$image" | "${ctr[@]}" images import - >/dev/null
     STORAGE_DRIVER=vfs podman rmi -f "$image" >/dev/null
-    scripts/k8s/prune-images.sh "$dir/containerd/containerd.sock" "$repository" "$image"
+    scripts/k8s/prune-images.sh "$dir/containerd/containerd.sock" "$image" "$repository:"
   fi
   echo "$image"
 }

@@ -59,8 +59,6 @@ cert admin "/O=system:masters/CN=greenroom-admin" clientAuth
 cert controller-manager "/CN=system:kube-controller-manager" clientAuth
 cert scheduler "/CN=system:kube-scheduler" clientAuth
 cert kubelet "/O=system:nodes/CN=system:node:$node" serverAuth,clientAuth "DNS:$node,IP:$node_ip,IP:127.0.0.1"
-# The JobSet controller's webhook server, which the API server calls on the node's address.
-cert jobset-webhook "/CN=jobset-webhook" serverAuth "IP:$node_ip"
 key service-account
 openssl ec -in service-account.key -pubout -out service-account.pub 2>/dev/null
 

@@ -2,10 +2,11 @@
 # A one-node Kubernetes cluster on this machine for the chart tests, from upstream parts
 # built by scripts/k8s/build.sh (cached in ~/.cache/greenroom-k8s/):
 #   control plane: etcd, kube-apiserver (RBAC, Node authorizer, Pod Security admission,
-#   service-account tokens), kube-controller-manager, kube-scheduler, the JobSet controller;
+#   service-account tokens), kube-controller-manager, kube-scheduler;
 #   node (scripts/k8s/node.sh): containerd + runc + CNI bridge, kubelet; kube-proxy as a
 #   DaemonSet (scripts/k8s/proxy.sh); cluster DNS (scripts/k8s/dns.sh): CoreDNS as a
-#   Deployment; both in kube-system with their own ServiceAccounts.
+#   Deployment; both in kube-system with their own ServiceAccounts; the JobSet controller
+#   (scripts/k8s/jobset.sh) as upstream deploys it, in jobset-system.
 #   start: builds what is not cached, writes certs and configs under .run/k8s/, starts the
 #          daemons and waits until the API server is ready (and the node, where it runs)
 #   stop:  kills the daemons this script started (by PID), removes .run/k8s/ and the
@@ -133,12 +134,13 @@ start() {
   ip=$(node_ip)
   [ -s "$dir/pki/ca.crt" ] || scripts/k8s/pki.sh "$dir" "$node_name" "$ip" "$service_ip"
   start_control_plane "$bin" "$ip" || { status control-plane "failed to start (logs: $dir/log)"; return 0; }
-  start_jobset "$bin" "$ip" || status jobset "failed to start (logs: $dir/log)"
   start_node "$bin" "$ip" || status node "failed to start (logs: $dir/log)"
   if grep -q "^node: up" "$dir/status"; then
     start_dns "$bin" || status dns "failed to start (kubectl -n kube-system logs deployment/coredns)"
+    start_jobset "$bin" || status jobset "failed to start (kubectl -n jobset-system logs deployment/jobset-controller-manager)"
   else
     status dns "not started: the node is not up"
+    status jobset "not started: the node is not up"
   fi
   say "KUBECONFIG=$dir/admin.kubeconfig"
 }
@@ -159,7 +161,7 @@ stop() {
   [ -d "$dir" ] || return 0
   local name kubelet_ran=0
   # Controllers first (nothing recreates the pods), then the node's pods, then the rest.
-  for name in jobset kube-controller-manager kube-scheduler; do kill_daemon "$name"; done
+  for name in kube-controller-manager kube-scheduler; do kill_daemon "$name"; done
   [ ! -d "$dir/bin" ] || drain_node "$dir/bin"
   [ ! -s "$dir/kubelet.pid" ] || kubelet_ran=1
   for name in kubelet containerd kube-apiserver etcd; do kill_daemon "$name"; done

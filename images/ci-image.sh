@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The CI image: images/Dockerfile built by scripts/build-image.sh (what `make image` runs)
+# with podman on the debootstrap Debian base of images/ci-base.sh. One build serves both
+# users: tests/test_image.py runs it with podman, and the Kubernetes test cluster imports it
+# into its containerd (scripts/k8s/image.sh). No registry is reachable, so every wheel the
+# build installs is staged on the host first (images/stage_wheels.py: PyPI's CUDA torch
+# with its nvidia-* runtime wheels, which import on a CPU machine) and pip inside the build
+# uses only those.
+#
+# Cached outside the checkout, so a warm run pays nothing: the wheels in
+# ~/.cache/greenroom-k8s/wheels, the image in podman's store. The tag is a hash of what
+# goes into the image (the tracked sources, uncommitted changes, the staged versions): an
+# unchanged tree finds its image already built. Earlier `ci-` tags are removed (the image
+# is GBs); other tags of localhost/greenroom (a user's `make image`) are left alone.
+# Usage: images/ci-image.sh   (prints the image name on its last line)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] && python=.venv/bin/python
+
+cache="${GREENROOM_K8S_CACHE:-$HOME/.cache/greenroom-k8s}"
+wheels="$cache/wheels"
+mkdir -p "$cache"
+# One builder at a time: the cluster's start and a test run may ask at once.
+exec 9>"$cache/.image.lock"
+flock 9
+
+"$python" images/stage_wheels.py "$wheels" >&2
+sources=(runtime pyproject.toml README.md images scripts/build-image.sh)
+tag=$( (git ls-files -s "${sources[@]}"; git diff HEAD -- "${sources[@]}"; cat "$wheels/.staged") |
+       sha256sum | cut -c1-12)
+prefix=localhost/greenroom:ci-
+image=$prefix$tag
+base=localhost/greenroom-ci-base:bookworm-2
+# This machine's podman: vfs storage and chroot isolation (overlay and the default
+# isolation fail on its cgroups); no intermediate layers (with vfs each is a full copy).
+export STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot BUILDAH_LAYERS=false
+
+if ! podman image exists "$image"; then
+  bash images/ci-base.sh "$base" >&2
+  # A CPU image: no nvcomp extra (its CUDA codec has nothing to run on here).
+  GREENROOM_BUILD_ENGINE=podman GREENROOM_IMAGE_WHEELS="$wheels" GREENROOM_PIP_NO_INDEX=1 \
+    GREENROOM_IMAGE_EXTRAS="" scripts/build-image.sh "$image" "$base" >&2
+fi
+podman images --format '{{.Repository}}:{{.Tag}}' "${prefix%%:*}" |
+  awk -v prefix="$prefix" -v keep="$image" 'index($0, prefix) == 1 && $0 != keep' |
+  xargs -r podman rmi -f >/dev/null
+echo "$image"
