@@ -27,7 +27,11 @@ flock 9
 
 "$python" images/stage_wheels.py "$wheels" >&2
 sources=(runtime pyproject.toml README.md images scripts/build-image.sh)
-tag=$( (git ls-files -s "${sources[@]}"; git diff HEAD -- "${sources[@]}"; cat "$wheels/.staged") |
+# The files' contents as they are (committed or not: a commit alone does not rebuild),
+# untracked files included, ignored ones (caches) and deleted ones left out.
+files=$(git ls-files -co --exclude-standard --deduplicate -- "${sources[@]}" |
+        while read -r file; do [ ! -f "$file" ] || echo "$file"; done | sort)
+tag=$( (echo "$files"; echo "$files" | git hash-object --stdin-paths; cat "$wheels/.staged") |
        sha256sum | cut -c1-12)
 prefix=localhost/greenroom:ci-
 image=$prefix$tag
