@@ -33,12 +33,15 @@ spec:
 EOF2
 }
 
-start_jobset() {
+# apply_jobset BIN: upstream's manifests with the local image (never pulled) and its path
+# in that image. It does not wait: the controller comes up while the rest of the cluster does.
+apply_jobset() {
   local bin=$1 image
   image=$(program_image localhost/greenroom-jobset "$bin/jobset" "USER 65532:65532") ||
-    { status jobset "the JobSet controller image could not be built"; return 0; }
-  # Upstream's manifests with the local image (never pulled) and its path in that image.
-  kubectl kustomize "$bin/jobset-config/default" | python3 -c '
+    { status jobset "the JobSet controller image could not be built"; return 1; }
+  echo "$image" >"$dir/jobset-image"
+  # kustomize warns that upstream's kustomization uses the deprecated commonLabels.
+  kubectl kustomize "$bin/jobset-config/default" 2>"$dir/log/jobset-kustomize.log" | python3 -c '
 import json, sys, yaml
 image = sys.argv[1]
 items = [d for d in yaml.safe_load_all(sys.stdin) if d]
@@ -48,7 +51,11 @@ for item in items:
             container.update(image=image, imagePullPolicy="Never", command=["/jobset"])
 json.dump({"apiVersion": "v1", "kind": "List", "items": items}, sys.stdout)
 ' "$image" | kubectl_admin apply --server-side -f - >/dev/null ||
-    { status jobset "upstream's manifests (config/default) were not applied"; return 0; }
+    { status jobset "upstream's manifests (config/default) were not applied: $(tail -1 "$dir/log/jobset-kustomize.log")"; return 1; }
+}
+
+# wait_jobset: the controller ready and its webhooks answering.
+wait_jobset() {
   wait_for "the JobSet CRD" 60 crd_established
   if ! kubectl_admin -n jobset-system rollout status deployment/jobset-controller-manager --timeout=180s >/dev/null; then
     status jobset "the controller did not become ready: $(kubectl_admin -n jobset-system logs deployment/jobset-controller-manager --tail=1 2>&1)"
@@ -56,5 +63,5 @@ json.dump({"apiVersion": "v1", "kind": "List", "items": items}, sys.stdout)
   fi
   wait_for "the JobSet webhook" 120 jobset_webhook_answers ||
     { status jobset "the webhook did not answer: $(jobset_webhook_answers 2>&1 | tail -1)"; return 0; }
-  status jobset "up (sigs.k8s.io/jobset in jobset-system, $image)"
+  status jobset "up (sigs.k8s.io/jobset in jobset-system, $(cat "$dir/jobset-image"))"
 }

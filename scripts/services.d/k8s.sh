@@ -136,8 +136,12 @@ start() {
   start_control_plane "$bin" "$ip" || { status control-plane "failed to start (logs: $dir/log)"; return 0; }
   start_node "$bin" "$ip" || status node "failed to start (logs: $dir/log)"
   if grep -q "^node: up" "$dir/status"; then
+    # The JobSet controller starts while CoreDNS does (each waits seconds for its probes).
+    local jobset_applied=0
+    apply_jobset "$bin" && jobset_applied=1
     start_dns "$bin" || status dns "failed to start (kubectl -n kube-system logs deployment/coredns)"
-    start_jobset "$bin" || status jobset "failed to start (kubectl -n jobset-system logs deployment/jobset-controller-manager)"
+    [ "$jobset_applied" = 0 ] || wait_jobset ||
+      status jobset "failed to start (kubectl -n jobset-system logs deployment/jobset-controller-manager)"
   else
     status dns "not started: the node is not up"
     status jobset "not started: the node is not up"
