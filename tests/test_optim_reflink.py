@@ -107,3 +107,4 @@ def test_where_neither_links_nor_clones_work_the_save_copies(disk_dir, tmp_path)
         assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes,
                          "bytes_written": opt.store.state_bytes}
         opt.close()
+

@@ -7,7 +7,9 @@ steps write new inodes and leave the checkpoint's bytes as they were; a load of 
 continues bit-identically to ``torch.optim.AdamW``. With the host cache (its buckets
 written out before they are linked) and with compressed files (their frame records are
 in the table the link shares). Where links would not do, the save copies and says so:
-GREENROOM_VERIFY=0 (no tables to record). The kills are in ``test_optim_instep.py``.
+GREENROOM_VERIFY=0 (no tables to record), and too little room for the next step's new
+inodes (on a loop-mounted ext4 image: a full disk is refused at the save, the previous
+checkpoint kept). The kills are in ``test_optim_instep.py``.
 """
 
 import copy
@@ -16,7 +18,10 @@ import os
 import pytest
 import torch
 
+from greenroom import fs
+from greenroom.errors import StorageError
 from greenroom.optim import StreamingAdam
+from tests.test_faults import small_ext4
 from tests.test_optim_instep import _files, _inodes, other_fs
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
@@ -122,3 +127,34 @@ def test_without_checksums_the_save_copies(disk_dir, monkeypatch):
     assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes, "bytes_written": opt.store.state_bytes}
     assert all(os.stat(os.path.join(disk_dir, "ckpt", n)).st_nlink == 1 for n in _inodes(opt.store.directory))
     opt.close()
+
+
+def test_without_room_for_the_next_steps_new_inodes_the_save_copies_and_a_full_disk_is_refused(tmp_path):
+    """A link costs nothing now and the state's size at the next step (its new inodes);
+    without that room free the save copies instead (ext4: copy_file_range moves the
+    bytes), so running out of space is refused at the save, in one line, with the
+    previous checkpoint kept, never at the next step."""
+    with small_ext4(tmp_path, size_mb=32) as (root, _):
+        params, _ = twins(SHAPES + [(300, 1000)])  # 2.4 MB of state
+        opt = _optimizer(params, os.path.join(root, "live"))
+        set_grads(params, step=0)
+        opt.step()
+        path = os.path.join(root, "ckpt")
+        assert opt.save_checkpoint(path)["kind"] == "link"
+        set_grads(params, step=1)
+        opt.step()  # the live files are new inodes again: the checkpoint holds one copy of the state
+        saved = _files(path)
+        filler = os.path.join(root, "filler")  # leave half the state's size free, to root too (ext4's reserve)
+        st = os.statvfs(root)
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, st.f_bfree * st.f_frsize - opt.store.state_bytes // 2)
+        assert fs.free_bytes(root) < opt.store.state_bytes
+        with pytest.raises(StorageError, match=r"copying \S+/bucket-\d+\.bin to \S+ failed: No space left on "
+                                               r"device") as info:
+            opt.save_checkpoint(path)
+        assert "\n" not in str(info.value)
+        assert _files(path) == saved
+        assert sorted(n for n in os.listdir(root) if n.startswith("ckpt")) == ["ckpt"]
+        os.unlink(filler)
+        assert opt.save_checkpoint(path)["kind"] == "link"
+        opt.close()
