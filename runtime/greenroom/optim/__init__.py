@@ -8,6 +8,7 @@
 - ``muon``: ``StreamingMuon``, ``torch.optim.Muon`` with its momentum streamed the same way
   (``muon_state``: its state dict in torch's format).
 - ``instep``: the checkpoint a step writes from its own streaming pass.
+- ``poison``: a failed step refuses every later step and save until a load (all three optimizers).
 - ``hardlink``: hard links between the live bucket files and a checkpoint's.
 - ``reflink``: extent clones of the bucket files where links are refused and the filesystem can clone.
 - ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` with the manifest and its refusals
