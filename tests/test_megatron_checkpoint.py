@@ -173,3 +173,57 @@ def test_moments_saved_as_bf16_are_not_read_as_fp32(disk_dir):
         load_checkpoint(loaded, os.path.join(disk_dir, "ckpt"))
     saved.close()
     loaded.close()
+
+
+def test_after_a_failed_step_the_streaming_distributed_optimizer_refuses_until_loaded(disk_dir, monkeypatch):
+    """optim.poison Note [a failed step poisons], as StreamingAdam's: bucket 1's
+    write-back fails in a step (EIO at the engine's syscall wrapper, once), after bucket
+    0 was stepped; the next step, ``state_dict()`` and ``save_checkpoint`` each refuse in
+    one line naming the failure, and ``load_checkpoint`` brings back the saved state
+    (``torch.equal``) and lifts the refusal. The step runs the real ``_stream_step``;
+    only the 16-bit param buffer it casts the mains into is a plain tensor per shard
+    (megatron's DDP buffers need CUDA), and megatron's own part after the stream (the
+    all-gather) is never reached here."""
+    from greenroom import statefile
+    from greenroom.errors import GreenroomError, StorageError
+
+    opt = _optimizer(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3)
+    opt.store.initialize(lambda i: torch.full((ENTRIES[i].numel,), float(i + 1)))
+    opt.is_stub_optimizer, opt.grad_scaler = False, None  # what the constructor sets (bf16: no scaler)
+    buffers = {(e.group, e.index): torch.empty(e.numel) for e in ENTRIES}
+    opt._model_shard_for = lambda group, index: buffers[(group, index)]
+    for e in ENTRIES:
+        opt.main_shard(ENTRIES.index(e)).grad = torch.ones(e.numel)
+    ckpt = os.path.join(disk_dir, "ckpt")
+    save_checkpoint(opt, ckpt)
+    saved = [[t.clone() for t in (s.master, s.exp_avg, s.exp_avg_sq)] for s in opt.store.stream()]
+
+    failing = opt.store.path(1) + (".new" if opt.store.shared(1) else "")  # linked by the save: a new inode
+    real = statefile.pwrite_all
+
+    def pwrite_all(fd, buf, offset, path):
+        if path == failing:
+            raise OSError(5, "Input/output error")
+        return real(fd, buf, offset, path)
+
+    monkeypatch.setattr(statefile, "pwrite_all", pwrite_all)
+    with pytest.raises(StorageError, match=r"bucket-00001\.bin(\.new)?: write of .* Input/output error"):
+        opt.step_with_ready_grads()
+    monkeypatch.undo()
+    # Half stepped: bucket 0 (entry 0) took the update, bucket 1 did not.
+    assert [torch.equal(opt.streamed_state(i)[0], saved[i][0]) for i in range(2)] == [False, True]
+    for what, call in (("step()", opt.step_with_ready_grads), ("state_dict()", opt.state_dict),
+                       ("save_checkpoint()", lambda: save_checkpoint(opt, ckpt))):
+        with pytest.raises(GreenroomError) as err:
+            call()
+        assert "\n" not in str(err.value)
+        assert str(err.value).startswith(f"StreamingDistributedOptimizer: {what} refused: an earlier step() failed "
+                                         "(StorageError: ")
+        assert "load a checkpoint (greenroom.megatron.load_checkpoint)" in str(err.value)
+
+    load_checkpoint(opt, ckpt)
+    for state, expected in zip(opt.store.stream(), saved):
+        assert all(torch.equal(t, e) for t, e in zip((state.master, state.exp_avg, state.exp_avg_sq), expected))
+    assert opt.state_dict()["greenroom"]["steps"] == 0
+    save_checkpoint(opt, ckpt)
+    opt.close()

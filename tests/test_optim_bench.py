@@ -57,10 +57,9 @@ def test_bench_stream_checkpoint_json_reports_the_in_step_checkpoint_reading_not
     assert i["step_seconds"] > 0 and len(i["plain_step_seconds"]) == 2 and i["ratio"] > 0
     assert i["extra_seconds"] == i["step_seconds"] - sum(i["plain_step_seconds"]) / 2
     assert i["step_after_ratio"] > 0 and i["ratio_to_step_before"] > 0
-    # Between steps: ext4 and tmpfs cannot clone, so the save copies (reads and writes the state once).
-    assert c["save_kind"] in ("clone", "copy")
-    if c["save_kind"] == "copy":
-        assert c["save_bytes_read"] == c["save_bytes_written"] == r["state_bytes"]
+    # Between steps, beside the bucket files: the save links them (reads their checksum tables only).
+    assert c["save_kind"] == "link"
+    assert c["save_bytes_written"] == 0 and 0 < c["save_bytes_read"] < r["state_bytes"] // 100
     assert c["load_seconds"] > 0
     assert os.listdir(disk_dir) == []
 

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -93,15 +94,15 @@ def test_interrupted_save_leaves_the_previous_checkpoint_intact(saved, monkeypat
     before = {n: open(os.path.join(path, n), "rb").read() for n in os.listdir(path)}
     _train(opt, params, 1, start=3)
     calls = []
-    real_copy = ckpt.copy_file
+    real_link = ckpt.link_new  # the checkpoint beside the state: the bucket files are linked
 
-    def copy_then_fail(src, dst, size, **kw):
+    def link_then_fail(src, dst):
         calls.append(src)
         if len(calls) == 2:
             raise KeyboardInterrupt  # as a ^C half way through the bucket files
-        return real_copy(src, dst, size, **kw)
+        return real_link(src, dst)
 
-    monkeypatch.setattr(ckpt, "copy_file", copy_then_fail)
+    monkeypatch.setattr(ckpt, "link_new", link_then_fail)
     with pytest.raises(KeyboardInterrupt):
         opt.save_checkpoint(path)
     monkeypatch.undo()
@@ -151,13 +152,17 @@ def test_refuses_other_topology(saved, disk_dir):
 def test_refuses_a_corrupt_or_truncated_file_before_touching_the_state(saved, disk_dir):
     opt, params, path = saved
     victim = os.path.join(path, "bucket-00001.bin")
+    # The save linked the live file (one filesystem): damage the checkpoint's own copy
+    # of it, as a bad disk under the checkpoint dir would, not the live file too.
+    shutil.copyfile(victim, victim + ".copy")
+    os.replace(victim + ".copy", victim)
     with open(victim, "r+b") as f:
         f.seek(4097)
         byte = f.read(1)
         f.seek(4097)
         f.write(bytes([byte[0] ^ 0x40]))
     live_before = streamed_bytes(opt)
-    with pytest.raises(CheckpointError, match=r"bucket-00001.bin: checksum .* does not match"):
+    with pytest.raises(CheckpointError, match=r"bucket-00001\.bin: checksum mismatch in extent 0 "):
         opt.load_checkpoint(path)
     assert streamed_bytes(opt) == live_before  # verified before reading a byte of state
     os.truncate(victim, 4096)

@@ -11,8 +11,10 @@
   they were, as it leaves a user's ``cp -l`` backup; a load links the files back and the
   resumed run never writes them; a write into a shared inode is refused in one line.
 - Damage is refused in one line naming the file, before the live state changes.
-- A kill at any point of the in-step save leaves the previous checkpoint loadable (or,
-  once swapped in, the new one), in a real process killed with SIGKILL.
+- A kill at any point of the in-step save, or of a save between steps (by links, or
+  copied to another filesystem), leaves the previous checkpoint loadable (or, once
+  swapped in, the new one), in a real process killed with SIGKILL; so does a kill in
+  the step after either kind of linked checkpoint.
 """
 
 import contextlib
@@ -209,8 +211,10 @@ WORKER = textwrap.dedent("""
         set_grads(params, step=step)
         if step == 1 and previous == "linked":  # the live files share the previous checkpoint's inodes
             opt.checkpoint_next_step(os.path.join(where, "ckpt"))
+        if step == 1 and previous == "saved":  # a save between steps, then a step: nothing shared
+            opt.save_checkpoint(os.path.join(where, "ckpt"))
         opt.step()
-    if previous == "saved":  # a copy between steps (ext4 cannot clone): nothing shared
+    if previous == "saved-now":  # a save by links right before the last step: its inodes are the live files
         opt.save_checkpoint(os.path.join(where, "ckpt"))
     shutil.copytree(os.path.join(where, "ckpt"), os.path.join(base, "before"))
     if point != "none":
@@ -219,6 +223,8 @@ WORKER = textwrap.dedent("""
     if last == "checkpoint":
         opt.checkpoint_next_step(os.path.join(where, "ckpt"))
     opt.step()
+    if last == "save":  # the same state saved between steps instead
+        opt.save_checkpoint(os.path.join(where, "ckpt"))
     opt.close()
 """)
 
@@ -288,9 +294,35 @@ def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(disk_dir, t
         _killed_and_loaded(disk_dir, where, finished, point, published, previous)
 
 
-def _killed_and_loaded(disk_dir, where, finished, point, published, previous):
-    killed = _run_worker(disk_dir, point, previous, where=where)
+@pytest.mark.parametrize("point,published,previous,mode", [
+    # By links (checkpoint Note [a save by links]), the previous checkpoint saved a step before.
+    ("save-bucket@1", False, "saved", "link"),     # one bucket file linked into the staged dir
+    ("save-bucket@3", False, "saved", "link"),     # all of them, before resident.pt and the manifest
+    ("save-staged", False, "saved", "link"),       # complete and recorded, not yet swapped in
+    ("save-swapped", True, "saved", "link"),       # swapped in, the replaced one not yet discarded
+    ("discard", True, "saved", "link"),
+    # The previous checkpoint's inodes still the live files' (saved by links just before
+    # the step): the step gave them new inodes, and the new save links those.
+    ("save-bucket@2", False, "saved-now", "link"),
+    ("save-swapped", True, "saved-now", "link"),
+    # The checkpoint on another filesystem (a tmpfs): copied.
+    ("save-bucket@2", False, "saved", "write"),
+    ("save-swapped", True, "saved", "write"),
+])
+def test_killed_during_a_save_between_steps_leaves_a_loadable_checkpoint(disk_dir, tmp_path, finished, point,
+                                                                         published, previous, mode):
+    with other_fs(tmp_path) if mode == "write" else contextlib.nullcontext(disk_dir) as where:
+        _killed_and_loaded(disk_dir, where, finished, point, published, previous, last="save")
+
+
+def _killed_and_loaded(disk_dir, where, finished, point, published, previous, last="checkpoint"):
+    killed = _run_worker(disk_dir, point, previous, last, where=where)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    if last == "save" and point.startswith("save-bucket"):  # what the kill left staged: links, or copies
+        staged = _inodes(os.path.join(where, "ckpt.new"))
+        [live] = [_inodes(d) for d, _, names in os.walk(os.path.join(disk_dir, "live")) if "bucket-00000.bin" in names]
+        assert len(staged) == int(point.partition("@")[2])
+        assert all((ino == live[n]) == (where == disk_dir) for n, ino in staged.items())
     params, _ = twins(SHAPES)
     opt = _optimizer(params, os.path.join(disk_dir, "fresh"))
     _assert_live_buckets_whole(disk_dir, opt, torn_refused=previous == "saved")
@@ -309,12 +341,14 @@ def _killed_and_loaded(disk_dir, where, finished, point, published, previous):
     assert sorted(n for n in os.listdir(where) if n.startswith("ckpt")) == ["ckpt"]
 
 
+@pytest.mark.parametrize("previous", ["linked", "saved-now"])
 @pytest.mark.parametrize("point", ["bucket-replaced@1", "bucket-replaced@2"])
-def test_killed_in_the_step_after_a_linked_checkpoint_leaves_it_as_it_was(disk_dir, point):
-    """The plain step after a checkpoint by links writes every bucket to a new inode; a
-    kill after some of them were renamed over the live names leaves the checkpoint's
-    bytes as they were, loading bit-identically, and every live name whole."""
-    killed = _run_worker(disk_dir, point, "linked", "plain")
+def test_killed_in_the_step_after_a_linked_checkpoint_leaves_it_as_it_was(disk_dir, point, previous):
+    """The plain step after a checkpoint by links (written in the step, or saved between
+    steps) writes every bucket to a new inode; a kill after some of them were renamed
+    over the live names leaves the checkpoint's bytes as they were, loading
+    bit-identically, and every live name whole."""
+    killed = _run_worker(disk_dir, point, previous, "plain")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     params, _ = twins(SHAPES)
     opt = _optimizer(params, os.path.join(disk_dir, "fresh"))

@@ -1,14 +1,18 @@
-"""Checkpoints between steps as extent clones (FICLONE) on a loop-mounted XFS with reflink.
+"""Checkpoints between steps on a loop-mounted XFS with reflink: by hard links, and by
+extent clones (FICLONE) where links are refused.
 
-The clone moves no data: the filesystem's free space does not drop by the state's size
-at the save; the next step's writes to the live files leave the checkpoint's bytes as
-they were (copy on write); loading it (cloned back) continues bit-identically to
-``torch.optim.AdamW``. Where the filesystem cannot clone (the ext4 test dir), the save
-copies, as before.
+Beside the state a save links (``checkpoint`` Note [a save by links]). In an XFS project
+tree of another project (``xfs_io chproj`` + ``chattr +P``: the way a site gives a
+checkpoint dir its own quota) link() gives EXDEV while FICLONE still works: there the
+save clones. Either moves no data: the filesystem's free space does not drop by the
+state's size at the save; the next step's writes leave the checkpoint's bytes as they
+were (new inodes, or copy on write); loading it continues bit-identically to
+``torch.optim.AdamW``. Where neither works (another filesystem) the save copies.
 """
 
 import contextlib
 import os
+import shutil
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ import torch
 from greenroom import fs
 from greenroom.optim import StreamingAdam
 from tests.test_faults import _finally_all, _require_root_and, _run, _umount, loop_device
+from tests.test_optim_instep import other_fs
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 SHAPES = ODD_SHAPES + [(100,), (300, 1000)]  # the last: a 2.4 MB bucket, clearly visible in the free space
@@ -47,7 +52,17 @@ def _files(path):
     return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path)) if n.startswith("bucket-")}
 
 
-def test_a_checkpoint_on_xfs_clones_the_bucket_files_and_loads_bit_identically(tmp_path):
+def _project_tree(path):
+    """``path`` made an XFS project tree of project 42: links from outside it are EXDEV."""
+    os.makedirs(path)
+    if shutil.which("xfs_io") is None:
+        pytest.skip("xfs_io not found: `make test` installs xfsprogs when run as root on Debian")
+    _run("xfs_io", "-c", "chproj 42", "-c", "chattr +P", path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["link", "clone"])
+def test_a_checkpoint_on_xfs_links_or_clones_the_bucket_files_and_loads_bit_identically(tmp_path, kind):
     with small_xfs(tmp_path) as root:
         ours, ref_params = twins(SHAPES)
         opt = _optimizer(ours, os.path.join(root, "live"))
@@ -56,35 +71,40 @@ def test_a_checkpoint_on_xfs_clones_the_bucket_files_and_loads_bit_identically(t
             set_grads(ours, ref_params, step=step)
             opt.step()
             ref.step()
-        path = os.path.join(root, "ckpt")
+        parent = _project_tree(os.path.join(root, "project")) if kind == "clone" else root
+        path = os.path.join(parent, "ckpt")
         free = fs.free_bytes(root)
         moved = opt.save_checkpoint(path)
-        assert moved == {"kind": "clone", "bytes_read": moved["bytes_read"], "bytes_written": 0}
+        assert moved == {"kind": kind, "bytes_read": moved["bytes_read"], "bytes_written": 0}
         assert moved["bytes_read"] < opt.store.state_bytes // 100  # the checksum tables only
-        assert free - fs.free_bytes(root) < opt.store.state_bytes // 2, "the clone took the state's space"
+        assert free - fs.free_bytes(root) < opt.store.state_bytes // 2, "the save took the state's space"
+        linked = os.stat(os.path.join(path, "bucket-00000.bin")).st_nlink
+        assert linked == (2 if kind == "link" else 1)
         saved = _files(path)
         weights = [p.detach().clone() for p in ours]
-        for step in range(3, 5):  # copy on write: the live files move on, the checkpoint's stay
+        for step in range(3, 5):  # new inodes, or copy on write: the live files move on, the checkpoint's stay
             set_grads(ours, step=step)
             opt.step()
         assert _files(path) == saved
         with torch.no_grad():
             for p, w in zip(ours, weights):
                 p.copy_(w)
-        opt.load_checkpoint(path)  # verified against the tables, then cloned back
+        opt.load_checkpoint(path)  # verified against the tables, then linked or cloned back
         for step in range(3, 6):
             set_grads(ours, ref_params, step=step)
             opt.step()
             ref.step()
         assert_state_equal(opt, ref, ours, ref_params)
+        assert _files(path) == saved
         opt.close()
 
 
-def test_where_the_filesystem_cannot_clone_the_save_copies(disk_dir):
-    if fs.mount_of(disk_dir).fstype in ("xfs", "btrfs"):
-        pytest.skip(f"{disk_dir} is on {fs.mount_of(disk_dir).fstype}, which may clone")
+def test_where_neither_links_nor_clones_work_the_save_copies(disk_dir, tmp_path):
     params, _ = twins(SHAPES)
     opt = _optimizer(params, os.path.join(disk_dir, "live"))
-    moved = opt.save_checkpoint(os.path.join(disk_dir, "ckpt"))
-    assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes, "bytes_written": opt.store.state_bytes}
-    opt.close()
+    with other_fs(tmp_path) as elsewhere:  # another filesystem: link() and FICLONE give EXDEV
+        moved = opt.save_checkpoint(os.path.join(elsewhere, "ckpt"))
+        assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes,
+                         "bytes_written": opt.store.state_bytes}
+        opt.close()
+

@@ -99,7 +99,7 @@ def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
     elsewhere = tempfile.mkdtemp(prefix="greenroom-ckpt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         if reflink.usable(opt.store.directory, elsewhere, opt.store.state_bytes):
-            pytest.skip("no second filesystem here: the save would clone (reflink) and read nothing")
+            pytest.skip("no second filesystem here: the save would link or clone the files and read nothing")
         for p in params:
             p.grad = torch.ones_like(p)
         opt.step()

@@ -286,7 +286,7 @@ def test_a_cleanup_error_is_added_to_the_original_never_replaces_it(disk_dir):
 
 def test_enospc_while_copying_a_bucket_file_names_both_files(disk_dir, full_fs):
     from greenroom.errors import StorageError
-    from greenroom.optim.checkpoint import copy_file
+    from greenroom.optim.filecopy import copy_file
 
     src, dst = os.path.join(disk_dir, "bucket-00000.bin"), os.path.join(full_fs, "bucket-00000.bin")
     with open(src, "wb") as f:

@@ -26,9 +26,10 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
   the bucket files, extra bytes 0; ``write`` elsewhere, a second write of the state); the
   step after it (which writes the linked buckets to new inodes) against the one before;
   ``--checkpoint-dir`` puts that checkpoint on another dir (another filesystem: the
-  fallback); then a ``save_checkpoint`` between steps (a clone of the files where the
-  filesystem can, else a copy: its kind, seconds, bytes read and written) and a
-  verified ``load_checkpoint`` of the whole state;
+  fallback); then a ``save_checkpoint`` between steps beside the state (``save_kind``:
+  ``link``, the live files hard-linked, only their checksum tables read; ``clone``
+  where links are refused and the filesystem clones extents; ``copy`` elsewhere: its
+  seconds, bytes read and written) and a verified ``load_checkpoint`` of the whole state;
 - with ``--io-only``, every step streams and writes back every bucket unchanged, without
   the optimizer's arithmetic: the step's disk I/O and checksums alone, which is what a
   step on the CPU machine (two cores: the arithmetic takes longer than the disk) cannot

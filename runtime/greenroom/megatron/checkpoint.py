@@ -101,7 +101,10 @@ def save_checkpoint(optimizer, checkpoint_dir: str) -> None:
     from greenroom.megatron.optimizer import streaming_members
 
     rank = _global_rank()
-    for index, member in enumerate(streaming_members(optimizer)):
+    members = streaming_members(optimizer)
+    for member in members:  # optim.poison Note [a failed step poisons]: before anything is written
+        member._refuse_if_failed("save_checkpoint()")
+    for index, member in enumerate(members):
         path = state_dir(checkpoint_dir, index, rank)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         # The sidecar first: an interrupted save then leaves a sidecar matching this run
@@ -127,6 +130,7 @@ def load_checkpoint(optimizer, checkpoint_dir: str, *, no_load_optim: bool = Fal
         path, saved = found
         verify_sidecar(path + ".megatron.json", saved, member.topology, member.shard_entries)
         engine_checkpoint.load_checkpoint(member, path)
+        member._state_replaced()  # every bucket, the resident state and the step count
 
 
 def _global_rank() -> int:

@@ -48,6 +48,7 @@ from greenroom.errors import CheckpointError, ConfigError, GreenroomError
 from greenroom.megatron import checks
 from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
 from greenroom.optim import kernel
+from greenroom.optim.poison import FailedStepPoison
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.rankdir import RankDir, check_root, held_rank_dir
 from greenroom.statedir import StateDir, claim_state_dir, open_rank_dir
@@ -107,11 +108,17 @@ class _Building:
     state_dir: StateDir | None = None
 
 
-class StreamingDistributedOptimizer(DistributedOptimizer):
+class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     """A DistributedOptimizer whose 16-bit params' fp32 mains and Adam moments stream.
 
-    Built by megatron itself inside ``greenroom.megatron.streaming(...)``; see there.
+    Built by megatron itself inside ``greenroom.megatron.streaming(...)``; see there. A
+    step whose stream fails poisons it as it does ``StreamingAdam`` (``optim.poison``
+    Note [a failed step poisons]): its later steps, ``state_dict()`` and
+    ``greenroom.megatron.save_checkpoint`` refuse until ``greenroom.megatron.load_checkpoint``.
     """
+
+    what = "StreamingDistributedOptimizer"
+    reload_with = "greenroom.megatron.load_checkpoint"
 
     _state_dir: StateDir | None = None  # the dir this member claimed; released by close()
 
@@ -207,9 +214,11 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         # The inner optimizer's step and the copy of the mains into the param buffer
         # happen inside the bucket loop; what follows them (the param all-gather) is
         # megatron's own.
+        self._refuse_if_failed("step()")
         inner, self.optimizer = self.optimizer, _AlreadyStepped(self.optimizer)
         try:
-            self._stream_step(inner)
+            with self._poisoned_if_it_fails():
+                self._stream_step(inner)
             return super().step_with_ready_grads()
         finally:
             self.optimizer = inner
@@ -244,6 +253,7 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
         if self.resident_optimizer is not None:
             self.resident_optimizer.state.clear()
         self.streamed_steps = 0
+        self._state_replaced()
 
     def main_shard(self, i: int) -> torch.Tensor:
         entry = self.shard_entries[i]
@@ -286,6 +296,10 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
 
     # -- checkpoints (the non-streamed parts) ---------------------------------------
     def state_dict(self):
+        self._refuse_if_failed("state_dict()")
+        return self._small_state()
+
+    def _small_state(self) -> dict:
         inner = self.optimizer
         groups = []
         for group in inner.param_groups:
@@ -316,7 +330,9 @@ class StreamingDistributedOptimizer(DistributedOptimizer):
                            sharding_type=None, metadata=None):
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-        state = self.state_dict()
+        if not is_loading:  # a load's template is how the poison is cured: never refused
+            self._refuse_if_failed("sharded_state_dict()")
+        state = self._small_state()
         # Like megatron's own dp-dependent formats: one object per DP group, saved by
         # DP rank 0. The streamed tensors are not in it (see save_checkpoint).
         sharded = {key: ShardedObject(f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx}.{key}",

@@ -8,8 +8,11 @@
 - ``muon``: ``StreamingMuon``, ``torch.optim.Muon`` with its momentum streamed the same way
   (``muon_state``: its state dict in torch's format).
 - ``instep``: the checkpoint a step writes from its own streaming pass.
-- ``reflink``: extent clones of the bucket files where the filesystem can.
-- ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` with the manifest and its refusals.
+- ``poison``: a failed step refuses every later step and save until a load (all three optimizers).
+- ``hardlink``: hard links between the live bucket files and a checkpoint's.
+- ``reflink``: extent clones of the bucket files where links are refused and the filesystem can clone.
+- ``checkpoint``: ``save_checkpoint`` / ``load_checkpoint`` with the manifest and its refusals
+  (``filecopy``: the bytes copied and checked where neither links nor clones work).
 - ``state_dict``: ``StreamingAdam.state_dict()`` / ``load_state_dict()`` in torch's format,
   views of the bucket files (trainers, ``torch.distributed.checkpoint``).
 - ``lightning``: ``StreamingCheckpointIO``, Lightning checkpoint I/O without a host copy

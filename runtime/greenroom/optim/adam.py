@@ -29,7 +29,7 @@ fingerprint instead: a block of 4096 elements whose params changed is re-seeded 
 per-element rule above.
 
 A step that raises part way poisons the optimizer until a checkpoint is loaded:
-``greenroom.optim.streamed`` Note [a failed step poisons].
+``greenroom.optim.poison`` Note [a failed step poisons].
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class StreamingAdam(StreamedOptimizer):
             raise ConfigError(f"StreamingAdam: master_layout must be one of {', '.join(MASTER_LAYOUTS)}, "
                               f"got {master_layout!r}")
         self._store: BucketStore | None = None
-        self._failed: str | None = None  # streamed.py Note [a failed step poisons]
+        self._failed: str | None = None  # optim.poison Note [a failed step poisons]
         self.master_layout = master_layout
         self.resident_numel = resident_numel
         self.streamed: list[torch.Tensor] = []  # the param of each store entry

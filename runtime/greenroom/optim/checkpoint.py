@@ -3,22 +3,43 @@
 A checkpoint is a directory::
 
     manifest.json      format version, dtypes, bucket layout, topology, steps, checksums
-    bucket-NNNNN.bin   byte copies of the live bucket files
+    bucket-NNNNN.bin   the live bucket files' bytes (their inodes, clones or copies)
     resident.pt        step counters and the resident (tiny fp32) params' moments
 
-``save_checkpoint`` is synchronous (the step cannot overwrite a bucket while it is being
-copied) and atomic through ``greenroom.publish``, the protocol the trainer's ``--save``
-shares: everything goes into ``<path>.new``, which is fsynced and then swapped with
-``<path>`` in one rename, so an interrupted save leaves the previous checkpoint as it
-was, and the next save or load settles what a killed one left. Where the filesystem
-shares extents (XFS with reflink, btrfs) the bucket files are cloned (``reflink``): no
-data moves, and the manifest records each file's checksum table's CRC-32
-(``table_crc32``), read back from the clone. Elsewhere bytes move with
-``copy_file_range``: each 64 MiB piece is read once to take its CRC-32 and then copied
-from the page cache, so the disk reads each byte once; both files' pages are dropped
-piece by piece, so the copy does not grow the page cache either. A checkpoint can also
-be written by a step's own pass (``instep``), recorded by ``table_crc32`` too, and
-ended here (``finish_checkpoint``).
+``save_checkpoint`` runs between steps (the step cannot change a bucket while it is
+being saved) and is atomic through ``greenroom.publish``, the protocol the trainer's
+``--save`` shares: everything goes into ``<path>.new``, which is fsynced and then
+swapped with ``<path>`` in one rename, so an interrupted save leaves the previous
+checkpoint as it was, and the next save or load settles what a killed one left. Each
+bucket file reaches ``<path>.new`` the cheapest way the filesystems allow, said in the
+returned ``kind``:
+
+- ``link``: a hard link to the live file (Note [a save by links]): no byte moves;
+- ``clone``: where links are refused but the filesystem shares extents (XFS with
+  reflink, btrfs; a link into an XFS project tree of another project gives EXDEV), an
+  extent clone (``reflink``): no data moves;
+- ``copy``: elsewhere (another filesystem, GREENROOM_VERIFY=0, too little room for the
+  next step's new inodes) the bytes move (``filecopy.copy_file``), each read once and
+  checked against the live file's checksums as it is copied.
+
+A linked or cloned file is recorded in the manifest by its checksum table's CRC-32
+(``table_crc32``, the table read back, a few KiB), as a checkpoint written by a step's
+own pass (``instep``) is, which is ended here too (``finish_checkpoint``).
+
+Note [a save by links]: between steps every live bucket file is complete and
+consistent: the step's writes are drained, and the host cache's buckets are written
+out first (``flush``; a cached bucket's file is stale until then). So the staged
+checkpoint can take each live file's inode under a second name, table and frame
+records included (they live at the file's end). From then on the live file is shared,
+and the store never writes a shared inode in place (``optim.bucket_files`` Note [new
+inodes]): the next step writes each bucket to a new file renamed over the live name,
+and the checkpoint keeps the bytes it saved. Those new files take the state's size
+again, so links are used only where the filesystem has that room free (else the save
+copies, and running out of space is refused at the save, not at the next step). What
+a link cannot do is check the bytes it shares: a byte flipped in a live file since the
+step wrote it is published with it and found by the next step's read or by the load
+(Note [a save verifies what it copies] is the copy's). A user who writes into a
+checkpoint's file in place while it is linked writes the live file too.
 
 ``load_checkpoint`` checks everything before it reads a byte of state, in this order:
 the manifest exists (else the checkpoint predates streaming: refused unless
@@ -40,7 +61,6 @@ and greenroom.megatron's ``StreamingDistributedOptimizer`` implement.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import zlib
@@ -48,12 +68,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from greenroom import publish
-from greenroom.diskio import ALIGNMENT, EXTENT, StateFile, _aligned_host, align_up, page_sums, pread_all, pwrite_all
+from greenroom import fs, publish
+from greenroom.diskio import ALIGNMENT, EXTENT, StateFile, _aligned_host, page_sums
 from greenroom.errors import CheckpointError, IntegrityError, StorageError
+from greenroom.faults import kill_point
 from greenroom.log import get_logger
 from greenroom.optim import reflink
-from greenroom.optim.hardlink import NEW_SUFFIX, links_work
+from greenroom.optim.filecopy import PIECE, FileSums, _read_pieces, copy_file, file_crc32
+from greenroom.optim.hardlink import NEW_SUFFIX, link_new, links_work
 from greenroom.rankdir import write_json_atomic
 
 if TYPE_CHECKING:
@@ -63,7 +85,6 @@ MANIFEST = "manifest.json"
 RESIDENT = "resident.pt"
 FORMAT = "greenroom-streamed-adam"
 VERSION = 1
-PIECE = 64 << 20
 log = get_logger(__name__)
 
 
@@ -135,10 +156,11 @@ def _resident_state(opt: StreamedState) -> dict:
 def save_checkpoint(opt: StreamedState, path: str) -> dict:
     """Write ``opt``'s whole state to the directory ``path``, replacing it atomically
     (``greenroom.publish``: the previous checkpoint stays until this one is complete).
-    Returns how: ``{"kind": "clone" or "copy", "bytes_read": ..., "bytes_written": ...}``
-    (the state's bytes the save moved; a clone moves only the checksum tables). One
-    save at a time (``publish`` Note [one writer per checkpoint dir]); a symlink is
-    resolved once, so a killed save beside its target is settled like any other."""
+    Returns how: ``{"kind": "link", "clone" or "copy", "bytes_read": ..., "bytes_written":
+    ...}`` (the state's bytes the save moved; a link or a clone moves only the checksum
+    tables, read; ``kind`` names the costliest way any file took). One save at a time
+    (``publish`` Note [one writer per checkpoint dir]); a symlink is resolved once, so a
+    killed save beside its target is settled like any other."""
     path = os.path.realpath(path)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     with publish.locked(path):
@@ -151,19 +173,23 @@ def _save_checkpoint(opt: StreamedState, path: str) -> dict:
         log.warning(f"{path}: {said}")
     try:
         store = opt.store
-        store.flush()  # the cached buckets' files are stale until written out
-        files = {}
-        moved = {"kind": "clone", "bytes_read": 0, "bytes_written": 0}
+        store.flush()  # the cached buckets' files are stale until written out (Note [host cache])
+        files, ways = {}, set()
+        moved = {"bytes_read": 0, "bytes_written": 0}
+        link = _links_usable(store, tmp)
         clone = reflink.usable(store.directory, tmp, store.state_bytes)
         for bucket in store.buckets:
             name = os.path.basename(store.path(bucket.index))
             src, dst = store.path(bucket.index), os.path.join(tmp, name)
-            if clone and reflink.clone(src, dst):
+            link = link and link_new(src, dst)
+            if not link:
+                clone = clone and reflink.clone(src, dst)
+            if link or clone:
+                ways.add("link" if link else "clone")
                 files[name] = {"bytes": bucket.file_bytes, "table_crc32": table_crc32(store, bucket.index, dst)}
                 moved["bytes_read"] += bucket.file_bytes - bucket.data_bytes  # the table only
             else:
-                clone = False
-                moved["kind"] = "copy"
+                ways.add("copy")
                 # Every byte copied is checked against the live file's checksums (Note [a
                 # save verifies what it copies]); without them (GREENROOM_VERIFY=0) the
                 # manifest says so.
@@ -174,12 +200,23 @@ def _save_checkpoint(opt: StreamedState, path: str) -> dict:
                     live.verify()
                 moved["bytes_read"] += bucket.file_bytes
                 moved["bytes_written"] += bucket.file_bytes
+            kill_point("save-bucket")
         finish_checkpoint(opt, path, tmp, files)
-        return moved
+        return {"kind": next((k for k in ("copy", "clone", "link") if k in ways), "link"), **moved}
     except BaseException:
         if os.path.isdir(tmp):
             publish.discard(tmp)
         raise
+
+
+def _links_usable(store: BucketStore, tmp: str) -> bool:
+    """Whether to save by hard links (Note [a save by links]): the files carry verified
+    checksum tables (the manifest records the table's CRC-32), the staged dir takes links
+    to them (one filesystem, no policy against it), and the filesystem has room for the
+    new inodes the next step will write those buckets to."""
+    if not (store.engine.verify and store.buckets):
+        return False
+    return fs.free_bytes(tmp) >= store.state_bytes and links_work(store.path(0), tmp)
 
 
 def finish_checkpoint(opt: StreamedState, path: str, tmp: str, files: dict) -> None:
@@ -249,144 +286,6 @@ def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
         raise IntegrityError(f"{f.path}: checksum mismatch in extent {k} (bytes [{k * EXTENT}, "
                              f"{min((k + 1) * EXTENT, f.data_bytes)}) of {f.label}): the file is corrupt: "
                              "restore it or load an older checkpoint")
-
-
-# -- the live files' own checksums, summed as a copy reads them -------------------------
-class FileSums:
-    """The I/O engine's checksums (``integrity`` Note [integrity]) of a bucket file's data,
-    summed from its bytes as a copy reads them (``add``), and, with ``expect``, those its
-    table records, to ``verify`` them against.
-
-    Note [a save verifies what it copies]: a copy around the engine would take a bit
-    flipped in a live file since its last write, checksum it with the checkpoint's
-    CRC-32 as if it were good, and publish it over the previous checkpoint, to be refused
-    only at the resume. So the copy sums every page it reads as the engine does, and a
-    save whose sums differ from the file's table raises before anything is published
-    (no extra read: ``verify_against_table`` is the reading form). A state written in
-    the step (``optim.instep``) was verified by the step's own reads; a clone
-    (``reflink``) reads nothing and is not checked here.
-    """
-
-    def __init__(self, file: StateFile, *, expect: bool) -> None:
-        self.file = file
-        recorded, self.stored = file.recorded(0, file.data_bytes)
-        self.expected = recorded if expect else None
-        pages = file.data_bytes // ALIGNMENT
-        if file.compression is None:
-            self.owner = torch.arange(pages, dtype=torch.int64) * ALIGNMENT // EXTENT
-        elif self.stored is None:
-            raise IntegrityError(f"{file.path}: no record of what the frames of {file.label} stored: the file "
-                                 "was not written whole through greenroom's I/O engine, so it cannot be copied")
-        else:
-            self.owner = torch.full((pages,), -1, dtype=torch.int64)
-            for k, (nbytes, shift) in enumerate(self.stored.tolist()):
-                first = (k * EXTENT - shift) // ALIGNMENT
-                self.owner[first:first + align_up(nbytes) // ALIGNMENT] = k
-        self.sums = torch.zeros((file.data_bytes + EXTENT - 1) // EXTENT, dtype=torch.int64)
-
-    def add(self, piece: memoryview, offset: int) -> None:
-        """Sum the bytes ``piece`` of the file at ``offset`` (whole pages; the table is skipped)."""
-        n = min(len(piece), self.file.data_bytes - offset)
-        if n <= 0:
-            return
-        sums = page_sums(torch.frombuffer(piece[:n], dtype=torch.uint8), offset)
-        owner = self.owner[offset // ALIGNMENT:offset // ALIGNMENT + sums.numel()]
-        mine = owner >= 0
-        self.sums.index_add_(0, owner[mine], sums[mine])
-
-    def verify(self) -> None:
-        bad = (self.sums != self.expected).nonzero()
-        if bad.numel():
-            k = int(bad[0])
-            start, end = k * EXTENT, min(self.file.data_bytes, (k + 1) * EXTENT)
-            raise IntegrityError(
-                f"{self.file.path}: checksum mismatch at offset {start} (bytes [{start}, {end}) of "
-                f"{self.file.label}) while saving a checkpoint: the live file is not what greenroom wrote (a "
-                "flipped bit, a failing disk or a stray write); nothing was published, the previous checkpoint "
-                "stays: restart from it")
-
-    def record(self) -> None:
-        """Write the sums into the file's table, as a write through the engine would."""
-        self.file.record_sums(0, self.file.data_bytes, self.sums, self.stored)
-
-
-# -- byte movement ---------------------------------------------------------------------
-def copy_file(src: str, dst: str, size: int, *, check=None) -> str:
-    """Copy ``size`` bytes of ``src`` over ``dst`` (created or overwritten in place);
-    returns the CRC-32 of the bytes as 8 hex digits. Pages are dropped as it goes. An
-    OSError (ENOSPC, EIO) becomes a ``StorageError`` naming both files. ``check(piece,
-    offset)`` sees every piece of bytes as it is copied (``FileSums.add``)."""
-    try:
-        return _copy_file(src, dst, size, check)
-    except OSError as e:
-        raise StorageError(f"copying {src} to {dst} failed: {e.strerror or e}") from e
-
-
-def _copy_file(src: str, dst: str, size: int, check=None) -> str:
-    crc = 0
-    buf = bytearray(min(PIECE, max(size, 1)))
-    src_fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(dst_fd, size)
-            kernel_copy = hasattr(os, "copy_file_range")
-            for off in range(0, size, PIECE):
-                n = min(PIECE, size - off)
-                view = memoryview(buf)[:n]
-                pread_all(src_fd, view, off, src, error=CheckpointError)
-                if check is not None:
-                    check(view, off)
-                if kernel_copy:
-                    kernel_copy = _copy_range(src_fd, dst_fd, n, off)
-                if not kernel_copy:
-                    pwrite_all(dst_fd, view, off, dst)
-                crc = zlib.crc32(view, crc)
-                os.fdatasync(dst_fd)
-                for fd in (src_fd, dst_fd):
-                    os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(dst_fd)
-    finally:
-        os.close(src_fd)
-    return f"{crc:08x}"
-
-
-def _copy_range(src_fd: int, dst_fd: int, n: int, off: int) -> bool:
-    """copy_file_range of one piece; False when the filesystem cannot (then we write)."""
-    done = 0
-    try:
-        while done < n:
-            moved = os.copy_file_range(src_fd, dst_fd, n - done, off + done, off + done)
-            if moved == 0:
-                return False
-            done += moved
-    except OSError as e:
-        if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL) and done == 0:
-            return False
-        raise
-    return True
-
-
-def _read_pieces(path: str, size: int, fn) -> None:
-    """``fn(piece, offset)`` for the first ``size`` bytes of ``path``, piece by piece, pages dropped."""
-    buf = bytearray(min(PIECE, max(size, 1)))
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        for off in range(0, size, PIECE):
-            view = memoryview(buf)[:min(PIECE, size - off)]
-            pread_all(fd, view, off, path, error=CheckpointError)
-            fn(view, off)
-            os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def file_crc32(path: str, size: int) -> str:
-    """CRC-32 of the first ``size`` bytes of ``path`` (8 hex digits), pages dropped."""
-    crc = [0]
-    _read_pieces(path, size, lambda view, _: crc.__setitem__(0, zlib.crc32(view, crc[0])))
-    return f"{crc[0]:08x}"
 
 
 # -- load ------------------------------------------------------------------------------

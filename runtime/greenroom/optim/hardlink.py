@@ -40,6 +40,18 @@ def links_work(source: str, directory: str) -> bool:
     return True
 
 
+def link_new(source: str, target: str) -> bool:
+    """Make the new name ``target`` a link to ``source``; False where the kernel refuses
+    (``REFUSED``: EMLINK, a policy), any other error raised."""
+    try:
+        os.link(source, target)
+    except OSError as e:
+        if e.errno in REFUSED:
+            return False
+        raise
+    return True
+
+
 def link_over(source: str, target: str) -> None:
     """Make ``target`` a name of ``source``'s inode, atomically replacing what ``target``
     named (a link at ``target.new``, renamed over it)."""

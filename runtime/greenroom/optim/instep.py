@@ -49,7 +49,8 @@ from greenroom.diskio import StateFile, verify_default
 from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
 from greenroom.log import get_logger
-from greenroom.optim.checkpoint import copy_file, finish_checkpoint, table_crc32
+from greenroom.optim.checkpoint import finish_checkpoint, table_crc32
+from greenroom.optim.filecopy import copy_file
 from greenroom.optim.hardlink import link_over, links_work
 
 log = get_logger(__name__)

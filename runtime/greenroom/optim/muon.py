@@ -21,7 +21,7 @@ momentum buffer, as torch's ``state[p]["momentum_buffer"]`` does; a checkpoint r
 those params with step 0.
 
 A step that raises part way poisons the optimizer until a checkpoint is loaded, as
-StreamingAdam's does (``greenroom.optim.streamed`` Note [a failed step poisons]).
+StreamingAdam's does (``greenroom.optim.poison`` Note [a failed step poisons]).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class StreamingMuon(StreamedOptimizer):
                              "(None, 'original' or 'match_rms_adamw')")
         self._check_staging(chunk_mb, host_cache_gb)
         self._store: BucketStore | None = None
-        self._failed: str | None = None  # streamed.py Note [a failed step poisons]
+        self._failed: str | None = None  # optim.poison Note [a failed step poisons]
         self.streamed: list[torch.Tensor] = []
         self.frozen: set[int] = set()
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,

@@ -3,8 +3,10 @@
 On filesystems that share extents between files (XFS with reflink, btrfs),
 ``ioctl(FICLONE)`` makes a file that shares every block with its source: no byte is read
 or written, and a later write to either file gets new blocks (copy on write). A
-checkpoint between steps clones each bucket file this way where the filesystem can, and
-``load_checkpoint`` clones back the same way; elsewhere both copy (``copy_file_range``).
+checkpoint between steps clones each bucket file this way where the checkpoint dir
+refuses hard links to it (``hardlink``, which cost nothing either) and the filesystem
+can clone, and ``load_checkpoint`` clones back the same way; elsewhere both copy
+(``copy_file_range``).
 
 Detection is the clone itself: the first ``FICLONE`` that fails with "not supported"
 (ext4, tmpfs, two filesystems) returns False, and the caller copies that file and the

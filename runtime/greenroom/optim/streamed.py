@@ -3,14 +3,7 @@ around its state, whatever its update rule: the bucket store and the claimed sta
 the poison of a failed step, torch's state-dict hooks, checkpoints, the device scratch
 and the lifetime.
 
-Note [a failed step poisons]: a step that raises part way (an I/O error writing bucket 3,
-a flipped bit found in bucket 5) has updated some buckets, counters and params and not
-others, and which is not recorded anywhere; a bucket whose write-back failed may even
-read back as its pre-step bytes, checksums and all. Stepping on from there trains a
-state no run without the fault would reach, silently. So the first failure is kept, and
-every later ``step()``, ``state_dict()`` and ``save_checkpoint()`` raises one line naming
-it, until the whole state is replaced: ``load_checkpoint``, ``load_state_dict`` or
-``initialize_state``.
+A failed step poisons the optimizer (``optim.poison`` Note [a failed step poisons]).
 """
 
 from __future__ import annotations
@@ -23,14 +16,15 @@ import torch
 
 from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, MIB
-from greenroom.errors import ConfigError, GreenroomError
+from greenroom.errors import ConfigError
+from greenroom.optim.poison import FailedStepPoison
 from greenroom.optim.store import BucketStore, Entry
 from greenroom.rankdir import RankDir
 from greenroom.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
 
 
-class StreamedOptimizer(torch.optim.Optimizer):
+class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
     """The shared part of the streaming optimizers. A subclass names itself in ``what``
     (the first word of its messages), sets ``_store = None`` and ``_failed = None`` before
     ``torch.optim.Optimizer.__init__``, sorts its params into ``streamed`` (the param of
@@ -39,7 +33,6 @@ class StreamedOptimizer(torch.optim.Optimizer):
     what = "StreamedOptimizer"
     streamed: list[torch.Tensor]
     _store: BucketStore | None
-    _failed: str | None
 
     # -- construction -----------------------------------------------------------------
     def _check_staging(self, chunk_mb: int, host_cache_gb: float) -> None:
@@ -91,28 +84,6 @@ class StreamedOptimizer(torch.optim.Optimizer):
             for i, view in zip(state.bucket.entries, state.views(state.master)):
                 view.copy_(local_tensor(self.streamed[i]).detach())
         return fill
-
-    # -- a failed step ------------------------------------------------------------------
-    def _refuse_if_failed(self, call: str) -> None:
-        """See Note [a failed step poisons]."""
-        if self._failed is not None:
-            raise GreenroomError(
-                f"{self.what}: {call} refused: an earlier step() failed ({self._failed}) and left the state "
-                "partly updated (some buckets stepped, some not); load a checkpoint (load_checkpoint or "
-                "load_state_dict) before stepping or saving again")
-
-    @contextlib.contextmanager
-    def _poisoned_if_it_fails(self):
-        """Around the part of a step that changes state: what raises out of it poisons."""
-        try:
-            yield
-        except BaseException as e:
-            self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            raise
-
-    def _state_replaced(self) -> None:
-        """The whole state was just replaced (loaded or initialized): no poison left."""
-        self._failed = None
 
     # -- state dicts and checkpoints ----------------------------------------------------
     def _hooked_state_dict(self, export: Callable[[Any], dict]) -> dict:

@@ -36,7 +36,7 @@ from greenroom import publish
 from greenroom.errors import CheckpointError
 from greenroom.faults import kill_point
 from greenroom.log import get_logger
-from greenroom.optim.checkpoint import PIECE
+from greenroom.optim.filecopy import PIECE
 from greenroom.tensors import local_tensor
 
 META = "meta.json"

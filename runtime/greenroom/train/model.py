@@ -73,8 +73,23 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
     if precision == "mixed":
         for module in model.modules():
             if isinstance(module, nn.LayerNorm):
-                module.float()  # LayerNorm takes bf16 input with fp32 weights
+                module.float()  # fp32 weights; the norm itself runs in fp32 (LayerNorm below)
     return model
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 and returned in the input's dtype.
+
+    Under ``mixed`` its weights are fp32 and the residual stream bf16. CPU kernels take
+    that mix, CUDA's do not ("expected scalar type BFloat16 but found Float"), and the
+    statistics of a bf16 row lose precision anyway, so the norm runs in fp32 on every
+    device, as mixed-precision trainers run it.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
 class KVCache:
@@ -96,10 +111,10 @@ class Block(nn.Module):
         super().__init__()
         d = config.d_model
         self.n_heads = config.n_heads
-        self.norm1 = nn.LayerNorm(d)
+        self.norm1 = LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
-        self.norm2 = nn.LayerNorm(d)
+        self.norm2 = LayerNorm(d)
         self.up = nn.Linear(d, config.ff_mult * d)
         self.down = nn.Linear(config.ff_mult * d, d)
 
@@ -126,7 +141,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.pos = nn.Embedding(config.max_seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = nn.LayerNorm(config.d_model)
+        self.norm = LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
 

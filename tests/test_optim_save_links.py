@@ -1,0 +1,160 @@
+"""``save_checkpoint`` between steps by hard links (``checkpoint`` Note [a save by links]).
+
+Beside the state (one ext4), the save links every live bucket file into the checkpoint:
+no byte of the state read or written (the checksum tables only, read), the same bucket
+bytes as a copy of the same state on another filesystem (a real tmpfs mount); the next
+steps write new inodes and leave the checkpoint's bytes as they were; a load of it
+continues bit-identically to ``torch.optim.AdamW``. With the host cache (its buckets
+written out before they are linked) and with compressed files (their frame records are
+in the table the link shares). Where links would not do, the save copies and says so:
+GREENROOM_VERIFY=0 (no tables to record), and too little room for the next step's new
+inodes (on a loop-mounted ext4 image: a full disk is refused at the save, the previous
+checkpoint kept). The kills are in ``test_optim_instep.py``.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from greenroom import fs
+from greenroom.errors import StorageError
+from greenroom.optim import StreamingAdam
+from tests.test_faults import small_ext4
+from tests.test_optim_instep import _files, _inodes, other_fs
+from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
+
+SHAPES = ODD_SHAPES + [(100,)]
+
+
+def _optimizer(params, directory, **kwargs):
+    groups = [{"params": params[:4]}, {"params": params[4:], "lr": 2e-3, "weight_decay": 0.05}]
+    kwargs = {"lr": 1e-2, "weight_decay": 0.01, "bucket_numel": 2000, "resident_numel": 100, **kwargs}
+    return StreamingAdam(groups, state_dir=directory, **kwargs)
+
+
+def _reference(params):
+    groups = [{"params": params[:4]}, {"params": params[4:], "lr": 2e-3, "weight_decay": 0.05}]
+    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01, foreach=True)
+
+
+def _tables(opt):
+    return sum(b.file_bytes - b.data_bytes for b in opt.store.buckets)
+
+
+@pytest.mark.parametrize("case", ["plain", "host cache", "zstd"])
+def test_a_save_beside_the_state_links_the_files_and_loads_bit_identically(disk_dir, tmp_path, case):
+    kwargs = {"host cache": {"host_cache_gb": 2e-5}, "zstd": {"compression": "zstd"}}.get(case, {})
+    ours, ref_params = twins(SHAPES)
+    opt = _optimizer(ours, os.path.join(disk_dir, "live"), **kwargs)
+    ref = _reference(ref_params)
+    if case == "host cache":
+        assert 0 < len(opt.store.host_cache) < len(opt.store.buckets)
+    for step in range(2):
+        set_grads(ours, ref_params, step=step)
+        opt.step()
+        ref.step()
+    path = os.path.join(disk_dir, "ckpt")
+    written_before = opt.store.bytes_written
+    moved = opt.save_checkpoint(path)
+    assert moved == {"kind": "link", "bytes_read": _tables(opt), "bytes_written": 0}
+    if case == "host cache":  # the cached buckets' stale files were written out (flush), then linked
+        assert opt.store.bytes_written - written_before == sum(
+            opt.store.buckets[i].file_bytes for i in opt.store.host_cache)
+    else:
+        assert opt.store.bytes_written == written_before
+    assert _inodes(path) == _inodes(opt.store.directory)
+    assert all(os.stat(os.path.join(path, n)).st_nlink == 2 for n in _inodes(path))
+    saved = _files(path)
+    with other_fs(tmp_path) as elsewhere:  # the same state copied: the same bucket bytes
+        assert opt.save_checkpoint(os.path.join(elsewhere, "ckpt"))["kind"] == "copy"
+        if case != "zstd":  # a copy of a compressed file keeps the gaps between frames as they were
+            assert _files(os.path.join(elsewhere, "ckpt")) == saved
+    weights = [p.detach().clone() for p in ours]
+    resumed_ref = copy.deepcopy(ref)
+    for step in range(2, 4):  # the live run goes on, bit-identical, and writes new inodes
+        set_grads(ours, ref_params, step=step)
+        opt.step()
+        ref.step()
+    assert_state_equal(opt, ref, ours, ref_params)
+    opt.close()  # flushes the cache to new inodes too
+    assert _files(path) == saved
+    assert all(os.stat(os.path.join(path, n)).st_nlink == 1 for n in _inodes(path))
+
+    resumed = [torch.nn.Parameter(w) for w in weights]
+    opt2 = _optimizer(resumed, os.path.join(disk_dir, "fresh"), **kwargs)
+    opt2.load_checkpoint(path)
+    ref2_params = [p for g in resumed_ref.param_groups for p in g["params"]]
+    for step in range(2, 5):
+        set_grads(resumed, ref2_params, step=step)
+        opt2.step()
+        resumed_ref.step()
+    assert_state_equal(opt2, resumed_ref, resumed, ref2_params)
+    opt2.close()
+    assert _files(path) == saved  # the resumed run never wrote the checkpoint
+
+
+def test_saving_twice_without_a_step_shares_the_inodes_and_leaves_one_link_per_checkpoint(disk_dir):
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "live"))
+    set_grads(params, step=0)
+    opt.step()
+    path = os.path.join(disk_dir, "ckpt")
+    assert opt.save_checkpoint(path)["kind"] == "link"
+    saved = _files(path)
+    assert opt.save_checkpoint(path)["kind"] == "link"  # the replaced checkpoint's names are gone
+    assert _files(path) == saved
+    assert all(os.stat(os.path.join(path, n)).st_nlink == 2 for n in _inodes(path))
+    assert sorted(n for n in os.listdir(disk_dir) if n.startswith("ckpt")) == ["ckpt"]
+    set_grads(params, step=1)
+    opt.step()
+    assert _files(path) == saved
+    assert not set(_inodes(path).values()) & set(_inodes(opt.store.directory).values())
+    assert not [n for n in os.listdir(opt.store.directory) if n.endswith(".new")]
+    opt.close()
+
+
+def test_without_checksums_the_save_copies(disk_dir, monkeypatch):
+    """GREENROOM_VERIFY=0 leaves the tables empty: a link could not be recorded by its
+    table, so the bytes are copied with their CRC-32 (the manifest says so)."""
+    monkeypatch.setenv("GREENROOM_VERIFY", "0")
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "live"))
+    set_grads(params, step=0)
+    opt.step()
+    moved = opt.save_checkpoint(os.path.join(disk_dir, "ckpt"))
+    assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes, "bytes_written": opt.store.state_bytes}
+    assert all(os.stat(os.path.join(disk_dir, "ckpt", n)).st_nlink == 1 for n in _inodes(opt.store.directory))
+    opt.close()
+
+
+def test_without_room_for_the_next_steps_new_inodes_the_save_copies_and_a_full_disk_is_refused(tmp_path):
+    """A link costs nothing now and the state's size at the next step (its new inodes);
+    without that room free the save copies instead (ext4: copy_file_range moves the
+    bytes), so running out of space is refused at the save, in one line, with the
+    previous checkpoint kept, never at the next step."""
+    with small_ext4(tmp_path, size_mb=32) as (root, _):
+        params, _ = twins(SHAPES + [(300, 1000)])  # 2.4 MB of state
+        opt = _optimizer(params, os.path.join(root, "live"))
+        set_grads(params, step=0)
+        opt.step()
+        path = os.path.join(root, "ckpt")
+        assert opt.save_checkpoint(path)["kind"] == "link"
+        set_grads(params, step=1)
+        opt.step()  # the live files are new inodes again: the checkpoint holds one copy of the state
+        saved = _files(path)
+        filler = os.path.join(root, "filler")  # leave half the state's size free, to root too (ext4's reserve)
+        st = os.statvfs(root)
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, st.f_bfree * st.f_frsize - opt.store.state_bytes // 2)
+        assert fs.free_bytes(root) < opt.store.state_bytes
+        with pytest.raises(StorageError, match=r"copying \S+/bucket-\d+\.bin to \S+ failed: No space left on "
+                                               r"device") as info:
+            opt.save_checkpoint(path)
+        assert "\n" not in str(info.value)
+        assert _files(path) == saved
+        assert sorted(n for n in os.listdir(root) if n.startswith("ckpt")) == ["ckpt"]
+        os.unlink(filler)
+        assert opt.save_checkpoint(path)["kind"] == "link"
+        opt.close()
