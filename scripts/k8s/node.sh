@@ -11,15 +11,19 @@ pause_image=localhost/greenroom-pause:1
 # its state (tasks, sockets) lives and dies with the cluster under $dir.
 containerd_root="${GREENROOM_K8S_CACHE:-$HOME/.cache/greenroom-k8s}/containerd"
 
+# write_node_configs BIN IP [NODE_DIR CONTAINERD_ROOT BRIDGE SUBNET KUBELET_CERT]: containerd's,
+# the CNI bridge's and the kubelet's configs of a node under NODE_DIR (default: the first
+# node's, in $dir; scripts/k8s/node2.sh writes the second's).
 write_node_configs() {
-  local bin=$1 ip=$2
-  mkdir -p "$dir/containerd" "$dir/cni/net.d" "$dir/kubelet"
-  cat >"$dir/containerd/config.toml" <<EOF
+  local bin=$1 ip=$2 nd=${3:-$dir} root=${4:-$containerd_root} bridge=${5:-greenroom0} subnet=${6:-$pod_cidr}
+  local cert=${7:-kubelet}
+  mkdir -p "$nd/containerd" "$nd/cni/net.d" "$nd/kubelet"
+  cat >"$nd/containerd/config.toml" <<EOF
 version = 2
-root = "$containerd_root"
-state = "$dir/containerd/state"
+root = "$root"
+state = "$nd/containerd/state"
 [grpc]
-  address = "$dir/containerd/containerd.sock"
+  address = "$nd/containerd/containerd.sock"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "$pause_image"
   # These machines refuse lowering oom_score_adj (the kubelet asks -998 for sandboxes; runc
@@ -32,17 +36,17 @@ state = "$dir/containerd/state"
       runtime_type = "io.containerd.runc.v2"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
-    conf_dir = "$dir/cni/net.d"
+    conf_dir = "$nd/cni/net.d"
 EOF
-  cat >"$dir/cni/net.d/10-greenroom.conflist" <<EOF
+  cat >"$nd/cni/net.d/10-greenroom.conflist" <<EOF
 {"cniVersion": "1.0.0", "name": "greenroom-test", "plugins": [
-  {"type": "bridge", "bridge": "greenroom0", "isGateway": true, "ipMasq": true, "hairpinMode": true,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$pod_cidr"}]], "routes": [{"dst": "0.0.0.0/0"}],
-            "dataDir": "$dir/cni/ipam"}},
+  {"type": "bridge", "bridge": "$bridge", "isGateway": true, "ipMasq": true, "hairpinMode": true,
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$subnet"}]], "routes": [{"dst": "0.0.0.0/0"}],
+            "dataDir": "$nd/cni/ipam"}},
   {"type": "portmap", "capabilities": {"portMappings": true}}]}
 EOF
   # Eviction thresholds near zero: a CI disk that is 90% full must not evict the tests' pods.
-  cat >"$dir/kubelet/config.yaml" <<EOF
+  cat >"$nd/kubelet/config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 authentication:
@@ -50,10 +54,10 @@ authentication:
   webhook: {enabled: true}
   x509: {clientCAFile: $dir/pki/ca.crt}
 authorization: {mode: Webhook}
-tlsCertFile: $dir/pki/kubelet.crt
-tlsPrivateKeyFile: $dir/pki/kubelet.key
+tlsCertFile: $dir/pki/$cert.crt
+tlsPrivateKeyFile: $dir/pki/$cert.key
 cgroupDriver: cgroupfs
-containerRuntimeEndpoint: unix://$dir/containerd/containerd.sock
+containerRuntimeEndpoint: unix://$nd/containerd/containerd.sock
 clusterDNS: [$dns_ip]
 clusterDomain: cluster.local
 failSwapOn: false
@@ -66,9 +70,10 @@ imageGCLowThresholdPercent: 99
 EOF
 }
 
-# The pause image, made from the locally built pause program (no registry to pull from).
+# The pause image, made from the locally built pause program (no registry to pull from),
+# in the containerd at SOCKET (default: the first node's).
 import_pause_image() {
-  local bin=$1 ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io)
+  local bin=$1 ctr=(ctr --address "${2:-$dir/containerd/containerd.sock}" --namespace k8s.io)
   "${ctr[@]}" images check "name==$pause_image" 2>/dev/null | grep -q "$pause_image" && return 0
   local work
   work=$(mktemp -d)
@@ -102,9 +107,10 @@ program_image() {
   echo "$image"
 }
 
-# Containers an earlier cluster left in the kept image store (their tasks died with it).
+# Containers an earlier cluster left in the kept image store (their tasks died with it), of
+# the containerd at SOCKET.
 remove_stale_containers() {
-  local ctr=(ctr --address "$dir/containerd/containerd.sock" --namespace k8s.io) ids
+  local ctr=(ctr --address "$1" --namespace k8s.io) ids
   mapfile -t ids < <("${ctr[@]}" containers ls -q)
   ((${#ids[@]} == 0)) || "${ctr[@]}" containers rm "${ids[@]}" >/dev/null 2>&1 || true
 }
@@ -125,7 +131,7 @@ start_node() {
   daemon containerd containerd --config "$dir/containerd/config.toml"
   wait_for containerd 30 ctr --address "$dir/containerd/containerd.sock" version || {
     status node "containerd did not start: $(tail -1 "$dir/log/containerd.log")"; return 0; }
-  remove_stale_containers
+  remove_stale_containers "$dir/containerd/containerd.sock"
   import_pause_image "$bin" || { status node "the pause image could not be imported into containerd"; return 0; }
   daemon kubelet "$bin/kubelet" --config="$dir/kubelet/config.yaml" --kubeconfig="$dir/kubelet.kubeconfig" \
     --root-dir="$dir/kubelet/root" --hostname-override="$node_name" --node-ip="$ip"
@@ -156,7 +162,7 @@ drain_node() {
   if alive "$dir/containerd.pid"; then
     for id in $("${ctr[@]}" tasks ls -q 2>/dev/null); do "${ctr[@]}" tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true; done
     for id in $("${ctr[@]}" tasks ls -q 2>/dev/null); do "${ctr[@]}" tasks rm -f "$id" >/dev/null 2>&1 || true; done
-    remove_stale_containers
+    remove_stale_containers "$dir/containerd/containerd.sock"
   fi
   # kube-proxy's pod is gone with the rest; the chains it made are not.
   "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true

@@ -2,10 +2,12 @@
 # Writes the test cluster's certificates and kubeconfigs under DIR/pki (openssl, P-256 keys):
 # a CA, the API server's serving cert, one client cert per component (the API server's
 # Node and RBAC authorizers read their CN/O), and the service-account signing key pair.
-# Usage: scripts/k8s/pki.sh DIR NODE_NAME NODE_IP SERVICE_IP
+# The second node's kubelet (scripts/k8s/node2.sh) gets its own cert and kubeconfig,
+# kubelet-2: the Node authorizer lets each kubelet touch only its own node's objects.
+# Usage: scripts/k8s/pki.sh DIR NODE_NAME NODE_IP SERVICE_IP SECOND_NODE_NAME
 set -euo pipefail
-[ "$#" -eq 4 ] || { echo "usage: scripts/k8s/pki.sh DIR NODE_NAME NODE_IP SERVICE_IP" >&2; exit 2; }
-dir=$1 node=$2 node_ip=$3 service_ip=$4
+[ "$#" -eq 5 ] || { echo "usage: scripts/k8s/pki.sh DIR NODE_NAME NODE_IP SERVICE_IP SECOND_NODE_NAME" >&2; exit 2; }
+dir=$1 node=$2 node_ip=$3 service_ip=$4 node2=$5
 pki="$dir/pki"
 mkdir -p "$pki"
 cd "$pki"
@@ -59,6 +61,7 @@ cert admin "/O=system:masters/CN=greenroom-admin" clientAuth
 cert controller-manager "/CN=system:kube-controller-manager" clientAuth
 cert scheduler "/CN=system:kube-scheduler" clientAuth
 cert kubelet "/O=system:nodes/CN=system:node:$node" serverAuth,clientAuth "DNS:$node,IP:$node_ip,IP:127.0.0.1"
+cert kubelet-2 "/O=system:nodes/CN=system:node:$node2" serverAuth,clientAuth "DNS:$node2,IP:$node_ip,IP:127.0.0.1"
 key service-account
 openssl ec -in service-account.key -pubout -out service-account.pub 2>/dev/null
 
@@ -66,3 +69,4 @@ kubeconfig admin admin
 kubeconfig controller-manager controller-manager
 kubeconfig scheduler scheduler
 kubeconfig kubelet kubelet
+kubeconfig kubelet-2 kubelet-2

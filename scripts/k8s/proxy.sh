@@ -56,6 +56,9 @@ spec:
       serviceAccountName: kube-proxy
       priorityClassName: system-node-critical
       hostNetwork: true
+      # The nodes share the host's network namespace: one kube-proxy writes its rules
+      # (scripts/k8s/node2.sh).
+      nodeSelector: {kubernetes.io/hostname: $node_name}
       tolerations: [{operator: Exists}]
       containers:
       - name: kube-proxy

@@ -19,11 +19,14 @@ cd "$(dirname "$0")/../.."
 repo=$PWD
 dir="${GREENROOM_K8S_DIR:-$repo/.run/k8s}"
 node_name=greenroom-node
+node2_name=greenroom-node2
 service_cidr=10.96.0.0/16
 service_ip=10.96.0.1   # the `kubernetes` Service: the first address of service_cidr
 export PATH="$repo/.tools/bin:$PATH"
 # shellcheck source=scripts/k8s/node.sh
 source scripts/k8s/node.sh
+# shellcheck source=scripts/k8s/node2.sh
+source scripts/k8s/node2.sh
 # shellcheck source=scripts/k8s/jobset.sh
 source scripts/k8s/jobset.sh
 # shellcheck source=scripts/k8s/dns.sh
@@ -132,10 +135,11 @@ start() {
   ln -sfn "$bin" "$dir/bin"
   local ip
   ip=$(node_ip)
-  [ -s "$dir/pki/ca.crt" ] || scripts/k8s/pki.sh "$dir" "$node_name" "$ip" "$service_ip"
+  [ -s "$dir/pki/ca.crt" ] || scripts/k8s/pki.sh "$dir" "$node_name" "$ip" "$service_ip" "$node2_name"
   start_control_plane "$bin" "$ip" || { status control-plane "failed to start (logs: $dir/log)"; return 0; }
   start_node "$bin" "$ip" || status node "failed to start (logs: $dir/log)"
   if grep -q "^node: up" "$dir/status"; then
+    start_node2 "$bin" "$ip" || status node2 "failed to start (logs: $dir/log)"
     # The JobSet controller starts while CoreDNS does (each waits seconds for its probes).
     local jobset_applied=0
     apply_jobset "$bin" && jobset_applied=1
@@ -145,6 +149,7 @@ start() {
   else
     status dns "not started: the node is not up"
     status jobset "not started: the node is not up"
+    status node2 "not started: the first node is not up"
   fi
   say "KUBECONFIG=$dir/admin.kubeconfig"
 }
@@ -167,9 +172,11 @@ stop() {
   # Controllers first (nothing recreates the pods), then the node's pods, then the rest.
   for name in kube-controller-manager kube-scheduler; do kill_daemon "$name"; done
   [ ! -d "$dir/bin" ] || drain_node "$dir/bin"
+  stop_node2_tasks
   [ ! -s "$dir/kubelet.pid" ] || kubelet_ran=1
-  for name in kubelet containerd kube-apiserver etcd; do kill_daemon "$name"; done
+  for name in kubelet kubelet-2 containerd containerd-2 kube-apiserver etcd; do kill_daemon "$name"; done
   [ "$kubelet_ran" = 0 ] || remove_kubelet_chains
+  remove_node2_leftovers
   unmount_all
   rm -rf "$dir"
 }
