@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# A one-node Kubernetes cluster on this machine for the chart tests, from upstream parts
+# A two-node Kubernetes cluster on this machine for the chart tests, from upstream parts
 # built by scripts/k8s/build.sh (cached in ~/.cache/greenroom-k8s/):
 #   control plane: etcd, kube-apiserver (RBAC, Node authorizer, Pod Security admission,
 #   service-account tokens), kube-controller-manager, kube-scheduler;
-#   node (scripts/k8s/node.sh): containerd + runc + CNI bridge, kubelet; kube-proxy as a
+#   node (scripts/k8s/node.sh): containerd + runc + CNI bridge, kubelet; a second node
+#   (scripts/k8s/node2.sh), tainted, for the multi-node tests; kube-proxy as a
 #   DaemonSet (scripts/k8s/proxy.sh); cluster DNS (scripts/k8s/dns.sh): CoreDNS as a
 #   Deployment; both in kube-system with their own ServiceAccounts; the JobSet controller
 #   (scripts/k8s/jobset.sh) as upstream deploys it, in jobset-system.
 #   start: builds what is not cached, writes certs and configs under .run/k8s/, starts the
-#          daemons and waits until the API server is ready (and the node, where it runs)
+#          daemons and waits until the API server is ready (and the nodes, where they run)
 #   stop:  kills the daemons this script started (by PID), removes .run/k8s/ and the
 #          iptables chains its kubelet and kube-proxy made
 #   env:   prints `export KUBECONFIG=...`
