@@ -20,23 +20,11 @@ import torch
 
 from greenroom import fs
 from greenroom.errors import StorageError
-from greenroom.optim import StreamingAdam
 from tests.test_faults import small_ext4
-from tests.test_optim_instep import _files, _inodes, other_fs
+from tests.test_optim_instep import _files, _inodes, _optimizer, _reference, other_fs
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 SHAPES = ODD_SHAPES + [(100,)]
-
-
-def _optimizer(params, directory, **kwargs):
-    groups = [{"params": params[:4]}, {"params": params[4:], "lr": 2e-3, "weight_decay": 0.05}]
-    kwargs = {"lr": 1e-2, "weight_decay": 0.01, "bucket_numel": 2000, "resident_numel": 100, **kwargs}
-    return StreamingAdam(groups, state_dir=directory, **kwargs)
-
-
-def _reference(params):
-    groups = [{"params": params[:4]}, {"params": params[4:], "lr": 2e-3, "weight_decay": 0.05}]
-    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01, foreach=True)
 
 
 def _tables(opt):

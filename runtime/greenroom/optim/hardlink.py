@@ -30,12 +30,8 @@ def links_work(source: str, directory: str) -> bool:
     probe = os.path.join(directory, PROBE)
     if os.path.lexists(probe):
         os.unlink(probe)  # ours, left by a process killed between the two calls below
-    try:
-        os.link(source, probe)
-    except OSError as e:
-        if e.errno in REFUSED:
-            return False
-        raise
+    if not link_new(source, probe):
+        return False
     os.unlink(probe)
     return True
 
