@@ -198,6 +198,9 @@ class TransferEngine(FrameTransfers):
         self.staging = StagingBuffers(chunk_bytes, depth, pin=pin)
         self._thread = threading.local()  # each I/O thread's CUDA stream
         self._workers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-io")
+        # A write's sums are taken on one of these while its worker writes the same buffer
+        # out: both only read it, and the worker's next chunk starts a hash sooner.
+        self._hashers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-hash")
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: list[Transfer] = []
         self._driver = threading.Thread(target=self._drive, name="greenroom-io-driver", daemon=True)
@@ -247,6 +250,7 @@ class TransferEngine(FrameTransfers):
             self._jobs.put(None)
             self._driver.join()
             self._workers.shutdown(wait=True)
+            self._hashers.shutdown(wait=True)
 
     def __enter__(self) -> "TransferEngine":
         return self
@@ -378,10 +382,13 @@ class TransferEngine(FrameTransfers):
             if n % ALIGNMENT:
                 buf[n:align_up(n)].zero_()  # deterministic padding in the file's slack
             staged = buf[:align_up(n)]
-            sums, first = self._sums_of(staged, file_offset, transfer)
-            file.write(memoryview(staged.numpy()), file_offset)
-            if transfer.mirror is not None:
-                transfer.mirror.write(memoryview(staged.numpy()), file_offset)
+            pending = self._hashers.submit(self._sums_of, staged, file_offset, transfer)
+            try:
+                file.write(memoryview(staged.numpy()), file_offset)
+                if transfer.mirror is not None:
+                    transfer.mirror.write(memoryview(staged.numpy()), file_offset)
+            finally:
+                sums, first = pending.result()  # before the buffer is released
         except BaseException as e:  # reported through Transfer.wait()
             error = e
         finally:
