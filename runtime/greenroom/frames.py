@@ -147,35 +147,34 @@ class FrameTransfers:
                                                           stored_bytes=n, where=where)
                 codec = compression.codec_by_id(codec_id, where)
                 (on_device if codec.on_device else on_host).append((pos, raw, place, n, codec, size, where))
-            if transfer.sums is not None and not on_device:  # of the stored bytes, before decoding overwrites them
-                sums = _frame_sums(buf, chunk_offset, runs, lengths)
-            io_stream = None
-            if piece.is_cuda or on_device:
-                device = piece.device if piece.is_cuda else torch.device("cuda", torch.cuda.current_device())
-                io_stream = self._io_stream(device)
-                if stream is not None:
-                    io_stream.wait_stream(stream)  # the caller's work on ``piece`` comes first
-            outs = []
-            if on_device:
-                # First: the stored bytes go to the device before any frame below is
-                # unpacked over them, in one copy of the whole chunk (not one per frame),
-                # outside the codec's lock, so it overlaps other threads' decodes. Their
-                # sums are taken there (Note [sums on the device]) and each payload
-                # decodes from its offset in the copy.
-                low, high = runs[0][0], runs[-1][1]
-                with torch.cuda.stream(io_stream):
-                    packed = buf[low:high].to(io_stream.device, non_blocking=True)
-                    device_sums = None if transfer.sums is None else _frame_sums(
-                        packed, chunk_offset + low, [(a - low, b - low) for a, b in runs], lengths)
-                    outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
-                                                                                   device=io_stream.device)
-                            for pos, raw, _, _, _, _, _ in on_device]
-                on_device[0][4].decode(packed, [(place + header - low, n - header)
-                                                for _, _, place, n, _, _, _ in on_device],
-                                       outs, [job[5] for job in on_device], io_stream, [job[6] for job in on_device])
-                if device_sums is not None:
-                    sums = device_sums.cpu()  # the decode synchronized the stream: ready bytes
-                del packed
+            # The sums of the stored bytes are taken on a hashing thread while the device
+            # frames go to the GPU and decode (both only read the buffer), and are in hand
+            # before any frame below is unpacked over the bytes they cover.
+            pending = None if transfer.sums is None else self._hashers.submit(_frame_sums, buf, chunk_offset,
+                                                                                 runs, lengths)
+            try:
+                io_stream = None
+                if piece.is_cuda or on_device:
+                    device = piece.device if piece.is_cuda else torch.device("cuda", torch.cuda.current_device())
+                    io_stream = self._io_stream(device)
+                    if stream is not None:
+                        io_stream.wait_stream(stream)  # the caller's work on ``piece`` comes first
+                outs = []
+                if on_device:
+                    with torch.cuda.stream(io_stream):
+                        outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
+                                                                                       device=io_stream.device)
+                                for pos, raw, _, _, _, _, _ in on_device]
+                    # The chunk's stored bytes from its first device frame to its last go to
+                    # the device in one copy; each payload decodes from its offset in it.
+                    base = on_device[0][2]
+                    top = max(place + n for _, _, place, n, _, _, _ in on_device)
+                    on_device[0][4].decode(buf[base:top], [(place + header - base, n - header)
+                                                           for _, _, place, n, _, _, _ in on_device],
+                                           outs, [job[5] for job in on_device], io_stream,
+                                           [job[6] for job in on_device])
+            finally:
+                sums = None if pending is None else pending.result()
             # Back to front, in place: a frame unpacks over the stored bytes of itself and
             # of the frames after it (already unpacked), never of the frames before it.
             for pos, raw, place, n, codec, size, where in reversed(on_host):
@@ -215,8 +214,7 @@ def _frame_sums(buf: torch.Tensor, chunk_offset: int, runs: list[tuple[int, int]
     pages = torch.cat([page_sums(buf[start:end], chunk_offset + start) for start, end in runs])
     frame_of_page = torch.repeat_interleave(torch.arange(len(lengths)),
                                             torch.tensor([align_up(n) // ALIGNMENT for n in lengths]))
-    return torch.zeros(len(lengths), dtype=torch.int64, device=buf.device).index_add_(
-        0, frame_of_page.to(buf.device, non_blocking=True), pages)
+    return torch.zeros(len(lengths), dtype=torch.int64).index_add_(0, frame_of_page, pages)
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
