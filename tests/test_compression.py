@@ -305,6 +305,35 @@ def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path,
 
 
 @pytest.mark.gpu
+def test_nvcomp_codes_16_bit_frames_in_its_float_mode_and_still_reads_plane_frames(tmp_path):
+    # Note [16-bit frames]: bf16 frames carry codec id NVCOMP_F16_ID; a chunk that mixes
+    # them with 4-byte frames round-trips; a 2-byte frame stored as byte planes under the
+    # plain id (what greenroom wrote before) still decodes.
+    codec = _nvcomp_or_skip()
+    half = _compressible(torch.bfloat16, 3 * EXTENT // 2).cuda()
+    full = _compressible(torch.float32, 3 * EXTENT // 4 + 11).cuda()
+    state = torch.cat([_bytes(half), _bytes(full)])
+    path = str(tmp_path / "mixed")
+    with StateFile(path, state.numel(), compression=codec) as f, TransferEngine(CHUNK) as engine:
+        engine.write(state, f, 0, element_sizes=((0, 2), (half.numel() * 2, 4))).wait()
+        back = torch.empty_like(state)
+        engine.read(back, f, 0).wait()
+        assert torch.equal(back, state)
+    header = _first_stored_frame(path)
+    assert header.startswith(compression.MAGIC) and header[4] == compression.NVCOMP_F16_ID and header[5] == 2
+
+    stream = torch.cuda.Stream()
+    frame = _bytes(half)[:EXTENT]
+    (planes,) = codec._encode([frame], [2], stream, half=False)
+    with torch.cuda.stream(stream):
+        packed = torch.zeros(planes.numel() + 256, dtype=torch.uint8, device="cuda")
+        packed[256:].copy_(planes)
+        out = torch.empty_like(frame)
+    codec.decode(packed, [(256, planes.numel())], [out], [(codec.id, 2)], stream, ["plane frame"])
+    assert torch.equal(out, frame)
+
+
+@pytest.mark.gpu
 def test_streaming_adam_with_nvcomp_is_bit_identical_to_fused_adamw(disk_dir):
     _nvcomp_or_skip()
     from greenroom.optim import StreamingAdam

@@ -12,10 +12,11 @@ is recorded beside its checksum, so a read fetches only the stored bytes.
 Codecs (``--offload-train-disk-compression``):
 
 ``nvcomp-ans``
-    Byte planes, then nvCOMP's ANS on the GPU (the ``nvidia-nvcomp-cu13``/``-cu12`` wheel
-    of torch's CUDA major). Runs on the device before the bytes cross to the host, at
-    12-25 GB/s inside the engine's calls on the H200, 7-13x its NVMe (docs/benchmarks.md).
-    What ``auto`` runs where CUDA is up and the wheel loads.
+    nvCOMP's ANS on the GPU (the ``nvidia-nvcomp-cu13``/``-cu12`` wheel of torch's CUDA
+    major): byte planes, except for frames of 2-byte elements (Note [16-bit frames]).
+    Runs on the device before the bytes cross to the host, at 12-25 GB/s inside the
+    engine's calls on the H200, 7-13x its NVMe (docs/benchmarks.md). What ``auto`` runs
+    where CUDA is up and the wheel loads.
 ``zstd``
     Byte planes, then Zstandard level 1 on the host, in the engine's I/O threads. The same
     frame format, for machines without a GPU (and the CI). It compresses about as well but
@@ -27,6 +28,17 @@ near noise. Interleaved, a byte-oriented coder sees noise everywhere; split into
 (plane k holds byte k of every element, a pure permutation of the frame) the exponent
 plane compresses several-fold and the noise planes cost what they are. Measured on a
 trained model's state: ANS alone 1.05-1.5x, planes + ANS 1.16-1.77x (issue 16).
+
+Note [16-bit frames]: for 2-byte elements (bf16 weights and moments, the masters'
+remainders) byte planes split the exponent: bf16's high byte is the sign and seven
+exponent bits, its low byte the last exponent bit and the mantissa, so the one
+compressible field is cut in two and the sign sits with it. nvCOMP's ANS has a mode for
+16-bit floats (``data_type="<f2"``) that models the element itself; on the bench's
+trained bf16 weights (H200, nvCOMP 6.0.0.12, 64-byte headers and page padding counted)
+it stored them 1.454x smaller against 1.429x for byte planes, with no transpose kernel
+(an order-0 entropy bound of the two byte planes: 1.482). Such frames carry their own
+codec id (``NVCOMP_F16_ID``), so a greenroom that predates them refuses the file in one
+line instead of decoding it as planes.
 
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
 the engine's position-weighted sums of the stored bytes (a flipped bit on the disk), the
@@ -110,6 +122,9 @@ class ZstdPlanes:
     id = 1
     on_device = False
 
+    def header_id(self, itemsize: int) -> int:
+        return self.id
+
     def __init__(self) -> None:
         import zstandard
 
@@ -147,6 +162,10 @@ class NvcompPlanes:
     id = 2
     on_device = True
 
+    def header_id(self, itemsize: int) -> int:
+        """The codec id a frame of ``itemsize``-byte elements is stored under."""
+        return NVCOMP_F16_ID if itemsize == 2 else self.id
+
     def __init__(self) -> None:
         from nvidia import nvcomp
 
@@ -162,12 +181,14 @@ class NvcompPlanes:
         # calling thread's current stream (the I/O thread's own), so it stays stream-ordered.
         nvcomp.set_device_allocator(_TorchDeviceBlock)
 
-    def _codec(self, stream: torch.cuda.Stream):
+    def _codec(self, stream: torch.cuda.Stream, half: bool = False):
         # A codec per call, bound to the calling I/O thread's stream: a codec keeps its
         # scratch (86 MiB for a 64 MiB batch, measured on the H200) for as long as it
         # lives, and a sleeping actor must give every byte of it back. Its scratch comes
         # from torch's cache, so the next call's is a reuse, not a cudaMalloc.
-        return self._nvcomp.Codec(algorithm="ANS", device_id=stream.device.index, cuda_stream=stream.cuda_stream)
+        options = {"data_type": "<f2"} if half else {}  # Note [16-bit frames]
+        return self._nvcomp.Codec(algorithm="ANS", device_id=stream.device.index, cuda_stream=stream.cuda_stream,
+                                  **options)
 
     @staticmethod
     def _offsets(pieces: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -183,8 +204,17 @@ class NvcompPlanes:
                                       stream.cuda_stream)
 
     def encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream) -> list:
-        """Payloads (flat uint8 device tensors) of the device ``frames``; the stream is
-        synchronized."""
+        """Payloads (flat uint8 device tensors) of the device ``frames``, each to be stored
+        under ``header_id`` of its element size; the stream is synchronized."""
+        payloads: list = [None] * len(frames)
+        for half, group in _by_layout(itemsizes):
+            for k, payload in zip(group, self._encode([frames[k] for k in group], [itemsizes[k] for k in group],
+                                                      stream, half)):
+                payloads[k] = payload
+        return payloads
+
+    def _encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream,
+                half: bool) -> list:
         offsets, total = self._offsets(frames)
         with self._lock, torch.cuda.stream(stream):  # nvCOMP's scratch comes from this stream's pool
             planes = torch.empty(total, dtype=torch.uint8, device=stream.device)
@@ -197,41 +227,52 @@ class NvcompPlanes:
                     j += 1
                 run = frames[i].as_strided((j - i, n), (n, 1))
                 dst = planes[offsets[i]:offsets[i] + (j - i) * n].view(j - i, n)
-                if size == 1 or n % size:
+                if size == 1 or n % size or half:
                     dst.copy_(run)
                 else:
                     dst.view(j - i, size, n // size).copy_(run.view(j - i, n // size, size).transpose(1, 2))
                 i = j
-            encoded = self._codec(stream).encode(self._batch(planes, offsets, frames, stream))
+            encoded = self._codec(stream, half).encode(self._batch(planes, offsets, frames, stream))
             stream.synchronize()
             return [torch.as_tensor(e, device=stream.device).view(torch.uint8).reshape(-1) for e in encoded]
 
     def decode(self, packed: torch.Tensor, spans: list[tuple[int, int]], outs: list[torch.Tensor],
-               itemsizes: list[int], stream: torch.cuda.Stream, where: list[str]) -> None:
+               layouts: list[tuple[int, int]], stream: torch.cuda.Stream, where: list[str]) -> None:
         """Decode the payloads at ``spans`` (``(offset, bytes)``, 16-byte aligned) of
         ``packed``, a chunk's stored bytes (host or device), into ``outs`` (device, the
-        frames' raw lengths). A host ``packed`` goes to the device in one copy, and every
-        payload is decoded from its offset in it (not one small copy per frame). The
-        stream is synchronized."""
+        frames' raw lengths); ``layouts`` are each frame's header codec id and element
+        size. A host ``packed`` goes to the device in one copy, and every payload is
+        decoded from its offset in it (not one small copy per frame). The stream is
+        synchronized."""
         with self._lock, torch.cuda.stream(stream):
             if packed.device.type != "cuda":
                 packed = packed.to(stream.device, non_blocking=True)  # one H2D copy of the whole run
-            batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [at for at, _ in spans],
-                                           [n for _, n in spans], stream.cuda_stream)
-            try:
-                decoded = self._codec(stream).decode(batch)
-                stream.synchronize()
-            except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError
-                raise IntegrityError(f"{where[0]}: a compressed frame does not decode ({e}): a flipped bit, a "
-                                     "failing disk or a stray write; stopped before using it: restart from the last "
-                                     "checkpoint") from None
-            for d, out, size, w in zip(decoded, outs, itemsizes, where):
-                planes = torch.as_tensor(d, device=stream.device).view(torch.uint8).reshape(-1)
-                if planes.numel() != out.numel():
-                    raise IntegrityError(f"{w}: the compressed frame decodes to {planes.numel()} bytes, expected "
-                                         f"{out.numel()}; stopped before using it: restart from the last checkpoint")
-                plane_join(planes, out, size)
+            for half, group in _by_layout([size if codec_id == NVCOMP_F16_ID else 0 for codec_id, size in layouts]):
+                batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [spans[k][0] for k in group],
+                                               [spans[k][1] for k in group], stream.cuda_stream)
+                try:
+                    decoded = self._codec(stream, half).decode(batch)
+                    stream.synchronize()
+                except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError
+                    raise IntegrityError(f"{where[group[0]]}: a compressed frame does not decode ({e}): a flipped "
+                                         "bit, a failing disk or a stray write; stopped before using it: restart "
+                                         "from the last checkpoint") from None
+                for d, k in zip(decoded, group):
+                    planes = torch.as_tensor(d, device=stream.device).view(torch.uint8).reshape(-1)
+                    if planes.numel() != outs[k].numel():
+                        raise IntegrityError(f"{where[k]}: the compressed frame decodes to {planes.numel()} bytes, "
+                                             f"expected {outs[k].numel()}; stopped before using it: restart from the "
+                                             "last checkpoint")
+                    plane_join(planes, outs[k], 1 if half else layouts[k][1])
             stream.synchronize()
+
+
+def _by_layout(itemsizes: list[int]) -> list[tuple[bool, list[int]]]:
+    """The frames' indices grouped by nvCOMP mode: 16-bit float (Note [16-bit frames]) for
+    element size 2, byte planes for the rest; each group in order, the empty ones left out."""
+    half = [k for k, size in enumerate(itemsizes) if size == 2]
+    planes = [k for k, size in enumerate(itemsizes) if size != 2]
+    return [(h, group) for h, group in ((False, planes), (True, half)) if group]
 
 
 # Stored bytes per raw byte expected on a trained model's state, per kind of tensor: what
@@ -252,6 +293,8 @@ def expected_ratio(codec_name: str | None, kind: str) -> float:
 
 
 _BATCH_ALIGN = 256
+NVCOMP_F16_ID = 3
+"""The header codec id of an ``nvcomp-ans`` frame coded in nvCOMP's 16-bit float mode."""
 
 
 class _TorchDeviceBlock:
@@ -263,7 +306,7 @@ class _TorchDeviceBlock:
         self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
         self.ptr = self.tensor.data_ptr()
 
-_CODECS = {ZstdPlanes.id: ZstdPlanes, NvcompPlanes.id: NvcompPlanes}
+_CODECS = {ZstdPlanes.id: ZstdPlanes, NvcompPlanes.id: NvcompPlanes, NVCOMP_F16_ID: NvcompPlanes}
 _BY_NAME = {c.name: c for c in _CODECS.values()}
 _loaded: dict[int, object] = {}
 _load_lock = threading.Lock()

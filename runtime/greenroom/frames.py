@@ -137,7 +137,7 @@ class FrameTransfers:
             runs = _merge([(place, place + align_up(n)) for place, n in zip(places, lengths)])
             for start, stop in runs:
                 file.read(memoryview(arr[start:stop]), chunk_offset + start)
-            on_device, on_host = [], []
+            on_device, on_host, device_layouts = [], [], []
             for (pos, raw, _, _), n, place in zip(frames, lengths, places):
                 if n == raw:
                     on_host.append((pos, raw, place, n, None, 1, ""))
@@ -147,6 +147,8 @@ class FrameTransfers:
                                                           stored_bytes=n, where=where)
                 codec = compression.codec_by_id(codec_id, where)
                 (on_device if codec.on_device else on_host).append((pos, raw, place, n, codec, size, where))
+                if codec.on_device:
+                    device_layouts.append((codec_id, size))
             # The sums of the stored bytes are taken on a hashing thread while the device
             # frames go to the GPU and decode (both only read the buffer), and are in hand
             # before any frame below is unpacked over the bytes they cover.
@@ -171,7 +173,7 @@ class FrameTransfers:
                     top = max(place + n for _, _, place, n, _, _, _ in on_device)
                     on_device[0][4].decode(buf[base:top], [(place + header - base, n - header)
                                                            for _, _, place, n, _, _, _ in on_device],
-                                           outs, [job[5] for job in on_device], io_stream,
+                                           outs, device_layouts, io_stream,
                                            [job[6] for job in on_device])
             finally:
                 sums = None if pending is None else pending.result()
@@ -203,8 +205,8 @@ class FrameTransfers:
 
 def _put_header(arr: np.ndarray, pos: int, codec, itemsize: int, raw: int, payload: int) -> None:
     """The header of a compressed frame, at the start of its slot in the staging buffer."""
-    arr[pos:pos + compression.HEADER_BYTES] = np.frombuffer(compression.pack_header(codec.id, itemsize, raw, payload),
-                                                            dtype=np.uint8)
+    header = compression.pack_header(codec.header_id(itemsize), itemsize, raw, payload)
+    arr[pos:pos + compression.HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
 
 
 def _frame_sums(buf: torch.Tensor, chunk_offset: int, runs: list[tuple[int, int]], lengths: list[int]) -> torch.Tensor:

@@ -67,7 +67,18 @@ def measure(args: argparse.Namespace) -> dict:
                 payloads = codec.encode(frames, [4] * len(frames), stream)
                 if decode:
                     outs = [torch.empty(FRAME, dtype=torch.uint8, device=device) for _ in payloads]
-                    codec.decode(payloads, outs, [4] * len(frames), stream, ["bench"] * len(frames))
+                    # As the engine decodes: the payloads back to back in one buffer (at the
+                    # codec's alignment, as a chunk stores them after their headers).
+                    spans, at = [], 0
+                    for p in payloads:
+                        spans.append((at, p.numel()))
+                        at += -(-p.numel() // 256) * 256
+                    with torch.cuda.stream(stream):
+                        packed = torch.empty(at, dtype=torch.uint8, device=device)
+                        for (start, n), p in zip(spans, payloads):
+                            packed[start:start + n].copy_(p)
+                    codec.decode(packed, spans, outs, [(codec.header_id(4), 4)] * len(frames), stream,
+                                 ["bench"] * len(frames))
                 size = sum(p.numel() for p in payloads)
             else:
                 payloads = [codec.encode(f.numpy(), 4) for f in frames]
