@@ -305,10 +305,10 @@ def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path,
 
 
 @pytest.mark.gpu
-def test_nvcomp_codes_16_bit_frames_in_its_float_mode_and_still_reads_plane_frames(tmp_path):
-    # Note [16-bit frames]: bf16 frames carry codec id NVCOMP_F16_ID; a chunk that mixes
-    # them with 4-byte frames round-trips; a 2-byte frame stored as byte planes under the
-    # plain id (what greenroom wrote before) still decodes.
+def test_nvcomp_keeps_the_smaller_coding_of_a_16_bit_frame_and_reads_both(tmp_path):
+    # Note [16-bit frames]: a bf16 frame is coded as byte planes and in nvCOMP's 16-bit
+    # mode and stores the smaller, under that mode's codec id; a chunk that mixes them
+    # with 4-byte frames round-trips; a frame of either coding decodes.
     codec = _nvcomp_or_skip()
     half = _compressible(torch.bfloat16, 3 * EXTENT // 2).cuda()
     full = _compressible(torch.float32, 3 * EXTENT // 4 + 11).cuda()
@@ -319,18 +319,21 @@ def test_nvcomp_codes_16_bit_frames_in_its_float_mode_and_still_reads_plane_fram
         back = torch.empty_like(state)
         engine.read(back, f, 0).wait()
         assert torch.equal(back, state)
-    header = _first_stored_frame(path)
-    assert header.startswith(compression.MAGIC) and header[4] == compression.NVCOMP_F16_ID and header[5] == 2
-
     stream = torch.cuda.Stream()
     frame = _bytes(half)[:EXTENT]
-    (planes,) = codec._encode([frame], [2], stream, half=False)
-    with torch.cuda.stream(stream):
-        packed = torch.zeros(planes.numel() + 256, dtype=torch.uint8, device="cuda")
-        packed[256:].copy_(planes)
-        out = torch.empty_like(frame)
-    codec.decode(packed, [(256, planes.numel())], [out], [(codec.id, 2)], stream, ["plane frame"])
-    assert torch.equal(out, frame)
+    sizes = {codec.id: codec._encode([frame], [2], stream, half=False)[0].numel(),
+             compression.NVCOMP_F16_ID: codec._encode([frame], [2], stream, half=True)[0].numel()}
+    magic, codec_id, itemsize, raw, payload = compression._HEADER.unpack_from(_first_stored_frame(path))
+    assert (magic, itemsize, raw) == (compression.MAGIC, 2, EXTENT)
+    assert payload == sizes[codec_id] == min(sizes.values())
+    for codec_id in sizes:
+        (payload,) = codec._encode([frame], [2], stream, half=codec_id == compression.NVCOMP_F16_ID)
+        with torch.cuda.stream(stream):
+            packed = torch.zeros(payload.numel() + 256, dtype=torch.uint8, device="cuda")
+            packed[256:].copy_(payload)
+            out = torch.empty_like(frame)
+        codec.decode(packed, [(256, payload.numel())], [out], [(codec_id, 2)], stream, ["frame"])
+        assert torch.equal(out, frame)
 
 
 @pytest.mark.gpu

@@ -248,3 +248,28 @@ def test_cuda_transfers_are_verified_too(disk_dir):
         flip_byte(path, EXTENT + 1)
         with pytest.raises(IntegrityError, match=f"checksum mismatch at offset {EXTENT} "):
             engine.read(back, f, 0).wait()
+
+
+def test_the_device_form_of_the_sums_is_the_host_form_to_the_bit():
+    # Note [sums on the device]: CUDA takes the sums as a product and a sum per slice of
+    # pages; the host as a mat-vec. Words at the extremes make every product wrap.
+    from greenroom.integrity import _LANES, _PAGES_PER_PRODUCT, _sliced_lane_dot
+
+    generator = torch.Generator().manual_seed(7)
+    words = torch.randint(-(1 << 63), (1 << 63) - 1, (_PAGES_PER_PRODUCT + 3, 512), dtype=torch.int64,
+                          generator=generator)
+    words[0] = -(1 << 63)
+    words[1] = (1 << 63) - 1
+    assert torch.equal(_sliced_lane_dot(words, _LANES), words @ _LANES)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_sums_taken_on_the_device_match_the_hosts():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU machine)")
+    from greenroom.integrity import _PAGES_PER_PRODUCT
+
+    host = torch.randint(0, 256, ((_PAGES_PER_PRODUCT + 5) * ALIGNMENT,), dtype=torch.uint8)
+    for offset in (0, 7 * ALIGNMENT, 3 * EXTENT):
+        assert torch.equal(page_sums(host.cuda(), offset).cpu(), page_sums(host, offset))

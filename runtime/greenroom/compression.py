@@ -13,32 +13,19 @@ Codecs (``--offload-train-disk-compression``):
 
 ``nvcomp-ans``
     nvCOMP's ANS on the GPU (the ``nvidia-nvcomp-cu13``/``-cu12`` wheel of torch's CUDA
-    major): byte planes, except for frames of 2-byte elements (Note [16-bit frames]).
-    Runs on the device before the bytes cross to the host, at 12-25 GB/s inside the
-    engine's calls on the H200, 7-13x its NVMe (docs/benchmarks.md). What ``auto`` runs
-    where CUDA is up and the wheel loads.
-``zstd``
-    Byte planes, then Zstandard level 1 on the host, in the engine's I/O threads. The same
-    frame format, for machines without a GPU (and the CI). It compresses about as well but
-    runs at 0.3-0.8 GB/s per core, slower than an NVMe disk, so ``auto`` does not pick it.
-
-Note [byte planes]: the bytes of a float differ in how random they are: the sign and
-exponent byte repeats across neighbouring elements while the low mantissa bytes are
-near noise. Interleaved, a byte-oriented coder sees noise everywhere; split into planes
-(plane k holds byte k of every element, a pure permutation of the frame) the exponent
-plane compresses several-fold and the noise planes cost what they are. Measured on a
-trained model's state: ANS alone 1.05-1.5x, planes + ANS 1.16-1.77x (issue 16).
-
-Note [16-bit frames]: for 2-byte elements (bf16 weights and moments, the masters'
+    major): byte planes, except for frames of 2-byte elements (Note [16-bit frames]: for 2-byte elements (bf16 weights and moments, the masters'
 remainders) byte planes split the exponent: bf16's high byte is the sign and seven
 exponent bits, its low byte the last exponent bit and the mantissa, so the one
 compressible field is cut in two and the sign sits with it. nvCOMP's ANS has a mode for
 16-bit floats (``data_type="<f2"``) that models the element itself; on the bench's
 trained bf16 weights (H200, nvCOMP 6.0.0.12, 64-byte headers and page padding counted)
-it stored them 1.454x smaller against 1.429x for byte planes, with no transpose kernel
-(an order-0 entropy bound of the two byte planes: 1.482). Such frames carry their own
-codec id (``NVCOMP_F16_ID``), so a greenroom that predates them refuses the file in one
-line instead of decoding it as planes.
+it stored them 1.454x smaller against 1.429x for byte planes (an order-0 entropy bound
+of the two byte planes: 1.482), but it stored the streamed step's bf16 Adam moments
+about 2 % larger than byte planes did. Neither mode wins on every kind of tensor, and
+the engine does not know what a frame holds, so a 2-byte frame is coded both ways (two
+GPU passes at about 25 GB/s each, against a disk of 2) and keeps the smaller. Frames
+of the 16-bit mode carry their own codec id (``NVCOMP_F16_ID``), so a greenroom that
+predates them refuses the file in one line instead of decoding it as planes.
 
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
 the engine's position-weighted sums of the stored bytes (a flipped bit on the disk), the
@@ -122,9 +109,6 @@ class ZstdPlanes:
     id = 1
     on_device = False
 
-    def header_id(self, itemsize: int) -> int:
-        return self.id
-
     def __init__(self) -> None:
         import zstandard
 
@@ -161,10 +145,6 @@ class NvcompPlanes:
     name = "nvcomp-ans"
     id = 2
     on_device = True
-
-    def header_id(self, itemsize: int) -> int:
-        """The codec id a frame of ``itemsize``-byte elements is stored under."""
-        return NVCOMP_F16_ID if itemsize == 2 else self.id
 
     def __init__(self) -> None:
         from nvidia import nvcomp
@@ -203,15 +183,25 @@ class NvcompPlanes:
         return self._nvcomp.as_arrays(self._nvcomp.as_array(flat), offsets, [p.numel() for p in pieces],
                                       stream.cuda_stream)
 
-    def encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream) -> list:
-        """Payloads (flat uint8 device tensors) of the device ``frames``, each to be stored
-        under ``header_id`` of its element size; the stream is synchronized."""
-        payloads: list = [None] * len(frames)
-        for half, group in _by_layout(itemsizes):
-            for k, payload in zip(group, self._encode([frames[k] for k in group], [itemsizes[k] for k in group],
-                                                      stream, half)):
-                payloads[k] = payload
-        return payloads
+    def encode(self, frames: list[torch.Tensor], itemsizes: list[int],
+               stream: torch.cuda.Stream) -> list[tuple[int, torch.Tensor]]:
+        """The header codec id and payload (a flat uint8 device tensor) of each of the
+        device ``frames``; a frame of 2-byte elements keeps the smaller of its two codings
+        (Note [16-bit frames]). The stream is synchronized."""
+        coded: list = [None] * len(frames)
+        two = [k for k, size in enumerate(itemsizes) if size == 2]
+        rest = [k for k, size in enumerate(itemsizes) if size != 2]
+        if rest:
+            payloads = self._encode([frames[k] for k in rest], [itemsizes[k] for k in rest], stream, half=False)
+            for k, payload in zip(rest, payloads):
+                coded[k] = (self.id, payload)
+        if two:
+            group = [frames[k] for k in two]
+            as_planes = self._encode(group, [2] * len(two), stream, half=False)
+            as_half = self._encode(group, [2] * len(two), stream, half=True)
+            for k, planes, half in zip(two, as_planes, as_half):
+                coded[k] = (NVCOMP_F16_ID, half) if half.numel() <= planes.numel() else (self.id, planes)
+        return coded
 
     def _encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream,
                 half: bool) -> list:

@@ -12,8 +12,9 @@ Two layers, in the spirit of kvikio's ``CuFile``:
 ``TransferEngine``
     Moves whole tensors (host or CUDA) to and from ``StateFile`` ranges through a fixed
     set of aligned staging buffers whose total is the chunk size (pinned when CUDA is
-    up). A driver thread splits each transfer into chunks; ``depth`` worker threads do
-    the disk I/O, so reads run ahead and writes run behind while the caller computes.
+    up). A driver thread splits each transfer into chunks, one per free buffer; worker
+    threads do the disk I/O, so reads run ahead and writes run behind while the caller
+    computes.
 
 Every transfer is checksummed on its way through the staging buffers and verified
 when read back (``greenroom.integrity`` Note [integrity]); a compressed file's chunks
@@ -182,7 +183,7 @@ class TransferEngine(FrameTransfers):
     Args:
         chunk_bytes: total staging host memory (the ``--offload-train-disk-chunk-mb``
             budget); split into ``depth`` buffers.
-        depth: number of staging buffers, and of I/O worker threads.
+        depth: number of staging buffers (the I/O worker threads are twice as many).
         pin: pin the staging memory (default: when CUDA is available).
         verify: checksum every write and verify every read (Note [integrity]); default
             ``GREENROOM_VERIFY`` (on). Off is for measuring the cost only.
@@ -197,7 +198,9 @@ class TransferEngine(FrameTransfers):
         self.verify = verify_default() if verify is None else verify
         self.staging = StagingBuffers(chunk_bytes, depth, pin=pin)
         self._thread = threading.local()  # each I/O thread's CUDA stream
-        self._workers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-io")
+        # Twice the buffers: a read's worker decodes after its buffer went back
+        # (Note [decode after the slot] of greenroom.frames), while the next read runs.
+        self._workers = cf.ThreadPoolExecutor(max_workers=2 * depth, thread_name_prefix="greenroom-io")
         # A write's sums are taken on one of these while its worker writes the same buffer
         # out: both only read it, and the worker's next chunk starts a hash sooner.
         self._hashers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-hash")

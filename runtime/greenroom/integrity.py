@@ -15,12 +15,11 @@ does not depend on the staging size. It runs as one int64 mat-vec per chunk (no
 temporary as large as the chunk; a multiply-then-sum ran 5-10x slower): 9-12 GB/s on
 one idle core of the CI machine (3-7 with other jobs on its 2 cores), against ~2 GB/s
 disks. A chunk is hashed off its worker's path: a written chunk on a hashing thread
-while the worker writes it out, a read chunk while its DMA to the device runs (or, of
-a compressed file, while its frames go to the GPU and decode). Hashing on
-the host rather than on the GPU: the staging buffer is where the bytes leave for, and
-arrive from, the disk (so that is what is verified), it is aligned and padded (the
-device tensor is neither at its tail), the same code serves CPU and CUDA tensors, and
-CUDA has no int64 mat-vec. Where the sums live: in memory per open file, keyed by the
+while the worker writes it out, a read chunk while its DMA to the device runs. Hashing
+on the host by default: the staging buffer is where the bytes leave for, and arrive
+from, the disk (so that is what is verified), it is aligned and padded (the device
+tensor is neither at its tail), and the same code serves CPU and CUDA tensors; the
+exception is Note [sums on the device]. Where the sums live: in memory per open file, keyed by the
 transfer's range (the actor's offload file: it is rewritten every sleep and never
 copied), or in a table at the end of the file itself (``checksums="file"``, the
 optimizer's bucket files: the checkpoint copies the table with the bytes, so a
@@ -29,6 +28,16 @@ wiped at start, so a sum never outlives the process that wrote it unless the fil
 was copied with it. ``GREENROOM_VERIFY=0`` (or ``TransferEngine(verify=False)``) skips
 hashing altogether; it exists to measure the cost, and state written that way cannot
 be read back with verification on.
+
+Note [sums on the device]: a chunk of a compressed file with frames for a GPU codec goes
+to the device anyway, in one copy of its stored bytes (aligned, padded, whole pages),
+for the codec to decode from. Its sums are taken there, from that copy, by the same
+linear formula (``lane_dot``): bit for bit the sums the host would get, of the very
+bytes the codec then decodes, at device speed, and the staging buffer goes back to the
+engine as soon as the copy is done (Note [decode after the slot] of greenroom.frames).
+Hashed on the host, the buffer stayed out of the next read for the hash: on the H200
+four reads of an 8 GiB wake finished together, hashed together for about 22 ms with
+no read in flight, and did so every 135 ms (about a sixth of the wake).
 """
 
 from __future__ import annotations
@@ -86,13 +95,30 @@ _PAGE_A = _signed(_mix(1 << 20) | 1)
 _PAGE_B = _signed(_mix(1 << 21))
 
 
+_PAGES_PER_PRODUCT = 4096  # 16 MiB of words: bounds the temporary of the elementwise form
+
+
+def _sliced_lane_dot(words: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
+    return torch.cat([(part * lanes).sum(dim=1) for part in words.split(_PAGES_PER_PRODUCT)])
+
+
+def lane_dot(words: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
+    """Each row of ``words`` (pages of int64 words) dotted with ``lanes``, wrapping mod
+    2^64. A mat-vec on the host; on CUDA, which has no int64 mat-vec, a product and a sum
+    per slice of pages: the same wrapping arithmetic, so the same sums to the bit."""
+    return _sliced_lane_dot(words, lanes) if words.is_cuda else words @ lanes
+
+
 def page_sums(buf: torch.Tensor, file_offset: int) -> torch.Tensor:
     """Each 4 KiB page's share of the checksum (Note [integrity]) of ``buf``, bytes that
-    sit at ``file_offset`` of a file; ``buf`` is whole pages of 8-byte aligned host memory."""
+    sit at ``file_offset`` of a file; ``buf`` is whole pages of 8-byte aligned memory, on
+    the host or (Note [sums on the device]) on a CUDA device."""
     assert buf.numel() % ALIGNMENT == 0 and file_offset % ALIGNMENT == 0
     words = buf.view(torch.int64).view(-1, _WORDS_PER_PAGE)
-    pages = torch.arange(file_offset // ALIGNMENT, file_offset // ALIGNMENT + words.shape[0], dtype=torch.int64)
-    return (words @ _LANES) * ((pages * _PAGE_A + _PAGE_B) | 1)
+    pages = torch.arange(file_offset // ALIGNMENT, file_offset // ALIGNMENT + words.shape[0], dtype=torch.int64,
+                         device=buf.device)
+    lanes = _LANES if not buf.is_cuda else _LANES.to(buf.device, non_blocking=True)
+    return lane_dot(words, lanes) * ((pages * _PAGE_A + _PAGE_B) | 1)
 
 
 def extent_sums(buf: torch.Tensor, file_offset: int) -> torch.Tensor:

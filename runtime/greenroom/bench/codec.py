@@ -64,7 +64,8 @@ def measure(args: argparse.Namespace) -> dict:
         for k in range(worker, chunks.shape[0], args.threads):
             frames = list(chunks[k].view(-1, FRAME))
             if codec.on_device:
-                payloads = codec.encode(frames, [4] * len(frames), stream)
+                coded = codec.encode(frames, [4] * len(frames), stream)
+                layouts, payloads = [(codec_id, 4) for codec_id, _ in coded], [p for _, p in coded]
                 if decode:
                     outs = [torch.empty(FRAME, dtype=torch.uint8, device=device) for _ in payloads]
                     # As the engine decodes: the payloads back to back in one buffer (at the
@@ -77,8 +78,7 @@ def measure(args: argparse.Namespace) -> dict:
                         packed = torch.empty(at, dtype=torch.uint8, device=device)
                         for (start, n), p in zip(spans, payloads):
                             packed[start:start + n].copy_(p)
-                    codec.decode(packed, spans, outs, [(codec.header_id(4), 4)] * len(frames), stream,
-                                 ["bench"] * len(frames))
+                    codec.decode(packed, spans, outs, layouts, stream, ["bench"] * len(frames))
                 size = sum(p.numel() for p in payloads)
             else:
                 payloads = [codec.encode(f.numpy(), 4) for f in frames]
