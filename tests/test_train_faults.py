@@ -148,13 +148,14 @@ def test_killed_between_the_two_renames_without_rename_exchange(disk_dir, refere
 
 
 def test_killed_at_a_write_of_the_streamed_step(disk_dir, reference):
-    """SIGKILL from the kernel side (strace inject) at the 25th pwrite64 of any thread (the
-    I/O threads make ~40 each): mid-I/O of the sleep, the streamed step or the save,
-    wherever it falls; the property must hold there too."""
+    """SIGKILL from the kernel side (strace inject) at the 6th pwrite64 of any thread (the
+    engine's I/O threads, twice as many as its buffers, make 10-15 each in two
+    iterations): mid-I/O of the sleep, the streamed step or the save, wherever it falls;
+    the property must hold there too."""
     strace = require_tool("strace")
     kill_and_resume(disk_dir, reference, None,
                     prefix=[strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=pwrite64",
-                            "-e", "inject=pwrite64:signal=SIGKILL:when=25"])
+                            "-e", "inject=pwrite64:signal=SIGKILL:when=6"])
 
 
 # -- damage and malformed files: one line naming the file ------------------------------
