@@ -36,9 +36,18 @@ def test_a_two_pod_jobset_spreads_over_both_nodes_and_trains_across_them(namespa
     install("spread", ns, values)
     (jobset,) = kubectl_json("-n", ns, "get", "jobsets")["items"]
     name = jobset["metadata"]["name"]
-    state = wait_until("the 2-pod JobSet finished", lambda: jobset_state(ns, name), timeout=900)
     selector = f"jobset.sigs.k8s.io/jobset-name={name}"
-    out = kubectl("-n", ns, "logs", "-l", selector, "-c", "trainer", "--tail=-1", "--prefix", check=False).stdout
+
+    def trainer_logs() -> str:
+        return kubectl("-n", ns, "logs", "-l", selector, "-c", "trainer", "--tail=-1", "--prefix", check=False).stdout
+
+    try:  # well inside the test's own timeout, so a stuck job says where each pod got to
+        state = wait_until("the 2-pod JobSet finished", lambda: jobset_state(ns, name), timeout=300)
+    except AssertionError as e:
+        where = [(p["metadata"]["name"], p["spec"].get("nodeName"), p["status"].get("phase"),
+                  [c.get("state") for c in p["status"].get("containerStatuses", [])]) for p in pods(ns, selector)]
+        raise AssertionError(f"{e}; pods: {where}; trainer logs:\n{trainer_logs()}") from None
+    out = trainer_logs()
     assert state == "Completed", out
     # One pod on each node (the chart's required anti-affinity), one gloo group of both.
     assert sorted(p["spec"]["nodeName"] for p in pods(ns, selector)) == ["greenroom-node", "greenroom-node2"]
