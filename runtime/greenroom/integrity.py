@@ -19,10 +19,10 @@ while the worker writes it out, a read chunk while its DMA to the device runs. H
 on the host by default: the staging buffer is where the bytes leave for, and arrive
 from, the disk (so that is what is verified), it is aligned and padded (the device
 tensor is neither at its tail), and the same code serves CPU and CUDA tensors; the
-exception is Note [sums on the device]. Where the sums live: in memory per open file, keyed by the
-transfer's range (the actor's offload file: it is rewritten every sleep and never
-copied), or in a table at the end of the file itself (``checksums="file"``, the
-optimizer's bucket files: the checkpoint copies the table with the bytes, so a
+exception is Note [sums on the device]. Where the sums live: in memory per open file,
+keyed by the transfer's range (the actor's offload file: it is rewritten every sleep
+and never copied), or in a table at the end of the file itself (``checksums="file"``,
+the optimizer's bucket files: the checkpoint copies the table with the bytes, so a
 loaded checkpoint is verified on its first read like any other state). The files are
 wiped at start, so a sum never outlives the process that wrote it unless the file
 was copied with it. ``GREENROOM_VERIFY=0`` (or ``TransferEngine(verify=False)``) skips
@@ -95,7 +95,7 @@ _PAGE_A = _signed(_mix(1 << 20) | 1)
 _PAGE_B = _signed(_mix(1 << 21))
 
 
-_PAGES_PER_PRODUCT = 4096  # 16 MiB of words: bounds the temporary of the elementwise form
+_PAGES_PER_PRODUCT = 4096  # 16 MiB of pages: bounds the temporary of the elementwise form
 
 
 def _sliced_lane_dot(words: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
