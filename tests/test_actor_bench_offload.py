@@ -38,9 +38,11 @@ def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target
     assert result["wake_ratio"] == result["cycles"][1]["wake_ratio"]
     if target == "disk":
         assert {"write_bytes_per_s", "read_bytes_per_s"} <= result["bound"].keys()
+        assert all(c["stored_write_ratio"] > 0 and c["stored_read_ratio"] > 0 for c in result["cycles"])
         assert result["host_rss_budget"] is not None
     else:
         assert {"out_bytes_per_s", "in_bytes_per_s"} <= result["bound"].keys()
+        assert all(c["stored_write_ratio"] is None and c["stored_read_ratio"] is None for c in result["cycles"])
     assert os.listdir(disk_dir) == []
 
 

@@ -4,13 +4,16 @@ The actor here is ``--size`` bytes of random bytes in 1 GiB tensors on the devic
 available), told to the offloader with ``track()``, plus ``--untracked-size`` more that
 nobody names (the frozen reference policy, the EMA copy of a real trainer): the default,
 complete offload must find and move those too. One byte of every tensor changes before
-each cycle, so every cycle writes everything (an unchanged block would be skipped). Each cycle sleeps and wakes it through the offloader ``greenroom train``
-uses, and is set beside a bound probed in the same process right before it: the raw
-disk (plain O_DIRECT threads writing and reading random bytes,
-``greenroom.bench.disk.raw_bandwidth``) for the disk target, a plain copy of the same
-tensors to one pinned buffer and back for the cpu target. After the last wake every
-tensor is compared with ``torch.equal`` against a copy kept in memory the offloader
-never touches (the rollout region), so a fast but wrong backend cannot pass.
+each cycle, so every cycle writes everything (an unchanged block would be skipped).
+Each cycle sleeps and wakes it through the offloader ``greenroom train`` uses, and is
+set beside a bound probed in the same process right before it: the raw disk (plain
+O_DIRECT threads writing and reading random bytes, ``greenroom.bench.disk.raw_bandwidth``)
+for the disk target, a plain copy of the same tensors to one pinned buffer and back for
+the cpu target. For the disk, each cycle also reports the rate its stored bytes moved at
+over the probe's (``stored_write_ratio``, ``stored_read_ratio``): the part of a ratio
+that is greenroom's path and not the codec's. After the last wake every tensor is
+compared with ``torch.equal`` against a copy kept in memory the offloader never touches
+(the rollout region), so a fast but wrong backend cannot pass.
 """
 
 from __future__ import annotations
@@ -147,11 +150,19 @@ def measure(args: argparse.Namespace) -> dict:
                 asleep_rss = sampler.rss()
                 woke = offloader.wake()
                 sleep_rate, wake_rate = slept.copied / slept.seconds, woke.copied / woke.seconds
+                disk_written = offloader.disk_bytes("written") - disk_written
+                disk_read = offloader.disk_bytes("read") - disk_read
                 cycles.append({"sleep_s": slept.seconds, "wake_s": woke.seconds,
                                "sleep_bytes_per_s": sleep_rate, "wake_bytes_per_s": wake_rate,
                                "sleep_copied": slept.copied, "sleep_covered": slept.nbytes,
-                               "disk_bytes_written": offloader.disk_bytes("written") - disk_written,
-                               "disk_bytes_read": offloader.disk_bytes("read") - disk_read,
+                               "disk_bytes_written": disk_written, "disk_bytes_read": disk_read,
+                               # The rate the stored bytes moved at over the raw probe's: 1 is
+                               # the disk's own speed, less is time lost on greenroom's path
+                               # (what the codec saves is not in it).
+                               "stored_write_ratio": (disk_written / slept.seconds / cycle_bound[out_key]
+                                                      if config.offload_to_disk else None),
+                               "stored_read_ratio": (disk_read / woke.seconds / cycle_bound[in_key]
+                                                     if config.offload_to_disk else None),
                                "bound": cycle_bound,
                                "sleep_ratio": sleep_rate / cycle_bound[out_key],
                                "wake_ratio": wake_rate / cycle_bound[in_key],
