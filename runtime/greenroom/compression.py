@@ -207,18 +207,12 @@ class NvcompPlanes:
         device ``frames``; a frame of 2-byte elements keeps the smaller of its two codings
         (Note [16-bit frames]). The stream is synchronized."""
         coded: list = [None] * len(frames)
-        two = [k for k, size in enumerate(itemsizes) if size == 2]
-        rest = [k for k, size in enumerate(itemsizes) if size != 2]
-        if rest:
-            payloads = self._encode([frames[k] for k in rest], [itemsizes[k] for k in rest], stream, half=False)
-            for k, payload in zip(rest, payloads):
-                coded[k] = (self.id, payload)
-        if two:
-            group = [frames[k] for k in two]
-            as_planes = self._encode(group, [2] * len(two), stream, half=False)
-            as_half = self._encode(group, [2] * len(two), stream, half=True)
-            for k, planes, half in zip(two, as_planes, as_half):
-                coded[k] = (NVCOMP_F16_ID, half) if half.numel() <= planes.numel() else (self.id, planes)
+        for two_byte, group in _by_flag([size == 2 for size in itemsizes]):
+            picked = [frames[k] for k in group]
+            as_planes = self._encode(picked, [itemsizes[k] for k in group], stream, half=False)
+            as_half = self._encode(picked, [2] * len(group), stream, half=True) if two_byte else as_planes
+            for k, planes, half in zip(group, as_planes, as_half):
+                coded[k] = (NVCOMP_F16_ID, half) if two_byte and half.numel() <= planes.numel() else (self.id, planes)
         return coded
 
     def _encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream,
@@ -255,7 +249,7 @@ class NvcompPlanes:
         with self._lock, torch.cuda.stream(stream):
             if packed.device.type != "cuda":
                 packed = packed.to(stream.device, non_blocking=True)  # one H2D copy of the whole run
-            for half, group in _by_layout([size if codec_id == NVCOMP_F16_ID else 0 for codec_id, size in layouts]):
+            for half, group in _by_flag([codec_id == NVCOMP_F16_ID for codec_id, _ in layouts]):
                 batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [spans[k][0] for k in group],
                                                [spans[k][1] for k in group], stream.cuda_stream)
                 try:
@@ -275,12 +269,11 @@ class NvcompPlanes:
             stream.synchronize()
 
 
-def _by_layout(itemsizes: list[int]) -> list[tuple[bool, list[int]]]:
-    """The frames' indices grouped by nvCOMP mode: 16-bit float (Note [16-bit frames]) for
-    element size 2, byte planes for the rest; each group in order, the empty ones left out."""
-    half = [k for k, size in enumerate(itemsizes) if size == 2]
-    planes = [k for k, size in enumerate(itemsizes) if size != 2]
-    return [(h, group) for h, group in ((False, planes), (True, half)) if group]
+def _by_flag(flags: list[bool]) -> list[tuple[bool, list[int]]]:
+    """The indices of ``flags`` grouped by their flag, False first, each group in order;
+    the empty ones left out (frames of one nvCOMP call: Note [16-bit frames])."""
+    groups = ((flag, [k for k, f in enumerate(flags) if f == flag]) for flag in (False, True))
+    return [(flag, group) for flag, group in groups if group]
 
 
 # Stored bytes per raw byte expected on a trained model's state, per kind of tensor: what

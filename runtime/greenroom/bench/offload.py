@@ -144,14 +144,14 @@ def measure(args: argparse.Namespace) -> dict:
                 for t, r in zip(tensors, reference):
                     t[0] += 1
                     r[0] += 1
-                disk_written, disk_read = offloader.disk_bytes("written"), offloader.disk_bytes("read")
+                written_before, read_before = offloader.disk_bytes("written"), offloader.disk_bytes("read")
                 sampler.reset_peak()
                 slept = offloader.sleep()
                 asleep_rss = sampler.rss()
                 woke = offloader.wake()
                 sleep_rate, wake_rate = slept.copied / slept.seconds, woke.copied / woke.seconds
-                disk_written = offloader.disk_bytes("written") - disk_written
-                disk_read = offloader.disk_bytes("read") - disk_read
+                disk_written = offloader.disk_bytes("written") - written_before
+                disk_read = offloader.disk_bytes("read") - read_before
                 cycles.append({"sleep_s": slept.seconds, "wake_s": woke.seconds,
                                "sleep_bytes_per_s": sleep_rate, "wake_bytes_per_s": wake_rate,
                                "sleep_copied": slept.copied, "sleep_covered": slept.nbytes,
