@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from greenroom import compression
+from greenroom import compression, frames
 from greenroom.diskio import EXTENT, StateFile, TransferEngine, align_up
 from greenroom.errors import CheckpointError, ConfigError, IntegrityError
 
@@ -281,7 +281,9 @@ def _nvcomp_or_skip():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("checksums", ["memory", "file"])
-def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path, checksums):
+@pytest.mark.parametrize("read_piece", [frames.READ_PIECE, 256 << 10])  # Note [copy while reading]
+def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path, checksums, read_piece, monkeypatch):
+    monkeypatch.setattr(frames, "READ_PIECE", read_piece)
     codec = _nvcomp_or_skip()
     for dtype, n in ((torch.float32, 3_000_001), (torch.bfloat16, 777_777), (torch.uint8, 5000)):
         t = _compressible(dtype, n).cuda()
@@ -302,6 +304,33 @@ def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path,
                     os.close(fd)
                 with pytest.raises(IntegrityError, match="offset 0"):
                     engine.read(back, f, 0).wait()
+
+
+@pytest.mark.gpu
+def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp_path, monkeypatch):
+    # Note [copy while reading]: a read's pieces run on the engine's pool; one that fails
+    # fails the transfer, and no piece still fills the buffer the next chunk gets.
+    codec = _nvcomp_or_skip()
+    monkeypatch.setattr(frames, "READ_PIECE", 256 << 10)
+    t = _compressible(torch.bfloat16, 6 * EXTENT).cuda()
+    real_read, calls = StateFile.read, []
+
+    def failing_read(self, buf, file_offset):
+        calls.append(file_offset)
+        if len(calls) == 5:
+            raise OSError(5, "Input/output error")
+        return real_read(self, buf, file_offset)
+
+    with StateFile(str(tmp_path / "state"), t.numel() * 2, compression=codec) as f, \
+            TransferEngine(4 * EXTENT, depth=2) as engine:
+        engine.write(t, f, 0).wait()
+        back = torch.empty_like(t)
+        monkeypatch.setattr(StateFile, "read", failing_read)
+        with pytest.raises(OSError, match="Input/output error"):
+            engine.read(back, f, 0).wait()
+        monkeypatch.setattr(StateFile, "read", real_read)
+        engine.read(back, f, 0).wait()
+        assert torch.equal(_bytes(back), _bytes(t))
 
 
 @pytest.mark.gpu
@@ -333,6 +362,29 @@ def test_nvcomp_keeps_the_smaller_coding_of_a_16_bit_frame_and_reads_both(tmp_pa
             packed[256:].copy_(payload)
             out = torch.empty_like(frame)
         codec.decode(packed, [(256, payload.numel())], [out], [(codec_id, 2)], stream, ["frame"])
+        assert torch.equal(out, frame)
+
+
+@pytest.mark.gpu
+def test_nvcomp_decodes_frames_coded_with_nvcomps_default_chunks(tmp_path):
+    # Note [ANS chunks]: files written before the chunk options (nvCOMP's 64 KiB chunks
+    # of 8 sub-chunks) still read: the bitstream records how it was cut.
+    codec = _nvcomp_or_skip()
+    from nvidia import nvcomp
+
+    stream = torch.cuda.Stream()
+    frame = _bytes(_compressible(torch.bfloat16, EXTENT // 2).cuda())
+    for codec_id, options in ((codec.id, {}), (compression.NVCOMP_F16_ID, {"data_type": "<f2"})):
+        coded = codec._encode([frame], [2], stream, half=codec_id == compression.NVCOMP_F16_ID)[0]
+        planes = frame if options else frame.view(-1, 2).t().contiguous().view(-1)
+        with torch.cuda.stream(stream):
+            old = nvcomp.Codec(algorithm="ANS", device_id=frame.device.index, cuda_stream=stream.cuda_stream,
+                               **options).encode(nvcomp.as_array(planes))
+            old = torch.as_tensor(old, device=frame.device).view(torch.uint8).reshape(-1).clone()
+        stream.synchronize()
+        assert not torch.equal(old, coded)  # the options changed the bitstream
+        out = torch.empty_like(frame)
+        codec.decode(old, [(0, old.numel())], [out], [(codec_id, 2)], stream, ["frame"])
         assert torch.equal(out, frame)
 
 

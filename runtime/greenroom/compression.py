@@ -45,6 +45,20 @@ bf16-moment step then stored 4.72 GB, against 4.84 GB in the 16-bit mode alone. 
 of the 16-bit mode carry their own codec id (``NVCOMP_F16_ID``), so a greenroom that
 predates them refuses the file in one line instead of decoding it as planes.
 
+Note [ANS chunks]: nvCOMP's ANS cuts its input into chunks (64 KiB by default), each
+with its own frequency table, and each chunk into sub-chunks (8 by default) with their
+own coder states; both cost stored bytes in every chunk. Larger chunks pay them less
+often, but a chunk that straddles two byte planes codes both under one table, so a
+chunk must not be larger than a plane: a quarter of a frame, the plane of a 4-byte
+frame. Measured on the bench's trained state (H200, nvCOMP 6.0.0.12, 64 one-MiB frames
+per call), 256 KiB chunks of 4 sub-chunks against the defaults: bf16 weights 1.458x ->
+1.504x (16-bit mode), bf16 exp_avg 1.410x -> 1.447x, bf16 exp_avg_sq 1.553x -> 1.586x
+(planes), fp32 master 1.156x -> 1.191x, fp32 exp_avg_sq 1.193x -> 1.223x (planes); 1 MiB
+chunks dropped fp32 planes to 1.08x. Decode stayed at 50-65 GB/s. The bitstream records
+how it was cut, so the decoder is built without these options: given a sub-chunk count
+smaller than the stream's, nvCOMP 6.0 decoded a payload of its defaults to wrong bytes
+without an error (files written before these options must still read).
+
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
 the engine's position-weighted sums of the stored bytes (a flipped bit on the disk), the
 header (magic, codec, element size, raw and stored lengths must all agree with the
@@ -67,6 +81,7 @@ import torch
 from greenroom.config import COMPRESSIONS as CHOICES
 from greenroom.config import MIB, MIN_COMPRESSED_CHUNK_MB
 from greenroom.errors import ConfigError, IntegrityError
+from greenroom.integrity import EXTENT
 
 MIN_RATIO = 1.03
 """A frame is stored compressed only when it shrinks by at least this factor."""
@@ -179,12 +194,14 @@ class NvcompPlanes:
         # calling thread's current stream (the I/O thread's own), so it stays stream-ordered.
         nvcomp.set_device_allocator(_TorchDeviceBlock)
 
-    def _codec(self, stream: torch.cuda.Stream, half: bool = False):
+    def _codec(self, stream: torch.cuda.Stream, half: bool, *, encoding: bool):
         # A codec per call, bound to the calling I/O thread's stream: a codec keeps its
         # scratch (86 MiB for a 64 MiB batch, measured on the H200) for as long as it
         # lives, and a sleeping actor must give every byte of it back. Its scratch comes
         # from torch's cache, so the next call's is a reuse, not a cudaMalloc.
         options = {"data_type": "<f2"} if half else {}  # Note [16-bit frames]
+        if encoding:  # a decoder takes them from the bitstream (Note [ANS chunks])
+            options.update(ANS_CHUNKS)
         return self._nvcomp.Codec(algorithm="ANS", device_id=stream.device.index, cuda_stream=stream.cuda_stream,
                                   **options)
 
@@ -234,7 +251,7 @@ class NvcompPlanes:
                 else:
                     dst.view(j - i, size, n // size).copy_(run.view(j - i, n // size, size).transpose(1, 2))
                 i = j
-            encoded = self._codec(stream, half).encode(self._batch(planes, offsets, frames, stream))
+            encoded = self._codec(stream, half, encoding=True).encode(self._batch(planes, offsets, frames, stream))
             stream.synchronize()
             return [torch.as_tensor(e, device=stream.device).view(torch.uint8).reshape(-1) for e in encoded]
 
@@ -253,7 +270,7 @@ class NvcompPlanes:
                 batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [spans[k][0] for k in group],
                                                [spans[k][1] for k in group], stream.cuda_stream)
                 try:
-                    decoded = self._codec(stream, half).decode(batch)
+                    decoded = self._codec(stream, half, encoding=False).decode(batch)
                     stream.synchronize()
                 except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError
                     raise IntegrityError(f"{where[group[0]]}: a compressed frame does not decode ({e}): a flipped "
@@ -295,6 +312,9 @@ def expected_ratio(codec_name: str | None, kind: str) -> float:
 
 
 _BATCH_ALIGN = 256
+
+ANS_CHUNKS = {"uncomp_chunk_size": EXTENT // 4, "max_sub_chunk_count": 4}
+"""How nvCOMP's ANS encoder cuts a frame (Note [ANS chunks])."""
 NVCOMP_F16_ID = 3
 """The header codec id of an ``nvcomp-ans`` frame coded in nvCOMP's 16-bit float mode."""
 

@@ -41,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from greenroom import frames
 from greenroom.errors import IntegrityError
 from greenroom.frames import STORE_RAW, FrameTransfers, frame_chunks
 from greenroom.integrity import (ALIGNMENT, EXTENT, align_up, check_sums, extent_sums, page_sums, verify_default,
@@ -204,6 +205,9 @@ class TransferEngine(FrameTransfers):
         # A write's sums are taken on one of these while its worker writes the same buffer
         # out: both only read it, and the worker's next chunk starts a hash sooner.
         self._hashers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-hash")
+        # The pieces of reads bound for the device (Note [copy while reading] of greenroom.frames).
+        self._piece_reads = cf.ThreadPoolExecutor(max_workers=frames.PIECES_IN_FLIGHT,
+                                                  thread_name_prefix="greenroom-read")
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: list[Transfer] = []
         self._driver = threading.Thread(target=self._drive, name="greenroom-io-driver", daemon=True)
@@ -254,6 +258,7 @@ class TransferEngine(FrameTransfers):
             self._driver.join()
             self._workers.shutdown(wait=True)
             self._hashers.shutdown(wait=True)
+            self._piece_reads.shutdown(wait=True)
 
     def __enter__(self) -> "TransferEngine":
         return self
