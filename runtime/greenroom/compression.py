@@ -35,15 +35,16 @@ remainders) byte planes split the exponent: bf16's high byte is the sign and sev
 exponent bits, its low byte the last exponent bit and the mantissa, so the one
 compressible field is cut in two and the sign sits with it. nvCOMP's ANS has a mode for
 16-bit floats (``data_type="<f2"``) that models the element itself; on the bench's
-trained bf16 weights (H200, nvCOMP 6.0.0.12, 64-byte headers and page padding counted)
-it stored them 1.454x smaller against 1.429x for byte planes (an order-0 entropy bound
-of the two byte planes: 1.482), but it stored the streamed step's bf16 Adam moments
-about 2 % larger than byte planes did. Neither mode wins on every kind of tensor, and
-the engine does not know what a frame holds, so a 2-byte frame is coded both ways (two
-GPU passes at about 25 GB/s each, against a disk of 2) and keeps the smaller: the 1e9
-bf16-moment step then stored 4.72 GB, against 4.84 GB in the 16-bit mode alone. Frames
-of the 16-bit mode carry their own codec id (``NVCOMP_F16_ID``), so a greenroom that
-predates them refuses the file in one line instead of decoding it as planes.
+trained bf16 weights (H200, nvCOMP 6.0.0.12 with its default chunks, 64-byte headers and
+page padding counted) it stored them 1.454x smaller against 1.429x for byte planes (an
+order-0 entropy bound of the two byte planes: 1.482), but it stored the streamed step's
+bf16 Adam moments about 2 % larger than byte planes did. Neither mode wins on every kind
+of tensor, and the engine does not know what a frame holds, so a 2-byte frame is coded
+both ways (two GPU passes at about 25 GB/s each, against a disk of 2) and keeps the
+smaller: the 1e9 bf16-moment step then stored 4.72 GB, against 4.84 GB in the 16-bit
+mode alone. Frames of the 16-bit mode carry their own codec id (``NVCOMP_F16_ID``), so a
+greenroom that predates them refuses the file in one line instead of decoding it as
+planes.
 
 Note [ANS chunks]: nvCOMP's ANS cuts its input into chunks (64 KiB by default), each
 with its own frequency table, and each chunk into sub-chunks (8 by default) with their
@@ -54,10 +55,10 @@ frame. Measured on the bench's trained state (H200, nvCOMP 6.0.0.12, 64 one-MiB 
 per call), 256 KiB chunks of 4 sub-chunks against the defaults: bf16 weights 1.458x ->
 1.504x (16-bit mode), bf16 exp_avg 1.410x -> 1.447x, bf16 exp_avg_sq 1.553x -> 1.586x
 (planes), fp32 master 1.156x -> 1.191x, fp32 exp_avg_sq 1.193x -> 1.223x (planes); 1 MiB
-chunks dropped fp32 planes to 1.08x. Decode stayed at 50-65 GB/s. The bitstream records
-how it was cut, so the decoder is built without these options: given a sub-chunk count
-smaller than the stream's, nvCOMP 6.0 decoded a payload of its defaults to wrong bytes
-without an error (files written before these options must still read).
+chunks dropped fp32 planes to 1.08x. Decode ran at 45-80 GB/s throughout. The bitstream
+records how it was cut, so the decoder is built without these options: given a sub-chunk
+count smaller than the stream's, nvCOMP 6.0 decoded a payload of its defaults to wrong
+bytes without an error (files written before these options must still read).
 
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
 the engine's position-weighted sums of the stored bytes (a flipped bit on the disk), the

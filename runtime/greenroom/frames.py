@@ -182,9 +182,10 @@ class FrameTransfers:
                     packed = torch.empty(runs[-1][1] - low, dtype=torch.uint8, device=device)
                 pieces = [(at, min(stop, at + READ_PIECE)) for start, stop in runs
                           for at in range(start, stop, READ_PIECE)]
-                reads = [self._piece_reads.submit(file.read, memoryview(arr[a:b]), chunk_offset + a)
-                         for a, b in pieces]
+                reads = []
                 try:
+                    for a, b in pieces:
+                        reads.append(self._piece_reads.submit(file.read, memoryview(arr[a:b]), chunk_offset + a))
                     for (a, b), read in zip(pieces, reads):
                         read.result()
                         with torch.cuda.stream(io_stream):
