@@ -125,6 +125,22 @@ def test_a_damaged_header_is_refused(tmp_path, zstd):
             engine.read(torch.empty_like(t), f, 0).wait()
 
 
+def test_a_device_frame_in_a_file_of_a_host_codec_is_refused(tmp_path, zstd, monkeypatch):
+    # A zstd file's frame whose header names nvcomp-ans: its bytes never went to the device,
+    # so it is refused in one line, not decoded. nvCOMP cannot load on a machine without
+    # CUDA, so the frame's codec is a stand-in that says it runs on the device.
+    t = _compressible(torch.float32, EXTENT // 4)
+    path = str(tmp_path / "state")
+    with StateFile(path, t.numel() * 4, compression=zstd, checksums="memory") as f, \
+            TransferEngine(CHUNK) as engine:
+        engine.write(t, f, 0).wait()
+        device_codec = type("DeviceCodec", (), {"name": "nvcomp-ans", "on_device": True})()
+        monkeypatch.setattr(compression, "codec_by_id", lambda codec_id, where: device_codec)
+        with pytest.raises(IntegrityError, match=r"state: frame at offset 0 of .*: the frame names codec "
+                                                 r"nvcomp-ans, but the file was opened for zstd"):
+            engine.read(torch.empty_like(t), f, 0).wait()
+
+
 def test_none_stores_the_bytes_exactly_as_before(tmp_path):
     # compression None: the file is the tensor's bytes, then the checksum table, with the
     # sizes the layout had before compression existed.
