@@ -259,14 +259,11 @@ class NvcompPlanes:
     def decode(self, packed: torch.Tensor, spans: list[tuple[int, int]], outs: list[torch.Tensor],
                layouts: list[tuple[int, int]], stream: torch.cuda.Stream, where: list[str]) -> None:
         """Decode the payloads at ``spans`` (``(offset, bytes)``, 16-byte aligned) of
-        ``packed``, a chunk's stored bytes (host or device), into ``outs`` (device, the
+        ``packed``, a chunk's stored bytes on the device, into ``outs`` (device, the
         frames' raw lengths); ``layouts`` are each frame's header codec id and element
-        size. A host ``packed`` goes to the device in one copy, and every payload is
-        decoded from its offset in it (not one small copy per frame). The stream is
-        synchronized."""
+        size. Every payload is decoded from its offset in ``packed`` (not one small copy
+        per frame). The stream is synchronized."""
         with self._lock, torch.cuda.stream(stream):
-            if packed.device.type != "cuda":
-                packed = packed.to(stream.device, non_blocking=True)  # one H2D copy of the whole run
             for half, group in _by_flag([codec_id == NVCOMP_F16_ID for codec_id, _ in layouts]):
                 batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [spans[k][0] for k in group],
                                                [spans[k][1] for k in group], stream.cuda_stream)
@@ -317,6 +314,7 @@ _BATCH_ALIGN = 256
 
 ANS_CHUNKS = {"uncomp_chunk_size": EXTENT // 4, "max_sub_chunk_count": 4}
 """How nvCOMP's ANS encoder cuts a frame (Note [ANS chunks])."""
+
 NVCOMP_F16_ID = 3
 """The header codec id of an ``nvcomp-ans`` frame coded in nvCOMP's 16-bit float mode."""
 
