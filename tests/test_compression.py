@@ -501,10 +501,11 @@ def _count_writes(monkeypatch) -> list:
     return calls
 
 
-def test_a_chunks_frames_are_packed_and_move_in_one_io(tmp_path, zstd, monkeypatch):
+def test_a_transfers_frames_are_packed_from_its_start_and_each_chunk_moves_in_one_io(tmp_path, zstd, monkeypatch):
     # Compressible and incompressible frames mixed in each chunk: raw frames after
     # compressed ones move back, compressed ones after raw ones follow them; each chunk is
-    # one write of its stored bytes from its own start, and every byte comes back.
+    # one write of its stored bytes, right after the previous chunk's (Note [compact
+    # transfers]), and every byte comes back.
     g = torch.Generator().manual_seed(5)
     frames = [_compressible(torch.uint8, EXTENT, k) if k % 3 else
               torch.randint(0, 256, (EXTENT,), dtype=torch.uint8, generator=g) for k in range(7)]
@@ -516,33 +517,31 @@ def test_a_chunks_frames_are_packed_and_move_in_one_io(tmp_path, zstd, monkeypat
         back = torch.empty_like(t)
         engine.read(back, f, 0).wait()
     assert torch.equal(back, t)
-    step = CHUNK // 4  # two frames per staging buffer
     places = [k * EXTENT - shift for k, (_, shift) in enumerate(record)]
-    assert [shift for k, (_, shift) in enumerate(record) if k * EXTENT % step == 0] == [0] * 4  # chunk starts
-    for k in range(1, len(record)):
-        if k * EXTENT % step:  # the second frame of a chunk: right after the first one's pages
-            assert places[k] == places[k - 1] + align_up(record[k - 1][0])
+    ends = [place + align_up(n) for place, (n, _) in zip(places, record)]
+    assert places == [0] + ends[:-1]  # one run from the transfer's start, no gaps
     assert record[0][0] == EXTENT and record[1][0] < EXTENT  # a raw frame, then a compressed one
-    assert sorted(calls) == [(k * step, align_up(record[2 * k][0]) + align_up(record[2 * k + 1][0]) if 2 * k + 1 <
-                              len(record) else align_up(record[2 * k][0])) for k in range(4)]
+    # Two frames per staging buffer (CHUNK // 4): one write per chunk, of both frames' pages.
+    assert sorted(calls) == [(places[k], ends[min(k + 1, len(record) - 1)] - places[k])
+                             for k in range(0, len(record), 2)]
 
 
-def test_a_reader_with_smaller_staging_than_the_writer_is_refused_larger_reads(tmp_path, zstd):
-    """Written with an 8 MiB chunk, read with 4: the line names both chunk sizes (it used to
-    name "this run's 1 MiB", one staging buffer, a size no flag takes; issue 30 case 9)."""
+def test_a_reader_with_smaller_or_larger_staging_than_the_writer_reads_every_byte(tmp_path, zstd):
+    """Written with an 8 MiB chunk, read with 16 and 4: a read places its chunks' stored
+    bytes back to back in its own buffers (Note [packed frames]), so any staging of at least
+    one frame per buffer reads the file (it used to refuse a smaller one in one line; issue
+    30 case 9). Under one frame per buffer it is still refused in one line."""
     t = _compressible(torch.float32, 4 * EXTENT // 4)
     path = str(tmp_path / "bucket")
     with StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f:
         with TransferEngine(CHUNK) as engine:
             engine.write(t, f, 0).wait()
-        back = torch.empty_like(t)
-        with TransferEngine(2 * CHUNK) as engine:
-            engine.read(back, f, 0).wait()
-        assert torch.equal(_bytes(back), _bytes(t))
-        with TransferEngine(CHUNK // 2) as engine, \
-                pytest.raises(ConfigError, match=r"staging buffers of at least 2 MiB each \(--offload-train-disk-"
-                                                 r"chunk-mb 8 or more\), larger than this run's 1 MiB each "
-                                                 r"\(--offload-train-disk-chunk-mb 4\)") as err:
+        for chunk in (2 * CHUNK, CHUNK // 2):
+            back = torch.empty_like(t)
+            with TransferEngine(chunk) as engine:
+                engine.read(back, f, 0).wait()
+            assert torch.equal(_bytes(back), _bytes(t)), chunk
+        with TransferEngine(CHUNK // 4) as engine, \
+                pytest.raises(ConfigError, match=r"compression needs staging buffers of at least 1 MiB") as err:
             engine.read(back, f, 0).wait()
     assert path in str(err.value) and "--offload-train-disk-chunk-mb" in str(err.value) and "\n" not in str(err.value)
-

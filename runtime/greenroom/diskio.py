@@ -122,6 +122,12 @@ class Transfer:
     """Of a write: a second file that gets the same stored bytes and table (an in-step
     checkpoint's copy, ``greenroom.optim.instep``)."""
     _finish: Callable[["Transfer"], None] | None = None
+    _next_frame: int = 0
+    """Of a compressed write: the first frame of the chunk to be placed next (Note
+    [compact transfers] of ``greenroom.frames``)."""
+    _cursor: int | None = None
+    """Of a compressed write: where the next chunk's stored bytes may start."""
+    _placing: threading.Condition = field(default_factory=threading.Condition)
     _remaining: int = 0
     _error: BaseException | None = None
     _reported: bool = False
@@ -145,6 +151,22 @@ class Transfer:
             last = self._remaining == 0
         if last:
             self._complete()
+
+    def _place(self, first_frame: int, count: int, own_place: int, stored_bytes: int, span: int) -> int:
+        """The file offset of the stored bytes of a written chunk of ``count`` frames from
+        ``first_frame``: right after those of the chunk before it (Note [compact transfers]
+        of ``greenroom.frames``), once that one is placed; at ``own_place`` for the first
+        chunk, or where a frame's shift could pass ``frames.MAX_SHIFT``. ``span`` is the
+        chunk's raw bytes, aligned."""
+        with self._placing:
+            self._placing.wait_for(lambda: self._next_frame == first_frame)
+            base = self._cursor
+            if base is None or own_place + span - base > frames.MAX_SHIFT:
+                base = own_place
+            self._cursor = base + stored_bytes
+            self._next_frame = first_frame + count
+            self._placing.notify_all()
+        return base
 
     def _complete(self) -> None:
         # The last chunk's thread records or checks the sums before anyone may use the
@@ -296,7 +318,7 @@ class TransferEngine(FrameTransfers):
                                      f"{file.label}: they were not written through greenroom's I/O engine "
                                      "since the file was opened, so they cannot be read")
             chunks = frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
-                                  buffers=len(self.staging.buffers), shifts=stored[:, 1].tolist())
+                                  buffers=len(self.staging.buffers), stored=stored[:, 0].tolist())
         transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
                             mirror=mirror, expected=expected, _finish=finish)
         ready = None

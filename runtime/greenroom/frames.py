@@ -1,15 +1,30 @@
 """Compressed transfers (``greenroom.compression``): frames packed per chunk, and their records.
 
 Note [packed frames]: a compressed file (``greenroom.compression``) is cut into frames,
-one per ``EXTENT``, and a chunk's frames are stored back to back from the chunk's own
-place, each at a page boundary: a chunk moves in one I/O of about its stored size,
-whatever each frame shrank to (stored at their own places, 1 MiB frames went out as
-~0.9 MB I/Os and ran slower than the raw chunk). Each frame's record holds its stored
-bytes and its *shift*, how far before its own place they start (0 for a chunk's first
-frame). A read's chunks start only at frames with shift 0, so a chunk's stored bytes
-always lie inside its own raw range and its staging buffer; a reader with smaller
-buffers than the writer's is refused in one line. Every frame's checksum covers its
-stored bytes at the offsets they were stored at.
+one per ``EXTENT``; a chunk's frames are stored back to back, each at a page boundary,
+and move in one I/O of their stored size (stored at their own places, 1 MiB frames went
+out as ~0.9 MB I/Os and ran slower than the raw chunk). Each frame's record holds its
+stored bytes and its *shift*, how far before its own place they start. A read places
+its chunk's stored bytes back to back in its staging buffer, wherever they lie in the
+file, so a frame's bytes there never start after its own place in the chunk: a host
+codec unpacks them in place, back to front; a device codec's chunk is cut by its stored
+bytes (its raw bytes never enter the buffer), so a reader takes any staging size, the
+writer's or not. Every frame's checksum covers its stored bytes at the offsets they
+were stored at.
+
+Note [compact transfers]: a write stores each chunk's frames right after the previous
+chunk's (``Transfer._place``), not at the chunk's own place, so a transfer's stored
+bytes are one run from its start: an 8 GiB bf16 actor that stores 5.7 GB reads back as
+5.7 GB of contiguous file, where stored at each chunk's own place it left a 20 MiB gap
+after every 44 MB. Every chunk's stored bytes still lie inside the transfer's own raw
+range (no frame stores more than its raw bytes), so a transfer never touches the bytes
+of another, and a unit or bucket rewritten whole fits where it was. A chunk is placed
+once the one before it is (chunks take their buffers in order, so the one before is
+already running); the first chunk, and one whose frames' shifts could pass
+``MAX_SHIFT`` (the record is an int32), start at their own place. On the H200 the raw
+disk read such a file at 4 requests of 32 or 64 MiB in flight 13-15 % faster than at
+8 of 16 MiB (``docs/benchmarks.md``, tenth session), and only a contiguous run gives
+a reader requests that large.
 
 Note [decode after the slot]: a read's device frames decode from their one device copy,
 after the chunk's staging buffer has gone back to the engine, so the next read into that
@@ -54,6 +69,9 @@ READ_PIECE = 16 << 20
 PIECES_IN_FLIGHT = 8
 """Reads of such pieces the engine keeps in flight, over all its buffers."""
 
+MAX_SHIFT = 1 << 30
+"""The furthest before its own place a write stores a frame (Note [compact transfers])."""
+
 STORE_RAW = 0  # the element size of a region a codec need not try (incompressible: stored as it is)
 
 
@@ -74,8 +92,9 @@ class FrameTransfers:
     def _write_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
         """Compress the chunk's frames and write them packed (Note [packed frames]): each a
         header and the payload, or the raw bytes where compression does not pay."""
-        error = sums = None
+        error = sums = base = None
         first = frames[0][3]
+        span = align_up(piece.numel())
         try:
             codec = file.compression
             buf = self.staging.buffers[slot]
@@ -125,28 +144,30 @@ class FrameTransfers:
                     at += align_up(lengths[-1])
             for place, n in zip(places, lengths):
                 buf[place + n:place + align_up(n)].zero_()  # deterministic padding in the frame's own pages
+            base = transfer._place(first, len(frames), chunk_offset, at, span)
             transfer.stored[first:first + len(frames)] = torch.tensor(
-                [[n, pos - place] for (pos, _, _, _), n, place in zip(frames, lengths, places)], dtype=torch.int32)
-            runs = _merge([(place, place + align_up(n)) for place, n in zip(places, lengths)])
-            pending = None if transfer.sums is None else self._hashers.submit(_frame_sums, buf, chunk_offset,
-                                                                                 runs, lengths)
+                [[n, chunk_offset + pos - base - place] for (pos, _, _, _), n, place in zip(frames, lengths, places)],
+                dtype=torch.int32)
+            runs = [(0, at, base)]  # the frames' stored bytes, back to back
+            pending = None if transfer.sums is None else self._hashers.submit(_frame_sums, buf, runs, lengths)
             try:
-                for start, end in runs:
-                    file.write(memoryview(arr[start:end]), chunk_offset + start)
-                    if transfer.mirror is not None:
-                        transfer.mirror.write(memoryview(arr[start:end]), chunk_offset + start)
+                for target in (file, transfer.mirror):
+                    if target is not None:
+                        target.write(memoryview(arr[:at]), base)
             finally:
                 sums = None if pending is None else pending.result()  # before the buffer is released
         except BaseException as e:  # reported through Transfer.wait()
             error = e
+            if base is None:  # the chunks after this one are placed after its raw bytes
+                transfer._place(first, len(frames), chunk_offset, span, span)
         finally:
             self.staging.release(slot)
             transfer._chunk_finished(error, sums, first)
 
     def _read_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
-        """Read the chunk's stored bytes (Note [packed frames]), check them, decode, and fill
-        ``piece``; the staging slot goes back before the device frames decode (Note [decode
-        after the slot])."""
+        """Read the chunk's stored bytes (Note [packed frames]) back to back into its staging
+        buffer, check them, decode, and fill ``piece``; the staging slot goes back before the
+        device frames decode (Note [decode after the slot])."""
         error = sums = None
         first = frames[0][3]
         held = True
@@ -154,20 +175,25 @@ class FrameTransfers:
             buf = self.staging.buffers[slot]
             arr = buf.numpy()
             header = compression.HEADER_BYTES
-            lengths, places, end = [], [], 0
+            lengths, places, runs, end = [], [], [], 0
             for (pos, raw, _, _), (n, shift) in zip(frames, transfer.stored[first:first + len(frames)].tolist()):
-                place = pos - shift
-                if not 0 < n <= raw or (n < raw and n <= header) or shift % ALIGNMENT or not end <= place <= pos:
+                stored_at = chunk_offset + pos - shift
+                if not 0 < n <= raw or (n < raw and n <= header) or shift % ALIGNMENT or not end <= stored_at <= \
+                        chunk_offset + pos:
                     raise IntegrityError(f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}: the "
                                          f"file records {n} stored bytes at {shift} bytes before it for a frame of "
                                          f"{raw}: the record is damaged; stopped before using it: restart from the "
                                          "last checkpoint")
+                place = runs[-1][1] if runs else 0  # in the buffer: back to back, never after ``pos``
+                if runs and runs[-1][2] + runs[-1][1] - runs[-1][0] == stored_at:
+                    runs[-1][1] += align_up(n)
+                else:
+                    runs.append([place, place + align_up(n), stored_at])
                 lengths.append(n)
                 places.append(place)
-                end = place + align_up(n)
-            runs = _merge([(place, place + align_up(n)) for place, n in zip(places, lengths)])
+                end = stored_at + align_up(n)
+            stored_bytes = runs[-1][1]
             io_stream = packed = None
-            low = runs[0][0]
             to_device = file.compression.on_device and any(n < raw for (_, raw, _, _), n in zip(frames, lengths))
             if piece.is_cuda or to_device:
                 device = piece.device if piece.is_cuda else torch.device("cuda", torch.cuda.current_device())
@@ -179,24 +205,24 @@ class FrameTransfers:
                 # reading]); each payload decodes from its offset there, and the sums are
                 # taken there (Note [sums on the device]).
                 with torch.cuda.stream(io_stream):
-                    packed = torch.empty(runs[-1][1] - low, dtype=torch.uint8, device=device)
-                pieces = [(at, min(stop, at + READ_PIECE)) for start, stop in runs
+                    packed = torch.empty(stored_bytes, dtype=torch.uint8, device=device)
+                pieces = [(at, min(stop, at + READ_PIECE), stored_at + at - start) for start, stop, stored_at in runs
                           for at in range(start, stop, READ_PIECE)]
                 reads = []
                 try:
-                    for a, b in pieces:
-                        reads.append(self._piece_reads.submit(file.read, memoryview(arr[a:b]), chunk_offset + a))
-                    for (a, b), read in zip(pieces, reads):
+                    for a, b, at in pieces:
+                        reads.append(self._piece_reads.submit(file.read, memoryview(arr[a:b]), at))
+                    for (a, b, _), read in zip(pieces, reads):
                         read.result()
                         with torch.cuda.stream(io_stream):
-                            packed[a - low:b - low].copy_(buf[a:b], non_blocking=True)
+                            packed[a:b].copy_(buf[a:b], non_blocking=True)
                 finally:
                     cf.wait(reads)  # none may still fill the buffer once it is released
                 copied = torch.cuda.Event()
                 copied.record(io_stream)
             else:
-                for start, stop in runs:
-                    file.read(memoryview(arr[start:stop]), chunk_offset + start)
+                for start, stop, stored_at in runs:
+                    file.read(memoryview(arr[start:stop]), stored_at)
             on_device, on_host, device_layouts = [], [], []
             for (pos, raw, _, _), n, place in zip(frames, lengths, places):
                 if n == raw:
@@ -206,7 +232,7 @@ class FrameTransfers:
                 codec_id, size = compression.parse_header(arr[place:place + header].tobytes(), raw_bytes=raw,
                                                           stored_bytes=n, where=where)
                 codec = compression.codec_by_id(codec_id, where)
-                if codec.on_device and packed is None:
+                if codec.on_device != file.compression.on_device:
                     raise IntegrityError(f"{where}: the frame names codec {codec.name}, but the file was opened "
                                          f"for {getattr(file.compression, 'name', 'none')}: the bytes are damaged "
                                          "or another program wrote them; stopped before using them")
@@ -214,39 +240,43 @@ class FrameTransfers:
                 if codec.on_device:
                     device_layouts.append((codec_id, size))
             if packed is not None:
-                copied.synchronize()  # before host frames unpack over those bytes
+                copied.synchronize()  # before the buffer may be released
             elif transfer.sums is not None:  # of the stored bytes, before unpacking overwrites them
-                sums = _frame_sums(buf, chunk_offset, runs, lengths)
-            # Back to front, in place: a frame unpacks over the stored bytes of itself and
-            # of the frames after it (already unpacked), never of the frames before it.
-            for pos, raw, place, n, codec, size, where in reversed(on_host):
-                if codec is not None:
-                    codec.decode(memoryview(arr[place + header:place + n]), arr[pos:pos + raw], size, where)
-                elif place != pos:
-                    arr[pos:pos + raw] = arr[place:place + raw]
-            in_buffer = _merge([(pos, pos + raw) for pos, raw, _, _, _, _, _ in on_host])
+                sums = _frame_sums(buf, runs, lengths)
+            if packed is None:
+                # Back to front, in place: a frame unpacks over the stored bytes of itself and
+                # of the frames after it (already unpacked), never of the frames before it.
+                for pos, raw, place, n, codec, size, where in reversed(on_host):
+                    if codec is not None:
+                        codec.decode(memoryview(arr[place + header:place + n]), arr[pos:pos + raw], size, where)
+                    elif place != pos:
+                        arr[pos:pos + raw] = arr[place:place + raw]
+                copies = _merge([(pos, pos + raw, pos) for pos, raw, _, _, _, _, _ in on_host])
+            else:
+                # A device codec's chunk holds stored bytes only (``frame_chunks``): its raw
+                # frames go to ``piece`` from where they were read.
+                copies = _merge([(pos, pos + raw, place) for pos, raw, place, _, _, _, _ in on_host])
             if io_stream is not None:
                 with torch.cuda.stream(io_stream):
-                    for start, stop in in_buffer:
-                        piece[start:stop].copy_(buf[start:stop], non_blocking=True)
+                    for start, stop, source in copies:
+                        piece[start:stop].copy_(buf[source:source + stop - start], non_blocking=True)
                 io_stream.synchronize()  # the staging buffer is reused once released
             else:
-                for start, stop in in_buffer:
-                    piece[start:stop].copy_(buf[start:stop])
+                for start, stop, source in copies:
+                    piece[start:stop].copy_(buf[source:source + stop - start])
             self.staging.release(slot)
             held = False
             if packed is not None:
                 device_sums = None
                 if transfer.sums is not None:
                     with torch.cuda.stream(io_stream):
-                        device_sums = _frame_sums(packed, chunk_offset + low, [(a - low, b - low) for a, b in runs],
-                                                  lengths)
+                        device_sums = _frame_sums(packed, runs, lengths)
                 with torch.cuda.stream(io_stream):
                     outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
                                                                                    device=io_stream.device)
                             for pos, raw, _, _, _, _, _ in on_device]
                 if on_device:
-                    on_device[0][4].decode(packed, [(place + header - low, n - header)
+                    on_device[0][4].decode(packed, [(place + header, n - header)
                                                     for _, _, place, n, _, _, _ in on_device],
                                            outs, device_layouts, io_stream, [job[6] for job in on_device])
                 if device_sums is not None:
@@ -269,35 +299,39 @@ def _put_header(arr: np.ndarray, pos: int, codec_id: int, itemsize: int, raw: in
     arr[pos:pos + compression.HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
 
 
-def _frame_sums(buf: torch.Tensor, chunk_offset: int, runs: list[tuple[int, int]], lengths: list[int]) -> torch.Tensor:
+def _frame_sums(buf: torch.Tensor, runs: list, lengths: list[int]) -> torch.Tensor:
     """Each frame's checksum (Note [integrity]) of the bytes it stored, at the file offsets
-    they were stored at: one pass over each run of the chunk's buffer that moved in one I/O
-    (the runs hold the frames' aligned stored bytes back to back, in order)."""
-    pages = torch.cat([page_sums(buf[start:end], chunk_offset + start) for start, end in runs])
+    they were stored at: one pass over each run ``(start, stop, file offset)`` of the
+    chunk's buffer that moved in one I/O (the runs hold the frames' aligned stored bytes
+    back to back, in order)."""
+    pages = torch.cat([page_sums(buf[start:stop], stored_at) for start, stop, stored_at in runs])
     frame_of_page = torch.repeat_interleave(torch.arange(len(lengths)),
                                             torch.tensor([align_up(n) // ALIGNMENT for n in lengths]))
     return torch.zeros(len(lengths), dtype=torch.int64, device=buf.device).index_add_(
         0, frame_of_page.to(buf.device, non_blocking=True), pages)
 
 
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _merge(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Copies ``(start, stop, source)`` joined where both sides run on."""
     merged: list[list[int]] = []
-    for start, end in ranges:
-        if merged and merged[-1][1] == start:
-            merged[-1][1] = end
+    for start, stop, source in copies:
+        if merged and merged[-1][1] == start and merged[-1][2] + start - merged[-1][0] == source:
+            merged[-1][1] = stop
         else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
+            merged.append([start, stop, source])
+    return [(start, stop, source) for start, stop, source in merged]
 
 
 def frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile, *, buffers: int,
-                 shifts=None) -> list:
+                 stored=None) -> list:
     """The chunks of a transfer of a compressed file: whole frames (one per ``EXTENT`` of
-    the file that the transfer touches), at most ``step`` bytes together. Each chunk is
-    ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
+    the file that the transfer touches) that fit a ``step``-byte staging buffer. Each chunk
+    is ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
     index)])``; a frame's element size is that of the region it starts in, or 1 where it
-    does not divide the frame. A read passes the recorded ``shifts`` (Note [packed
-    frames]): its chunks start only at frames stored at their own place."""
+    does not divide the frame. A write's chunk holds at most ``step`` raw bytes. A read
+    passes the frames' ``stored`` bytes: its chunk holds at most ``step`` of them where
+    the codec decodes on the device (the raw bytes never enter the buffer), else at most
+    ``step`` raw bytes, which a host codec unpacks in place (Note [packed frames])."""
     if step < EXTENT:
         raise ConfigError(f"{file.path}: compression needs staging buffers of at least {EXTENT >> 20} MiB, got "
                           f"{step} bytes: raise --offload-train-disk-chunk-mb to {buffers * EXTENT >> 20} or more")
@@ -308,22 +342,16 @@ def frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: State
         size = next(s for at, s in reversed(element_sizes) if at <= start)
         frames.append((start, raw, size if size == STORE_RAW else 1 if raw % size else size))
         position = stop
+    if stored is not None and file.compression.on_device:
+        room = [align_up(n) for n in stored]
+    else:
+        room = [raw for _, raw, _ in frames]
     chunks, i = [], 0
     while i < len(frames):
-        j = i + 1
-        while j < len(frames) and frames[j][0] + frames[j][1] - frames[i][0] <= step:
+        j, need = i + 1, room[i]
+        while j < len(frames) and need + room[j] <= step:
+            need += room[j]
             j += 1
-        if shifts is not None and j < len(frames):
-            while j > i + 1 and shifts[j]:
-                j -= 1
-            if shifts[j]:
-                # The writer's chunk ran from frame i to the next frame at its own place.
-                k = next((k for k in range(j, len(frames)) if not shifts[k]), len(frames))
-                span = -(-(frames[k - 1][0] + frames[k - 1][1] - frames[i][0]) // (1 << 20))
-                raise ConfigError(f"{file.path}: {file.label} was written through staging buffers of at least "
-                                  f"{span} MiB each (--offload-train-disk-chunk-mb {span * buffers} or more), "
-                                  f"larger than this run's {step >> 20} MiB each (--offload-train-disk-chunk-mb "
-                                  f"{(step * buffers) >> 20}): resume with the chunk size of the run that wrote it")
         chunk_start = frames[i][0]
         chunk_end = frames[j - 1][0] + frames[j - 1][1]
         chunks.append((chunk_start, chunk_end - chunk_start,
