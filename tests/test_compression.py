@@ -297,15 +297,15 @@ def _nvcomp_or_skip():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("checksums", ["memory", "file"])
-@pytest.mark.parametrize("read_piece", [frames.READ_PIECE, 256 << 10])  # Note [copy while reading]
-def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path, checksums, read_piece, monkeypatch):
-    monkeypatch.setattr(frames, "READ_PIECE", read_piece)
+@pytest.mark.parametrize("device_reads", [frames.BESIDE_WRITES, frames.READS_ALONE,
+                                          frames.DeviceReads(piece=256 << 10, in_flight=3)])  # Note [copy while reading]
+def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path, checksums, device_reads):
     codec = _nvcomp_or_skip()
     for dtype, n in ((torch.float32, 3_000_001), (torch.bfloat16, 777_777), (torch.uint8, 5000)):
         t = _compressible(dtype, n).cuda()
         path = str(tmp_path / f"state-{n}")
         with StateFile(path, t.numel() * t.element_size(), checksums=checksums, compression=codec) as f, \
-                TransferEngine(CHUNK) as engine:
+                TransferEngine(CHUNK, device_reads=device_reads) as engine:
             engine.write(t, f, 0).wait()
             back, host = torch.empty_like(t), torch.empty(t.shape, dtype=t.dtype)
             engine.read(back, f, 0).wait()
@@ -327,7 +327,6 @@ def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp
     # Note [copy while reading]: a read's pieces run on the engine's pool; one that fails
     # fails the transfer, and no piece still fills the buffer the next chunk gets.
     codec = _nvcomp_or_skip()
-    monkeypatch.setattr(frames, "READ_PIECE", 256 << 10)
     t = _compressible(torch.bfloat16, 6 * EXTENT).cuda()
     real_read, calls = StateFile.read, []
 
@@ -338,7 +337,7 @@ def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp
         return real_read(self, buf, file_offset)
 
     with StateFile(str(tmp_path / "state"), t.numel() * 2, compression=codec) as f, \
-            TransferEngine(4 * EXTENT, depth=2) as engine:
+            TransferEngine(4 * EXTENT, depth=2, device_reads=frames.DeviceReads(piece=256 << 10, in_flight=8)) as engine:
         engine.write(t, f, 0).wait()
         back = torch.empty_like(t)
         monkeypatch.setattr(StateFile, "read", failing_read)
@@ -545,3 +544,70 @@ def test_a_reader_with_smaller_or_larger_staging_than_the_writer_reads_every_byt
                 pytest.raises(ConfigError, match=r"compression needs staging buffers of at least 1 MiB") as err:
             engine.read(back, f, 0).wait()
     assert path in str(err.value) and "--offload-train-disk-chunk-mb" in str(err.value) and "\n" not in str(err.value)
+
+
+def _chunk_starts(record: list, step: int) -> list:
+    """The frames a writer's chunk began with (two 1 MiB frames per 2 MiB buffer) and where
+    their stored bytes start relative to their own place (0: at it)."""
+    return [shift for k, (_, shift) in enumerate(record) if k * EXTENT % step == 0]
+
+
+def test_a_file_of_chunks_stored_at_their_own_places_still_reads(tmp_path, zstd, monkeypatch):
+    # The layout before compact transfers (Note [compact transfers]): every chunk's frames
+    # from the chunk's own place, a gap after each. MAX_SHIFT 0 writes exactly that; a
+    # reader of any staging size reads it back (files and checkpoints of earlier runs).
+    t = _compressible(torch.bfloat16, 7 * EXTENT // 2 + 1234)
+    monkeypatch.setattr(frames, "MAX_SHIFT", 0)
+    with StateFile(str(tmp_path / "state"), t.numel() * 2, compression=zstd, checksums="file") as f:
+        with TransferEngine(CHUNK) as engine:
+            engine.write(t, f, 0).wait()
+        record = f.recorded(0, align_up(t.numel() * 2))[1].tolist()
+        assert _chunk_starts(record, CHUNK // 4) == [0] * 4 and any(shift for _, shift in record)
+        monkeypatch.undo()
+        for chunk in (CHUNK // 2, CHUNK, 4 * CHUNK):
+            back = torch.empty_like(t)
+            with TransferEngine(chunk) as engine:
+                engine.read(back, f, 0).wait()
+            assert torch.equal(_bytes(back), _bytes(t)), chunk
+
+
+def test_a_chunk_is_stored_at_its_own_place_where_its_shift_would_pass_max_shift(tmp_path, zstd, monkeypatch):
+    t = _compressible(torch.float32, 12 * EXTENT // 4)
+    monkeypatch.setattr(frames, "MAX_SHIFT", 3 * EXTENT)
+    with StateFile(str(tmp_path / "state"), t.numel() * 4, compression=zstd) as f, TransferEngine(CHUNK) as engine:
+        engine.write(t, f, 0).wait()
+        record = f.recorded(0, t.numel() * 4)[1].tolist()
+        back = torch.empty_like(t)
+        engine.read(back, f, 0).wait()
+    assert torch.equal(_bytes(back), _bytes(t))
+    assert max(shift for _, shift in record) <= 3 * EXTENT
+    starts = _chunk_starts(record, CHUNK // 4)
+    assert starts[0] == 0 and 0 in starts[1:] and any(starts)  # compacted, then restarted at its own place
+
+
+@pytest.mark.parametrize("failing", ["encode", "write"])
+def test_a_failed_chunk_fails_the_transfer_and_the_chunks_after_it_are_still_placed(tmp_path, zstd, monkeypatch,
+                                                                                    failing):
+    # Each chunk is placed after the one before it (Transfer._place); a chunk that fails
+    # before it is placed (its encode) or after (its write) still hands the place on, so
+    # the transfer fails with its error instead of hanging, and the engine writes and
+    # reads on.
+    t = _compressible(torch.float32, 8 * EXTENT // 4)
+    owner = StateFile if failing == "write" else type(zstd)
+    real, calls = getattr(owner, failing), []
+
+    def fails_once(self, *args):
+        calls.append(args)
+        if len(calls) == 3:  # the second chunk's first frame (encode) or the third chunk (write)
+            raise OSError(28, "No space left on device")
+        return real(self, *args)
+
+    with StateFile(str(tmp_path / "state"), t.numel() * 4, compression=zstd) as f, TransferEngine(CHUNK) as engine:
+        monkeypatch.setattr(owner, failing, fails_once)
+        with pytest.raises(OSError, match="No space left on device"):
+            engine.write(t, f, 0).wait()
+        monkeypatch.setattr(owner, failing, real)
+        engine.write(t, f, 0).wait()
+        back = torch.empty_like(t)
+        engine.read(back, f, 0).wait()
+    assert torch.equal(_bytes(back), _bytes(t))

@@ -210,6 +210,8 @@ class TransferEngine(FrameTransfers):
         pin: pin the staging memory (default: when CUDA is available).
         verify: checksum every write and verify every read (Note [integrity]); default
             ``GREENROOM_VERIFY`` (on). Off is for measuring the cost only.
+        device_reads: how a compressed chunk bound for the device is read (Note [copy
+            while reading] of ``greenroom.frames``): ``BESIDE_WRITES`` or ``READS_ALONE``.
 
     Transfers are processed in submission order, chunk by chunk; a transfer submitted
     while another is in flight starts as soon as a buffer frees, so a read of the next
@@ -217,7 +219,7 @@ class TransferEngine(FrameTransfers):
     """
 
     def __init__(self, chunk_bytes: int, *, depth: int = DEFAULT_DEPTH, pin: bool | None = None,
-                 verify: bool | None = None) -> None:
+                 verify: bool | None = None, device_reads: frames.DeviceReads = frames.BESIDE_WRITES) -> None:
         self.verify = verify_default() if verify is None else verify
         self.staging = StagingBuffers(chunk_bytes, depth, pin=pin)
         self._thread = threading.local()  # each I/O thread's CUDA stream
@@ -228,7 +230,8 @@ class TransferEngine(FrameTransfers):
         # out: both only read it, and the worker's next chunk starts a hash sooner.
         self._hashers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-hash")
         # The pieces of reads bound for the device (Note [copy while reading] of greenroom.frames).
-        self._piece_reads = cf.ThreadPoolExecutor(max_workers=frames.PIECES_IN_FLIGHT,
+        self.device_reads = device_reads
+        self._piece_reads = cf.ThreadPoolExecutor(max_workers=device_reads.in_flight,
                                                   thread_name_prefix="greenroom-read")
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: list[Transfer] = []

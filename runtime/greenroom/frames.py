@@ -22,9 +22,9 @@ of another, and a unit or bucket rewritten whole fits where it was. A chunk is p
 once the one before it is (chunks take their buffers in order, so the one before is
 already running); the first chunk, and one whose frames' shifts could pass
 ``MAX_SHIFT`` (the record is an int32), start at their own place. On the H200 the raw
-disk read such a file at 4 requests of 32 or 64 MiB in flight 13-15 % faster than at
-8 of 16 MiB (``docs/benchmarks.md``, tenth session), and only a contiguous run gives
-a reader requests that large.
+disk read a contiguous file in 4 requests of 64 MiB at a time 18 % faster than in 8 of
+16 MiB (``docs/benchmarks.md``, tenth session), and only a contiguous run gives a
+reader requests that large (Note [copy while reading]).
 
 Note [decode after the slot]: a read's device frames decode from their one device copy,
 after the chunk's staging buffer has gone back to the engine, so the next read into that
@@ -35,22 +35,29 @@ runs, no read at all for 0.9 s of its 5.2 s, while the I/O threads queued for th
 twice as many I/O threads as buffers, so a thread that decodes does not hold back one
 that reads.
 
-Note [copy while reading]: a chunk bound for the device is read in ``READ_PIECE`` pieces
-by the engine's pool of ``PIECES_IN_FLIGHT`` readers, and each piece is copied to the
-device as soon as it is in, while the later ones are still read: the chunk's buffer is
-free soon after its last byte arrives. Read whole and then copied, the chunks' reads
-shared the disk, finished together and were then copied together, leaving the disk idle:
-on the H200 an 8 GiB wake had no read in flight (or one) for 12 ms of every 80, while
-three 44 MB copies crossed PCIe at once. Pieces read one after another by the chunk's
-own thread kept too few bytes in flight for that disk (4 MiB pieces: 0.67-0.71 of the
-raw probe's read rate; 8 MiB: 0.69-0.81); 16 MiB pieces, 8 in flight (128 MiB, half the
-default staging), kept all 8 in flight for 92 % of the wake, at the disk's own rate
-(1.8-2.2 GB/s against a probe's 2.1-2.3).
+Note [copy while reading]: a chunk bound for the device is read in pieces by the
+engine's own pool of readers (``DeviceReads``), and each piece is copied to the device as
+soon as it is in: the chunk's buffer is free soon after its last byte arrives. Read whole
+by the chunk's thread and then copied, the four chunks' reads of a wake shared the disk,
+finished together and were copied together: on the H200 no read (or one) was in flight
+for 12 ms of every 80. How large and how many the pieces are depends on what else the
+disk does. An engine that reads beside its own writes (a streamed step, the default
+``BESIDE_WRITES``) reads 16 MiB pieces, 8 in flight: all 8 were in flight for 92 % of a
+wake, and the step keeps its share of the disk against the write-backs. An engine whose
+reads have the disk alone (the actor's, whose wake only reads: ``READS_ALONE``) reads
+each chunk's stored bytes, contiguous since Note [compact transfers], in one request of
+up to 64 MiB, 4 in flight: the raw disk there read 4 x 64 MiB requests 18 % faster than
+8 x 16 MiB (three rounds; 7-33 %), and a wake read its stored bytes 13-15 % faster than
+the ninth session's (gaps, 16 MiB pieces, 8 in flight) in the same calls
+(``docs/benchmarks.md``, tenth session). With 64 MiB pieces on a streamed step too, one
+fp32-moment step ran at 0.83 of its bound against 0.58 for the ninth session's path in
+the same call, so the step keeps the default.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,11 +70,22 @@ from greenroom.integrity import ALIGNMENT, EXTENT, align_up, page_sums
 if TYPE_CHECKING:
     from greenroom.statefile import StateFile
 
-READ_PIECE = 16 << 20
-"""Bytes per read of a chunk bound for the device (Note [copy while reading])."""
+@dataclass(frozen=True)
+class DeviceReads:
+    """How a chunk bound for the device is read (Note [copy while reading])."""
 
-PIECES_IN_FLIGHT = 8
-"""Reads of such pieces the engine keeps in flight, over all its buffers."""
+    piece: int
+    """Bytes per read."""
+
+    in_flight: int
+    """Reads the engine keeps in flight, over all its buffers."""
+
+
+BESIDE_WRITES = DeviceReads(piece=16 << 20, in_flight=8)
+"""For an engine that reads while it writes (a streamed step's buckets): the default."""
+
+READS_ALONE = DeviceReads(piece=64 << 20, in_flight=4)
+"""For an engine whose reads have the disk to themselves (an actor's wake)."""
 
 MAX_SHIFT = 1 << 30
 """The furthest before its own place a write stores a frame (Note [compact transfers])."""
@@ -77,7 +95,7 @@ STORE_RAW = 0  # the element size of a region a codec need not try (incompressib
 
 class FrameTransfers:
     """The compressed chunks of ``TransferEngine`` (a base class: it uses the engine's
-    ``staging``, per-thread ``_thread`` and ``_hashers``)."""
+    ``staging``, per-thread ``_thread``, ``_hashers``, ``_piece_reads`` and ``device_reads``)."""
 
     def _io_stream(self, device: torch.device) -> torch.cuda.Stream:
         """This I/O thread's own stream on ``device``: codec kernels of concurrent chunks
@@ -206,8 +224,9 @@ class FrameTransfers:
                 # taken there (Note [sums on the device]).
                 with torch.cuda.stream(io_stream):
                     packed = torch.empty(stored_bytes, dtype=torch.uint8, device=device)
-                pieces = [(at, min(stop, at + READ_PIECE), stored_at + at - start) for start, stop, stored_at in runs
-                          for at in range(start, stop, READ_PIECE)]
+                step = self.device_reads.piece
+                pieces = [(at, min(stop, at + step), stored_at + at - start) for start, stop, stored_at in runs
+                          for at in range(start, stop, step)]
                 reads = []
                 try:
                     for a, b, at in pieces:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from greenroom import frames
 from greenroom.actor.fingerprint import fingerprint
 from greenroom.actor.tracking import Tracked
 from greenroom.diskio import StateFile, TransferEngine, align_up
@@ -129,7 +130,8 @@ class DiskMover:
                  compression=None) -> None:
         self.path = os.path.join(directory, STATE_FILE)
         self.compression = compression
-        self._engine = TransferEngine(chunk_bytes)
+        # A sleep only writes and a wake only reads: the wake's reads have the disk alone.
+        self._engine = TransferEngine(chunk_bytes, device_reads=frames.READS_ALONE)
         self._file: StateFile | None = None
         self._slots: dict[tuple, _Slot] = {}
         self.skip_clean = skip_clean
