@@ -3,10 +3,16 @@
 Used by the rank-dir and reclaim tests as the "live owner" (and, once SIGKILLed, the dead one).
 """
 
+import signal
 import sys
 import time
 
 from greenroom.rankdir import RankDir
+
+# The holder stands for a trainer started in the foreground, where Ctrl-C raises. A shell
+# starts background commands (``make test &``) with SIGINT ignored, the children inherit
+# that, and RankDir rightly leaves an ignored signal alone: the SIGINT test then hung.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 root, job, role, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 with RankDir(root, job=job, role=role, rank=rank) as rank_dir:
