@@ -297,8 +297,9 @@ def _nvcomp_or_skip():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("checksums", ["memory", "file"])
+# Note [copy while reading]: both settings, and pieces far smaller than a chunk.
 @pytest.mark.parametrize("device_reads", [frames.BESIDE_WRITES, frames.READS_ALONE,
-                                          frames.DeviceReads(piece=256 << 10, in_flight=3)])  # Note [copy while reading]
+                                          frames.DeviceReads(piece=256 << 10, in_flight=3)])
 def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path, checksums, device_reads):
     codec = _nvcomp_or_skip()
     for dtype, n in ((torch.float32, 3_000_001), (torch.bfloat16, 777_777), (torch.uint8, 5000)):
@@ -336,8 +337,9 @@ def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp
             raise OSError(5, "Input/output error")
         return real_read(self, buf, file_offset)
 
+    small_pieces = frames.DeviceReads(piece=256 << 10, in_flight=8)
     with StateFile(str(tmp_path / "state"), t.numel() * 2, compression=codec) as f, \
-            TransferEngine(4 * EXTENT, depth=2, device_reads=frames.DeviceReads(piece=256 << 10, in_flight=8)) as engine:
+            TransferEngine(4 * EXTENT, depth=2, device_reads=small_pieces) as engine:
         engine.write(t, f, 0).wait()
         back = torch.empty_like(t)
         monkeypatch.setattr(StateFile, "read", failing_read)

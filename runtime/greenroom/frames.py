@@ -70,6 +70,7 @@ from greenroom.integrity import ALIGNMENT, EXTENT, align_up, page_sums
 if TYPE_CHECKING:
     from greenroom.statefile import StateFile
 
+
 @dataclass(frozen=True)
 class DeviceReads:
     """How a chunk bound for the device is read (Note [copy while reading])."""
