@@ -613,3 +613,31 @@ def test_a_failed_chunk_fails_the_transfer_and_the_chunks_after_it_are_still_pla
         back = torch.empty_like(t)
         engine.read(back, f, 0).wait()
     assert torch.equal(_bytes(back), _bytes(t))
+
+
+def test_a_unit_rewritten_with_a_new_stored_size_leaves_its_neighbours_bytes(tmp_path, zstd):
+    # Note [compact transfers]: each unit's stored bytes start at its slot and stay inside
+    # it, so the middle unit going from compressible to incompressible (its stored bytes
+    # grow by half) and back, rewritten alone while its clean neighbours are skipped,
+    # never touches theirs.
+    from greenroom.actor.movers import DiskMover
+    from greenroom.actor.tracking import Tracked
+
+    tensors = [_compressible(torch.bfloat16, 3 * EXTENT // 2 + 2048 * k, seed=k) for k in range(3)]
+    units = [Tracked(storage=t.untyped_storage(), nbytes=t.numel() * 2, key=("unit", k))
+             for k, t in enumerate(tensors)]
+    kept = [t.clone() for t in tensors]
+    noise = torch.randint(-2 ** 15, 2 ** 15, (tensors[1].numel(),), dtype=torch.int16).view(torch.bfloat16)
+    mover = DiskMover(str(tmp_path), CHUNK, skip_clean=True, compression=zstd)
+    try:
+        for sleep, middle in enumerate((noise, kept[1] + 1, noise)):
+            tensors[1].copy_(middle)
+            moved = mover.save(units)
+            assert moved.clean == (0 if sleep == 0 else units[0].nbytes + units[2].nbytes)
+            for t in tensors:
+                t.zero_()
+            mover.restore(units)
+            assert torch.equal(_bytes(tensors[0]), _bytes(kept[0])) and torch.equal(_bytes(tensors[2]), _bytes(kept[2]))
+            assert torch.equal(_bytes(tensors[1]), _bytes(middle))
+    finally:
+        mover.close()
