@@ -194,9 +194,10 @@ class FrameTransfers:
             buf = self.staging.buffers[slot]
             arr = buf.numpy()
             header = compression.HEADER_BYTES
-            lengths, places, runs, end = [], [], [], 0
+            lengths, places, runs = [], [], []  # runs: [start, stop in the buffer, file offset]
             for (pos, raw, _, _), (n, shift) in zip(frames, transfer.stored[first:first + len(frames)].tolist()):
                 stored_at = chunk_offset + pos - shift
+                end = runs[-1][2] + runs[-1][1] - runs[-1][0] if runs else 0  # of the stored bytes so far, in the file
                 if not 0 < n <= raw or (n < raw and n <= header) or shift % ALIGNMENT or not end <= stored_at <= \
                         chunk_offset + pos:
                     raise IntegrityError(f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}: the "
@@ -204,13 +205,12 @@ class FrameTransfers:
                                          f"{raw}: the record is damaged; stopped before using it: restart from the "
                                          "last checkpoint")
                 place = runs[-1][1] if runs else 0  # in the buffer: back to back, never after ``pos``
-                if runs and runs[-1][2] + runs[-1][1] - runs[-1][0] == stored_at:
+                if runs and end == stored_at:
                     runs[-1][1] += align_up(n)
                 else:
                     runs.append([place, place + align_up(n), stored_at])
                 lengths.append(n)
                 places.append(place)
-                end = stored_at + align_up(n)
             stored_bytes = runs[-1][1]
             io_stream = packed = None
             to_device = file.compression.on_device and any(n < raw for (_, raw, _, _), n in zip(frames, lengths))
