@@ -89,12 +89,16 @@ while :; do
   wait "$step" || rc=$?
   kill -0 "$step" 2>/dev/null || break
 done
+# srun's own per-task exit lines are not a record (a signalled step can end without
+# them); its exit code is the highest of its tasks' (143: stopped by SIGTERM).
+echo "greenroom: the trainer's step exited with code $rc"
 
 if [ "$preempted" = 1 ]; then
   if [ "$GREENROOM_RESTART" -lt 3 ]; then
     reclaim || true
     echo "greenroom: requeueing job $SLURM_JOB_ID (restart $((GREENROOM_RESTART + 1)) of 3)"
-    scontrol requeue "$SLURM_JOB_ID"
+    # The exit reclaim would only repeat the one above, and a requeued job starts no step.
+    scontrol requeue "$SLURM_JOB_ID" && trap - EXIT
   else
     echo "greenroom: preempted after 3 restart(s); not requeueing"
   fi
