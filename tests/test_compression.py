@@ -13,24 +13,9 @@ import torch
 from greenroom import compression, frames
 from greenroom.diskio import EXTENT, StateFile, TransferEngine, align_up
 from greenroom.errors import CheckpointError, ConfigError, IntegrityError
+from tests.codec_support import CHUNK, as_bytes, compressible, zstd
 
-CHUNK = 8 << 20  # 2 MiB staging buffers: transfers span several chunks and frames
-
-
-@pytest.fixture(scope="module")
-def zstd():
-    return compression.resolve("zstd", cuda=False, chunk_bytes=CHUNK)[0]
-
-
-def _compressible(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.uint8:
-        return torch.randint(0, 4, (n,), dtype=torch.uint8, generator=g)  # 2 bits of entropy per byte
-    return (torch.randn(n, generator=g) * 1e-3).to(dtype)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+__all__ = ["zstd"]  # the fixture, imported for the tests below
 
 
 @pytest.mark.parametrize("direct", [None, False], ids=["o_direct_if_possible", "buffered"])
@@ -38,14 +23,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype, n", [(torch.float32, 3_000_001), (torch.bfloat16, 777_777), (torch.float16, 5),
                                       (torch.float64, 300_000), (torch.uint8, 4097), (torch.int32, EXTENT // 4)])
 def test_round_trips_are_bit_exact_for_every_dtype_and_odd_size(tmp_path, zstd, direct, checksums, dtype, n):
-    t = _compressible(dtype, n)
+    t = compressible(dtype, n)
     f = StateFile(str(tmp_path / "state"), t.numel() * t.element_size(), checksums=checksums, compression=zstd,
                   direct=direct)
     with f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
         back = torch.empty_like(t)
         engine.read(back, f, 0).wait()
-        assert torch.equal(_bytes(back), _bytes(t))
+        assert torch.equal(as_bytes(back), as_bytes(t))
         assert f.disk_bytes_read < f.disk_bytes_written + StateFile.table_bytes(f.size, compressed=True) + 1
         if n > 100_000:  # whole frames of low-entropy bytes shrink
             assert f.disk_bytes_written < t.numel() * t.element_size()
@@ -54,7 +39,7 @@ def test_round_trips_are_bit_exact_for_every_dtype_and_odd_size(tmp_path, zstd, 
 def test_a_transfer_at_an_unaligned_extent_offset_and_one_beside_it(tmp_path, zstd):
     # Two ranges of one file (the actor's offload file): the first ends inside an extent
     # that the second begins in, so frames of both live in one extent.
-    a, b = _compressible(torch.float32, 400_000, 1), _compressible(torch.bfloat16, 900_001, 2)
+    a, b = compressible(torch.float32, 400_000, 1), compressible(torch.bfloat16, 900_001, 2)
     off_b = align_up(a.numel() * 4)
     with StateFile(str(tmp_path / "state"), off_b + b.numel() * 2, compression=zstd) as f, \
             TransferEngine(CHUNK) as engine:
@@ -63,7 +48,7 @@ def test_a_transfer_at_an_unaligned_extent_offset_and_one_beside_it(tmp_path, zs
         back_a, back_b = torch.empty_like(a), torch.empty_like(b)
         engine.read(back_b, f, off_b).wait()
         engine.read(back_a, f, 0).wait()
-    assert torch.equal(_bytes(back_a), _bytes(a)) and torch.equal(_bytes(back_b), _bytes(b))
+    assert torch.equal(as_bytes(back_a), as_bytes(a)) and torch.equal(as_bytes(back_b), as_bytes(b))
 
 
 def test_an_incompressible_frame_is_stored_raw(tmp_path, zstd):
@@ -90,7 +75,7 @@ def test_a_corrupted_stored_frame_is_detected_naming_the_file_and_offset(tmp_pat
     # With verification on the engine's sums catch it; off (measurement only), the
     # codec's own checksum of the raw bytes still does.
     monkeypatch.setenv("GREENROOM_VERIFY", verify)
-    t = _compressible(torch.float32, 2 * EXTENT // 4)
+    t = compressible(torch.float32, 2 * EXTENT // 4)
     path = str(tmp_path / "state")
     with StateFile(path, t.numel() * 4, compression=zstd) as f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
@@ -111,7 +96,7 @@ def test_a_corrupted_stored_frame_is_detected_naming_the_file_and_offset(tmp_pat
 
 
 def test_a_damaged_header_is_refused(tmp_path, zstd):
-    t = _compressible(torch.float32, EXTENT // 4)
+    t = compressible(torch.float32, EXTENT // 4)
     path = str(tmp_path / "state")
     with StateFile(path, t.numel() * 4, compression=zstd, checksums="memory") as f, \
             TransferEngine(CHUNK, verify=False) as engine:
@@ -129,7 +114,7 @@ def test_a_device_frame_in_a_file_of_a_host_codec_is_refused(tmp_path, zstd, mon
     # A zstd file's frame whose header names nvcomp-ans: its bytes never went to the device,
     # so it is refused in one line, not decoded. nvCOMP cannot load on a machine without
     # CUDA, so the frame's codec is a stand-in that says it runs on the device.
-    t = _compressible(torch.float32, EXTENT // 4)
+    t = compressible(torch.float32, EXTENT // 4)
     path = str(tmp_path / "state")
     with StateFile(path, t.numel() * 4, compression=zstd, checksums="memory") as f, \
             TransferEngine(CHUNK) as engine:
@@ -144,7 +129,7 @@ def test_a_device_frame_in_a_file_of_a_host_codec_is_refused(tmp_path, zstd, mon
 def test_none_stores_the_bytes_exactly_as_before(tmp_path):
     # compression None: the file is the tensor's bytes, then the checksum table, with the
     # sizes the layout had before compression existed.
-    t = _compressible(torch.float32, 1_000_003)
+    t = compressible(torch.float32, 1_000_003)
     nbytes = t.numel() * 4
     assert StateFile.file_bytes(nbytes, checksums="file") == align_up(nbytes) + align_up(
         (align_up(nbytes) + EXTENT - 1) // EXTENT * 8)
@@ -254,14 +239,14 @@ def test_disk_offload_with_compression_restores_every_byte(disk_dir):
     with RankDir(str(disk_dir), role="actor", rank=0) as rank_dir:
         offloader = build_offloader(config, rank_dir, device="cpu", backend="portable", scope="tracked")
         with offloader:
-            weights = _compressible(torch.bfloat16, 3_000_000)
+            weights = compressible(torch.bfloat16, 3_000_000)
             noise = torch.randint(0, 256, (EXTENT + 5,), dtype=torch.uint8)
             expected = [weights.clone(), noise.clone()]
             offloader.track([weights, noise])
             for _ in range(2):
                 offloader.sleep()
                 offloader.wake()
-                assert torch.equal(_bytes(weights), _bytes(expected[0])) and torch.equal(noise, expected[1])
+                assert torch.equal(as_bytes(weights), as_bytes(expected[0])) and torch.equal(noise, expected[1])
             written = offloader.disk_bytes("written")
     assert written < 2 * (weights.numel() * 2 + noise.numel())  # two sleeps, the weights compressed
 
@@ -272,8 +257,9 @@ def test_plan_reports_the_expected_stored_bytes_beside_the_raw_size(disk_dir):
     import sys
 
     def plan(codec: str) -> dict:
-        out = subprocess.run([sys.executable, "-m", "greenroom.cli", "plan", "--offload-train", "--offload-train-target",
-                              "disk", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(disk_dir),
+        out = subprocess.run([sys.executable, "-m", "greenroom.cli", "plan", "--offload-train",
+                              "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
+                              "--offload-train-disk-dir", str(disk_dir),
                               "--params", "1e6", "--offload-train-disk-compression", codec, "--json"],
                              capture_output=True, text=True, check=True).stdout
         return json.loads(out)
@@ -303,7 +289,7 @@ def _nvcomp_or_skip():
 def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path, checksums, device_reads):
     codec = _nvcomp_or_skip()
     for dtype, n in ((torch.float32, 3_000_001), (torch.bfloat16, 777_777), (torch.uint8, 5000)):
-        t = _compressible(dtype, n).cuda()
+        t = compressible(dtype, n).cuda()
         path = str(tmp_path / f"state-{n}")
         with StateFile(path, t.numel() * t.element_size(), checksums=checksums, compression=codec) as f, \
                 TransferEngine(CHUNK, device_reads=device_reads) as engine:
@@ -311,7 +297,7 @@ def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path,
             back, host = torch.empty_like(t), torch.empty(t.shape, dtype=t.dtype)
             engine.read(back, f, 0).wait()
             engine.read(host, f, 0).wait()  # device-coded frames into a host tensor
-            assert torch.equal(_bytes(back), _bytes(t)) and torch.equal(_bytes(host), _bytes(t.cpu()))
+            assert torch.equal(as_bytes(back), as_bytes(t)) and torch.equal(as_bytes(host), as_bytes(t.cpu()))
             if n > 100_000:
                 assert _first_stored_frame(path).startswith(compression.MAGIC)
                 fd = os.open(path, os.O_RDWR)
@@ -328,7 +314,7 @@ def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp
     # Note [copy while reading]: a read's pieces run on the engine's pool; one that fails
     # fails the transfer, and no piece still fills the buffer the next chunk gets.
     codec = _nvcomp_or_skip()
-    t = _compressible(torch.bfloat16, 6 * EXTENT).cuda()
+    t = compressible(torch.bfloat16, 6 * EXTENT).cuda()
     real_read, calls = StateFile.read, []
 
     def failing_read(self, buf, file_offset):
@@ -347,7 +333,7 @@ def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp
             engine.read(back, f, 0).wait()
         monkeypatch.setattr(StateFile, "read", real_read)
         engine.read(back, f, 0).wait()
-        assert torch.equal(_bytes(back), _bytes(t))
+        assert torch.equal(as_bytes(back), as_bytes(t))
 
 
 @pytest.mark.gpu
@@ -356,9 +342,9 @@ def test_nvcomp_keeps_the_smaller_coding_of_a_16_bit_frame_and_reads_both(tmp_pa
     # mode and stores the smaller, under that mode's codec id; a chunk that mixes them
     # with 4-byte frames round-trips; a frame of either coding decodes.
     codec = _nvcomp_or_skip()
-    half = _compressible(torch.bfloat16, 3 * EXTENT // 2).cuda()
-    full = _compressible(torch.float32, 3 * EXTENT // 4 + 11).cuda()
-    state = torch.cat([_bytes(half), _bytes(full)])
+    half = compressible(torch.bfloat16, 3 * EXTENT // 2).cuda()
+    full = compressible(torch.float32, 3 * EXTENT // 4 + 11).cuda()
+    state = torch.cat([as_bytes(half), as_bytes(full)])
     path = str(tmp_path / "mixed")
     with StateFile(path, state.numel(), compression=codec) as f, TransferEngine(CHUNK) as engine:
         engine.write(state, f, 0, element_sizes=((0, 2), (half.numel() * 2, 4))).wait()
@@ -366,7 +352,7 @@ def test_nvcomp_keeps_the_smaller_coding_of_a_16_bit_frame_and_reads_both(tmp_pa
         engine.read(back, f, 0).wait()
         assert torch.equal(back, state)
     stream = torch.cuda.Stream()
-    frame = _bytes(half)[:EXTENT]
+    frame = as_bytes(half)[:EXTENT]
     sizes = {codec.id: codec._encode([frame], [2], stream, half=False)[0].numel(),
              compression.NVCOMP_F16_ID: codec._encode([frame], [2], stream, half=True)[0].numel()}
     magic, codec_id, itemsize, raw, payload = compression._HEADER.unpack_from(_first_stored_frame(path))
@@ -390,7 +376,7 @@ def test_nvcomp_decodes_frames_coded_with_nvcomps_default_chunks(tmp_path):
     from nvidia import nvcomp
 
     stream = torch.cuda.Stream()
-    frame = _bytes(_compressible(torch.bfloat16, EXTENT // 2).cuda())
+    frame = as_bytes(compressible(torch.bfloat16, EXTENT // 2).cuda())
     for codec_id, options in ((codec.id, {}), (compression.NVCOMP_F16_ID, {"data_type": "<f2"})):
         coded = codec._encode([frame], [2], stream, half=codec_id == compression.NVCOMP_F16_ID)[0]
         planes = frame if options else frame.view(-1, 2).t().contiguous().view(-1)
@@ -442,202 +428,3 @@ def test_bench_codec_times_the_codec_and_refuses_bad_input():
     assert result["encode_bytes_per_s"] > 0 and result["decode_bytes_per_s"] > 0
     bad = bench("--threads", "0")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--threads" in bad.stderr
-
-
-def _patch(path: str, offset: int, data: bytes) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.pwrite(fd, data, offset)
-    finally:
-        os.close(fd)
-
-
-def test_a_damaged_stored_size_or_shift_record_and_an_unknown_codec_are_refused(tmp_path, zstd):
-    # A bucket-style file (its table in it): the record of frame 0's stored bytes is
-    # overwritten with more than the frame holds; then, restored, frame 1's shift is made
-    # to point into frame 0's stored bytes; then, restored, the header names a codec this
-    # greenroom does not know. Each read stops in one line naming the file.
-    t = _compressible(torch.float32, 2 * EXTENT // 4)
-    path = str(tmp_path / "bucket")
-    with StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f, \
-            TransferEngine(CHUNK, verify=False) as engine:
-        engine.write(t, f, 0).wait()
-        record = f.table_offset + 2 * 8  # after the two extents' sums
-        with open(path, "rb") as raw:
-            raw.seek(record)
-            saved = raw.read(4)
-        _patch(path, record, (EXTENT + 5).to_bytes(4, "little"))
-        with pytest.raises(IntegrityError, match="the record is damaged") as err:
-            engine.read(torch.empty_like(t), f, 0).wait()
-        assert path in str(err.value) and "\n" not in str(err.value)
-        _patch(path, record, saved)
-        shift_of_second = record + 8 + 4  # after frame 0's pair and frame 1's stored bytes
-        with open(path, "rb") as raw:
-            raw.seek(shift_of_second)
-            saved = raw.read(4)
-        _patch(path, shift_of_second, EXTENT.to_bytes(4, "little"))
-        with pytest.raises(IntegrityError, match="the record is damaged") as err:
-            engine.read(torch.empty_like(t), f, 0).wait()
-        assert path in str(err.value) and "\n" not in str(err.value)
-        _patch(path, shift_of_second, saved)
-        _patch(path, 4, bytes([9]))  # the header's codec id
-        with pytest.raises(IntegrityError, match="names codec 9") as err:
-            engine.read(torch.empty_like(t), f, 0).wait()
-        assert path in str(err.value) and "\n" not in str(err.value)
-        back = torch.empty_like(t)
-        _patch(path, 4, bytes([compression.ZstdPlanes.id]))
-        engine.read(back, f, 0).wait()  # the file itself was never changed by the refusals
-    assert torch.equal(_bytes(back), _bytes(t))
-
-
-def _count_writes(monkeypatch) -> list:
-    calls = []
-    original = StateFile.write
-
-    def counted(self, buf, file_offset):
-        calls.append((file_offset, len(buf)))
-        return original(self, buf, file_offset)
-
-    monkeypatch.setattr(StateFile, "write", counted)
-    return calls
-
-
-def test_a_transfers_frames_are_packed_from_its_start_and_each_chunk_moves_in_one_io(tmp_path, zstd, monkeypatch):
-    # Compressible and incompressible frames mixed in each chunk: raw frames after
-    # compressed ones move back, compressed ones after raw ones follow them; each chunk is
-    # one write of its stored bytes, right after the previous chunk's (Note [compact
-    # transfers]), and every byte comes back.
-    g = torch.Generator().manual_seed(5)
-    frames = [_compressible(torch.uint8, EXTENT, k) if k % 3 else
-              torch.randint(0, 256, (EXTENT,), dtype=torch.uint8, generator=g) for k in range(7)]
-    t = torch.cat(frames + [_compressible(torch.uint8, 5000, 9)])
-    calls = _count_writes(monkeypatch)
-    with StateFile(str(tmp_path / "state"), t.numel(), compression=zstd) as f, TransferEngine(CHUNK) as engine:
-        engine.write(t, f, 0).wait()
-        record = f.recorded(0, align_up(t.numel()))[1].tolist()
-        back = torch.empty_like(t)
-        engine.read(back, f, 0).wait()
-    assert torch.equal(back, t)
-    places = [k * EXTENT - shift for k, (_, shift) in enumerate(record)]
-    ends = [place + align_up(n) for place, (n, _) in zip(places, record)]
-    assert places == [0] + ends[:-1]  # one run from the transfer's start, no gaps
-    assert record[0][0] == EXTENT and record[1][0] < EXTENT  # a raw frame, then a compressed one
-    # Two frames per staging buffer (CHUNK // 4): one write per chunk, of both frames' pages.
-    assert sorted(calls) == [(places[k], ends[min(k + 1, len(record) - 1)] - places[k])
-                             for k in range(0, len(record), 2)]
-
-
-def test_a_reader_with_smaller_or_larger_staging_than_the_writer_reads_every_byte(tmp_path, zstd):
-    """Written with an 8 MiB chunk, read with 16 and 4: a read places its chunks' stored
-    bytes back to back in its own buffers (Note [packed frames]), so any staging of at least
-    one frame per buffer reads the file (it used to refuse a smaller one in one line; issue
-    30 case 9). Under one frame per buffer it is still refused in one line."""
-    t = _compressible(torch.float32, 4 * EXTENT // 4)
-    path = str(tmp_path / "bucket")
-    with StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f:
-        with TransferEngine(CHUNK) as engine:
-            engine.write(t, f, 0).wait()
-        for chunk in (2 * CHUNK, CHUNK // 2):
-            back = torch.empty_like(t)
-            with TransferEngine(chunk) as engine:
-                engine.read(back, f, 0).wait()
-            assert torch.equal(_bytes(back), _bytes(t)), chunk
-        with TransferEngine(CHUNK // 4) as engine, \
-                pytest.raises(ConfigError, match=r"compression needs staging buffers of at least 1 MiB") as err:
-            engine.read(back, f, 0).wait()
-    assert path in str(err.value) and "--offload-train-disk-chunk-mb" in str(err.value) and "\n" not in str(err.value)
-
-
-def _chunk_starts(record: list, step: int) -> list:
-    """The frames a writer's chunk began with (two 1 MiB frames per 2 MiB buffer) and where
-    their stored bytes start relative to their own place (0: at it)."""
-    return [shift for k, (_, shift) in enumerate(record) if k * EXTENT % step == 0]
-
-
-def test_a_file_of_chunks_stored_at_their_own_places_still_reads(tmp_path, zstd, monkeypatch):
-    # The layout before compact transfers (Note [compact transfers]): every chunk's frames
-    # from the chunk's own place, a gap after each. MAX_SHIFT 0 writes exactly that; a
-    # reader of any staging size reads it back (files and checkpoints of earlier runs).
-    t = _compressible(torch.bfloat16, 7 * EXTENT // 2 + 1234)
-    monkeypatch.setattr(frames, "MAX_SHIFT", 0)
-    with StateFile(str(tmp_path / "state"), t.numel() * 2, compression=zstd, checksums="file") as f:
-        with TransferEngine(CHUNK) as engine:
-            engine.write(t, f, 0).wait()
-        record = f.recorded(0, align_up(t.numel() * 2))[1].tolist()
-        assert _chunk_starts(record, CHUNK // 4) == [0] * 4 and any(shift for _, shift in record)
-        monkeypatch.undo()
-        for chunk in (CHUNK // 2, CHUNK, 4 * CHUNK):
-            back = torch.empty_like(t)
-            with TransferEngine(chunk) as engine:
-                engine.read(back, f, 0).wait()
-            assert torch.equal(_bytes(back), _bytes(t)), chunk
-
-
-def test_a_chunk_is_stored_at_its_own_place_where_its_shift_would_pass_max_shift(tmp_path, zstd, monkeypatch):
-    t = _compressible(torch.float32, 12 * EXTENT // 4)
-    monkeypatch.setattr(frames, "MAX_SHIFT", 3 * EXTENT)
-    with StateFile(str(tmp_path / "state"), t.numel() * 4, compression=zstd) as f, TransferEngine(CHUNK) as engine:
-        engine.write(t, f, 0).wait()
-        record = f.recorded(0, t.numel() * 4)[1].tolist()
-        back = torch.empty_like(t)
-        engine.read(back, f, 0).wait()
-    assert torch.equal(_bytes(back), _bytes(t))
-    assert max(shift for _, shift in record) <= 3 * EXTENT
-    starts = _chunk_starts(record, CHUNK // 4)
-    assert starts[0] == 0 and 0 in starts[1:] and any(starts)  # compacted, then restarted at its own place
-
-
-@pytest.mark.parametrize("failing", ["encode", "write"])
-def test_a_failed_chunk_fails_the_transfer_and_the_chunks_after_it_are_still_placed(tmp_path, zstd, monkeypatch,
-                                                                                    failing):
-    # Each chunk is placed after the one before it (Transfer._place); a chunk that fails
-    # before it is placed (its encode) or after (its write) still hands the place on, so
-    # the transfer fails with its error instead of hanging, and the engine writes and
-    # reads on.
-    t = _compressible(torch.float32, 8 * EXTENT // 4)
-    owner = StateFile if failing == "write" else type(zstd)
-    real, calls = getattr(owner, failing), []
-
-    def fails_once(self, *args):
-        calls.append(args)
-        if len(calls) == 3:  # the second chunk's first frame (encode) or the third chunk (write)
-            raise OSError(28, "No space left on device")
-        return real(self, *args)
-
-    with StateFile(str(tmp_path / "state"), t.numel() * 4, compression=zstd) as f, TransferEngine(CHUNK) as engine:
-        monkeypatch.setattr(owner, failing, fails_once)
-        with pytest.raises(OSError, match="No space left on device"):
-            engine.write(t, f, 0).wait()
-        monkeypatch.setattr(owner, failing, real)
-        engine.write(t, f, 0).wait()
-        back = torch.empty_like(t)
-        engine.read(back, f, 0).wait()
-    assert torch.equal(_bytes(back), _bytes(t))
-
-
-def test_a_unit_rewritten_with_a_new_stored_size_leaves_its_neighbours_bytes(tmp_path, zstd):
-    # Note [compact transfers]: each unit's stored bytes start at its slot and stay inside
-    # it, so the middle unit going from compressible to incompressible (its stored bytes
-    # grow by half) and back, rewritten alone while its clean neighbours are skipped,
-    # never touches theirs.
-    from greenroom.actor.movers import DiskMover
-    from greenroom.actor.tracking import Tracked
-
-    tensors = [_compressible(torch.bfloat16, 3 * EXTENT // 2 + 2048 * k, seed=k) for k in range(3)]
-    units = [Tracked(storage=t.untyped_storage(), nbytes=t.numel() * 2, key=("unit", k))
-             for k, t in enumerate(tensors)]
-    kept = [t.clone() for t in tensors]
-    noise = torch.randint(-2 ** 15, 2 ** 15, (tensors[1].numel(),), dtype=torch.int16).view(torch.bfloat16)
-    mover = DiskMover(str(tmp_path), CHUNK, skip_clean=True, compression=zstd)
-    try:
-        for sleep, middle in enumerate((noise, kept[1] + 1, noise)):
-            tensors[1].copy_(middle)
-            moved = mover.save(units)
-            assert moved.clean == (0 if sleep == 0 else units[0].nbytes + units[2].nbytes)
-            for t in tensors:
-                t.zero_()
-            mover.restore(units)
-            assert torch.equal(_bytes(tensors[0]), _bytes(kept[0])) and torch.equal(_bytes(tensors[2]), _bytes(kept[2]))
-            assert torch.equal(_bytes(tensors[1]), _bytes(middle))
-    finally:
-        mover.close()
