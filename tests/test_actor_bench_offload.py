@@ -34,6 +34,17 @@ def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target
         # The untracked 1/64 GiB moved too (bit_exact checks it came back).
         assert cycle["sleep_copied"] >= result["bytes"] == (1 << 30) // 32 + (1 << 30) // 64
         assert cycle["sleep_ratio"] > 0 and cycle["wake_ratio"] > 0 and cycle["bound"]
+    # One more probe after the last cycle: each cycle's bracketed ratio lies between its
+    # ratios against the probe before it and the one after it.
+    for before, cycle in zip(result["cycles"], result["cycles"][1:]):
+        assert before["bound_after"] == cycle["bound"]
+    keys = ("write_bytes_per_s", "read_bytes_per_s") if target == "disk" else ("out_bytes_per_s", "in_bytes_per_s")
+    for cycle in result["cycles"]:
+        for phase, key in zip(("sleep", "wake"), keys):
+            rate = cycle[f"{phase}_bytes_per_s"]
+            ends = sorted(b[key] / rate for b in (cycle["bound"], cycle["bound_after"]))
+            assert ends[0] <= cycle[f"{phase}_time_ratio_bracketed"] <= ends[1]
+    assert result["wake_time_ratio_bracketed"] == max(c["wake_time_ratio_bracketed"] for c in result["cycles"][1:])
     assert result["sleep_ratio"] == result["cycles"][1]["sleep_ratio"]
     assert result["wake_ratio"] == result["cycles"][1]["wake_ratio"]
     if target == "disk":

@@ -125,6 +125,12 @@ def test_bench_stream_bf16_params_without_a_codec_move_ten_bytes_per_param(disk_
     assert 10 <= r["disk_bytes_per_param"] <= 10.05
     assert r["disk_bytes_read"] == r["disk_bytes_written"]
     assert r["full_master_bytes"] == 12 * 4_000_000
+    # A second probe after the steps: the ratio against the mean of both bounds lies
+    # between the ratios against each.
+    assert r["raw_after_read_bytes_per_s"] > 0 and r["raw_after_write_bytes_per_s"] > 0
+    after_bound = 12 * 4_000_000 * (1 / r["raw_after_read_bytes_per_s"] + 1 / r["raw_after_write_bytes_per_s"])
+    ratios = sorted((r["full_master_ratio"], r["step_seconds"] / after_bound))
+    assert ratios[0] <= r["full_master_ratio_bracketed"] <= ratios[1]
 
 
 def test_against_deepspeed_is_refused_in_one_line_where_it_cannot_run(disk_dir):

@@ -11,9 +11,13 @@ O_DIRECT threads writing and reading random bytes, ``greenroom.bench.disk.raw_ba
 for the disk target, a plain copy of the same tensors to one pinned buffer and back for
 the cpu target. For the disk, each cycle also reports the rate its stored bytes moved at
 over the probe's (``stored_write_ratio``, ``stored_read_ratio``): the part of a ratio
-that is greenroom's path and not the codec's. After the last wake every tensor is
-compared with ``torch.equal`` against a copy kept in memory the offloader never touches
-(the rollout region), so a fast but wrong backend cannot pass.
+that is greenroom's path and not the codec's. One more probe runs after the last cycle,
+so each cycle has a probe on either side (the next cycle's is its after) and is also
+judged against the mean of the raw seconds at both (``sleep_time_ratio_bracketed``,
+``wake_time_ratio_bracketed``): this disk drifts from one probe to the next, and the
+bracketed ratio tells a cycle's spread from the probe's. After the last wake every
+tensor is compared with ``torch.equal`` against a copy kept in memory the offloader
+never touches (the rollout region), so a fast but wrong backend cannot pass.
 """
 
 from __future__ import annotations
@@ -169,6 +173,9 @@ def measure(args: argparse.Namespace) -> dict:
                                "peak_host_rss": sampler.reset_peak(), "asleep_host_rss": asleep_rss,
                                "tms_pause_s": getattr(offloader, "pause_seconds", None),
                                "tms_resume_s": getattr(offloader, "resume_seconds", None)})
+            # One more probe after the last cycle: each cycle then has one on either side
+            # (the next cycle's is its after), and is also judged against their mean.
+            _bracket(cycles, bound(), (out_key, in_key))
             bit_exact = all(torch.equal(t, r) for t, r in zip(tensors, reference))
             backend = offloader.backend
             compression_line = resolve_compression(args.compression, cuda=device.type == "cuda",
@@ -192,10 +199,31 @@ def measure(args: argparse.Namespace) -> dict:
         # is faster than the disk, which only compression can give.
         "sleep_time_ratio": _time_ratio(min(c["sleep_ratio"] for c in steady)),
         "wake_time_ratio": _time_ratio(min(c["wake_ratio"] for c in steady)),
+        # The worst of the same cycles, each against the mean of its probes before and after.
+        "sleep_time_ratio_bracketed": _worst(c["sleep_time_ratio_bracketed"] for c in steady),
+        "wake_time_ratio_bracketed": _worst(c["wake_time_ratio_bracketed"] for c in steady),
         "host_rss_before": rss_before, "peak_host_rss": max(c["peak_host_rss"] for c in cycles),
         # The disk target's promise: host memory within the staging chunk plus 1 GiB.
         "host_rss_budget": (rss_before + args.chunk_mb * MIB + GIB) if args.target == "disk" else None,
     }
+
+
+def _bracket(cycles: list[dict], last_after: dict, keys: tuple[str, str]) -> None:
+    """Give each cycle the bound probed after it (the next cycle's, or ``last_after``) and
+    its sleep and wake seconds over the mean of the raw seconds at both probes for the
+    same bytes (None where nothing was copied)."""
+    afters = [c["bound"] for c in cycles[1:]] + [last_after]
+    for c, after in zip(cycles, afters):
+        c["bound_after"] = after
+        for phase, key in zip(("sleep", "wake"), keys):
+            rate = c[f"{phase}_bytes_per_s"]
+            c[f"{phase}_time_ratio_bracketed"] = (2 / (rate * (1 / c["bound"][key] + 1 / after[key]))
+                                                  if rate > 0 else None)
+
+
+def _worst(time_ratios) -> float | None:
+    known = [r for r in time_ratios if r is not None]
+    return max(known) if known else None
 
 
 def _time_ratio(rate_ratio: float) -> float | None:
@@ -240,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
     which = "cycles 2.." if len(r["cycles"]) > 1 else "the cycle"
     print(f"  worst of {which} vs its bound: sleep {r['sleep_ratio']:.2f}, wake {r['wake_ratio']:.2f}; "
           f"bit-exact: {r['bit_exact']}; {r['compression']} ({r['state']} state)")
+    if r["sleep_time_ratio_bracketed"] is not None and r["wake_time_ratio_bracketed"] is not None:
+        print(f"  seconds over the raw seconds, worst of {which}, against the mean of the probes before and after "
+              f"each (one more probe after the last): sleep {r['sleep_time_ratio_bracketed']:.2f}, "
+              f"wake {r['wake_time_ratio_bracketed']:.2f}")
     if r["host_rss_budget"] is not None:
         verdict = "within" if r["peak_host_rss"] <= r["host_rss_budget"] else "OVER"
         print(f"  peak host RSS {r['peak_host_rss'] / GB:.2f} GB, {verdict} the budget "

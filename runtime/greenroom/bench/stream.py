@@ -10,6 +10,9 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
   (pinned) host memory and only the rest moves through the disk (run it at 0 and at half
   the state to see what the host tier buys);
 - the disk bound ``read / raw read bw + written / raw write bw`` and the ratio step/bound;
+  beside the whole-master ratio, the same against the mean of the bounds at that probe
+  and at a second one right after the steps (``full_master_ratio_bracketed``): this disk
+  drifts between probes, and a bracketed bound tells the step's spread from the probe's;
 - peak device memory during the step above what the params and grads hold (flat in N:
   the store's two bucket slots, the scratch, the kernel's temporaries), and during init;
 - peak host RSS (sampled) and page-cache growth (``Cached`` in /proc/meminfo);
@@ -220,6 +223,9 @@ def measure(args: argparse.Namespace) -> dict:
                                   # All the process holds, params and grads too: what a peer reports.
                                   "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None})
             rss_phases["steps"] = _rss_now()
+            # This disk's speed drifts from one probe to the next: a second probe right
+            # after the steps brackets them (reported beside the headline, which keeps the first).
+            raw_after = raw_bandwidth(rank_dir.subdir("raw"), max(args.raw_size, 1 << 20))
             pinned = _pinned_host_stats() if cuda else None
             checkpoint = None
             if args.checkpoint and args.checkpoint_dir is not None:
@@ -250,6 +256,7 @@ def measure(args: argparse.Namespace) -> dict:
                   if raw.mixed_read_bytes_per_s else None)
     full_bytes = n * streamed_bytes_per_param(args.moment_dtype, master_on_disk=args.param_dtype == "bf16")
     full_bound = full_bytes / raw.read_bytes_per_s + full_bytes / raw.write_bytes_per_s
+    full_bound_after = full_bytes / raw_after.read_bytes_per_s + full_bytes / raw_after.write_bytes_per_s
     staging = args.chunk_mb * MIB
     return {
         "params": n, "param_dtype": args.param_dtype, "moment_dtype": args.moment_dtype, "device": str(device),
@@ -276,6 +283,10 @@ def measure(args: argparse.Namespace) -> dict:
         "master_layout": args.master_layout, "disk_bytes_per_param": last["disk_bytes_read"] / n,
         "full_master_bytes": full_bytes, "full_master_bound_seconds": full_bound,
         "full_master_ratio": last["seconds"] / full_bound,
+        "raw_after_read_bytes_per_s": raw_after.read_bytes_per_s,
+        "raw_after_write_bytes_per_s": raw_after.write_bytes_per_s,
+        # Against the mean of the whole-master bounds at the probes before and after the steps.
+        "full_master_ratio_bracketed": last["seconds"] / ((full_bound + full_bound_after) / 2),
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
         "peak_device_total_bytes": max((s["peak_device_total_bytes"] for s in steps), default=None) if cuda else None,
         "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
@@ -459,7 +470,9 @@ def run(args: argparse.Namespace) -> int:
               f"{r['overlapped_bound_seconds']:.2f} s, step / it {r['overlapped_ratio']:.2f}")
     print(f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param each way; step / bound of "
           f"the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} B/param "
-          f"({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}")
+          f"({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}; with a probe after the steps "
+          f"too (read {r['raw_after_read_bytes_per_s'] / GB:.2f}, write {r['raw_after_write_bytes_per_s'] / GB:.2f} "
+          f"GB/s), against the mean of both bounds {r['full_master_ratio_bracketed']:.2f}")
     print(f"{r['compression']}; {r['state']} state: on disk read {r['disk_bytes_read'] / GB:.2f} GB, written "
           f"{r['disk_bytes_written'] / GB:.2f} GB per step ({r['stored_ratio']:.2f}x smaller than the state); "
           f"1000 steps write {r['disk_bytes_written_per_1000_steps'] / 1e12:.2f} TB")
