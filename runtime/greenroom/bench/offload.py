@@ -216,9 +216,9 @@ def _bracket(cycles: list[dict], last_after: dict, keys: tuple[str, str]) -> Non
     for c, after in zip(cycles, afters):
         c["bound_after"] = after
         for phase, key in zip(("sleep", "wake"), keys):
-            rate = c[f"{phase}_bytes_per_s"]
-            c[f"{phase}_time_ratio_bracketed"] = (2 / (rate * (1 / c["bound"][key] + 1 / after[key]))
-                                                  if rate > 0 else None)
+            # The rate over the harmonic mean of the two probes' rates.
+            rate_ratio = c[f"{phase}_bytes_per_s"] * (1 / c["bound"][key] + 1 / after[key]) / 2
+            c[f"{phase}_time_ratio_bracketed"] = _time_ratio(rate_ratio)
 
 
 def _worst(time_ratios) -> float | None:
