@@ -26,6 +26,7 @@ from greenroom.config import OffloadConfig
 from greenroom.errors import GreenroomError
 from greenroom.megatron import checks
 from greenroom.megatron.optimizer import StreamingDistributedOptimizer, StreamingSettings, streaming
+from greenroom.optim import DEFAULT_BUCKET_NUMEL
 
 
 def _config(**overrides) -> OptimizerConfig:
@@ -96,7 +97,7 @@ def test_streaming_block_swaps_megatrons_class_only_while_it_lasts(disk_dir):
     with streaming(_offload(disk_dir), rank_dir=None) as settings:
         assert mcore_optimizer.DistributedOptimizer is StreamingDistributedOptimizer
         assert issubclass(StreamingDistributedOptimizer, stock)
-        assert settings.bucket_numel == 200_000_000
+        assert settings.bucket_numel == DEFAULT_BUCKET_NUMEL == 100_000_000
     assert mcore_optimizer.DistributedOptimizer is stock
 
 

@@ -7,6 +7,7 @@ import torch
 
 from greenroom.config import OffloadConfig
 from greenroom.optim import StreamingAdam
+from greenroom.optim.layout import DEVICE_BUFFERS
 from greenroom.rankdir import RankDir
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, step_beside_fp32_masters, twins
 
@@ -153,6 +154,53 @@ def test_initialization_holds_one_bucket(disk_dir):
     # after init only one slot (one bucket file's bytes) exists, and the fp32 scratch a
     # bucket's masters are rebuilt in from their remainders: not the whole state
     assert opt.store.device_bytes() == opt.store.max_bucket_bytes + 4 * 20_000 < opt.store.state_bytes / 2
+    opt.close()
+
+
+def test_a_step_holds_three_buffers_and_reads_ahead_past_the_last_write_back(disk_dir):
+    # Three bucket buffers (optim.layout.DEVICE_BUFFERS): the read of bucket k waits for
+    # the write-back of bucket k-3 only, never for that of k-2 (which may still be draining).
+    params = [torch.nn.Parameter(torch.randn(10_000)) for _ in range(5)]
+    opt = StreamingAdam(params, state_dir=disk_dir, bucket_numel=10_000, resident_numel=0)
+    store = opt.store
+    assert DEVICE_BUFFERS == 3 and len(store.buckets) == 5
+    events = []
+    submit_read, submit_write = store._submit_read, store._submit_write
+
+    def read(index, buffer):
+        events.append(("read", index))
+        return submit_read(index, buffer)
+
+    def write(index, buffer, checkpoint, fresh):
+        submit_write(index, buffer, checkpoint, fresh)
+        transfer = buffer.write
+
+        class Waited:
+            def wait(self):
+                events.append(("waited", index))
+                return transfer.wait()
+        buffer.write = Waited()
+
+    store._submit_read, store._submit_write = read, write
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert [e for e in events if e[0] == "read"] == [("read", k) for k in range(5)]
+    assert not any(e[0] == "waited" for e in events[:events.index(("read", 2))])  # three reads before any wait
+    for k in range(3, 5):
+        before = events[:events.index(("read", k))]
+        assert ("waited", k - 3) in before and ("waited", k - 2) not in before, events
+    assert store.device_bytes() == 3 * store.max_bucket_bytes
+    opt.close()
+
+
+def test_a_store_of_two_buckets_holds_two_buffers(disk_dir):
+    params = [torch.nn.Parameter(torch.randn(10_000)) for _ in range(2)]
+    opt = StreamingAdam(params, state_dir=disk_dir, bucket_numel=10_000, resident_numel=0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.store.device_bytes() == 2 * opt.store.max_bucket_bytes
     opt.close()
 
 

@@ -17,7 +17,7 @@ from greenroom.config import OffloadFlags
 from tests.cli_support import greenroom, one_line_error
 
 GB = 1e9
-BUCKET_DEVICE_BYTES_FP32 = 200e6 * (2 * 12 + 4)  # two 200M-element buckets of 12 B + the fp32 grad scratch
+BUCKET_DEVICE_BYTES_FP32 = 100e6 * (3 * 12 + 4)  # three 100M-element buckets of 12 B + the fp32 grad scratch
 
 
 def plan(flags: dict, **layout) -> dict:
@@ -93,7 +93,7 @@ def test_7b_at_dp8():
     # Streaming with bf16 moments: 4 + 2 + 2 = 8 B/param on disk, 56 GB per rank, 448 GB per node.
     bf16 = plan({"stream_optimizer_state_to_disk": True, "stream_optimizer_state_moment_dtype": "bf16"}, **SEVEN_B)
     assert bf16["per_rank"]["disk"]["streaming"] == 56e9 and bf16["per_node"]["disk"]["total"] == 448e9
-    assert bf16["per_rank"]["gpu"]["with_streaming"] == 28e9 + 200e6 * (2 * 8 + 4)
+    assert bf16["per_rank"]["gpu"]["with_streaming"] == 28e9 + 100e6 * (3 * 8 + 4)
 
 
 SEVENTY_B = {"params": 70_000_000_000, "world_size": 64, "nproc_per_node": 8, "data_parallel": 8}

@@ -15,6 +15,7 @@ takes, and a run needs headroom beyond them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from greenroom.compression import expected_ratio
@@ -23,7 +24,7 @@ from greenroom.errors import ConfigError
 from greenroom.optim.footprint import (GRAD_BYTES, MASTER_BYTES, PARAM_BYTES, RESIDENT_MOMENT_BYTES, has_master,
                                        resident_optimizer_bytes_per_param, streamed_bytes_per_param,
                                        streaming_device_bytes)
-from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
+from greenroom.optim.layout import DEFAULT_BUCKET_NUMEL, DEVICE_BUFFERS
 
 SHARDINGS = ("none", "optimizer", "full")
 
@@ -94,8 +95,9 @@ def rank_budget(layout: Layout, config: OffloadFlags, codec: str | None) -> dict
                         + _stored(each_moment, codec, f"{moments} exp_avg")
                         + _stored(each_moment, codec, f"{moments} exp_avg_sq"))
     bucket = min(DEFAULT_BUCKET_NUMEL, opt_params)
+    buffers = min(DEVICE_BUFFERS, max(1, math.ceil(opt_params / DEFAULT_BUCKET_NUMEL)))
     gpu_resident = weights + grads + resident_optimizer
-    gpu_streaming = weights + grads + streaming_device_bytes(bucket, moments, master_on_disk=master)
+    gpu_streaming = weights + grads + streaming_device_bytes(bucket, moments, buffers=buffers, master_on_disk=master)
     # What a sleeping actor moves out: its weights and grads, and the optimizer state
     # when it lives on the device (streamed state is already on disk).
     actor = weights + grads + (0.0 if streaming else optimizer)

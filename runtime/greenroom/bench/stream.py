@@ -14,7 +14,7 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
   and at a second one right after the steps (``full_master_ratio_bracketed``): this disk
   drifts between probes, and a bracketed bound tells the step's spread from the probe's;
 - peak device memory during the step above what the params and grads hold (flat in N:
-  the store's two bucket slots, the scratch, the kernel's temporaries), and during init;
+  the store's three bucket slots, the scratch, the kernel's temporaries), and during init;
 - peak host RSS (sampled) and page-cache growth (``Cached`` in /proc/meminfo);
 - the bytes that really went to and came from the disk per step (below the state's
   bytes with ``--compression``), and what 1000 steps write (the SSD's wear);

@@ -21,7 +21,13 @@ from greenroom.errors import ConfigError
 from greenroom.optim import remainder
 from greenroom.optim.codecs import moment_codecs
 
-DEFAULT_BUCKET_NUMEL = 200_000_000
+DEFAULT_BUCKET_NUMEL = 100_000_000
+DEVICE_BUFFERS = 3
+"""Bucket buffers a step keeps on the device (``BucketStore.stream``): one updating, one
+reading ahead, and one whose write-back is still draining, so the next read never waits
+for the write before last. On the H200 three buffers of 1e8-element buckets ran the
+bf16-moment step of 1e9 params in 0.52 of its disk bound where two of 2e8 took 0.61, in
+less HBM (2.33 GB against 2.65; ``docs/benchmarks.md``, twelfth session)."""
 FILE_PATTERN = "bucket-{:05d}.bin"
 
 
@@ -179,4 +185,5 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
     return buckets
 
 
-__all__ = ["Bucket", "BucketState", "DEFAULT_BUCKET_NUMEL", "Entry", "FILE_PATTERN", "Segment", "build_buckets"]
+__all__ = ["Bucket", "BucketState", "DEFAULT_BUCKET_NUMEL", "DEVICE_BUFFERS", "Entry", "FILE_PATTERN", "Segment",
+           "build_buckets"]

@@ -3,7 +3,7 @@
 This is the engine that ``StreamingAdam`` and the Megatron integration share. Public API::
 
     entries = [Entry(name="w", shape=(4096, 4096), group=0, master=True), ...]
-    store = BucketStore(entries, directory, bucket_numel=200_000_000, moment_dtype="bf16",
+    store = BucketStore(entries, directory, bucket_numel=100_000_000, moment_dtype="bf16",
                         device=torch.device("cuda"), chunk_bytes=256 << 20)
     store.initialize(lambda i: tensors[i])   # fill masters bucket by bucket, moments zero
     for state in store.stream():             # or store.stream([indices of the buckets needed])
@@ -26,11 +26,13 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   file so that a checkpoint's copy carries it and a loaded one is verified on its first
   read); the moment segments use the ``codecs`` of ``moment_dtype``. ``store.layout()`` describes it
   all as JSON (the checkpoint manifest embeds it).
-- ``stream()`` keeps two device buffers of one bucket file each: while the caller updates
-  bucket i in one, the read of bucket i+1 fills the other, and the write-back of bucket
-  i-1 drains before that read starts (both through the one ``TransferEngine``, whose
-  staging is the chunk). Peak device memory is two bucket files plus, for narrow
-  moments, one fp32 bucket of each moment: flat in the total state size.
+- ``stream()`` keeps ``DEVICE_BUFFERS`` (three) device buffers of one bucket file each:
+  while the caller updates bucket i in one, the read of bucket i+1 fills another, and
+  the write-back of bucket i-1 may still drain from the third; only the write-back of
+  bucket i-2 must be over before the read of i+1 starts (all through the one
+  ``TransferEngine``, whose staging is the chunk). Peak device memory is three bucket
+  files plus, for narrow moments, one fp32 bucket of each moment: flat in the total
+  state size.
 - ``initialize()`` is bounded the same way: one bucket is assembled on the device,
   written to its final file, synced and its pages dropped before the next one starts;
   no copy of the whole state ever exists on the device or the host.
@@ -70,8 +72,8 @@ from greenroom.optim import remainder
 from greenroom.optim.bucket_files import BucketFiles, Replacement
 from greenroom.optim.codecs import moment_codecs
 from greenroom.optim.hostcache import HostCopy, host_memory, unpin
-from greenroom.optim.layout import (DEFAULT_BUCKET_NUMEL, FILE_PATTERN, Bucket, BucketState, Entry, Segment,
-                                    build_buckets)
+from greenroom.optim.layout import (DEFAULT_BUCKET_NUMEL, DEVICE_BUFFERS, FILE_PATTERN, Bucket, BucketState, Entry,
+                                    Segment, build_buckets)
 
 
 class StepCheckpoint(Protocol):
@@ -327,16 +329,16 @@ class BucketStore(BucketFiles):
             return
         linked = checkpoint is not None and checkpoint.links
         fresh = {} if linked else self._new_files([i for i in order if i not in self.host_cache])
-        buffers = [self._buffer(0), self._buffer(1)]
+        buffers = [self._buffer(i) for i in range(min(DEVICE_BUFFERS, len(order)))]
         pending = self._submit_read(order[0], buffers[0])
         failed = True
         try:
             for k, index in enumerate(order):
-                buffer = buffers[k % 2]
+                buffer = buffers[k % len(buffers)]
                 pending.wait()
                 if k + 1 < len(order):
-                    ahead = buffers[(k + 1) % 2]
-                    self._finish_write(ahead, checkpoint)  # bucket k-1 leaves that buffer before k+1 comes in
+                    ahead = buffers[(k + 1) % len(buffers)]
+                    self._finish_write(ahead, checkpoint)  # its last bucket leaves that buffer before k+1 comes in
                     pending = self._submit_read(order[k + 1], ahead)
                 state = self._decode(index, buffer)
                 yield state
