@@ -202,6 +202,28 @@ def test_resume_from_save_is_bit_exact(disk_dir, flags):
         assert refused.returncode == 2 and "--no-load-optim" in refused.stderr
 
 
+# A greenroom whose StreamingAdam defaulted to buckets of 2e8 elements (before the twelfth session).
+OLD_DEFAULT = ("import sys; from greenroom.optim import StreamingAdam; "
+               "StreamingAdam.__init__.__kwdefaults__['bucket_numel'] = 200_000_000; "
+               "from greenroom.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@needs_streaming
+def test_a_checkpoint_saved_with_the_old_default_bucket_size_resumes_bit_exactly(disk_dir):
+    base = [*SMALL[2:], "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
+            "--offload-train-disk-dir", os.path.join(disk_dir, "offload"), "--metrics", os.path.join(disk_dir, "m.jsonl")]
+    straight, first, resumed = (os.path.join(disk_dir, n) for n in ("straight", "first", "resumed"))
+    train([*base, "--iterations", "4", "--save", straight])
+    old = subprocess.run([sys.executable, "-c", OLD_DEFAULT, "train", *base, "--iterations", "2", "--save", first],
+                         env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert old.returncode == 0, old.stderr[-3000:]
+    with open(os.path.join(first, "rank00000", "optim", "manifest.json"), encoding="utf-8") as f:
+        assert json.load(f)["layout"]["bucket_numel"] == 200_000_000
+    result = train([*base, "--iterations", "4", "--load", first, "--save", resumed])
+    assert "resuming at iteration 3" in result.stdout
+    assert_same_state(load_state(straight), load_state(resumed))
+
+
 @needs_streaming
 def test_host_cache_trains_and_resumes_bit_identically_to_streaming_without_it(disk_dir):
     # bf16 params: every param streams (fp32 ones this small would stay resident).

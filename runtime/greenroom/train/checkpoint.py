@@ -26,6 +26,7 @@ the file. Resume is same-topology only, as for the streamed state.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 import zlib
@@ -61,6 +62,18 @@ def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def rank_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank:05d}")
+
+
+def saved_bucket_numel(directory: str, rank: int) -> int | None:
+    """The ``bucket_numel`` this rank's streamed state was saved with, so that a resumed run
+    builds the same layout even where the default changed since (2e8 before the twelfth
+    session, 1e8 now); None where it cannot be read, and the load then says what is wrong."""
+    try:
+        with open(os.path.join(rank_path(directory, rank), "optim", "manifest.json"), encoding="utf-8") as f:
+            numel = json.load(f)["layout"]["bucket_numel"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return numel if isinstance(numel, int) and not isinstance(numel, bool) and numel > 0 else None
 
 
 def _crc32(path: str) -> tuple[int, str]:

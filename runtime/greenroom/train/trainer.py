@@ -305,8 +305,13 @@ class Trainer:
             except ImportError:
                 raise GreenroomError("--stream-optimizer-state-to-disk needs greenroom.optim.StreamingAdam, "
                                      "which this install lacks") from None
-            optimizer = StreamingAdam.from_config(params, self.offload, self.rank_dir,
-                                                  lr=self.config.lr, weight_decay=self.config.weight_decay)
+            layout = {}
+            if self.config.load and not self.offload.no_load_optim:
+                saved = checkpoint.saved_bucket_numel(self.config.load, self.rank)
+                if saved is not None:
+                    layout["bucket_numel"] = saved
+            optimizer = StreamingAdam.from_config(params, self.offload, self.rank_dir, lr=self.config.lr,
+                                                  weight_decay=self.config.weight_decay, **layout)
             if hasattr(optimizer, "close"):
                 self._stack.callback(optimizer.close)
             return optimizer
