@@ -351,8 +351,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                             "where the nvCOMP wheel loads (the nvcomp extra), else none; zstd (host) is opt-in "
                             "(docs/compression.md)")
     group.add_argument("--stream-optimizer-state-to-disk", action="store_true",
-                       help="fp32 master params and Adam moments live in per-bucket files; one bucket at a time "
-                            "is on the GPU during the step")
+                       help="fp32 master params and Adam moments live in per-bucket files; the step updates one "
+                            "bucket at a time on the GPU (three in flight: one read ahead, one writing back)")
     group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",
                        help="storage dtype of the streamed Adam moments (fp32 is bit-identical to resident AdamW)")
     group.add_argument("--stream-optimizer-state-master-layout", choices=MASTER_LAYOUTS, default="remainder",
