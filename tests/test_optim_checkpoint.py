@@ -132,7 +132,8 @@ def test_refuses_other_moment_dtype(saved, disk_dir):
 
 def test_refuses_other_layout(saved, disk_dir):
     _, params, path = saved
-    with pytest.raises(CheckpointError, match="bucket_numel 2000, this run has 3000; build the optimizer with bucket_numel=2000"):
+    with pytest.raises(CheckpointError,
+                       match="bucket_numel 2000, this run has 3000; build the optimizer with bucket_numel=2000"):
         _load_into(path, params, os.path.join(disk_dir, "x"), bucket_numel=3000)
     other = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES[:-2] + [(9, 999), (100,)]]
     with pytest.raises(CheckpointError, match="layout differs at param 1.2"):

@@ -211,7 +211,8 @@ OLD_DEFAULT = ("import sys; from greenroom.optim import StreamingAdam; "
 @needs_streaming
 def test_a_checkpoint_saved_with_the_old_default_bucket_size_resumes_bit_exactly(disk_dir):
     base = [*SMALL[2:], "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
-            "--offload-train-disk-dir", os.path.join(disk_dir, "offload"), "--metrics", os.path.join(disk_dir, "m.jsonl")]
+            "--offload-train-disk-dir", os.path.join(disk_dir, "offload"),
+            "--metrics", os.path.join(disk_dir, "m.jsonl")]
     straight, first, resumed = (os.path.join(disk_dir, n) for n in ("straight", "first", "resumed"))
     train([*base, "--iterations", "4", "--save", straight])
     old = subprocess.run([sys.executable, "-c", OLD_DEFAULT, "train", *base, "--iterations", "2", "--save", first],

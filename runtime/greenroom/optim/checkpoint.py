@@ -476,8 +476,8 @@ def _verify_layout(path: str, saved: dict, ours: dict) -> None:
                               f"--offload-train-disk-compression {saved_codec}")
     if saved["bucket_numel"] != ours["bucket_numel"]:
         raise CheckpointError(f"{path}: layout differs: saved with bucket_numel {saved['bucket_numel']}, this run "
-                              f"has {ours['bucket_numel']}; build the optimizer with bucket_numel={saved['bucket_numel']} "
-                              "(greenroom train does so itself)")
+                              f"has {ours['bucket_numel']}; build the optimizer with "
+                              f"bucket_numel={saved['bucket_numel']} (greenroom train does so itself)")
     # Checkpoints written before masters could be remainders record no such field: whole masters.
     saved = {**saved, "entries": [{"remainder": False, **e} for e in saved["entries"]],
              "buckets": [{**b, "segments": {"fixups": None, **b["segments"]}} for b in saved["buckets"]]}

@@ -24,10 +24,11 @@ from greenroom.optim.codecs import moment_codecs
 DEFAULT_BUCKET_NUMEL = 100_000_000
 DEVICE_BUFFERS = 3
 """Bucket buffers a step keeps on the device (``BucketStore.stream``): one updating, one
-reading ahead, and one whose write-back is still draining, so the next read never waits
-for the write before last. On the H200 three buffers of 1e8-element buckets ran the
-bf16-moment step of 1e9 params in 0.52 of its disk bound where two of 2e8 took 0.61, in
-less HBM (2.33 GB against 2.65; ``docs/benchmarks.md``, twelfth session)."""
+reading ahead, and one whose write-back is still draining, so the read of bucket k+1
+waits for the write-back of bucket k-2 only, never for that of k-1. On the H200 three
+buffers of 1e8-element buckets ran the bf16-moment step of 1e9 params in 0.52 of its
+disk bound where two of 2e8 took 0.61, in less HBM (2.33 GB against 2.65;
+``docs/benchmarks.md``, twelfth session)."""
 FILE_PATTERN = "bucket-{:05d}.bin"
 
 
