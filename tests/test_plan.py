@@ -96,6 +96,17 @@ def test_7b_at_dp8():
     assert bf16["per_rank"]["gpu"]["with_streaming"] == 28e9 + 100e6 * (3 * 8 + 4)
 
 
+def test_a_state_of_fewer_buckets_than_buffers_is_sized_with_as_many_buffers():
+    # 150M params: two buckets (100M and 50M), so a step holds two bucket buffers, not three.
+    small = plan({"stream_optimizer_state_to_disk": True}, params=150_000_000, world_size=1, nproc_per_node=1,
+                 data_parallel=1)
+    assert small["per_rank"]["gpu"]["with_streaming"] == 150e6 * (2 + 2) + 100e6 * (2 * 12 + 4)
+    # 50M params: one bucket of 50M elements.
+    tiny = plan({"stream_optimizer_state_to_disk": True}, params=50_000_000, world_size=1, nproc_per_node=1,
+                data_parallel=1)
+    assert tiny["per_rank"]["gpu"]["with_streaming"] == 50e6 * (2 + 2) + 50e6 * (1 * 12 + 4)
+
+
 SEVENTY_B = {"params": 70_000_000_000, "world_size": 64, "nproc_per_node": 8, "data_parallel": 8}
 
 
