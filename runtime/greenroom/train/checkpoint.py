@@ -26,7 +26,6 @@ the file. Resume is same-topology only, as for the streamed state.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import zlib
@@ -37,6 +36,7 @@ from greenroom import publish
 from greenroom.errors import CheckpointError
 from greenroom.faults import kill_point
 from greenroom.log import get_logger
+from greenroom.optim.checkpoint import read_manifest
 from greenroom.optim.filecopy import PIECE
 from greenroom.tensors import local_tensor
 
@@ -69,9 +69,8 @@ def saved_bucket_numel(directory: str, rank: int) -> int | None:
     builds the same layout even where the default changed since (2e8 before the twelfth
     session, 1e8 now); None where it cannot be read, and the load then says what is wrong."""
     try:
-        with open(os.path.join(rank_path(directory, rank), "optim", "manifest.json"), encoding="utf-8") as f:
-            numel = json.load(f)["layout"]["bucket_numel"]
-    except (OSError, ValueError, KeyError, TypeError):
+        numel = read_manifest(os.path.join(rank_path(directory, rank), "optim"))["layout"].get("bucket_numel")
+    except CheckpointError:
         return None
     return numel if isinstance(numel, int) and not isinstance(numel, bool) and numel > 0 else None
 
