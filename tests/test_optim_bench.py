@@ -175,3 +175,29 @@ def test_bench_stream_checkpoint_dir_without_checkpoint_is_refused_in_one_line(d
     line = one_line_error(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint-dir", disk_dir,
                                     check_rc=2))
     assert "--checkpoint-dir needs --checkpoint" in line
+
+
+def test_the_trained_state_from_a_child_process_is_the_one_training_here_gives():
+    import dataclasses
+
+    import torch
+
+    from greenroom.bench.trained import train, train_apart
+
+    cpu = torch.device("cpu")
+    apart, here = train_apart(cpu, steps=2), train(cpu, steps=2)
+    assert apart.steps == here.steps == 2
+    for field in dataclasses.fields(here):
+        if field.name != "steps":
+            assert torch.equal(getattr(apart, field.name), getattr(here, field.name)), field.name
+
+
+def test_a_failed_child_training_is_one_line_naming_the_flag():
+    import torch
+
+    from greenroom.bench.trained import train_apart
+    from greenroom.errors import GreenroomError
+
+    with pytest.raises(GreenroomError) as err:
+        train_apart(torch.device("cuda", 99))  # no such device, with or without a GPU
+    assert "\n" not in str(err.value) and str(err.value).startswith("--state trained:")

@@ -21,7 +21,8 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
 - with ``--state trained``, the params, grads, masters and moments are those of a
   transformer trained 50 steps (``greenroom.bench.trained``), tiled to ``--params``:
   what a codec meets in training, where ``normal`` (the default) is N(0, 1) params and
-  grads with zero moments;
+  grads with zero moments; that training runs in a child process, so its libraries and
+  freed memory are not in the host RSS reported here (nor in ``--against``'s peer);
 - with ``--checkpoint``, after the timed steps: one step that writes a checkpoint from its
   own pass (``checkpoint_next_step``) between two plain steps, with its extra seconds
   over their mean, the extra bytes it read (0 when every bucket streams) and wrote, and
@@ -134,8 +135,7 @@ def _validate(args: argparse.Namespace) -> None:
         peer.check_deepspeed(args)
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
         raise ConfigError(f"--offload-train-disk-dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps "
-                          "the data in RAM; "
-                         "point it at node-local NVMe (or pass --allow-tmpfs for a test)")
+                          "the data in RAM; point it at node-local NVMe (or pass --allow-tmpfs for a test)")
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -156,9 +156,9 @@ def measure(args: argparse.Namespace) -> dict:
     sizes = [min(args.param_numel, n - start) for start in range(0, n, args.param_numel)]
     trained = None
     if args.state == "trained":
-        from greenroom.bench.trained import train
+        from greenroom.bench.trained import train_apart
 
-        trained = train(device)
+        trained = train_apart(device)  # the training's own libraries and garbage stay in its process
         flat_param = trained.tiled("master", n, dtype)
         flat_grad = trained.tiled("grad", n, dtype)
         params = [torch.nn.Parameter(t.clone()) for t in flat_param.split(sizes)]
@@ -279,7 +279,8 @@ def measure(args: argparse.Namespace) -> dict:
         "disk_bound_seconds": bound, "ratio": last["seconds"] / bound if bound else None,
         "raw_mixed_read_bytes_per_s": raw.mixed_read_bytes_per_s,
         "raw_mixed_write_bytes_per_s": raw.mixed_write_bytes_per_s,
-        "overlapped_bound_seconds": overlapped, "overlapped_ratio": last["seconds"] / overlapped if overlapped else None,
+        "overlapped_bound_seconds": overlapped,
+        "overlapped_ratio": last["seconds"] / overlapped if overlapped else None,
         "master_layout": args.master_layout, "disk_bytes_per_param": last["disk_bytes_read"] / n,
         "full_master_bytes": full_bytes, "full_master_bound_seconds": full_bound,
         "full_master_ratio": last["seconds"] / full_bound,
@@ -453,8 +454,9 @@ def run(args: argparse.Namespace) -> int:
               "host memory); the rest streams")
     print(f"raw disk (same run): read {r['raw_read_bytes_per_s'] / GB:.2f} GB/s, "
           f"write {r['raw_write_bytes_per_s'] / GB:.2f} GB/s")
-    print(f"init: {r['init_seconds']:.2f} s" + (f", peak device {r['init_peak_device_bytes'] / GB:.2f} GB"
-                                               if r["init_peak_device_bytes"] is not None else ""))
+    init_device = r["init_peak_device_bytes"]
+    print(f"init: {r['init_seconds']:.2f} s"
+          + (f", peak device {init_device / GB:.2f} GB" if init_device is not None else ""))
     for i, s in enumerate(r["steps"], 1):
         print(f"step {i}: {s['seconds']:.2f} s, state read {s['bytes_read'] / GB:.2f} GB + written "
               f"{s['bytes_written'] / GB:.2f} GB, on disk {s['disk_bytes'] / GB:.2f} GB, "
