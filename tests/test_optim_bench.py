@@ -23,7 +23,8 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
     # torch.save of the state dict reads the bucket files through their mappings: no anonymous copy
     assert r["state_dict"]["torch_save"]["anon_growth_bytes"] < r["chunk_bytes"] + (1 << 30)
     for key in ("step_seconds", "disk_bound_seconds", "ratio", "bytes_read", "bytes_written", "achieved_bytes_per_s",
-                "raw_read_bytes_per_s", "raw_write_bytes_per_s", "host_rss_peak_bytes", "page_cache_growth_bytes",
+                "raw_read_bytes_per_s", "raw_write_bytes_per_s", "host_rss_peak_bytes", "init_host_rss_peak_bytes",
+                "page_cache_growth_bytes",
                 "peak_device_step_bytes", "init_peak_device_bytes"):
         assert key in r
     # bf16 params: the master's low halves (2 B, and its bucket's fingerprints and room for
@@ -201,3 +202,13 @@ def test_a_failed_child_training_is_one_line_naming_the_flag():
     with pytest.raises(GreenroomError) as err:
         train_apart(torch.device("cuda", 99))  # no such device, with or without a GPU
     assert "\n" not in str(err.value) and str(err.value).startswith("--state trained:")
+
+
+def test_the_rss_ratio_beside_deepspeed_spans_init_and_steps_as_the_peers_peak_does():
+    from greenroom.bench.peer import ratios
+
+    ours = {"step_seconds": 3.0, "host_rss_peak_bytes": 100, "init_host_rss_peak_bytes": 150,
+            "peak_device_total_bytes": 20}
+    peer = {"step_seconds": 6.0, "host_rss_peak_bytes": 600, "peak_device_bytes": 10}
+    assert ratios(ours, peer) == {"step_ratio": 0.5, "host_rss_ratio": 0.25, "device_ratio": 2.0}
+    assert ratios({**ours, "init_host_rss_peak_bytes": 60}, peer)["host_rss_ratio"] == 100 / 600

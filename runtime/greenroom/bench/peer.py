@@ -49,11 +49,19 @@ def beside_deepspeed(args: argparse.Namespace, ours: dict) -> dict:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise GreenroomError(f"--against deepspeed: the DeepSpeed run failed (exit {proc.returncode}): {tail[0]}")
     peer = json.loads(lines[-1][len(PREFIX):])
-    peer["step_ratio"] = ours["step_seconds"] / peer["step_seconds"]
-    peer["host_rss_ratio"] = ours["host_rss_peak_bytes"] / peer["host_rss_peak_bytes"]
-    # Both all the process held on the device (params and grads included).
-    peer["device_ratio"] = ours["peak_device_total_bytes"] / peer["peak_device_bytes"]
-    return peer
+    return {**peer, **ratios(ours, peer)}
+
+
+def ratios(ours: dict, peer: dict) -> dict:
+    """greenroom's figures over the peer's, each side measured the same way."""
+    return {
+        "step_ratio": ours["step_seconds"] / peer["step_seconds"],
+        # The peer's peak spans its initialization and its steps: so does ours here.
+        "host_rss_ratio": (max(ours["host_rss_peak_bytes"], ours["init_host_rss_peak_bytes"])
+                           / peer["host_rss_peak_bytes"]),
+        # Both all the process held on the device (params and grads included).
+        "device_ratio": ours["peak_device_total_bytes"] / peer["peak_device_bytes"],
+    }
 
 
 def print_beside(r: dict) -> None:

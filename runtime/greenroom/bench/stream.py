@@ -291,6 +291,7 @@ def measure(args: argparse.Namespace) -> dict:
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
         "peak_device_total_bytes": max((s["peak_device_total_bytes"] for s in steps), default=None) if cuda else None,
         "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
+        "init_host_rss_peak_bytes": init_host.peak,  # the optimizer's construction (and its first writes)
         # Where the host memory went: RSS and its anonymous part after each phase, and
         # torch's pinned host allocator (which rounds a block up to a power of two).
         "host_rss_phases": rss_phases, "pinned_host": pinned,
@@ -497,7 +498,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{(r['chunk_bytes'] + (1 << 30)) / GB:.2f} GB), "
                   f"page cache +{d['page_cache_growth_bytes'] / GB:.2f} GB")
     print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
-          f"before + staging + 1 GiB), page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
+          f"before + staging + 1 GiB; at init {r['init_host_rss_peak_bytes'] / GB:.2f} GB), "
+          f"page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
     print("host RSS (anonymous) after: " + ", ".join(f"{name} {p['rss'] / GB:.2f} ({p['anon'] / GB:.2f}) GB"
                                                      for name, p in r["host_rss_phases"].items()))
     if peer_failed is not None:
