@@ -81,8 +81,9 @@ def train_apart(device: torch.device, *, steps: int = 50) -> TrainedState:
     """``train(device, steps=steps)`` in a child process; its state, on ``device`` here.
 
     The training loads what this process would otherwise never hold: on CUDA, cuBLAS and
-    the kernels of the model's layers (about 0.5 GB of host RSS on the H200, loaded for good),
-    on the CPU the allocator's freed blocks (about 1.1 GB). ``bench stream`` compares its
+    the kernels of the model's layers (on the H200 the bench's phase that trains it added
+    0.52 GB of host RSS, for good), on the CPU the allocator's freed blocks (about 0.9 GB
+    beside the state's 0.27 GB). ``bench stream`` compares its
     host RSS with a peer's process that trains no such model, so it takes the state from a
     child and holds only the state itself (on the device, or on a CPU device the tensors).
     """
