@@ -34,6 +34,8 @@ def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target
         # The untracked 1/64 GiB moved too (bit_exact checks it came back).
         assert cycle["sleep_copied"] >= result["bytes"] == (1 << 30) // 32 + (1 << 30) // 64
         assert cycle["sleep_ratio"] > 0 and cycle["wake_ratio"] > 0 and cycle["bound"]
+        # The process's CPU seconds in each phase (every thread's): a copy costs some.
+        assert cycle["sleep_cpu_s"] > 0 and cycle["wake_cpu_s"] > 0
     # One more probe after the last cycle: each cycle's bracketed ratio lies between its
     # ratios against the probe before it and the one after it.
     for before, cycle in zip(result["cycles"], result["cycles"][1:]):

@@ -42,6 +42,7 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
     # The bound is the bench's bytes at the raw rates it measured in the same run.
     assert r["disk_bound_seconds"] > 0 and r["ratio"] > 0
     assert len(r["steps"]) == 2
+    assert all(step["cpu_seconds"] > 0 for step in r["steps"])  # the process's CPU seconds in the step
     assert os.listdir(disk_dir) == []  # the bench's rank dir is gone
 
 
@@ -212,3 +213,15 @@ def test_the_rss_ratio_beside_deepspeed_spans_init_and_steps_as_the_peers_peak_d
     peer = {"step_seconds": 6.0, "host_rss_peak_bytes": 600, "peak_device_bytes": 10}
     assert ratios(ours, peer) == {"step_ratio": 0.5, "host_rss_ratio": 0.25, "device_ratio": 2.0}
     assert ratios({**ours, "init_host_rss_peak_bytes": 60}, peer)["host_rss_ratio"] == 100 / 600
+
+
+def test_the_report_beside_deepspeed_gives_both_sides(capsys):
+    from greenroom.bench.peer import print_beside
+
+    steps = [{"step_seconds": 14.0, "forward_backward_seconds": 0.5, "cpu_seconds": 90.0, "peak_device_bytes": 6e9}]
+    peer = {"deepspeed": "0.19.8", "params": 10**9, "steps": steps, "host_rss_peak_bytes": 7e9,
+            "peak_device_bytes": 6e9, "step_ratio": 0.5, "host_rss_ratio": 0.2, "device_ratio": 0.5}
+    print_beside({"against": peer})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("DeepSpeed 0.19.8 ZeRO-Infinity") and "CPU in the last step 90.00 s" in out[0]
+    assert out[1] == "greenroom / DeepSpeed: step 0.50x, host RSS 0.20x, peak device 0.50x"

@@ -98,10 +98,11 @@ def measure(params: int, directory: str, steps: int, param_numel: int) -> dict:
             engine.backward(loss)
             torch.cuda.synchronize(device)
             backward = time.perf_counter() - start
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             engine.step()
             torch.cuda.synchronize(device)
             rows.append({"step_seconds": time.perf_counter() - start, "forward_backward_seconds": backward,
+                         "cpu_seconds": time.process_time() - cpu_start,  # its CPU Adam's threads included
                          "peak_device_bytes": torch.cuda.max_memory_allocated(device)})
     nvme_bytes = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(nvme) for f in files)
     return {"deepspeed": deepspeed.__version__, "params": sum(sizes), "param_dtype": "bf16", "dir": nvme,

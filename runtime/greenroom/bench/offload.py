@@ -34,7 +34,6 @@ from greenroom.errors import ConfigError
 from greenroom.units import parse_bytes, positive_int
 
 
-
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=parse_bytes, default=4 << 30, help="bytes of actor memory (default 4GiB)")
     parser.add_argument("--untracked-size", type=_bytes_or_zero, default=0,
@@ -150,15 +149,22 @@ def measure(args: argparse.Namespace) -> dict:
                     r[0] += 1
                 written_before, read_before = offloader.disk_bytes("written"), offloader.disk_bytes("read")
                 sampler.reset_peak()
+                cpu_start = time.process_time()
                 slept = offloader.sleep()
+                cpu_slept = time.process_time()
                 asleep_rss = sampler.rss()
                 woke = offloader.wake()
+                cpu_woke = time.process_time()
                 sleep_rate, wake_rate = slept.copied / slept.seconds, woke.copied / woke.seconds
                 disk_written = offloader.disk_bytes("written") - written_before
                 disk_read = offloader.disk_bytes("read") - read_before
                 cycles.append({"sleep_s": slept.seconds, "wake_s": woke.seconds,
                                "sleep_bytes_per_s": sleep_rate, "wake_bytes_per_s": wake_rate,
                                "sleep_copied": slept.copied, "sleep_covered": slept.nbytes,
+                               # CPU seconds of the whole process (every thread) in each phase:
+                               # over the phase's seconds, the cores it kept busy, spinning
+                               # waits on the device included.
+                               "sleep_cpu_s": cpu_slept - cpu_start, "wake_cpu_s": cpu_woke - cpu_slept,
                                "disk_bytes_written": disk_written, "disk_bytes_read": disk_read,
                                # The rate the stored bytes moved at over the raw probe's: 1 is
                                # the disk's own speed, less is time lost on greenroom's path
@@ -264,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
               f"{c['wake_ratio']:.2f} of {unit[1]} {b[unit[1] + '_bytes_per_s'] / GB:.2f})  "
               f"moved {c['sleep_copied'] / GB:.2f} of {c['sleep_covered'] / GB:.2f} GB "
               f"({c['disk_bytes_written'] / GB:.2f} GB on disk)  "
+              f"CPU: sleep {c['sleep_cpu_s']:.2f}s, wake {c['wake_cpu_s']:.2f}s  "
               f"peak host RSS {c['peak_host_rss'] / GB:.2f} GB")
     which = "cycles 2.." if len(r["cycles"]) > 1 else "the cycle"
     print(f"  worst of {which} vs its bound: sleep {r['sleep_ratio']:.2f}, wake {r['wake_ratio']:.2f}; "

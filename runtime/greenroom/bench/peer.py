@@ -68,7 +68,8 @@ def print_beside(r: dict) -> None:
     d = r["against"]
     print(f"DeepSpeed {d['deepspeed']} ZeRO-Infinity (stage 3, optimizer on NVMe, CPU AdamW), {d['params']:,} bf16 "
           f"params, same dir: steps " + ", ".join(f"{s['step_seconds']:.2f}" for s in d["steps"])
-          + f" s (forward+backward {d['steps'][-1]['forward_backward_seconds']:.2f} s), host RSS peak "
+          + f" s (forward+backward {d['steps'][-1]['forward_backward_seconds']:.2f} s; CPU in the last step "
+          f"{d['steps'][-1]['cpu_seconds']:.2f} s), host RSS peak "
           f"{d['host_rss_peak_bytes'] / GB:.2f} GB, peak device {d['peak_device_bytes'] / GB:.2f} GB")
     print(f"greenroom / DeepSpeed: step {d['step_ratio']:.2f}x, host RSS {d['host_rss_ratio']:.2f}x, "
           f"peak device {d['device_ratio']:.2f}x")

@@ -208,11 +208,15 @@ def measure(args: argparse.Namespace) -> dict:
                     before = allocated()
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(device)
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     opt.step()
                     allocated()
                     seconds = time.perf_counter() - start
-                    steps.append({"seconds": seconds, "bytes_read": opt.store.bytes_read - read0,
+                    steps.append({"seconds": seconds,
+                                  # The process's CPU seconds (every thread's, spinning waits on the
+                                  # device included): over ``seconds``, the cores the step kept busy.
+                                  "cpu_seconds": time.process_time() - cpu_start,
+                                  "bytes_read": opt.store.bytes_read - read0,
                                   "bytes_written": opt.store.bytes_written - written0,
                                   "disk_bytes_read": opt.store.disk_bytes("read") - disk_read0,
                                   "disk_bytes_written": opt.store.disk_bytes("written") - disk_written0,
@@ -461,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
     for i, s in enumerate(r["steps"], 1):
         print(f"step {i}: {s['seconds']:.2f} s, state read {s['bytes_read'] / GB:.2f} GB + written "
               f"{s['bytes_written'] / GB:.2f} GB, on disk {s['disk_bytes'] / GB:.2f} GB, "
-              f"{s['disk_bytes'] / s['seconds'] / GB:.2f} GB/s"
+              f"{s['disk_bytes'] / s['seconds'] / GB:.2f} GB/s, CPU {s['cpu_seconds']:.2f} s"
               + (f", peak device +{s['peak_device_bytes'] / GB:.2f} GB" if s["peak_device_bytes"] is not None else ""))
     if r["ratio"] is None:
         print("disk bound 0 s: every bucket is in the host cache")
