@@ -21,7 +21,19 @@ def torchrun(ranks: int, script: str, *args: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            os.path.abspath(script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, _tails(proc, ranks)
+
+
+def _tails(proc: subprocess.CompletedProcess, ranks: int) -> str:
+    """Each rank's last lines (torchrun prefixes them ``[rankN]:``), then the launcher's:
+    the rank that failed first is often not the one whose lines come last."""
+    lines = (proc.stdout + proc.stderr).splitlines()
+    parts = []
+    for rank in range(ranks):
+        own = [line for line in lines if line.startswith(f"[rank{rank}]:")]
+        parts.append(f"--- rank {rank}, last lines:\n" + "\n".join(own[-30:]))
+    rest = [line for line in lines if not line.startswith("[rank")]
+    return "\n".join(parts) + "\n--- launcher, last lines:\n" + "\n".join(rest[-40:])
 
 
 class Net(torch.nn.Module):

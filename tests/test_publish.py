@@ -142,6 +142,38 @@ def test_loads_share_the_lock_and_a_save_is_refused_while_any_reads(disk_dir):
     assert content(path) == "two" and not os.path.exists(path + ".lock")
 
 
+RELEASING_READER = """
+import fcntl, os, sys, time
+lock = sys.argv[1] + ".lock"
+fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)  # the instant a releasing reader learns it is the last one...
+print("exclusive", flush=True)
+time.sleep(float(sys.argv[2]))
+os.unlink(lock)  # ...and removes the file
+os.close(fd)
+"""
+
+
+@pytest.mark.parametrize("reading", [True, False], ids=["load", "save"])
+def test_a_reader_releasing_the_lock_as_another_process_takes_it_refuses_nobody(disk_dir, reading):
+    """The last reader to let go takes the lock exclusively for an instant, to learn it is
+    the last, and removes the file: a load or a save that opened the file in that instant
+    found it taken and was refused, though nobody held the checkpoint (seen as a failed
+    rank of tests/test_optim_fsdp.py: both ranks load each other's checkpoints at once)."""
+    import subprocess
+    import sys
+
+    path = os.path.join(disk_dir, "ck")
+    make(path, "one")
+    releasing = subprocess.Popen([sys.executable, "-c", RELEASING_READER, path, "0.1"], stdout=subprocess.PIPE,
+                                 text=True)
+    assert releasing.stdout.readline() == "exclusive\n"
+    with publish.locked(path, reading=reading):
+        assert content(path) == "one"
+    assert releasing.wait() == 0
+    assert not os.path.exists(path + ".lock")
+
+
 def test_a_load_that_must_settle_a_killed_save_waits_for_no_reader_and_touches_nothing(disk_dir):
     path = os.path.join(disk_dir, "ck")
     make(path, "one")
@@ -156,4 +188,19 @@ def test_a_load_that_must_settle_a_killed_save_waits_for_no_reader_and_touches_n
         other.communicate("")
     with publish.locked(path, reading=True):
         assert "discarded" in publish.recover(path)
+    assert leftovers(path) == [] and content(path) == "one"
+
+
+def test_a_load_that_must_settle_waits_out_a_reader_that_is_letting_go(disk_dir):
+    """Within ``LOCK_GRACE_S``: the other reader finishes its load 0.1 s into the upgrade."""
+    import threading
+
+    path = os.path.join(disk_dir, "ck")
+    make(path, "one")
+    publish.stage(path)  # a save killed while it wrote ck.new
+    other = another_reader(path)
+    threading.Timer(0.1, other.communicate, ("",)).start()
+    with publish.locked(path, reading=True):
+        assert "discarded" in publish.recover(path)
+    assert other.wait() == 0
     assert leftovers(path) == [] and content(path) == "one"

@@ -37,7 +37,8 @@ every settle before a load, runs under ``locked(P)``: an exclusive ``flock`` on
 number of readers (every rank of a job reading each other's checkpoints) load at once;
 one that finds a killed save to settle upgrades to exclusive first. A second process is refused in
 one line naming the holder (never queued: a save that waits would then silently
-replace the first). ``greenroom train`` takes it for ``--save`` at start-up and holds
+replace the first), once the lock has stayed taken for ``LOCK_GRACE_S`` (Note [the last
+reader's instant]). ``greenroom train`` takes it for ``--save`` at start-up and holds
 it for the run, so a second trainer is refused before it trains. The lock file is
 removed on release (a process that then wins the lock on the removed inode sees the
 path name another one and starts over, as ``greenroom.rankdir`` does); one a killed
@@ -54,6 +55,7 @@ import json
 import os
 import shutil
 import socket
+import time
 import uuid
 import zlib
 
@@ -65,6 +67,8 @@ NEW_SUFFIX = ".new"
 OLD_SUFFIX = ".old"
 LOCK_SUFFIX = ".lock"
 _held: dict[str, list[int]] = {}  # checkpoint path -> [lock fd, depth, exclusive]: this process's locks
+LOCK_GRACE_S = 0.5
+"""How long a lock found taken is tried again before the taker is refused (Note [the last reader's instant])."""
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -220,7 +224,9 @@ def locked(path: str, *, reading: bool = False):
     try:
         yield
     finally:
-        _release(path + LOCK_SUFFIX, fd, exclusive=_held.pop(path)[2])
+        fd, _, exclusive = _held.pop(path)  # an upgrade may have taken the lock afresh (``_upgrade``)
+        if fd >= 0:
+            _release(path + LOCK_SUFFIX, fd, exclusive=exclusive)
 
 
 def _acquire(path: str, reading: bool) -> int:
@@ -233,7 +239,7 @@ def _acquire(path: str, reading: bool) -> int:
                 return -1
             raise StorageError(f"{lock_path}: cannot create the checkpoint dir's lock file ({e.strerror})") from None
         try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if reading else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            _flock_within_grace(fd, fcntl.LOCK_SH if reading else fcntl.LOCK_EX)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
@@ -258,6 +264,28 @@ def _acquire(path: str, reading: bool) -> int:
     return fd
 
 
+def _flock_within_grace(fd: int, mode: int) -> None:
+    """``flock(fd, mode)`` without queueing behind a holder, tried again for up to
+    ``LOCK_GRACE_S``; BlockingIOError if the lock is still taken then.
+
+    Note [the last reader's instant]: a reader that lets go takes the lock exclusively
+    for an instant, to learn whether it is the last one (then it removes the file). A
+    load or a save that opened the file just then found it taken and was refused, though
+    nobody held the checkpoint (two FSDP ranks loading each other's checkpoints at once
+    hit it). A real holder keeps the lock for a whole load or save, so half a second of
+    retries tells the two apart; a file removed meanwhile is caught by the caller's inode
+    check, which starts over."""
+    deadline = time.monotonic() + LOCK_GRACE_S
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
+
+
 def _holder(fd: int) -> str:
     lines = os.pread(fd, 256, 0).decode("utf-8", "replace").strip().splitlines()
     return lines[0] if lines else "a process"
@@ -267,12 +295,26 @@ def _upgrade(path: str, why: str) -> None:
     """Turn this process's shared hold on ``path`` into an exclusive one, or refuse in
     one line when another reader holds it too."""
     held = _held[path]
+    refusal = CheckpointError(f"{path}: another process holds {path + LOCK_SUFFIX} while it reads the checkpoint, "
+                              f"and this process must {why}: retry once that process has loaded it")
     try:
-        fcntl.flock(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock_within_grace(held[0], fcntl.LOCK_EX)  # another reader may be letting go
     except BlockingIOError:
-        raise CheckpointError(
-            f"{path}: another process holds {path + LOCK_SUFFIX} while it reads the checkpoint, and this process "
-            f"must {why}: retry once that process has loaded it") from None
+        raise refusal from None
+    # Linux drops the shared hold when a conversion finds the lock taken, so the reader
+    # that let go meanwhile may have seen itself as the last and removed the file: a
+    # lock won on that inode guards nothing. Then take the lock afresh, as a save does.
+    try:
+        ours = os.stat(path + LOCK_SUFFIX, follow_symlinks=False).st_ino == os.fstat(held[0]).st_ino
+    except FileNotFoundError:
+        ours = False
+    if not ours:
+        os.close(held[0])
+        held[0] = -1
+        try:
+            held[0] = _acquire(path, reading=False)
+        except CheckpointError:
+            raise refusal from None
     held[2] = True
 
 
