@@ -38,7 +38,8 @@ number of readers (every rank of a job reading each other's checkpoints) load at
 one that finds a killed save to settle upgrades to exclusive first. A second process is refused in
 one line naming the holder (never queued: a save that waits would then silently
 replace the first), once the lock has stayed taken for ``LOCK_GRACE_S`` (Note [the last
-reader's instant]). ``greenroom train`` takes it for ``--save`` at start-up and holds
+reader's instant]); a wait that short is no queue: it does what the same call half a
+second later would do. ``greenroom train`` takes it for ``--save`` at start-up and holds
 it for the run, so a second trainer is refused before it trains. The lock file is
 removed on release (a process that then wins the lock on the removed inode sees the
 path name another one and starts over, as ``greenroom.rankdir`` does); one a killed
