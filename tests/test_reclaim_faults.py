@@ -110,3 +110,31 @@ def test_reclaim_removing_the_parent_a_starting_trainer_is_populating_never_brea
     assert trainer.returncode == 0 and "Traceback" not in err, err
     assert "iter   1/1" in out
     assert os.listdir(disk_dir) == []
+
+
+def test_entries_removed_by_someone_else_mid_delete_are_no_error(disk_dir):
+    """A rank closing its dir removes it with its own rmtree, through fds, while a reclaimer
+    that found the dir without its lock file (the rmtree had already unlinked it) deletes
+    the same entries: whichever of the two comes second found them gone, and reclaim said
+    "error: No such file or directory" and exited 1 (a Slurm epilog logged a failure). Both
+    want the dir gone: an entry that is gone already is not an error."""
+    dead = dead_owner(disk_dir, job="job")
+    for name in ("a", "b", "c"):  # three subdirs: whichever the listing meets first, more follows it
+        os.makedirs(os.path.join(dead, name))
+        with open(os.path.join(dead, name, "f"), "wb") as f:
+            f.write(b"x" * 4096)
+    reclaimer = subprocess.Popen([sys.executable, "-m", "greenroom.cli", "reclaim", disk_dir],
+                                 env={**env(), "GREENROOM_TEST_STOP_AT": "reclaim-delete"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    _, status = os.waitpid(reclaimer.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), "reclaim ended before it deleted the first subdir"
+    try:
+        [aside] = aside_entries(disk_dir)
+        for entry in os.scandir(aside):  # what the owner's rmtree would remove meanwhile
+            if entry.name != ".lock":
+                subprocess.run(["rm", "-rf", entry.path], check=True)
+    finally:
+        os.kill(reclaimer.pid, signal.SIGCONT)
+        out, err = reclaimer.communicate(timeout=120)
+    assert reclaimer.returncode == 0, out + err
+    assert "error: " not in out and aside_entries(disk_dir) == [] and not os.path.exists(dead)

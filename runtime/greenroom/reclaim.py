@@ -16,6 +16,9 @@ Safety rules, each enforced below:
   delete its contents), and a rename aside that caught another inode is undone;
 - several reclaimers at once are safe: the winner renames the dir aside before deleting,
   losers see it locked or gone;
+- a dir whose own rank is closing it is no error: the rank's rmtree unlinks the lock
+  file early and goes on through its fds, so a reclaimer may find the dir unlocked and
+  delete beside it; an entry, or the whole dir, found gone is what both want;
 - nothing leaks: an aside dir (``TRASH_PREFIX``) whose reclaimer was killed is finished by
   a later pass (its lock file goes last, so one still being deleted is seen locked), and
   an aside symlink is unlinked, never followed;
@@ -123,7 +126,10 @@ def _tree_bytes(path: str, dev: int) -> int:
     total = 0
     for dirpath, dirnames, filenames, dirfd in os.fwalk(path, follow_symlinks=False):
         for name in dirnames + filenames:
-            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            try:
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed beside us (see ``_delete_contents``): not counted
             if stat.S_ISDIR(st.st_mode) and st.st_dev != dev:
                 raise OSError(errno.EXDEV, f"{os.path.join(dirpath, name)} is a mount point")
             if not stat.S_ISDIR(st.st_mode):
@@ -149,23 +155,30 @@ def _delete_contents(dir_fd: int, dev: int, *, keep: str | None = None) -> None:
     """Delete everything in the dir open as ``dir_fd`` through fds relative to it
     (unlinkat/openat), so what goes is the tree that was opened and checked, whatever is
     renamed meanwhile; ``keep`` (the held lock file) is left to the caller. Never follows
-    a symlink, never crosses into another filesystem."""
+    a symlink, never crosses into another filesystem.
+
+    An entry found gone is skipped: a rank that closes its dir removes it with its own
+    rmtree, which unlinks the lock file early and goes on through its fds, so a reclaimer
+    that found the dir unlocked then may delete beside it. Both want the same tree gone."""
     with os.scandir(dir_fd) as it:
         entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     for name, is_dir in entries:
         if name == keep:
             continue
-        if not is_dir:
-            os.unlink(name, dir_fd=dir_fd)
-            continue
-        child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
-            if os.fstat(child).st_dev != dev:
-                raise OSError(errno.EXDEV, f"{name} is a mount point")
-            _delete_contents(child, dev)
-        finally:
-            os.close(child)
-        os.rmdir(name, dir_fd=dir_fd)
+            if not is_dir:
+                os.unlink(name, dir_fd=dir_fd)
+                continue
+            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                if os.fstat(child).st_dev != dev:
+                    raise OSError(errno.EXDEV, f"{name} is a mount point")
+                _delete_contents(child, dev)
+            finally:
+                os.close(child)
+            os.rmdir(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            continue
         kill_point("reclaim-delete")
 
 
@@ -213,7 +226,10 @@ def _delete_locked(dir_fd: int, dev: int, parent_fd: int, name: str) -> None:
         os.unlink(LOCK_NAME, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
-    os.rmdir(name, dir_fd=parent_fd)
+    try:
+        os.rmdir(name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        pass  # removed beside us (``_delete_contents``)
 
 
 def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: float,
@@ -267,7 +283,10 @@ def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: flo
             return Decision(path, "would-reclaim", "owner gone", bytes=size, owner=owner)
         # Rename aside first: concurrent reclaimers and a rank starting at this path
         # then never see a half-deleted dir.
-        _remove_locked(parent_fd, name, dir_fd, root_dev)
+        try:
+            _remove_locked(parent_fd, name, dir_fd, root_dev)
+        except FileNotFoundError:
+            return None  # removed beside us: its owner's own close (see ``_delete_contents``)
         return Decision(path, "reclaimed", "owner gone", bytes=size, owner=owner)
     except OSError as e:
         return Decision(path, "error", e.strerror or str(e))
