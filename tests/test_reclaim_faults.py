@@ -138,3 +138,26 @@ def test_entries_removed_by_someone_else_mid_delete_are_no_error(disk_dir):
         out, err = reclaimer.communicate(timeout=120)
     assert reclaimer.returncode == 0, out + err
     assert "error: " not in out and aside_entries(disk_dir) == [] and not os.path.exists(dead)
+
+
+def test_a_rank_closing_its_dir_keeps_it_locked_to_the_end(disk_dir):
+    """A rank's close deletes its lock file last (as a reclaimer does): stopped after its
+    files are gone, the dir is still locked and has no owner record, and a reclaim leaves
+    it alone. Its rmtree used to unlink the lock file at any point, and a reclaimer that
+    came then found an unlocked dir with an owner record and deleted beside it."""
+    from tests.test_rankdir import HOLDER
+
+    holder = subprocess.Popen([sys.executable, HOLDER, disk_dir, "job", "actor", "0"], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "GREENROOM_TEST_STOP_AT": "rankdir-close"})
+    path = holder.stdout.readline().strip()
+    assert path, "holder did not start"
+    holder.send_signal(signal.SIGTERM)
+    _, status = os.waitpid(holder.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), "the holder exited before it closed its dir"
+    try:
+        assert os.listdir(path) == [".lock"]  # its files gone, its lock file last
+        assert reclaim(disk_dir).decisions == [] and os.listdir(path) == [".lock"]
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.communicate(timeout=60)
+    assert not os.path.exists(os.path.join(disk_dir, "job")) and aside_entries(disk_dir) == []

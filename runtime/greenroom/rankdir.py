@@ -262,7 +262,15 @@ class RankDir:
         """Remove the dir (and empty job/role parents) and release the lock."""
         if self._lock_fd < 0:
             return
-        shutil.rmtree(self.path, ignore_errors=True)
+        # The lock file goes last, as a reclaimer deletes: one that finds the dir meanwhile
+        # sees it locked and leaves it to us, where a lock file gone early looked unowned.
+        try:
+            self._wipe_contents()
+            kill_point("rankdir-close")
+            os.unlink(os.path.join(self.path, LOCK_NAME))
+            os.rmdir(self.path)
+        except OSError:
+            shutil.rmtree(self.path, ignore_errors=True)  # whatever is left, come what may
         for parent in (os.path.dirname(self.path), os.path.dirname(os.path.dirname(self.path))):
             try:
                 os.rmdir(parent)
