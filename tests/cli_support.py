@@ -18,6 +18,17 @@ def greenroom(*args: str, env: dict | None = None, timeout: float = 300, check_r
     return proc
 
 
+def greenroom_stopped_at(point: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """``greenroom args`` started with ``GREENROOM_TEST_STOP_AT=point`` (``greenroom.faults``);
+    returns once it has stopped itself there, to be resumed with SIGCONT."""
+    proc = subprocess.Popen([sys.executable, "-m", "greenroom.cli", *args],
+                            env={**os.environ, **(env or {}), "GREENROOM_TEST_STOP_AT": point},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), f"greenroom {args[0]} ended before {point}: {status}"
+    return proc
+
+
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
     """The error line of a failed command; asserts it is exactly one line and no traceback."""
     assert proc.returncode == 2, f"rc {proc.returncode}: {proc.stderr}"

@@ -12,17 +12,14 @@ import logging
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from greenroom.errors import IntegrityError
 from greenroom.optim import StreamingAdam
-from tests.cli_support import greenroom, one_line_error
+from tests.cli_support import greenroom, greenroom_stopped_at, one_line_error
 from tests.test_reclaim import dead_owner
-from tests.test_train import REPO, env
 from tests.test_train_faults import full_fs  # noqa: F401 (a fixture)
 
 TRAIN = ["train", "--offload-train", "--offload-train-target", "disk", "--iterations", "1", "--prompts", "4",
@@ -53,11 +50,7 @@ def test_a_rank_dir_a_reclaimer_is_deleting_is_not_blamed_on_its_dead_owner(disk
     that ``greenroom train`` does not have."""
     dead = dead_owner(disk_dir, job="j")
     owner = json.load(open(os.path.join(dead, "owner.json")))
-    reclaimer = subprocess.Popen([sys.executable, "-m", "greenroom.cli", "reclaim", disk_dir],
-                                 env={**env(), "GREENROOM_TEST_STOP_AT": "reclaim-locked"},
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    _, status = os.waitpid(reclaimer.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), "reclaim ended before it locked the dead run's dir"
+    reclaimer = greenroom_stopped_at("reclaim-locked", "reclaim", disk_dir)  # it holds the dead run's lock
     try:
         proc = greenroom(*TRAIN, "--offload-train-disk-dir", disk_dir, "--metrics", str(tmp_path / "m.jsonl"),
                          env={"GREENROOM_JOB_ID": "j"})

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from greenroom.reclaim import TRASH_PREFIX, reclaim
-from tests.cli_support import greenroom, one_line_error
+from tests.cli_support import greenroom, greenroom_stopped_at, one_line_error
 from tests.test_reclaim import dead_owner
 from tests.test_rankdir import start_holder
-from tests.test_train import REPO, env
+from tests.test_train import env
 
 
 def aside_entries(root):
@@ -93,15 +93,11 @@ def test_reclaim_removing_the_parent_a_starting_trainer_is_populating_never_brea
     removes a dead sibling rank's dir and the now empty parents. The trainer used to die
     with a FileNotFoundError traceback; it makes the path again and runs."""
     dead = dead_owner(disk_dir, job="job", rank=1)
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "greenroom.cli", "train", "--offload-train", "--offload-train-target", "disk",
-         "--offload-train-disk-dir", disk_dir, "--iterations", "1", "--prompts", "4", "--group-size", "2",
-         "--minibatches", "1", "--d-model", "16", "--no-progress",
-         "--metrics", str(tmp_path_factory.mktemp("m") / "m.jsonl")],
-        env={**env(), "GREENROOM_JOB_ID": "job", "GREENROOM_TEST_STOP_AT": "rankdir-parents"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    _, status = os.waitpid(trainer.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), "the trainer ended before making its rank dir"
+    trainer = greenroom_stopped_at(  # it made <job>/<role>, not yet its rank dir
+        "rankdir-parents", "train", "--offload-train", "--offload-train-target", "disk",
+        "--offload-train-disk-dir", disk_dir, "--iterations", "1", "--prompts", "4", "--group-size", "2",
+        "--minibatches", "1", "--d-model", "16", "--no-progress",
+        "--metrics", str(tmp_path_factory.mktemp("m") / "m.jsonl"), env={**env(), "GREENROOM_JOB_ID": "job"})
     swept = greenroom("reclaim", disk_dir, check_rc=0)
     assert f"reclaimed: {dead}" in swept.stdout
     assert not os.path.exists(os.path.join(disk_dir, "job")), "reclaim removed the empty parents"
@@ -123,11 +119,7 @@ def test_entries_removed_by_someone_else_mid_delete_are_no_error(disk_dir):
         os.makedirs(os.path.join(dead, name))
         with open(os.path.join(dead, name, "f"), "wb") as f:
             f.write(b"x" * 4096)
-    reclaimer = subprocess.Popen([sys.executable, "-m", "greenroom.cli", "reclaim", disk_dir],
-                                 env={**env(), "GREENROOM_TEST_STOP_AT": "reclaim-delete"},
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    _, status = os.waitpid(reclaimer.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), "reclaim ended before it deleted the first subdir"
+    reclaimer = greenroom_stopped_at("reclaim-delete", "reclaim", disk_dir)  # the first subdir deleted
     try:
         [aside] = aside_entries(disk_dir)
         for entry in os.scandir(aside):  # what the owner's rmtree would remove meanwhile

@@ -13,12 +13,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 
 import pytest
 
-from tests.test_train import REPO, env
+from tests.cli_support import greenroom_stopped_at
+from tests.test_train import env
 from tests.test_train_faults import FLAGS, assert_same, reference, run, state_of  # noqa: F401 (a fixture)
 
 JOB = "issue30"
@@ -26,13 +26,8 @@ JOB = "issue30"
 
 def start(args, *, root, metrics, stop_at):
     """A trainer (job ``JOB``) that stops itself at ``stop_at``; returns once it has."""
-    e = {**env(), "GREENROOM_TEST_STOP_AT": stop_at, "GREENROOM_JOB_ID": JOB}
-    cmd = [sys.executable, "-m", "greenroom.cli", "train", *FLAGS, "--offload-train-disk-dir", root,
-           "--metrics", metrics, *args]
-    proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    _, status = os.waitpid(proc.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), f"the trainer ended before {stop_at}: {status}"
-    return proc
+    return greenroom_stopped_at(stop_at, "train", *FLAGS, "--offload-train-disk-dir", root, "--metrics", metrics,
+                                *args, env={**env(), "GREENROOM_JOB_ID": JOB})
 
 
 def resume(proc):
