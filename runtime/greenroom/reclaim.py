@@ -16,9 +16,11 @@ Safety rules, each enforced below:
   delete its contents), and a rename aside that caught another inode is undone;
 - several reclaimers at once are safe: the winner renames the dir aside before deleting,
   losers see it locked or gone;
-- a dir whose own rank is closing it is no error: the rank's rmtree unlinks the lock
-  file early and goes on through its fds, so a reclaimer may find the dir unlocked and
-  delete beside it; an entry, or the whole dir, found gone is what both want;
+- a dir whose own rank is removing it is no error: a rank deletes its lock file last,
+  but one whose orderly close failed (or an older greenroom's, on a shared node) falls
+  back to an rmtree that unlinks the lock file at any point and goes on through its fds,
+  so a reclaimer may find the dir unlocked and delete beside it; an entry, or the whole
+  dir, found gone is what both want;
 - nothing leaks: an aside dir (``TRASH_PREFIX``) whose reclaimer was killed is finished by
   a later pass (its lock file goes last, so one still being deleted is seen locked), and
   an aside symlink is unlinked, never followed;
@@ -157,9 +159,8 @@ def _delete_contents(dir_fd: int, dev: int, *, keep: str | None = None) -> None:
     renamed meanwhile; ``keep`` (the held lock file) is left to the caller. Never follows
     a symlink, never crosses into another filesystem.
 
-    An entry found gone is skipped: a rank that closes its dir removes it with its own
-    rmtree, which unlinks the lock file early and goes on through its fds, so a reclaimer
-    that found the dir unlocked then may delete beside it. Both want the same tree gone."""
+    An entry found gone is skipped: a rank removing its own dir by rmtree (see the module
+    docstring) may delete beside us. Both want the same tree gone."""
     with os.scandir(dir_fd) as it:
         entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     for name, is_dir in entries:
