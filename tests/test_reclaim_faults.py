@@ -109,9 +109,10 @@ def test_reclaim_removing_the_parent_a_starting_trainer_is_populating_never_brea
 
 
 def test_entries_removed_by_someone_else_mid_delete_are_no_error(disk_dir):
-    """A rank closing its dir removes it with its own rmtree, through fds, while a reclaimer
-    that found the dir without its lock file (the rmtree had already unlinked it) deletes
-    the same entries: whichever of the two comes second found them gone, and reclaim said
+    """A rank removing its dir with rmtree (every close did before its lock file went last;
+    a close that falls back to it still does), through fds, while a reclaimer that found the
+    dir without its lock file deletes the same entries: whichever of the two comes second
+    found them gone, and reclaim said
     "error: No such file or directory" and exited 1 (a Slurm epilog logged a failure). Both
     want the dir gone: an entry that is gone already is not an error."""
     dead = dead_owner(disk_dir, job="job")
