@@ -1,5 +1,6 @@
 """Reclaim under faults: a live dir swapped in after the checks, a reclaimer SIGKILLed
-mid-delete, an aside symlink, and a reclaimer still at work. Real processes and files."""
+mid-delete, an aside symlink, a reclaimer still at work, and ranks closing their dirs
+beside reclaimers and successors. Real processes and files."""
 
 import fcntl
 import os
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from greenroom.rankdir import RankDir
 from greenroom.reclaim import TRASH_PREFIX, reclaim
 from tests.cli_support import greenroom, greenroom_stopped_at, one_line_error
 from tests.test_reclaim import dead_owner
@@ -53,7 +55,7 @@ def test_a_reclaimer_killed_mid_delete_is_finished_by_the_next_pass(disk_dir, po
     assert not os.path.exists(dead)
     [left] = aside_entries(disk_dir)  # the killed pass's aside dir, half deleted
     later = greenroom("reclaim", disk_dir, check_rc=0)
-    assert f"reclaimed: {left}" in later.stdout and "left by an earlier reclaim pass" in later.stdout
+    assert f"reclaimed: {left}" in later.stdout and "left by an interrupted delete" in later.stdout
     assert os.listdir(disk_dir) == ["job"] or os.listdir(disk_dir) == []
     assert aside_entries(disk_dir) == []
 
@@ -133,11 +135,8 @@ def test_entries_removed_by_someone_else_mid_delete_are_no_error(disk_dir):
     assert "error: " not in out and aside_entries(disk_dir) == [] and not os.path.exists(dead)
 
 
-def test_a_rank_closing_its_dir_keeps_it_locked_to_the_end(disk_dir):
-    """A rank's close deletes its lock file last (as a reclaimer does): stopped after its
-    files are gone, the dir is still locked and has no owner record, and a reclaim leaves
-    it alone. Its rmtree used to unlink the lock file at any point, and a reclaimer that
-    came then found an unlocked dir with an owner record and deleted beside it."""
+def _holder_stopped_in_close(disk_dir):
+    """A rank (a real process) stopped in its close: files deleted, lock file not yet."""
     from tests.test_rankdir import HOLDER
 
     holder = subprocess.Popen([sys.executable, HOLDER, disk_dir, "job", "actor", "0"], stdout=subprocess.PIPE,
@@ -147,10 +146,84 @@ def test_a_rank_closing_its_dir_keeps_it_locked_to_the_end(disk_dir):
     holder.send_signal(signal.SIGTERM)
     _, status = os.waitpid(holder.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status), "the holder exited before it closed its dir"
+    return holder, path
+
+
+def test_a_rank_closing_its_dir_keeps_it_locked_to_the_end(disk_dir):
+    """A rank's close renames its dir aside and deletes its lock file last (as a
+    reclaimer does): stopped after its files are gone, the aside dir is still locked and a
+    reclaim leaves it alone. Its rmtree used to unlink the lock file at any point, and a
+    reclaimer that came then found an unlocked dir with an owner record and deleted beside it."""
+    holder, path = _holder_stopped_in_close(disk_dir)
     try:
-        assert os.listdir(path) == [".lock"]  # its files gone, its lock file last
-        assert reclaim(disk_dir).decisions == [] and os.listdir(path) == [".lock"]
+        [aside] = aside_entries(disk_dir)
+        assert not os.path.exists(path) and os.listdir(aside) == [".lock"]  # its files gone, its lock file last
+        assert reclaim(disk_dir).decisions == [] and os.listdir(aside) == [".lock"]
     finally:
         os.kill(holder.pid, signal.SIGCONT)
         holder.communicate(timeout=60)
     assert not os.path.exists(os.path.join(disk_dir, "job")) and aside_entries(disk_dir) == []
+
+
+def test_a_successor_starting_while_its_predecessor_closes_keeps_its_dir(disk_dir):
+    """An elastic restart: the new rank (same job, role and rank) starts while the old one
+    is still closing. It finds the path free at once and owns it whole: the old rank's
+    close finishes in its aside dir and never touches the successor's files."""
+    holder, path = _holder_stopped_in_close(disk_dir)
+    try:
+        successor = RankDir(disk_dir, job="job", role="actor", rank=0).open()
+        assert successor.path == path
+        with open(os.path.join(successor.subdir("offload"), "state.bin"), "wb") as f:
+            f.write(b"successor")
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.communicate(timeout=60)
+    assert holder.returncode != 0 and aside_entries(disk_dir) == []
+    with open(os.path.join(path, "offload", "state.bin"), "rb") as f:
+        assert f.read() == b"successor"
+    assert sorted(os.listdir(path)) == [".lock", "offload", "owner.json"]
+    successor.close()
+    assert not os.path.exists(os.path.join(disk_dir, "job"))
+
+
+def test_a_successor_opening_in_the_last_instant_of_a_close_keeps_its_dir(disk_dir, monkeypatch):
+    """The instant that lost a successor's dir: deleted in place, a closing rank unlinked
+    its lock file and then removed the dir; a successor that opened the path between the
+    two made a fresh lock file and its files, the removal failed on them, and the close's
+    fallback rmtree deleted them under it. Here the successor opens at the close's first
+    directory removal after its files (in the same process: the instant is microseconds
+    wide between two processes)."""
+    first = RankDir(disk_dir, job="job", role="actor", rank=0).open()
+    with open(os.path.join(first.subdir("offload"), "state.bin"), "wb") as f:
+        f.write(b"first")
+    real_rmdir, opened = os.rmdir, []
+
+    def rmdir_opening_a_successor(target, *args, **kwargs):
+        if not opened and os.path.basename(target) != "offload":
+            opened.append(None)  # before opening: the successor's own set-up removes dirs too
+            opened[0] = RankDir(disk_dir, job="job", role="actor", rank=0).open()
+            with open(os.path.join(opened[0].subdir("offload"), "state.bin"), "wb") as f:
+                f.write(b"successor")
+        return real_rmdir(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", rmdir_opening_a_successor)
+    first.close()
+    monkeypatch.setattr(os, "rmdir", real_rmdir)
+    [successor] = opened
+    with open(os.path.join(successor.path, "offload", "state.bin"), "rb") as f:
+        assert f.read() == b"successor"
+    assert sorted(os.listdir(successor.path)) == [".lock", "offload", "owner.json"]
+    assert aside_entries(disk_dir) == []
+    successor.close()
+    assert not os.path.exists(os.path.join(disk_dir, "job"))
+
+
+def test_a_rank_killed_mid_close_is_finished_by_the_next_reclaim(disk_dir):
+    holder, path = _holder_stopped_in_close(disk_dir)
+    holder.kill()
+    holder.communicate(timeout=60)
+    [aside] = aside_entries(disk_dir)
+    report = reclaim(disk_dir)
+    decisions = [(d.path, d.action, d.reason) for d in report.decisions]
+    assert decisions == [(aside, "reclaimed", "left by an interrupted delete")]
+    assert aside_entries(disk_dir) == [] and not os.path.exists(path)

@@ -23,6 +23,16 @@ Note [lock inode]: a reclaimer deletes a dir while holding its lock, so a starti
 can win a lock on a file that is being unlinked. After ``flock`` succeeds the rank checks
 that the path still names the inode it locked and starts over if not.
 
+Note [closing aside]: a closing rank renames its dir aside (``TRASH_PREFIX``, beside it)
+while it still holds the lock, then deletes it there, the lock file last, as a reclaimer
+does. A successor of the same job, role and rank that starts meanwhile (an elastic
+restart) finds no dir at the path and makes its own. Deleted in place, the dir had a gap
+between the lock file's unlink and the ``rmdir``: a successor that opened the path then
+made a fresh lock file and wrote its files, the ``rmdir`` failed on them, and the
+fallback ``rmtree`` deleted the successor's lock and files while it ran, leaving the
+path to a third owner. A rank killed mid-close leaves an aside dir that the next
+``greenroom reclaim`` pass finishes (its lock goes last, so a live one is seen locked).
+
 Note [vanishing parents]: ``greenroom reclaim`` (and a sibling rank's ``close``) removes
 an empty ``<job>/<role>`` parent with ``rmdir``, which only succeeds on an empty dir but
 can land between a starting rank's creating that parent and creating its rank dir in
@@ -51,6 +61,9 @@ from greenroom.errors import ConfigError, StorageError
 from greenroom.faults import kill_point
 
 LOCK_NAME = ".lock"
+# What a rank dir is renamed to while it is deleted (Note [closing aside]); ``greenroom
+# reclaim`` finishes one whose deleter was killed.
+TRASH_PREFIX = ".greenroom-reclaim-"
 OWNER_NAME = "owner.json"
 DIR_MODE = 0o700
 LOCK_WAIT_SECONDS = 3.0
@@ -253,7 +266,7 @@ class RankDir:
             os.close(fd)  # see Note [lock inode]
         self._lock_fd = fd
         _OPEN.add(self)
-        self._wipe_contents()
+        _wipe_contents(self.path)
         write_json_atomic(os.path.join(self.path, OWNER_NAME), self.owner_record())
         self._install_exit_hooks()
         return self
@@ -262,15 +275,7 @@ class RankDir:
         """Remove the dir (and empty job/role parents) and release the lock."""
         if self._lock_fd < 0:
             return
-        # The lock file goes last, as a reclaimer deletes: one that finds the dir meanwhile
-        # sees it locked and leaves it to us, where a lock file gone early looked unowned.
-        try:
-            self._wipe_contents()
-            kill_point("rankdir-close")
-            os.unlink(os.path.join(self.path, LOCK_NAME))
-            os.rmdir(self.path)
-        except OSError:
-            shutil.rmtree(self.path, ignore_errors=True)  # whatever is left, come what may
+        self._remove_held_dir()
         for parent in (os.path.dirname(self.path), os.path.dirname(os.path.dirname(self.path))):
             try:
                 os.rmdir(parent)
@@ -282,6 +287,22 @@ class RankDir:
         self._claims.clear()
         self._claimed_ever.clear()
         self._restore_handlers()
+
+    def _remove_held_dir(self) -> None:
+        """Delete the dir whose lock this process holds (Note [closing aside])."""
+        aside = os.path.join(os.path.dirname(self.path), f"{TRASH_PREFIX}{uuid.uuid4().hex[:12]}")
+        try:
+            os.rename(self.path, aside)
+        except OSError:
+            aside = self.path  # not renamable here: delete in place, and never by rmtree
+        try:
+            _wipe_contents(aside)
+            kill_point("rankdir-close")
+            os.unlink(os.path.join(aside, LOCK_NAME))
+            os.rmdir(aside)
+        except OSError:
+            if aside != self.path:
+                shutil.rmtree(aside, ignore_errors=True)  # an aside name is ours alone
 
     def __enter__(self) -> "RankDir":
         return self.open()
@@ -366,16 +387,6 @@ class RankDir:
         return (f"{self.path} is held by a live process ({who}), another run with the same job id, --role and "
                 "rank: give this run its own --role or job id ($GREENROOM_JOB_ID), or stop the other run")
 
-    def _wipe_contents(self) -> None:
-        with os.scandir(self.path) as entries:
-            for entry in entries:
-                if entry.name == LOCK_NAME:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-
     def _install_exit_hooks(self) -> None:
         atexit.register(self.close)
         if threading.current_thread() is not threading.main_thread():
@@ -394,6 +405,18 @@ class RankDir:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
         self._previous_handlers.clear()
+
+
+def _wipe_contents(path: str) -> None:
+    """Delete everything in the rank dir ``path`` but its lock file."""
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name == LOCK_NAME:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
 
 
 def _alive(pid: int) -> bool:

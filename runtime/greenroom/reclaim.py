@@ -16,14 +16,15 @@ Safety rules, each enforced below:
   delete its contents), and a rename aside that caught another inode is undone;
 - several reclaimers at once are safe: the winner renames the dir aside before deleting,
   losers see it locked or gone;
-- a dir whose own rank is removing it is no error: a rank deletes its lock file last,
-  but one whose orderly close failed (or an older greenroom's, on a shared node) falls
-  back to an rmtree that unlinks the lock file at any point and goes on through its fds,
+- a dir whose own rank is removing it is no error: a rank renames its dir aside and
+  deletes its lock file last, but an older greenroom's (on a shared node) removes it in
+  place by an rmtree that unlinks the lock file at any point and goes on through its fds,
   so a reclaimer may find the dir unlocked and delete beside it; an entry, or the whole
   dir, found gone is what both want;
-- nothing leaks: an aside dir (``TRASH_PREFIX``) whose reclaimer was killed is finished by
-  a later pass (its lock file goes last, so one still being deleted is seen locked), and
-  an aside symlink is unlinked, never followed;
+- nothing leaks: an aside dir (``TRASH_PREFIX``) whose reclaimer, or closing rank
+  (``greenroom.rankdir`` Note [closing aside]), was killed is finished by a later pass
+  (its lock file goes last, so one still being deleted is seen locked), and an aside
+  symlink is unlinked, never followed;
 - a missing or unreadable ROOT, and an age that is not a finite number >= 0, are errors.
 
 This module must not import torch: init containers and prologs run it.
@@ -46,10 +47,9 @@ from typing import Callable
 from greenroom import fs
 from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
-from greenroom.rankdir import LOCK_NAME, OWNER_NAME
+from greenroom.rankdir import LOCK_NAME, OWNER_NAME, TRASH_PREFIX
 
 MAX_DEPTH = 6  # <root>/<job>/<role>/rank<NNNNN> is 3; leave room for site layouts above it
-TRASH_PREFIX = ".greenroom-reclaim-"
 
 # An owner policy sees an unlocked dir's path and owner record and may answer "keep"
 # (never touch it, e.g. its pod still exists) or "stale" (reclaim now, skip --min-age);
@@ -296,9 +296,10 @@ def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: flo
 
 
 def clean_aside(path: str, root_dev: int, *, dry_run: bool) -> Decision | None:
-    """Finish an aside entry an earlier pass left (it was killed mid-delete, or refused a
-    symlink that was swapped in). One a live reclaimer is still deleting is locked and
-    left to it. A symlink or file is unlinked itself, never followed."""
+    """Finish an aside entry an earlier pass or a closing rank left (it was killed
+    mid-delete, or refused a symlink that was swapped in). One a live reclaimer or rank is
+    still deleting is locked and left to it. A symlink or file is unlinked itself, never
+    followed."""
     try:
         parent_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -310,18 +311,18 @@ def clean_aside(path: str, root_dev: int, *, dry_run: bool) -> Decision | None:
         if not stat.S_ISDIR(st.st_mode):
             if not dry_run:
                 os.unlink(name, dir_fd=parent_fd)
-            return Decision(path, "would-reclaim" if dry_run else "reclaimed", "left by an earlier reclaim pass")
+            return Decision(path, "would-reclaim" if dry_run else "reclaimed", "left by an interrupted delete")
         dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
         if os.fstat(dir_fd).st_dev != root_dev:
             return Decision(path, "kept", "on another filesystem")
         lock_fd, held = _lock(dir_fd)
         if held:
-            return None  # another reclaimer is deleting it right now
+            return None  # a reclaimer or a closing rank is deleting it right now
         size = _tree_bytes(path, root_dev)
         if dry_run:
-            return Decision(path, "would-reclaim", "left by an earlier reclaim pass", bytes=size)
+            return Decision(path, "would-reclaim", "left by an interrupted delete", bytes=size)
         _delete_locked(dir_fd, root_dev, parent_fd, name)
-        return Decision(path, "reclaimed", "left by an earlier reclaim pass", bytes=size)
+        return Decision(path, "reclaimed", "left by an interrupted delete", bytes=size)
     except FileNotFoundError:
         return None  # another reclaimer finished it
     except OSError as e:
