@@ -166,6 +166,28 @@ CASES = {
     "bench offload --size -1": (lambda s: ["bench", "offload", "--size", "-1", "--dir", s], {},
                                 "--size: '-1': must be a positive size"),
     "bench disk --repeat 0": (lambda s: ["bench", "disk", s, "--repeat", "0"], {}, "--repeat: must be a positive"),
+    # Sizes past the disk, the RAM or the staging: refused before a byte is allocated or written
+    # (they died in posix_fallocate, or allocated until the OOM killer came).
+    "bench disk --size past the disk": (lambda s: ["bench", "disk", s, "--size", "1000000TiB"], {},
+                                        "bench disk --size 976.6 PiB: that needs"),
+    "bench disk --size past a C long": (lambda s: ["bench", "disk", s, "--size", "99999999999999999999999"], {},
+                                        "which has"),
+    "bench disk --depth past the chunk": (lambda s: ["bench", "disk", s, "--size", "1MiB", "--chunk-mb", "8",
+                                                     "--depth", "9", "--compression", "zstd"], {},
+                                          "bench disk --depth 9: use at most 8"),
+    "bench disk --depth past 64": (lambda s: ["bench", "disk", s, "--size", "1MiB", "--depth", "65"], {},
+                                   "bench disk --depth 65: use at most 64"),
+    "bench disk --device a number": (lambda s: ["bench", "disk", s, "--device", "0"], {},
+                                     "argument --device: invalid choice"),
+    "bench offload --size past the disk": (lambda s: ["bench", "offload", "--size", "1000000TiB", "--dir", s], {},
+                                           "bench offload --size 976.6 PiB"),
+    "bench offload --size past the RAM": (lambda s: ["bench", "offload", "--size", "1000000TiB", "--target", "cpu"],
+                                          {}, "of host memory per rank"),
+    "bench stream --params past the RAM": (lambda s: ["bench", "stream", "--params", "1e18", "--dir", s,
+                                                      "--device", "cpu"], {},
+                                           "bench stream --params 1000000000000000000"),
+    "bench stream --raw-size past the disk": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s,
+                                                         "--raw-size", "1000000TiB"], {}, "(+ --raw-size 976.6 PiB)"),
     "bench disk no DIR": (lambda s: ["bench", "disk"], {}, "give the dir: --offload-train-disk-dir DIR"),
     "bench disk two dirs": (lambda s: ["bench", "disk", s, "--offload-train-disk-dir", S(s, "adir")], {},
                             "differ: give one"),
@@ -200,6 +222,23 @@ def test_bad_input_exits_2_with_one_line_and_leaves_nothing(sandbox, name, capsy
     lines = [line for line in err.splitlines() if "error:" in line]
     assert len(lines) == 1, err
     assert expected in lines[0], lines[0]
+    assert snapshot(sandbox) == before
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "disk", "{s}", "--size", "1MiB"],
+    ["bench", "stream", "--params", "1000", "--dir", "{s}"],
+    ["bench", "offload", "--size", "1MiB", "--dir", "{s}"],
+])
+def test_device_cuda_without_cuda_is_one_line(sandbox, command, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is up here: --device cuda is fine")
+    before = snapshot(sandbox)
+    assert cli.main([a.format(s=sandbox) for a in command] + ["--device", "cuda"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "--device cuda: no CUDA device is available; use --device cpu" in line
     assert snapshot(sandbox) == before
 
 

@@ -87,5 +87,22 @@ def backend_and_mover(parser: argparse.ArgumentParser) -> None:
                         default="greenroom", help="on torch_memory_saver: who copies the bytes")
 
 
+def device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the tensors live (default auto: cuda when available, else cpu)")
+
+
+def resolve_device(args: argparse.Namespace, command: str) -> str:
+    """``cuda`` or ``cpu`` for ``--device``; ``cuda`` where no CUDA device is up is refused
+    in one line (before torch would raise its own multi-line error mid-run)."""
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{command}: --device cuda: no CUDA device is available; use --device cpu (or auto)")
+    return args.device
+
+
 def json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -70,7 +70,39 @@ def check_host_bytes(flag: str, value, nbytes: int, *, default=DEFAULT_CHUNK_MB,
     if nbytes > ram:
         raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of host memory per rank"
                           f"{f' ({counted})' if counted else ''}, this machine has {fs.human_bytes(ram)}; "
-                          f"use a smaller value (default {default})")
+                          f"use a smaller value{_default(default)}")
+
+
+def check_disk_bytes(flag: str, value, nbytes: int, directory: str, *, counted: str = "") -> None:
+    """Files of ``nbytes`` (for ``flag value``) must fit in the free space of
+    ``directory``'s filesystem: checked before anything is written, where a
+    preallocation would fail halfway through a run."""
+    free = fs.free_bytes(directory)
+    if nbytes > free:
+        raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} on {directory}"
+                          f"{f' ({counted})' if counted else ''}, which has {fs.human_bytes(free)} free; "
+                          "use a smaller value or a dir on a larger disk")
+
+
+def check_device_bytes(flag: str, value, nbytes: int, device, *, default, counted: str = "") -> None:
+    """Tensors of ``nbytes`` (for ``flag value``) must fit on ``device``: a CUDA device's
+    free memory, or the host's RAM for ``cpu`` (``check_host_bytes``), checked before
+    the first allocation (a CPU allocation past RAM would bring the OOM killer)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        check_host_bytes(flag, value, nbytes, default=default, counted=counted)
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if nbytes > free:
+        raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of device memory"
+                          f"{f' ({counted})' if counted else ''}, {device} has {fs.human_bytes(free)} free; "
+                          f"use a smaller value{_default(default)}")
+
+
+def _default(default) -> str:
+    return "" if default is None else f" (default {default})"
 
 
 def format_gb(value: float) -> str:

@@ -22,13 +22,15 @@ from dataclasses import asdict, dataclass
 
 from greenroom import cliflags, fs
 from greenroom.compression import resolve as resolve_compression
-from greenroom.config import MIB, check_host_bytes
-from greenroom.diskio import DEFAULT_DEPTH, StateFile, TransferEngine, align_up
+from greenroom.config import MIB, check_device_bytes, check_disk_bytes, check_host_bytes
+from greenroom.diskio import ALIGNMENT, DEFAULT_DEPTH, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError
 from greenroom.rankdir import RankDir, check_root
 from greenroom.units import parse_bytes, positive_int
 
 RAW_BLOCK = 64 * MIB
+# --depth past this measures thread scheduling more than the disk (2 I/O threads per buffer).
+MAX_DEPTH = 64
 RAW_THREADS = 4
 
 
@@ -128,7 +130,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=parse_bytes, default=1 << 30, help="bytes to move each way (default 1GiB)")
     cliflags.chunk_mb(parser, help="staging budget, MiB (default %(default)s)")
     parser.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="staging buffers / I/O threads")
-    parser.add_argument("--device", default=None, help="tensor device (default cuda when available, else cpu)")
+    cliflags.device(parser)
     cliflags.compression(parser, default="none",
                          help="also time the engine with this codec on the same random bytes (it cannot pay: the "
                               "cost of trying)")
@@ -189,10 +191,19 @@ def run(args: argparse.Namespace) -> int:
     check_root(directory, name="bench disk: DIR")
     if args.chunk_mb <= 0 or args.depth <= 0:
         raise ConfigError("bench disk: --offload-train-disk-chunk-mb and --depth must be positive integers")
+    # Each buffer holds whole frames of a codec (one MiB), or one aligned block at least.
+    smallest, what = (MIB, "a compressed frame, 1 MiB,") if args.compression != "none" else (ALIGNMENT, "4 KiB")
+    most = min(args.chunk_mb * MIB // smallest, MAX_DEPTH)
+    if args.depth > most:
+        raise ConfigError(f"bench disk --depth {args.depth}: use at most {most} (default {DEFAULT_DEPTH}): each buffer "
+                          f"holds at least {what} of the {args.chunk_mb} MiB of staging "
+                          f"(--offload-train-disk-chunk-mb), and past {MAX_DEPTH} buffers (2 I/O threads each) the "
+                          "bench measures threads more than the disk")
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = cliflags.resolve_device(args, "bench disk")
+    # One scratch file at a time (the raw probe's, then the engine's), and the tensor.
+    check_disk_bytes("bench disk --size", fs.human_bytes(args.size), align_up(args.size, RAW_BLOCK), directory)
+    check_device_bytes("bench disk --size", fs.human_bytes(args.size), args.size, device, default="1GiB")
     result = measure_repeated(directory, args.size, repeat=args.repeat, chunk_bytes=args.chunk_mb * MIB,
                               depth=args.depth, device=device, compression=args.compression)
     if args.json:

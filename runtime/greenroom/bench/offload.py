@@ -27,9 +27,9 @@ import json
 import os
 import time
 
-from greenroom import cliflags
+from greenroom import cliflags, fs
 from greenroom.compression import resolve as resolve_compression
-from greenroom.config import GB, GIB, MIB, OffloadConfig
+from greenroom.config import GB, GIB, MIB, OffloadConfig, check_device_bytes, check_disk_bytes, check_host_bytes
 from greenroom.errors import ConfigError
 from greenroom.units import parse_bytes, positive_int
 
@@ -47,7 +47,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="random: random bytes (nothing compresses); trained: a trained transformer's bf16 "
                              "weights, tiled (greenroom.bench.trained)")
     cliflags.backend_and_mover(parser)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    cliflags.device(parser)
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
     cliflags.json_flag(parser)
@@ -81,6 +81,25 @@ def _pinned_copy_bandwidth(tensors, torch) -> dict:
     return {"out_bytes_per_s": total / out_s, "in_bytes_per_s": total / in_s}
 
 
+def _check_fits(args: argparse.Namespace, config: OffloadConfig, device) -> None:
+    """The actor, its copy and the files fit where they go, checked before any of them
+    is made (checked after the relaunch: the process that runs them checks)."""
+    from greenroom.bench.disk import RAW_BLOCK
+
+    actor_bytes = args.size + args.untracked_size
+    given = f"{fs.human_bytes(args.size)} (+ --untracked-size {fs.human_bytes(args.untracked_size)})"
+    if config.offload_to_disk:
+        # The offload file and the raw probe's scratch file of the same bytes, side by side.
+        check_disk_bytes("bench offload --size", given, 2 * actor_bytes + RAW_BLOCK, config.offload_train_disk_dir,
+                         counted="the offload file and the raw probe's")
+    if device.type == "cuda":
+        check_device_bytes("bench offload --size", given, actor_bytes, device, default="4GiB")
+    copies = int(device.type == "cpu") + int(not config.offload_to_disk)  # the actor itself, its pinned host copy
+    if copies:
+        check_host_bytes("bench offload --size", given, copies * actor_bytes, default="4GiB",
+                         counted="the actor and its host copy" if copies == 2 else "")
+
+
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
@@ -90,14 +109,14 @@ def measure(args: argparse.Namespace) -> dict:
     from greenroom.diskio import verify_default
     from greenroom.rankdir import RankDir
 
-    device = torch.device("cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()))
-                          else "cpu")
+    device = torch.device(args.device)
     config = OffloadConfig(offload_train=True, offload_train_target=args.target, offload_train_disk_dir=args.dir,
                            offload_train_disk_chunk_mb=args.chunk_mb,
                            offload_train_disk_compression=args.compression)
     if device.type == "cuda" and args.backend != "portable":
         actor.relaunch_with(actor.launch_env(config, 0, role="bench", mover=args.mover))
     size, untracked_size = args.size, args.untracked_size
+    _check_fits(args, config, device)
     rank_dir = None
     if config.uses_disk:
         rank_dir = RankDir(config.offload_train_disk_dir, role="bench", allow_tmpfs=config.allow_tmpfs).open()
@@ -242,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("bench offload: --size and --cycles must be positive")
     if args.untracked_size < 0:
         raise ConfigError(f"bench offload --untracked-size: expected 0 or more, got {args.untracked_size}")
+    args.device = cliflags.resolve_device(args, "bench offload")
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"  # inherited by the relaunch under torch_memory_saver
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):

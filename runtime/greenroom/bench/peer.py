@@ -27,7 +27,7 @@ def check_deepspeed(args: argparse.Namespace) -> None:
                           "(pip install 'greenroom[deepspeed]', with libaio-dev for its async_io op)")
     import torch
 
-    if (args.device or "cuda") != "cuda" or not torch.cuda.is_available():
+    if args.device == "cpu" or not torch.cuda.is_available():
         raise ConfigError("--against deepspeed: DeepSpeed's ZeRO-Infinity runs on CUDA only; run it on a GPU machine")
     if args.param_dtype != "bf16":
         raise ConfigError("--against deepspeed: the peer runs bf16 params (ZeRO-3 with bf16 on); "

@@ -58,7 +58,7 @@ import psutil
 
 from greenroom import cliflags, fs
 from greenroom.actor.memory import RssSampler
-from greenroom.config import GB, MIB, check_host_bytes
+from greenroom.config import GB, MIB, check_device_bytes, check_disk_bytes, check_host_bytes
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
@@ -87,7 +87,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state", choices=("normal", "trained"), default="normal",
                         help="normal: N(0,1) params and grads, zero moments; trained: a trained transformer's "
                              "state, tiled")
-    parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    cliflags.device(parser)
     parser.add_argument("--checkpoint", action="store_true",
                         help="also time a step that writes a checkpoint in its own pass, save_checkpoint between "
                              "steps, and load_checkpoint (dirs beside the bucket files)")
@@ -108,7 +108,27 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.json_flag(parser)
 
 
+def _check_fits(args: argparse.Namespace) -> None:
+    """The params, their grads and the bucket files fit where they go, checked before
+    any is made."""
+    from greenroom.bench.disk import RAW_BLOCK
+    from greenroom.diskio import align_up
+
+    n = args.params
+    param_bytes = 2 if args.param_dtype == "bf16" else 4
+    # Params and grads; a trained state is tiled first and cloned, so twice that for a moment.
+    tensors = n * param_bytes * (4 if args.state == "trained" else 2)
+    check_device_bytes("bench stream --params", n, tensors, args.device, default=None,
+                       counted=f"{param_bytes} B per param and per grad")
+    state = n * streamed_bytes_per_param(args.moment_dtype, master_on_disk=args.param_dtype == "bf16",
+                                         remainder=args.master_layout == "remainder")
+    check_disk_bytes("bench stream --params", f"{n} (+ --raw-size {fs.human_bytes(args.raw_size)})",
+                     int(state) + align_up(args.raw_size, RAW_BLOCK), args.dir,
+                     counted="the bucket files and the raw probe's")
+
+
 def _validate(args: argparse.Namespace) -> None:
+    args.device = cliflags.resolve_device(args, "bench stream")
     for flag in ("steps", "bucket_numel", "param_numel", "chunk_mb"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
@@ -133,6 +153,7 @@ def _validate(args: argparse.Namespace) -> None:
         from greenroom.bench import peer
 
         peer.check_deepspeed(args)
+    _check_fits(args)
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
         raise ConfigError(f"--offload-train-disk-dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps "
                           "the data in RAM; point it at node-local NVMe (or pass --allow-tmpfs for a test)")
@@ -145,7 +166,7 @@ def measure(args: argparse.Namespace) -> dict:
     from greenroom.optim import StreamingAdam
     from greenroom.rankdir import RankDir
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device)
     cuda = device.type == "cuda"
     rss_phases = {"start": _rss_now()}
     if cuda:
