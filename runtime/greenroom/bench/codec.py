@@ -16,15 +16,17 @@ import json
 import threading
 import time
 
-from greenroom import cliflags
-from greenroom.bench.disk import raw_bandwidth
-from greenroom.config import COMPRESSIONS, GB, MIB
+from greenroom import cliflags, fs
+from greenroom.bench.disk import MAX_DEPTH, RAW_BLOCK, raw_bandwidth
+from greenroom.config import COMPRESSIONS, GB, MIB, check_device_bytes, check_disk_bytes
+from greenroom.diskio import align_up
 from greenroom.errors import ConfigError
 from greenroom.rankdir import RankDir, check_root
 from greenroom.units import parse_bytes
 
 CHUNK = 64 * MIB  # one staging buffer of the default 256 MiB chunk
 FRAME = MIB
+MAX_THREADS = 2 * MAX_DEPTH
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +51,12 @@ def measure(args: argparse.Namespace) -> dict:
     codec, _ = compression.resolve(args.compression, cuda=cuda, chunk_bytes=4 * CHUNK)
     device = torch.device("cuda" if codec.on_device else "cpu")
     n = args.size // CHUNK * CHUNK or CHUNK
+    # The state and its payloads (at most as large: a frame that does not shrink is kept raw).
+    check_device_bytes("bench codec --size", fs.human_bytes(args.size), 2 * n, device, default="1GiB",
+                       counted="the state and its coded frames")
+    if args.dir:
+        check_disk_bytes("bench codec --size", fs.human_bytes(args.size), align_up(min(n, 1 << 30), RAW_BLOCK),
+                         args.dir, counted="the raw probe's file")
     if args.state == "trained":
         from greenroom.bench.trained import train
 
@@ -118,8 +126,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads <= 0:
-        raise ConfigError(f"bench codec --threads: expected a positive number, got {args.threads}")
+    if not 0 < args.threads <= MAX_THREADS:
+        raise ConfigError(f"bench codec --threads: expected 1 to {MAX_THREADS} (the engine runs 2 per staging "
+                          f"buffer), got {args.threads}")
     if args.dir:
         check_root(args.dir, name="bench codec --dir")
     r = measure(args)
