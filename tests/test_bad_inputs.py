@@ -58,6 +58,11 @@ def S(sandbox, *parts):
 CASES = {
     # train
     "train --iterations -1": (lambda s: ["train", *SMALL, "--iterations", "-1"], {}, "--iterations must be a positive"),
+    # A model or batch past the RAM (was a C++ allocation dump, or building layers until the OOM killer came).
+    "train --n-layers huge": (lambda s: ["train", *SMALL, "--device", "cpu", "--n-layers", "10000000000"],
+                              {}, "of host memory per rank (the weights, their grads and one rollout's keys"),
+    "train --digits huge": (lambda s: ["train", *SMALL, "--device", "cpu", "--digits", "100000000000"], {},
+                            "(sequences of 200000000002 tokens): that needs"),
     "train --save-interval -1": (lambda s: ["train", *SMALL, "--save", f"{s}/ck", "--save-interval", "-1"], {},
                                  "--save-interval must be a whole number of iterations >= 0"),
     "train --async-save without --save": (lambda s: ["train", *SMALL, "--async-save"], {},

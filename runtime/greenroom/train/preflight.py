@@ -1,5 +1,6 @@
-"""Start-up checks of ``greenroom train``'s paths: a run never trains for hours and
-then dies on a path it could have checked in a second.
+"""Start-up checks of ``greenroom train``'s paths and sizes: a run never trains for
+hours and then dies on a path it could have checked in a second, and a typo in a size
+never allocates until the OOM killer comes.
 
 Each check answers with a one-line ``ValueError`` naming the flag, the path and what to
 do, and leaves nothing behind on disk (the write probe removes its file).
@@ -12,7 +13,7 @@ import os
 import tempfile
 
 from greenroom import fs, publish
-from greenroom.config import OffloadConfig
+from greenroom.config import OffloadConfig, check_device_bytes
 from greenroom.errors import CheckpointError, ConfigError
 from greenroom.log import get_logger
 
@@ -118,3 +119,16 @@ def _drop_records_past(path: str, iteration: int) -> None:
             "logged by a run that did not save them; they are trained again now)"] if dropped else []
     what += [f"{torn} torn line(s)"] if torn else []
     log.warning(f"--metrics {path}: dropped {' and '.join(what)}")
+
+
+def check_fits(config, model, device) -> None:
+    """The model and one rollout's batch fit on ``device`` (its free memory on CUDA, the
+    host's RAM on the CPU). A lower bound, so a run that fits is never refused: the
+    weights and grads at 2 bytes each, and the rollout's keys and values at 2 bytes for
+    every token of the batch in every layer."""
+    tokens = config.prompts * config.group_size * model.max_seq_len
+    nbytes = 4 * model.num_params() + 4 * tokens * model.d_model * model.n_layers
+    given = (f"--d-model {model.d_model} --n-layers {model.n_layers} --prompts {config.prompts} "
+             f"--group-size {config.group_size} (sequences of {model.max_seq_len} tokens)")
+    check_device_bytes("train", given, nbytes, device, default=None,
+                       counted="the weights, their grads and one rollout's keys and values, at least")

@@ -214,6 +214,7 @@ class Trainer:
             # Before any CUDA allocation: torch_memory_saver's hook must be preloaded.
             actor.relaunch_with(actor.launch_env(offload, self.rank, role=c.role, mover=c.offload_mover))
             torch.cuda.set_device(self.device)
+        preflight.check_fits(c, self.model_config, self.device)
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
             self._stack.callback(dist.destroy_process_group)
