@@ -59,6 +59,10 @@ CASES = {
     # train
     "train --iterations -1": (lambda s: ["train", *SMALL, "--iterations", "-1"], {}, "--iterations must be a positive"),
     # A model or batch past the RAM (was a C++ allocation dump, or building layers until the OOM killer came).
+    # The launcher's variables (int() said only "invalid literal"; a negative rank made a dir rank-0001).
+    "$RANK=-1": (lambda s: ["train", *SMALL], {"RANK": "-1"}, "$RANK='-1' is not a whole number from 0"),
+    "$RANK=abc": (lambda s: ["train", *SMALL], {"RANK": "abc"}, "$RANK='abc' is not a whole number from 0"),
+    "$WORLD_SIZE=0": (lambda s: ["train", *SMALL], {"WORLD_SIZE": "0"}, "$WORLD_SIZE='0' is not a whole number from 1"),
     "train --n-layers huge": (lambda s: ["train", *SMALL, "--device", "cpu", "--n-layers", "10000000000"],
                               {}, "of host memory per rank (the weights, their grads and one rollout's keys"),
     "train --digits huge": (lambda s: ["train", *SMALL, "--device", "cpu", "--digits", "100000000000"], {},

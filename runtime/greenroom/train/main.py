@@ -15,6 +15,7 @@ import os
 import greenroom
 from greenroom import publish
 from greenroom.log import get_logger
+from greenroom.statedir import launcher_number
 from greenroom.train.model import PRECISIONS, ModelConfig
 from greenroom.train.task import VOCAB_SIZE, TaskConfig
 from greenroom.train.trainer import TrainConfig, Trainer
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                          progress=not args.no_progress, lr=args.lr, weight_decay=args.weight_decay,
                          prompts=args.prompts, group_size=args.group_size, minibatches=args.minibatches,
                          dtype=args.dtype, reference_policy=args.reference_policy, kl_coef=args.kl_coef)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launcher_number("RANK", 0)
     with Trainer(config, offload=offload, model=model, task=task, rank=rank) as trainer:
         trainer.train()
     return 0

@@ -24,6 +24,7 @@ from greenroom.errors import ConfigError, GreenroomError
 from greenroom.faults import kill_point
 from greenroom.fs import stored_bytes
 from greenroom.rankdir import RankDir
+from greenroom.statedir import launcher_number
 from greenroom.tensors import local_tensor
 from greenroom.train import checkpoint, preflight, summary
 from greenroom.train.model import PRECISIONS, ModelConfig, Transformer, set_precision
@@ -162,7 +163,7 @@ class Trainer:
                                                 for name in ("save", "load") if getattr(config, name)})
         self.config, self.offload, self.model_config, self.task = config, offload, model, task
         self.rank = rank
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.world_size = launcher_number("WORLD_SIZE", 1, minimum=1)
         self.device = self._resolve_device()
         self._stack = contextlib.ExitStack()
         self.rank_dir: RankDir | None = None
@@ -177,7 +178,7 @@ class Trainer:
         if wanted == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda: no CUDA device is available")
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            return torch.device("cuda", launcher_number("LOCAL_RANK", 0))
         return torch.device("cpu")
 
     # -- setup and teardown ---------------------------------------------------------
