@@ -87,7 +87,8 @@ def _check_fits(args: argparse.Namespace, config: OffloadConfig, device) -> None
     from greenroom.bench.disk import RAW_BLOCK
 
     actor_bytes = args.size + args.untracked_size
-    given = f"{fs.human_bytes(args.size)} (+ --untracked-size {fs.human_bytes(args.untracked_size)})"
+    given = fs.human_bytes(args.size) + (f" (+ --untracked-size {fs.human_bytes(args.untracked_size)})"
+                                         if args.untracked_size else "")
     if config.offload_to_disk:
         # The offload file and the raw probe's scratch file of the same bytes, side by side.
         check_disk_bytes("bench offload --size", given, 2 * actor_bytes + RAW_BLOCK, config.offload_train_disk_dir,
