@@ -92,16 +92,18 @@ def device(parser: argparse.ArgumentParser) -> None:
                         help="where the tensors live (default auto: cuda when available, else cpu)")
 
 
-def resolve_device(args: argparse.Namespace, command: str) -> str:
-    """``cuda`` or ``cpu`` for ``--device``; ``cuda`` where no CUDA device is up is refused
-    in one line (before torch would raise its own multi-line error mid-run)."""
+def resolve_device(wanted: str, command: str | None = None) -> str:
+    """``cuda`` or ``cpu`` for a ``--device`` of ``wanted``; ``cuda`` where no CUDA device
+    is up is refused in one line (before torch would raise its own multi-line error
+    mid-run), prefixed with ``command`` where the CLI's own prefix does not name it."""
     import torch
 
-    if args.device == "auto":
+    if wanted == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{command}: --device cuda: no CUDA device is available; use --device cpu (or auto)")
-    return args.device
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{f'{command}: ' if command else ''}--device cuda: no CUDA device is available; "
+                          "use --device cpu (or auto)")
+    return wanted
 
 
 def json_flag(parser: argparse.ArgumentParser) -> None:

@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                           f"(--offload-train-disk-chunk-mb), and past {MAX_DEPTH} buffers (2 I/O threads each) the "
                           "bench measures threads more than the disk")
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
-    device = cliflags.resolve_device(args, "bench disk")
+    device = cliflags.resolve_device(args.device, "bench disk")
     # One scratch file at a time (the raw probe's, then the engine's), and the tensor.
     check_disk_bytes("bench disk --size", fs.human_bytes(args.size), align_up(args.size, RAW_BLOCK), directory)
     check_device_bytes("bench disk --size", fs.human_bytes(args.size), args.size, device, default="1GiB")

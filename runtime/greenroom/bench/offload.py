@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("bench offload: --size and --cycles must be positive")
     if args.untracked_size < 0:
         raise ConfigError(f"bench offload --untracked-size: expected 0 or more, got {args.untracked_size}")
-    args.device = cliflags.resolve_device(args, "bench offload")
+    args.device = cliflags.resolve_device(args.device, "bench offload")
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"  # inherited by the relaunch under torch_memory_saver
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):

@@ -128,7 +128,7 @@ def _check_fits(args: argparse.Namespace) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    args.device = cliflags.resolve_device(args, "bench stream")
+    args.device = cliflags.resolve_device(args.device, "bench stream")
     for flag in ("steps", "bucket_numel", "param_numel", "chunk_mb"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from greenroom import actor, publish
+from greenroom import actor, cliflags, publish
 from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.config import GB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
@@ -172,12 +172,7 @@ class Trainer:
         self._saved_iteration = 0
 
     def _resolve_device(self) -> torch.device:
-        wanted = self.config.device
-        if wanted == "auto":
-            wanted = "cuda" if torch.cuda.is_available() else "cpu"
-        if wanted == "cuda":
-            if not torch.cuda.is_available():
-                raise ConfigError("--device cuda: no CUDA device is available")
+        if cliflags.resolve_device(self.config.device) == "cuda":
             return torch.device("cuda", launcher_number("LOCAL_RANK", 0))
         return torch.device("cpu")
 
