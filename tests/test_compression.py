@@ -392,6 +392,45 @@ def test_nvcomp_decodes_frames_coded_with_nvcomps_default_chunks(tmp_path):
 
 
 @pytest.mark.gpu
+def test_nvcomp_decoders_kept_by_the_caller_decode_other_chunks_bit_exact():
+    # bench codec's decode_kept figure: one dict of decoders per stream, reused on chunks
+    # it has not seen, of both codings (planes and the 16-bit mode).
+    codec = _nvcomp_or_skip()
+    stream, decoders = torch.cuda.Stream(), {}
+    for seed, dtype in ((0, torch.float32), (1, torch.bfloat16), (2, torch.float32), (3, torch.bfloat16)):
+        size = dtype.itemsize
+        frames_in = list(compressible(dtype, 4 * EXTENT // size, seed).cuda().view(torch.uint8).view(-1, EXTENT))
+        coded = codec.encode(frames_in, [size] * 4, stream)
+        spans, at = [], 0
+        for _, payload in coded:
+            spans.append((at, payload.numel()))
+            at += align_up(payload.numel(), 256)
+        packed = torch.zeros(at, dtype=torch.uint8, device="cuda")
+        for (start, n), (_, payload) in zip(spans, coded):
+            packed[start:start + n].copy_(payload)
+        outs = [torch.empty(EXTENT, dtype=torch.uint8, device="cuda") for _ in coded]
+        codec.decode(packed, spans, outs, [(codec_id, size) for codec_id, _ in coded], stream, ["t"] * 4,
+                     decoders=decoders)
+        assert all(torch.equal(o, f) for o, f in zip(outs, frames_in))
+    assert decoders and set(decoders) <= {False, True}
+
+
+@pytest.mark.gpu
+def test_bench_codec_on_the_gpu_reports_kept_decoders_and_round_trips():
+    import json
+    import subprocess
+    import sys
+
+    _nvcomp_or_skip()
+    out = subprocess.run([sys.executable, "-m", "greenroom.cli", "bench", "codec", "--compression", "nvcomp-ans",
+                          "--state", "random", "--size", "128MiB", "--threads", "2", "--json"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["bit_exact"] and result["decode_kept_bytes_per_s"] > 0
+
+
+@pytest.mark.gpu
 def test_streaming_adam_with_nvcomp_is_bit_identical_to_fused_adamw(disk_dir):
     _nvcomp_or_skip()
     from greenroom.optim import StreamingAdam
@@ -425,6 +464,7 @@ def test_bench_codec_times_the_codec_and_refuses_bad_input():
 
     result = json.loads(bench("--threads", "2", "--json").stdout)
     assert result["bytes"] == 64 << 20 and result["ratio"] < compression.MIN_RATIO  # random bytes do not shrink
-    assert result["encode_bytes_per_s"] > 0 and result["decode_bytes_per_s"] > 0
+    assert result["encode_bytes_per_s"] > 0 and result["decode_bytes_per_s"] > 0 and result["bit_exact"]
+    assert "decode_kept_bytes_per_s" not in result  # zstd's contexts are kept per thread already
     bad = bench("--threads", "0")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--threads" in bad.stderr

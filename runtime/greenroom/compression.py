@@ -257,18 +257,27 @@ class NvcompPlanes:
             return [torch.as_tensor(e, device=stream.device).view(torch.uint8).reshape(-1) for e in encoded]
 
     def decode(self, packed: torch.Tensor, spans: list[tuple[int, int]], outs: list[torch.Tensor],
-               layouts: list[tuple[int, int]], stream: torch.cuda.Stream, where: list[str]) -> None:
+               layouts: list[tuple[int, int]], stream: torch.cuda.Stream, where: list[str],
+               decoders: dict | None = None) -> None:
         """Decode the payloads at ``spans`` (``(offset, bytes)``, 16-byte aligned) of
         ``packed``, a chunk's stored bytes on the device, into ``outs`` (device, the
         frames' raw lengths); ``layouts`` are each frame's header codec id and element
         size. Every payload is decoded from its offset in ``packed`` (not one small copy
-        per frame). The stream is synchronized."""
+        per frame). The stream is synchronized. ``decoders``, a dict the caller keeps for
+        this one ``stream``, keeps nvCOMP's decoders (and their scratch) from call to call
+        until the caller drops it; without it each call makes its own, as the engine does."""
         with self._lock, torch.cuda.stream(stream):
             for half, group in _by_flag([codec_id == NVCOMP_F16_ID for codec_id, _ in layouts]):
                 batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [spans[k][0] for k in group],
                                                [spans[k][1] for k in group], stream.cuda_stream)
+                if decoders is None:
+                    decoder = self._codec(stream, half, encoding=False)
+                elif half in decoders:
+                    decoder = decoders[half]
+                else:
+                    decoder = decoders[half] = self._codec(stream, half, encoding=False)
                 try:
-                    decoded = self._codec(stream, half, encoding=False).decode(batch)
+                    decoded = decoder.decode(batch)
                     stream.synchronize()
                 except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError
                     raise IntegrityError(f"{where[group[0]]}: a compressed frame does not decode ({e}): a flipped "
@@ -327,6 +336,7 @@ class _TorchDeviceBlock:
     def __init__(self, nbytes: int, stream=None) -> None:
         self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
         self.ptr = self.tensor.data_ptr()
+
 
 _CODECS = {ZstdPlanes.id: ZstdPlanes, NvcompPlanes.id: NvcompPlanes, NVCOMP_F16_ID: NvcompPlanes}
 _BY_NAME = {c.name: c for c in _CODECS.values()}

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from greenroom import cliflags, fs
 from greenroom.bench.disk import MAX_DEPTH, RAW_BLOCK, raw_bandwidth
@@ -51,9 +51,10 @@ def measure(args: argparse.Namespace) -> dict:
     codec, _ = compression.resolve(args.compression, cuda=cuda, chunk_bytes=4 * CHUNK)
     device = torch.device("cuda" if codec.on_device else "cpu")
     n = args.size // CHUNK * CHUNK or CHUNK
-    # The state and its payloads (at most as large: a frame that does not shrink is kept raw).
-    check_device_bytes("bench codec --size", fs.human_bytes(args.size), 2 * n, device, default="1GiB",
-                       counted="the state and its coded frames")
+    # The state, its stored chunks (at most as large: a frame that does not shrink is kept
+    # raw) and each thread's decoded chunk.
+    check_device_bytes("bench codec --size", fs.human_bytes(args.size), 2 * n + args.threads * CHUNK, device,
+                       default="1GiB", counted="the state, its coded frames and the decoded chunks")
     if args.dir:
         check_disk_bytes("bench codec --size", fs.human_bytes(args.size), align_up(min(n, 1 << 30), RAW_BLOCK),
                          args.dir, counted="the raw probe's file")
@@ -64,58 +65,80 @@ def measure(args: argparse.Namespace) -> dict:
     else:
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
     chunks = data.view(-1, CHUNK)
-    stored = [0]
-    lock = threading.Lock()
+    streams = [torch.cuda.Stream(device) if codec.on_device else None for _ in range(args.threads)]
+    stored: dict[int, object] = {}  # chunk -> its payloads, as the engine's write leaves them
 
-    def run_chunks(worker: int, decode: bool) -> None:
-        stream = torch.cuda.Stream(device) if codec.on_device else None
-        for k in range(worker, chunks.shape[0], args.threads):
-            frames = list(chunks[k].view(-1, FRAME))
-            if codec.on_device:
-                coded = codec.encode(frames, [4] * len(frames), stream)
-                layouts, payloads = [(codec_id, 4) for codec_id, _ in coded], [p for _, p in coded]
-                if decode:
-                    outs = [torch.empty(FRAME, dtype=torch.uint8, device=device) for _ in payloads]
-                    # As the engine decodes: the payloads back to back in one buffer (at the
-                    # codec's alignment, as a chunk stores them after their headers).
-                    spans, at = [], 0
-                    for p in payloads:
-                        spans.append((at, p.numel()))
-                        at += -(-p.numel() // 256) * 256
-                    with torch.cuda.stream(stream):
-                        packed = torch.empty(at, dtype=torch.uint8, device=device)
-                        for (start, n), p in zip(spans, payloads):
-                            packed[start:start + n].copy_(p)
-                    codec.decode(packed, spans, outs, layouts, stream, ["bench"] * len(frames))
-                size = sum(p.numel() for p in payloads)
-            else:
-                payloads = [codec.encode(f.numpy(), 4) for f in frames]
-                if decode:
-                    out = np.empty(FRAME, dtype=np.uint8)
-                    for p in payloads:
-                        codec.decode(memoryview(p), out, 4, "bench")
-                size = sum(len(p) for p in payloads)
-            if not decode:
-                with lock:
-                    stored[0] += size
+    def encode(worker: int, k: int, _state) -> None:
+        frames = list(chunks[k].view(-1, FRAME))
+        if codec.on_device:
+            stored[k] = codec.encode(frames, [4] * len(frames), streams[worker])
+        else:
+            stored[k] = [codec.encode(f.numpy(), 4) for f in frames]
 
-    def timed(decode: bool) -> float:
-        workers = [threading.Thread(target=run_chunks, args=(w, decode)) for w in range(args.threads)]
+    def pack(k: int) -> None:
+        # As the engine reads a chunk: its payloads back to back in one device buffer (at the
+        # codec's alignment, as a chunk stores them after their headers), each decoded from
+        # its offset there. Untimed: the engine's one copy of the run is the disk's side.
+        coded, spans, at = stored[k], [], 0
+        for _, payload in coded:
+            spans.append((at, payload.numel()))
+            at += -(-payload.numel() // 256) * 256
+        packed = torch.empty(at, dtype=torch.uint8, device=device)
+        for (start, size), (_, payload) in zip(spans, coded):
+            packed[start:start + size].copy_(payload)
+        stored[k] = (packed, spans, [(codec_id, 4) for codec_id, _ in coded])
+
+    def decode(worker: int, k: int, state) -> None:
+        out, decoders = state
+        if codec.on_device:
+            packed, spans, layouts = stored[k]
+            codec.decode(packed, spans, list(out.view(-1, FRAME)), layouts, streams[worker],
+                         ["bench"] * len(spans), decoders=decoders)
+        else:
+            for payload, frame_out in zip(stored[k], out.reshape(-1, FRAME)):
+                codec.decode(memoryview(payload), frame_out, 4, "bench")
+
+    def new_state(kept: bool):
+        out = (torch.empty(CHUNK, dtype=torch.uint8, device=device) if codec.on_device
+               else np.empty(CHUNK, dtype=np.uint8))
+        return out, ({} if kept else None)
+
+    def timed(work, kept: bool = False, chunk_list=None) -> float:
+        """Seconds for ``--threads`` threads to run ``work`` over the chunks, each thread
+        every ``--threads``-th one (the engine hands chunks to its I/O threads in turn)."""
+        todo = range(chunks.shape[0]) if chunk_list is None else chunk_list
+
+        def thread(worker: int) -> None:
+            state = new_state(kept)
+            for k in todo[worker::args.threads]:
+                work(worker, k, state)
+
         start = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        with ThreadPoolExecutor(args.threads) as pool:
+            for done in [pool.submit(thread, w) for w in range(args.threads)]:
+                done.result()  # a thread's error is the bench's
         return time.perf_counter() - start
 
-    timed(False)  # warm-up: codec contexts, allocator pools
-    stored[0] = 0
-    encode_s = timed(False)
-    both_s = timed(True)
-    decode_s = max(both_s - encode_s, 1e-9)  # the decode pass re-encodes to have payloads
+    timed(encode)  # warm-up: codec contexts, allocator pools
+    encode_s = timed(encode)
+    if codec.on_device:
+        stored_bytes = sum(payload.numel() for coded in stored.values() for _, payload in coded)
+    else:
+        stored_bytes = sum(len(payload) for coded in stored.values() for payload in coded)
+    if codec.on_device:
+        for k in range(chunks.shape[0]):
+            pack(k)
+        torch.cuda.synchronize(device)
+    timed(decode, chunk_list=range(min(args.threads, chunks.shape[0])))  # warm-up of the decode path
+    decode_s = timed(decode)
     result = {"compression": args.compression, "state": args.state, "bytes": n, "threads": args.threads,
-              "device": str(device), "ratio": n / max(stored[0], 1),
+              "device": str(device), "ratio": n / max(stored_bytes, 1),
               "encode_bytes_per_s": n / encode_s, "decode_bytes_per_s": n / decode_s}
+    if codec.on_device:
+        # The same chunks with each thread's nvCOMP decoders kept from chunk to chunk (the
+        # engine makes them per call): what that costs the engine's decode.
+        result["decode_kept_bytes_per_s"] = n / timed(decode, kept=True)
+    result["bit_exact"] = _round_trips(chunks, stored, decode, new_state)
     if args.dir:
         with RankDir(args.dir, role="bench-codec", allow_tmpfs=True) as rank_dir:
             raw = raw_bandwidth(rank_dir.path, min(n, 1 << 30))
@@ -123,6 +146,19 @@ def measure(args: argparse.Namespace) -> dict:
                       encode_vs_disk=result["encode_bytes_per_s"] / raw.write_bytes_per_s,
                       decode_vs_disk=result["decode_bytes_per_s"] / raw.read_bytes_per_s)
     return result
+
+
+def _round_trips(chunks, stored, decode, new_state) -> bool:
+    """Whether every chunk decodes to its state, bit for bit (untimed, one thread)."""
+    import torch
+
+    state = new_state(False)
+    for k in range(chunks.shape[0]):
+        decode(0, k, state)
+        out = torch.as_tensor(state[0])
+        if not torch.equal(out, chunks[k]):
+            return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,12 +170,14 @@ def run(args: argparse.Namespace) -> int:
     r = measure(args)
     if args.json:
         print(json.dumps(r, sort_keys=True))
-        return 0
+        return 0 if r["bit_exact"] else 1
     print(f"bench codec {r['compression']} on {r['device']}, {r['bytes'] / GB:.2f} GB of {r['state']} state in "
-          f"1 MiB frames, {r['threads']} thread(s): ratio {r['ratio']:.3f}")
+          f"1 MiB frames, {r['threads']} thread(s): ratio {r['ratio']:.3f}, bit-exact: {r['bit_exact']}")
     line = f"encode {r['encode_bytes_per_s'] / GB:.2f} GB/s, decode {r['decode_bytes_per_s'] / GB:.2f} GB/s"
+    if "decode_kept_bytes_per_s" in r:
+        line += f" ({r['decode_kept_bytes_per_s'] / GB:.2f} GB/s with decoders kept)"
     if "raw_write_bytes_per_s" in r:
         line += (f"; raw disk write {r['raw_write_bytes_per_s'] / GB:.2f} GB/s ({r['encode_vs_disk']:.2f}x), "
                  f"read {r['raw_read_bytes_per_s'] / GB:.2f} GB/s ({r['decode_vs_disk']:.2f}x)")
     print(line)
-    return 0
+    return 0 if r["bit_exact"] else 1
