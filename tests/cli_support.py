@@ -3,6 +3,9 @@
 import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,9 +27,29 @@ def greenroom_stopped_at(point: str, *args: str, env: dict | None = None) -> sub
     proc = subprocess.Popen([sys.executable, "-m", "greenroom.cli", *args],
                             env={**os.environ, **(env or {}), "GREENROOM_TEST_STOP_AT": point},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    _, status = os.waitpid(proc.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), f"greenroom {args[0]} ended before {point}: {status}"
+    assert os.WIFSTOPPED(wait_stopped(proc, f"greenroom {args[0]}")), f"greenroom {args[0]} ended before {point}"
     return proc
+
+
+def wait_stopped(proc: subprocess.Popen, what: str, timeout: float = 120) -> int:
+    """The wait status of ``proc`` once it has stopped itself (a kill point) or ended. One
+    that does neither in ``timeout`` seconds is killed and the test fails with its signal
+    state: a blocking ``waitpid`` hung a full suite for pytest's whole timeout once, when a
+    holder sent SIGTERM neither stopped nor exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
+        if pid:
+            return status
+        time.sleep(0.01)
+    try:
+        with open(f"/proc/{proc.pid}/status") as f:
+            state = "; ".join(line.strip() for line in f if line.startswith(("State", "Sig", "Shd", "Threads")))
+    except OSError as e:
+        state = str(e)
+    proc.kill()
+    proc.communicate(timeout=60)
+    pytest.fail(f"{what} neither stopped nor ended in {timeout:.0f} s ({state})")
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:

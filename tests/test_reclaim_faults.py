@@ -12,7 +12,7 @@ import pytest
 
 from greenroom.rankdir import RankDir
 from greenroom.reclaim import TRASH_PREFIX, reclaim
-from tests.cli_support import greenroom, greenroom_stopped_at, one_line_error
+from tests.cli_support import greenroom, greenroom_stopped_at, one_line_error, wait_stopped
 from tests.test_reclaim import dead_owner
 from tests.test_rankdir import start_holder
 from tests.test_train import env
@@ -144,8 +144,7 @@ def _holder_stopped_in_close(disk_dir):
     path = holder.stdout.readline().strip()
     assert path, "holder did not start"
     holder.send_signal(signal.SIGTERM)
-    _, status = os.waitpid(holder.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), "the holder exited before it closed its dir"
+    assert os.WIFSTOPPED(wait_stopped(holder, "the holder sent SIGTERM")), "the holder exited before it closed its dir"
     return holder, path
 
 
