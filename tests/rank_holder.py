@@ -22,6 +22,12 @@ with RankDir(root, job=job, role=role, rank=rank) as rank_dir:
         # Printed inside the try: the test signals as soon as it reads the path, and a
         # signal between the print and the try would skip the "cleanup" line.
         print(rank_dir.path, flush=True)
-        time.sleep(600)
+        # Short sleeps: a signal whose handler is due just before a sleep starts waits for
+        # that sleep to end (CPython checks for one between bytecodes, and the sleep's system
+        # call is not interrupted by a signal already taken). One sleep of 600 s once left a
+        # test's SIGTERM waiting for all of it.
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         print("cleanup", flush=True)
