@@ -24,8 +24,8 @@ with RankDir(root, job=job, role=role, rank=rank) as rank_dir:
         print(rank_dir.path, flush=True)
         # Short sleeps: a signal whose handler is due just before a sleep starts waits for
         # that sleep to end (CPython checks for one between bytecodes, and the sleep's system
-        # call is not interrupted by a signal already taken). One sleep of 600 s once left a
-        # test's SIGTERM waiting for all of it.
+        # call is not interrupted by a signal already taken). The likely reason a test's
+        # SIGTERM once went unanswered for all of a 600 s sleep.
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             time.sleep(0.05)

@@ -123,12 +123,11 @@ def measure(args: argparse.Namespace) -> dict:
     encode_s = timed(encode)
     if codec.on_device:
         stored_bytes = sum(payload.numel() for coded in stored.values() for _, payload in coded)
-    else:
-        stored_bytes = sum(len(payload) for coded in stored.values() for payload in coded)
-    if codec.on_device:
         for k in range(chunks.shape[0]):
             pack(k)
         torch.cuda.synchronize(device)
+    else:
+        stored_bytes = sum(len(payload) for coded in stored.values() for payload in coded)
     timed(decode, chunk_list=range(min(args.threads, chunks.shape[0])))  # warm-up of the decode path
     decode_s = timed(decode)
     result = {"compression": args.compression, "state": args.state, "bytes": n, "threads": args.threads,
