@@ -95,7 +95,7 @@ def test_prestop_reclaims_the_pods_dead_ranks_keeps_live_ones_and_other_pods(spe
     assert os.path.isdir(other_dead)  # another pod's files are the init container's or janitor's job
     # The live rank removes its own dir on the SIGTERM the kubelet sends after preStop.
     live_proc.send_signal(signal.SIGTERM)
-    live_proc.wait()
+    live_proc.wait(timeout=60)
     assert not os.path.exists(live)
 
 
