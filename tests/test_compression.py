@@ -391,6 +391,27 @@ def test_nvcomp_decodes_frames_coded_with_nvcomps_default_chunks(tmp_path):
         assert torch.equal(out, frame)
 
 
+def test_bench_codec_fails_a_codec_that_decodes_wrong_bytes(monkeypatch, capsys):
+    import argparse
+    import json
+
+    from greenroom.bench import codec as bench_codec
+
+    real_decode = compression.ZstdPlanes.decode
+
+    def decode_one_bit_off(self, payload, out, itemsize, where):
+        real_decode(self, payload, out, itemsize, where)
+        out[0] ^= 1
+
+    monkeypatch.setattr(compression.ZstdPlanes, "decode", decode_one_bit_off)
+    parser = argparse.ArgumentParser()
+    bench_codec.configure_parser(parser)
+    args = parser.parse_args(["--compression", "zstd", "--state", "random", "--size", "64MiB", "--threads", "2",
+                              "--json"])
+    assert bench_codec.run(args) == 1
+    assert json.loads(capsys.readouterr().out)["bit_exact"] is False
+
+
 @pytest.mark.gpu
 def test_nvcomp_decoders_kept_by_the_caller_decode_other_chunks_bit_exact():
     # bench codec's decode_kept figure: one dict of decoders per stream, reused on chunks
