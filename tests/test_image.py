@@ -74,7 +74,7 @@ def test_reclaim_dry_run_in_the_image_sees_a_dead_ranks_dir_and_keeps_it(image, 
     dead = os.path.join(disk_dir, "job1", "actor", "rank00000")
     os.makedirs(dead)
     with open(os.path.join(dead, "owner.json"), "w") as f:
-        json.dump({"pid": 999999, "host": "gone", "job": "job1"}, f)
+        json.dump({"pid": 999999, "host": "gone", "job": "job1", "role": "actor", "rank": 0}, f)
     open(os.path.join(dead, ".lock"), "w").close()
     # As root, like the chart's init container that runs reclaim on a node root.
     out = _run(image, "greenroom", "reclaim", "--dry-run", "--json", "/data", volume=disk_dir, user="0:0")

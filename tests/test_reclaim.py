@@ -45,6 +45,41 @@ def test_dirs_without_owner_record_are_never_touched(disk_dir):
     assert os.path.exists(os.path.join(disk_dir, "someone", "data", "precious"))
 
 
+def test_a_dir_that_holds_an_owner_json_greenroom_did_not_write_is_kept_and_reported(disk_dir):
+    """Only a ``<job>/<role>/rank<N>`` dir whose record names that job, role and rank is
+    greenroom's: a user's ``owner.json`` (their own fields, not JSON, or greenroom-like
+    fields that name another dir) keeps its dir, and the reason is in the report."""
+    records = {
+        os.path.join("alice", "webapp"): json.dumps({"team": "infra"}),
+        os.path.join("bob", "notes"): "not json {",
+        os.path.join("job", "actor", "rank00000"): json.dumps({"job": "job", "role": "actor", "rank": 1, "pid": 1}),
+        os.path.join("job", "actor", "rank00002"): json.dumps({"job": "other", "role": "actor", "rank": 2}),
+        os.path.join("job", "critic", "ranks"): json.dumps({"job": "job", "role": "critic", "rank": 0}),
+    }
+    for rel, text in records.items():
+        os.makedirs(os.path.join(disk_dir, rel))
+        with open(os.path.join(disk_dir, rel, "owner.json"), "w") as f:
+            f.write(text)
+        with open(os.path.join(disk_dir, rel, "precious"), "w") as f:
+            f.write("keep me")
+    report = reclaim(disk_dir)
+    assert sorted(d.path for d in report.decisions) == sorted(os.path.join(disk_dir, rel) for rel in records)
+    assert all(d.action == "kept" and d.reason.startswith("not a greenroom rank dir") for d in report.decisions)
+    for rel, text in records.items():
+        with open(os.path.join(disk_dir, rel, "owner.json")) as f:
+            assert f.read() == text
+        assert os.path.exists(os.path.join(disk_dir, rel, "precious"))
+
+
+def test_a_sites_own_empty_dirs_above_a_reclaimed_rank_dir_stay(disk_dir):
+    site = os.path.join(disk_dir, "site", "team")
+    os.makedirs(site)
+    dead = dead_owner(site, job="dead")
+    report = reclaim(disk_dir)
+    assert [d.path for d in report.reclaimed] == [dead]
+    assert os.listdir(site) == [], "the rank dir's role and job dirs go, as its own close removes them"
+
+
 def test_symlinks_are_not_followed(disk_dir, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     victim = dead_owner(str(outside), job="victim")  # a stale-looking dir outside ROOT

@@ -108,6 +108,32 @@ def test_two_optimizers_on_one_rank_dir_get_a_subdir_each(disk_dir):
             opt.close()
 
 
+def test_a_dir_named_by_path_and_one_handed_out_by_the_rank_dir_never_coincide(disk_dir):
+    """An owner that names ``<rank dir>/optim`` first and one handed the RankDir after it
+    get two dirs, each stepping like AdamW; every other spelling or nesting of a live
+    claim (through a symlinked root, inside it, around it) is refused in one line."""
+    link = os.path.join(disk_dir, "root-link")
+    os.symlink(disk_dir, link)
+    with RankDir(disk_dir, job="j", role="actor") as rank_dir:
+        pairs = [_train_pair(seed) for seed in (0, 1)]
+        by_path = StreamingAdam(pairs[0][0], lr=1e-2, state_dir=os.path.join(rank_dir.path, "optim"),
+                                bucket_numel=4000, chunk_mb=1)
+        handed = StreamingAdam(pairs[1][0], lr=1e-2, state_dir=rank_dir, bucket_numel=4000, chunk_mb=1)
+        assert os.path.basename(handed.state_dir) == "optim-2"
+        for opt, (ours, theirs) in zip((by_path, handed), pairs):
+            reference = torch.optim.AdamW(theirs, lr=1e-2, foreach=opt.foreach, fused=opt.fused)
+            _steps(opt, reference, ours, theirs)
+        via_link = os.path.join(link, os.path.relpath(by_path.state_dir, disk_dir))
+        for spelling in (via_link, os.path.join(by_path.state_dir, "inner"), rank_dir.path):
+            with pytest.raises(StorageError) as refused:
+                StreamingAdam(_train_pair(2)[0], state_dir=spelling, bucket_numel=4000, chunk_mb=1)
+            message = str(refused.value)
+            assert "\n" not in message and "another owner in this process" in message
+        assert not os.path.exists(os.path.join(by_path.state_dir, "inner")), "a refused claim makes nothing"
+        for opt in (by_path, handed):
+            opt.close()
+
+
 def _worker(root, mode, env):
     return subprocess.Popen([sys.executable, WORKER, root, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)

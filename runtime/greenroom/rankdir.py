@@ -16,7 +16,11 @@ read-only filesystem, a file) is refused in one line before anything is created
 
 Note [claims]: the mechanisms of one process share its rank dir, each in a subdir of its
 own that ``claim`` hands out (``optim``, then ``optim-2`` for a second optimizer, ...),
-so two owners never write the same files. A rank dir opened for a plain path (see
+so two owners never write the same files. An owner may also name a dir inside the rank
+dir by path (``claim_path``); claims of either kind are compared by real path, and a
+claim that is, holds or lies inside a live one is refused (``claim`` skips to the next
+name), so no spelling of a path (a symlinked root, ``optim`` named before the RankDir
+was handed over) gives one dir two owners. A rank dir opened for a plain path (see
 ``greenroom.statedir``) closes itself when its last claim is released.
 
 Note [lock inode]: a reclaimer deletes a dir while holding its lock, so a starting rank
@@ -103,6 +107,18 @@ def held_rank_dir(path: str) -> "RankDir | None":
         if path == mine or path.startswith(mine + os.sep):
             return rank_dir
     return None
+
+
+def is_rank_dir_record(path: str, owner: dict) -> bool:
+    """Whether ``owner``, read from ``path``'s owner record, is one ``RankDir`` wrote for
+    that path: ``<job>/<role>/rank<N>`` named in it (``greenroom reclaim`` deletes no
+    other dir that happens to hold an ``owner.json``)."""
+    name = os.path.basename(path)
+    rank = owner.get("rank")
+    role_dir = os.path.dirname(path)
+    return (name.startswith("rank") and name[4:].isdigit() and isinstance(rank, int) and not isinstance(rank, bool)
+            and name == f"rank{rank:05d}" and owner.get("role") == os.path.basename(role_dir)
+            and owner.get("job") == os.path.basename(os.path.dirname(role_dir)))
 
 
 def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
@@ -325,8 +341,14 @@ class RankDir:
         owners in this process (Note [claims]); ``release`` gives it back."""
         if not self.is_open:
             raise ConfigError(f"{self.path}: open() the RankDir before handing it to an optimizer or offloader")
+        whole = self._claim_overlapping(self.path)
+        if whole is not None and os.path.realpath(whole) == os.path.realpath(self.path):
+            raise StorageError(f"{self.path} is itself the state dir of another owner in this process (pid "
+                               f"{os.getpid()} on {socket.gethostname()}): give that owner a dir inside it "
+                               "(or the RankDir), so each owner has its own")
         n = 1
-        while (chosen := name if n == 1 else f"{name}-{n}") in self._claimed_ever:
+        while ((chosen := name if n == 1 else f"{name}-{n}") in self._claimed_ever
+               or self._claim_overlapping(os.path.join(self.path, chosen)) is not None):
             n += 1
         self._claimed_ever.add(chosen)
         path = self.subdir(chosen)
@@ -336,12 +358,25 @@ class RankDir:
     def claim_path(self, path: str) -> str:
         """Claim ``path`` itself, a dir inside this rank dir that its caller named."""
         path = os.path.abspath(path)
-        if path in self._claims:
-            raise StorageError(f"{path} is the state dir of another owner in this process (pid {os.getpid()} on "
-                               f"{socket.gethostname()}): give each optimizer its own dir, or close the other")
+        other = self._claim_overlapping(path)
+        if other is not None:
+            where = "is" if os.path.realpath(other) == os.path.realpath(path) else "overlaps"
+            raise StorageError(f"{path} {where} the state dir of another owner in this process ({other}; pid "
+                               f"{os.getpid()} on {socket.gethostname()}): give each optimizer its own dir, "
+                               "or close the other")
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
         self._claims.add(path)
         return path
+
+    def _claim_overlapping(self, path: str) -> str | None:
+        """The live claim that is ``path``, holds it or lies inside it, by real path
+        (Note [claims]), or None."""
+        real = os.path.realpath(path)
+        for claimed in self._claims:
+            mine = os.path.realpath(claimed)
+            if real == mine or real.startswith(mine + os.sep) or mine.startswith(real + os.sep):
+                return claimed
+        return None
 
     def release(self, path: str) -> None:
         """The owner of a claimed subdir is done with it; its files go when the rank dir does."""

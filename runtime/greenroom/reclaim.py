@@ -10,7 +10,11 @@ Safety rules, each enforced below:
   starts meanwhile waits instead of writing into a dir being removed;
 - no symlink is followed and ROOT's filesystem is never left (``st_dev`` checks, and a
   dir holding a mount point is refused);
-- nothing without an owner record is deleted;
+- nothing but a greenroom rank dir is deleted: a dir named ``rank<N>`` whose owner record
+  is a JSON object naming that rank and the role and job of the two dirs above it, as
+  ``RankDir`` writes it (``is_rank_dir_record``); any other dir that holds an
+  ``owner.json`` is kept and reported, and the empty parents removed after a reclaim are
+  the rank dir's role and job dirs only, as a rank's own close removes;
 - what is deleted is what was checked: after the first open everything goes through fds
   (the parent's to rename aside and remove by name, the dir's own to lock, check and
   delete its contents), and a rename aside that caught another inode is undone;
@@ -47,7 +51,7 @@ from typing import Callable
 from greenroom import fs
 from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
-from greenroom.rankdir import LOCK_NAME, OWNER_NAME, TRASH_PREFIX
+from greenroom.rankdir import LOCK_NAME, OWNER_NAME, TRASH_PREFIX, is_rank_dir_record
 
 MAX_DEPTH = 6  # <root>/<job>/<role>/rank<NNNNN> is 3; leave room for site layouts above it
 
@@ -269,6 +273,9 @@ def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: flo
             except FileNotFoundError:
                 return None
         owner = _read_owner(dir_fd)
+        if not is_rank_dir_record(path, owner):
+            return Decision(path, "kept", f"not a greenroom rank dir: its {OWNER_NAME} does not name this job, "
+                            "role and rank", owner=owner)
         verdict = policy(path, owner) if policy else None
         if verdict == "keep":
             return Decision(path, "kept", "kept by policy (its owner still exists)", owner=owner)
@@ -332,8 +339,12 @@ def clean_aside(path: str, root_dev: int, *, dry_run: bool) -> Decision | None:
 
 
 def _remove_empty_parents(path: str, root: str) -> None:
+    """Remove the reclaimed rank dir's role and job dirs if empty (what ``RankDir.close``
+    removes); a site's own dirs above them are not greenroom's."""
     parent = os.path.dirname(path)
-    while parent.startswith(root + os.sep):
+    for _ in range(2):
+        if not parent.startswith(root + os.sep):
+            return
         try:
             os.rmdir(parent)
         except OSError:
