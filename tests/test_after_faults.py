@@ -16,6 +16,7 @@ import torch
 
 from greenroom import statefile
 from greenroom.errors import GreenroomError, StorageError
+from greenroom.optim import checkpoint, reflink
 from greenroom.optim import StreamingAdam, StreamingMuon
 from tests.conftest import require_tool
 from tests.test_faults import run_worker
@@ -139,6 +140,88 @@ def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(
         for key in theirs:
             for name in theirs[key]:
                 assert torch.equal(ours[key][name], theirs[key][name]), (key, name)
+    finally:
+        opt.close()
+        twin.close()
+
+
+def test_a_load_that_fails_after_replacing_a_bucket_refuses_until_a_load_succeeds(disk_dir, monkeypatch):
+    """A load that fails part way (the copy of bucket 2 fails with EIO, after buckets 0 and 1
+    hold the checkpoint's bytes) used to leave an optimizer that stepped on from the mix
+    without a word; now it refuses like a failed step, and a load that completes makes it
+    bit-identical to a twin that never saw the fault. The copy stands in for a checkpoint
+    on another filesystem (links and clones turned off): this machine has one."""
+    params, opt = _optimizer(os.path.join(disk_dir, "faulty"), StreamingAdam)
+    twin_params, twin = _optimizer(os.path.join(disk_dir, "twin"), StreamingAdam)
+    try:
+        for ps, o in ((params, opt), (twin_params, twin)):
+            _grads(ps, 0)
+            o.step()
+        ckpt = os.path.join(disk_dir, "ckpt")
+        opt.save_checkpoint(ckpt)
+        for ps, o in ((params, opt), (twin_params, twin)):
+            _grads(ps, 1)
+            o.step()
+        monkeypatch.setattr(checkpoint, "links_work", lambda *a: False)
+        monkeypatch.setattr(reflink, "usable", lambda *a: False)
+        real, victim = checkpoint.copy_file, opt.store.path(2)
+
+        def copy_file(src, dst, size, **kwargs):
+            if dst.startswith(victim):
+                raise StorageError(f"copying {src} to {dst} failed: Input/output error")
+            return real(src, dst, size, **kwargs)
+
+        monkeypatch.setattr(checkpoint, "copy_file", copy_file)
+        with pytest.raises(StorageError, match=r"bucket-00002\.bin\S* failed: Input/output error"):
+            opt.load_checkpoint(ckpt)
+        _grads(params, 2)
+        with pytest.raises(GreenroomError) as err:
+            opt.step()
+        assert "\n" not in str(err.value)
+        assert re.match(r"StreamingAdam: step\(\) refused: an earlier load_checkpoint\(\) failed \(StorageError: "
+                        r".*\) and left the state partly loaded", str(err.value)), str(err.value)
+        monkeypatch.setattr(checkpoint, "copy_file", real)
+        for ps, o in ((params, opt), (twin_params, twin)):
+            o.load_checkpoint(ckpt)
+            _grads(ps, 2)
+            o.step()
+        for a, b in zip(params, twin_params):
+            assert torch.equal(a, b)
+    finally:
+        opt.close()
+        twin.close()
+
+
+@pytest.mark.parametrize("kind", [StreamingAdam, StreamingMuon], ids=lambda k: k.__name__)
+def test_a_state_dict_load_whose_bucket_write_fails_refuses_until_a_load_succeeds(disk_dir, fail_a_write_of, kind):
+    """load_state_dict verifies the whole dict, then writes bucket by bucket: a write that
+    fails there (bucket 2, EIO) leaves some buckets loaded and some not, and the optimizer
+    now refuses like a failed step until a load completes."""
+    params, opt = _optimizer(os.path.join(disk_dir, "faulty"), kind)
+    twin_params, twin = _optimizer(os.path.join(disk_dir, "twin"), kind)
+    try:
+        for ps, o in ((params, opt), (twin_params, twin)):
+            _grads(ps, 0)
+            o.step()
+        _grads(twin_params, 1)
+        twin.step()
+        saved = twin.state_dict()
+        fail_a_write_of(opt.store.path(2))
+        with pytest.raises(StorageError, match=r"bucket-00002\.bin: write of \d+ bytes"):
+            opt.load_state_dict(saved)
+        with pytest.raises(GreenroomError) as err:
+            opt.state_dict()
+        assert re.match(rf"{kind.__name__}: state_dict\(\) refused: an earlier load_state_dict\(\) failed "
+                        r"\(StorageError: .*\) and left the state partly loaded", str(err.value)), str(err.value)
+        opt.load_state_dict(saved)
+        with torch.no_grad():
+            for p, q in zip(params, twin_params):
+                p.copy_(q)
+        for ps, o in ((params, opt), (twin_params, twin)):
+            _grads(ps, 2)
+            o.step()
+        for a, b in zip(params, twin_params):
+            assert torch.equal(a, b)
     finally:
         opt.close()
         twin.close()

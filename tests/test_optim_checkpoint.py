@@ -140,6 +140,30 @@ def test_refuses_other_layout(saved, disk_dir):
         _load_into(path, other, os.path.join(disk_dir, "y"))
 
 
+def test_refuses_a_resident_state_that_does_not_fit_before_touching_the_state(saved, disk_dir):
+    """The small fp32 params' state (resident.pt) is checked with the layout: a resident
+    param of another shape, or one this model lacks, is refused in one line before any
+    bucket is replaced, and the optimizer steps on from its own state."""
+    opt, params, path = saved
+    live_before = streamed_bytes(opt)
+    other = [torch.nn.Parameter(p.detach().clone()) for p in params[:-1]] + [torch.nn.Parameter(torch.zeros(99))]
+    with pytest.raises(CheckpointError, match=r"resident\.pt: param 1\.\d+'s exp_avg is torch\.float32 \(100,\), "
+                                              r"the param here is torch\.float32 \(99,\): resume with the model"):
+        _load_into(path, other, os.path.join(disk_dir, "x"))
+    with pytest.raises(CheckpointError, match=r"resident\.pt: holds state for param 1\.\d+, which this optimizer "
+                                              "does not have"):
+        _load_into(path, params[:-1], os.path.join(disk_dir, "y"))
+    fewer = _optimizer([torch.nn.Parameter(p.detach().clone()) for p in params[:-1]], os.path.join(disk_dir, "z"))
+    try:
+        with pytest.raises(CheckpointError, match="which this optimizer does not have"):
+            fewer.load_checkpoint(path)
+        set_grads(fewer.param_groups[0]["params"] + fewer.param_groups[1]["params"], step=0)
+        fewer.step()  # refused before anything changed: not poisoned
+    finally:
+        fewer.close()
+    assert streamed_bytes(opt) == live_before
+
+
 def test_refuses_other_topology(saved, disk_dir):
     _, params, path = saved
     manifest_path = os.path.join(path, ckpt.MANIFEST)

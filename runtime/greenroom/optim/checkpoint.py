@@ -77,6 +77,7 @@ from greenroom.optim import reflink
 from greenroom.optim.filecopy import PIECE, FileSums, _read_pieces, copy_file, file_crc32
 from greenroom.optim.hardlink import NEW_SUFFIX, link_new, links_work
 from greenroom.rankdir import write_json_atomic
+from greenroom.tensors import local_tensor
 
 if TYPE_CHECKING:
     from greenroom.optim.store import BucketStore
@@ -307,14 +308,49 @@ def load_checkpoint(opt: StreamedState, path: str, *, no_load_optim: bool = Fals
 def _load_checkpoint(opt: StreamedState, path: str) -> None:
     manifest = read_manifest(path)
     verify(opt, path, manifest)
+    resident = _verified_resident(opt, path)
+    # From the first bucket replaced on, a failure leaves a state that is neither the
+    # run's nor the checkpoint's (optim.poison Note [a failed step poisons]).
+    with opt._poisoned_if_it_fails("load_checkpoint()", "partly loaded (some buckets from the checkpoint, some not)"):
+        _replace_state(opt, path, manifest, resident)
+
+
+def _verified_resident(opt: StreamedState, path: str) -> dict:
+    """``resident.pt`` (its CRC-32 checked by ``verify``), refused in one line unless every
+    param it names is one of ``opt``'s and every moment has its param's shape and dtype."""
+    file_path = os.path.join(path, RESIDENT)
+    try:
+        resident = torch.load(file_path, weights_only=True)
+        steps, moments = resident["steps"], resident["moments"]
+    except Exception as e:  # a file that passed its CRC but is not what a save writes
+        raise CheckpointError(f"{file_path}: not a resident state greenroom wrote ({type(e).__name__}); the "
+                              "checkpoint is damaged") from None
+    params = opt.keyed_params()
+    for key in sorted(set(steps) | set(moments)):
+        if key not in params:
+            raise CheckpointError(f"{file_path}: holds state for param {key}, which this optimizer does not "
+                                  "have: resume with the model and param groups it was saved with (or pass "
+                                  "--no-load-optim)")
+    for key, saved in sorted(moments.items()):
+        ours = local_tensor(params[key])
+        for name in ("exp_avg", "exp_avg_sq"):
+            t = saved.get(name)
+            if not isinstance(t, torch.Tensor) or t.shape != ours.shape or t.dtype != ours.dtype:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else "nothing"
+                raise CheckpointError(f"{file_path}: param {key}'s {name} is {got}, the param here is "
+                                      f"{ours.dtype} {tuple(ours.shape)}: resume with the model it was saved "
+                                      "with (or pass --no-load-optim)")
+    return resident
+
+
+def _replace_state(opt: StreamedState, path: str, manifest: dict, resident: dict) -> None:
     store = opt.store
     unsummed = manifest.get("checksums", True) is False and store.engine.verify
     if unsummed:
         log.warning(f"{path}: saved with GREENROOM_VERIFY=0, so its bucket files carry no checksums; their bytes "
                     "passed the checkpoint's CRC-32, and this run checksums them from here on")
     # Note [a load never writes a checkpoint's inode]
-    link = not unsummed and bool(store.buckets) and links_work(os.path.join(path, _name(store, 0)),
-                                                                 store.directory)
+    link = not unsummed and bool(store.buckets) and links_work(os.path.join(path, _name(store, 0)), store.directory)
     clone = not link and reflink.usable(path, store.directory, store.state_bytes)
     for bucket in store.buckets:
         name = _name(store, bucket.index)
@@ -327,7 +363,6 @@ def _load_checkpoint(opt: StreamedState, path: str) -> None:
             _read_pieces(store.path(bucket.index), bucket.data_bytes, sums.add)
             sums.record()
     store.refill_host_cache()
-    resident = torch.load(os.path.join(path, RESIDENT), weights_only=True)
     opt.load_resident_state({key: {"step": step, **resident["moments"].get(key, {})}
                              for key, step in resident["steps"].items()})
     opt.load_hyperparameters([{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()}

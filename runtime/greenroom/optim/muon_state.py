@@ -103,12 +103,14 @@ def import_state_dict(opt, state_dict: Any) -> None:
             if masters is not None:
                 masters[k].copy_(got.get("master", p.detach()))
 
-    if checked or opt.state:
-        opt.store.overwrite(fill)
-    opt.state.clear()
-    for n in checked:
-        opt.state[params[n]] = {}
-    for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
-        for key, value in saved.items():
-            if key not in ("params", "param_names", "moment_dtype"):
-                g[key] = value
+    # A failure from the first bucket written on poisons (optim.poison Note [a failed step poisons]).
+    with opt._poisoned_if_it_fails("load_state_dict()", "partly loaded (some buckets from the state dict, some not)"):
+        if checked or opt.state:
+            opt.store.overwrite(fill)
+        opt.state.clear()
+        for n in checked:
+            opt.state[params[n]] = {}
+        for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
+            for key, value in saved.items():
+                if key not in ("params", "param_names", "moment_dtype"):
+                    g[key] = value

@@ -303,26 +303,29 @@ def import_state_dict(opt: StreamingAdam, state_dict: Any) -> None:
             if masters[k] is not None:
                 masters[k].copy_(got.get("master", local_tensor(p).detach()))
 
-    if checked or opt.state:
-        store.overwrite(fill)
-    # else: an empty state into an optimizer without state (accelerate's prepare round-trips
-    # the fresh optimizer's dict): the files already hold zero moments, since state is
-    # only ever empty when they do, and Note [masters follow the params] covers the masters.
-    opt.state.clear()
-    resident = {id(p) for p in opt.resident}
-    for p in params:
-        got = checked.get(number[id(p)])
-        if got is None:
-            continue
-        state = opt.param_state(p)
-        state["step"].fill_(got["step"])
-        if id(p) in resident:
-            local = local_tensor(p)
-            for key in _MOMENTS:
-                state[key] = (got[key].to(local.device, copy=True) if key in got
-                              else torch.zeros_like(local, memory_format=torch.preserve_format))
-    for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
-        for key, value in saved.items():
-            # Which kernel runs is this optimizer's choice (fused, foreach); the rest follows torch.
-            if key not in ("params", "param_names", "moment_dtype", "fused", "foreach"):
-                g[key] = value
+    # From the first bucket written on, a failure leaves a state that is neither the run's
+    # nor the dict's (optim.poison Note [a failed step poisons]).
+    with opt._poisoned_if_it_fails("load_state_dict()", "partly loaded (some buckets from the state dict, some not)"):
+        if checked or opt.state:
+            store.overwrite(fill)
+        # else: an empty state into an optimizer without state (accelerate's prepare round-trips
+        # the fresh optimizer's dict): the files already hold zero moments, since state is
+        # only ever empty when they do, and Note [masters follow the params] covers the masters.
+        opt.state.clear()
+        resident = {id(p) for p in opt.resident}
+        for p in params:
+            got = checked.get(number[id(p)])
+            if got is None:
+                continue
+            state = opt.param_state(p)
+            state["step"].fill_(got["step"])
+            if id(p) in resident:
+                local = local_tensor(p)
+                for key in _MOMENTS:
+                    state[key] = (got[key].to(local.device, copy=True) if key in got
+                                  else torch.zeros_like(local, memory_format=torch.preserve_format))
+        for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
+            for key, value in saved.items():
+                # Which kernel runs is this optimizer's choice (fused, foreach); the rest follows torch.
+                if key not in ("params", "param_names", "moment_dtype", "fused", "foreach"):
+                    g[key] = value
