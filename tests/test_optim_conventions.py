@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from greenroom.diskio import StateFile, align_up
-from greenroom.errors import GreenroomError
-from greenroom.optim import StreamingAdam
+from greenroom.errors import ConfigError, GreenroomError, StorageError
+from greenroom.optim import StreamingAdam, StreamingMuon
+from greenroom.rankdir import RankDir
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
+from tests.test_train_faults import full_fs  # noqa: F401 (a fixture)
 
 
 def test_defaults_and_group_keys_are_adamws(disk_dir):
@@ -116,4 +118,45 @@ def test_a_refused_param_group_changes_nothing(disk_dir):
     with pytest.raises(ValueError, match="meta"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device="meta"))]})
     assert len(opt.param_groups) == 1 and len(opt.store.buckets) == 1
+    opt.close()
+
+
+def test_a_param_group_with_no_room_for_its_files_is_taken_back_out(full_fs):  # noqa: F811
+    """``add_param_group`` whose second new bucket file finds the disk full (a 256 KiB
+    tmpfs): the error names the file, no new file is left, and the group is not in
+    ``param_groups`` (left in, its params would never have been stepped); the optimizer
+    steps on like AdamW over the groups it has."""
+    with RankDir(full_fs, job="j", allow_tmpfs=True) as rank_dir:
+        ours, theirs = twins([(2000,)])
+        opt = StreamingAdam(ours, lr=1e-2, state_dir=rank_dir, bucket_numel=2000, resident_numel=0)
+        try:
+            ref = torch.optim.AdamW(theirs, lr=1e-2, foreach=opt.foreach, fused=opt.fused)
+            files = sorted(os.listdir(opt.state_dir))
+            extra = [torch.nn.Parameter(torch.randn(8000)) for _ in range(4)]
+            with pytest.raises(StorageError, match=r"bucket-0000\d\.bin: not enough space to preallocate"):
+                opt.add_param_group({"params": extra, "lr": 3e-3})
+            assert len(opt.param_groups) == 1 and len(opt.store.buckets) == 1 and len(opt.streamed) == 1
+            assert sorted(os.listdir(opt.state_dir)) == files
+            for step in range(2):
+                set_grads(ours, theirs, step=step)
+                for p in extra:
+                    p.grad = torch.ones_like(p)
+                opt.step()
+                ref.step()
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        finally:
+            opt.close()
+
+
+def test_a_muon_param_group_refused_after_torch_appended_it_is_taken_back_out(disk_dir):
+    """StreamingMuon checks a new group's params after torch's ``add_param_group`` appends
+    it (an empty matrix): the refusal used to leave the group in, half classified."""
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    opt = StreamingMuon([w], lr=0.02, state_dir=disk_dir)
+    with pytest.raises(ConfigError, match="has no elements"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(32, 32)),
+                                        torch.nn.Parameter(torch.zeros(0, 8))]})
+    assert len(opt.param_groups) == 1 and len(opt.streamed) == 1 and len(opt.store.buckets) == 1
+    w.grad = torch.randn(64, 64)
+    opt.step()
     opt.close()

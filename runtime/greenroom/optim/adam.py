@@ -195,12 +195,8 @@ class StreamingAdam(StreamedOptimizer):
                     raise ConfigError(f"StreamingAdam: a param of the new group is on {local_tensor(p).device}, "
                                      f"the others on {self.device}; one optimizer streams for one device")
         super().add_param_group(param_group)
-        if self._store is None:
-            return  # the constructor lays out every group at once
-        entries = self._classify([len(self.param_groups) - 1])
-        if entries:
-            new = self.store.extend(entries)
-            self.store.overwrite(self._fresh_fill(), new)
+        if self._store is not None:  # else the constructor lays out every group at once
+            self._add_group_buckets()
 
     def state_dict(self) -> dict:
         """torch's format, the tensors views of the bucket files; see

@@ -140,12 +140,8 @@ class StreamingMuon(StreamedOptimizer):
                     raise ConfigError(f"StreamingMuon: a param of the new group is on {p.device}, the others on "
                                      f"{self.device}; one optimizer streams for one device")
         super().add_param_group(param_group)
-        if self._store is None:
-            return
-        entries = self._classify([len(self.param_groups) - 1])
-        if entries:
-            new = self.store.extend(entries)
-            self.store.overwrite(self._fresh_fill(), new)
+        if self._store is not None:
+            self._add_group_buckets()
 
     def state_dict(self) -> dict:
         """torch.optim.Muon's format, the tensors views of the bucket files."""

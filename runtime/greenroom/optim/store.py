@@ -295,8 +295,10 @@ class BucketStore(BucketFiles):
             for bucket in added:
                 files.append(self._open_file(bucket))
         except BaseException:
-            for f in files:
+            for f in files:  # as a failed setup does: no file it created is left
                 f.close()
+                if f.created and os.path.exists(f.path):
+                    os.unlink(f.path)
             raise
         self.release_device_buffers()  # the buffers are sized for the largest bucket
         self.entries.extend(entries)

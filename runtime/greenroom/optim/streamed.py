@@ -76,6 +76,27 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         """Every param by ``group.index``: how checkpoints name it."""
         return {f"{gi}.{pi}": p for gi, group in enumerate(self.param_groups) for pi, p in enumerate(group["params"])}
 
+    def _add_group_buckets(self) -> None:
+        """The state of the group torch's ``add_param_group`` just appended, in new buckets
+        (masters from the params, moments zero). A refusal, or a failure before a bucket is
+        written (no space for its file), takes the group back out as if it was never added
+        (``BucketStore.extend`` leaves no file); left in, its params would never be stepped.
+        A failure while the new buckets are written poisons (Note [a failed step poisons])."""
+        kept = {name: len(getattr(self, name)) for name in ("streamed", "resident", "empty") if hasattr(self, name)}
+        frozen = set(self.frozen)
+        try:
+            entries = self._classify([len(self.param_groups) - 1])
+            new = self.store.extend(entries) if entries else []
+        except BaseException:
+            self.param_groups.pop()
+            for name, length in kept.items():
+                del getattr(self, name)[length:]
+            self.frozen.intersection_update(frozen)
+            raise
+        if new:
+            with self._poisoned_if_it_fails("add_param_group()", "partly set up (the new group's buckets unwritten)"):
+                self.store.overwrite(self._fresh_fill(), new)
+
     def _fresh_fill(self):
         """A ``BucketStore.overwrite`` fill: masters from the params, moments zero."""
         def fill(state) -> None:
