@@ -316,7 +316,7 @@ def test_bad_input_is_one_line_and_exit_2(disk_dir, tmp_path):
     assert "need --kubernetes" in line
     line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE,
                                     "--interval", "0", env=env))
-    assert "--interval must be > 0" in line
+    assert "--interval must be more than 0" in line
 
 
 def test_tmpfs_root_is_refused(tmp_path):

@@ -145,6 +145,15 @@ def test_plan_cli_refuses_what_does_not_fit_in_one_line():
     assert "the model state needs 140.0 GB per rank without streaming" in one_line_error(proc)
 
 
+def test_a_plan_of_fewer_params_than_model_parallel_ranks_reports_instead_of_dividing_by_zero(disk_dir):
+    """1 param over 10 model-parallel ranks: each rank stores 0 bytes of it, and the
+    compression line divided by that (a ZeroDivisionError traceback)."""
+    proc = greenroom("plan", "--params", "1", "--world-size", "10", "--data-parallel", "1",
+                     "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
+                     "--offload-train-disk-compression", "zstd", check_rc=0)
+    assert "verdict:" in proc.stdout and "Traceback" not in proc.stderr
+
+
 def test_plan_measures_the_disk_when_asked(disk_dir):
     """``--measure-disk`` runs doctor's probe on the disk dir; the seconds follow from it."""
     proc = greenroom("plan", "--params", "1e6", "--offload-train", "--offload-train-target", "disk",

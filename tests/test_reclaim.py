@@ -71,15 +71,6 @@ def test_a_dir_that_holds_an_owner_json_greenroom_did_not_write_is_kept_and_repo
         assert os.path.exists(os.path.join(disk_dir, rel, "precious"))
 
 
-def test_a_sites_own_empty_dirs_above_a_reclaimed_rank_dir_stay(disk_dir):
-    site = os.path.join(disk_dir, "site", "team")
-    os.makedirs(site)
-    dead = dead_owner(site, job="dead")
-    report = reclaim(disk_dir)
-    assert [d.path for d in report.reclaimed] == [dead]
-    assert os.listdir(site) == [], "the rank dir's role and job dirs go, as its own close removes them"
-
-
 def test_symlinks_are_not_followed(disk_dir, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     victim = dead_owner(str(outside), job="victim")  # a stale-looking dir outside ROOT

@@ -27,7 +27,6 @@ Two layers, so that the flags are spelled out once:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shlex
 import warnings
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from greenroom import fs
 from greenroom.errors import ConfigError
 from greenroom.rankdir import check_root
+from greenroom.units import MAX_GB
 
 TARGETS = ("cpu", "disk")
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
@@ -203,9 +203,9 @@ class OffloadFlags:
             raise ConfigError(f"--stream-optimizer-state-master-layout {layout} lays out streamed masters and needs "
                               "--stream-optimizer-state-to-disk: add it (or drop the master layout)")
         cache = self.stream_optimizer_state_host_cache_gb
-        if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache < math.inf:
-            raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0, "
-                              f"got {cache!r}")
+        if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= MAX_GB:
+            raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0 and at "
+                              f"most {MAX_GB:g} (an exabyte), got {cache!r}")
         self.stream_optimizer_state_host_cache_gb = cache = float(cache)
         if cache and not self.stream_optimizer_state_to_disk:
             raise ConfigError("--stream-optimizer-state-host-cache-gb caches streamed buckets and needs "

@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from greenroom import fs
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
-from greenroom.reclaim import Decision, ReclaimReport, print_report, reclaim
+from greenroom.reclaim import Decision, ReclaimReport, check_interval, check_seconds, print_report, reclaim
 
 EVENT_REASON = "StaleOffloadReclaimed"
 COMPONENT = "greenroom-janitor"
@@ -317,7 +317,8 @@ class Janitor:
         interval = self.config.interval or 0.0
         if self.failures == 0:
             return interval
-        return min(interval * 2 ** self.failures, max(interval, MAX_BACKOFF_SECONDS))
+        # The exponent is capped: 2.0 ** 1024 overflows a float (after days without an API).
+        return min(interval * 2.0 ** min(self.failures, 32), max(interval, MAX_BACKOFF_SECONDS))
 
     def serve(self) -> int:
         """The periodic loop; returns when ``stop`` is set (SIGTERM/SIGINT)."""
@@ -359,8 +360,9 @@ def run_janitor(config: JanitorConfig) -> int:
     if not config.node_name:
         raise ConfigError("--node-name is required with --kubernetes (the chart passes $(NODE_NAME) from "
                          "the downward API spec.nodeName)")
-    if config.interval is not None and config.interval <= 0:
-        raise ConfigError(f"--interval must be > 0 seconds, got {config.interval}")
+    check_seconds("--min-age", config.min_age)
+    if config.interval is not None:
+        check_interval(config.interval)
     if not 0 <= config.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be 0 (off) or a TCP port, got {config.metrics_port}")
     check_root(config.root)

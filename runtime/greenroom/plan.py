@@ -21,7 +21,7 @@ from greenroom.budget import SHARDINGS, Layout, rank_budget, seconds
 from greenroom.config import GB, OffloadConfig, OffloadFlags, add_arguments, default_disk_dir
 from greenroom.optim.footprint import PARAM_DTYPES, muon_bytes_per_param, streamed_bytes_per_param
 from greenroom.rankdir import rank_dir_path
-from greenroom.units import parse_count, positive_float, positive_int
+from greenroom.units import gigabytes, parse_count, positive_float, positive_int
 
 
 def _ints(d: dict) -> dict:
@@ -191,7 +191,7 @@ def print_plan(plan: dict) -> None:
         print(f"streamed state per 16-bit param: StreamingAdam {per['adam']:g} B (master + 2 moments), "
               f"StreamingMuon {per['muon']:g} B (master + momentum); the figures above are StreamingAdam's{bound}")
     stored = plan["stored_bytes_per_rank"]
-    if plan["compression"] != "none" and d["total"]:
+    if plan["compression"] != "none" and stored["total"]:
         print(f"compression: {plan['compression']}: a step or sleep is expected to move "
               f"{fs.human_bytes(stored['total'])} per rank instead of {fs.human_bytes(d['total'])} "
               f"({d['total'] / stored['total']:.2f}x less; the files keep their full size)")
@@ -216,9 +216,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     run_group.add_argument("--sharding", choices=SHARDINGS, default="none",
                            help="what is sharded over the data-parallel replicas: none (DDP), optimizer "
                                 "(ZeRO-1, Megatron's distributed optimizer), full (FSDP, ZeRO-3)")
-    run_group.add_argument("--gpu-memory-gb", type=positive_float, default=None, metavar="GB",
+    run_group.add_argument("--gpu-memory-gb", type=gigabytes, default=None, metavar="GB",
                            help="memory of one GPU, GB; without it the GPU fit is not judged")
-    run_group.add_argument("--host-memory-gb", type=positive_float, default=None, metavar="GB",
+    run_group.add_argument("--host-memory-gb", type=gigabytes, default=None, metavar="GB",
                            help="host memory of one node, GB (default: this machine's)")
     run_group.add_argument("--disk-read-gbps", type=positive_float, default=None, metavar="GB/S",
                            help="the node's disk read bandwidth (greenroom bench disk / doctor measure it)")

@@ -13,8 +13,8 @@ Safety rules, each enforced below:
 - nothing but a greenroom rank dir is deleted: a dir named ``rank<N>`` whose owner record
   is a JSON object naming that rank and the role and job of the two dirs above it, as
   ``RankDir`` writes it (``is_rank_dir_record``); any other dir that holds an
-  ``owner.json`` is kept and reported, and the empty parents removed after a reclaim are
-  the rank dir's role and job dirs only, as a rank's own close removes;
+  ``owner.json`` is kept and reported (the empty dirs above a reclaimed rank dir go, up
+  to ROOT, by ``rmdir``: they hold nothing);
 - what is deleted is what was checked: after the first open everything goes through fds
   (the parent's to rename aside and remove by name, the dir's own to lock, check and
   delete its contents), and a rename aside that caught another inode is undone;
@@ -339,17 +339,28 @@ def clean_aside(path: str, root_dev: int, *, dry_run: bool) -> Decision | None:
 
 
 def _remove_empty_parents(path: str, root: str) -> None:
-    """Remove the reclaimed rank dir's role and job dirs if empty (what ``RankDir.close``
-    removes); a site's own dirs above them are not greenroom's."""
+    """Remove the dirs above a reclaimed rank dir, up to ROOT, while they are empty: its role
+    and job dirs, and the chart's ``<pod uid>`` dir. ``rmdir`` only: a dir holding anything
+    stays."""
     parent = os.path.dirname(path)
-    for _ in range(2):
-        if not parent.startswith(root + os.sep):
-            return
+    while parent.startswith(root + os.sep):
         try:
             os.rmdir(parent)
         except OSError:
             return
         parent = os.path.dirname(parent)
+
+
+# The longest --interval of the janitor's loop: a day (a longer wait overflows the
+# platform's timeout, and a node is not swept less often than that).
+MAX_INTERVAL_SECONDS = 86400.0
+
+
+def check_interval(value: float) -> None:
+    """``--interval``: more than 0 and at most a day (``nan`` would loop without a pause)."""
+    if not 0 < value <= MAX_INTERVAL_SECONDS:
+        raise ConfigError(f"--interval must be more than 0 and at most {MAX_INTERVAL_SECONDS:g} seconds (a day), "
+                          f"got {value}")
 
 
 def check_seconds(flag: str, value: float) -> None:

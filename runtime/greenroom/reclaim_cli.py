@@ -13,7 +13,7 @@ import os
 from greenroom import fs
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
-from greenroom.reclaim import check_seconds, print_report, reclaim
+from greenroom.reclaim import check_interval, check_seconds, print_report, reclaim
 
 log = get_logger(__name__)
 
@@ -37,6 +37,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_seconds("--min-age", args.min_age)
+    if args.interval is not None:
+        check_interval(args.interval)
     if args.kubernetes:
         from greenroom.k8s_janitor import JanitorConfig, run_janitor  # the kubernetes client only when asked
 
@@ -44,11 +47,6 @@ def run(args: argparse.Namespace) -> int:
             root=args.root, node_name=args.node_name or os.environ.get("NODE_NAME", ""),
             interval=args.interval, metrics_port=args.metrics_port or 0, min_age=args.min_age,
             dry_run=args.dry_run, as_json=args.json))
-    check_seconds("--min-age", args.min_age)
-    if args.interval is not None:
-        check_seconds("--interval", args.interval)
-        if args.interval == 0:
-            raise ConfigError("--interval must be > 0 seconds")
     if args.interval is not None or args.metrics_port is not None or args.node_name is not None:
         raise ConfigError("--interval, --metrics-port and --node-name need --kubernetes")
     if fs.is_memory_backed(args.root) and os.path.isdir(args.root):

@@ -59,6 +59,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+# The most GB a memory flag takes: an exabyte, far past any node, still an exact int of bytes.
+MAX_GB = 1e9
+
+
+def gigabytes(text: str) -> float:
+    """A memory size in GB (``--gpu-memory-gb 80``): positive, at most ``MAX_GB``."""
+    value = positive_float(text)
+    if value > MAX_GB:
+        raise argparse.ArgumentTypeError(f"{text} GB is more than an exabyte ({MAX_GB:g} GB): give the size in GB")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A positive finite number (``--gpu-memory-gb 80``, ``--disk-read-gbps 6.5``)."""
     try:

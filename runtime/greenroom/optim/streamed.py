@@ -9,7 +9,6 @@ A failed step poisons the optimizer (``optim.poison`` Note [a failed step poison
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable
 
 import torch
@@ -22,6 +21,7 @@ from greenroom.optim.store import BucketStore, Entry
 from greenroom.rankdir import RankDir
 from greenroom.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
+from greenroom.units import MAX_GB
 
 
 class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
@@ -39,8 +39,9 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, int) or chunk_mb <= 0:
             raise ConfigError(f"{self.what}: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
         if (isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, (int, float))
-                or not 0 <= host_cache_gb < math.inf):
-            raise ConfigError(f"{self.what}: host_cache_gb must be a finite number of GB >= 0, got {host_cache_gb!r}")
+                or not 0 <= host_cache_gb <= MAX_GB):
+            raise ConfigError(f"{self.what}: host_cache_gb must be a finite number of GB >= 0 and at most {MAX_GB:g} "
+                              f"(an exabyte), got {host_cache_gb!r}")
 
     def _open_store(self, entries: list[Entry], state_dir: str | RankDir, *, bucket_numel: int, moment_dtype: str,
                     chunk_mb: int, host_cache_gb: float, compression: str, **store_options) -> None:
