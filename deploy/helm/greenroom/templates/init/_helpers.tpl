@@ -33,8 +33,8 @@ echo "greenroom-init: reclaimed stale per-rank dirs in the claim"
 {{- $v := .Values -}}
 {{- if eq $v.storage.mode "pvc" }}
 - name: reclaim-offload-dir
-  image: {{ include "greenroom.image" . }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
+  image: {{ include "greenroom.image" . | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy | quote }}
   command: ["/bin/sh", "-c"]
   args:
     - |
@@ -56,11 +56,11 @@ echo "greenroom-init: reclaimed stale per-rank dirs in the claim"
   {{- end }}
   volumeMounts:
     - name: offload
-      mountPath: {{ include "greenroom.nodeRootMount" . }}
+      mountPath: {{ include "greenroom.nodeRootMount" . | quote }}
 {{- else }}
 - name: prepare-offload-dir
-  image: {{ include "greenroom.image" . }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
+  image: {{ include "greenroom.image" . | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy | quote }}
   command: ["/bin/sh", "-c"]
   args:
     - |
@@ -93,6 +93,6 @@ echo "greenroom-init: reclaimed stale per-rank dirs in the claim"
   {{- end }}
   volumeMounts:
     - name: offload
-      mountPath: {{ include "greenroom.nodeRootMount" . }}
+      mountPath: {{ include "greenroom.nodeRootMount" . | quote }}
 {{- end }}
 {{- end -}}

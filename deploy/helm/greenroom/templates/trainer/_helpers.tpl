@@ -94,7 +94,9 @@
 {{- end -}}
 {{- $argv = concat $argv (include "greenroom.trainer.program" . | fromYamlArray) -}}
 {{- if include "greenroom.trainer.appendFlags" . -}}
-{{- $argv = concat $argv (include "greenroom.trainer.seedFlags" . | fromYamlArray) -}}
+{{- range (include "greenroom.trainer.seedFlags" . | fromYamlArray) -}}
+{{- $argv = append $argv (include "greenroom.k8sLiteral" (toString .)) -}}
+{{- end -}}
 {{- end -}}
 {{- toYaml $argv -}}
 {{- end -}}
@@ -147,9 +149,9 @@ greenroom reclaim "$GREENROOM_DISK_DIR" || true
   value: "0"
 {{- end }}
 - name: GREENROOM_ARGS
-  value: {{ include "greenroom.trainer.argsEnv" . | quote }}
+  value: {{ include "greenroom.k8sLiteral" (include "greenroom.trainer.argsEnv" .) | quote }}
 - name: GREENROOM_DISK_DIR
-  value: {{ $v.storage.mountPath | quote }}
+  value: {{ include "greenroom.k8sLiteral" $v.storage.mountPath | quote }}
 - name: GREENROOM_JOB_ID
   valueFrom: {fieldRef: {fieldPath: "metadata.labels['batch.kubernetes.io/controller-uid']"}}
 - name: GREENROOM_POD_UID
@@ -202,8 +204,8 @@ emptyDir, its size as the ephemeral-storage request (so the scheduler places it)
 {{- define "greenroom.trainer.container" -}}
 {{- $v := .Values -}}
 - name: trainer
-  image: {{ include "greenroom.image" . }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
+  image: {{ include "greenroom.image" . | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy | quote }}
   {{- include "greenroom.trainer.command" . | nindent 2 }}
   env:
     {{- include "greenroom.trainer.env" . | nindent 4 }}
@@ -229,7 +231,7 @@ emptyDir, its size as the ephemeral-storage request (so the scheduler places it)
   {{- end }}
   volumeMounts:
     - name: offload
-      mountPath: {{ $v.storage.mountPath }}
+      mountPath: {{ $v.storage.mountPath | quote }}
       {{- if eq $v.storage.mode "hostPath" }}
       subPathExpr: $(GREENROOM_POD_UID)
       {{- end }}
