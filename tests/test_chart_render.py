@@ -209,6 +209,27 @@ def test_trainer_pods_are_non_root_without_api_access_or_privileges():
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_a_root_trainer_gets_its_dir_as_root_and_a_container_uid_wins_over_the_pods():
+    # uid/gid 0 is root, not "unset": the init container gives the pod's dir to 0:0.
+    root = manifests(sets=("podSecurityContext.runAsUser=0", "podSecurityContext.runAsGroup=0",
+                           "podSecurityContext.runAsNonRoot=false"))
+    init = env_of(container(pod_spec(root), "prepare-offload-dir", init=True))
+    assert (init["GREENROOM_TRAINER_UID"], init["GREENROOM_TRAINER_GID"]) == ("0", "0")
+    # The trainer runs as its container's runAsUser where it sets one: so does the chown,
+    # and the pvc init container that reclaims the trainer's files.
+    own = manifests(sets=("securityContext.runAsUser=2000",))
+    init = env_of(container(pod_spec(own), "prepare-offload-dir", init=True))
+    assert (init["GREENROOM_TRAINER_UID"], init["GREENROOM_TRAINER_GID"]) == ("2000", "1000")
+    pvc = container(pod_spec(manifests("pvc.yaml", sets=("securityContext.runAsUser=0",
+                                                         "securityContext.runAsNonRoot=false"))),
+                    "reclaim-offload-dir", init=True)
+    assert pvc["securityContext"]["runAsUser"] == 0 and pvc["securityContext"]["runAsNonRoot"] is False
+    # Neither set: the image's user, 1000.
+    unset = manifests(sets=("podSecurityContext.runAsUser=null", "podSecurityContext.runAsGroup=null"))
+    init = env_of(container(pod_spec(unset), "prepare-offload-dir", init=True))
+    assert (init["GREENROOM_TRAINER_UID"], init["GREENROOM_TRAINER_GID"]) == ("1000", "1000")
+
+
 @pytest.mark.parametrize("mode", STORAGE_MODES)
 def test_each_storage_mode_mounts_its_volume_and_no_root_outside_hostpath(mode):
     spec = pod_spec(manifests(STORAGE_MODES[mode]) if STORAGE_MODES[mode] else manifests())

@@ -48,6 +48,9 @@ def test_out_of_range_values_name_their_key(value, where):
     (("storage.mode=pvc",), "storage.pvc.claimName is needed with storage.mode pvc"),
     (("hugepages.size=2Mi", "hugepages.amount=1Gi"), "hugepages need a cpu or memory request"),
     (("hugepages.size=2Mi",), "hugepages.size needs hugepages.amount"),
+    # The default podSecurityContext says runAsNonRoot: the kubelet would never start a root trainer.
+    (("podSecurityContext.runAsUser=0",), "runAsUser 0 (root) with runAsNonRoot true: the kubelet would never"),
+    (("securityContext.runAsUser=0",), "set podSecurityContext.runAsNonRoot=false beside runAsUser 0"),
 ])
 def test_what_compares_two_values_is_refused_naming_them(sets, message):
     # helm frames the message with its own lines; the message itself is one line.

@@ -189,6 +189,29 @@ emptyDir, its size as the ephemeral-storage request (so the scheduler places it)
 {{- if $res }}{{ toYaml $res }}{{ end -}}
 {{- end -}}
 
+{{/*
+The trainer's uid (key "runAsUser") or gid ("runAsGroup") where the values set one: the
+container's securityContext wins over the pod's, as in Kubernetes; empty where neither
+does (the image's own user runs it). hasKey, not `default`: 0 (root) is a uid, not unset.
+*/}}
+{{- define "greenroom.trainer.runAsSet" -}}
+{{- $key := .key -}}
+{{- range (list .ctx.Values.securityContext .ctx.Values.podSecurityContext) -}}
+{{- $sc := default (dict) . -}}
+{{- if and (not $.found) (hasKey $sc $key) (not (kindIs "invalid" (index $sc $key))) -}}
+{{- index $sc $key | int64 -}}
+{{- $_ := set $ "found" true -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The trainer's uid or gid: as set, else 1000, the user of greenroom's image
+(images/Dockerfile), which the chart's default podSecurityContext also names. */}}
+{{- define "greenroom.trainer.runAs" -}}
+{{- $set := include "greenroom.trainer.runAsSet" (dict "ctx" .ctx "key" .key) -}}
+{{- if ne $set "" }}{{ $set }}{{ else }}1000{{ end -}}
+{{- end -}}
+
 {{/* The trainer's securityContext: `securityContext`, plus IPC_LOCK when asked. */}}
 {{- define "greenroom.trainer.securityContext" -}}
 {{- $sc := deepCopy .Values.securityContext -}}
