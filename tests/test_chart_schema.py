@@ -134,3 +134,19 @@ def test_an_offload_target_is_refused_exactly_where_greenroom_train_refuses_it(t
     if target == "disk" and train:
         assert "offload.target disk requires offload.train" in _chart_refuses(
             "offload.train=null", "offload.target=disk")
+
+
+def test_args_without_a_command_are_refused_not_left_out():
+    # Before: `args` rendered nowhere without `command` (greenroom train ran without them).
+    err = reject("args={--output-dir,/ckpt}")
+    assert "args are the arguments of command and need it" in err and "train.extraArgs" in err
+    assert "args are the arguments of command" in reject("args={--x}", "command=null")
+    assert _chart_refuses("command={python,t.py}", "args={--x}") is None
+    assert _chart_refuses("train.extraArgs={--no-progress}") is None
+
+
+@pytest.mark.parametrize("value", ["train.iterations=3", "train.save=/ckpt", "train.load=/ckpt",
+                                   "train.extraArgs={--no-progress}"])
+def test_greenroom_train_values_beside_a_command_are_refused_not_left_out(value):
+    err = reject("command={python,t.py}", value)
+    assert "configure greenroom train, which command replaces" in err

@@ -42,7 +42,8 @@
 {{- join " " $words -}}
 {{- end -}}
 
-{{/* The program and its own arguments: `command`/`args`, or greenroom train with train.*. */}}
+{{/* The program and its own arguments: `command`/`args`, or greenroom train with train.*.
+The schema refuses `args` without `command` and train.* beside it: neither is left out. */}}
 {{- define "greenroom.trainer.program" -}}
 {{- $v := .Values -}}
 {{- if $v.command }}
