@@ -15,7 +15,8 @@ import tarfile
 import pytest
 import yaml
 
-from tests.chart_support import CHART, CI_VALUES, by_kind, container, helm, manifests, pod_spec, readme_lacks, render
+from tests.chart_support import (CHART, CI_VALUES, JANITOR_CHART, by_kind, container, helm, manifests, pod_spec,
+                                 readme_lacks, render)
 from tests.conftest import require_tool
 
 pytestmark = pytest.mark.helm
@@ -208,6 +209,27 @@ def test_trainer_pods_are_non_root_without_api_access_or_privileges():
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_a_root_trainer_gets_its_dir_as_root_and_a_container_uid_wins_over_the_pods():
+    # uid/gid 0 is root, not "unset": the init container gives the pod's dir to 0:0.
+    root = manifests(sets=("podSecurityContext.runAsUser=0", "podSecurityContext.runAsGroup=0",
+                           "podSecurityContext.runAsNonRoot=false"))
+    init = env_of(container(pod_spec(root), "prepare-offload-dir", init=True))
+    assert (init["GREENROOM_TRAINER_UID"], init["GREENROOM_TRAINER_GID"]) == ("0", "0")
+    # The trainer runs as its container's runAsUser where it sets one: so does the chown,
+    # and the pvc init container that reclaims the trainer's files.
+    own = manifests(sets=("securityContext.runAsUser=2000",))
+    init = env_of(container(pod_spec(own), "prepare-offload-dir", init=True))
+    assert (init["GREENROOM_TRAINER_UID"], init["GREENROOM_TRAINER_GID"]) == ("2000", "1000")
+    pvc = container(pod_spec(manifests("pvc.yaml", sets=("securityContext.runAsUser=0",
+                                                         "securityContext.runAsNonRoot=false"))),
+                    "reclaim-offload-dir", init=True)
+    assert pvc["securityContext"]["runAsUser"] == 0 and pvc["securityContext"]["runAsNonRoot"] is False
+    # Neither set: the image's user, 1000.
+    unset = manifests(sets=("podSecurityContext.runAsUser=null", "podSecurityContext.runAsGroup=null"))
+    init = env_of(container(pod_spec(unset), "prepare-offload-dir", init=True))
+    assert (init["GREENROOM_TRAINER_UID"], init["GREENROOM_TRAINER_GID"]) == ("1000", "1000")
+
+
 @pytest.mark.parametrize("mode", STORAGE_MODES)
 def test_each_storage_mode_mounts_its_volume_and_no_root_outside_hostpath(mode):
     spec = pod_spec(manifests(STORAGE_MODES[mode]) if STORAGE_MODES[mode] else manifests())
@@ -236,6 +258,85 @@ def test_each_storage_mode_mounts_its_volume_and_no_root_outside_hostpath(mode):
     else:
         assert vol["persistentVolumeClaim"] == {"claimName": "nvme-scratch"}
         assert [c["name"] for c in inits] == ["reclaim-offload-dir"]
+
+
+# Paths a user may give that plain `key: {{ value }}` YAML would turn into another path
+# (a comment, a trimmed space, a flow mapping) or Kubernetes into another string ($(VAR)).
+ODD_PATHS = ["/mnt/nvme #a", "/mnt/nvme ", "/p/'q\"", "/p/$(NNODES)/$$x/$HOME", "/p: x", "/p/{a}, [b]", "/p/*&!|>%@`"]
+
+
+def k8s_expand(text: str, env: dict) -> str:
+    """What Kubernetes makes of an env value or container arg: $(VAR) of a defined var
+    replaced, $$ a literal $, anything else as written."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("$(", i) and ")" in text[i:]:
+            end = text.index(")", i)
+            out.append(env.get(text[i + 2:end], text[i:end + 1]))
+            i = end + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+@pytest.mark.parametrize("path", ODD_PATHS)
+def test_a_path_with_yaml_or_shell_characters_is_the_same_path_everywhere(path, tmp_path):
+    values = tmp_path / "odd.yaml"
+    values.write_text(yaml.safe_dump({"storage": {"mountPath": "/var/lib" + path, "hostPath": {"path": path}}}))
+    spec = pod_spec(manifests(str(values)))
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "offload"]
+    assert vol["hostPath"]["path"] == path
+    trainer = container(spec, "trainer")
+    (mount,) = [m for m in trainer["volumeMounts"] if m["name"] == "offload"]
+    assert mount["mountPath"] == "/var/lib" + path
+    # The env and the command line say the path the volume is mounted at, after Kubernetes'
+    # own $(VAR) expansion (env vars defined before each one).
+    env = {e["name"]: e["value"] for e in trainer["env"] if "value" in e}
+    assert k8s_expand(env["GREENROOM_DISK_DIR"], env) == "/var/lib" + path
+    words = shlex.split(k8s_expand(env["GREENROOM_ARGS"], env))
+    assert words[words.index("--offload-train-disk-dir") + 1] == "/var/lib" + path
+    argv = [k8s_expand(a, env) for a in argv_of(trainer)]
+    assert argv[argv.index("--offload-train-disk-dir") + 1] == "/var/lib" + path
+    janitor = tmp_path / "janitor.yaml"
+    janitor.write_text(yaml.safe_dump({"root": path}))
+    (ds,) = by_kind(manifests(str(janitor), chart=JANITOR_CHART), "DaemonSet")
+    assert ds["spec"]["template"]["spec"]["volumes"][0]["hostPath"]["path"] == path
+
+
+def test_every_name_and_string_value_reaches_its_field_as_written(tmp_path):
+    odd = "x #y "
+    values = tmp_path / "odd.yaml"
+    values.write_text(yaml.safe_dump({
+        "image": {"repository": "reg.example.com/t #r", "tag": "1 #t", "pullPolicy": "Always"},
+        "imagePullSecrets": [odd + "s"], "serviceAccountName": odd + "sa", "schedulerName": odd + "sch",
+        "runtimeClassName": odd + "rc", "priorityClassName": odd + "pc", "shmSizeLimit": "8Gi #",
+        "storage": {"mode": "ephemeral", "ephemeral": {"storageClassName": odd + "sc", "size": "9Gi #"}}}))
+    docs = manifests(str(values), chart=CHART)
+    spec = pod_spec(docs)
+    trainer = container(spec, "trainer")
+    assert trainer["image"] == "reg.example.com/t #r:1 #t" and trainer["imagePullPolicy"] == "Always"
+    assert spec["imagePullSecrets"] == [{"name": odd + "s"}]
+    assert [spec[k] for k in ("serviceAccountName", "schedulerName", "runtimeClassName", "priorityClassName")] == \
+        [odd + "sa", odd + "sch", odd + "rc", odd + "pc"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    claim = vols["offload"]["ephemeral"]["volumeClaimTemplate"]["spec"]
+    assert claim["storageClassName"] == odd + "sc" and claim["resources"]["requests"]["storage"] == "9Gi #"
+    assert vols["dshm"]["emptyDir"]["sizeLimit"] == "8Gi #"
+    pvc = pod_spec(manifests("pvc.yaml", sets=("storage.pvc.claimName=c #d",)))
+    assert [v for v in pvc["volumes"] if v["name"] == "offload"][0]["persistentVolumeClaim"]["claimName"] == "c #d"
+    named = manifests(sets=("nameOverride=n #o",))
+    assert {d["metadata"]["labels"]["app.kubernetes.io/name"] for d in named} == {"n #o"}
+    jvalues = tmp_path / "janitor.yaml"
+    jvalues.write_text(yaml.safe_dump({"image": {"repository": "reg #j"}, "priorityClassName": odd + "pc",
+                                       "imagePullSecrets": [odd + "s"]}))
+    (ds,) = by_kind(manifests(str(jvalues), chart=JANITOR_CHART), "DaemonSet")
+    jspec = ds["spec"]["template"]["spec"]
+    assert jspec["containers"][0]["image"].startswith("reg #j:")
+    assert jspec["priorityClassName"] == odd + "pc" and jspec["imagePullSecrets"] == [{"name": odd + "s"}]
 
 
 def test_must_show_scheduling_hooks_land_on_the_right_objects():

@@ -1,9 +1,11 @@
 """values.schema.json refuses bad values before anything renders, with a message that
 names the value and says why (real helm binary, `helm template`)."""
 
+import warnings
+
 import pytest
 
-from tests.chart_support import reject
+from tests.chart_support import CHART, helm, reject
 
 pytestmark = pytest.mark.helm
 
@@ -48,6 +50,9 @@ def test_out_of_range_values_name_their_key(value, where):
     (("storage.mode=pvc",), "storage.pvc.claimName is needed with storage.mode pvc"),
     (("hugepages.size=2Mi", "hugepages.amount=1Gi"), "hugepages need a cpu or memory request"),
     (("hugepages.size=2Mi",), "hugepages.size needs hugepages.amount"),
+    # The default podSecurityContext says runAsNonRoot: the kubelet would never start a root trainer.
+    (("podSecurityContext.runAsUser=0",), "runAsUser 0 (root) with runAsNonRoot true: the kubelet would never"),
+    (("securityContext.runAsUser=0",), "set podSecurityContext.runAsNonRoot=false beside runAsUser 0"),
 ])
 def test_what_compares_two_values_is_refused_naming_them(sets, message):
     # helm frames the message with its own lines; the message itself is one line.
@@ -80,3 +85,68 @@ def test_whole_masters_without_streaming_are_refused_like_greenroom_train_does()
     err = reject("streamOptimizerState.masterLayout=fp32")
     assert "streamOptimizerState.masterLayout fp32 needs streamOptimizerState.toDisk" in err
     assert "/streamOptimizerState/masterLayout" in reject("streamOptimizerState.masterLayout=fp16")
+
+
+def _cli_refuses(**flags) -> bool:
+    """Whether greenroom train's own config check (OffloadFlags) refuses these flags."""
+    from greenroom.config import OffloadFlags
+    from greenroom.errors import ConfigError
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a target given without --offload-train is only warned of
+            OffloadFlags(**flags)
+    except ConfigError:
+        return True
+    return False
+
+
+def _chart_refuses(*sets: str) -> str | None:
+    out = helm("template", "rel", CHART, *[a for s in sets for a in ("--set", s)])
+    return out.stderr if out.returncode else None
+
+
+@pytest.mark.parametrize("compression", ["auto", "none", "nvcomp-ans", "zstd"])
+@pytest.mark.parametrize("below", [3, 1, 0, -1])
+def test_a_chunk_too_small_for_the_codec_is_refused_exactly_where_greenroom_train_refuses_it(compression, below):
+    # Before: zstd with diskChunkMb 2 rendered, and every trainer exited 2 at start.
+    from greenroom.config import MIN_COMPRESSED_CHUNK_MB
+    chunk = MIN_COMPRESSED_CHUNK_MB - below
+    err = _chart_refuses(f"offload.diskCompression={compression}", f"offload.diskChunkMb={chunk}")
+    assert (err is not None) == _cli_refuses(offload_train_disk_compression=compression,
+                                             offload_train_disk_chunk_mb=chunk), err
+    if err:
+        assert (f"offload.diskCompression nvcomp-ans or zstd needs offload.diskChunkMb {MIN_COMPRESSED_CHUNK_MB} "
+                "or more") in err
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_offload_target_is_refused_exactly_where_greenroom_train_refuses_it(train, target, stream):
+    # Before: offload.target disk without offload.train rendered, its flag silently left out.
+    err = _chart_refuses(f"offload.train={str(train).lower()}", f"offload.target={target}",
+                         f"streamOptimizerState.toDisk={str(stream).lower()}")
+    assert (err is not None) == _cli_refuses(offload_train=train, offload_train_target=target,
+                                             stream_optimizer_state_to_disk=stream), err
+    if target == "disk" and not train:
+        assert "offload.target disk requires offload.train: set offload.train true" in err
+    # A train key dropped with null is no --offload-train either.
+    if target == "disk" and train:
+        assert "offload.target disk requires offload.train" in _chart_refuses(
+            "offload.train=null", "offload.target=disk")
+
+
+def test_args_without_a_command_are_refused_not_left_out():
+    # Before: `args` rendered nowhere without `command` (greenroom train ran without them).
+    err = reject("args={--output-dir,/ckpt}")
+    assert "args are the arguments of command and need it" in err and "train.extraArgs" in err
+    assert "args are the arguments of command" in reject("args={--x}", "command=null")
+    assert _chart_refuses("command={python,t.py}", "args={--x}") is None
+    assert _chart_refuses("train.extraArgs={--no-progress}") is None
+
+
+@pytest.mark.parametrize("value", ["train.iterations=3", "train.save=/ckpt", "train.load=/ckpt",
+                                   "train.extraArgs={--no-progress}"])
+def test_greenroom_train_values_beside_a_command_are_refused_not_left_out(value):
+    err = reject("command={python,t.py}", value)
+    assert "configure greenroom train, which command replaces" in err

@@ -15,15 +15,15 @@
 {{- end -}}
 
 {{- define "greenroom.selectorLabels" -}}
-app.kubernetes.io/name: {{ include "greenroom.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/name: {{ include "greenroom.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end -}}
 
 {{- define "greenroom.labels" -}}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" | quote }}
 {{ include "greenroom.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
 app.kubernetes.io/part-of: greenroom
 {{- end -}}
 
@@ -43,6 +43,15 @@ app.kubernetes.io/part-of: greenroom
 
 {{/* Paths inside the containers. */}}
 {{- define "greenroom.nodeRootMount" -}}/greenroom/node{{- end -}}
+
+{{/*
+A value Kubernetes must pass on as it is written. It expands $(VAR) in env values and
+container args and turns $$ into $, but not in a volume's mountPath: the same path in both
+places would differ without every $ doubled.
+*/}}
+{{- define "greenroom.k8sLiteral" -}}
+{{- replace "$" "$$" . -}}
+{{- end -}}
 
 {{/* One word as shlex.join writes it: bare when only safe characters, else single-quoted. */}}
 {{- define "greenroom.shellWord" -}}

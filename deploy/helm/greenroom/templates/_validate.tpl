@@ -20,6 +20,14 @@ refuses it: one line naming the values and the fix. Included once, from the Job 
 {{- fail "hugepages need a cpu or memory request in resources (Kubernetes refuses hugepages alone)" -}}
 {{- end -}}
 {{- end -}}
+{{- /* The container's securityContext wins over the pod's, as in Kubernetes. */ -}}
+{{- $nonRoot := false -}}
+{{- range (list $v.podSecurityContext $v.securityContext) -}}
+{{- if and . (hasKey . "runAsNonRoot") -}}{{- $nonRoot = index . "runAsNonRoot" -}}{{- end -}}
+{{- end -}}
+{{- if and $nonRoot (eq (include "greenroom.trainer.runAsSet" (dict "ctx" . "key" "runAsUser")) "0") -}}
+{{- fail "runAsUser 0 (root) with runAsNonRoot true: the kubelet would never start the trainer; set podSecurityContext.runAsNonRoot=false beside runAsUser 0 (the default podSecurityContext says runAsNonRoot true)" -}}
+{{- end -}}
 {{- if eq (include "greenroom.podSecurityLevel" .) "privileged" -}}
 {{- /* On a real install (lookup is empty under helm template): say which level is needed. */ -}}
 {{- $ns := lookup "v1" "Namespace" "" .Release.Namespace -}}

@@ -33,8 +33,8 @@ echo "greenroom-init: reclaimed stale per-rank dirs in the claim"
 {{- $v := .Values -}}
 {{- if eq $v.storage.mode "pvc" }}
 - name: reclaim-offload-dir
-  image: {{ include "greenroom.image" . }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
+  image: {{ include "greenroom.image" . | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy | quote }}
   command: ["/bin/sh", "-c"]
   args:
     - |
@@ -44,8 +44,17 @@ echo "greenroom-init: reclaimed stale per-rank dirs in the claim"
       value: {{ include "greenroom.nodeRootMount" . | quote }}
     - name: GREENROOM_RECLAIM_MIN_AGE
       value: {{ $v.reclaim.initContainer.minAgeSeconds | quote }}
-  # The pod's uid (podSecurityContext), no capabilities: restricted.
+  # The trainer's uid, no capabilities: restricted. Named here where `securityContext`
+  # gives the trainer its own (an init container does not get the trainer's).
   securityContext:
+    {{- range $key := list "runAsUser" "runAsGroup" }}
+    {{- with (include "greenroom.trainer.runAsSet" (dict "ctx" $ "key" $key)) }}
+    {{ $key }}: {{ . }}
+    {{- end }}
+    {{- end }}
+    {{- if and $v.securityContext (hasKey $v.securityContext "runAsNonRoot") }}
+    runAsNonRoot: {{ $v.securityContext.runAsNonRoot }}
+    {{- end }}
     allowPrivilegeEscalation: false
     readOnlyRootFilesystem: true
     capabilities:
@@ -56,11 +65,11 @@ echo "greenroom-init: reclaimed stale per-rank dirs in the claim"
   {{- end }}
   volumeMounts:
     - name: offload
-      mountPath: {{ include "greenroom.nodeRootMount" . }}
+      mountPath: {{ include "greenroom.nodeRootMount" . | quote }}
 {{- else }}
 - name: prepare-offload-dir
-  image: {{ include "greenroom.image" . }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
+  image: {{ include "greenroom.image" . | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy | quote }}
   command: ["/bin/sh", "-c"]
   args:
     - |
@@ -71,9 +80,9 @@ echo "greenroom-init: reclaimed stale per-rank dirs in the claim"
     - name: GREENROOM_RECLAIM_MIN_AGE
       value: {{ $v.reclaim.initContainer.minAgeSeconds | quote }}
     - name: GREENROOM_TRAINER_UID
-      value: {{ $v.podSecurityContext.runAsUser | default 1000 | quote }}
+      value: {{ include "greenroom.trainer.runAs" (dict "ctx" . "key" "runAsUser") | quote }}
     - name: GREENROOM_TRAINER_GID
-      value: {{ $v.podSecurityContext.runAsGroup | default 1000 | quote }}
+      value: {{ include "greenroom.trainer.runAs" (dict "ctx" . "key" "runAsGroup") | quote }}
     - name: GREENROOM_POD_UID
       valueFrom: {fieldRef: {fieldPath: metadata.uid}}
   # Root only here, and only the capabilities chown/chmod of another user's dir and
@@ -93,6 +102,6 @@ echo "greenroom-init: reclaimed stale per-rank dirs in the claim"
   {{- end }}
   volumeMounts:
     - name: offload
-      mountPath: {{ include "greenroom.nodeRootMount" . }}
+      mountPath: {{ include "greenroom.nodeRootMount" . | quote }}
 {{- end }}
 {{- end -}}

@@ -42,7 +42,8 @@
 {{- join " " $words -}}
 {{- end -}}
 
-{{/* The program and its own arguments: `command`/`args`, or greenroom train with train.*. */}}
+{{/* The program and its own arguments: `command`/`args`, or greenroom train with train.*.
+The schema refuses `args` without `command` and train.* beside it: neither is left out. */}}
 {{- define "greenroom.trainer.program" -}}
 {{- $v := .Values -}}
 {{- if $v.command }}
@@ -94,7 +95,9 @@
 {{- end -}}
 {{- $argv = concat $argv (include "greenroom.trainer.program" . | fromYamlArray) -}}
 {{- if include "greenroom.trainer.appendFlags" . -}}
-{{- $argv = concat $argv (include "greenroom.trainer.seedFlags" . | fromYamlArray) -}}
+{{- range (include "greenroom.trainer.seedFlags" . | fromYamlArray) -}}
+{{- $argv = append $argv (include "greenroom.k8sLiteral" (toString .)) -}}
+{{- end -}}
 {{- end -}}
 {{- toYaml $argv -}}
 {{- end -}}
@@ -147,9 +150,9 @@ greenroom reclaim "$GREENROOM_DISK_DIR" || true
   value: "0"
 {{- end }}
 - name: GREENROOM_ARGS
-  value: {{ include "greenroom.trainer.argsEnv" . | quote }}
+  value: {{ include "greenroom.k8sLiteral" (include "greenroom.trainer.argsEnv" .) | quote }}
 - name: GREENROOM_DISK_DIR
-  value: {{ $v.storage.mountPath | quote }}
+  value: {{ include "greenroom.k8sLiteral" $v.storage.mountPath | quote }}
 - name: GREENROOM_JOB_ID
   valueFrom: {fieldRef: {fieldPath: "metadata.labels['batch.kubernetes.io/controller-uid']"}}
 - name: GREENROOM_POD_UID
@@ -187,6 +190,29 @@ emptyDir, its size as the ephemeral-storage request (so the scheduler places it)
 {{- if $res }}{{ toYaml $res }}{{ end -}}
 {{- end -}}
 
+{{/*
+The trainer's uid (key "runAsUser") or gid ("runAsGroup") where the values set one: the
+container's securityContext wins over the pod's, as in Kubernetes; empty where neither
+does (the image's own user runs it). hasKey, not `default`: 0 (root) is a uid, not unset.
+*/}}
+{{- define "greenroom.trainer.runAsSet" -}}
+{{- $key := .key -}}
+{{- range (list .ctx.Values.securityContext .ctx.Values.podSecurityContext) -}}
+{{- $sc := default (dict) . -}}
+{{- if and (not $.found) (hasKey $sc $key) (not (kindIs "invalid" (index $sc $key))) -}}
+{{- index $sc $key | int64 -}}
+{{- $_ := set $ "found" true -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The trainer's uid or gid: as set, else 1000, the user of greenroom's image
+(images/Dockerfile), which the chart's default podSecurityContext also names. */}}
+{{- define "greenroom.trainer.runAs" -}}
+{{- $set := include "greenroom.trainer.runAsSet" (dict "ctx" .ctx "key" .key) -}}
+{{- if ne $set "" }}{{ $set }}{{ else }}1000{{ end -}}
+{{- end -}}
+
 {{/* The trainer's securityContext: `securityContext`, plus IPC_LOCK when asked. */}}
 {{- define "greenroom.trainer.securityContext" -}}
 {{- $sc := deepCopy .Values.securityContext -}}
@@ -202,8 +228,8 @@ emptyDir, its size as the ephemeral-storage request (so the scheduler places it)
 {{- define "greenroom.trainer.container" -}}
 {{- $v := .Values -}}
 - name: trainer
-  image: {{ include "greenroom.image" . }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
+  image: {{ include "greenroom.image" . | quote }}
+  imagePullPolicy: {{ $v.image.pullPolicy | quote }}
   {{- include "greenroom.trainer.command" . | nindent 2 }}
   env:
     {{- include "greenroom.trainer.env" . | nindent 4 }}
@@ -229,7 +255,7 @@ emptyDir, its size as the ephemeral-storage request (so the scheduler places it)
   {{- end }}
   volumeMounts:
     - name: offload
-      mountPath: {{ $v.storage.mountPath }}
+      mountPath: {{ $v.storage.mountPath | quote }}
       {{- if eq $v.storage.mode "hostPath" }}
       subPathExpr: $(GREENROOM_POD_UID)
       {{- end }}

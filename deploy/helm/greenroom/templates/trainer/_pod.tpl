@@ -7,11 +7,11 @@
 - name: offload
   {{- if eq $s.mode "hostPath" }}
   hostPath:
-    path: {{ $s.hostPath.path }}
-    type: {{ $s.hostPath.type }}
+    path: {{ $s.hostPath.path | quote }}
+    type: {{ $s.hostPath.type | quote }}
   {{- else if eq $s.mode "emptyDir" }}
   emptyDir:
-    sizeLimit: {{ $s.emptyDir.sizeLimit }}
+    sizeLimit: {{ $s.emptyDir.sizeLimit | quote }}
   {{- else if eq $s.mode "ephemeral" }}
   # A generic ephemeral volume: provisioned for this pod, deleted with it.
   ephemeral:
@@ -24,25 +24,25 @@
         accessModes:
           {{- toYaml $s.ephemeral.accessModes | nindent 10 }}
         {{- with $s.ephemeral.storageClassName }}
-        storageClassName: {{ . }}
+        storageClassName: {{ . | quote }}
         {{- end }}
         resources:
           requests:
-            storage: {{ $s.ephemeral.size }}
+            storage: {{ $s.ephemeral.size | quote }}
   {{- else }}
   persistentVolumeClaim:
-    claimName: {{ $s.pvc.claimName }}
+    claimName: {{ $s.pvc.claimName | quote }}
   {{- end }}
 {{- if $v.shmSizeLimit }}
 - name: dshm
   emptyDir:
     medium: Memory
-    sizeLimit: {{ $v.shmSizeLimit }}
+    sizeLimit: {{ $v.shmSizeLimit | quote }}
 {{- end }}
 {{- if $v.hugepages.size }}
 - name: hugepages
   emptyDir:
-    medium: HugePages-{{ $v.hugepages.size }}
+    medium: {{ printf "HugePages-%s" $v.hugepages.size | quote }}
 {{- end }}
 {{- with $v.extraVolumes }}
 {{ toYaml . }}
@@ -81,34 +81,34 @@ metadata:
     {{- toYaml . | nindent 4 }}
     {{- end }}
   annotations:
-    greenroom.dev/pod-security-level: {{ include "greenroom.podSecurityLevel" . }}
+    greenroom.dev/pod-security-level: {{ include "greenroom.podSecurityLevel" . | quote }}
     {{- with $v.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
   restartPolicy: Never
   {{- if ne $v.workload "jobset" }}
-  subdomain: {{ include "greenroom.fullname" . }}
+  subdomain: {{ include "greenroom.fullname" . | quote }}
   {{- end }}
   automountServiceAccountToken: false
   {{- with $v.serviceAccountName }}
-  serviceAccountName: {{ . }}
+  serviceAccountName: {{ . | quote }}
   {{- end }}
   enableServiceLinks: false
   terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
   {{- with $v.schedulerName }}
-  schedulerName: {{ . }}
+  schedulerName: {{ . | quote }}
   {{- end }}
   {{- with $v.runtimeClassName }}
-  runtimeClassName: {{ . }}
+  runtimeClassName: {{ . | quote }}
   {{- end }}
   {{- with $v.priorityClassName }}
-  priorityClassName: {{ . }}
+  priorityClassName: {{ . | quote }}
   {{- end }}
   {{- with $v.imagePullSecrets }}
   imagePullSecrets:
     {{- range . }}
-    - name: {{ . }}
+    - name: {{ . | quote }}
     {{- end }}
   {{- end }}
   {{- with $v.nodeSelector }}
