@@ -14,6 +14,8 @@ import sys
 import pytest
 import yaml
 
+from greenroom.errors import ConfigError
+from greenroom.rankdir import rank_dir_path
 from greenroom.slurm.config import config_from_dict, load_config, time_minutes
 from greenroom.slurm.render import TEMPLATE_DIR, program, render, seed_flags, setup_lines, shipped_templates
 from tests.cli_support import REPO, greenroom, one_line_error
@@ -203,6 +205,25 @@ def test_render_writes_the_file_whole(tmp_path):
 def test_time_minutes_reads_every_slurm_form():
     assert [time_minutes(t) for t in ("30", "30:30", "01:00:00", "2-00", "1-01:30", "0-00:00:01")] == \
         [30, 31, 60, 2880, 1530, 1]
+
+
+def test_role_is_refused_at_render_exactly_where_the_trainer_refuses_it(tmp_path):
+    """'.' and '..' passed the Slurm config's check (no '/') and failed only on the node,
+    after queueing; the config now asks the trainer's own rule."""
+    for role in ("actor", "critic-2", ".x", "..a", ".", "..", "a/b", ""):
+        try:
+            rank_dir_path("/scratch", "123", role, 0)
+            trainer_takes_it = True
+        except ConfigError:
+            trainer_takes_it = False
+        try:
+            config_from_dict({"train": {"role": role}})
+            config_takes_it = True
+        except ConfigError:
+            config_takes_it = False
+        assert config_takes_it == trainer_takes_it, role
+    line = one_line_error(greenroom("slurm", "render", write_config(tmp_path, {"train": {"role": ".."}})))
+    assert "train.role: '..' is not a valid directory name; give a name without '/' that is not . or .." in line
 
 
 BAD_VALUES = [

@@ -105,9 +105,15 @@ def held_rank_dir(path: str) -> "RankDir | None":
     return None
 
 
+def is_dir_name(value) -> bool:
+    """Whether ``value`` names one new directory level: not empty, no ``/``, and not
+    ``.`` or ``..`` (they name a dir that exists already, so two roles or jobs would share)."""
+    return isinstance(value, str) and bool(value) and "/" not in value and value not in (".", "..")
+
+
 def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
     for name, value in (("the job id (from $GREENROOM_JOB_ID, $SLURM_JOB_ID or torchrun)", job), ("--role", role)):
-        if not value or "/" in value or value in (".", ".."):
+        if not is_dir_name(value):
             raise ConfigError(f"{name}: {value!r} is not a valid directory name")
     return os.path.join(root, job, role, f"rank{rank:05d}")
 

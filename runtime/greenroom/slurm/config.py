@@ -27,6 +27,7 @@ import yaml
 from greenroom import fs
 from greenroom.config import COMPRESSIONS, MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
 from greenroom.errors import ConfigError
+from greenroom.rankdir import is_dir_name
 
 LAUNCHERS = ("srun", "torchrun")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
@@ -359,8 +360,10 @@ def _check_train(train: TrainArgs) -> None:
         _positive_int("train.iterations", train.iterations)
     if train.resume not in RESUME_MODES:
         raise ConfigError(f"train.resume: expected one of {', '.join(RESUME_MODES)}, got {train.resume!r}")
-    if not isinstance(train.role, str) or not train.role or "/" in train.role:
-        raise ConfigError(f"train.role: {train.role!r} is not a valid directory name")
+    # The trainer's own rule (greenroom.rankdir), so a bad role fails here, not after queueing.
+    if not is_dir_name(train.role):
+        raise ConfigError(f"train.role: {train.role!r} is not a valid directory name; "
+                          "give a name without '/' that is not . or .. (e.g. actor)")
     if not isinstance(train.extra_args, list) or not all(isinstance(a, str) for a in train.extra_args):
         raise ConfigError(f"train.extra_args: expected a list of strings, got {train.extra_args!r}")
     # The trainer's own pairing rules, checked here so a bad pair fails before submission.
