@@ -123,6 +123,28 @@ def test_greenroom_args_reach_any_trainer_and_parse_as_offload_config(tmp_path):
     assert offload.offload_train_disk_dir == os.path.join(str(scratch), f"greenroom_train_offload_{os.getuid()}")
 
 
+def test_disk_dir_in_greenroom_args_round_trips_any_path_through_the_trainers_reader(tmp_path):
+    """bash's printf %q wrote $'...' for these under LC_ALL=C, which shlex.split read as a
+    relative dir starting with $. Each path must come back from $GREENROOM_ARGS as itself."""
+    from greenroom.config import OffloadConfig, env_argv
+    for name in ("nvme-\u00fc", "my scratch", "it's", "tab\there", "new\nline", "all \u00fc 'of\tthem\n"):
+        scratch = tmp_path / name
+        scratch.mkdir()
+        config = config_from_dict({"scratch_dir": str(scratch), "command": ["python", "my_trainer.py"],
+                                   "train": {"offload_train": True, "offload_train_target": "disk"}})
+        lines = render(config).splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_SCRATCH="))
+        end = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_ARGS"))
+        probe = "\n".join(lines[start:end + 1] + ['printf "%s" "$GREENROOM_ARGS"'])
+        proc = subprocess.run(["bash", "-c", probe], capture_output=True, check=True,
+                              env={"PATH": os.environ["PATH"], "LC_ALL": "C"})
+        args = proc.stdout.decode("utf-8")
+        disk_dir = os.path.join(str(scratch), f"greenroom_train_offload_{os.getuid()}")
+        argv = env_argv({"GREENROOM_ARGS": args})
+        assert argv[argv.index("--offload-train-disk-dir"):] == ["--offload-train-disk-dir", disk_dir], args
+        assert OffloadConfig.from_env({"GREENROOM_ARGS": args}).offload_train_disk_dir == disk_dir
+
+
 def test_command_with_append_gets_the_flags_and_greenroom_train_arguments_are_refused():
     config = config_from_dict({"command": "torchrun-entry --config 'a b.yaml'", "greenroom_args": "append",
                                "train": {"offload_train": True}})
