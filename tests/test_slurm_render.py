@@ -229,6 +229,33 @@ def test_time_minutes_reads_every_slurm_form():
         [30, 31, 60, 2880, 1530, 1]
 
 
+def test_yaml_1_1_numbers_in_text_keys_reach_the_script_as_written(tmp_path):
+    """safe_load read these unquoted values as base-60 ints, octals, floats and hex:
+    --time=14400 (ten days for four hours), UMASK=18, VER=2.1, --begin=630."""
+    path = tmp_path / "job.yaml"
+    path.write_text("nodes: &two 2\ntime: 4:00:00\n"
+                    "env: {UMASK: 0022, VER: 2.10, T: 1:30, H: 0x10, E: 1.5e+3, OMP_NUM_THREADS: 8, TWO: *two}\n"
+                    "sbatch_extra: {begin: 10:30, nice: 10, hold: true}\n")
+    config = load_config(str(path))
+    assert config.nodes == 2  # a number where the key takes one, also through an alias
+    lines = render(config).splitlines()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --time=4:00:00", "#SBATCH --begin=10:30", "#SBATCH --nice=10",
+                 "#SBATCH --hold", "export UMASK=0022", "export VER=2.10", "export T=1:30", "export H=0x10",
+                 "export E=1.5e+3", "export OMP_NUM_THREADS=8", "export TWO=2"):
+        assert line in lines
+    path.write_text("time: 30:00\n")
+    assert "#SBATCH --time=30:00" in render(load_config(str(path))).splitlines()
+    path.write_text("env: {DEBUG: yes}\n")  # a YAML boolean: refused, not exported as True
+    with pytest.raises(ConfigError, match="env.DEBUG: expected a string, got True; put the value in quotes"):
+        load_config(str(path))
+    # Every key that takes text does the same (command's words were refused as numbers).
+    path.write_text("mem: 0x10\ncommand: [python, t.py, --lr, 0.00010, --steps, 100]\n")
+    with pytest.raises(ConfigError, match="mem: expected a size like 64G or 65536 \\(MiB\\), got '0x10'"):
+        load_config(str(path))
+    path.write_text("command: [python, t.py, --lr, 0.00010, --steps, 100]\n")
+    assert "trainer=(python t.py --lr 0.00010 --steps 100)" in render(load_config(str(path))).splitlines()
+
+
 def test_role_is_refused_at_render_exactly_where_the_trainer_refuses_it(tmp_path):
     """'.' and '..' passed the Slurm config's check (no '/') and failed only on the node,
     after queueing; the config now asks the trainer's own rule."""
