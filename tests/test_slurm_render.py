@@ -256,6 +256,21 @@ def test_yaml_1_1_numbers_in_text_keys_reach_the_script_as_written(tmp_path):
     assert "trainer=(python t.py --lr 0.00010 --steps 100)" in render(load_config(str(path))).splitlines()
 
 
+def test_sbatch_extra_false_or_null_is_a_one_line_error_and_writes_nothing(tmp_path):
+    """They rendered #SBATCH --requeue=False (over the script's own --requeue) and
+    --nice=None, which sbatch refuses only at submission."""
+    out = tmp_path / "job.sh"
+    for extra, message in (({"requeue": False}, "sbatch_extra.requeue: false is no sbatch value (it would render "
+                                                "--requeue=False); leave the key out and set max_restarts: 0"),
+                           ({"exclusive": False}, "sbatch_extra.exclusive: false is no sbatch value"),
+                           ({"nice": None}, "sbatch_extra.nice: null is no sbatch value (it would render "
+                                            "--nice=None); write nice: VALUE, nice: true for a bare --nice")):
+        line = one_line_error(greenroom("slurm", "render", write_config(tmp_path, {"sbatch_extra": extra}),
+                                        "-o", str(out)))
+        assert message in line, line
+        assert not out.exists()
+
+
 def test_role_is_refused_at_render_exactly_where_the_trainer_refuses_it(tmp_path):
     """'.' and '..' passed the Slurm config's check (no '/') and failed only on the node,
     after queueing; the config now asks the trainer's own rule."""

@@ -227,7 +227,8 @@ class SlurmJobConfig:
 
     sbatch_extra: dict[str, str | bool] = field(default_factory=dict)
     """Further ``#SBATCH`` options: ``{constraint: nvme}`` gives ``--constraint=nvme`` (the
-    value as written: ``begin: 10:30`` stays 10:30), ``true`` gives a bare flag."""
+    value as written: ``begin: 10:30`` stays 10:30), ``true`` gives a bare flag; false and
+    null are refused (they have no ``#SBATCH`` form)."""
 
     template: str = DEFAULT_TEMPLATE
     """The template: a name from the shipped templates or a path to your own .j2."""
@@ -281,6 +282,15 @@ class SlurmJobConfig:
             self.env[name] = str(value)
         for key, value in self.sbatch_extra.items():
             _sbatch_word("sbatch_extra key", str(key))
+            # Neither has an #SBATCH form: str() would render --requeue=False or --nice=None.
+            if value is False:
+                fix = ("leave the key out and set max_restarts: 0, which renders --no-requeue" if key == "requeue"
+                       else f"to not pass --{key}, leave the key out")
+                raise ConfigError(f"sbatch_extra.{key}: false is no sbatch value "
+                                  f"(it would render --{key}=False); {fix}")
+            if value is None:
+                raise ConfigError(f"sbatch_extra.{key}: null is no sbatch value (it would render --{key}=None); "
+                                  f"write {key}: VALUE, {key}: true for a bare --{key}, or leave the key out")
             if value is not True:
                 _sbatch_word(f"sbatch_extra.{key}", str(value))
         if self.command is not None:
