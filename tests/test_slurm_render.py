@@ -14,6 +14,8 @@ import sys
 import pytest
 import yaml
 
+from greenroom.errors import ConfigError
+from greenroom.rankdir import rank_dir_path
 from greenroom.slurm.config import config_from_dict, load_config, time_minutes
 from greenroom.slurm.render import TEMPLATE_DIR, program, render, seed_flags, setup_lines, shipped_templates
 from tests.cli_support import REPO, greenroom, one_line_error
@@ -121,6 +123,28 @@ def test_greenroom_args_reach_any_trainer_and_parse_as_offload_config(tmp_path):
     assert offload.offload_train_disk_dir == os.path.join(str(scratch), f"greenroom_train_offload_{os.getuid()}")
 
 
+def test_disk_dir_in_greenroom_args_round_trips_any_path_through_the_trainers_reader(tmp_path):
+    """bash's printf %q wrote $'...' for these under LC_ALL=C, which shlex.split read as a
+    relative dir starting with $. Each path must come back from $GREENROOM_ARGS as itself."""
+    from greenroom.config import OffloadConfig, env_argv
+    for name in ("nvme-\u00fc", "my scratch", "it's", "tab\there", "new\nline", "all \u00fc 'of\tthem\n"):
+        scratch = tmp_path / name
+        scratch.mkdir()
+        config = config_from_dict({"scratch_dir": str(scratch), "command": ["python", "my_trainer.py"],
+                                   "train": {"offload_train": True, "offload_train_target": "disk"}})
+        lines = render(config).splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_SCRATCH="))
+        end = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_ARGS"))
+        probe = "\n".join(lines[start:end + 1] + ['printf "%s" "$GREENROOM_ARGS"'])
+        proc = subprocess.run(["bash", "-c", probe], capture_output=True, check=True,
+                              env={"PATH": os.environ["PATH"], "LC_ALL": "C"})
+        args = proc.stdout.decode("utf-8")
+        disk_dir = os.path.join(str(scratch), f"greenroom_train_offload_{os.getuid()}")
+        argv = env_argv({"GREENROOM_ARGS": args})
+        assert argv[argv.index("--offload-train-disk-dir"):] == ["--offload-train-disk-dir", disk_dir], args
+        assert OffloadConfig.from_env({"GREENROOM_ARGS": args}).offload_train_disk_dir == disk_dir
+
+
 def test_command_with_append_gets_the_flags_and_greenroom_train_arguments_are_refused():
     config = config_from_dict({"command": "torchrun-entry --config 'a b.yaml'", "greenroom_args": "append",
                                "train": {"offload_train": True}})
@@ -203,6 +227,67 @@ def test_render_writes_the_file_whole(tmp_path):
 def test_time_minutes_reads_every_slurm_form():
     assert [time_minutes(t) for t in ("30", "30:30", "01:00:00", "2-00", "1-01:30", "0-00:00:01")] == \
         [30, 31, 60, 2880, 1530, 1]
+
+
+def test_yaml_1_1_numbers_in_text_keys_reach_the_script_as_written(tmp_path):
+    """safe_load read these unquoted values as base-60 ints, octals, floats and hex:
+    --time=14400 (ten days for four hours), UMASK=18, VER=2.1, --begin=630."""
+    path = tmp_path / "job.yaml"
+    path.write_text("nodes: &two 2\ntime: 4:00:00\n"
+                    "env: {UMASK: 0022, VER: 2.10, T: 1:30, H: 0x10, E: 1.5e+3, OMP_NUM_THREADS: 8, TWO: *two}\n"
+                    "sbatch_extra: {begin: 10:30, nice: 10, hold: true}\n")
+    config = load_config(str(path))
+    assert config.nodes == 2  # a number where the key takes one, also through an alias
+    lines = render(config).splitlines()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --time=4:00:00", "#SBATCH --begin=10:30", "#SBATCH --nice=10",
+                 "#SBATCH --hold", "export UMASK=0022", "export VER=2.10", "export T=1:30", "export H=0x10",
+                 "export E=1.5e+3", "export OMP_NUM_THREADS=8", "export TWO=2"):
+        assert line in lines
+    path.write_text("time: 30:00\n")
+    assert "#SBATCH --time=30:00" in render(load_config(str(path))).splitlines()
+    path.write_text("env: {DEBUG: yes}\n")  # a YAML boolean: refused, not exported as True
+    with pytest.raises(ConfigError, match="env.DEBUG: expected a string, got True; put the value in quotes"):
+        load_config(str(path))
+    # Every key that takes text does the same (command's words were refused as numbers).
+    path.write_text("mem: 0x10\ncommand: [python, t.py, --lr, 0.00010, --steps, 100]\n")
+    with pytest.raises(ConfigError, match="mem: expected a size like 64G or 65536 \\(MiB\\), got '0x10'"):
+        load_config(str(path))
+    path.write_text("command: [python, t.py, --lr, 0.00010, --steps, 100]\n")
+    assert "trainer=(python t.py --lr 0.00010 --steps 100)" in render(load_config(str(path))).splitlines()
+
+
+def test_sbatch_extra_false_or_null_is_a_one_line_error_and_writes_nothing(tmp_path):
+    """They rendered #SBATCH --requeue=False (over the script's own --requeue) and
+    --nice=None, which sbatch refuses only at submission."""
+    out = tmp_path / "job.sh"
+    for extra, message in (({"requeue": False}, "sbatch_extra.requeue: false is no sbatch value (it would render "
+                                                "--requeue=False); leave the key out and set max_restarts: 0"),
+                           ({"exclusive": False}, "sbatch_extra.exclusive: false is no sbatch value"),
+                           ({"nice": None}, "sbatch_extra.nice: null is no sbatch value (it would render "
+                                            "--nice=None); write nice: VALUE, nice: true for a bare --nice")):
+        line = one_line_error(greenroom("slurm", "render", write_config(tmp_path, {"sbatch_extra": extra}),
+                                        "-o", str(out)))
+        assert message in line, line
+        assert not out.exists()
+
+
+def test_role_is_refused_at_render_exactly_where_the_trainer_refuses_it(tmp_path):
+    """'.' and '..' passed the Slurm config's check (no '/') and failed only on the node,
+    after queueing; the config now asks the trainer's own rule."""
+    for role in ("actor", "critic-2", ".x", "..a", ".", "..", "a/b", ""):
+        try:
+            rank_dir_path("/scratch", "123", role, 0)
+            trainer_takes_it = True
+        except ConfigError:
+            trainer_takes_it = False
+        try:
+            config_from_dict({"train": {"role": role}})
+            config_takes_it = True
+        except ConfigError:
+            config_takes_it = False
+        assert config_takes_it == trainer_takes_it, role
+    line = one_line_error(greenroom("slurm", "render", write_config(tmp_path, {"train": {"role": ".."}})))
+    assert "train.role: '..' is not a valid directory name; give a name without '/' that is not . or .." in line
 
 
 BAD_VALUES = [

@@ -121,9 +121,15 @@ def is_rank_dir_record(path: str, owner: dict) -> bool:
             and owner.get("job") == os.path.basename(os.path.dirname(role_dir)))
 
 
+def is_dir_name(value) -> bool:
+    """Whether ``value`` names one new directory level: not empty, no ``/``, and not
+    ``.`` or ``..`` (they name a dir that exists already, so two roles or jobs would share)."""
+    return isinstance(value, str) and bool(value) and "/" not in value and value not in (".", "..")
+
+
 def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
     for name, value in (("the job id (from $GREENROOM_JOB_ID, $SLURM_JOB_ID or torchrun)", job), ("--role", role)):
-        if not value or "/" in value or value in (".", ".."):
+        if not is_dir_name(value):
             raise ConfigError(f"{name}: {value!r} is not a valid directory name")
     return os.path.join(root, job, role, f"rank{rank:05d}")
 

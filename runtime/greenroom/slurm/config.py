@@ -19,6 +19,8 @@ import os
 import re
 import shlex
 import signal
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ import yaml
 from greenroom import fs
 from greenroom.config import COMPRESSIONS, MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
 from greenroom.errors import ConfigError
+from greenroom.rankdir import is_dir_name
 
 LAUNCHERS = ("srun", "torchrun")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
@@ -152,7 +155,8 @@ class SlurmJobConfig:
     """``--mem`` per node, e.g. ``64G`` (None: the partition's default; ``0``: all)."""
 
     time: str = "01:00:00"
-    """``--time`` in any Slurm form (``MM``, ``HH:MM:SS``, ``D-HH:MM:SS`` ...)."""
+    """``--time`` in any Slurm form (``MM``, ``HH:MM:SS``, ``D-HH:MM:SS`` ...), as written:
+    an unquoted ``4:00:00`` stays that, not YAML 1.1's base-60 int."""
 
     partition: str | None = None
     """``--partition``."""
@@ -215,14 +219,16 @@ class SlurmJobConfig:
     your ``command``."""
 
     env: dict[str, str] = field(default_factory=dict)
-    """Environment exported to every step (values quoted)."""
+    """Environment exported to every step (values quoted), each value as written: an
+    unquoted ``0022`` or ``2.10`` stays that (true, false and null must be quoted)."""
 
     setup: list[str] = field(default_factory=list)
     """Shell lines run before the steps (``module load ...``), verbatim."""
 
     sbatch_extra: dict[str, str | bool] = field(default_factory=dict)
-    """Further ``#SBATCH`` options: ``{constraint: nvme}`` gives ``--constraint=nvme``,
-    ``true`` gives a bare flag."""
+    """Further ``#SBATCH`` options: ``{constraint: nvme}`` gives ``--constraint=nvme`` (the
+    value as written: ``begin: 10:30`` stays 10:30), ``true`` gives a bare flag; false and
+    null are refused (they have no ``#SBATCH`` form)."""
 
     template: str = DEFAULT_TEMPLATE
     """The template: a name from the shipped templates or a path to your own .j2."""
@@ -272,10 +278,19 @@ class SlurmJobConfig:
             if not isinstance(name, str) or not _ENV_NAME.match(name):
                 raise ConfigError(f"env: {name!r} is not a valid environment variable name")
             if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise ConfigError(f"env.{name}: expected a string, got {value!r}")
+                raise ConfigError(f"env.{name}: expected a string, got {value!r}; put the value in quotes")
             self.env[name] = str(value)
         for key, value in self.sbatch_extra.items():
             _sbatch_word("sbatch_extra key", str(key))
+            # Neither has an #SBATCH form: str() would render --requeue=False or --nice=None.
+            if value is False:
+                fix = ("leave the key out and set max_restarts: 0, which renders --no-requeue" if key == "requeue"
+                       else f"to not pass --{key}, leave the key out")
+                raise ConfigError(f"sbatch_extra.{key}: false is no sbatch value "
+                                  f"(it would render --{key}=False); {fix}")
+            if value is None:
+                raise ConfigError(f"sbatch_extra.{key}: null is no sbatch value (it would render --{key}=None); "
+                                  f"write {key}: VALUE, {key}: true for a bare --{key}, or leave the key out")
             if value is not True:
                 _sbatch_word(f"sbatch_extra.{key}", str(value))
         if self.command is not None:
@@ -359,8 +374,10 @@ def _check_train(train: TrainArgs) -> None:
         _positive_int("train.iterations", train.iterations)
     if train.resume not in RESUME_MODES:
         raise ConfigError(f"train.resume: expected one of {', '.join(RESUME_MODES)}, got {train.resume!r}")
-    if not isinstance(train.role, str) or not train.role or "/" in train.role:
-        raise ConfigError(f"train.role: {train.role!r} is not a valid directory name")
+    # The trainer's own rule (greenroom.rankdir), so a bad role fails here, not after queueing.
+    if not is_dir_name(train.role):
+        raise ConfigError(f"train.role: {train.role!r} is not a valid directory name; "
+                          "give a name without '/' that is not . or .. (e.g. actor)")
     if not isinstance(train.extra_args, list) or not all(isinstance(a, str) for a in train.extra_args):
         raise ConfigError(f"train.extra_args: expected a list of strings, got {train.extra_args!r}")
     # The trainer's own pairing rules, checked here so a bad pair fails before submission.
@@ -426,6 +443,56 @@ def _build(cls, data, where: str):
         raise ConfigError(f"{where or 'the config'}: {e}") from None
 
 
+# YAML 1.1 (PyYAML's) reads an unquoted 4:00:00 as the base-60 int 14400, 0022 as the
+# octal 18, 2.10 as the float 2.1 and 2024-01-01T10:00:00 as a datetime: a value's str()
+# is then not what the user wrote. Where a key takes text, such a plain scalar is read as
+# the text it is in the file; true, false and null keep their YAML meaning.
+_STR_TAG = "tag:yaml.org,2002:str"
+_NOT_TEXT_TAGS = {f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "timestamp")}
+
+
+def _alternatives(hint) -> tuple:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def _keep_text(loader: yaml.SafeLoader, node: yaml.Node, hint) -> yaml.Node:
+    """``node`` with its plain number and date scalars retagged as strings wherever
+    ``hint``, the type of the field it fills, takes ``str`` (also as a list's items or a
+    dict's values). A retagged scalar is a copy: an alias may use the original where a
+    number belongs (``nodes: &n 2`` and ``env: {N: *n}``)."""
+    options = _alternatives(hint)
+    if isinstance(node, yaml.ScalarNode):
+        if str in options and node.style is None and node.tag in _NOT_TEXT_TAGS:
+            return yaml.ScalarNode(_STR_TAG, node.value, node.start_mark, node.end_mark, style=node.style)
+        return node
+    origins = {typing.get_origin(option): option for option in options}
+    if isinstance(node, yaml.SequenceNode) and list in origins:
+        item = typing.get_args(origins[list])[0]
+        node.value = [_keep_text(loader, child, item) for child in node.value]
+    elif isinstance(node, yaml.MappingNode):
+        loader.flatten_mapping(node)  # what a << merge brings in is checked here too
+        classes = [option for option in options if dataclasses.is_dataclass(option)]
+        if classes:
+            fields = typing.get_type_hints(classes[0])
+            node.value = [(key, _keep_text(loader, value, fields[key.value])
+                           if isinstance(key, yaml.ScalarNode) and key.value in fields else value)
+                          for key, value in node.value]
+        elif dict in origins:
+            item = typing.get_args(origins[dict])[1]
+            node.value = [(key, _keep_text(loader, value, item)) for key, value in node.value]
+    return node
+
+
+def _read_yaml(stream):
+    """``yaml.safe_load``, but a text key's plain scalar is read as written (``_keep_text``)."""
+    loader = yaml.SafeLoader(stream)
+    try:
+        node = loader.get_single_node()
+        return None if node is None else loader.construct_document(_keep_text(loader, node, SlurmJobConfig))
+    finally:
+        loader.dispose()
+
+
 def config_from_dict(data: dict) -> SlurmJobConfig:
     return _build(SlurmJobConfig, data, "")
 
@@ -434,7 +501,7 @@ def load_config(path: str) -> SlurmJobConfig:
     """Read and validate a job YAML; errors name the file."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = _read_yaml(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except UnicodeDecodeError:

@@ -36,8 +36,13 @@ export GREENROOM_OFFLOAD_ROOT
 export GREENROOM_LOG_DIR=logs
 # The seed flags for any trainer (OffloadConfig.from_env() reads them), the disk dir last.
 export GREENROOM_DISK_DIR="$GREENROOM_OFFLOAD_ROOT"
-GREENROOM_ARGS='--offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype bf16'" --offload-train-disk-dir $(printf '%q' "$GREENROOM_OFFLOAD_ROOT")"
-export GREENROOM_ARGS
+# The dir in single quotes, each ' in it written '\'': shlex.split reads any path back
+# from that. Not printf %q: it writes $'...' for a tab, a newline or (under LC_ALL=C)
+# non-ASCII, which shlex does not know. The replacement comes from a variable, unquoted:
+# a variable's value gets no quote removal, and it has no & for bash 5.2's patsub_replacement.
+greenroom_escaped="'\\''"
+greenroom_disk_dir=${GREENROOM_OFFLOAD_ROOT//\'/$greenroom_escaped}
+export GREENROOM_ARGS='--offload-train --offload-train-target disk --offload-train-disk-chunk-mb 256 --offload-train-disk-compression auto --stream-optimizer-state-to-disk --stream-optimizer-state-moment-dtype bf16'" --offload-train-disk-dir '$greenroom_disk_dir'"
 export GREENROOM_RESTART="${SLURM_RESTART_COUNT:-0}"
 
 # -- Reclaim: the per-rank files that earlier jobs' dead ranks left on these nodes (a
