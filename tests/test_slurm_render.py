@@ -290,6 +290,8 @@ def test_role_is_refused_at_render_exactly_where_the_trainer_refuses_it(tmp_path
     assert "train.role: '..' is not a valid directory name; give a name without '/' that is not . or .." in line
 
 
+CACHE_GB = ("train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0 and at most 1e+09 "
+            "(an exabyte)")
 BAD_VALUES = [
     ({"gpus_per_nod": 8}, "unknown key 'gpus_per_nod'"),
     ({"train": {"offload_train_dir": "/x"}}, "unknown key 'train.offload_train_dir'"),
@@ -324,11 +326,13 @@ BAD_VALUES = [
     ({"train": {"stream_optimizer_state_master_layout": "fp32"}},
      "--stream-optimizer-state-master-layout fp32 lays out streamed masters and needs --stream-optimizer-state-to-disk"),
     ({"train": {"stream_optimizer_state_host_cache_gb": -1}},
-     "train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got -1"),
+     f"{CACHE_GB}, got -1"),
     ({"train": {"stream_optimizer_state_host_cache_gb": float("nan")}},
-     "train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got nan"),
+     f"{CACHE_GB}, got nan"),
+    ({"train": {"stream_optimizer_state_host_cache_gb": 1e300}},  # a traceback on the node before
+     CACHE_GB),
     ({"train": {"stream_optimizer_state_host_cache_gb": "8GB"}},
-     "train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got '8GB'"),
+     f"{CACHE_GB}, got '8GB'"),
     ({"train": {"stream_optimizer_state_host_cache_gb": 8}},
      "train: --stream-optimizer-state-host-cache-gb caches streamed buckets and needs"),
 ]

@@ -14,7 +14,6 @@ value with spaces there. Values that end up in shell commands are quoted with
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import shlex
@@ -30,6 +29,7 @@ from greenroom import fs
 from greenroom.config import COMPRESSIONS, MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
 from greenroom.errors import ConfigError
 from greenroom.rankdir import is_dir_name
+from greenroom.units import MAX_GB
 
 LAUNCHERS = ("srun", "torchrun")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
@@ -368,8 +368,9 @@ def _check_train(train: TrainArgs) -> None:
         raise ConfigError(f"train.offload_train_disk_compression: expected one of {', '.join(COMPRESSIONS)}, "
                          f"got {train.offload_train_disk_compression!r}")
     cache = train.stream_optimizer_state_host_cache_gb
-    if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache < math.inf:
-        raise ConfigError(f"train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0, got {cache!r}")
+    if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= MAX_GB:
+        raise ConfigError(f"train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0 and at most "
+                          f"{MAX_GB:g} (an exabyte), got {cache!r}")
     if train.iterations is not None:
         _positive_int("train.iterations", train.iterations)
     if train.resume not in RESUME_MODES:
