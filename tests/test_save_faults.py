@@ -196,6 +196,31 @@ def test_a_dtype_other_than_the_checkpoints_is_refused_in_one_line(disk_dir, ref
                    r"--dtype bf16")
 
 
+def test_a_model_of_other_sizes_is_refused_in_one_line(disk_dir, reference):
+    """--n-heads 2 instead of 4 leaves every tensor its shape (the heads split the same
+    weights another way), and was resumed without a word; the meta records the sizes."""
+    _, half = reference
+    ckpt, root, metrics = copy_of(half, disk_dir)
+    proc = run(["--iterations", "3", "--load", ckpt, "--n-heads", "2"], root=root, metrics=metrics)
+    one_line(proc, r"saved from another model: --n-heads 4 \(this run 2\); resume with the sizes it was saved with")
+
+
+def test_weights_this_model_lacks_are_refused_where_the_meta_predates_the_sizes(disk_dir, reference):
+    """A checkpoint whose meta has no sizes (written before they were recorded) of a
+    2-block model, resumed with --n-layers 1: block 1's weights were dropped silently."""
+    from greenroom import publish
+    from greenroom.train.checkpoint import META
+
+    _, half = reference
+    ckpt, root, metrics = copy_of(half, disk_dir)
+    meta = json.load(open(os.path.join(ckpt, META)))
+    assert meta.pop("model")["n_layers"] == 2
+    publish.write_checked_json(os.path.join(ckpt, META), {k: v for k, v in meta.items() if k != "crc32"})
+    proc = run(["--iterations", "3", "--load", ckpt, "--n-layers", "1", "--no-load-optim"], root=root,
+               metrics=metrics)
+    one_line(proc, r"model\.pt: holds \S*1\.\S+ and \d+ more, which this model does not have")
+
+
 # -- the metrics of a killed and resumed run (issue 30 case 9) -------------------------------
 def test_a_killed_and_resumed_run_logs_each_iteration_once(disk_dir, reference):
     """The killed run logged iteration 3 after the checkpoint at 2; the resume trains it

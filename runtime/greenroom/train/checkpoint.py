@@ -26,6 +26,7 @@ the file. Resume is same-topology only, as for the streamed state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 import zlib
@@ -112,9 +113,19 @@ def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, r
         except BaseException:
             _discard(directory, rank)
             raise
-        finish(directory, model_state=model_state(model), optimizer=optimizer, optim_state=None,
-               streaming=streaming, optim_written=False, iteration=iteration, rank=rank, world_size=world_size,
-               barrier=barrier)
+        finish(directory, model_state=model_state(model), model_config=model_config(model), optimizer=optimizer,
+               optim_state=None, streaming=streaming, optim_written=False, iteration=iteration, rank=rank,
+               world_size=world_size, barrier=barrier)
+
+
+def model_config(model: torch.nn.Module) -> dict | None:
+    """The model's sizes (its ``config`` dataclass, under any DDP wrapper), recorded in the
+    meta: two configs can have every tensor the same shape (``--n-heads`` splits the same
+    weights another way), so shapes alone cannot tell a checkpoint of another model."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    config = getattr(model, "config", None)
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -131,8 +142,8 @@ def optimizer_state(optimizer) -> dict:
                     optimizer.state_dict())
 
 
-def finish(directory: str, *, model_state: dict, optimizer, optim_state: dict | None, streaming: bool,
-           optim_written: bool, iteration: int, rank: int, world_size: int, barrier=None) -> None:
+def finish(directory: str, *, model_state: dict, model_config: dict | None, optimizer, optim_state: dict | None,
+           streaming: bool, optim_written: bool, iteration: int, rank: int, world_size: int, barrier=None) -> None:
     """Write this rank's part of a begun save and publish it (rank 0, once every rank's
     part is there). ``optim_written``: the streamed state is already in ``optim/`` (the
     step wrote it); else it is saved here. ``barrier`` None (``--async-save``, off the
@@ -165,9 +176,11 @@ def finish(directory: str, *, model_state: dict, optimizer, optim_state: dict | 
         elif rank == 0:
             _wait_for_ranks(staged, world_size)
         if rank == 0:
-            publish.write_checked_json(os.path.join(staged, META), {
-                "format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming,
-                "dtype": dtype_flag(model_state)})
+            meta = {"format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming,
+                    "dtype": dtype_flag(model_state)}
+            if model_config is not None:
+                meta["model"] = model_config
+            publish.write_checked_json(os.path.join(staged, META), meta)
             kill_point("save-meta")
             publish.publish(directory)
     except BaseException:
@@ -229,10 +242,11 @@ def settle(directory: str) -> None:
 
 
 def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, rank: int,
-           world_size: int, dtype: str | None = None) -> dict:
+           world_size: int, dtype: str | None = None, model: dict | None = None) -> dict:
     """Check the meta, this rank's manifest and every file it names (and the streamed
     state's own files) before anything is loaded; returns the meta. ``dtype``: this
-    run's ``--dtype``, which must be the one the weights were saved in."""
+    run's ``--dtype``, which must be the one the weights were saved in; ``model``: this
+    run's model sizes (``model_config``), which must be the saved ones."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"--load {directory}: no such checkpoint dir")
     if publish.generation(directory) is None:
@@ -244,6 +258,12 @@ def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, r
                               f"{world_size}; resume is same-topology only")
     if dtype is not None and meta.get("dtype", dtype) != dtype:
         raise CheckpointError(_dtype_refusal(directory, meta["dtype"], dtype))
+    saved_model = meta.get("model")  # absent in checkpoints written before it was recorded
+    if model is not None and isinstance(saved_model, dict) and saved_model != model:
+        differs = [k for k in sorted(set(saved_model) | set(model)) if saved_model.get(k) != model.get(k)]
+        said = ", ".join(f"--{k.replace('_', '-')} {saved_model.get(k)} (this run {model.get(k)})" for k in differs)
+        raise CheckpointError(f"--load {directory}: saved from another model: {said}; resume with the sizes it "
+                              "was saved with")
     path = rank_path(directory, rank)
     manifest = publish.read_checked_json(os.path.join(path, MANIFEST), {"files": dict})
     files = manifest["files"]
@@ -285,9 +305,14 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
     iteration to continue from."""
     ours = dtype_flag(model.state_dict())
     meta = verify(directory, optimizer=optimizer, streaming=streaming, no_load_optim=no_load_optim, rank=rank,
-                  world_size=world_size, dtype=ours)
+                  world_size=world_size, dtype=ours, model=model_config(model))
     path = rank_path(directory, rank)
     state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
+    extra = sorted(set(state) - set(model.state_dict()))
+    if extra:
+        raise CheckpointError(f"{os.path.join(path, 'model.pt')}: holds {extra[0]}"
+                              f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, which this model does "
+                              "not have; the checkpoint is of another model (check --n-layers etc.)")
     with torch.no_grad():
         for name, t in model.state_dict().items():
             if name not in state or state[name].shape != local_tensor(t).shape:

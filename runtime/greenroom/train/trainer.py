@@ -508,7 +508,8 @@ class Trainer:
         ``--async-save`` on a thread, from host copies taken now."""
         c = self.config
         streaming = self.offload.stream_optimizer_state_to_disk
-        kwargs = dict(model_state=checkpoint.model_state(self.model), optimizer=self.optimizer,
+        kwargs = dict(model_state=checkpoint.model_state(self.model), model_config=checkpoint.model_config(self.model),
+                      optimizer=self.optimizer,
                       # A resident optimizer's state, copied only for a publish beside the next step.
                       optim_state=checkpoint.optimizer_state(self.optimizer) if c.async_save and not streaming
                       else None,
