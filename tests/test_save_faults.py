@@ -231,3 +231,40 @@ def test_a_killed_and_resumed_run_logs_each_iteration_once(disk_dir, reference):
     assert "dropped 1 record(s) of iterations past the checkpoint's 2 (3-3" in resumed.stderr
     records = [json.loads(line) for line in open(os.path.join(disk_dir, "m.jsonl"))]
     assert [r["iteration"] for r in records] == [3, 4]
+
+
+def test_an_async_save_whose_other_rank_fails_stops_rank_0_with_its_reason(disk_dir):
+    """``--async-save`` on two ranks: rank 0 waits for the other's manifest file with no
+    collective, and when rank 1's part failed it waited forever (its thread, and the
+    run at its next save or exit). Rank 1 now leaves its reason, and rank 0 raises it;
+    nothing is published. Both ranks run here in one process, as the two threads of the
+    save would on two hosts: the protocol is files in the checkpoint dir."""
+    import threading
+
+    import torch
+
+    from greenroom.errors import CheckpointError
+    from greenroom.train import checkpoint
+
+    ckpt = os.path.join(disk_dir, "ckpt")
+    for rank in (0, 1):
+        checkpoint.begin(ckpt, rank=rank, barrier=lambda: None)
+    common = dict(model_config=None, optimizer=None, optim_state={}, streaming=False, optim_written=False,
+                  iteration=1, world_size=2)
+    with pytest.raises(Exception):  # a weight torch.save cannot write: rank 1's part fails
+        checkpoint.finish(ckpt, model_state={"w": lambda: None}, rank=1, **common)
+    raised = []
+
+    def rank0():
+        try:
+            checkpoint.finish(ckpt, model_state={"w": torch.zeros(2)}, rank=0, **common)
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=rank0, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "rank 0 still waits for rank 1's part"
+    [error] = raised
+    assert isinstance(error, CheckpointError) and "rank 1's part of the save failed" in str(error)
+    assert not os.path.exists(ckpt) and not os.path.exists(ckpt + ".new")

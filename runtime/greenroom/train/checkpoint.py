@@ -43,6 +43,7 @@ from greenroom.tensors import local_tensor
 
 META = "meta.json"
 MANIFEST = "manifest.json"
+FAILED = "failed.txt"  # a rank's part of a save failed: the one line why (``_wait_for_ranks`` reads it)
 FORMAT = 2
 _META_FIELDS = {"format": int, "iteration": int, "world_size": int, "streaming": bool}
 log = get_logger(__name__)
@@ -110,8 +111,8 @@ def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, r
     with publish.locked(directory) if rank == 0 else contextlib.nullcontext():
         try:
             begin(directory, rank=rank, barrier=barrier)
-        except BaseException:
-            _discard(directory, rank)
+        except BaseException as e:
+            _discard(directory, rank, e)
             raise
         finish(directory, model_state=model_state(model), model_config=model_config(model), optimizer=optimizer,
                optim_state=None, streaming=streaming, optim_written=False, iteration=iteration, rank=rank,
@@ -183,27 +184,46 @@ def finish(directory: str, *, model_state: dict, model_config: dict | None, opti
             publish.write_checked_json(os.path.join(staged, META), meta)
             kill_point("save-meta")
             publish.publish(directory)
-    except BaseException:
-        _discard(directory, rank)
+    except BaseException as e:
+        _discard(directory, rank, e)
         raise
     if barrier is not None:
         barrier()
 
 
-def _discard(directory: str, rank: int) -> None:
+def _discard(directory: str, rank: int, error: BaseException | None = None) -> None:
     """Leave nothing half-written: the staged dir goes (the next save or load would
-    discard it anyway); the previous checkpoint at DIR is untouched."""
+    discard it anyway); the previous checkpoint at DIR is untouched. Another rank leaves
+    why its part failed, for rank 0's ``_wait_for_ranks``, which has no collective to
+    learn it by (``--async-save``)."""
     staged = os.path.realpath(directory) + publish.NEW_SUFFIX
-    if rank == 0 and os.path.isdir(staged):
-        publish.discard(staged)
+    if rank == 0:
+        if os.path.isdir(staged):
+            publish.discard(staged)
+        return
+    mine = rank_path(staged, rank)
+    if error is not None and os.path.isdir(mine):
+        try:
+            with open(os.path.join(mine, FAILED), "w", encoding="utf-8") as f:
+                f.write(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        except OSError:
+            pass  # the dir went meanwhile (rank 0 discarded it): nothing is waiting for this
 
 
 def _wait_for_ranks(staged: str, world_size: int) -> None:
-    """Until every rank's manifest is in ``staged`` (each rank writes its own last)."""
+    """Until every rank's manifest is in ``staged`` (each rank writes its own last); a
+    rank whose part failed stops the wait with its reason."""
     for rank in range(world_size):
-        manifest = os.path.join(rank_path(staged, rank), MANIFEST)
-        while not os.path.exists(manifest):
-            time.sleep(0.05)
+        mine = rank_path(staged, rank)
+        while not os.path.exists(os.path.join(mine, MANIFEST)):
+            try:
+                with open(os.path.join(mine, FAILED), encoding="utf-8") as f:
+                    why = f.read()
+            except FileNotFoundError:
+                time.sleep(0.05)
+                continue
+            raise CheckpointError(f"{staged}: rank {rank}'s part of the save failed ({why}); nothing was published, "
+                                  "the previous checkpoint stays")
 
 
 # -- load ------------------------------------------------------------------------------
