@@ -377,3 +377,18 @@ def test_a_cpu_target_alone_is_a_valid_job():
     never trips a rule about a flag the user did not set."""
     config = config_from_dict({"train": {"offload_train": True, "offload_train_target": "cpu"}})
     assert seed_flags(config)[:3] == ["--offload-train", "--offload-train-target", "cpu"]
+
+
+def test_sbatch_extra_of_an_option_the_config_or_the_script_sets_is_refused(tmp_path):
+    """An sbatch_extra entry replaced the config's own option without a word: --signal
+    of its own broke the preemption path, --time or --nodes said another job than the
+    config's keys."""
+    out = tmp_path / "job.sh"
+    for extra, names in (({"signal": "USR2@60"}, "preempt_signal and preempt_signal_seconds"),
+                         ({"time": "10:00"}, "the config key time"), ({"nodes": 4}, "the config key nodes"),
+                         ({"open-mode": "truncate"}, "set by the script"), ({"requeue": True}, "max_restarts")):
+        [key] = extra
+        line = one_line_error(greenroom("slurm", "render", write_config(tmp_path, {"sbatch_extra": extra}),
+                                        "-o", str(out)))
+        assert f"sbatch_extra.{key}: --{key} is " in line and names in line and "leave it out" in line, line
+        assert not out.exists()

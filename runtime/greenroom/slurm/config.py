@@ -48,6 +48,17 @@ MAX_SIGNAL_SECONDS = 65535  # sbatch --signal's upper bound
 _FLAG_DEFAULTS = OffloadFlags()
 GREENROOM_ARGS_MODES = ("auto", "append", "env")
 RESUME_MODES = ("auto", "strict")
+# sbatch options the config has a key for, or the script sets itself: an sbatch_extra
+# entry would silently replace them (a --signal of its own breaks the preemption path).
+_OWNED_OPTIONS = {
+    **{option: f"set by the config key {key}" for option, key in (
+        ("job-name", "job_name"), ("nodes", "nodes"), ("ntasks-per-node", "tasks_per_node"),
+        ("cpus-per-task", "cpus_per_task"), ("gpus-per-node", "gpus_per_node"), ("mem", "mem"), ("time", "time"),
+        ("partition", "partition"), ("account", "account"), ("qos", "qos"), ("exclusive", "exclusive"),
+        ("signal", "preempt_signal and preempt_signal_seconds"), ("requeue", "max_restarts"),
+        ("no-requeue", "max_restarts"))},
+    "open-mode": "set by the script (append: a requeued job keeps one log)",
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -291,6 +302,9 @@ class SlurmJobConfig:
             if value is None:
                 raise ConfigError(f"sbatch_extra.{key}: null is no sbatch value (it would render --{key}=None); "
                                   f"write {key}: VALUE, {key}: true for a bare --{key}, or leave the key out")
+            if str(key) in _OWNED_OPTIONS:
+                raise ConfigError(f"sbatch_extra.{key}: --{key} is {_OWNED_OPTIONS[str(key)]}; an sbatch_extra "
+                                  "entry would replace it behind the config's back: leave it out")
             if value is not True:
                 _sbatch_word(f"sbatch_extra.{key}", str(value))
         if self.command is not None:
