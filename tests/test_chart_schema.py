@@ -145,6 +145,14 @@ def test_args_without_a_command_are_refused_not_left_out():
     assert _chart_refuses("train.extraArgs={--no-progress}") is None
 
 
+def test_torchrun_args_without_torchrun_are_refused_not_left_out():
+    # Before: torchrun.extraArgs rendered nowhere with torchrun.enabled=false.
+    err = reject("torchrun.enabled=false", "torchrun.extraArgs={--max-restarts=3}")
+    assert "torchrun.extraArgs are arguments of torchrun and need torchrun.enabled true" in err
+    assert _chart_refuses("torchrun.extraArgs={--max-restarts=3}") is None
+    assert _chart_refuses("torchrun.enabled=false") is None
+
+
 @pytest.mark.parametrize("value", ["train.iterations=3", "train.save=/ckpt", "train.load=/ckpt",
                                    "train.extraArgs={--no-progress}"])
 def test_greenroom_train_values_beside_a_command_are_refused_not_left_out(value):
