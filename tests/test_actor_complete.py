@@ -2,6 +2,7 @@
 drops dead bytes, skips clean ones, and a failed wake can be tried again (CPU, CI)."""
 
 import copy
+import gc
 import logging
 import os
 
@@ -71,6 +72,50 @@ def test_the_rollouts_allocations_never_move(disk_dir):
             assert engine_weights.untyped_storage().nbytes() == 256 * 4
             kv_cache = engine_weights * 2  # works while the actor sleeps
         assert torch.equal(kv_cache, engine_weights * 2)
+
+
+def test_a_rollout_storage_stays_excluded_while_it_lives_whichever_of_its_tensors_die(disk_dir):
+    """The exclusion is held by the storage, not by the last tensor seen on it: a view
+    made after its base and dropped later must not take the base's exclusion along."""
+    with RankDir(disk_dir, job="rv") as rank_dir, offloader(rank_dir, "cpu") as off:
+        with off.rollout_region():
+            engine = {"weights": torch.randn(256)}
+            engine["head"] = engine["weights"][:16]  # a view the engine keeps for a while
+        expected = engine["weights"].clone()
+        del engine["head"]
+        gc.collect()
+        off.sleep()
+        # Plain numbers in the asserts: a failure's message must not print a shrunk tensor.
+        weight_bytes = engine["weights"].untyped_storage().nbytes()
+        assert weight_bytes == 256 * 4, "the rollout's weights were shrunk"
+        doubled = engine["weights"] * 2  # the rollout runs while the actor sleeps (expected is asleep)
+        off.wake()
+        assert torch.equal(engine["weights"], expected) and torch.equal(doubled, expected * 2)
+
+
+def test_a_storage_the_rollout_allocates_where_it_freed_one_is_excluded(disk_dir):
+    """"New in the region" is decided by identity: a storage allocated inside the region
+    at the address of one freed inside it is the rollout's too."""
+    with RankDir(disk_dir, job="ra") as rank_dir, offloader(rank_dir, "cpu") as off:
+        with off.rollout_region():
+            engine = {"cache": torch.randn(256)}
+        reused = 0
+        for _ in range(3):
+            with off.asleep():
+                with off.rollout_region():  # the rollout refreshes its cache
+                    for _ in range(100):  # until malloc puts the new storage where the old one was
+                        freed = engine.pop("cache").untyped_storage()._cdata
+                        engine["cache"] = torch.randn(256)
+                        if engine["cache"].untyped_storage()._cdata == freed:
+                            reused += 1
+                            break
+            expected = engine["cache"].clone()
+            off.sleep()
+            cache_bytes = engine["cache"].untyped_storage().nbytes()  # a number: a failure must not print it
+            assert cache_bytes == 256 * 4, "the rollout's cache was shrunk"
+            off.wake()
+            assert torch.equal(engine["cache"], expected)
+        assert reused, "no storage took a freed one's address: the case was not exercised"
 
 
 def test_what_the_portable_backend_cannot_see_is_said_once(disk_dir, caplog):

@@ -24,7 +24,7 @@ moments), which must move. So greenroom keeps no torch-owned tensor beyond a cal
 module or class: small constants are made per call; what must stay put while the actor
 sleeps is memory torch does not own (``diskio``'s checksum tables, numpy-backed: not
 resizable, so never moved) or is named (the movers' ``owned()`` and the rollout's
-storages go to ``Exclusions``; the I/O layer's ``StagingBuffers`` are skipped by type).
+storages go to ``WeakStorages``; the I/O layer's ``StagingBuffers`` are skipped by type).
 tests/test_failed_wake_leaves_greenroom_intact.py walks every module and class for it.
 """
 
@@ -48,35 +48,36 @@ def _on(device: torch.device, storage_device: torch.device) -> bool:
                                                               else torch.cuda.current_device())
 
 
-class Exclusions:
-    """Storages that are not the actor's (the rollout's, the offloader's own staging),
-    held weakly: a storage dies with its last tensor, and its address may be reused."""
+class WeakStorages:
+    """A set of storages held weakly, by identity: an entry lasts exactly as long as its
+    storage lives, whichever tensors or views of it come and go, and a new storage at a
+    dead one's address is not a member. (torch keeps one Python object per live storage,
+    so a weak reference to it dies with the storage, not with the tensor it came from.)
+    Used for what is not the actor's (the rollout's storages) and for what was already
+    live when the rollout region began."""
 
-    def __init__(self) -> None:
+    def __init__(self, storages: Iterable[torch.UntypedStorage] = ()) -> None:
         self._refs: dict[int, weakref.ref] = {}
+        for storage in storages:
+            self.add(storage)
 
-    def add(self, tensor: torch.Tensor) -> None:
-        storage = local_tensor(tensor).untyped_storage()
-        self._refs[storage._cdata] = weakref.ref(tensor)
+    def add(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+
+        def forget(ref: weakref.ref) -> None:
+            if self._refs.get(key) is ref:  # not a newer storage at the same address
+                del self._refs[key]
+
+        self._refs[key] = weakref.ref(storage, forget)
 
     def nbytes_on(self, device: torch.device) -> int:
-        """Bytes of the live excluded storages on ``device``."""
-        live = {}
-        for ref in list(self._refs.values()):
-            t = ref()
-            if t is not None and (s := storage_of(t)) is not None and _on(device, s.device):
-                live[s._cdata] = s.nbytes()
-        return sum(live.values())
+        """Bytes of the member storages on ``device``."""
+        return sum(s.nbytes() for ref in list(self._refs.values())
+                   if (s := ref()) is not None and _on(device, s.device))
 
     def __contains__(self, storage: torch.UntypedStorage) -> bool:
         ref = self._refs.get(storage._cdata)
-        if ref is None:
-            return False
-        alive = ref()
-        if alive is None or local_tensor(alive).untyped_storage()._cdata != storage._cdata:
-            del self._refs[storage._cdata]
-            return False
-        return True
+        return ref is not None and ref() is storage
 
 
 def _scan() -> tuple[list[torch.Tensor], list[StagingBuffers]]:
@@ -115,7 +116,7 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-def python_storages(device: torch.device, *, exclude: Exclusions) -> list[Tracked]:
+def python_storages(device: torch.device, *, exclude: WeakStorages) -> list[Tracked]:
     """The unique non-empty storages on ``device`` behind every reachable tensor."""
     tensors, buffers = _scan()
     staging = {b._backing.untyped_storage()._cdata for b in buffers}

@@ -251,14 +251,14 @@ class PortableOffloader(Offloader):
             self._mover = DiskMover(offload_dir, chunk_bytes, skip_clean=skip_clean, compression=compression)
         else:
             self._mover = HostMover()
-        self._exclude = discovery.Exclusions()
+        self._exclude = discovery.WeakStorages()  # the rollout's storages and the mover's own
         self._warned = False
 
     def _units(self) -> list[tracking.Tracked]:
         units = self.tracked()
         if self.scope == "all":
             for t in self._mover.owned():
-                self._exclude.add(t)
+                self._exclude.add(t.untyped_storage())
             seen = {u.key for u in units}
             units += [u for u in discovery.python_storages(self.device, exclude=self._exclude) if u.key not in seen]
         # A storage torch does not own (from_blob, numpy, some loaders) cannot be
@@ -314,14 +314,17 @@ class PortableOffloader(Offloader):
         if self.scope != "all":
             yield
             return
-        before = {s._cdata for t in discovery.live_tensors() if (s := discovery.storage_of(t)) is not None}
+        # By identity, not address: a storage the block allocates where one it freed was
+        # is new all the same.
+        before = discovery.WeakStorages(s for t in discovery.live_tensors()
+                                        if (s := discovery.storage_of(t)) is not None)
         try:
             yield
         finally:
             for t in discovery.live_tensors():
                 storage = discovery.storage_of(t)
-                if storage is not None and storage._cdata not in before:
-                    self._exclude.add(t)
+                if storage is not None and storage not in before:
+                    self._exclude.add(storage)
 
     @property
     def host_bytes(self) -> int:
