@@ -5,6 +5,9 @@ import copy
 import gc
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -16,6 +19,8 @@ from greenroom.diskio import StateFile
 from greenroom.errors import GreenroomError
 from greenroom.rankdir import RankDir
 from greenroom.train.model import ModelConfig, Transformer
+
+RUNTIME = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime")
 
 
 def model_and_optimizer():
@@ -116,6 +121,29 @@ def test_a_storage_the_rollout_allocates_where_it_freed_one_is_excluded(disk_dir
             off.wake()
             assert torch.equal(engine["cache"], expected)
         assert reused, "no storage took a freed one's address: the case was not exercised"
+
+
+def test_two_cpu_target_offloaders_in_one_process_leave_each_others_host_copies_alone():
+    """B's sleep scans every CPU storage; A's host copies (A's sleeping actor) must not
+    be among them. In a process of its own: the old failure was a segfault at A.wake()."""
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import tempfile, torch
+        from greenroom import OffloadConfig, actor
+        from greenroom.rankdir import RankDir
+        root = tempfile.mkdtemp()
+        config = OffloadConfig(offload_train=True, offload_train_target="cpu", offload_train_disk_dir=root)
+        with RankDir(root, job="actor") as ra, RankDir(root, job="critic") as rc, \
+                actor.build_offloader(config, ra) as a, actor.build_offloader(config, rc) as b:
+            actor_state = torch.randn(1 << 16)
+            expected = actor_state.clone()
+            a.sleep()
+            b.sleep()
+            a.wake()
+            b.wake()
+            print("identical:", torch.equal(actor_state, expected))
+    """)], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": RUNTIME})
+    assert child.returncode == 0, f"rc {child.returncode} (-11: a segfault)\n{child.stderr[-2000:]}"
+    assert child.stdout.strip().splitlines()[-1] == "identical: True"
 
 
 def test_what_the_portable_backend_cannot_see_is_said_once(disk_dir, caplog):

@@ -23,8 +23,9 @@ actor's state that greenroom holds for the trainer (a streaming optimizer's resi
 moments), which must move. So greenroom keeps no torch-owned tensor beyond a call in a
 module or class: small constants are made per call; what must stay put while the actor
 sleeps is memory torch does not own (``diskio``'s checksum tables, numpy-backed: not
-resizable, so never moved) or is named (the movers' ``owned()`` and the rollout's
-storages go to ``WeakStorages``; the I/O layer's ``StagingBuffers`` are skipped by type).
+resizable, so never moved) or is found by type (the I/O layer's ``StagingBuffers`` and
+every ``HostMover``'s copies are skipped) or named (the rollout's storages, held in
+``WeakStorages``).
 tests/test_failed_wake_leaves_greenroom_intact.py walks every module and class for it.
 """
 
@@ -36,6 +37,7 @@ from collections.abc import Iterable
 
 import torch
 
+from greenroom.actor.movers import HostMover
 from greenroom.actor.tracking import Tracked, storage_key
 from greenroom.tensors import local_tensor
 from greenroom.diskio import StagingBuffers
@@ -80,18 +82,23 @@ class WeakStorages:
         return ref is not None and ref() is storage
 
 
-def _scan() -> tuple[list[torch.Tensor], list[StagingBuffers]]:
-    """One pass over the objects the garbage collector tracks: the tensors, and the I/O
-    layer's staging buffers (host memory of ours, never the actor's)."""
+def _scan() -> tuple[list[torch.Tensor], set[int]]:
+    """One pass over the objects the garbage collector tracks: the tensors, and the
+    storages of greenroom's own host memory, never the actor's: the I/O layer's staging
+    buffers and every host mover's copies (those of other offloaders in the process
+    too: another cpu-target actor's sleeping state must not be shrunk by this one)."""
     objects = gc.get_objects()
     # Classify types, not objects (a few hundred types against ~10^5 objects), and never
     # call isinstance on an object: some objects' __class__ has side effects.
     types = set(map(type, objects))
     tensor_types = {tp for tp in types if issubclass(tp, torch.Tensor)}
-    staging_types = {tp for tp in types if issubclass(tp, StagingBuffers)}
+    own_types = {tp for tp in types if issubclass(tp, (StagingBuffers, HostMover))}
     tensors = [o for o in objects if type(o) in tensor_types]
-    staging = [o for o in objects if type(o) in staging_types] if staging_types else []
-    return tensors, staging
+    own: set[int] = set()
+    for o in [o for o in objects if type(o) in own_types] if own_types else []:
+        held = [o._backing] if issubclass(type(o), StagingBuffers) else o.owned()
+        own.update(t.untyped_storage()._cdata for t in held)
+    return tensors, own
 
 
 def live_tensors(tensors: list[torch.Tensor] | None = None) -> Iterable[torch.Tensor]:
@@ -118,8 +125,7 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 def python_storages(device: torch.device, *, exclude: WeakStorages) -> list[Tracked]:
     """The unique non-empty storages on ``device`` behind every reachable tensor."""
-    tensors, buffers = _scan()
-    staging = {b._backing.untyped_storage()._cdata for b in buffers}
+    tensors, own = _scan()
     seen: set[int] = set()
     out: list[Tracked] = []
     for t in live_tensors(tensors):
@@ -127,7 +133,7 @@ def python_storages(device: torch.device, *, exclude: WeakStorages) -> list[Trac
         if storage is None or storage._cdata in seen:
             continue
         seen.add(storage._cdata)
-        if (storage.nbytes() == 0 or not _on(device, storage.device) or storage._cdata in staging
+        if (storage.nbytes() == 0 or not _on(device, storage.device) or storage._cdata in own
                 or storage in exclude):
             continue
         out.append(Tracked(storage=storage, nbytes=storage.nbytes(), key=storage_key(storage)))

@@ -251,14 +251,12 @@ class PortableOffloader(Offloader):
             self._mover = DiskMover(offload_dir, chunk_bytes, skip_clean=skip_clean, compression=compression)
         else:
             self._mover = HostMover()
-        self._exclude = discovery.WeakStorages()  # the rollout's storages and the mover's own
+        self._exclude = discovery.WeakStorages()  # the rollout's storages
         self._warned = False
 
     def _units(self) -> list[tracking.Tracked]:
         units = self.tracked()
         if self.scope == "all":
-            for t in self._mover.owned():
-                self._exclude.add(t.untyped_storage())
             seen = {u.key for u in units}
             units += [u for u in discovery.python_storages(self.device, exclude=self._exclude) if u.key not in seen]
         # A storage torch does not own (from_blob, numpy, some loaders) cannot be
