@@ -146,6 +146,25 @@ def test_two_cpu_target_offloaders_in_one_process_leave_each_others_host_copies_
     assert child.stdout.strip().splitlines()[-1] == "identical: True"
 
 
+def test_a_tracked_sparse_grad_stays_resident_as_the_scan_leaves_it(disk_dir):
+    """nn.Embedding(sparse=True): its grad has no storage of its own to shrink (its
+    indices and values are tensors only C++ holds); tracking skips it like the scan."""
+    model = torch.nn.Embedding(100, 8, sparse=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    optimizer.step()  # the step-end hook reads the sparse grad too
+    grad = model.weight.grad
+    expected_weight, expected_grad = model.weight.detach().clone(), grad.clone()
+    with RankDir(disk_dir, job="sp") as rank_dir, offloader(rank_dir, "disk") as off:
+        off.track(model, optimizer)
+        with off.asleep():
+            assert model.weight.untyped_storage().nbytes() == 0  # the dense weight moves
+        assert torch.equal(model.weight, expected_weight)
+        assert model.weight.grad is grad
+        assert torch.equal(grad._indices(), expected_grad._indices())
+        assert torch.equal(grad._values(), expected_grad._values())
+
+
 def test_what_the_portable_backend_cannot_see_is_said_once(disk_dir, caplog):
     with RankDir(disk_dir, job="w") as rank_dir, offloader(rank_dir, "cpu") as off:
         with caplog.at_level(logging.WARNING, logger="greenroom"):

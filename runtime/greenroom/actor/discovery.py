@@ -38,8 +38,7 @@ from collections.abc import Iterable
 import torch
 
 from greenroom.actor.movers import HostMover
-from greenroom.actor.tracking import Tracked, storage_key
-from greenroom.tensors import local_tensor
+from greenroom.actor.tracking import Tracked, storage_key, storage_of
 from greenroom.diskio import StagingBuffers
 
 
@@ -111,16 +110,6 @@ def live_tensors(tensors: list[torch.Tensor] | None = None) -> Iterable[torch.Te
         main_grad = getattr(obj, "main_grad", None)  # megatron-core's grad buffer views
         if isinstance(main_grad, torch.Tensor):
             yield main_grad
-
-
-def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    t = local_tensor(t)
-    if t.layout != torch.strided or t.is_meta:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
-        return None
 
 
 def python_storages(device: torch.device, *, exclude: WeakStorages) -> list[Tracked]:

@@ -315,12 +315,12 @@ class PortableOffloader(Offloader):
         # By identity, not address: a storage the block allocates where one it freed was
         # is new all the same.
         before = discovery.WeakStorages(s for t in discovery.live_tensors()
-                                        if (s := discovery.storage_of(t)) is not None)
+                                        if (s := tracking.storage_of(t)) is not None)
         try:
             yield
         finally:
             for t in discovery.live_tensors():
-                storage = discovery.storage_of(t)
+                storage = tracking.storage_of(t)
                 if storage is not None and storage not in before:
                     self._exclude.add(storage)
 
