@@ -123,6 +123,29 @@ def test_a_storage_the_rollout_allocates_where_it_freed_one_is_excluded(disk_dir
         assert reused, "no storage took a freed one's address: the case was not exercised"
 
 
+def test_storages_in_shared_memory_stay_resident_intact_and_are_reported(disk_dir):
+    """model.share_memory() (Hogwild, worker processes) and a DataLoader worker's batch:
+    other processes map them, so the sleep leaves them as they are and says how many
+    bytes it left; torch could not grow a shrunk shared storage back."""
+    model = torch.nn.Linear(64, 64)
+    model.share_memory()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8)), batch_size=16,
+                                         num_workers=1)
+    (batch,) = next(iter(loader))
+    assert batch.is_shared() and model.weight.is_shared()
+    shared = [model.weight, model.bias, batch]
+    expected = [t.detach().clone() for t in shared]
+    with RankDir(disk_dir, job="sh") as rank_dir, offloader(rank_dir, "cpu") as off:
+        off.track(model)
+        for _ in range(2):
+            slept = off.sleep()
+            sizes = [t.untyped_storage().nbytes() for t in shared]
+            assert sizes == [t.nbytes for t in expected]
+            assert slept.left_resident >= sum(t.nbytes for t in expected)
+            off.wake()
+            assert all(torch.equal(t, e) for t, e in zip(shared, expected))
+
+
 def test_two_cpu_target_offloaders_in_one_process_leave_each_others_host_copies_alone():
     """B's sleep scans every CPU storage; A's host copies (A's sleeping actor) must not
     be among them. In a process of its own: the old failure was a segfault at A.wake()."""
