@@ -228,6 +228,28 @@ def test_grads_consumed_by_the_step_are_dropped_and_come_back_zero(disk_dir, tar
         assert all(torch.equal(g, e) for g, e in zip(grads, accumulated))
 
 
+def test_a_grad_written_without_a_version_bump_after_the_step_comes_back_zero(disk_dir):
+    """The dead-grad rule's known limit, as docs/offload.md states it: a write through
+    ``.data`` after the step bumps no counter the rule sees, so the grad is dropped;
+    ``increment_version`` after such a write makes it move."""
+    with RankDir(disk_dir, job="v") as rank_dir, offloader(rank_dir, "cpu") as off:
+        p = torch.nn.Parameter(torch.randn(1000))
+        optimizer = torch.optim.SGD([p], lr=0.1)
+        p.grad = torch.randn(1000)
+        optimizer.step()
+        p.grad.data.add_(1.0)
+        off.sleep()
+        off.wake()
+        assert not p.grad.any()
+        optimizer.step()
+        p.grad.data.copy_(torch.arange(1000.0))
+        torch.autograd.graph.increment_version(p.grad)
+        expected = p.grad.clone()
+        off.sleep()
+        off.wake()
+        assert torch.equal(p.grad, expected)
+
+
 def test_bucket_grads_are_dead_only_when_the_step_read_the_whole_bucket(disk_dir):
     """Grads as views into one flat buffer (DDP's gradient_as_bucket_view)."""
     a, b = torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(50))
