@@ -2,8 +2,12 @@
 drops dead bytes, skips clean ones, and a failed wake can be tried again (CPU, CI)."""
 
 import copy
+import gc
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -15,6 +19,8 @@ from greenroom.diskio import StateFile
 from greenroom.errors import GreenroomError
 from greenroom.rankdir import RankDir
 from greenroom.train.model import ModelConfig, Transformer
+
+RUNTIME = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime")
 
 
 def model_and_optimizer():
@@ -73,6 +79,115 @@ def test_the_rollouts_allocations_never_move(disk_dir):
         assert torch.equal(kv_cache, engine_weights * 2)
 
 
+def test_a_rollout_storage_stays_excluded_while_it_lives_whichever_of_its_tensors_die(disk_dir):
+    """The exclusion is held by the storage, not by the last tensor seen on it: a view
+    made after its base and dropped later must not take the base's exclusion along."""
+    with RankDir(disk_dir, job="rv") as rank_dir, offloader(rank_dir, "cpu") as off:
+        with off.rollout_region():
+            engine = {"weights": torch.randn(256)}
+            engine["head"] = engine["weights"][:16]  # a view the engine keeps for a while
+        expected = engine["weights"].clone()
+        del engine["head"]
+        gc.collect()
+        off.sleep()
+        # Plain numbers in the asserts: a failure's message must not print a shrunk tensor.
+        weight_bytes = engine["weights"].untyped_storage().nbytes()
+        assert weight_bytes == 256 * 4, "the rollout's weights were shrunk"
+        doubled = engine["weights"] * 2  # the rollout runs while the actor sleeps (expected is asleep)
+        off.wake()
+        assert torch.equal(engine["weights"], expected) and torch.equal(doubled, expected * 2)
+
+
+def test_a_storage_the_rollout_allocates_where_it_freed_one_is_excluded(disk_dir):
+    """"New in the region" is decided by identity: a storage allocated inside the region
+    at the address of one freed inside it is the rollout's too."""
+    with RankDir(disk_dir, job="ra") as rank_dir, offloader(rank_dir, "cpu") as off:
+        with off.rollout_region():
+            engine = {"cache": torch.randn(256)}
+        reused = 0
+        for _ in range(3):
+            with off.asleep():
+                with off.rollout_region():  # the rollout refreshes its cache
+                    for _ in range(100):  # until malloc puts the new storage where the old one was
+                        freed = engine.pop("cache").untyped_storage()._cdata
+                        engine["cache"] = torch.randn(256)
+                        if engine["cache"].untyped_storage()._cdata == freed:
+                            reused += 1
+                            break
+            expected = engine["cache"].clone()
+            off.sleep()
+            cache_bytes = engine["cache"].untyped_storage().nbytes()  # a number: a failure must not print it
+            assert cache_bytes == 256 * 4, "the rollout's cache was shrunk"
+            off.wake()
+            assert torch.equal(engine["cache"], expected)
+        assert reused, "no storage took a freed one's address: the case was not exercised"
+
+
+def test_storages_in_shared_memory_stay_resident_intact_and_are_reported(disk_dir):
+    """model.share_memory() (Hogwild, worker processes) and a DataLoader worker's batch:
+    other processes map them, so the sleep leaves them as they are and says how many
+    bytes it left; torch could not grow a shrunk shared storage back."""
+    model = torch.nn.Linear(64, 64)
+    model.share_memory()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8)), batch_size=16,
+                                         num_workers=1)
+    (batch,) = next(iter(loader))
+    assert batch.is_shared() and model.weight.is_shared()
+    shared = [model.weight, model.bias, batch]
+    expected = [t.detach().clone() for t in shared]
+    with RankDir(disk_dir, job="sh") as rank_dir, offloader(rank_dir, "cpu") as off:
+        off.track(model)
+        for _ in range(2):
+            slept = off.sleep()
+            sizes = [t.untyped_storage().nbytes() for t in shared]
+            assert sizes == [t.nbytes for t in expected]
+            assert slept.left_resident >= sum(t.nbytes for t in expected)
+            off.wake()
+            assert all(torch.equal(t, e) for t, e in zip(shared, expected))
+
+
+def test_two_cpu_target_offloaders_in_one_process_leave_each_others_host_copies_alone():
+    """B's sleep scans every CPU storage; A's host copies (A's sleeping actor) must not
+    be among them. In a process of its own: the old failure was a segfault at A.wake()."""
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import tempfile, torch
+        from greenroom import OffloadConfig, actor
+        from greenroom.rankdir import RankDir
+        root = tempfile.mkdtemp()
+        config = OffloadConfig(offload_train=True, offload_train_target="cpu", offload_train_disk_dir=root)
+        with RankDir(root, job="actor") as ra, RankDir(root, job="critic") as rc, \
+                actor.build_offloader(config, ra) as a, actor.build_offloader(config, rc) as b:
+            actor_state = torch.randn(1 << 16)
+            expected = actor_state.clone()
+            a.sleep()
+            b.sleep()
+            a.wake()
+            b.wake()
+            print("identical:", torch.equal(actor_state, expected))
+    """)], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": RUNTIME})
+    assert child.returncode == 0, f"rc {child.returncode} (-11: a segfault)\n{child.stderr[-2000:]}"
+    assert child.stdout.strip().splitlines()[-1] == "identical: True"
+
+
+def test_a_tracked_sparse_grad_stays_resident_as_the_scan_leaves_it(disk_dir):
+    """nn.Embedding(sparse=True): its grad has no storage of its own to shrink (its
+    indices and values are tensors only C++ holds); tracking skips it like the scan."""
+    model = torch.nn.Embedding(100, 8, sparse=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    optimizer.step()  # the step-end hook reads the sparse grad too
+    grad = model.weight.grad
+    expected_weight, expected_grad = model.weight.detach().clone(), grad.clone()
+    with RankDir(disk_dir, job="sp") as rank_dir, offloader(rank_dir, "disk") as off:
+        off.track(model, optimizer)
+        with off.asleep():
+            assert model.weight.untyped_storage().nbytes() == 0  # the dense weight moves
+        assert torch.equal(model.weight, expected_weight)
+        assert model.weight.grad is grad
+        assert torch.equal(grad._indices(), expected_grad._indices())
+        assert torch.equal(grad._values(), expected_grad._values())
+
+
 def test_what_the_portable_backend_cannot_see_is_said_once(disk_dir, caplog):
     with RankDir(disk_dir, job="w") as rank_dir, offloader(rank_dir, "cpu") as off:
         with caplog.at_level(logging.WARNING, logger="greenroom"):
@@ -111,6 +226,28 @@ def test_grads_consumed_by_the_step_are_dropped_and_come_back_zero(disk_dir, tar
         off.sleep()
         off.wake()
         assert all(torch.equal(g, e) for g, e in zip(grads, accumulated))
+
+
+def test_a_grad_written_without_a_version_bump_after_the_step_comes_back_zero(disk_dir):
+    """The dead-grad rule's known limit, as docs/offload.md states it: a write through
+    ``.data`` after the step bumps no counter the rule sees, so the grad is dropped;
+    ``increment_version`` after such a write makes it move."""
+    with RankDir(disk_dir, job="v") as rank_dir, offloader(rank_dir, "cpu") as off:
+        p = torch.nn.Parameter(torch.randn(1000))
+        optimizer = torch.optim.SGD([p], lr=0.1)
+        p.grad = torch.randn(1000)
+        optimizer.step()
+        p.grad.data.add_(1.0)
+        off.sleep()
+        off.wake()
+        assert not p.grad.any()
+        optimizer.step()
+        p.grad.data.copy_(torch.arange(1000.0))
+        torch.autograd.graph.increment_version(p.grad)
+        expected = p.grad.clone()
+        off.sleep()
+        off.wake()
+        assert torch.equal(p.grad, expected)
 
 
 def test_bucket_grads_are_dead_only_when_the_step_read_the_whole_bucket(disk_dir):

@@ -23,8 +23,9 @@ actor's state that greenroom holds for the trainer (a streaming optimizer's resi
 moments), which must move. So greenroom keeps no torch-owned tensor beyond a call in a
 module or class: small constants are made per call; what must stay put while the actor
 sleeps is memory torch does not own (``diskio``'s checksum tables, numpy-backed: not
-resizable, so never moved) or is named (the movers' ``owned()`` and the rollout's
-storages go to ``Exclusions``; the I/O layer's ``StagingBuffers`` are skipped by type).
+resizable, so never moved) or is found by type (the I/O layer's ``StagingBuffers`` and
+every ``HostMover``'s copies are skipped) or named (the rollout's storages, held in
+``WeakStorages``).
 tests/test_failed_wake_leaves_greenroom_intact.py walks every module and class for it.
 """
 
@@ -36,8 +37,8 @@ from collections.abc import Iterable
 
 import torch
 
-from greenroom.actor.tracking import Tracked, storage_key
-from greenroom.tensors import local_tensor
+from greenroom.actor.movers import HostMover
+from greenroom.actor.tracking import Tracked, storage_key, storage_of
 from greenroom.diskio import StagingBuffers
 
 
@@ -48,49 +49,55 @@ def _on(device: torch.device, storage_device: torch.device) -> bool:
                                                               else torch.cuda.current_device())
 
 
-class Exclusions:
-    """Storages that are not the actor's (the rollout's, the offloader's own staging),
-    held weakly: a storage dies with its last tensor, and its address may be reused."""
+class WeakStorages:
+    """A set of storages held weakly, by identity: an entry lasts exactly as long as its
+    storage lives, whichever tensors or views of it come and go, and a new storage at a
+    dead one's address is not a member. (torch keeps one Python object per live storage,
+    so a weak reference to it dies with the storage, not with the tensor it came from.)
+    Used for what is not the actor's (the rollout's storages) and for what was already
+    live when the rollout region began."""
 
-    def __init__(self) -> None:
+    def __init__(self, storages: Iterable[torch.UntypedStorage] = ()) -> None:
         self._refs: dict[int, weakref.ref] = {}
+        for storage in storages:
+            self.add(storage)
 
-    def add(self, tensor: torch.Tensor) -> None:
-        storage = local_tensor(tensor).untyped_storage()
-        self._refs[storage._cdata] = weakref.ref(tensor)
+    def add(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+
+        def forget(ref: weakref.ref) -> None:
+            if self._refs.get(key) is ref:  # not a newer storage at the same address
+                del self._refs[key]
+
+        self._refs[key] = weakref.ref(storage, forget)
 
     def nbytes_on(self, device: torch.device) -> int:
-        """Bytes of the live excluded storages on ``device``."""
-        live = {}
-        for ref in list(self._refs.values()):
-            t = ref()
-            if t is not None and (s := storage_of(t)) is not None and _on(device, s.device):
-                live[s._cdata] = s.nbytes()
-        return sum(live.values())
+        """Bytes of the member storages on ``device``."""
+        return sum(s.nbytes() for ref in list(self._refs.values())
+                   if (s := ref()) is not None and _on(device, s.device))
 
     def __contains__(self, storage: torch.UntypedStorage) -> bool:
         ref = self._refs.get(storage._cdata)
-        if ref is None:
-            return False
-        alive = ref()
-        if alive is None or local_tensor(alive).untyped_storage()._cdata != storage._cdata:
-            del self._refs[storage._cdata]
-            return False
-        return True
+        return ref is not None and ref() is storage
 
 
-def _scan() -> tuple[list[torch.Tensor], list[StagingBuffers]]:
-    """One pass over the objects the garbage collector tracks: the tensors, and the I/O
-    layer's staging buffers (host memory of ours, never the actor's)."""
+def _scan() -> tuple[list[torch.Tensor], set[int]]:
+    """One pass over the objects the garbage collector tracks: the tensors, and the
+    storages of greenroom's own host memory, never the actor's: the I/O layer's staging
+    buffers and every host mover's copies (those of other offloaders in the process
+    too: another cpu-target actor's sleeping state must not be shrunk by this one)."""
     objects = gc.get_objects()
     # Classify types, not objects (a few hundred types against ~10^5 objects), and never
     # call isinstance on an object: some objects' __class__ has side effects.
     types = set(map(type, objects))
     tensor_types = {tp for tp in types if issubclass(tp, torch.Tensor)}
-    staging_types = {tp for tp in types if issubclass(tp, StagingBuffers)}
+    own_types = {tp for tp in types if issubclass(tp, (StagingBuffers, HostMover))}
     tensors = [o for o in objects if type(o) in tensor_types]
-    staging = [o for o in objects if type(o) in staging_types] if staging_types else []
-    return tensors, staging
+    own: set[int] = set()
+    for o in [o for o in objects if type(o) in own_types] if own_types else []:
+        held = [o._backing] if issubclass(type(o), StagingBuffers) else o.owned()
+        own.update(t.untyped_storage()._cdata for t in held)
+    return tensors, own
 
 
 def live_tensors(tensors: list[torch.Tensor] | None = None) -> Iterable[torch.Tensor]:
@@ -105,20 +112,9 @@ def live_tensors(tensors: list[torch.Tensor] | None = None) -> Iterable[torch.Te
             yield main_grad
 
 
-def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    t = local_tensor(t)
-    if t.layout != torch.strided or t.is_meta:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
-        return None
-
-
-def python_storages(device: torch.device, *, exclude: Exclusions) -> list[Tracked]:
+def python_storages(device: torch.device, *, exclude: WeakStorages) -> list[Tracked]:
     """The unique non-empty storages on ``device`` behind every reachable tensor."""
-    tensors, buffers = _scan()
-    staging = {b._backing.untyped_storage()._cdata for b in buffers}
+    tensors, own = _scan()
     seen: set[int] = set()
     out: list[Tracked] = []
     for t in live_tensors(tensors):
@@ -126,7 +122,7 @@ def python_storages(device: torch.device, *, exclude: Exclusions) -> list[Tracke
         if storage is None or storage._cdata in seen:
             continue
         seen.add(storage._cdata)
-        if (storage.nbytes() == 0 or not _on(device, storage.device) or storage._cdata in staging
+        if (storage.nbytes() == 0 or not _on(device, storage.device) or storage._cdata in own
                 or storage in exclude):
             continue
         out.append(Tracked(storage=storage, nbytes=storage.nbytes(), key=storage_key(storage)))

@@ -11,6 +11,8 @@ Consumed grads
     it, since views share their base's counter). A sleep between backward and step, or
     in the middle of gradient accumulation, finds the grads written after the last
     step: they move. ``zero_grad(set_to_none=True)`` leaves no grad to think about.
+    A write that bumps no counter (through ``.data``, numpy, DLPack) is not seen: a
+    known limit (docs/offload.md says why a per-step fingerprint is not the answer).
 Discarded tensors
     ``Offloader.discard(t)``: the trainer says the next sleep need not keep ``t``.
 """

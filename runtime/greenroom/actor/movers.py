@@ -86,7 +86,8 @@ class HostMover:
         return Moved(copied=copied, dead=dead)
 
     def owned(self) -> list[torch.Tensor]:
-        """The host copies (not the actor's memory, though on the CPU they share a device)."""
+        """The host copies: not the actor's memory, though on the CPU they share a device
+        (the portable backend's scan skips every host mover's copies)."""
         return list(self._copies.values())
 
     @property
@@ -210,9 +211,6 @@ class DiskMover:
             copied += u.nbytes
         self._engine.drain()
         return Moved(copied=copied, dead=_zero_dead(units))
-
-    def owned(self) -> list[torch.Tensor]:
-        return []
 
     @property
     def host_bytes(self) -> int:

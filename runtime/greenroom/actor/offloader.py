@@ -54,6 +54,12 @@ class PhaseStats:
     """Bytes dropped at sleep and zero-filled at wake (consumed grads, discards, units
     that were all zeros)."""
 
+    left_resident: int = 0
+    """Bytes the sleep found but left on the device as they are, intact, and not counted
+    in ``nbytes`` (portable backend): storages torch does not own (numpy, ``from_blob``),
+    which cannot be shrunk, and storages in shared memory (``share_memory_()``, a
+    DataLoader worker's batch), which other processes may use (sleep only)."""
+
     @property
     def bytes_per_s(self) -> float:
         return self.nbytes / self.seconds if self.seconds > 0 else 0.0
@@ -96,6 +102,7 @@ class Offloader:
         self.liveness = Liveness() if self.backend != "none" else None
         self.last_sleep: PhaseStats | None = None
         self.last_wake: PhaseStats | None = None
+        self._left_resident = 0  # bytes the last _units() found but leaves on the device
         self._failed_sleep: str | None = None  # the first line of the last sleep's error, if it failed
         self.state_dir = None  # the claimed offload dir (greenroom.statedir), released after the files close
 
@@ -146,7 +153,7 @@ class Offloader:
         self._failed_sleep = None
         self._synchronize()
         self._asleep = units
-        self.last_sleep = self._stats(start, units, moved)
+        self.last_sleep = self._stats(start, units, moved, left_resident=self._left_resident)
         return self.last_sleep
 
     def wake(self) -> PhaseStats:
@@ -169,10 +176,11 @@ class Offloader:
         return self.last_wake
 
     @staticmethod
-    def _stats(start: float, units: list[tracking.Tracked], moved: Moved | None) -> PhaseStats:
+    def _stats(start: float, units: list[tracking.Tracked], moved: Moved | None,
+               left_resident: int = 0) -> PhaseStats:
         moved = moved or Moved()
         return PhaseStats(seconds=time.perf_counter() - start, nbytes=sum(u.nbytes for u in units),
-                          copied=moved.copied, clean=moved.clean, dead=moved.dead)
+                          copied=moved.copied, clean=moved.clean, dead=moved.dead, left_resident=left_resident)
 
     @contextlib.contextmanager
     def asleep(self):
@@ -237,6 +245,16 @@ class Offloader:
         return None
 
 
+def shrinkable(storage: torch.UntypedStorage) -> bool:
+    """Whether the portable backend may give a storage's memory back. Not one torch does
+    not own (``from_blob``, numpy, some loaders): it cannot be resized. Not one in shared
+    memory (``share_memory_()`` before handing a model to worker processes, a DataLoader
+    worker's batch): other processes map it, and torch cannot grow such a storage back
+    (a segfault). Either stays resident and intact, so its bytes need no copy either.
+    (A CUDA storage counts as shared always; that says nothing about other processes.)"""
+    return storage.resizable() and not (storage.device.type == "cpu" and storage.is_shared())
+
+
 class PortableOffloader(Offloader):
     """Copies live storages out, then frees them by resizing them to zero bytes."""
 
@@ -251,19 +269,17 @@ class PortableOffloader(Offloader):
             self._mover = DiskMover(offload_dir, chunk_bytes, skip_clean=skip_clean, compression=compression)
         else:
             self._mover = HostMover()
-        self._exclude = discovery.Exclusions()
+        self._exclude = discovery.WeakStorages()  # the rollout's storages
         self._warned = False
 
     def _units(self) -> list[tracking.Tracked]:
         units = self.tracked()
         if self.scope == "all":
-            for t in self._mover.owned():
-                self._exclude.add(t)
             seen = {u.key for u in units}
             units += [u for u in discovery.python_storages(self.device, exclude=self._exclude) if u.key not in seen]
-        # A storage torch does not own (from_blob, numpy, some loaders) cannot be
-        # shrunk: it stays resident, so its bytes need no copy either.
-        units = [u for u in units if u.storage.resizable()]
+        left = [u for u in units if not shrinkable(u.storage)]
+        self._left_resident = sum(u.nbytes for u in left)
+        units = [u for u in units if shrinkable(u.storage)]
         for u in units:
             u.dead = self.liveness.dead(u.storage)
         drop_zeros(units)
@@ -291,7 +307,8 @@ class PortableOffloader(Offloader):
         else:
             what = "memory only C++ holds stays where it is while the actor sleeps"
         log.warning(f"actor offload (portable backend): {what} (tensors autograd saved for a pending "
-                    "backward, library workspaces, storages torch does not own, the rollout's): "
+                    "backward, library workspaces, storages torch does not own or that are in shared "
+                    "memory, the rollout's): "
                     "it is not moved and stays intact; the tms backend moves it")
 
     def _wake(self, units: list[tracking.Tracked]) -> Moved:
@@ -314,14 +331,17 @@ class PortableOffloader(Offloader):
         if self.scope != "all":
             yield
             return
-        before = {s._cdata for t in discovery.live_tensors() if (s := discovery.storage_of(t)) is not None}
+        # By identity, not address: a storage the block allocates where one it freed was
+        # is new all the same.
+        before = discovery.WeakStorages(s for t in discovery.live_tensors()
+                                        if (s := tracking.storage_of(t)) is not None)
         try:
             yield
         finally:
             for t in discovery.live_tensors():
-                storage = discovery.storage_of(t)
-                if storage is not None and storage._cdata not in before:
-                    self._exclude.add(t)
+                storage = tracking.storage_of(t)
+                if storage is not None and storage not in before:
+                    self._exclude.add(storage)
 
     @property
     def host_bytes(self) -> int:

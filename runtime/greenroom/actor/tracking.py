@@ -49,6 +49,20 @@ def storage_key(storage: torch.UntypedStorage) -> tuple:
     return ("storage", storage._cdata)
 
 
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The one storage behind ``t``, or None where there is none to move: a sparse
+    tensor (an ``nn.Embedding(sparse=True)`` grad: its indices and values are tensors
+    only C++ holds), a meta tensor, a wrapper subclass without storage. Such a tensor
+    stays resident and intact, tracked or found by the scan alike."""
+    t = local_tensor(t)
+    if t.layout != torch.strided or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
+        return None
+
+
 def _tensors_of(source) -> Iterator[torch.Tensor]:
     if isinstance(source, torch.nn.Module):
         for p in source.parameters():
@@ -75,7 +89,9 @@ def collect(sources: Iterable) -> list[Tracked]:
     out: list[Tracked] = []
     for source in sources:
         for t in _tensors_of(source):
-            storage = local_tensor(t.detach()).untyped_storage()
+            storage = storage_of(t.detach())
+            if storage is None:
+                continue
             key = storage._cdata
             if key in seen:
                 continue
