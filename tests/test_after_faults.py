@@ -8,6 +8,7 @@ the syscall wrapper of the I/O engine (the fault hook of tests/fault_worker.py's
 so it turns into the same ``StorageError`` a disk's EIO does. Real files throughout.
 """
 
+import contextlib
 import os
 import re
 
@@ -73,6 +74,31 @@ def _grads(params, seed):
         p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
 
 
+@contextlib.contextmanager
+def _twins(disk_dir, kind):
+    """(params, optimizer) that will see a fault, and a twin that never does."""
+    faulty, twin = (_optimizer(os.path.join(disk_dir, name), kind) for name in ("faulty", "twin"))
+    try:
+        yield faulty, twin
+    finally:
+        faulty[1].close()
+        twin[1].close()
+
+
+def _step(pairs, *seeds):
+    """A step of each (params, optimizer) per seed, on the same grads."""
+    for seed in seeds:
+        for params, opt in pairs:
+            _grads(params, seed)
+            opt.step()
+
+
+def _assert_same_params(pairs):
+    (ours, _), (theirs, _) = pairs
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
 @pytest.fixture
 def fail_a_write_of(monkeypatch):
     """Make the next write of one file fail with EIO at the syscall wrapper, once."""
@@ -96,12 +122,9 @@ def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(
     save_checkpoint() names the first failure, and a checkpoint load makes the run
     bit-identical again to a twin that never saw the fault. StreamingMuon through the
     same code (``greenroom.optim.streamed``): it stepped on silently before."""
-    params, opt = _optimizer(os.path.join(disk_dir, "faulty"), kind)
-    twin_params, twin = _optimizer(os.path.join(disk_dir, "twin"), kind)
-    try:
-        for ps, o in ((params, opt), (twin_params, twin)):
-            _grads(ps, 1)
-            o.step()
+    with _twins(disk_dir, kind) as pairs:
+        (params, opt), (twin_params, twin) = pairs
+        _step(pairs, 1)
         ckpt = os.path.join(disk_dir, "ckpt")
         opt.save_checkpoint(ckpt)
         weights_at_1 = [p.detach().clone() for p in params]
@@ -129,20 +152,12 @@ def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(
         with torch.no_grad():
             for p, w in zip(params, weights_at_1):
                 p.copy_(w)
-        for ps, o in ((params, opt), (twin_params, twin)):
-            _grads(ps, 2)
-            o.step()
-            _grads(ps, 3)
-            o.step()
-        for a, b in zip(params, twin_params):
-            assert torch.equal(a, b)
+        _step(pairs, 2, 3)
+        _assert_same_params(pairs)
         ours, theirs = opt.state_dict()["state"], twin.state_dict()["state"]
         for key in theirs:
             for name in theirs[key]:
                 assert torch.equal(ours[key][name], theirs[key][name]), (key, name)
-    finally:
-        opt.close()
-        twin.close()
 
 
 def test_a_load_that_fails_after_replacing_a_bucket_refuses_until_a_load_succeeds(disk_dir, monkeypatch):
@@ -151,17 +166,12 @@ def test_a_load_that_fails_after_replacing_a_bucket_refuses_until_a_load_succeed
     without a word; now it refuses like a failed step, and a load that completes makes it
     bit-identical to a twin that never saw the fault. The copy stands in for a checkpoint
     on another filesystem (links and clones turned off): this machine has one."""
-    params, opt = _optimizer(os.path.join(disk_dir, "faulty"), StreamingAdam)
-    twin_params, twin = _optimizer(os.path.join(disk_dir, "twin"), StreamingAdam)
-    try:
-        for ps, o in ((params, opt), (twin_params, twin)):
-            _grads(ps, 0)
-            o.step()
+    with _twins(disk_dir, StreamingAdam) as pairs:
+        (params, opt), (_, twin) = pairs
+        _step(pairs, 0)
         ckpt = os.path.join(disk_dir, "ckpt")
         opt.save_checkpoint(ckpt)
-        for ps, o in ((params, opt), (twin_params, twin)):
-            _grads(ps, 1)
-            o.step()
+        _step(pairs, 1)
         monkeypatch.setattr(checkpoint, "links_work", lambda *a: False)
         monkeypatch.setattr(reflink, "usable", lambda *a: False)
         real, victim = checkpoint.copy_file, opt.store.path(2)
@@ -181,15 +191,10 @@ def test_a_load_that_fails_after_replacing_a_bucket_refuses_until_a_load_succeed
         assert re.match(r"StreamingAdam: step\(\) refused: an earlier load_checkpoint\(\) failed \(StorageError: "
                         r".*\) and left the state partly loaded", str(err.value)), str(err.value)
         monkeypatch.setattr(checkpoint, "copy_file", real)
-        for ps, o in ((params, opt), (twin_params, twin)):
+        for _, o in pairs:
             o.load_checkpoint(ckpt)
-            _grads(ps, 2)
-            o.step()
-        for a, b in zip(params, twin_params):
-            assert torch.equal(a, b)
-    finally:
-        opt.close()
-        twin.close()
+        _step(pairs, 2)
+        _assert_same_params(pairs)
 
 
 @pytest.mark.parametrize("kind", [StreamingAdam, StreamingMuon], ids=lambda k: k.__name__)
@@ -197,14 +202,10 @@ def test_a_state_dict_load_whose_bucket_write_fails_refuses_until_a_load_succeed
     """load_state_dict verifies the whole dict, then writes bucket by bucket: a write that
     fails there (bucket 2, EIO) leaves some buckets loaded and some not, and the optimizer
     now refuses like a failed step until a load completes."""
-    params, opt = _optimizer(os.path.join(disk_dir, "faulty"), kind)
-    twin_params, twin = _optimizer(os.path.join(disk_dir, "twin"), kind)
-    try:
-        for ps, o in ((params, opt), (twin_params, twin)):
-            _grads(ps, 0)
-            o.step()
-        _grads(twin_params, 1)
-        twin.step()
+    with _twins(disk_dir, kind) as pairs:
+        (params, opt), (twin_params, twin) = pairs
+        _step(pairs, 0)
+        _step(pairs[1:], 1)
         saved = twin.state_dict()
         fail_a_write_of(opt.store.path(2))
         with pytest.raises(StorageError, match=r"bucket-00002\.bin: write of \d+ bytes"):
@@ -217,11 +218,5 @@ def test_a_state_dict_load_whose_bucket_write_fails_refuses_until_a_load_succeed
         with torch.no_grad():
             for p, q in zip(params, twin_params):
                 p.copy_(q)
-        for ps, o in ((params, opt), (twin_params, twin)):
-            _grads(ps, 2)
-            o.step()
-        for a, b in zip(params, twin_params):
-            assert torch.equal(a, b)
-    finally:
-        opt.close()
-        twin.close()
+        _step(pairs, 2)
+        _assert_same_params(pairs)
