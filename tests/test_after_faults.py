@@ -220,3 +220,27 @@ def test_a_state_dict_load_whose_bucket_write_fails_refuses_until_a_load_succeed
                 p.copy_(q)
         _step(pairs, 2)
         _assert_same_params(pairs)
+
+
+@pytest.mark.parametrize("kind", [StreamingAdam, StreamingMuon], ids=lambda k: k.__name__)
+def test_a_fresh_state_whose_bucket_write_fails_refuses_until_a_load_succeeds(disk_dir, fail_a_write_of, kind):
+    """``load_checkpoint(no_load_optim=True)`` (``initialize_state``) whose write of bucket 2
+    fails: buckets 0-1 were fresh, the rest kept their moments, the step counters all
+    restarted, and the next step ran on the mix without a word."""
+    with _twins(disk_dir, kind) as pairs:
+        (params, opt), (twin_params, twin) = pairs
+        _step(pairs, 0, 1)
+        fail_a_write_of(opt.store.path(2))
+        with pytest.raises(StorageError, match=r"bucket-00002\.bin: write of \d+ bytes"):
+            opt.load_checkpoint(os.path.join(disk_dir, "unused"), no_load_optim=True)
+        with pytest.raises(GreenroomError) as err:
+            opt.step()
+        assert re.match(rf"{kind.__name__}: step\(\) refused: an earlier initialize_state\(\) failed \(StorageError: "
+                        r".*\) and left the state partly reset", str(err.value)), str(err.value)
+        for _, o in pairs:
+            o.initialize_state()
+        with torch.no_grad():
+            for p, q in zip(params, twin_params):
+                p.copy_(q)
+        _step(pairs, 2)
+        _assert_same_params(pairs)

@@ -160,3 +160,52 @@ def test_a_muon_param_group_refused_after_torch_appended_it_is_taken_back_out(di
     w.grad = torch.randn(64, 64)
     opt.step()
     opt.close()
+
+
+@pytest.mark.parametrize("key, value", [("maximize", True), ("amsgrad", True), ("decoupled_weight_decay", False),
+                                        ("lr", torch.tensor(1e-3))])
+def test_a_group_key_set_after_construction_that_the_step_does_not_implement_is_refused(disk_dir, key, value):
+    """AdamW honours maximize, amsgrad and coupled decay set in param_groups between
+    steps; the streamed step ignored them without a word (a tensor lr failed mid-step)."""
+    ours, _ = twins(ODD_SHAPES)
+    opt = StreamingAdam(ours, lr=1e-2, state_dir=disk_dir, bucket_numel=3000)
+    set_grads(ours, step=0)
+    opt.step()
+    before = [p.detach().clone() for p in ours]
+    opt.param_groups[0][key] = value
+    set_grads(ours, step=1)
+    with pytest.raises(ConfigError, match=rf"param_groups\[0\]\['{key}'\] is "):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ours, before))  # refused before any change
+    opt.close()
+
+
+def test_params_added_removed_or_replaced_in_a_group_are_refused_at_the_step(disk_dir):
+    """AdamW trains params put into ``param_groups[i]['params']``; the streamed state is
+    laid out once, and the step trained the old list silently."""
+    ours, _ = twins(ODD_SHAPES)
+    opt = StreamingAdam(ours, lr=1e-2, state_dir=disk_dir, bucket_numel=3000)
+    params = opt.param_groups[0]["params"]
+    for changed in (params + [torch.nn.Parameter(torch.randn(10))], params[1:],
+                    [torch.nn.Parameter(p.detach().clone()) for p in params]):
+        opt.param_groups[0]["params"] = changed
+        set_grads(changed, step=0)
+        with pytest.raises(ConfigError, match=r"param_groups\[0\]\['params'\] changed since the state was laid out"):
+            opt.step()
+    opt.param_groups[0]["params"] = params
+    set_grads(params, step=0)
+    opt.step()
+    opt.close()
+
+
+def test_a_param_listed_twice_in_a_group_and_a_tensor_lr_are_refused_at_construction(disk_dir):
+    p = torch.nn.Parameter(torch.randn(100, 100))
+    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch only warns
+        with pytest.raises(ConfigError, match="param 0.1 is listed twice in its group"):
+            StreamingAdam([p, p], state_dir=disk_dir)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        with pytest.raises(ConfigError, match="is listed twice in its group"):
+            StreamingMuon([p, p], state_dir=disk_dir)
+    with pytest.raises(ConfigError, match="lr as a tensor is not supported"):
+        StreamingAdam([p], lr=torch.tensor(1e-3), state_dir=disk_dir)
+    assert os.listdir(disk_dir) == []

@@ -270,6 +270,56 @@ def _assert_live_buckets_whole(base, opt, *, torn_refused=False):
                 assert torn_refused and "checksum mismatch" in str(e) and "\n" not in str(e)
 
 
+def test_a_publish_that_fails_after_a_whole_step_raises_without_poisoning(disk_dir, monkeypatch):
+    """The checkpoint's last part (resident.pt, the manifest, the publish) fails with
+    ENOSPC after every bucket stepped: that raised inside the step's poison, which then
+    said "partly updated" of a whole step and refused every save. Now the error is
+    raised, nothing of the checkpoint is left, and the run goes on like AdamW."""
+    from greenroom.optim import instep
+
+    ours, theirs = twins(SHAPES)
+    opt = _optimizer(ours, os.path.join(disk_dir, "live"))
+    ref = torch.optim.AdamW([{"params": theirs[:4]}, {"params": theirs[4:], "lr": 2e-3, "weight_decay": 0.05}],
+                            lr=1e-2, weight_decay=0.01, foreach=True)
+    set_grads(ours, theirs, step=0)
+    opt.step()
+    ref.step()
+    ckpt = os.path.join(disk_dir, "ckpt")
+    opt.checkpoint_next_step(ckpt)
+
+    def no_room(*args, **kwargs):
+        raise StorageError(f"{ckpt}: writing resident.pt failed: No space left on device (ENOSPC)")
+
+    monkeypatch.setattr(instep, "finish_checkpoint", no_room)
+    set_grads(ours, theirs, step=1)
+    with pytest.raises(StorageError, match="No space left on device"):
+        opt.step()
+    ref.step()
+    assert not os.path.exists(ckpt) and not os.path.exists(ckpt + ".new")
+    monkeypatch.undo()
+    opt.save_checkpoint(os.path.join(disk_dir, "other"))  # not poisoned
+    set_grads(ours, theirs, step=2)
+    opt.step()
+    ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    opt.close()
+
+
+def test_add_param_group_between_the_request_and_the_step_is_refused(disk_dir):
+    """The request preallocates a file per bucket there is; a group added after it got no
+    file, and the step then failed part way (IndexError) or, without grads in the new
+    group, published a checkpoint lacking its buckets, found only by a load."""
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params[:4], os.path.join(disk_dir, "live"))
+    opt.checkpoint_next_step(os.path.join(disk_dir, "ckpt"))
+    with pytest.raises(ConfigError, match=r"add_param_group\(\) between checkpoint_next_step\(\) and step\(\)"):
+        opt.add_param_group({"params": params[4:]})
+    assert len(opt.param_groups) == 2  # _optimizer's second group, empty: nothing was added
+    set_grads(params[:4], step=0)
+    opt.step()
+    opt.close()
+
+
 @pytest.mark.parametrize("point,published,previous,mode", [
     ("instep-bucket@2", False, "saved", "link"),   # mid-stream: the second bucket's file handed out
     ("bucket-linked@2", False, "saved", "link"),   # two buckets written in place, linked into the staged one

@@ -249,10 +249,11 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         """A fresh optimizer state: fp32 mains from the current 16-bit weights (bucket by
         bucket, as at construction), zero moments, no steps taken."""
         entries = self.shard_entries
-        self._store.initialize(lambda i: self._model_shard_for(entries[i].group, entries[i].index))
-        if self.resident_optimizer is not None:
-            self.resident_optimizer.state.clear()
-        self.streamed_steps = 0
+        with self._poisoned_if_it_fails("initialize_state()", "partly reset (some buckets fresh, some not)"):
+            self._store.initialize(lambda i: self._model_shard_for(entries[i].group, entries[i].index))
+            if self.resident_optimizer is not None:
+                self.resident_optimizer.state.clear()
+            self.streamed_steps = 0
         self._state_replaced()
 
     def main_shard(self, i: int) -> torch.Tensor:

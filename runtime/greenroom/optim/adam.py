@@ -42,7 +42,7 @@ from greenroom.config import MASTER_LAYOUTS, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
-from greenroom.optim.streamed import StreamedOptimizer
+from greenroom.optim.streamed import StreamedOptimizer, listed_twice
 from greenroom.rankdir import RankDir
 from greenroom.tensors import local_tensor
 
@@ -89,12 +89,16 @@ class StreamingAdam(StreamedOptimizer):
     """
 
     what = "StreamingAdam"
+    fixed_group_keys = FIXED_GROUP_KEYS
+    tensor_lr = False  # as AdamW with foreach, which refuses a tensor lr
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dir: str | RankDir,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, moment_dtype: str = "fp32", chunk_mb: int = 256,
                  host_cache_gb: float = 0.0, resident_numel: int = RESIDENT_NUMEL, fused: bool | None = None,
                  foreach: bool | None = None, compression: str = "auto", master_layout: str = "remainder") -> None:
+        if isinstance(lr, torch.Tensor):
+            raise ConfigError("StreamingAdam: lr as a tensor is not supported: give a float")
         if not 0.0 <= lr:
             raise ConfigError(f"StreamingAdam: invalid lr {lr!r}: must be >= 0")
         if not 0.0 <= eps:
@@ -119,6 +123,7 @@ class StreamingAdam(StreamedOptimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                                       fused=fused, **FIXED_GROUP_KEYS))
         entries = self._classify(range(len(self.param_groups)))
+        self._record_groups()
         devices = {local_tensor(p).device for p in self.streamed + self.resident}
         if len(devices) > 1:
             raise ConfigError(f"StreamingAdam: params are on several devices ({sorted(map(str, devices))}); "
@@ -135,6 +140,10 @@ class StreamingAdam(StreamedOptimizer):
         entries of the streamed ones."""
         entries = []
         for gi in group_indices:
+            twice = listed_twice(self.param_groups[gi]["params"])
+            if twice is not None:
+                raise ConfigError(f"StreamingAdam: param {gi}.{twice} is listed twice in its group (AdamW steps it "
+                                  "once, with one state); list it once")
             for pi, p in enumerate(self.param_groups[gi]["params"]):
                 local = local_tensor(p)
                 if p.dtype not in _STREAMED_DTYPES:
@@ -172,13 +181,16 @@ class StreamingAdam(StreamedOptimizer):
     # -- state ------------------------------------------------------------------------
     def initialize_state(self) -> None:
         """Fresh state: masters from the params, zero moments, no steps taken."""
-        self.state.clear()
-        self.store.initialize(lambda i: local_tensor(self.streamed[i]))
+        with self._poisoned_if_it_fails("initialize_state()", "partly reset (some buckets fresh, some not)"):
+            self.state.clear()
+            self.store.initialize(lambda i: local_tensor(self.streamed[i]))
         self._state_replaced()
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; after construction the new params' state goes in new buckets
         appended to the store (masters from the params, zero moments)."""
+        if self._store is not None:
+            self._refuse_pending_checkpoint("add_param_group()")
         for key, allowed in FIXED_GROUP_KEYS.items():
             if key in param_group and param_group[key] != allowed:
                 raise ConfigError(f"StreamingAdam: {key}={param_group[key]!r} is not supported "
@@ -238,6 +250,7 @@ class StreamingAdam(StreamedOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         self._refuse_if_failed("step()")
+        self._refuse_changed_groups()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -246,12 +259,7 @@ class StreamingAdam(StreamedOptimizer):
             self._create_state()
             return loss
         self._refuse_frozen_grads()
-        with self._poisoned_if_it_fails():
-            self._step_resident()
-            for p in self.empty:
-                if p.grad is not None:
-                    self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
-            self._stream_buckets()
+        self._streamed_step(self._step_resident)
         return loss
 
     def _is_state_probe(self) -> bool:
@@ -280,7 +288,8 @@ class StreamingAdam(StreamedOptimizer):
                 if p.grad is not None and id(p) in self.frozen:
                     raise GreenroomError(
                         f"StreamingAdam: param {gi}.{pi} has a grad but had requires_grad=False when it was "
-                        "added, so it has no optimizer state; add it with add_param_group instead")
+                        "added, so it has no optimizer state: to unfreeze it later, build the optimizer with it "
+                        "trainable (a param whose grad is None is not stepped, as in AdamW)")
 
     def param_state(self, p: torch.Tensor) -> dict:
         """``p``'s state dict, made with its step counter the first time it is asked for
@@ -291,6 +300,9 @@ class StreamingAdam(StreamedOptimizer):
         return state
 
     def _step_resident(self) -> None:
+        for p in self.empty:
+            if p.grad is not None:
+                self.param_state(p)["step"] += 1  # what AdamW's update of an empty tensor leaves
         for group in self.param_groups:
             params, grads, avgs, sqs, steps = [], [], [], [], []
             members = {id(p) for p in group["params"]}

@@ -449,6 +449,11 @@ def verify(opt: StreamedState, path: str, manifest: dict) -> None:
     except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)}: malformed topology or layout ({e!r}); "
                               "the checkpoint is damaged") from None
+    listed = manifest["files"]
+    missing = [name for name in (_name(store, b.index) for b in store.buckets) if name not in listed]
+    if missing:
+        raise CheckpointError(f"{path}: the manifest lists no {missing[0]} of its layout's buckets; the checkpoint is "
+                              "incomplete: restore it or load an older checkpoint")
     for name, meta in manifest["files"].items():
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):

@@ -40,7 +40,6 @@ the step discards the staged dir and raises as the step would.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
@@ -129,11 +128,10 @@ class InStepCheckpoint:
         return self._written + sum(f.disk_bytes_written for i, f in enumerate(self.files)
                                    if not (self.links and i in self.mirrored))
 
-    @contextlib.contextmanager
-    def during_step(self):
-        """Around the step's stream: yields the mirror; publishes after it, or discards."""
+    def publish(self) -> None:
+        """After the step that wrote it: the rest of the checkpoint and its publish, or,
+        if that fails, nothing of it left (the previous checkpoint stays)."""
         try:
-            yield self
             self._finish()
         except BaseException:
             self.abandon()

@@ -34,7 +34,7 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.adam import _follow_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
-from greenroom.optim.streamed import StreamedOptimizer
+from greenroom.optim.streamed import StreamedOptimizer, listed_twice
 from greenroom.rankdir import RankDir
 
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -82,6 +82,7 @@ class StreamingMuon(StreamedOptimizer):
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
         entries = self._classify(range(len(self.param_groups)))
+        self._record_groups()
         devices = {p.device for p in self.streamed}
         if len(devices) > 1:
             raise ConfigError(f"StreamingMuon: params are on several devices ({sorted(map(str, devices))}); "
@@ -98,6 +99,10 @@ class StreamingMuon(StreamedOptimizer):
     def _classify(self, group_indices: Iterable[int]) -> list[Entry]:
         entries = []
         for gi in group_indices:
+            twice = listed_twice(self.param_groups[gi]["params"])
+            if twice is not None:
+                raise ConfigError(f"StreamingMuon: param {self._name(gi, twice)} is listed twice in its group "
+                                  "(torch.optim.Muon steps it once); list it once")
             for pi, p in enumerate(self.param_groups[gi]["params"]):
                 if getattr(p, "device_mesh", None) is not None:
                     raise ConfigError(f"StreamingMuon: param {self._name(gi, pi)} is a DTensor shard; Newton-Schulz "
@@ -122,12 +127,15 @@ class StreamingMuon(StreamedOptimizer):
     # -- state ------------------------------------------------------------------------
     def initialize_state(self) -> None:
         """Fresh state: masters from the params, zero momentum."""
-        self.state.clear()
-        self.store.initialize(lambda i: self.streamed[i])
+        with self._poisoned_if_it_fails("initialize_state()", "partly reset (some buckets fresh, some not)"):
+            self.state.clear()
+            self.store.initialize(lambda i: self.streamed[i])
         self._state_replaced()
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; after construction the new params' state goes in new buckets."""
+        if self._store is not None:
+            self._refuse_pending_checkpoint("add_param_group()")
         if self._store is not None:
             params = param_group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -177,6 +185,7 @@ class StreamingMuon(StreamedOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         self._refuse_if_failed("step()")
+        self._refuse_changed_groups()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -187,13 +196,14 @@ class StreamingMuon(StreamedOptimizer):
                     continue
                 if id(p) in self.frozen:
                     raise GreenroomError(f"StreamingMuon: param {self._name(gi, pi)} has a grad but had "
-                                         "requires_grad=False when it was added, so it has no optimizer state")
+                                         "requires_grad=False when it was added, so it has no optimizer state: "
+                                         "to unfreeze it later, build the optimizer with it trainable (a param "
+                                         "whose grad is None is not stepped)")
                 if torch.is_complex(p):
                     raise GreenroomError("StreamingMuon: Muon does not support complex parameters")
                 if p.grad.is_sparse:
                     raise GreenroomError("StreamingMuon: Muon does not support sparse gradients")
-        with self._poisoned_if_it_fails():
-            self._stream_buckets()
+        self._streamed_step()
         return loss
 
     def _step_bucket(self, bucket_state) -> None:

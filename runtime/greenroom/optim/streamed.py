@@ -8,7 +8,6 @@ A failed step poisons the optimizer (``optim.poison`` Note [a failed step poison
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
@@ -22,6 +21,17 @@ from greenroom.rankdir import RankDir
 from greenroom.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
 from greenroom.units import MAX_GB
+
+
+def listed_twice(params: list) -> int | None:
+    """The index of the first param listed a second time in ``params``, or None (torch
+    only warns of it; the state is laid out per listing, so it would be stepped twice)."""
+    seen = set()
+    for index, p in enumerate(params):
+        if id(p) in seen:
+            return index
+        seen.add(id(p))
+    return None
 
 
 class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
@@ -77,6 +87,40 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         """Every param by ``group.index``: how checkpoints name it."""
         return {f"{gi}.{pi}": p for gi, group in enumerate(self.param_groups) for pi, p in enumerate(group["params"])}
 
+    # -- what the state was laid out for -------------------------------------------------
+    fixed_group_keys: dict = {}  # group keys whose other values the step does not implement
+    tensor_lr = True  # whether a group's lr may be a tensor
+
+    def _record_groups(self) -> None:
+        """Note the params of every group, as the streamed state is laid out for them."""
+        self._laid_out = [tuple(map(id, group["params"])) for group in self.param_groups]
+
+    def _refuse_changed_groups(self) -> None:
+        """Before a step changes anything: a group whose params were added, removed or
+        replaced in ``param_groups`` since the layout, or a group key set to a value the
+        step does not implement, is a one-line error; stepping would leave the new params
+        untrained (their state has no place in the files) or ignore the key, silently."""
+        if len(self.param_groups) != len(self._laid_out):
+            raise ConfigError(f"{self.what}: param_groups has {len(self.param_groups)} groups, the state was laid out "
+                              f"for {len(self._laid_out)}: add groups with add_param_group only, or build a new "
+                              "optimizer")
+        for gi, (group, ids) in enumerate(zip(self.param_groups, self._laid_out)):
+            if tuple(map(id, group["params"])) != ids:
+                raise ConfigError(f"{self.what}: param_groups[{gi}]['params'] changed since the state was laid out "
+                                  "(a param added, removed or replaced there): new params go in with "
+                                  "add_param_group, or build a new optimizer for the new params")
+            for key, allowed in self.fixed_group_keys.items():
+                if group.get(key, allowed) != allowed:
+                    raise ConfigError(f"{self.what}: param_groups[{gi}]['{key}'] is {group[key]!r}; only "
+                                      f"{key}={allowed!r} is supported: use torch.optim for it")
+            if not self.tensor_lr and isinstance(group["lr"], torch.Tensor):
+                raise ConfigError(f"{self.what}: param_groups[{gi}]['lr'] is a tensor; give a float")
+
+    def _refuse_pending_checkpoint(self, call: str) -> None:
+        if self._pending_checkpoint is not None:
+            raise ConfigError(f"{self.what}: {call} between checkpoint_next_step() and step(): that checkpoint "
+                              "has a file for each bucket there was; call it before checkpoint_next_step()")
+
     def _add_group_buckets(self) -> None:
         """The state of the group torch's ``add_param_group`` just appended, in new buckets
         (masters from the params, moments zero). A refusal, or a failure before a bucket is
@@ -94,6 +138,7 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
                 del getattr(self, name)[length:]
             self.frozen.intersection_update(frozen)
             raise
+        self._record_groups()
         if new:
             with self._poisoned_if_it_fails("add_param_group()", "partly set up (the new group's buckets unwritten)"):
                 self.store.overwrite(self._fresh_fill(), new)
@@ -163,17 +208,29 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
             group.update(saved)
 
     # -- the step ---------------------------------------------------------------------
-    def _stream_buckets(self) -> None:
-        """Stream every bucket holding a param with a grad through ``_step_bucket`` (the
-        subclass's update of one bucket), writing the checkpoint ``checkpoint_next_step``
-        asked for from the same pass."""
+    def _streamed_step(self, update_resident: Callable[[], None] | None = None) -> None:
+        """The step: ``update_resident`` (the state kept on the device) and every bucket
+        holding a param with a grad streamed through ``_step_bucket`` (the subclass's
+        update of one bucket), under the poison; the checkpoint ``checkpoint_next_step``
+        asked for is written from the same pass and published after it. A publish that
+        fails raises, but leaves a whole step behind: no poison."""
         store = self.store
         needed = [b.index for b in store.buckets if any(self.streamed[i].grad is not None for i in b.entries)]
         pending, self._pending_checkpoint = self._pending_checkpoint, None
-        with pending.during_step() if pending is not None else contextlib.nullcontext():
-            for bucket_state in store.stream(needed, checkpoint=pending):
-                self._step_bucket(bucket_state)
+        try:
+            with self._poisoned_if_it_fails():
+                if update_resident is not None:
+                    update_resident()
+                for bucket_state in store.stream(needed, checkpoint=pending):
+                    self._step_bucket(bucket_state)
+                if pending is not None:  # its publish follows: the step's own write-backs first,
+                    store.engine.drain()  # and a failure there is the step's (else they overlap what follows)
+        except BaseException:
+            if pending is not None:
+                pending.abandon()
+            raise
         if pending is not None:
+            pending.publish()
             self.last_checkpoint = pending
 
     def _step_bucket(self, bucket_state) -> None:
