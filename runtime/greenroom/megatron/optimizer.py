@@ -361,6 +361,9 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     def keyed_params(self) -> dict[str, torch.Tensor]:
         return {**self._keyed_mains(), **self._keyed_fp32()}
 
+    def resident_params(self) -> dict[str, torch.Tensor]:
+        return self.keyed_params()
+
     def resident_state(self) -> dict[str, dict[str, torch.Tensor]]:
         # Every streamed shard has taken the same steps (megatron gives every main a
         # grad each step): one counter, recorded per shard as torch records it.

@@ -104,6 +104,10 @@ class StreamedState(Protocol):
         """The params whose state streams or stays resident, by key (their DTensor shard
         identity goes into the manifest's topology)."""
 
+    def resident_params(self) -> dict[str, torch.Tensor]:
+        """Every param ``resident_state`` may name, by key (those with no bytes in the
+        files too: an empty FSDP2 shard keeps a step counter)."""
+
     def resident_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The state outside the bucket files, by key: each param's ``step`` counter and the
         resident params' ``exp_avg`` and ``exp_avg_sq`` (what ``resident.pt`` holds)."""
@@ -325,7 +329,7 @@ def _verified_resident(opt: StreamedState, path: str) -> dict:
     except Exception as e:  # a file that passed its CRC but is not what a save writes
         raise CheckpointError(f"{file_path}: not a resident state greenroom wrote ({type(e).__name__}); the "
                               "checkpoint is damaged") from None
-    params = opt.keyed_params()
+    params = opt.resident_params()
     for key in sorted(set(steps) | set(moments)):
         if key not in params:
             raise CheckpointError(f"{file_path}: holds state for param {key}, which this optimizer does not "

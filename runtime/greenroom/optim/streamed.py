@@ -87,6 +87,9 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         """Every param by ``group.index``: how checkpoints name it."""
         return {f"{gi}.{pi}": p for gi, group in enumerate(self.param_groups) for pi, p in enumerate(group["params"])}
 
+    def resident_params(self) -> dict[str, torch.Tensor]:
+        return self._keyed()
+
     # -- what the state was laid out for -------------------------------------------------
     fixed_group_keys: dict = {}  # group keys whose other values the step does not implement
     tensor_lr = True  # whether a group's lr may be a tensor
