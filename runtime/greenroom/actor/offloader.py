@@ -277,9 +277,9 @@ class PortableOffloader(Offloader):
         if self.scope == "all":
             seen = {u.key for u in units}
             units += [u for u in discovery.python_storages(self.device, exclude=self._exclude) if u.key not in seen]
-        left = [u for u in units if not shrinkable(u.storage)]
-        self._left_resident = sum(u.nbytes for u in left)
-        units = [u for u in units if shrinkable(u.storage)]
+        kept = [shrinkable(u.storage) for u in units]
+        self._left_resident = sum(u.nbytes for u, shrinks in zip(units, kept) if not shrinks)
+        units = [u for u, shrinks in zip(units, kept) if shrinks]
         for u in units:
             u.dead = self.liveness.dead(u.storage)
         drop_zeros(units)
