@@ -378,3 +378,31 @@ def test_a_tracked_streaming_optimizer_gives_back_its_buffers_before_the_sleep(d
         assert opt.device_bytes() > 0
         assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         opt.close()
+
+
+def test_a_sleep_whose_undo_failed_leaves_the_actor_asleep_and_wake_restores_it(disk_dir):
+    """The tms backend undoes a refused pause with a wake; when that wake failed too (an
+    I/O error restoring), the offloader said the actor was awake "as it was" with its
+    tensors partly restored. Now the backend raises ``LeftAsleep``: the offloader is
+    asleep and ``wake()`` brings every byte back. The refusal is stood in for on the
+    portable backend (the tms backend needs CUDA): the real sleep runs, then it raises."""
+    from greenroom.actor.offloader import LeftAsleep
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    expected = [p.detach().clone() for p in model.parameters()]
+    with RankDir(disk_dir, job="u") as rank_dir, offloader(rank_dir, "disk") as off:
+        off.track(model)
+        real = off._sleep
+
+        def undo_failed(units):
+            real(units)
+            raise LeftAsleep("stand-in: the pause was refused; putting the actor back then failed: call wake()")
+
+        off._sleep = undo_failed
+        with pytest.raises(LeftAsleep):
+            off.sleep()
+        assert off.is_asleep
+        off._sleep = real
+        off.wake()
+        assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))

@@ -33,6 +33,11 @@ SCOPES = ("all", "tracked")
 log = get_logger(__name__)
 
 
+class LeftAsleep(GreenroomError):
+    """A sleep that failed after the device memory was given back, and whose undo (a
+    wake) failed too: the actor is asleep, its copies whole, and ``wake()`` retries."""
+
+
 @dataclass(kw_only=True, slots=True)
 class PhaseStats:
     """What one sleep or wake did."""
@@ -145,9 +150,13 @@ class Offloader:
         units = self._units() if self.backend != "none" else []
         try:
             moved = self._sleep(units)
+        except LeftAsleep:
+            self._asleep = units  # wake() brings it back (or tries again)
+            raise
         except BaseException as e:
             # Nothing was given back yet (the device copy goes only after every byte is
-            # written and synced): the sleep is undone, the actor stays awake as it was.
+            # written and synced), or the backend put it back: the sleep is undone, the
+            # actor stays awake as it was.
             self._failed_sleep = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise
         self._failed_sleep = None

@@ -33,7 +33,7 @@ import torch
 
 from greenroom.actor import discovery, launch
 from greenroom.actor.movers import DiskMover, HostMover, Moved
-from greenroom.actor.offloader import Offloader, drop_zeros
+from greenroom.actor.offloader import LeftAsleep, Offloader, drop_zeros
 from greenroom.actor.tracking import Tracked
 from greenroom.errors import GreenroomError
 
@@ -125,8 +125,13 @@ class TmsOffloader(Offloader):
         self.last_release = (released, expected)
         try:
             check_release(released, expected)
-        except GreenroomError:
-            self._wake(units)  # put the actor back as it was (but for the foreign bytes)
+        except GreenroomError as refused:
+            try:
+                self._wake(units)  # put the actor back as it was (but for the foreign bytes)
+            except BaseException as undo:
+                raise LeftAsleep(f"{refused}; putting the actor back then failed ({type(undo).__name__}: "
+                                 f"{str(undo).splitlines()[0] if str(undo) else ''}): it is asleep with its copies "
+                                 "whole: call wake() to retry") from undo
             raise
         return moved
 
