@@ -59,6 +59,22 @@ def test_optimizer_config_refusals_name_the_setting(overrides, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_weight_decay_schedule_on_a_coupled_adam_is_refused_at_the_step():
+    """The build refuses coupled decay with weight_decay > 0; megatron's schedule sets a
+    group's weight_decay after it, and the streamed update (AdamW's) applied it decoupled
+    without a word. ``check_step_decay`` runs at every step, before anything changes."""
+    import torch
+
+    inner = torch.optim.Adam([torch.nn.Parameter(torch.zeros(4))], weight_decay=0.0)
+    checks.check_step_decay(inner)
+    inner.param_groups[0]["weight_decay"] = 0.05  # what OptimizerParamScheduler.step does
+    with pytest.raises(ValueError, match="group 0 of megatron's Adam has coupled weight decay 0.05") as info:
+        checks.check_step_decay(inner)
+    assert "set OptimizerConfig.decoupled_weight_decay=True" in str(info.value) and "\n" not in str(info.value)
+    checks.check_step_decay(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))], weight_decay=0.05))
+    checks.check_step_decay(None)
+
+
 def test_a_plain_adam_config_passes():
     checks.check_optimizer_config(_config())
     checks.check_optimizer_config(_config(decoupled_weight_decay=False, weight_decay=0.0))

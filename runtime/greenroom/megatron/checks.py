@@ -84,3 +84,16 @@ def check_inner_optimizer(inner) -> None:
     raise ConfigError(f"optimizer streaming supports torch's Adam/AdamW, the DistributedOptimizer wraps "
                      f"{type(inner).__module__}.{type(inner).__name__}: use --optimizer adam without "
                      "Transformer Engine's or Apex's FusedAdam")
+
+
+def check_step_decay(inner) -> None:
+    """At each step: the streamed update is AdamW's (decoupled decay), so a group of a
+    coupled-decay Adam may not carry weight decay. The build checks the config, but
+    megatron's weight-decay schedule (``--start-weight-decay``/``--end-weight-decay``)
+    sets each group's ``weight_decay`` after it, step by step."""
+    for gi, group in enumerate(getattr(inner, "param_groups", None) or []):
+        decay = group.get("weight_decay", 0.0)
+        if not group.get("decoupled_weight_decay", True) and decay != 0.0:
+            raise ConfigError(f"optimizer streaming computes AdamW (decoupled weight decay), but param group {gi} of "
+                              f"megatron's {type(inner).__name__} has coupled weight decay {decay} (a weight-decay "
+                              "schedule sets it after the build): set OptimizerConfig.decoupled_weight_decay=True")

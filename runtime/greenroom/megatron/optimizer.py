@@ -215,6 +215,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         # happen inside the bucket loop; what follows them (the param all-gather) is
         # megatron's own.
         self._refuse_if_failed("step()")
+        checks.check_step_decay(self.optimizer)
         inner, self.optimizer = self.optimizer, _AlreadyStepped(self.optimizer)
         try:
             with self._poisoned_if_it_fails():
