@@ -45,7 +45,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_CommandParser)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, summary) in COMMANDS.items():
-        command_parser = sub.add_parser(name, help=summary, description=summary)
+        # torchrun's arguments and the trainer's follow `greenroom torchrun`, a trainer's
+        # --help among them: no -h of greenroom's own there (torchrun's --help answers).
+        command_parser = sub.add_parser(name, help=summary, description=summary, add_help=name != "torchrun")
         if name == chosen:
             module = importlib.import_module(module_name)
             module.configure_parser(command_parser)

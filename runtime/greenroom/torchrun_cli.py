@@ -4,7 +4,11 @@ torchrun exits 1 whatever its workers exited with, so a Kubernetes ``podFailureP
 could not tell a config error (exit 2: fail the job) from a preemption (exit 143: run
 again and resume). This runs torchrun's own launcher (``torch.distributed.run``, same
 arguments) and, when a worker fails, exits with the first failure's code (a worker killed
-by a signal: 128 + the signal, as a shell reports it). Everything else is torchrun's.
+by a signal: 128 + the signal, as a shell reports it). A signal to the launcher itself
+(the kubelet's SIGTERM on a pod's deletion or a drain, Ctrl-C) stops the workers, as
+torchrun does, and exits 128 + the signal (143 for SIGTERM: preempted, run again); plain
+torchrun exits 1 there, with a traceback. Everything else is torchrun's, the trainer's
+``--help`` too (no option of greenroom's own is parsed here).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ def exit_code(exitcode: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -35,4 +40,8 @@ def run(args: argparse.Namespace) -> int:
         code = exit_code(failure.exitcode)
         print(f"greenroom torchrun: worker rank {rank} failed with exit code {code}", file=sys.stderr)
         return code or 1
+    except SignalException as e:  # the agent stopped its workers on the way out
+        print(f"greenroom torchrun: stopped by signal {e.sigval.name}; the workers were stopped too",
+              file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
