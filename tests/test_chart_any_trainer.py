@@ -76,3 +76,27 @@ def test_the_rendered_trainer_container_runs_the_script_as_two_ranks(tmp_path):
         assert f"rank {rank} of 2 step 2: slept" in text, text[-4000:]
     # Each rank's dir went when it closed; nothing is left in the pod's volume.
     assert not [p for p in scratch.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("greenroom_args", ["--offload-train --offload-train-target cpu", ""],
+                         ids=["cpu target", "no flags"])
+def test_the_script_runs_where_no_mechanism_writes_to_disk(tmp_path, greenroom_args):
+    """The chart's default offload.target is cpu, and a user may set no seed flags: the
+    script opened a RankDir on the unresolved disk dir (None) and died with a TypeError.
+    It now opens one only where config.uses_disk, and a RankDir without a root is one
+    line naming the flag."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime"), "GREENROOM_ARGS": greenroom_args,
+           "GREENROOM_DISK_DIR": str(tmp_path / "disk"), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "out"), "--steps", "2"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("slept") == 2 and not (tmp_path / "disk").exists()
+
+
+def test_a_rank_dir_without_a_root_is_one_line():
+    from greenroom.errors import ConfigError
+    from greenroom.rankdir import RankDir
+
+    with pytest.raises(ConfigError, match="RankDir: no root dir: pass --offload-train-disk-dir DIR") as info:
+        RankDir(None)
+    assert "\n" not in str(info.value)

@@ -226,6 +226,10 @@ class RankDir:
 
     def __init__(self, root: str, *, role: str = "actor", rank: int = 0, job: str | None = None,
                  allow_tmpfs: bool = False) -> None:
+        if root is None:  # what a config without the disk target or streaming resolves
+            raise ConfigError("RankDir: no root dir: pass --offload-train-disk-dir DIR on node-local NVMe (or set "
+                              "$GREENROOM_DISK_DIR); only a config with the disk target or streaming resolves one, "
+                              "so open a RankDir only where config.uses_disk")
         self.root = os.path.abspath(root)
         self.job = job or job_id()
         self.role = role
