@@ -27,3 +27,10 @@ class CheckpointError(GreenroomError):
 class IntegrityError(StorageError):
     """Bytes read back from a state file are not the bytes written there: its checksum
     does not match (a bit flip, a firmware bug, a stray write). Nothing read is used."""
+
+
+def one_line(error: BaseException) -> str:
+    """``error`` as its type and the first line of its message, for a message of our own
+    that names it (``StorageError: ...: write of ... failed``)."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

@@ -35,7 +35,7 @@ from greenroom.actor import discovery, launch
 from greenroom.actor.movers import DiskMover, HostMover, Moved
 from greenroom.actor.offloader import LeftAsleep, Offloader, drop_zeros
 from greenroom.actor.tracking import Tracked
-from greenroom.errors import GreenroomError
+from greenroom.errors import GreenroomError, one_line
 
 ACTOR_TAG = "default"  # the tag TMS_INIT_ENABLE gives every allocation
 ROLLOUT_TAG = "rollout"
@@ -129,9 +129,8 @@ class TmsOffloader(Offloader):
             try:
                 self._wake(units)  # put the actor back as it was (but for the foreign bytes)
             except BaseException as undo:
-                raise LeftAsleep(f"{refused}; putting the actor back then failed ({type(undo).__name__}: "
-                                 f"{str(undo).splitlines()[0] if str(undo) else ''}): it is asleep with its copies "
-                                 "whole: call wake() to retry") from undo
+                raise LeftAsleep(f"{refused}; putting the actor back then failed ({one_line(undo)}): it is asleep "
+                                 "with its copies whole: call wake() to retry") from undo
             raise
         return moved
 

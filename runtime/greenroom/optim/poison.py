@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
-from greenroom.errors import GreenroomError
+from greenroom.errors import GreenroomError, one_line
 
 
 class FailedStepPoison:
@@ -42,8 +42,7 @@ class FailedStepPoison:
         try:
             yield
         except BaseException as e:
-            self._failed = (f"{call} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}) "
-                            f"and left the state {left}")
+            self._failed = f"{call} failed ({one_line(e)}) and left the state {left}"
             raise
 
     def _state_replaced(self) -> None:

@@ -34,7 +34,7 @@ import zlib
 import torch
 
 from greenroom import publish
-from greenroom.errors import CheckpointError
+from greenroom.errors import CheckpointError, one_line
 from greenroom.faults import kill_point
 from greenroom.log import get_logger
 from greenroom.optim.checkpoint import read_manifest
@@ -205,7 +205,7 @@ def _discard(directory: str, rank: int, error: BaseException | None = None) -> N
     if error is not None and os.path.isdir(mine):
         try:
             with open(os.path.join(mine, FAILED), "w", encoding="utf-8") as f:
-                f.write(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                f.write(one_line(error))
         except OSError:
             pass  # the dir went meanwhile (rank 0 discarded it): nothing is waiting for this
 
@@ -323,18 +323,19 @@ def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bo
          world_size: int) -> int:
     """Restore this rank's state from a checkpoint ``verify`` passed; returns the
     iteration to continue from."""
-    ours = dtype_flag(model.state_dict())
+    weights = model.state_dict()
+    ours = dtype_flag(weights)
     meta = verify(directory, optimizer=optimizer, streaming=streaming, no_load_optim=no_load_optim, rank=rank,
                   world_size=world_size, dtype=ours, model=model_config(model))
     path = rank_path(directory, rank)
     state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
-    extra = sorted(set(state) - set(model.state_dict()))
+    extra = sorted(set(state) - set(weights))
     if extra:
         raise CheckpointError(f"{os.path.join(path, 'model.pt')}: holds {extra[0]}"
                               f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, which this model does "
                               "not have; the checkpoint is of another model (check --n-layers etc.)")
     with torch.no_grad():
-        for name, t in model.state_dict().items():
+        for name, t in weights.items():
             if name not in state or state[name].shape != local_tensor(t).shape:
                 raise CheckpointError(f"{os.path.join(path, 'model.pt')}: {name} is missing or has another "
                                       "shape; the checkpoint is of another model (check --d-model etc.)")
