@@ -189,8 +189,6 @@ class StreamingAdam(StreamedOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; after construction the new params' state goes in new buckets
         appended to the store (masters from the params, zero moments)."""
-        if self._store is not None:
-            self._refuse_pending_checkpoint("add_param_group()")
         for key, allowed in FIXED_GROUP_KEYS.items():
             if key in param_group and param_group[key] != allowed:
                 raise ConfigError(f"StreamingAdam: {key}={param_group[key]!r} is not supported "

@@ -135,8 +135,6 @@ class StreamingMuon(StreamedOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; after construction the new params' state goes in new buckets."""
         if self._store is not None:
-            self._refuse_pending_checkpoint("add_param_group()")
-        if self._store is not None:
             params = param_group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             param_group = {**param_group, "params": params}

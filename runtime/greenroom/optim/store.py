@@ -105,6 +105,14 @@ class _DeviceBuffer:
         self.link_out: int | None = None  # a bucket written in place, for the checkpoint to link once written
 
 
+def _remove_created(files: list[StateFile]) -> None:
+    """Unlink the files of ``files`` that their opening created: a failed setup or
+    extension leaves no file it made."""
+    for f in files:
+        if f.created and os.path.exists(f.path):
+            os.unlink(f.path)
+
+
 class BucketStore(BucketFiles):
     """Per-bucket state files for ``entries`` in ``directory``, streamed to ``device``.
 
@@ -169,9 +177,7 @@ class BucketStore(BucketFiles):
             try:
                 self.close()
             finally:
-                for f in self.files:
-                    if f.created and os.path.exists(f.path):
-                        os.unlink(f.path)
+                _remove_created(self.files)
             raise
 
     def _write(self, raw: torch.Tensor, bucket: Bucket, *, file: StateFile | None = None,
@@ -295,10 +301,9 @@ class BucketStore(BucketFiles):
             for bucket in added:
                 files.append(self._open_file(bucket))
         except BaseException:
-            for f in files:  # as a failed setup does: no file it created is left
+            for f in files:
                 f.close()
-                if f.created and os.path.exists(f.path):
-                    os.unlink(f.path)
+            _remove_created(files)  # as a failed setup does
             raise
         self.release_device_buffers()  # the buffers are sized for the largest bucket
         self.entries.extend(entries)

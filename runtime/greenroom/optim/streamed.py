@@ -119,20 +119,20 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
             if not self.tensor_lr and isinstance(group["lr"], torch.Tensor):
                 raise ConfigError(f"{self.what}: param_groups[{gi}]['lr'] is a tensor; give a float")
 
-    def _refuse_pending_checkpoint(self, call: str) -> None:
-        if self._pending_checkpoint is not None:
-            raise ConfigError(f"{self.what}: {call} between checkpoint_next_step() and step(): that checkpoint "
-                              "has a file for each bucket there was; call it before checkpoint_next_step()")
-
     def _add_group_buckets(self) -> None:
         """The state of the group torch's ``add_param_group`` just appended, in new buckets
-        (masters from the params, moments zero). A refusal, or a failure before a bucket is
+        (masters from the params, moments zero). A refusal (one between
+        ``checkpoint_next_step`` and its step too), or a failure before a bucket is
         written (no space for its file), takes the group back out as if it was never added
         (``BucketStore.extend`` leaves no file); left in, its params would never be stepped.
         A failure while the new buckets are written poisons (Note [a failed step poisons])."""
         kept = {name: len(getattr(self, name)) for name in ("streamed", "resident", "empty") if hasattr(self, name)}
         frozen = set(self.frozen)
         try:
+            if self._pending_checkpoint is not None:
+                raise ConfigError(f"{self.what}: add_param_group() between checkpoint_next_step() and step(): that "
+                                  "checkpoint has a file for each bucket there was; call it before "
+                                  "checkpoint_next_step()")
             entries = self._classify([len(self.param_groups) - 1])
             new = self.store.extend(entries) if entries else []
         except BaseException:
