@@ -131,11 +131,16 @@ def hold(root: str, pod_uid: str | None, job: str):
     return proc, path
 
 
-def dead(root: str, pod_uid: str | None, job: str) -> str:
-    """A rank dir whose owner was SIGKILLed: no cleanup ran, the lock is free."""
+def dead(root: str, pod_uid: str | None, job: str, written_ago: float = 10) -> str:
+    """A rank dir whose owner was SIGKILLed: no cleanup ran, the lock is free. Its owner
+    record dates from ``written_ago`` seconds back: the janitor leaves a record newer than
+    its pod listing to the next pass."""
     proc, path = hold(root, pod_uid, job)
     proc.kill()
     proc.wait()
+    if written_ago:
+        then = time.time() - written_ago
+        os.utime(os.path.join(path, "owner.json"), (then, then))
     return path
 
 
@@ -420,3 +425,35 @@ def test_empty_dirs_of_gone_pods_are_removed_and_nothing_else(api, disk_dir, mon
     janitor.one_pass()
     assert sorted(os.listdir(root)) == sorted([live, full, fresh, "not-a-pod-uid"])
     assert os.path.isdir(os.path.join(root, live, "job", "actor"))
+
+
+def test_a_pod_started_after_the_listing_keeps_its_dir_until_a_listing_has_it(api, disk_dir, monkeypatch):
+    """A pod that starts between the pod listing and the walk is not in the listing: its
+    rank, dead at once (lock free, the container restarting), was taken for a gone pod's
+    and removed with the pod's own dir, while the pod lived."""
+    root = os.path.join(disk_dir, "root")
+    os.makedirs(root)
+    new = str(uuid.uuid4())
+    janitor = Janitor(JanitorConfig(root=root, node_name=NODE), out=open(os.devnull, "w"))
+    janitor.connect()
+    original = k8s_janitor.list_node_pods
+    made = []
+
+    def listing_then_a_new_pod(api_, node):
+        pods = original(api_, node)
+        if not made:
+            made.append(dead(root, new, "grpo", written_ago=0))  # after the listing: not in it
+        return pods
+
+    monkeypatch.setattr(k8s_janitor, "list_node_pods", listing_then_a_new_pod)
+    report = janitor.one_pass()
+    (path,) = made
+    assert decisions(report)[path][0] == "kept"
+    assert os.path.exists(os.path.join(path, "offload", "state.bin"))
+    api.add_pod(new, "grpo-0")  # the next listing has it: between restarts, kept
+    assert decisions(janitor.one_pass())[path][0] == "kept"
+    api.pods.clear()  # gone: reclaimed at once, its empty pod dir too
+    then = time.time() - 10
+    os.utime(os.path.join(path, "owner.json"), (then, then))
+    assert decisions(janitor.one_pass())[path] == ("reclaimed", "owner gone")
+    assert os.listdir(root) == []

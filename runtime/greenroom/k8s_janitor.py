@@ -11,6 +11,8 @@ Kubernetes node we know more, through the pods bound to this node (field selecto
   lock free: the pod is between container restarts and will come back to its files;
 - a dir without a pod UID, or of a pod that has finished (Succeeded/Failed, it cannot
   restart), is left to the lock rule and ``--min-age``.
+- a dir whose owner record was written after the listing is kept for that pass: its pod
+  may have started since, and the listing cannot say.
 
 The per-pod dirs themselves (``<root>/<pod uid>/``, made by the chart's init container)
 go too once they are empty and their pod is gone or finished: a pod that never wrote a
@@ -48,6 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from greenroom import fs
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
+from greenroom.rankdir import OWNER_NAME
 from greenroom.reclaim import Decision, ReclaimReport, check_interval, check_seconds, print_report, reclaim
 
 EVENT_REASON = "StaleOffloadReclaimed"
@@ -208,10 +211,21 @@ class PodRule:
     """The owner policy for ``greenroom.reclaim``: decides by the pod named in the record."""
 
     pods: dict[str, PodInfo]
+    listed_at: float
+    """When the pod listing was asked for (``time.time()``)."""
     # Pods seen in earlier passes, so an Event can name a pod after it is gone.
     seen: dict[str, PodInfo] = field(default_factory=dict)
 
     def __call__(self, path: str, owner: dict) -> str | None:
+        # A record written after the listing may be a pod started since, which the listing
+        # does not have: its rank, dead at once or between restarts, would pass for a gone
+        # pod's. The next pass's listing has that pod.
+        try:
+            if os.stat(os.path.join(path, OWNER_NAME), follow_symlinks=False).st_mtime >= \
+                    self.listed_at - MTIME_SLACK_S:
+                return "keep"
+        except FileNotFoundError:
+            return "keep"  # rewritten or removed meanwhile: decided by the next pass
         uid = owner.get("pod_uid")
         if not uid:
             # The chart mounts each pod's dir at <root>/<pod uid>/ (subPathExpr): a record
@@ -287,7 +301,7 @@ class Janitor:
                 raise
             else:
                 self.seen.update(pods)
-                rule = PodRule(pods, self.seen)
+                rule = PodRule(pods, listed_at, self.seen)
         # A node where nothing ran yet has no root: an empty pass, not a crash loop.
         report = reclaim(self.config.root, dry_run=self.config.dry_run, min_age=self.config.min_age,
                          policy=rule, missing_ok=True)
