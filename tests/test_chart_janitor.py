@@ -6,6 +6,7 @@ import os
 import subprocess
 
 import pytest
+import yaml
 
 from tests.chart_support import JANITOR_CHART, by_kind, helm, manifests, readme_lacks, render
 from tests.conftest import require_tool
@@ -22,15 +23,9 @@ def test_helm_lint_strict_passes(values):
 
 def test_janitor_has_least_privilege_and_a_metrics_service():
     docs = manifests("metrics.yaml", chart=JANITOR_CHART)
-    assert sorted(d["kind"] for d in docs) == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Service",
-                                               "ServiceAccount"]
-    (role,) = by_kind(docs, "ClusterRole")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-                             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
-    (binding,) = by_kind(docs, "ClusterRoleBinding")
+    assert sorted(d["kind"] for d in docs) == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role",
+                                               "RoleBinding", "Service", "ServiceAccount"]
     (sa,) = by_kind(docs, "ServiceAccount")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "train"}]
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
     (ds,) = by_kind(docs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == sa["metadata"]["name"] and pod["automountServiceAccountToken"] is True
@@ -50,6 +45,43 @@ def test_janitor_has_least_privilege_and_a_metrics_service():
     assert svc["metadata"]["labels"]["release"] == "prometheus"
     assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9400, "targetPort": "metrics"}]
     assert svc["spec"]["selector"] == ds["spec"]["selector"]["matchLabels"]
+
+
+def test_janitor_rbac_grants_only_the_two_calls_it_makes():
+    """It lists pods (every namespace, its node) and creates Events in "default"
+    (k8s_janitor.EVENT_NAMESPACE). Was: get and watch on pods, never called, and create on
+    events in every namespace of the cluster."""
+    from greenroom.k8s_janitor import EVENT_NAMESPACE
+
+    docs = manifests(chart=JANITOR_CHART)
+    (sa,) = by_kind(docs, "ServiceAccount")
+    subject = [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "train"}]
+    (cluster_role,) = by_kind(docs, "ClusterRole")
+    assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    (cluster_binding,) = by_kind(docs, "ClusterRoleBinding")
+    assert cluster_binding["subjects"] == subject
+    assert cluster_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                          "name": cluster_role["metadata"]["name"]}
+    (role,) = by_kind(docs, "Role")
+    assert role["metadata"]["namespace"] == EVENT_NAMESPACE
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert binding["metadata"]["namespace"] == EVENT_NAMESPACE and binding["subjects"] == subject
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+
+
+def test_objects_outside_the_release_namespace_are_named_by_it():
+    """The ClusterRole, its binding and the Role in "default" are shared by every
+    namespace: two releases of one name in two namespaces must not claim the same ones."""
+    def names(ns):
+        out = helm("template", "jan", JANITOR_CHART, "--namespace", ns)
+        assert out.returncode == 0, out.stderr
+        return {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out.stdout)
+                if d and d["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")}
+
+    one, other = names("ops-a"), names("ops-b")
+    assert len(one) == 4 and not one & other
 
 
 def test_a_trainers_uid_janitor_adds_no_capability():
@@ -79,4 +111,4 @@ def test_every_rendered_manifest_validates_strictly(tmp_path):
     path.write_text(render("metrics.yaml", chart=JANITOR_CHART, kube_version="1.35.0"))
     out = subprocess.run([validate, "--strict", "--no-warn", "-k", "1.35.0", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("passed for resource") == 5
+    assert out.stdout.count("passed for resource") == 7

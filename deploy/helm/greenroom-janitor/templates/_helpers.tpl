@@ -14,6 +14,13 @@
 {{- end -}}
 {{- end -}}
 
+{{/* Objects outside the release namespace (the ClusterRole and its binding, the events Role
+in "default"): the release namespace in the name, so installs in two namespaces never
+claim one object. */}}
+{{- define "greenroom-janitor.globalName" -}}
+{{- printf "%s-%s" (include "greenroom-janitor.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "greenroom-janitor.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "greenroom-janitor.name" . | quote }}
 app.kubernetes.io/instance: {{ .Release.Name | quote }}
