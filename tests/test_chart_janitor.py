@@ -91,6 +91,29 @@ def test_a_trainers_uid_janitor_adds_no_capability():
     assert not by_kind(manifests(chart=JANITOR_CHART), "Service")  # metrics Service off by default
 
 
+@pytest.mark.parametrize("value, message", [
+    # Rendered, then every janitor exited 2 on "--interval must be ... at most 86400".
+    ("intervalSeconds=86401", "at '/intervalSeconds': maximum: got 86,401, want 86,400"),
+    # Rendered a second app.kubernetes.io/name key: pods its DaemonSet's selector does not match.
+    ("podLabels.app\\.kubernetes\\.io/name=mine", "podLabels may not set a label the chart sets"),
+    ("metricsService.labels.app\\.kubernetes\\.io/part-of=x",
+     "metricsService.labels may not set a label the chart sets"),
+    ("tolerations[0]=gpu", "at '/tolerations/0': got string, want object"),
+])
+def test_values_that_rendered_a_broken_janitor_are_refused_naming_the_key(value, message):
+    out = helm("template", "rel", JANITOR_CHART, "--set", "metricsService.enabled=true", "--set", value)
+    assert out.returncode != 0, f"helm template accepted {value}"
+    assert any(message in line for line in out.stderr.splitlines()), out.stderr
+
+
+def test_the_longest_interval_renders_and_parses():
+    (ds,) = by_kind(manifests(sets=("intervalSeconds=86400", "podLabels.team=rl"), chart=JANITOR_CHART),
+                    "DaemonSet")
+    assert ds["spec"]["template"]["metadata"]["labels"]["team"] == "rl"
+    command = ds["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--interval") + 1] == "86400"
+
+
 def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
     from greenroom.reclaim_cli import configure_parser
     parser = argparse.ArgumentParser(exit_on_error=False)
