@@ -144,3 +144,19 @@ def test_staging_refuses_a_missing_distribution_in_one_line():
     assert out.returncode == 2
     assert out.stderr == ("stage_wheels: no-such-distribution-greenroom (the image needs it) is not installed in "
                           f"{sys.executable}: run make install\n")
+
+
+def test_the_dockerfile_installs_pinned_versions_only():
+    """Every package the image build names is pinned with ==, at the version the test extra
+    pins (was: megatron-core>=0.16.1, whatever the index had on the day of the build)."""
+    import re
+    import tomllib
+
+    text = open(os.path.join(REPO, "images", "Dockerfile"), encoding="utf-8").read().replace("\\\n", " ")
+    (install,) = [line for line in text.splitlines() if "pip install --find-links" in line]
+    named = re.findall(r'"([A-Za-z][A-Za-z0-9_.-]*[^"]*)"', install.split("pip install --find-links", 1)[1])
+    assert named and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", n) for n in named), named
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    pins = [r.split(";")[0].strip() for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+    assert set(named) <= set(pins), set(named) - set(pins)
