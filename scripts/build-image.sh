@@ -39,6 +39,9 @@ tar -c --exclude=__pycache__ --exclude='*.egg-info' runtime | tar -x -C "$contex
 mkdir "$context/wheels"
 if [ -n "${GREENROOM_IMAGE_WHEELS:-}" ]; then
   [ -d "$GREENROOM_IMAGE_WHEELS" ] || { echo "build-image: GREENROOM_IMAGE_WHEELS=$GREENROOM_IMAGE_WHEELS is not a directory" >&2; exit 2; }
+  # Without one, the glob stays as written and cp fails on a file named '*.whl'.
+  compgen -G "$GREENROOM_IMAGE_WHEELS/*.whl" >/dev/null \
+    || { echo "build-image: GREENROOM_IMAGE_WHEELS=$GREENROOM_IMAGE_WHEELS holds no wheel (*.whl)" >&2; exit 2; }
   cp -l "$GREENROOM_IMAGE_WHEELS"/*.whl "$context/wheels/" 2>/dev/null \
     || cp "$GREENROOM_IMAGE_WHEELS"/*.whl "$context/wheels/"
 fi

@@ -119,6 +119,14 @@ def test_build_script_refuses_bad_input_in_one_line(argv, message):
     assert out.stderr.strip().splitlines()[-1] == message
 
 
+def test_build_script_refuses_a_wheel_dir_without_wheels_in_one_line(tmp_path):
+    # Was: `cp: cannot stat '.../*.whl'`, exit 1, after the build context was made.
+    env = dict(os.environ, GREENROOM_BUILD_ENGINE="kaniko", GREENROOM_IMAGE_WHEELS=str(tmp_path))
+    out = subprocess.run(["scripts/build-image.sh", "x:1", "base"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"build-image: GREENROOM_IMAGE_WHEELS={tmp_path} holds no wheel (*.whl)"]
+
+
 def _stage_wheels_module():
     spec = importlib.util.spec_from_file_location("stage_wheels", os.path.join(REPO, "images", "stage_wheels.py"))
     module = importlib.util.module_from_spec(spec)
