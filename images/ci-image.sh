@@ -11,7 +11,8 @@
 # ~/.cache/greenroom-k8s/wheels, the image in podman's store. The tag is a hash of what
 # goes into the image (the tracked sources, uncommitted changes, the staged versions): an
 # unchanged tree finds its image already built. Earlier `ci-` tags are removed (the image
-# is GBs); other tags of localhost/greenroom (a user's `make image`) are left alone.
+# is GBs) unless a container uses them; other tags of localhost/greenroom (a user's `make
+# image`) are left alone.
 # Usage: images/ci-image.sh   (prints the image name on its last line)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +47,11 @@ if ! podman image exists "$image"; then
   GREENROOM_BUILD_ENGINE=podman GREENROOM_IMAGE_WHEELS="$wheels" GREENROOM_PIP_NO_INDEX=1 \
     GREENROOM_IMAGE_EXTRAS="" scripts/build-image.sh "$image" "$base" >&2
 fi
+# Never --force: that also removes the containers of the image, such as the test run of
+# another checkout on this machine still using its own ci- tag; an image in use stays.
 podman images --format '{{.Repository}}:{{.Tag}}' "${prefix%%:*}" |
   awk -v prefix="$prefix" -v keep="$image" 'index($0, prefix) == 1 && $0 != keep' |
-  xargs -r podman rmi -f >/dev/null
+  while read -r old; do
+    podman rmi "$old" >/dev/null 2>&1 || echo "ci-image: left $old in place (a container uses it)" >&2
+  done
 echo "$image"

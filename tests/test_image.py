@@ -127,6 +127,41 @@ def test_build_script_refuses_a_wheel_dir_without_wheels_in_one_line(tmp_path):
     assert out.stderr.strip().splitlines() == [f"build-image: GREENROOM_IMAGE_WHEELS={tmp_path} holds no wheel (*.whl)"]
 
 
+def test_ci_image_never_removes_a_container_with_an_old_tag(tmp_path):
+    """images/ci-image.sh removes earlier ci- tags; with --force that removed the containers
+    using them too (the test run of another checkout on this machine). Run against a fake
+    podman (and a no-op wheel staging) in a copy of the script's tree: an old tag in use is
+    left in place, one not in use goes, and the user's own tag is never named."""
+    tree = tmp_path / "tree"
+    (tree / "images").mkdir(parents=True)
+    subprocess.run(["cp", os.path.join(REPO, "images", "ci-image.sh"), str(tree / "images")], check=True)
+    (tree / "images" / "stage_wheels.py").write_text(
+        "import os, sys\nos.makedirs(sys.argv[1], exist_ok=True)\nopen(os.path.join(sys.argv[1], '.staged'), 'w')\n")
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    calls = tmp_path / "podman-calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    podman = bin_dir / "podman"
+    podman.write_text(f"""#!/bin/bash
+echo "$*" >> {calls}
+case "$1" in
+  image) exit 0 ;;
+  images) printf '%s\\n' localhost/greenroom:ci-inuse localhost/greenroom:ci-idle localhost/greenroom:0.1.0 ;;
+  rmi) [[ " $* " != *" --force "* && " $* " != *" -f "* ]] || echo FORCED >> {calls}
+       [ "${{!#}}" != localhost/greenroom:ci-inuse ] || {{ echo "image used by container" >&2; exit 2; }} ;;
+esac
+""")
+    podman.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", GREENROOM_K8S_CACHE=str(tmp_path / "cache"),
+               PYTHON=sys.executable)
+    out = subprocess.run(["bash", "images/ci-image.sh"], cwd=tree, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("localhost/greenroom:ci-")
+    rmi = [line for line in calls.read_text().splitlines() if line.startswith("rmi") or line == "FORCED"]
+    assert rmi == ["rmi localhost/greenroom:ci-inuse", "rmi localhost/greenroom:ci-idle"], rmi
+    assert "ci-image: left localhost/greenroom:ci-inuse in place (a container uses it)" in out.stderr
+
+
 def _stage_wheels_module():
     spec = importlib.util.spec_from_file_location("stage_wheels", os.path.join(REPO, "images", "stage_wheels.py"))
     module = importlib.util.module_from_spec(spec)
