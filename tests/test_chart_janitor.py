@@ -124,6 +124,18 @@ def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
     assert args.root == "/greenroom/node"
 
 
+@pytest.mark.parametrize("run_as_user", [0, 1000])
+def test_notes_give_the_reason_pod_security_gives(run_as_user):
+    """Kubernetes' own checks refuse the janitor under baseline for its hostPath volume alone
+    (test_chart_security.py); the NOTES said root with DAC_OVERRIDE needed privileged too."""
+    out = helm("install", "jan", JANITOR_CHART, "--namespace", "ops", "--dry-run=client",
+               "--set", f"runAsUser={run_as_user}")
+    assert out.returncode == 0, out.stderr
+    (line,) = [line for line in out.stdout.splitlines() if "Pod Security" in line]
+    assert line.startswith('It needs the "privileged" Pod Security level in ops: baseline refuses its hostPath volume')
+    assert ("DAC_OVERRIDE passes baseline" in line) == (run_as_user == 0)
+
+
 def test_janitor_readme_documents_every_value():
     assert not readme_lacks(JANITOR_CHART, ("resources",))
 
