@@ -457,3 +457,27 @@ def test_a_pod_started_after_the_listing_keeps_its_dir_until_a_listing_has_it(ap
     os.utime(os.path.join(path, "owner.json"), (then, then))
     assert decisions(janitor.one_pass())[path] == ("reclaimed", "owner gone")
     assert os.listdir(root) == []
+
+
+def test_a_root_given_as_a_symlink_on_another_filesystem_still_loses_its_empty_pod_dirs(api, disk_dir):
+    """``reclaim`` resolves ROOT; the empty-dir sweep compared each pod dir with the dev of
+    the symlink itself (here on tmpfs) and so never removed one."""
+    from greenroom import fs
+
+    if not (os.path.isdir("/dev/shm") and fs.is_memory_backed("/dev/shm")
+            and not fs.is_memory_backed(disk_dir)):
+        pytest.skip("needs a tmpfs at /dev/shm and a disk-backed test dir")
+    root = os.path.join(disk_dir, "root")
+    gone = os.path.join(root, str(uuid.uuid4()))
+    os.makedirs(os.path.join(gone, "job", "actor"))
+    old = time.time() - 60
+    os.utime(gone, (old, old))
+    link = f"/dev/shm/greenroom-janitor-root-{os.getpid()}"
+    os.symlink(root, link)
+    try:
+        janitor = Janitor(JanitorConfig(root=link, node_name=NODE), out=open(os.devnull, "w"))
+        janitor.connect()
+        janitor.one_pass()
+        assert os.listdir(root) == []
+    finally:
+        os.unlink(link)

@@ -178,6 +178,9 @@ def remove_empty_pod_dirs(root: str, pods: dict[str, PodInfo], *, listed_at: flo
     taken (``listed_at``): a pod started since is not in it, and its init container may have
     just made its dir. ``rmdir`` only, so a file written meanwhile keeps its dir."""
     removed = []
+    # A ROOT given as a symlink: the dev of the dir it names, as ``reclaim`` resolves it (the
+    # link's own, on another filesystem, matched no pod dir and none was ever removed).
+    root = os.path.realpath(root)
     root_dev = os.lstat(root).st_dev
     for entry in os.scandir(root):
         pod = pods.get(entry.name)
