@@ -282,28 +282,67 @@ def test_loop_survives_api_errors_with_backoff_then_reclaims_and_serves_metrics(
     assert f"reclaimed: {gone}" in out
 
 
-def test_without_api_access_falls_back_to_the_lock_rule_and_says_so_once(disk_dir, tmp_path):
+def test_without_api_access_the_lock_rule_decides_alone_only_with_a_min_age(disk_dir, tmp_path):
+    """No credentials at all: the lock rule, with an age of 0, would remove the files of a
+    pod between container restarts. Was: it did, saying so as a warning."""
     env = {"KUBECONFIG": str(tmp_path / "absent"), "KUBERNETES_SERVICE_HOST": ""}
-    gone = dead(disk_dir, "uid-gone", "grpo")
+    gone = dead(disk_dir, "uid-gone", "grpo")  # its owner record is 10 s old
+    line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE, env=env))
+    assert "no Kubernetes API access" in line and "deletes nothing" in line and "--min-age SECONDS" in line
+    assert os.path.exists(gone)
     port = free_port()
-    proc = start_cli(disk_dir, port, env=env)
+    proc = start_cli(disk_dir, port, "--min-age", "5", env=env)
     try:
         wait_for(lambda: scrape(port).get("greenroom_reclaim_passes_total", 0) >= 3, "three passes")
     finally:
         out, err = stop(proc)
-    assert not os.path.exists(gone)  # the lock rule reclaims a dead owner's dir
+    assert not os.path.exists(gone)  # the lock rule reclaims a dead owner's dir older than --min-age
     notes = [line for line in err.splitlines() if "no Kubernetes API access" in line]
-    assert len(notes) == 1 and "falling back to the lock rule" in notes[0]
+    assert len(notes) == 1 and "the lock rule alone, --min-age 5s on every dir" in notes[0]
 
 
-def test_forbidden_listing_falls_back_to_the_lock_rule(api, disk_dir):
+def test_a_forbidden_listing_deletes_nothing_without_a_min_age(api, disk_dir):
+    """A 401/403 switched the janitor to the lock rule with an age of 0: the dir of a pod
+    between container restarts (lock free) went, and its <pod uid> dir with it."""
+    api.fail_next, api.fail_status = 10**6, 403
+    api.add_pod("uid-restarting", "grpo-0")
+    restarting = dead(disk_dir, "uid-restarting", "grpo")
+    line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE))
+    assert "HTTP 403" in line and "ClusterRole" in line and "nothing deleted" in line and "--min-age" in line
+    assert os.path.exists(os.path.join(restarting, "offload", "state.bin"))
+
+
+def test_forbidden_listing_with_a_min_age_uses_the_lock_rule_for_that_pass(api, disk_dir):
     api.fail_next, api.fail_status = 10**6, 403
     young = dead(disk_dir, "uid-gone", "grpo")
     proc = greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE, "--min-age", "3600",
                      env={"KUBECONFIG": os.environ["KUBECONFIG"]}, check_rc=0)
-    assert "HTTP 403" in proc.stderr and "ClusterRole" in proc.stderr and "lock rule" in proc.stderr
+    assert "HTTP 403" in proc.stderr and "ClusterRole" in proc.stderr and "lock rule alone" in proc.stderr
     assert os.path.exists(young)  # no pod listing: --min-age applies, nothing is reclaimed early
     assert api.events == []
+
+
+def test_the_loop_waits_out_a_forbidden_listing_and_picks_up_when_rbac_is_fixed(api, disk_dir):
+    """Was: the first 403 turned the pod rule off for the life of the process (and, with
+    the chart's age of 0, removed a restarting pod's files)."""
+    api.fail_next, api.fail_status = 3, 403  # the ClusterRole is granted after three tries
+    api.add_pod("uid-restarting", "grpo-0")
+    restarting = dead(disk_dir, "uid-restarting", "grpo")
+    gone = dead(disk_dir, "uid-gone", "grpo")
+    port = free_port()
+    proc = start_cli(disk_dir, port)
+    try:
+        values = wait_for(lambda: (v := scrape(port)).get("greenroom_reclaim_passes_total", 0) >= 2 and v,
+                          "two passes")
+    finally:
+        out, err = stop(proc)
+    assert os.path.exists(os.path.join(restarting, "offload", "state.bin"))
+    assert not os.path.exists(gone)  # the pod rule again, once the listing is allowed
+    assert [e["metadata"]["annotations"]["greenroom.dev/pod-uid"] for e in api.events] == ["uid-gone"]
+    assert values['greenroom_reclaim_errors_total{kind="api"}'] == 3
+    retries = [line for line in err.splitlines() if "skipping this pass" in line]
+    assert len(retries) == 3 and all("HTTP 403" in line for line in retries)
+    assert [line.rsplit("retrying in ", 1)[1] for line in retries] == ["0.1s", "0.2s", "0.4s"]
 
 
 def test_bad_input_is_one_line_and_exit_2(disk_dir, tmp_path):

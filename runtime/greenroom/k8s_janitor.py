@@ -21,11 +21,13 @@ otherwise leave one empty dir per pod on the node forever.
 
 Every reclaim becomes a Kubernetes Event on the Node (reason ``StaleOffloadReclaimed``,
 bytes freed, the pod and job it belonged to) and moves Prometheus counters served on
-``--metrics-port``. Without API access (no in-cluster service account and no kubeconfig,
-or a 401/403) the janitor falls back to the lock rule and says so once. A failed pod
-listing (API unreachable, 5xx, 429) skips that pass, since without the listing a
-restarting pod's dir cannot be told from a dead one's, and the next pass is retried
-with exponential backoff.
+``--metrics-port``. Without the pod listing a restarting pod's dir cannot be told from a
+dead one's, so a failed listing deletes nothing: an unreachable API, a 5xx or 429, and a
+401/403 (RBAC not, or no longer, granted) skip that pass, count an ``api`` error and are
+retried with exponential backoff, so the janitor picks up again once the API or its
+ClusterRole is back. The lock rule decides alone only where the operator gave a
+``--min-age`` above 0 (longer than a container restart): then with no credentials at all,
+and for the passes that get a 401/403. Without one, no credentials is a one-line error.
 
 Imports no torch: the janitor image runs only this.
 """
@@ -78,7 +80,8 @@ class JanitorConfig:
     metrics_address: str = "0.0.0.0"
     """Address the metrics endpoint binds (loopback in tests)."""
     min_age: float = 0.0
-    """``--min-age`` for dirs the pod rule leaves to the lock rule."""
+    """``--min-age`` for dirs the pod rule leaves to the lock rule. Above 0 it also lets the
+    lock rule decide alone when there is no listing for want of access (see the module doc)."""
     dry_run: bool = False
     """Decide and report, remove nothing, emit no Events."""
     as_json: bool = False
@@ -98,7 +101,12 @@ class ApiUnavailable(Exception):
 
 
 class NoApiAccess(Exception):
-    """No credentials, or the API refuses this identity (401/403): use the lock rule."""
+    """No credentials, or the API refuses this identity (401/403)."""
+
+
+# Said wherever the janitor deletes nothing for want of API access.
+LOCK_RULE_HINT = ("pass --min-age SECONDS, longer than any container restart, to let the lock rule "
+                  "decide alone meanwhile")
 
 
 class Metrics:
@@ -278,30 +286,36 @@ class Janitor:
         self.seen: dict[str, PodInfo] = {}
         self.stop = threading.Event()
 
-    def _fall_back(self, why: str) -> None:
-        self.lock_rule_only = True
-        self.api = None
-        log.warning(f"no Kubernetes API access: {why}; "
-                    "falling back to the lock rule (--min-age applies to every dir)")
-
     def connect(self) -> None:
         try:
             self.api = load_api()
         except NoApiAccess as e:
-            self._fall_back(str(e))
+            # With an age of 0 the lock rule alone would remove the files of every pod
+            # between container restarts: missing credentials are no reason to delete more.
+            if not self.config.min_age:
+                raise ConfigError(f"no Kubernetes API access: {e}; without its node's pod listing the janitor "
+                                  f"cannot tell a restarting pod from a gone one and deletes nothing: "
+                                  f"{LOCK_RULE_HINT}") from None
+            self.lock_rule_only = True
+            log.warning(f"no Kubernetes API access: {e}; the lock rule alone, --min-age "
+                        f"{self.config.min_age:g}s on every dir")
 
-    def one_pass(self) -> ReclaimReport | None:
-        """Reclaim once; None when the pod listing failed and the pass was skipped."""
+    def one_pass(self) -> ReclaimReport:
+        """Reclaim once. ApiUnavailable or NoApiAccess when the pod listing failed and
+        nothing was deleted."""
         rule = None
         if not self.lock_rule_only:
             try:
                 listed_at = time.time()
                 pods = list_node_pods(self.api, self.config.node_name)
-            except NoApiAccess as e:
-                self._fall_back(str(e))
-            except ApiUnavailable:
+            except (ApiUnavailable, NoApiAccess) as e:
                 self.metrics.errors.labels("api").inc()
-                raise
+                # A 401/403 is tried again each pass (RBAC gets fixed); meanwhile it only
+                # lets the lock rule decide where the operator gave it an age.
+                if isinstance(e, ApiUnavailable) or not self.config.min_age:
+                    raise
+                log.warning(f"{e}; this pass uses the lock rule alone, --min-age {self.config.min_age:g}s "
+                            "on every dir")
             else:
                 self.seen.update(pods)
                 rule = PodRule(pods, listed_at, self.seen)
@@ -343,7 +357,7 @@ class Janitor:
             try:
                 self.one_pass()
                 self.failures = 0
-            except ApiUnavailable as e:
+            except (ApiUnavailable, NoApiAccess) as e:
                 self.failures += 1
                 delay = self.next_delay()
                 log.warning(f"{e}; skipping this pass (a pod between restarts cannot be "
@@ -391,6 +405,8 @@ def run_janitor(config: JanitorConfig) -> int:
         except ApiUnavailable as e:
             raise ConfigError(f"{e} (is the API server reachable from this node? check the kubeconfig or "
                              "the in-cluster service account)") from None
+        except NoApiAccess as e:
+            raise ConfigError(f"{e}; nothing deleted ({LOCK_RULE_HINT})") from None
         return 1 if report.errors else 0
     if config.metrics_port:
         try:
