@@ -114,6 +114,15 @@ def test_the_longest_interval_renders_and_parses():
     assert command[command.index("--interval") + 1] == "86400"
 
 
+def test_the_janitor_is_told_its_node_and_its_own_pod():
+    """Its own pod must be in every listing of its node (k8s_janitor.check_listing): a wrong
+    node name made every pod's dir look gone. Was: POD_NAME not set, so nothing to check."""
+    (ds,) = by_kind(manifests(chart=JANITOR_CHART), "DaemonSet")
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]} == {
+        "NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
+
+
 def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
     from greenroom.reclaim_cli import configure_parser
     parser = argparse.ArgumentParser(exit_on_error=False)

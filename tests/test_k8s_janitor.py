@@ -34,6 +34,8 @@ from tests.cli_support import REPO, greenroom, one_line_error
 
 HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
 NODE = "gpu-node-7"
+# The janitor's own pod, on NODE in every listing of the fake API (the chart's POD_NAMESPACE/POD_NAME).
+JANITOR_NAMESPACE, JANITOR_POD = "greenroom-system", "greenroom-janitor-x7k2p"
 
 
 class FakeApi:
@@ -50,8 +52,9 @@ class FakeApi:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def add_pod(self, uid: str, name: str, phase: str = "Running", node: str = NODE) -> None:
-        self.pods.append({"metadata": {"uid": uid, "name": name, "namespace": "train",
+    def add_pod(self, uid: str, name: str, phase: str = "Running", node: str = NODE,
+                namespace: str = "train") -> None:
+        self.pods.append({"metadata": {"uid": uid, "name": name, "namespace": namespace,
                                        "labels": {"batch.kubernetes.io/job-name": "grpo"}},
                           "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "greenroom"}]},
                           "status": {"phase": phase}})
@@ -111,8 +114,11 @@ class FakeApi:
 @pytest.fixture
 def api(tmp_path, monkeypatch):
     fake = FakeApi()
+    fake.add_pod(str(uuid.uuid4()), JANITOR_POD, namespace=JANITOR_NAMESPACE)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", fake.kubeconfig(str(tmp_path)))
+    monkeypatch.setenv("POD_NAMESPACE", JANITOR_NAMESPACE)
+    monkeypatch.setenv("POD_NAME", JANITOR_POD)
     yield fake
     fake.close()
 
@@ -345,6 +351,22 @@ def test_the_loop_waits_out_a_forbidden_listing_and_picks_up_when_rbac_is_fixed(
     assert [line.rsplit("retrying in ", 1)[1] for line in retries] == ["0.1s", "0.2s", "0.4s"]
 
 
+# Outside a pod only an empty listing gives a wrong name away: another node's pods could be this one's.
+@pytest.mark.parametrize("node, in_pod", [("gpu-node-77", True), ("other-node", True), ("gpu-node-77", False)])
+def test_a_wrong_node_name_deletes_nothing(api, disk_dir, node, in_pod):
+    """A misspelt --node-name lists no pod (another node's name, that node's): every dir of
+    a pod here counted as gone, the running ones' too once their lock was free."""
+    api.add_pod("uid-restarting", "grpo-0")
+    api.add_pod("uid-there", "grpo-9", node="other-node")
+    restarting = dead(disk_dir, "uid-restarting", "grpo")
+    env = {} if in_pod else {"POD_NAME": ""}
+    line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", node, env=env))
+    assert f"node '{node}'" in line and "nothing deleted" in line
+    assert (f"janitor's own pod {JANITOR_NAMESPACE}/{JANITOR_POD}" in line) == in_pod
+    assert os.path.exists(os.path.join(restarting, "offload", "state.bin"))
+    assert api.events == []
+
+
 def test_bad_input_is_one_line_and_exit_2(disk_dir, tmp_path):
     env = {"KUBECONFIG": str(tmp_path / "absent"), "KUBERNETES_SERVICE_HOST": "", "NODE_NAME": ""}
     a_file = os.path.join(disk_dir, "file")
@@ -491,7 +513,7 @@ def test_a_pod_started_after_the_listing_keeps_its_dir_until_a_listing_has_it(ap
     assert os.path.exists(os.path.join(path, "offload", "state.bin"))
     api.add_pod(new, "grpo-0")  # the next listing has it: between restarts, kept
     assert decisions(janitor.one_pass())[path][0] == "kept"
-    api.pods.clear()  # gone: reclaimed at once, its empty pod dir too
+    api.pods = [p for p in api.pods if p["metadata"]["uid"] != new]  # gone: reclaimed at once, its pod dir too
     then = time.time() - 10
     os.utime(os.path.join(path, "owner.json"), (then, then))
     assert decisions(janitor.one_pass())[path] == ("reclaimed", "owner gone")

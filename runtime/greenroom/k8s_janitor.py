@@ -73,6 +73,10 @@ class JanitorConfig:
     """The node's offload root (the chart's hostPath, mounted into the janitor)."""
     node_name: str
     """This node's name (``--node-name``, from the downward API ``spec.nodeName``)."""
+    pod: str = ""
+    """This janitor's own pod, ``namespace/name`` (``$POD_NAMESPACE``/``$POD_NAME``, which the
+    chart sets from the downward API), that every listing of its node must hold; empty
+    outside a pod."""
     interval: float | None = None
     """Seconds between passes; None runs one pass and exits."""
     metrics_port: int = 0
@@ -172,6 +176,21 @@ def list_node_pods(api: k8s.CoreV1Api, node_name: str) -> dict[str, PodInfo]:
         found[meta.uid] = PodInfo(meta.name, meta.namespace, (pod.status.phase if pod.status else "") or "",
                                   job)
     return found
+
+
+def check_listing(pods: dict[str, PodInfo], node_name: str, own_pod: str) -> None:
+    """A listing that cannot be this node's is a ConfigError: a misspelt ``--node-name``
+    lists no pod, another node's name that node's, and either way every dir of a pod here
+    would count as gone. In a pod, the janitor's own pod must be listed; outside one, a node
+    runs at least one pod (its DaemonSets')."""
+    if own_pod:
+        if not any(f"{p.namespace}/{p.name}" == own_pod for p in pods.values()):
+            raise ConfigError(f"the pods the API lists on node {node_name!r} do not include this janitor's own "
+                              f"pod {own_pod}: --node-name is not the node it runs on (the chart passes "
+                              "$(NODE_NAME) from spec.nodeName); nothing deleted")
+    elif not pods:
+        raise ConfigError(f"the API lists no pod on node {node_name!r}: is --node-name right (kubectl get node "
+                          f"{node_name})? Every dir of a pod would have counted as gone; nothing deleted")
 
 
 _POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -317,6 +336,7 @@ class Janitor:
                 log.warning(f"{e}; this pass uses the lock rule alone, --min-age {self.config.min_age:g}s "
                             "on every dir")
             else:
+                check_listing(pods, self.config.node_name, self.config.pod)
                 self.seen.update(pods)
                 rule = PodRule(pods, listed_at, self.seen)
         # A node where nothing ran yet has no root: an empty pass, not a crash loop.

@@ -43,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
     if args.kubernetes:
         from greenroom.k8s_janitor import JanitorConfig, run_janitor  # the kubernetes client only when asked
 
+        pod = (os.environ.get("POD_NAMESPACE", ""), os.environ.get("POD_NAME", ""))
         return run_janitor(JanitorConfig(
             root=args.root, node_name=args.node_name or os.environ.get("NODE_NAME", ""),
+            pod="/".join(pod) if all(pod) else "",
             interval=args.interval, metrics_port=args.metrics_port or 0, min_age=args.min_age,
             dry_run=args.dry_run, as_json=args.json))
     if args.interval is not None or args.metrics_port is not None or args.node_name is not None:
