@@ -367,6 +367,20 @@ def test_a_wrong_node_name_deletes_nothing(api, disk_dir, node, in_pod):
     assert api.events == []
 
 
+def test_the_janitor_forgets_pods_gone_before_the_last_listing(api, disk_dir):
+    """Janitor.seen kept every pod the node ever ran, for the life of the process. It holds
+    this listing's pods and the last one's: enough to name a pod whose dir goes in the
+    first pass after it left (test_pod_rule_keeps_existing_pods_and_reclaims_gone_ones_at_once)."""
+    janitor = Janitor(JanitorConfig(root=disk_dir, node_name=NODE), out=open(os.devnull, "w"))
+    janitor.connect()
+    (own,) = api.pods
+    for i in range(5):  # one short pod after another
+        api.pods = [own]
+        api.add_pod(f"uid-{i}", f"short-{i}")
+        janitor.one_pass()
+    assert sorted(janitor.seen) == sorted([own["metadata"]["uid"], "uid-3", "uid-4"])
+
+
 def test_bad_input_is_one_line_and_exit_2(disk_dir, tmp_path):
     env = {"KUBECONFIG": str(tmp_path / "absent"), "KUBERNETES_SERVICE_HOST": "", "NODE_NAME": ""}
     a_file = os.path.join(disk_dir, "file")

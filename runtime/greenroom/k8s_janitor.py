@@ -243,7 +243,8 @@ class PodRule:
     pods: dict[str, PodInfo]
     listed_at: float
     """When the pod listing was asked for (``time.time()``)."""
-    # Pods seen in earlier passes, so an Event can name a pod after it is gone.
+    # The pods of this listing and the last one (``Janitor.seen``), so an Event can name a
+    # pod just gone.
     seen: dict[str, PodInfo] = field(default_factory=dict)
 
     def __call__(self, path: str, owner: dict) -> str | None:
@@ -303,6 +304,7 @@ class Janitor:
         self.lock_rule_only = False
         self.failures = 0
         self.seen: dict[str, PodInfo] = {}
+        self.last_listing: dict[str, PodInfo] = {}
         self.stop = threading.Event()
 
     def connect(self) -> None:
@@ -337,7 +339,12 @@ class Janitor:
                             "on every dir")
             else:
                 check_listing(pods, self.config.node_name, self.config.pod)
-                self.seen.update(pods)
+                # Names for the Events: this listing's pods and the last one's. A gone pod's
+                # dirs go in the first pass after it left the listing, named from the one
+                # before; one gone longer is named by its UID. (Keeping every pod ever
+                # seen grew with each pod the node ran, for the life of the process.)
+                self.seen = {**self.last_listing, **pods}
+                self.last_listing = pods
                 rule = PodRule(pods, listed_at, self.seen)
         # A node where nothing ran yet has no root: an empty pass, not a crash loop.
         report = reclaim(self.config.root, dry_run=self.config.dry_run, min_age=self.config.min_age,
