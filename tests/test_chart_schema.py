@@ -158,3 +158,13 @@ def test_torchrun_args_without_torchrun_are_refused_not_left_out():
 def test_greenroom_train_values_beside_a_command_are_refused_not_left_out(value):
     err = reject("command={python,t.py}", value)
     assert "configure greenroom train, which command replaces" in err
+
+
+@pytest.mark.parametrize("key", ["podLabels", "jobLabels"])
+@pytest.mark.parametrize("label", ["app.kubernetes.io/name", "app.kubernetes.io/component", "helm.sh/chart"])
+def test_labels_that_clash_with_the_charts_own_are_refused_naming_the_key(key, label):
+    # Before: rendered a second key; podLabels' component (or name) won on the pods, so the
+    # rendezvous Service and onePodPerNode's anti-affinity no longer selected them.
+    err = reject(f"{key}.{label.replace('.', chr(92) + '.')}=mine")
+    assert f"at '/{key}'" in err and "a label the chart sets (helm.sh/chart, app.kubernetes.io/name" in err
+    assert _chart_refuses(f"{key}.team=rl", f"{key}.kueue\\.x-k8s\\.io/queue-name=a") is None
