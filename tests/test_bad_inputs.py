@@ -144,6 +144,11 @@ CASES = {
     "train host cache 1e300": (lambda s: ["train", *SMALL, *STREAM, S(s, "off"),
                                           "--stream-optimizer-state-host-cache-gb", "1e300"],
                                {}, "and at most 1e+09 (an exabyte)"),
+    # past an exabyte of params or 2**31 ranks the byte figures overflowed: OverflowError tracebacks
+    "plan --params 1e308": (lambda s: ["plan", "--params", "1e308"], {},
+                            "--params 100000... (309 digits): expected 1 to 1e+18"),
+    "plan --world-size 400 digits": (lambda s: ["plan", *PLAN, "--world-size", "9" * 400], {},
+                                     "--world-size must be a positive integer of at most 2147483647"),
     "plan host cache abc": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb", "abc"],
                             {}, "--stream-optimizer-state-host-cache-gb: invalid float value"),
     "plan host cache huge": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb", "1e9"],
