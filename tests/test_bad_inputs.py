@@ -123,6 +123,13 @@ CASES = {
     "plan --sharding zero9": (lambda s: ["plan", "--params", "7B", "--sharding", "zero9"], {}, "invalid choice"),
     "plan read GB/s alone": (lambda s: ["plan", "--params", "7B", "--disk-read-gbps", "3"], {},
                              "--disk-read-gbps and --disk-write-gbps go together"),
+    # the seconds were inf (printed "inf s", and Infinity in --json, which is not JSON)
+    "plan --disk-read-gbps 5e-324": (lambda s: ["plan", *PLAN_STREAM(s), "--disk-read-gbps", "5e-324",
+                                                "--disk-write-gbps", "1", "--json"], {},
+                                     "--disk-read-gbps: 5e-324 GB/s: expected 1e-06 (1 KB/s) to 1e+06 (1 PB/s)"),
+    "plan --disk-write-gbps 1e308": (lambda s: ["plan", *PLAN_STREAM(s), "--disk-read-gbps", "1",
+                                                "--disk-write-gbps", "1e308", "--json"], {},
+                                     "--disk-write-gbps: 1e308 GB/s: expected"),
     "plan --measure-disk without a dir": (lambda s: ["plan", "--params", "7B", "--measure-disk"], {},
                                           "--measure-disk needs an existing --offload-train-disk-dir"),
     "plan disk dir is a file": (lambda s: ["plan", "--params", "1e6", *DISK, "--offload-train-disk-dir",

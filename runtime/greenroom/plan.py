@@ -21,7 +21,7 @@ from greenroom.budget import SHARDINGS, Layout, rank_budget, seconds
 from greenroom.config import GB, OffloadConfig, OffloadFlags, add_arguments, default_disk_dir
 from greenroom.optim.footprint import PARAM_DTYPES, muon_bytes_per_param, streamed_bytes_per_param
 from greenroom.rankdir import rank_dir_path
-from greenroom.units import gigabytes, parse_count, positive_float, positive_int
+from greenroom.units import gbps, gigabytes, parse_count, positive_int
 
 
 def _ints(d: dict) -> dict:
@@ -220,9 +220,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                            help="memory of one GPU, GB; without it the GPU fit is not judged")
     run_group.add_argument("--host-memory-gb", type=gigabytes, default=None, metavar="GB",
                            help="host memory of one node, GB (default: this machine's)")
-    run_group.add_argument("--disk-read-gbps", type=positive_float, default=None, metavar="GB/S",
+    run_group.add_argument("--disk-read-gbps", type=gbps, default=None, metavar="GB/S",
                            help="the node's disk read bandwidth (greenroom bench disk / doctor measure it)")
-    run_group.add_argument("--disk-write-gbps", type=positive_float, default=None, metavar="GB/S",
+    run_group.add_argument("--disk-write-gbps", type=gbps, default=None, metavar="GB/S",
                            help="the node's disk write bandwidth")
     run_group.add_argument("--measure-disk", action="store_true",
                            help="measure the disk dir's bandwidth with doctor's probe instead of giving it")

@@ -71,6 +71,19 @@ def gigabytes(text: str) -> float:
     return value
 
 
+# The disk bandwidths a plan takes, GB/s: from 1 KB/s to a PB/s. Past them the seconds
+# (bytes over bytes per second) overflow to inf, or the bytes per second do.
+MIN_GBPS, MAX_GBPS = 1e-6, 1e6
+
+
+def gbps(text: str) -> float:
+    """A disk bandwidth in GB/s (``--disk-read-gbps 6.5``), from ``MIN_GBPS`` to ``MAX_GBPS``."""
+    value = positive_float(text)
+    if not MIN_GBPS <= value <= MAX_GBPS:
+        raise argparse.ArgumentTypeError(f"{text} GB/s: expected {MIN_GBPS:g} (1 KB/s) to {MAX_GBPS:g} (1 PB/s)")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A positive finite number (``--gpu-memory-gb 80``, ``--disk-read-gbps 6.5``)."""
     try:
