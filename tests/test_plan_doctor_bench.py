@@ -67,6 +67,15 @@ def test_plan_exits_2_when_the_state_does_not_fit(disk_dir):
     assert "the state needs" in one_line_error(proc)
 
 
+def test_plan_verdict_is_not_ok_when_the_host_memory_does_not_fit_though_the_disk_does(disk_dir):
+    # The verdict line judged the disk alone: "verdict: OK" above plan's own error and exit 2.
+    proc = greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
+                     "--params", "1e6", "--host-memory-gb", "0.1")
+    assert "of host memory" in one_line_error(proc)
+    [verdict] = [line for line in proc.stdout.splitlines() if line.startswith("verdict:")]
+    assert verdict.startswith("verdict:    DOES NOT FIT: ") and "(the disk fits; the error says what does not)" in verdict
+
+
 def test_plan_without_disk_says_so():
     out = greenroom("plan", "--params", "1e6", "--offload-train", check_rc=0).stdout
     assert "offload:    cpu" in out and "disk:       not used" in out

@@ -195,9 +195,12 @@ def print_plan(plan: dict) -> None:
         print(f"compression: {plan['compression']}: a step or sleep is expected to move "
               f"{fs.human_bytes(stored['total'])} per rank instead of {fs.human_bytes(d['total'])} "
               f"({d['total'] / stored['total']:.2f}x less; the files keep their full size)")
-    verdict = "OK" if plan["fits"] else "DOES NOT FIT"
+    # The plan's verdict, not the disk's alone: a node's host memory or a GPU that does not
+    # fit fails it too (plan exits 2 on any problem).
+    verdict = "OK" if not plan["problems"] else "DOES NOT FIT"
     print(f"verdict:    {verdict}: {plan['nproc_per_node']} rank(s) on this node need "
-          f"{fs.human_bytes(plan['disk_bytes_per_node'])}, {fs.human_bytes(plan['free_bytes'])} free")
+          f"{fs.human_bytes(plan['disk_bytes_per_node'])} on disk, {fs.human_bytes(plan['free_bytes'])} free"
+          + (" (the disk fits; the error says what does not)" if plan["problems"] and plan["fits"] else ""))
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
