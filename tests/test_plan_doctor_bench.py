@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -97,6 +98,33 @@ def test_doctor_flags_tmpfs():
         pytest.skip("/dev/shm is not a tmpfs mount on this machine: no tmpfs dir to show doctor")
     proc = greenroom("doctor", "/dev/shm", "--no-probe")
     assert proc.returncode == 1 and "NOT FIT: tmpfs keeps the data in RAM" in proc.stdout
+
+
+def test_doctor_probes_a_disk_with_less_free_than_a_raw_block_and_says_when_it_has_no_room(tmp_path):
+    """A 16 MiB filesystem (a tmpfs of its own, root only): the probe's file was rounded up to
+    a 64 MiB block, and doctor died with ENOSPC's traceback."""
+    small = str(tmp_path / "small")
+    os.makedirs(small)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", small], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        proc = greenroom("doctor", small, "--json")
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        result = json.loads(proc.stdout)
+        assert result["read_gbps"] > 0 and result["write_gbps"] > 0
+        assert result["problems"] == ["tmpfs keeps the data in RAM"]
+        # Under 4 MiB free (a quarter for the probe, at least 1 MiB) there is nothing to probe in.
+        with open(os.path.join(small, "fill"), "wb") as f:
+            f.write(b"\0" * (13 << 20))
+        result = json.loads(greenroom("doctor", small, "--json").stdout)
+        assert result["read_gbps"] is None
+        assert result["problems"][1] == "3.0 MiB free: too little to probe the bandwidth or hold offloaded state"
+        line = one_line_error(greenroom("plan", "--params", "1e6", "--stream-optimizer-state-to-disk",
+                                        "--offload-train-disk-dir", small, "--allow-tmpfs", "--measure-disk"))
+        assert "has 3.0 MiB free: too little to probe its bandwidth" in line
+        assert os.listdir(small) == ["fill"]
+    finally:
+        subprocess.run(["umount", small], check=True)
 
 
 def test_bench_disk_json_has_raw_and_engine_figures(disk_dir):
