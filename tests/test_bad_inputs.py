@@ -230,6 +230,12 @@ CASES = {
                                        {}, "bench codec --threads: expected 1 to 128"),
     "bench stream --raw-size past the disk": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s,
                                                          "--raw-size", "1000000TiB"], {}, "(+ --raw-size 976.6 PiB)"),
+    # a missing --dir was made (parents too) and left behind after the bench
+    "bench offload --dir missing": (lambda s: ["bench", "offload", "--size", "1MiB", "--dir", S(s, "nope", "sub")],
+                                    {}, "bench offload --offload-train-disk-dir"),
+    "bench codec --dir missing": (lambda s: ["bench", "codec", "--compression", "zstd", "--size", "1",
+                                             "--state", "random", "--dir", S(s, "nope")], {},
+                                  "bench codec --dir"),
     "bench disk no DIR": (lambda s: ["bench", "disk"], {}, "give the dir: --offload-train-disk-dir DIR"),
     "bench disk two dirs": (lambda s: ["bench", "disk", s, "--offload-train-disk-dir", S(s, "adir")], {},
                             "differ: give one"),

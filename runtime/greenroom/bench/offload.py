@@ -268,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):
         raise ConfigError("bench offload --offload-train-target disk needs --offload-train-disk-dir DIR on node-local "
                           "NVMe (or $SCRATCH)")
+    if args.target == "disk" and args.dir and not os.path.isdir(args.dir):
+        # As bench disk and doctor: the rank dir's root would be made here and left behind.
+        raise ConfigError(f"bench offload --offload-train-disk-dir {args.dir} is not a directory (create it on "
+                          "node-local NVMe first)")
     result = measure(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))
