@@ -92,6 +92,8 @@ def test_bench_stream_with_a_host_cache_moves_only_the_uncached_buckets(disk_dir
                       check_rc=0).stdout
     assert "host cache: 5 of 5 buckets" in every and "on disk 0.00 GB" in every
     assert "every bucket is in the host cache" in every
+    # Nothing written to disk: no stored ratio (was "0.00x smaller than the state").
+    assert "written 0.00 GB per step (none of the state went to disk)" in every
     assert os.listdir(disk_dir) == []
 
 
