@@ -140,6 +140,15 @@ def test_bench_disk_json_has_raw_and_engine_figures(disk_dir):
     assert result["write_ratio"] == result["spread"]["write_ratio"]["median"]
 
 
+def test_bench_disk_raw_probe_moves_the_bytes_the_engine_does(disk_dir):
+    # A --size under 64 MiB was set beside a raw probe of one 64 MiB block: each ratio was a
+    # 4 MiB transfer's rate over a 64 MiB one's.
+    result = json.loads(greenroom("bench", "disk", disk_dir, "--size", "4MiB", "--chunk-mb", "2", "--repeat", "1",
+                                  "--json", check_rc=0).stdout)
+    assert result["raw"]["nbytes"] == result["engine"]["nbytes"] == 4 << 20
+    assert os.listdir(disk_dir) == []
+
+
 def test_bench_disk_repeat_and_the_train_flag_names(disk_dir):
     proc = greenroom("bench", "disk", "--offload-train-disk-dir", disk_dir, "--size", "4MiB",
                      "--offload-train-disk-chunk-mb", "2", "--repeat", "2", check_rc=0)

@@ -46,12 +46,11 @@ def _probe_bytes(directory: str) -> int:
 
 
 def _raw_probe(scratch: str, directory: str):
-    from greenroom.bench.disk import RAW_BLOCK, raw_bandwidth
+    from greenroom.bench.disk import raw_bandwidth
 
-    size = _probe_bytes(directory)
-    # Blocks no larger than the probe: the raw probe rounds its file up to whole blocks,
-    # and 64 MiB ones overran a disk with less than that free (ENOSPC, a traceback).
-    return raw_bandwidth(scratch, size, block=min(RAW_BLOCK, size))
+    # Its blocks are no larger than the probe (``raw_block``): 64 MiB ones overran a disk
+    # with less than that free (ENOSPC, a traceback).
+    return raw_bandwidth(scratch, _probe_bytes(directory))
 
 
 def probe(directory: str):
