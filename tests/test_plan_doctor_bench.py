@@ -119,6 +119,7 @@ def test_doctor_probes_a_disk_with_less_free_than_a_raw_block_and_says_when_it_h
         result = json.loads(greenroom("doctor", small, "--json").stdout)
         assert result["read_gbps"] is None
         assert result["problems"][1] == "3.0 MiB free: too little to probe the bandwidth or hold offloaded state"
+        assert "free space: 3.0 MiB\n" in greenroom("doctor", small).stdout  # was "0.0 GiB"
         line = one_line_error(greenroom("plan", "--params", "1e6", "--stream-optimizer-state-to-disk",
                                         "--offload-train-disk-dir", small, "--allow-tmpfs", "--measure-disk"))
         assert "has 3.0 MiB free: too little to probe its bandwidth" in line

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(r, sort_keys=True))
         return 0 if r["fit"] else 1
     print(f"filesystem: {r['filesystem']} ({r['source']} at {r['mount_point']})")
-    print(f"free space: {r['free_bytes'] / 2**30:.1f} GiB")
+    print(f"free space: {fs.human_bytes(r['free_bytes'])}")  # in GiB, 16 MiB read "0.0 GiB"
     print(f"O_DIRECT:   {'yes' if r['o_direct'] else 'no (buffered I/O with fdatasync + DONTNEED)'}")
     memlock = _limit(resource.RLIM_INFINITY if r["memlock_bytes"] is None else r["memlock_bytes"])
     print(f"memlock:    {memlock} (both mechanisms pin {r['staging_bytes'] / MIB:.0f} MiB per rank)")
