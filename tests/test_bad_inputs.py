@@ -111,6 +111,11 @@ CASES = {
     "plan --world-size 0": (lambda s: ["plan", "--params", "7B", "--world-size", "0"], {},
                             "--world-size: must be a positive integer"),
     "plan --params -5": (lambda s: ["plan", "--params", "-5"], {}, "--params: '-5': must be a positive count"),
+    # was "'1e400': must be a positive count", of a number past a float's range
+    "plan --params 1e400": (lambda s: ["plan", "--params", "1e400"], {},
+                            "--params: '1e400' is too large to be a count (e.g. 7B"),
+    "bench disk --size 1e308TiB": (lambda s: ["bench", "disk", s, "--size", "1e308TiB"], {},
+                                   "--size: '1e308TiB' is too large to be a size"),
     "plan --params abc": (lambda s: ["plan", "--params", "abc"], {}, "--params: 'abc' is not a count"),
     "plan --params 7X": (lambda s: ["plan", "--params", "7X"], {}, "--params: '7X' is not a count"),
     "plan no --params": (lambda s: ["plan"], {}, "required: --params"),

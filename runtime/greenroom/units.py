@@ -27,7 +27,9 @@ def _parse(text: str, units: dict[str, int], what: str, examples: str) -> float:
     if match is None or unit not in units:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what} (e.g. {examples})")
     value = float(match.group(1)) * units[unit]
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value):  # the regex takes no inf or nan: past a float's range (1e400, 1e308TiB)
+        raise argparse.ArgumentTypeError(f"{text!r} is too large to be {what} (e.g. {examples})")
+    if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be a positive {what.split()[-1]}")
     return value
 
