@@ -42,6 +42,15 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def bytes_or_zero(text: str) -> int:
+    """``parse_bytes``, or 0 for any spelling of zero (``0``, ``0B``, ``0GiB``, ``0.0``): a
+    size whose default is none (``--untracked-size``)."""
+    match = _NUMBER.match(text)
+    if match and match.group(2).lower() in _BYTE_UNITS and float(match.group(1)) == 0:
+        return 0
+    return parse_bytes(text)
+
+
 def parse_count(text: str) -> int:
     """``7B`` -> 7000000000; a whole count (of params, elements)."""
     value = _parse(text, _COUNT_UNITS, "a count", "7B, 70B, 744e9, 2000000")
