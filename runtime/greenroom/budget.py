@@ -138,17 +138,18 @@ def rank_budget(layout: Layout, config: OffloadFlags, codec: str | None) -> dict
 
 
 def seconds(rank: dict, *, nproc_per_node: int, read_gbps: float | None, write_gbps: float | None,
-            offload_to_disk: bool) -> dict:
+            offload_to_disk: bool, streaming: bool) -> dict:
     """Expected seconds from the node's disk figures, shared by the node's ranks: a
     streamed step reads and writes back its buckets (through the one disk, so the two
-    add up), a sleep writes the paused actor, a wake reads it."""
+    add up; with ``streaming``), a sleep writes the paused actor, a wake reads it."""
     if read_gbps is None or write_gbps is None:
         return {}
     read = read_gbps * 1e9 / nproc_per_node
     write = write_gbps * 1e9 / nproc_per_node
     step = rank["streamed_per_step"]
-    out = {"read_bytes_per_s_per_rank": read, "write_bytes_per_s_per_rank": write,
-           "streamed_step": step / read + step / write if step else 0.0}
+    out = {"read_bytes_per_s_per_rank": read, "write_bytes_per_s_per_rank": write}
+    if streaming:  # without it no step streams: no "streamed step 0.0 s"
+        out["streamed_step"] = step / read + step / write if step else 0.0
     if offload_to_disk:
         out.update(sleep=rank["paused_actor_stored"] / write, wake=rank["paused_actor_stored"] / read)
     return out

@@ -69,7 +69,8 @@ def build_plan(config: OffloadFlags, layout: Layout, *, role: str, job: str, gpu
     plan["disk_gbps"] = None if disk_gbps is None else {"read": disk_gbps[0], "write": disk_gbps[1],
                                                         "source": disk_source}
     plan["seconds"] = seconds(rank, nproc_per_node=n, read_gbps=disk_gbps and disk_gbps[0],
-                              write_gbps=disk_gbps and disk_gbps[1], offload_to_disk=config.offload_to_disk)
+                              write_gbps=disk_gbps and disk_gbps[1], offload_to_disk=config.offload_to_disk,
+                              streaming=config.stream_optimizer_state_to_disk)
     if config.stream_optimizer_state_to_disk:
         moments = config.stream_optimizer_state_moment_dtype
         # Per 16-bit param (fp32 master on disk); the figures above are StreamingAdam's.
@@ -168,11 +169,10 @@ def print_plan(plan: dict) -> None:
     s = plan["seconds"]
     if s:
         d = plan["disk_gbps"]
-        line = (f"time:       disk {d['read']:g}/{d['write']:g} GB/s read/write per node ({d['source']}): "
-                f"streamed step {s['streamed_step']:.1f} s")
-        if "sleep" in s:
-            line += f", sleep {s['sleep']:.1f} s, wake {s['wake']:.1f} s"
-        print(line)
+        parts = ([f"streamed step {s['streamed_step']:.1f} s"] if "streamed_step" in s else []) + (
+            [f"sleep {s['sleep']:.1f} s, wake {s['wake']:.1f} s"] if "sleep" in s else [])
+        print(f"time:       disk {d['read']:g}/{d['write']:g} GB/s read/write per node ({d['source']}): "
+              + (", ".join(parts) or "nothing of this plan moves through the disk"))
     if "disk_dir" not in plan:
         print("disk:       " + ("no --offload-train-disk-dir (nor $SCRATCH): free space not checked"
                                  if plan["disk_bytes_per_rank"]["total"] else "not used"))
