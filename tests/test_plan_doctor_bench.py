@@ -74,7 +74,8 @@ def test_plan_verdict_is_not_ok_when_the_host_memory_does_not_fit_though_the_dis
                      "--params", "1e6", "--host-memory-gb", "0.1")
     assert "of host memory" in one_line_error(proc)
     [verdict] = [line for line in proc.stdout.splitlines() if line.startswith("verdict:")]
-    assert verdict.startswith("verdict:    DOES NOT FIT: ") and "(the disk fits; the error says what does not)" in verdict
+    assert verdict.startswith("verdict:    DOES NOT FIT: ")
+    assert verdict.endswith("(the disk fits; the error says what does not)")
 
 
 def test_plan_without_disk_says_so():

@@ -96,7 +96,7 @@ def gbps(text: str) -> float:
 
 
 def positive_float(text: str) -> float:
-    """A positive finite number (``--gpu-memory-gb 80``, ``--disk-read-gbps 6.5``)."""
+    """A positive finite number (``--gpu-memory-gb 80``)."""
     try:
         value = float(text)
     except ValueError:
