@@ -92,6 +92,8 @@ def test_bench_stream_with_a_host_cache_moves_only_the_uncached_buckets(disk_dir
                       check_rc=0).stdout
     assert "host cache: 5 of 5 buckets" in every and "on disk 0.00 GB" in every
     assert "every bucket is in the host cache" in every
+    # Nothing written to disk: no stored ratio (was "0.00x smaller than the state").
+    assert "written 0.00 GB per step (none of the state went to disk)" in every
     assert os.listdir(disk_dir) == []
 
 
@@ -140,6 +142,27 @@ def test_against_deepspeed_is_refused_in_one_line_where_it_cannot_run(disk_dir):
     line = one_line_error(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--against", "deepspeed"))
     assert "--against deepspeed" in line
     assert os.listdir(disk_dir) == []
+
+
+def test_the_peer_runs_in_a_rank_dir_of_its_own_and_leaves_a_users_deepspeed_nvme_alone(disk_dir):
+    """The peer wrote into --dir itself and then deleted DIR/deepspeed-nvme whole, a user's
+    dir of that name included. Here the child fails (no DeepSpeed, or no GPU): the cleanup
+    runs all the same."""
+    import argparse
+
+    from greenroom.bench.peer import beside_deepspeed
+    from greenroom.errors import GreenroomError
+
+    theirs = os.path.join(disk_dir, "deepspeed-nvme")
+    os.makedirs(theirs)
+    with open(os.path.join(theirs, "keep.txt"), "w") as f:
+        f.write("mine")
+    args = argparse.Namespace(params=1000, dir=disk_dir, steps=1, param_numel=1000, allow_tmpfs=False)
+    with pytest.raises(GreenroomError, match="--against deepspeed: the DeepSpeed run failed"):
+        beside_deepspeed(args, {})
+    assert os.listdir(disk_dir) == ["deepspeed-nvme"] and os.listdir(theirs) == ["keep.txt"]
+    with open(os.path.join(theirs, "keep.txt")) as f:
+        assert f.read() == "mine"
 
 
 def test_the_runtime_never_imports_deepspeed():

@@ -165,3 +165,12 @@ def test_plan_measures_the_disk_when_asked(disk_dir):
     # 1e6 bf16 params: 12 MB streamed per step each way; 4 MB of weights and grads per sleep.
     assert p["seconds"]["streamed_step"] == pytest.approx(12e6 / read + 12e6 / write)
     assert p["seconds"]["sleep"] == pytest.approx(4e6 / write) and p["seconds"]["wake"] == pytest.approx(4e6 / read)
+
+
+def test_a_plan_without_streaming_gives_no_streamed_step_time():
+    # Was "streamed step 0.0 s" (and streamed_step 0.0 in --json) for a run that streams nothing.
+    disk = plan({"offload_train": True, "offload_train_target": "disk"}, **SEVENTY_B, disk_gbps=(16.0, 8.0))
+    assert "streamed_step" not in disk["seconds"] and "sleep" in disk["seconds"]
+    out = greenroom("plan", "--params", "1e6", "--disk-read-gbps", "2", "--disk-write-gbps", "1", check_rc=0).stdout
+    assert "time:       disk 2/1 GB/s read/write per node (given): nothing of this plan moves through the disk" in out
+    assert "streamed step" not in out

@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -67,6 +68,16 @@ def test_plan_exits_2_when_the_state_does_not_fit(disk_dir):
     assert "the state needs" in one_line_error(proc)
 
 
+def test_plan_verdict_is_not_ok_when_the_host_memory_does_not_fit_though_the_disk_does(disk_dir):
+    # The verdict line judged the disk alone: "verdict: OK" above plan's own error and exit 2.
+    proc = greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
+                     "--params", "1e6", "--host-memory-gb", "0.1")
+    assert "of host memory" in one_line_error(proc)
+    [verdict] = [line for line in proc.stdout.splitlines() if line.startswith("verdict:")]
+    assert verdict.startswith("verdict:    DOES NOT FIT: ")
+    assert verdict.endswith("(the disk fits; the error says what does not)")
+
+
 def test_plan_without_disk_says_so():
     out = greenroom("plan", "--params", "1e6", "--offload-train", check_rc=0).stdout
     assert "offload:    cpu" in out and "disk:       not used" in out
@@ -90,6 +101,34 @@ def test_doctor_flags_tmpfs():
     assert proc.returncode == 1 and "NOT FIT: tmpfs keeps the data in RAM" in proc.stdout
 
 
+def test_doctor_probes_a_disk_with_less_free_than_a_raw_block_and_says_when_it_has_no_room(tmp_path):
+    """A 16 MiB filesystem (a tmpfs of its own, root only): the probe's file was rounded up to
+    a 64 MiB block, and doctor died with ENOSPC's traceback."""
+    small = str(tmp_path / "small")
+    os.makedirs(small)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", small], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        proc = greenroom("doctor", small, "--json")
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        result = json.loads(proc.stdout)
+        assert result["read_gbps"] > 0 and result["write_gbps"] > 0
+        assert result["problems"] == ["tmpfs keeps the data in RAM"]
+        # Under 4 MiB free (a quarter for the probe, at least 1 MiB) there is nothing to probe in.
+        with open(os.path.join(small, "fill"), "wb") as f:
+            f.write(b"\0" * (13 << 20))
+        result = json.loads(greenroom("doctor", small, "--json").stdout)
+        assert result["read_gbps"] is None
+        assert result["problems"][1] == "3.0 MiB free: too little to probe the bandwidth or hold offloaded state"
+        assert "free space: 3.0 MiB\n" in greenroom("doctor", small).stdout  # was "0.0 GiB"
+        line = one_line_error(greenroom("plan", "--params", "1e6", "--stream-optimizer-state-to-disk",
+                                        "--offload-train-disk-dir", small, "--allow-tmpfs", "--measure-disk"))
+        assert "has 3.0 MiB free: too little to probe its bandwidth" in line
+        assert os.listdir(small) == ["fill"]
+    finally:
+        subprocess.run(["umount", small], check=True)
+
+
 def test_bench_disk_json_has_raw_and_engine_figures(disk_dir):
     result = json.loads(greenroom("bench", "disk", disk_dir, "--size", "8MiB", "--chunk-mb", "2", "--json",
                                   check_rc=0).stdout)
@@ -101,6 +140,15 @@ def test_bench_disk_json_has_raw_and_engine_figures(disk_dir):
     for name, spread in result["spread"].items():
         assert spread["min"] <= spread["median"] <= spread["max"], name
     assert result["write_ratio"] == result["spread"]["write_ratio"]["median"]
+
+
+def test_bench_disk_raw_probe_moves_the_bytes_the_engine_does(disk_dir):
+    # A --size under 64 MiB was set beside a raw probe of one 64 MiB block: each ratio was a
+    # 4 MiB transfer's rate over a 64 MiB one's.
+    result = json.loads(greenroom("bench", "disk", disk_dir, "--size", "4MiB", "--chunk-mb", "2", "--repeat", "1",
+                                  "--json", check_rc=0).stdout)
+    assert result["raw"]["nbytes"] == result["engine"]["nbytes"] == 4 << 20
+    assert os.listdir(disk_dir) == []
 
 
 def test_bench_disk_repeat_and_the_train_flag_names(disk_dir):

@@ -25,8 +25,13 @@ from greenroom.optim.footprint import (GRAD_BYTES, MASTER_BYTES, PARAM_BYTES, RE
                                        resident_optimizer_bytes_per_param, streamed_bytes_per_param,
                                        streaming_device_bytes)
 from greenroom.optim.layout import DEFAULT_BUCKET_NUMEL, DEVICE_BUFFERS
+from greenroom.statedir import MAX_LAUNCHER_NUMBER
 
 SHARDINGS = ("none", "optimizer", "full")
+# Past these the byte figures (floats) overflow to inf or past what int() takes: an
+# exabyte of params, and the most ranks torch.distributed and NCCL count.
+MAX_PARAMS = 10**18
+MAX_RANKS = MAX_LAUNCHER_NUMBER
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,12 +46,13 @@ class Layout:
     param_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
-        if self.params <= 0:
-            raise ConfigError(f"--params must be positive, got {self.params}")
+        if not 0 < self.params <= MAX_PARAMS:
+            raise ConfigError(f"--params {_shown(self.params)}: expected 1 to {MAX_PARAMS:.0e} (a quintillion params)")
         for flag, value in (("--world-size", self.world_size), ("--nproc-per-node", self.nproc_per_node),
                             ("--data-parallel", self.data_parallel)):
-            if value <= 0:
-                raise ConfigError(f"{flag} must be a positive integer, got {value}")
+            if not 0 < value <= MAX_RANKS:
+                raise ConfigError(f"{flag} must be a positive integer of at most {MAX_RANKS} (as torch.distributed "
+                                  f"counts ranks), got {_shown(value)}")
         if self.world_size % self.data_parallel:
             raise ConfigError(f"--data-parallel {self.data_parallel} must divide --world-size {self.world_size} "
                               "(the model-parallel degree is world size / data parallel)")
@@ -72,6 +78,12 @@ class Layout:
         """Params whose optimizer state a rank holds."""
         local = self.params / self.model_parallel
         return local if self.sharding == "none" else local / self.data_parallel
+
+
+def _shown(n: int) -> str:
+    """``n`` for an error line: a number of hundreds of digits is cut to its length."""
+    digits = str(n)
+    return digits if len(digits) <= 24 else f"{digits[:6]}... ({len(digits)} digits)"
 
 
 def _stored(nbytes: float, codec: str | None, kind: str) -> float:
@@ -126,17 +138,18 @@ def rank_budget(layout: Layout, config: OffloadFlags, codec: str | None) -> dict
 
 
 def seconds(rank: dict, *, nproc_per_node: int, read_gbps: float | None, write_gbps: float | None,
-            offload_to_disk: bool) -> dict:
+            offload_to_disk: bool, streaming: bool) -> dict:
     """Expected seconds from the node's disk figures, shared by the node's ranks: a
     streamed step reads and writes back its buckets (through the one disk, so the two
-    add up), a sleep writes the paused actor, a wake reads it."""
+    add up; with ``streaming``), a sleep writes the paused actor, a wake reads it."""
     if read_gbps is None or write_gbps is None:
         return {}
     read = read_gbps * 1e9 / nproc_per_node
     write = write_gbps * 1e9 / nproc_per_node
     step = rank["streamed_per_step"]
-    out = {"read_bytes_per_s_per_rank": read, "write_bytes_per_s_per_rank": write,
-           "streamed_step": step / read + step / write if step else 0.0}
+    out = {"read_bytes_per_s_per_rank": read, "write_bytes_per_s_per_rank": write}
+    if streaming:  # without it no step streams: no "streamed step 0.0 s"
+        out["streamed_step"] = step / read + step / write if step else 0.0
     if offload_to_disk:
         out.update(sleep=rank["paused_actor_stored"] / write, wake=rank["paused_actor_stored"] / read)
     return out

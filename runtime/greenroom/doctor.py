@@ -19,10 +19,12 @@ import resource
 
 from greenroom import cliflags, fs
 from greenroom.config import MIB, check_host_bytes
+from greenroom.diskio import ALIGNMENT
 from greenroom.errors import ConfigError
 from greenroom.rankdir import RankDir, check_root
 
 PROBE_BYTES = 256 * MIB
+MIN_PROBE_BYTES = MIB
 
 
 def _limit(value: int) -> str:
@@ -37,15 +39,26 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.json_flag(parser)
 
 
+def _probe_bytes(directory: str) -> int:
+    """The probe's size: a quarter of the free space, at most ``PROBE_BYTES``, in whole
+    pages; under ``MIN_PROBE_BYTES`` there is no room to probe."""
+    return min(PROBE_BYTES, fs.free_bytes(directory) // 4) // ALIGNMENT * ALIGNMENT
+
+
 def _raw_probe(scratch: str, directory: str):
     from greenroom.bench.disk import raw_bandwidth
 
-    return raw_bandwidth(scratch, min(PROBE_BYTES, max(fs.free_bytes(directory) // 4, MIB)))
+    # Its blocks are no larger than the probe (``raw_block``): 64 MiB ones overran a disk
+    # with less than that free (ENOSPC, a traceback).
+    return raw_bandwidth(scratch, _probe_bytes(directory))
 
 
 def probe(directory: str):
     """The quick raw bandwidth probe (``greenroom.bench.disk.raw_bandwidth``), sized to
     the free space, in a rank dir of its own under ``directory`` (never in it)."""
+    if _probe_bytes(directory) < MIN_PROBE_BYTES:
+        raise ConfigError(f"{directory} has {fs.human_bytes(fs.free_bytes(directory))} free: too little to probe its "
+                          "bandwidth (or hold offloaded state); free some space or use a larger disk")
     with RankDir(directory, role="doctor", allow_tmpfs=True) as rank_dir:
         return _raw_probe(rank_dir.path, directory)
 
@@ -56,9 +69,10 @@ def check(directory: str, *, chunk_mb: int, bandwidth: bool) -> dict:
     mount = fs.mount_of(directory)
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     need = 2 * chunk_mb * MIB
+    roomy = _probe_bytes(directory) >= MIN_PROBE_BYTES
     with RankDir(directory, role="doctor", allow_tmpfs=True) as rank_dir:
         o_direct = fs.supports_o_direct(rank_dir.path)
-        measured = _raw_probe(rank_dir.path, directory) if bandwidth else None
+        measured = _raw_probe(rank_dir.path, directory) if bandwidth and roomy else None
     result = {
         "dir": directory, "filesystem": mount.fstype, "source": mount.source, "mount_point": mount.mount_point,
         "free_bytes": fs.free_bytes(directory), "o_direct": o_direct,
@@ -70,6 +84,9 @@ def check(directory: str, *, chunk_mb: int, bandwidth: bool) -> dict:
     }
     if mount.fstype in fs.MEMORY_FILESYSTEMS:
         result["problems"].append(f"{mount.fstype} keeps the data in RAM")
+    if not roomy:
+        result["problems"].append(f"{fs.human_bytes(result['free_bytes'])} free: too little to probe the bandwidth "
+                                  "or hold offloaded state")
     if measured is not None:
         result.update(read_gbps=measured.read_bytes_per_s / 1e9, write_gbps=measured.write_bytes_per_s / 1e9)
     result["fit"] = not result["problems"]
@@ -90,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(r, sort_keys=True))
         return 0 if r["fit"] else 1
     print(f"filesystem: {r['filesystem']} ({r['source']} at {r['mount_point']})")
-    print(f"free space: {r['free_bytes'] / 2**30:.1f} GiB")
+    print(f"free space: {fs.human_bytes(r['free_bytes'])}")  # in GiB, 16 MiB read "0.0 GiB"
     print(f"O_DIRECT:   {'yes' if r['o_direct'] else 'no (buffered I/O with fdatasync + DONTNEED)'}")
     memlock = _limit(resource.RLIM_INFINITY if r["memlock_bytes"] is None else r["memlock_bytes"])
     print(f"memlock:    {memlock} (both mechanisms pin {r['staging_bytes'] / MIB:.0f} MiB per rank)")

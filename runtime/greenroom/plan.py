@@ -21,7 +21,7 @@ from greenroom.budget import SHARDINGS, Layout, rank_budget, seconds
 from greenroom.config import GB, OffloadConfig, OffloadFlags, add_arguments, default_disk_dir
 from greenroom.optim.footprint import PARAM_DTYPES, muon_bytes_per_param, streamed_bytes_per_param
 from greenroom.rankdir import rank_dir_path
-from greenroom.units import gigabytes, parse_count, positive_float, positive_int
+from greenroom.units import gbps, gigabytes, parse_count, positive_int
 
 
 def _ints(d: dict) -> dict:
@@ -69,7 +69,8 @@ def build_plan(config: OffloadFlags, layout: Layout, *, role: str, job: str, gpu
     plan["disk_gbps"] = None if disk_gbps is None else {"read": disk_gbps[0], "write": disk_gbps[1],
                                                         "source": disk_source}
     plan["seconds"] = seconds(rank, nproc_per_node=n, read_gbps=disk_gbps and disk_gbps[0],
-                              write_gbps=disk_gbps and disk_gbps[1], offload_to_disk=config.offload_to_disk)
+                              write_gbps=disk_gbps and disk_gbps[1], offload_to_disk=config.offload_to_disk,
+                              streaming=config.stream_optimizer_state_to_disk)
     if config.stream_optimizer_state_to_disk:
         moments = config.stream_optimizer_state_moment_dtype
         # Per 16-bit param (fp32 master on disk); the figures above are StreamingAdam's.
@@ -168,11 +169,10 @@ def print_plan(plan: dict) -> None:
     s = plan["seconds"]
     if s:
         d = plan["disk_gbps"]
-        line = (f"time:       disk {d['read']:g}/{d['write']:g} GB/s read/write per node ({d['source']}): "
-                f"streamed step {s['streamed_step']:.1f} s")
-        if "sleep" in s:
-            line += f", sleep {s['sleep']:.1f} s, wake {s['wake']:.1f} s"
-        print(line)
+        parts = ([f"streamed step {s['streamed_step']:.1f} s"] if "streamed_step" in s else []) + (
+            [f"sleep {s['sleep']:.1f} s, wake {s['wake']:.1f} s"] if "sleep" in s else [])
+        print(f"time:       disk {d['read']:g}/{d['write']:g} GB/s read/write per node ({d['source']}): "
+              + (", ".join(parts) or "nothing of this plan moves through the disk"))
     if "disk_dir" not in plan:
         print("disk:       " + ("no --offload-train-disk-dir (nor $SCRATCH): free space not checked"
                                  if plan["disk_bytes_per_rank"]["total"] else "not used"))
@@ -195,9 +195,12 @@ def print_plan(plan: dict) -> None:
         print(f"compression: {plan['compression']}: a step or sleep is expected to move "
               f"{fs.human_bytes(stored['total'])} per rank instead of {fs.human_bytes(d['total'])} "
               f"({d['total'] / stored['total']:.2f}x less; the files keep their full size)")
-    verdict = "OK" if plan["fits"] else "DOES NOT FIT"
+    # The plan's verdict, not the disk's alone: a node's host memory or a GPU that does not
+    # fit fails it too (plan exits 2 on any problem).
+    verdict = "OK" if not plan["problems"] else "DOES NOT FIT"
     print(f"verdict:    {verdict}: {plan['nproc_per_node']} rank(s) on this node need "
-          f"{fs.human_bytes(plan['disk_bytes_per_node'])}, {fs.human_bytes(plan['free_bytes'])} free")
+          f"{fs.human_bytes(plan['disk_bytes_per_node'])} on disk, {fs.human_bytes(plan['free_bytes'])} free"
+          + (" (the disk fits; the error says what does not)" if plan["problems"] and plan["fits"] else ""))
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -220,9 +223,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                            help="memory of one GPU, GB; without it the GPU fit is not judged")
     run_group.add_argument("--host-memory-gb", type=gigabytes, default=None, metavar="GB",
                            help="host memory of one node, GB (default: this machine's)")
-    run_group.add_argument("--disk-read-gbps", type=positive_float, default=None, metavar="GB/S",
+    run_group.add_argument("--disk-read-gbps", type=gbps, default=None, metavar="GB/S",
                            help="the node's disk read bandwidth (greenroom bench disk / doctor measure it)")
-    run_group.add_argument("--disk-write-gbps", type=positive_float, default=None, metavar="GB/S",
+    run_group.add_argument("--disk-write-gbps", type=gbps, default=None, metavar="GB/S",
                            help="the node's disk write bandwidth")
     run_group.add_argument("--measure-disk", action="store_true",
                            help="measure the disk dir's bandwidth with doctor's probe instead of giving it")

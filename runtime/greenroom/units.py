@@ -27,7 +27,9 @@ def _parse(text: str, units: dict[str, int], what: str, examples: str) -> float:
     if match is None or unit not in units:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what} (e.g. {examples})")
     value = float(match.group(1)) * units[unit]
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value):  # the regex takes no inf or nan: past a float's range (1e400, 1e308TiB)
+        raise argparse.ArgumentTypeError(f"{text!r} is too large to be {what} (e.g. {examples})")
+    if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be a positive {what.split()[-1]}")
     return value
 
@@ -38,6 +40,15 @@ def parse_bytes(text: str) -> int:
     if value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes")
     return int(value)
+
+
+def bytes_or_zero(text: str) -> int:
+    """``parse_bytes``, or 0 for any spelling of zero (``0``, ``0B``, ``0GiB``, ``0.0``): a
+    size whose default is none (``--untracked-size``)."""
+    match = _NUMBER.match(text)
+    if match and match.group(2).lower() in _BYTE_UNITS and float(match.group(1)) == 0:
+        return 0
+    return parse_bytes(text)
 
 
 def parse_count(text: str) -> int:
@@ -71,8 +82,21 @@ def gigabytes(text: str) -> float:
     return value
 
 
+# The disk bandwidths a plan takes, GB/s: from 1 KB/s to a PB/s. Past them the seconds
+# (bytes over bytes per second) overflow to inf, or the bytes per second do.
+MIN_GBPS, MAX_GBPS = 1e-6, 1e6
+
+
+def gbps(text: str) -> float:
+    """A disk bandwidth in GB/s (``--disk-read-gbps 6.5``), from ``MIN_GBPS`` to ``MAX_GBPS``."""
+    value = positive_float(text)
+    if not MIN_GBPS <= value <= MAX_GBPS:
+        raise argparse.ArgumentTypeError(f"{text} GB/s: expected {MIN_GBPS:g} (1 KB/s) to {MAX_GBPS:g} (1 PB/s)")
+    return value
+
+
 def positive_float(text: str) -> float:
-    """A positive finite number (``--gpu-memory-gb 80``, ``--disk-read-gbps 6.5``)."""
+    """A positive finite number (``--gpu-memory-gb 80``)."""
     try:
         value = float(text)
     except ValueError:

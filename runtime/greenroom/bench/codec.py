@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -165,6 +166,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bench codec --threads: expected 1 to {MAX_THREADS} (the engine runs 2 per staging "
                           f"buffer), got {args.threads}")
     if args.dir:
+        if not os.path.isdir(args.dir):
+            # As bench disk and doctor: the probe's rank dir root would be made here and left behind.
+            raise ConfigError(f"bench codec --dir {args.dir} is not a directory (create it on node-local NVMe first)")
         check_root(args.dir, name="bench codec --dir")
     r = measure(args)
     if args.json:

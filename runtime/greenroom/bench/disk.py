@@ -44,12 +44,23 @@ class Bandwidth:
     # write-backs can get from this disk); None when not probed.
     mixed_read_bytes_per_s: float | None = None
     mixed_write_bytes_per_s: float | None = None
+    nbytes: int = 0
+    """The bytes moved each way (the raw probe's file, in whole requests)."""
 
 
-def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, block: int = RAW_BLOCK,
+def raw_block(size: int) -> int:
+    """The raw probe's request for ``size`` bytes: ``RAW_BLOCK``, or ``size`` in whole pages
+    where that is less, so the probe moves the bytes it is set beside (one 64 MiB block
+    for a 1 MiB --size made every ratio one of a 1 MiB transfer to a 64 MiB one)."""
+    return min(RAW_BLOCK, align_up(size, ALIGNMENT))
+
+
+def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, block: int | None = None,
                   mixed: bool = False) -> Bandwidth:
-    """Plain positional I/O of ``size`` bytes into a scratch file in ``directory``; with
-    ``mixed`` (and two blocks or more), then reads and writes at once (``Bandwidth``)."""
+    """Plain positional I/O of ``size`` bytes into a scratch file in ``directory``, in
+    ``block``-sized requests (default ``raw_block(size)``); with ``mixed`` (and two blocks
+    or more), then reads and writes at once (``Bandwidth``)."""
+    block = block or raw_block(size)
     size = align_up(size, block)
     direct = fs.supports_o_direct(directory)
     path = os.path.join(directory, f".greenroom-raw-{os.getpid()}")
@@ -81,7 +92,7 @@ def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, bloc
         def read(buf, off) -> None:
             os.preadv(fd, [buf], off)
 
-        result = Bandwidth(size / run(write), size / run(read), direct)
+        result = Bandwidth(size / run(write), size / run(read), direct, nbytes=size)
         if mixed and len(offsets) >= 2 and threads >= 2:
             half, side = len(offsets) // 2, threads // 2
             with cf.ThreadPoolExecutor(2) as sides:
@@ -119,7 +130,7 @@ def engine_bandwidth(directory: str, size: int, *, chunk_bytes: int, depth: int,
             read_s = time.perf_counter() - start
             direct = f.direct
         assert torch.equal(tensor, back), "bench disk: data read back differs from data written"
-        return Bandwidth(size / write_s, size / read_s, direct)
+        return Bandwidth(size / write_s, size / read_s, direct, nbytes=size)
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -202,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
     device = cliflags.resolve_device(args.device, "bench disk")
     # One scratch file at a time (the raw probe's, then the engine's), and the tensor.
-    check_disk_bytes("bench disk --size", fs.human_bytes(args.size), align_up(args.size, RAW_BLOCK), directory)
+    check_disk_bytes("bench disk --size", fs.human_bytes(args.size), align_up(args.size, raw_block(args.size)),
+                     directory)
     check_device_bytes("bench disk --size", fs.human_bytes(args.size), args.size, device, default="1GiB")
     result = measure_repeated(directory, args.size, repeat=args.repeat, chunk_bytes=args.chunk_mb * MIB,
                               depth=args.depth, device=device, compression=args.compression)

@@ -31,12 +31,12 @@ from greenroom import cliflags, fs
 from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, GIB, MIB, OffloadConfig, check_device_bytes, check_disk_bytes, check_host_bytes
 from greenroom.errors import ConfigError
-from greenroom.units import parse_bytes, positive_int
+from greenroom.units import bytes_or_zero, parse_bytes, positive_int
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=parse_bytes, default=4 << 30, help="bytes of actor memory (default 4GiB)")
-    parser.add_argument("--untracked-size", type=_bytes_or_zero, default=0,
+    parser.add_argument("--untracked-size", type=bytes_or_zero, default=0,
                         help="bytes more that the offloader is not told about (default 0)")
     cliflags.target(parser)
     cliflags.disk_dir(parser, help="disk dir for the per-rank files (node-local NVMe; needed for disk)")
@@ -51,10 +51,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
     cliflags.json_flag(parser)
-
-
-def _bytes_or_zero(text: str) -> int:
-    return 0 if text.strip() == "0" else parse_bytes(text)
 
 
 def _pinned_copy_bandwidth(tensors, torch) -> dict:
@@ -268,6 +264,10 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):
         raise ConfigError("bench offload --offload-train-target disk needs --offload-train-disk-dir DIR on node-local "
                           "NVMe (or $SCRATCH)")
+    if args.target == "disk" and args.dir and not os.path.isdir(args.dir):
+        # As bench disk and doctor: the rank dir's root would be made here and left behind.
+        raise ConfigError(f"bench offload --offload-train-disk-dir {args.dir} is not a directory (create it on "
+                          "node-local NVMe first)")
     result = measure(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))

@@ -9,7 +9,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -36,14 +35,16 @@ def check_deepspeed(args: argparse.Namespace) -> None:
 
 def beside_deepspeed(args: argparse.Namespace, ours: dict) -> dict:
     """The peer's figures on the same params and dir, and greenroom's over them."""
+    from greenroom.rankdir import RankDir
+
     env = dict(os.environ)
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's op builder cannot parse torch's "9.0a"
-    command = [sys.executable, "-m", "greenroom.bench.deepspeed_peer", "--params", str(int(args.params)),
-               "--dir", os.path.abspath(args.dir), "--steps", str(args.steps), "--param-numel", str(args.param_numel)]
-    try:
+    # The peer's files go in a rank dir of the bench's, removed after: --dir is the user's,
+    # and a "deepspeed-nvme" of theirs there was deleted along with the peer's.
+    with RankDir(args.dir, role="bench-stream-deepspeed", allow_tmpfs=args.allow_tmpfs) as rank_dir:
+        command = [sys.executable, "-m", "greenroom.bench.deepspeed_peer", "--params", str(int(args.params)),
+                   "--dir", rank_dir.path, "--steps", str(args.steps), "--param-numel", str(args.param_numel)]
         proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    finally:
-        shutil.rmtree(os.path.join(os.path.abspath(args.dir), "deepspeed-nvme"), ignore_errors=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

@@ -297,7 +297,9 @@ def measure(args: argparse.Namespace) -> dict:
         "disk_bytes_read": last["disk_bytes_read"], "disk_bytes_written": last["disk_bytes_written"],
         "disk_bytes": last["disk_bytes_read"] + last["disk_bytes_written"],
         "disk_bytes_written_per_1000_steps": 1000 * last["disk_bytes_written"],
-        "stored_ratio": last["bytes_written"] / max(last["disk_bytes_written"], 1),
+        # None where nothing went to disk (every bucket cached): no ratio, not 0x.
+        "stored_ratio": (last["bytes_written"] / last["disk_bytes_written"] if last["disk_bytes_written"]
+                         else None),
         "compression": compression_line, "state": args.state, "io_only": args.io_only,
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         # All cached: no disk I/O in the step, so no disk bound to compare with.
@@ -502,7 +504,9 @@ def run(args: argparse.Namespace) -> int:
           f"too (read {r['raw_after_read_bytes_per_s'] / GB:.2f}, write {r['raw_after_write_bytes_per_s'] / GB:.2f} "
           f"GB/s), against the mean of both bounds {r['full_master_ratio_bracketed']:.2f}")
     print(f"{r['compression']}; {r['state']} state: on disk read {r['disk_bytes_read'] / GB:.2f} GB, written "
-          f"{r['disk_bytes_written'] / GB:.2f} GB per step ({r['stored_ratio']:.2f}x smaller than the state); "
+          f"{r['disk_bytes_written'] / GB:.2f} GB per step ("
+          + (f"{r['stored_ratio']:.2f}x smaller than the state" if r["stored_ratio"] is not None
+             else "none of the state went to disk") + "); "
           f"1000 steps write {r['disk_bytes_written_per_1000_steps'] / 1e12:.2f} TB")
     if r["checkpoint"] is not None:
         c = r["checkpoint"]
