@@ -50,3 +50,24 @@ def test_the_readme_flag_table_is_the_parsers():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "flag-table.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def _plain(path):
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+        return " ".join(f.read().split())
+
+
+def test_the_readme_plan_example_prints_what_the_readme_says(tmp_path):
+    text = _plain("README.md")
+    m = re.search(r"\(`(--params 744B [^`]*)`\), comes out at ([\d.]+) GB of optimizer state per rank: ([\d.]+) GB "
+                  r"of model state without streaming, which does not fit, and ([\d.]+) GB with it", text)
+    assert m, "README.md: the plan example's sentence moved; update this test"
+    env = {k: v for k, v in os.environ.items() if k not in ("SCRATCH", "GREENROOM_DISK_DIR")}
+    env["PYTHONPATH"] = os.path.join(REPO, "runtime")
+    proc = subprocess.run([sys.executable, "-m", "greenroom", "plan", *m.group(1).split(), "--json"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rank = json.loads(proc.stdout)["per_rank"]
+    said = [float(m.group(i)) for i in (2, 3, 4)]
+    assert said == [round(rank["optimizer_state"] / 1e9, 1), round(rank["gpu"]["without_streaming"] / 1e9, 1),
+                    round(rank["gpu"]["with_streaming"] / 1e9, 1)], said
