@@ -178,13 +178,13 @@ def test_any_trainer_runs_its_own_image_and_command_under_torchrun_with_the_flag
     trainer = container(pod_spec(manifests("custom-command.yaml")), "trainer")
     assert trainer["image"] == "registry.example.com/team/hf-trainer:2.1"
     assert trainer["command"] == ["greenroom", "torchrun"]
-    assert trainer["args"][-5:] == ["--no-python", "python", "/app/hf_trainer.py", "--output-dir", "/checkpoints/run1"]
+    assert trainer["args"][-4:] == ["--no-python", "python", "/app/hf_trainer.py", "/checkpoints/run1"]
     assert "--nproc-per-node=2" in trainer["args"]
     env = env_of(trainer)
     assert "--stream-optimizer-state-moment-dtype bf16" in env["GREENROOM_ARGS"]
     appended = container(pod_spec(manifests("custom-command.yaml", sets=("greenroomArgs=append",))), "trainer")
     flags = shlex.split(env["GREENROOM_ARGS"])
-    assert appended["args"][-len(flags) - 3:] == ["/app/hf_trainer.py", "--output-dir", "/checkpoints/run1", *flags]
+    assert appended["args"][-len(flags) - 2:] == ["/app/hf_trainer.py", "/checkpoints/run1", *flags]
     bare = container(pod_spec(manifests(sets=("command={python,t.py}", "args={--x}", "torchrun.enabled=false"))),
                      "trainer")
     assert bare["command"] == ["python", "t.py"] and bare["args"] == ["--x"]

@@ -123,6 +123,7 @@ def test_the_header_warns_when_nothing_streams(disk_dir):
                     "--offload-train-disk-dir", os.path.join(disk_dir, "o"), "--metrics",
                     os.path.join(disk_dir, "m.jsonl")])
     assert "0 params stream" in result.stdout and "WARNING: nothing streams" in result.stdout
+    assert "no masters (fp32 params are their own)" in result.stdout  # not the flag's layout, which is for bf16
     assert records(os.path.join(disk_dir, "m.jsonl"))[0]["stream_read_bytes"] == 0
 
 
@@ -135,7 +136,8 @@ def test_the_master_layout_flag_reaches_the_optimizer(disk_dir):
         result = train([*SMALL[2:], "--iterations", "1", "--stream-optimizer-state-to-disk",
                         "--stream-optimizer-state-master-layout", layout,
                         "--offload-train-disk-dir", os.path.join(disk_dir, layout), "--metrics", metrics])
-        assert f"masters {layout})" in result.stdout.splitlines()[0]
+        words = {"remainder": "masters as remainders)", "fp32": "masters whole)"}[layout]
+        assert words in result.stdout.splitlines()[0]
         read[layout] = records(metrics)[0]["stream_read_bytes"]
     assert 0 < read["remainder"] < read["fp32"]
 
@@ -419,3 +421,23 @@ def test_resume_auto_starts_fresh_where_nothing_was_saved_and_resumes_after(disk
         f.write("not a checkpoint")
     refused = train([*SMALL, "--load", junk, "--resume", "auto"], check=False)
     assert refused.returncode == 2 and f"--load {junk}: no valid generation.json" in refused.stderr
+
+
+def test_ctrl_c_in_the_loop_ends_in_one_line_with_130_and_leaves_no_files(disk_dir):
+    # ^C while the actor sleeps on disk: the rank dir goes with the `with` blocks on the way
+    # out, and the user gets one line, not a KeyboardInterrupt traceback.
+    import signal
+
+    from tests.cli_support import greenroom_stopped_at
+
+    root = os.path.join(disk_dir, "o")
+    os.makedirs(root)
+    open(os.path.join(root, "mine.txt"), "w").close()
+    proc = greenroom_stopped_at("rollout", "train", *SMALL, "--offload-train", "--offload-train-target", "disk",
+                                "--offload-train-disk-dir", root)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "greenroom train: interrupted"
+    assert os.listdir(root) == ["mine.txt"]

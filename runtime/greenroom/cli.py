@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 import greenroom
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         notes = "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
         print(f"greenroom {args.command}: error: {e}{notes}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # ^C: the command's `with` blocks and finally clauses have cleaned up on the way
+        # here (a rank dir turns SIGINT into this exception for that); the shell's code.
+        print(f"greenroom {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ def header(o: OffloadConfig, *, params: int, dtype: str, device: torch.device, w
     offload = f"{o.offload_train_target} ({backend})" if o.offload_train else "off"
     streaming = "off"
     if o.stream_optimizer_state_to_disk:
-        streaming = (f"on ({o.stream_optimizer_state_moment_dtype} moments, masters "
-                     f"{o.stream_optimizer_state_master_layout}): {streaming_words(optimizer)}")
+        streaming = (f"on ({o.stream_optimizer_state_moment_dtype} moments, {masters_words(optimizer.store)}): "
+                     f"{streaming_words(optimizer)}")
     parts = [f"greenroom train: {params:,} params ({dtype}) on {device}", f"{world_size} rank(s)",
              f"offload {offload}", f"streaming {streaming}"]
     if o.uses_disk:
@@ -39,11 +39,18 @@ def header(o: OffloadConfig, *, params: int, dtype: str, device: torch.device, w
     return ", ".join(parts)
 
 
+def masters_words(store) -> str:
+    """How the streamed params' fp32 masters are stored: the flag's layout applies to bf16
+    params only, and an fp32 param is its own master (nothing stored)."""
+    kinds = sorted({"as remainders" if e.remainder else "whole" for e in store.entries if e.master})
+    return f"masters {' and '.join(kinds)}" if kinds else "no masters (fp32 params are their own)"
+
+
 def streaming_words(opt) -> str:
     """What streams and what stays resident on this rank."""
     streamed = sum(local_tensor(p).numel() for p in opt.streamed)
     resident = sum(local_tensor(p).numel() for p in opt.resident)
-    words = (f"{streamed:,} params stream ({human_bytes(opt.store.state_bytes)} of fp32 masters and moments "
+    words = (f"{streamed:,} params stream ({human_bytes(opt.store.state_bytes)} of optimizer state "
              f"in {len(opt.store.buckets)} bucket file(s), read and written back every optimizer step), "
              f"{resident:,} stay resident (fp32 params of at most {opt.resident_numel:,} elements)")
     if not streamed:
