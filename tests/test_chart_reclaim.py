@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from greenroom.rankdir import MADE_NAME
 from tests.chart_support import container, manifests, pod_spec
 
 pytestmark = pytest.mark.helm
@@ -63,16 +64,31 @@ def spec():
 def test_init_container_reclaims_dead_ranks_keeps_live_ones_and_prepares_its_dir(spec, disk_dir, holders):
     if os.geteuid() != 0:
         pytest.skip("the init container runs as root (chown to the trainer's uid); run the tests as root")
+    assert run_init(spec, disk_dir, "pod-old").returncode == 0  # the dead pod's own init container
     dead = dead_rank(holders, os.path.join(disk_dir, "pod-old"), "job-old")
     live_proc, live = holders(os.path.join(disk_dir, "pod-live"), "job-live")
     out = run_init(spec, disk_dir, "pod-new")
     assert out.returncode == 0, out.stdout + out.stderr
     assert not os.path.exists(dead)
-    assert not os.path.exists(os.path.join(disk_dir, "pod-old"))  # empty parents go too
+    assert not os.path.exists(os.path.join(disk_dir, "pod-old"))  # the parents greenroom made go too
     assert os.path.isdir(live) and live_proc.poll() is None
     own = os.stat(os.path.join(disk_dir, "pod-new"))
     assert (own.st_uid, own.st_gid, own.st_mode & 0o7777) == (1000, 1000, 0o700)
     assert "reclaimed: " + dead in out.stdout
+
+
+def test_init_container_marks_the_pod_dir_it_makes_and_only_that(spec, disk_dir):
+    """The pod dir it makes carries greenroom's marker, so reclaim and the janitor may
+    remove it once empty; one that was there already (a user's, the kubelet's) gets
+    none, and they leave it."""
+    if os.geteuid() != 0:
+        pytest.skip("the init container runs as root (chown to the trainer's uid); run the tests as root")
+    os.mkdir(os.path.join(disk_dir, "pod-found"))
+    for uid in ("pod-found", "pod-new", "pod-new"):  # the second pod-new: the init container run again
+        out = run_init(spec, disk_dir, uid)
+        assert out.returncode == 0, out.stdout + out.stderr
+    assert os.listdir(os.path.join(disk_dir, "pod-found")) == []
+    assert os.listdir(os.path.join(disk_dir, "pod-new")) == [MADE_NAME]
 
 
 def test_init_container_fails_the_pod_when_the_node_root_is_not_a_directory(spec, disk_dir):

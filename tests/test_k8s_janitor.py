@@ -28,7 +28,7 @@ import pytest
 # machine) the module skips instead of failing to import.
 pytest.importorskip("kubernetes", reason="the kubernetes client is not installed (pip install kubernetes)")
 
-from greenroom import k8s_janitor  # noqa: E402
+from greenroom import k8s_janitor, rankdir  # noqa: E402
 from greenroom.k8s_janitor import Janitor, JanitorConfig  # noqa: E402
 from tests.cli_support import REPO, greenroom, one_line_error
 
@@ -123,12 +123,26 @@ def api(tmp_path, monkeypatch):
     fake.close()
 
 
+def made_dirs(root: str, *parts: str) -> str:
+    """Dirs below ``root`` as greenroom makes them (the chart's init container the ``<pod
+    uid>`` dir, ``RankDir`` the ``<job>/<role>`` ones), each with its marker (``rankdir``
+    Note [made parents])."""
+    path = root
+    for part in parts:
+        path = os.path.join(path, part)
+        os.makedirs(path, exist_ok=True)
+        open(os.path.join(path, rankdir.MADE_NAME), "w").close()
+    return path
+
+
 def hold(root: str, pod_uid: str | None, job: str):
-    """A real process holding a rank dir under the chart's layout ``<root>/<pod uid>/``."""
+    """A real process holding a rank dir under the chart's layout ``<root>/<pod uid>/``
+    (that dir made as the init container makes it)."""
     env = dict(os.environ)
     env.pop("GREENROOM_POD_UID", None)
     if pod_uid:
         env["GREENROOM_POD_UID"] = pod_uid
+        made_dirs(root, pod_uid)
     base = os.path.join(root, pod_uid or "no-pod")
     proc = subprocess.Popen([sys.executable, HOLDER, base, job, "actor", "0"], stdout=subprocess.PIPE,
                             text=True, env=env)
@@ -480,7 +494,7 @@ def test_empty_dirs_of_gone_pods_are_removed_and_nothing_else(api, disk_dir, mon
     api.add_pod(live, "grpo-0")
     api.add_pod(done, "grpo-1", phase="Failed")
     for uid in (gone, done, live, full):
-        os.makedirs(os.path.join(root, uid, "job", "actor"))
+        made_dirs(root, uid, "job", "actor")
     with open(os.path.join(root, full, "job", "notes.txt"), "w") as f:
         f.write("not greenroom's to judge")
     os.makedirs(os.path.join(root, "not-a-pod-uid"))
@@ -500,6 +514,27 @@ def test_empty_dirs_of_gone_pods_are_removed_and_nothing_else(api, disk_dir, mon
     janitor.one_pass()
     assert sorted(os.listdir(root)) == sorted([live, full, fresh, "not-a-pod-uid"])
     assert os.path.isdir(os.path.join(root, live, "job", "actor"))
+
+
+def test_empty_dirs_greenroom_did_not_make_survive_the_sweep(api, disk_dir):
+    """A dir named like a gone pod's UID that the init container did not make (a user's, the
+    kubelet's with the init container off, an older chart's), and a user's empty
+    ``<job>/<role>`` inside a pod dir greenroom made: the sweep removed every empty tree
+    named like a pod UID, whoever made it."""
+    theirs, ours = str(uuid.uuid4()), str(uuid.uuid4())  # neither pod is on the node
+    root = os.path.join(disk_dir, "root")
+    os.makedirs(os.path.join(root, theirs, "job", "actor"))
+    os.makedirs(os.path.join(root, ours, "their-job", "actor"))
+    with open(os.path.join(root, ours, ".greenroom-made"), "w"):
+        pass  # the init container's marker: the pod dir is greenroom's, what is in it is not
+    old = time.time() - 60
+    for uid in (theirs, ours):
+        os.utime(os.path.join(root, uid), (old, old))
+    janitor = Janitor(JanitorConfig(root=root, node_name=NODE), out=open(os.devnull, "w"))
+    janitor.connect()
+    janitor.one_pass()
+    assert os.path.isdir(os.path.join(root, theirs, "job", "actor"))
+    assert os.path.isdir(os.path.join(root, ours, "their-job", "actor"))
 
 
 def test_a_pod_started_after_the_listing_keeps_its_dir_until_a_listing_has_it(api, disk_dir, monkeypatch):
@@ -543,8 +578,8 @@ def test_a_root_given_as_a_symlink_on_another_filesystem_still_loses_its_empty_p
             and not fs.is_memory_backed(disk_dir)):
         pytest.skip("needs a tmpfs at /dev/shm and a disk-backed test dir")
     root = os.path.join(disk_dir, "root")
-    gone = os.path.join(root, str(uuid.uuid4()))
-    os.makedirs(os.path.join(gone, "job", "actor"))
+    gone = made_dirs(root, str(uuid.uuid4()))
+    made_dirs(gone, "job", "actor")
     old = time.time() - 60
     os.utime(gone, (old, old))
     link = f"/dev/shm/greenroom-janitor-root-{os.getpid()}"

@@ -94,8 +94,10 @@ def test_the_root_and_existing_parents_keep_their_mode_and_only_new_dirs_get_070
         assert stat.S_IMODE(os.stat(os.path.join(root, "j", "actor")).st_mode) == 0o750
         for made in (os.path.join(root, "j2"), os.path.join(root, "j2", "critic"), rd.path, other.path):
             assert stat.S_IMODE(os.stat(made).st_mode) == 0o700, made
-    # The <job>/<role> layout dirs are greenroom's whoever made them: removed once empty.
-    assert stat.S_IMODE(os.stat(root).st_mode) == 0o1777 and os.listdir(root) == []
+    # The user's <job>/<role> stay, empty and with their modes; the dirs greenroom made go.
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o1777 and os.listdir(root) == ["j"]
+    assert os.listdir(os.path.join(root, "j")) == ["actor"] and os.listdir(os.path.join(root, "j", "actor")) == []
+    assert stat.S_IMODE(os.stat(os.path.join(root, "j", "actor")).st_mode) == 0o750
     missing = os.path.join(disk_dir, "new", "root")
     umask = os.umask(0o022)
     try:
@@ -103,3 +105,51 @@ def test_the_root_and_existing_parents_keep_their_mode_and_only_new_dirs_get_070
             assert stat.S_IMODE(os.stat(missing).st_mode) == 0o755, "a missing root is made with the default mode"
     finally:
         os.umask(umask)
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["rank0-closes-first", "rank1-closes-first"])
+@pytest.mark.parametrize("users", ["job", os.path.join("job", "actor")])
+def test_the_last_rank_to_leave_removes_the_parents_greenroom_made_and_only_those(disk_dir, users, first):
+    """Two ranks of each of two jobs; one job's ``<job>`` (or ``<job>/<role>``) the user made
+    beforehand, empty (their prolog's ``ROOT/$SLURM_JOB_ID``). Whichever rank closes first,
+    the last one removes the dirs greenroom made and leaves the user's, empty and as they
+    were; close used to ``rmdir`` every empty parent, the user's too."""
+    os.makedirs(os.path.join(disk_dir, users))
+    ranks = {job: [RankDir(disk_dir, job=job, rank=r).open() for r in (0, 1)] for job in ("job", "ours")}
+    # Nothing of greenroom's (no marker) in the user's dir beside what it made there.
+    expected = ["actor"] if users == "job" else ["rank00000", "rank00001"]
+    assert sorted(os.listdir(os.path.join(disk_dir, users))) == expected
+    for job, (rank0, rank1) in ranks.items():
+        earlier, later = (rank0, rank1) if first == 0 else (rank1, rank0)
+        earlier.close()
+        assert os.path.isdir(os.path.dirname(later.path)), "a live rank's role dir was removed"
+        later.close()
+    assert os.listdir(disk_dir) == ["job"]
+    assert sorted(os.path.relpath(os.path.join(d, n), disk_dir) for d, dirs, files in os.walk(disk_dir)
+                  for n in dirs + files) == sorted({"job", users})
+
+
+def test_a_rank_starting_in_the_parent_a_closing_rank_removes_keeps_it_and_the_last_close_removes_it(disk_dir,
+                                                                                                    monkeypatch):
+    """A rank opens its dir in ``<job>/<role>`` at the instant a closing sibling has taken
+    the dir's marker away and not yet removed it: the ``rmdir`` fails on the new rank dir,
+    the marker goes back, and the new rank's close removes both parents (Note [made parents])."""
+    from greenroom import rankdir
+
+    first = RankDir(disk_dir, job="job", rank=0).open()
+    role = os.path.dirname(first.path)
+    real_rmdir, opened = os.rmdir, []
+
+    def rmdir_opening_a_sibling(target, *args, **kwargs):
+        if target == role and not opened:
+            assert rankdir.MADE_NAME not in os.listdir(role)
+            opened.append(RankDir(disk_dir, job="job", rank=1).open())
+        return real_rmdir(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", rmdir_opening_a_sibling)
+    first.close()
+    monkeypatch.setattr(os, "rmdir", real_rmdir)
+    [sibling] = opened
+    assert sorted(os.listdir(role)) == [rankdir.MADE_NAME, "rank00001"]
+    sibling.close()
+    assert os.listdir(disk_dir) == []

@@ -7,9 +7,9 @@ import subprocess
 import sys
 import threading
 
-from greenroom.reclaim import reclaim
+from greenroom.reclaim import TRASH_PREFIX, reclaim
 from tests.cli_support import greenroom
-from tests.test_rankdir import start_holder
+from tests.test_rankdir import HOLDER, start_holder
 
 
 def dead_owner(root, job="dead", rank=0):
@@ -134,3 +134,38 @@ def test_cli_missing_root_is_an_error_unless_missing_ok_and_a_file_root_is_an_er
     open(path, "w").close()
     proc = greenroom("reclaim", path)
     assert proc.returncode == 2 and "is not a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_users_empty_job_and_role_dirs_survive_reclaim(disk_dir):
+    """A dead rank in a ``<job>`` the user made beforehand (their prolog's
+    ``ROOT/$SLURM_JOB_ID``), and one in a ``<job>/<role>`` they made: reclaim removes the
+    rank dirs and what greenroom made above them, never the user's dirs. It used to
+    ``rmdir`` every empty dir above a reclaimed one, up to ROOT."""
+    os.makedirs(os.path.join(disk_dir, "theirs"))
+    os.makedirs(os.path.join(disk_dir, "their-role", "actor"))
+    dead = [dead_owner(disk_dir, job=job) for job in ("theirs", "their-role", "ours")]
+    report = reclaim(disk_dir)
+    assert sorted(d.path for d in report.reclaimed) == sorted(dead)
+    assert sorted(os.listdir(disk_dir)) == ["their-role", "theirs"]
+    assert os.listdir(os.path.join(disk_dir, "theirs")) == []  # the role dir greenroom made went
+    assert os.listdir(os.path.join(disk_dir, "their-role")) == ["actor"]
+    assert os.listdir(os.path.join(disk_dir, "their-role", "actor")) == []
+
+
+def test_the_parents_a_rank_killed_mid_close_left_are_removed_by_reclaim(disk_dir):
+    """A rank SIGKILLed in its close (its dir renamed aside, its files deleted) leaves the
+    aside dir in ``<job>/<role>``, which greenroom made. The next reclaim finishes the aside
+    dir and then removes those parents, holding only their markers now; it used to leave
+    them, empty, for good."""
+    holder = subprocess.Popen([sys.executable, HOLDER, disk_dir, "job", "actor", "0"], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "GREENROOM_TEST_KILL_AT": "rankdir-close"})
+    path = holder.stdout.readline().strip()
+    assert path, "holder did not start"
+    holder.send_signal(signal.SIGTERM)
+    holder.communicate(timeout=60)
+    assert holder.returncode == -signal.SIGKILL
+    role = os.path.dirname(path)
+    [aside] = [os.path.join(role, n) for n in os.listdir(role) if n.startswith(TRASH_PREFIX)]
+    report = reclaim(disk_dir)
+    assert [(d.path, d.action) for d in report.decisions] == [(aside, "reclaimed")]
+    assert os.listdir(disk_dir) == []

@@ -17,7 +17,10 @@ Kubernetes node we know more, through the pods bound to this node (field selecto
 The per-pod dirs themselves (``<root>/<pod uid>/``, made by the chart's init container)
 go too once they are empty and their pod is gone or finished: a pod that never wrote a
 rank dir (cpu target, an early failure) or whose ranks cleaned up after themselves would
-otherwise leave one empty dir per pod on the node forever.
+otherwise leave one empty dir per pod on the node forever. Only trees greenroom made
+(each dir holding its marker, ``greenroom.rankdir`` Note [made parents]): a dir named
+like a pod UID that the init container did not make (the kubelet's, with the init
+container turned off; one of an older chart; a user's) stays.
 
 Every reclaim becomes a Kubernetes Event on the Node (reason ``StaleOffloadReclaimed``,
 bytes freed, the pod and job it belonged to) and moves Prometheus counters served on
@@ -52,7 +55,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from greenroom import fs
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
-from greenroom.rankdir import OWNER_NAME
+from greenroom.rankdir import MADE_NAME, OWNER_NAME, remove_made_dir
 from greenroom.reclaim import Decision, ReclaimReport, check_interval, check_seconds, print_report, reclaim
 
 EVENT_REASON = "StaleOffloadReclaimed"
@@ -200,10 +203,11 @@ MTIME_SLACK_S = 1.0
 
 
 def remove_empty_pod_dirs(root: str, pods: dict[str, PodInfo], *, listed_at: float, dry_run: bool) -> list[str]:
-    """Remove ``<root>/<pod uid>/`` trees that hold nothing but empty dirs, of pods that are
-    not on the node any more (or finished). Only dirs already there when the pod listing was
-    taken (``listed_at``): a pod started since is not in it, and its init container may have
-    just made its dir. ``rmdir`` only, so a file written meanwhile keeps its dir."""
+    """Remove ``<root>/<pod uid>/`` trees of dirs greenroom made that hold nothing but their
+    markers, of pods that are not on the node any more (or finished). Only dirs already
+    there when the pod listing was taken (``listed_at``): a pod started since is not in it,
+    and its init container may have just made its dir. ``rmdir`` only, so a file written
+    meanwhile keeps its dir."""
     removed = []
     # A ROOT given as a symlink: the dev of the dir it names, as ``reclaim`` resolves it (the
     # link's own, on another filesystem, matched no pod dir and none was ever removed).
@@ -224,14 +228,12 @@ def remove_empty_pod_dirs(root: str, pods: dict[str, PodInfo], *, listed_at: flo
             tree = list(os.walk(entry.path, topdown=False))
         except OSError:
             continue
-        if any(files for _, _, files in tree):
+        if any(files != [MADE_NAME] for _, _, files in tree):
+            continue  # a file of its own, or a dir greenroom did not make (no marker)
+        # Deepest first (a bottom-up walk); something that appeared meanwhile, or a dir
+        # gone, stops it and leaves the rest.
+        if not dry_run and not all(remove_made_dir(path) for path, _, _ in tree):
             continue
-        if not dry_run:
-            try:
-                for path, _, _ in tree:
-                    os.rmdir(path)
-            except OSError:
-                continue  # something appeared in it, or it went: leave it
         removed.append(entry.path)
     return removed
 

@@ -10,9 +10,10 @@ Note [what greenroom creates]: the root is the user's (a shared 1777 scratch, a 
 another user owns, a mount point). Opening a rank dir never changes its mode, owner or
 sticky bit; a root that does not exist is made with the default mode (umask), and only
 the dirs greenroom makes below it (``<job>``, ``<role>``, ``rank<N>`` and the rank's
-subdirs) get mode 0700. A root this user cannot create a subdir in (not writable, a
-read-only filesystem, a file) is refused in one line before anything is created
-(``root_problem``, which ``doctor``, ``plan`` and the config rules ask too).
+subdirs) get mode 0700, and only dirs it made are ever removed (Note [made parents]). A
+root this user cannot create a subdir in (not writable, a read-only filesystem, a file)
+is refused in one line before anything is created (``root_problem``, which ``doctor``,
+``plan`` and the config rules ask too).
 
 Note [claims]: the mechanisms of one process share its rank dir, each in a subdir of its
 own that ``claim`` hands out (``optim``, then ``optim-2`` for a second optimizer, ...),
@@ -37,12 +38,25 @@ fallback ``rmtree`` deleted the successor's lock and files while it ran, leaving
 path to a third owner. A rank killed mid-close leaves an aside dir that the next
 ``greenroom reclaim`` pass finishes (its lock goes last, so a live one is seen locked).
 
+Note [made parents]: a ``<job>`` or ``<role>`` dir that greenroom makes (its ``mkdir``
+succeeds) gets an empty marker file, ``MADE_NAME``, at once; one it finds (a user's own
+``ROOT/$SLURM_JOB_ID`` from their prolog) gets none. A remover (``close``, ``greenroom
+reclaim``, the Kubernetes janitor's sweep of ``<pod uid>`` trees, whose top dir the
+chart's init container marks the same way) takes a dir away only while it holds the
+marker and nothing else, so a dir greenroom did not make is never removed, empty or not
+(``remove_made_dir``). It unlinks the marker, then ``rmdir``s; a rank that made its dir
+in between makes the ``rmdir`` fail, and the marker is put back into the same dir
+(through its fd), which is still greenroom's. Trees made before markers existed keep
+their empty parents (nothing tells them from a user's). A rank killed between its
+``mkdir`` and the marker leaves an unmarked dir: an empty dir leaked, never a user's
+dir removed.
+
 Note [vanishing parents]: ``greenroom reclaim`` (and a sibling rank's ``close``) removes
-an empty ``<job>/<role>`` parent with ``rmdir``, which only succeeds on an empty dir but
-can land between a starting rank's creating that parent and creating its rank dir in
-it (every multi-pod node under the chart: init containers and trainers start
-together). The rank's ``mkdir`` then fails with ENOENT, and it makes the whole path
-again; once its rank dir exists the parent is not empty and stays.
+a ``<job>/<role>`` parent that holds only its marker, which can land between a starting
+rank's creating that parent and creating its rank dir in it (every multi-pod node under
+the chart: init containers and trainers start together). The rank's ``mkdir`` then
+fails with ENOENT, and it makes the whole path again (marking what it makes); once its
+rank dir exists the parent holds more than the marker and stays.
 """
 
 from __future__ import annotations
@@ -69,6 +83,8 @@ LOCK_NAME = ".lock"
 # reclaim`` finishes one whose deleter was killed.
 TRASH_PREFIX = ".greenroom-reclaim-"
 OWNER_NAME = "owner.json"
+# In each <job> and <role> dir greenroom made itself (Note [made parents]).
+MADE_NAME = ".greenroom-made"
 DIR_MODE = 0o700
 LOCK_WAIT_SECONDS = 3.0
 PARENT_RETRIES = 100  # Note [vanishing parents]: each retry needs another rmdir to land in the gap
@@ -166,23 +182,65 @@ def check_root(root: str, *, name: str) -> None:
                           "that you can write")
 
 
-def _mkdir_own(path: str) -> None:
+def _mkdir_own(path: str) -> bool:
     """Make ``path`` with mode 0700 unless it exists; an existing dir keeps its mode
-    (Note [what greenroom creates])."""
+    (Note [what greenroom creates]). True when this call made it."""
     try:
         os.mkdir(path, DIR_MODE)
     except FileExistsError:
-        return
+        return False
     os.chmod(path, DIR_MODE)  # our own new dir: the umask must not narrow it further
+    return True
+
+
+def _mark_made(dir_fd: int) -> None:
+    """Put the marker (Note [made parents]) into the dir open as ``dir_fd``; an empty
+    file, so creating it is the whole write."""
+    os.close(os.open(MADE_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd))
 
 
 def _make_rank_path(root: str, path: str) -> None:
     """Make the root (default mode) if missing, then each dir below it up to ``path``
-    (mode 0700, only those this call creates)."""
+    (mode 0700 and the marker, only those this call creates)."""
     os.makedirs(root, exist_ok=True)
     relative = os.path.relpath(path, root).split(os.sep)
     for i in range(1, len(relative) + 1):
-        _mkdir_own(os.path.join(root, *relative[:i]))
+        parent = os.path.join(root, *relative[:i])
+        if _mkdir_own(parent):
+            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                _mark_made(fd)
+            finally:
+                os.close(fd)
+
+
+def remove_made_dir(path: str) -> bool:
+    """Remove ``path`` if it holds nothing but greenroom's marker (Note [made parents]);
+    True when it is gone. ``rmdir`` only: whatever else is in it keeps it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone, or not a dir
+    try:
+        if os.listdir(fd) != [MADE_NAME]:
+            return False  # not made by greenroom, or not empty
+        try:
+            os.unlink(MADE_NAME, dir_fd=fd)
+        except FileNotFoundError:
+            return False  # another remover took it first and removes the dir
+        try:
+            os.rmdir(path)
+        except OSError:
+            # A rank made its dir in it since the listing: still greenroom's dir, so
+            # its marker goes back, into the inode it was taken from.
+            try:
+                _mark_made(fd)
+            except OSError:
+                pass  # removed meanwhile after all
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 def _make_rank_dir(root: str, path: str) -> None:
@@ -298,15 +356,13 @@ class RankDir:
         return self
 
     def close(self) -> None:
-        """Remove the dir (and empty job/role parents) and release the lock."""
+        """Remove the dir (and the job/role parents greenroom made, once empty) and release the lock."""
         if self._lock_fd < 0:
             return
         self._remove_held_dir()
         for parent in (os.path.dirname(self.path), os.path.dirname(os.path.dirname(self.path))):
-            try:
-                os.rmdir(parent)
-            except OSError:
-                break  # not empty: another rank or role of the job is still there
+            if not remove_made_dir(parent):
+                break  # another rank or role of the job is still there, or the dir is the user's
         os.close(self._lock_fd)
         self._lock_fd = -1
         _OPEN.discard(self)

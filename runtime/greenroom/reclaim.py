@@ -13,8 +13,9 @@ Safety rules, each enforced below:
 - nothing but a greenroom rank dir is deleted: a dir named ``rank<N>`` whose owner record
   is a JSON object naming that rank and the role and job of the two dirs above it, as
   ``RankDir`` writes it (``is_rank_dir_record``); any other dir that holds an
-  ``owner.json`` is kept and reported (the empty dirs above a reclaimed rank dir go, up
-  to ROOT, by ``rmdir``: they hold nothing);
+  ``owner.json`` is kept and reported (the dirs above a reclaimed rank dir or a finished
+  aside dir go, up to ROOT, while they hold nothing but the marker of a dir greenroom
+  made: ``greenroom.rankdir`` Note [made parents]; a user's empty dir stays);
 - what is deleted is what was checked: after the first open everything goes through fds
   (the parent's to rename aside and remove by name, the dir's own to lock, check and
   delete its contents), and a rename aside that caught another inode is undone;
@@ -51,7 +52,7 @@ from typing import Callable
 from greenroom import fs
 from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
-from greenroom.rankdir import LOCK_NAME, OWNER_NAME, TRASH_PREFIX, is_rank_dir_record
+from greenroom.rankdir import LOCK_NAME, OWNER_NAME, TRASH_PREFIX, is_rank_dir_record, remove_made_dir
 
 MAX_DEPTH = 6  # <root>/<job>/<role>/rank<NNNNN> is 3; leave room for site layouts above it
 
@@ -339,15 +340,11 @@ def clean_aside(path: str, root_dev: int, *, dry_run: bool) -> Decision | None:
 
 
 def _remove_empty_parents(path: str, root: str) -> None:
-    """Remove the dirs above a reclaimed rank dir, up to ROOT, while they are empty: its role
-    and job dirs, and the chart's ``<pod uid>`` dir. ``rmdir`` only: a dir holding anything
-    stays."""
+    """Remove the dirs above a reclaimed rank dir or aside dir, up to ROOT, while they hold
+    nothing but greenroom's marker: its role and job dirs, and the chart's ``<pod uid>``
+    dir. A dir greenroom did not make, or holding anything else, stays."""
     parent = os.path.dirname(path)
-    while parent.startswith(root + os.sep):
-        try:
-            os.rmdir(parent)
-        except OSError:
-            return
+    while parent.startswith(root + os.sep) and remove_made_dir(parent):
         parent = os.path.dirname(parent)
 
 
@@ -390,8 +387,11 @@ def reclaim(root: str, *, dry_run: bool = False, min_age: float = 0.0, policy: O
     candidates, trash = find_candidates(root)
     for path in trash:
         decision = clean_aside(path, root_dev, dry_run=dry_run)
-        if decision is not None:
-            report.decisions.append(decision)
+        if decision is None:
+            continue
+        report.decisions.append(decision)
+        if decision.action == "reclaimed":
+            _remove_empty_parents(path, root)  # a rank (or reclaimer) killed mid-delete left them
     for path in candidates:
         decision = inspect_and_reclaim(path, root_dev, dry_run=dry_run, min_age=min_age, policy=policy)
         if decision is None:

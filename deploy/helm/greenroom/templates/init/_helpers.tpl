@@ -6,6 +6,10 @@ The init container's script. It runs as root (chown needs it) with env
 GREENROOM_NODE_ROOT (the whole node root), GREENROOM_POD_UID and the trainer's uid/gid.
 reclaim exits 1 when some dir could not be removed (reported above): that must not keep
 this pod from starting; any other failure (a root that is not a dir, exit 2) does.
+The pod's dir, made here, gets greenroom's marker (runtime/greenroom/rankdir.py, Note
+[made parents]): only a marked dir is ever removed, by reclaim or the janitor. One that
+is there already (made by an earlier run of this init container, for the same pod) gets
+no second one.
 */}}
 {{- define "greenroom.init.script" -}}
 set -eu
@@ -13,7 +17,10 @@ rc=0
 greenroom reclaim "$GREENROOM_NODE_ROOT" --min-age "$GREENROOM_RECLAIM_MIN_AGE" || rc=$?
 if [ "$rc" -gt 1 ]; then exit "$rc"; fi
 own="$GREENROOM_NODE_ROOT/$GREENROOM_POD_UID"
-mkdir -p "$own"
+if [ ! -d "$own" ]; then
+  mkdir "$own"
+  : > "$own/.greenroom-made"
+fi
 chown "$GREENROOM_TRAINER_UID:$GREENROOM_TRAINER_GID" "$own"
 chmod 0700 "$own"
 echo "greenroom-init: $own ready for uid $GREENROOM_TRAINER_UID"
