@@ -394,8 +394,10 @@ def test_the_engine_keeps_decoders_while_it_reads_and_drops_them_after(tmp_path,
             engine.read(back, f, 0).wait()
             assert torch.equal(back, state)
             assert engine._kept_decoders.held() == 0
-    chunks = -(-state.numel() // (2 * EXTENT))
-    assert 0 < len(made) <= 2 * 2 * chunks and len({s.cuda_stream for s in made}) == 1
+    # At most one decoder per coding on each decode stream, whatever the I/O threads: the
+    # bound on kept scratch. (On the H100: 4 decoders for the two reads' 26 chunks.)
+    streams = {s.cuda_stream for s in made}
+    assert streams and len(made) <= 2 * len(streams)
 
 
 @pytest.mark.gpu
