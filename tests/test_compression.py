@@ -369,6 +369,38 @@ def test_nvcomp_keeps_the_smaller_coding_of_a_16_bit_frame_and_reads_both(tmp_pa
 
 
 @pytest.mark.gpu
+def test_the_engine_keeps_decoders_while_it_reads_and_drops_them_after(tmp_path, monkeypatch):
+    # Note [kept decoders]: chunks of both codings decode bit-exact on decoders kept on one
+    # decode stream per device; once the reads are waited for, none is kept (a sleeping
+    # actor gives their scratch back).
+    codec = _nvcomp_or_skip()
+    made = []
+    real_codec = compression.NvcompPlanes._codec
+
+    def counting_codec(self, stream, half, *, encoding):
+        if not encoding:
+            made.append(stream)
+        return real_codec(self, stream, half, encoding=encoding)
+
+    monkeypatch.setattr(compression.NvcompPlanes, "_codec", counting_codec)
+    half = compressible(torch.bfloat16, 12 * EXTENT // 2).cuda()
+    full = compressible(torch.float32, 12 * EXTENT // 4 + 11, seed=1).cuda()
+    state = torch.cat([as_bytes(half), as_bytes(full)])
+    with StateFile(str(tmp_path / "state"), state.numel(), compression=codec) as f, \
+            TransferEngine(4 * EXTENT, depth=2, device_reads=frames.READS_ALONE) as engine:
+        engine.write(state, f, 0, element_sizes=((0, 2), (half.numel() * 2, 4))).wait()
+        for _ in range(2):
+            back = torch.empty_like(state)
+            engine.read(back, f, 0).wait()
+            assert torch.equal(back, state)
+            assert engine._kept_decoders.held() == 0
+    # At most one decoder per coding on each decode stream, whatever the I/O threads: the
+    # bound on kept scratch. (On the H100: 4 decoders for the two reads' 26 chunks.)
+    streams = {s.cuda_stream for s in made}
+    assert streams and len(made) <= 2 * len(streams)
+
+
+@pytest.mark.gpu
 def test_nvcomp_decodes_frames_coded_with_nvcomps_default_chunks(tmp_path):
     # Note [ANS chunks]: files written before the chunk options (nvCOMP's 64 KiB chunks
     # of 8 sub-chunks) still read: the bitstream records how it was cut.

@@ -196,10 +196,11 @@ class NvcompPlanes:
         nvcomp.set_device_allocator(_TorchDeviceBlock)
 
     def _codec(self, stream: torch.cuda.Stream, half: bool, *, encoding: bool):
-        # A codec per call, bound to the calling I/O thread's stream: a codec keeps its
-        # scratch (86 MiB for a 64 MiB batch, measured on the H200) for as long as it
-        # lives, and a sleeping actor must give every byte of it back. Its scratch comes
-        # from torch's cache, so the next call's is a reuse, not a cudaMalloc.
+        # Bound to ``stream``: a codec keeps its scratch (86 MiB for a 64 MiB batch,
+        # measured on the H200) for as long as it lives, and a sleeping actor must give
+        # every byte of it back, so an encoder lives for one call and the engine drops its
+        # decoders when no read needs them (Note [kept decoders] of greenroom.frames). The
+        # scratch comes from torch's cache, so the next codec's is a reuse, not a cudaMalloc.
         options = {"data_type": "<f2"} if half else {}  # Note [16-bit frames]
         if encoding:  # a decoder takes them from the bitstream (Note [ANS chunks])
             options.update(ANS_CHUNKS)
@@ -265,7 +266,8 @@ class NvcompPlanes:
         size. Every payload is decoded from its offset in ``packed`` (not one small copy
         per frame). The stream is synchronized. ``decoders``, a dict the caller keeps for
         this one ``stream``, keeps nvCOMP's decoders (and their scratch) from call to call
-        until the caller drops it; without it each call makes its own, as the engine does."""
+        until the caller drops it (the engine's ``frames.KeptDecoders``); without it each
+        call makes its own."""
         with self._lock, torch.cuda.stream(stream):
             for half, group in _by_flag([codec_id == NVCOMP_F16_ID for codec_id, _ in layouts]):
                 batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [spans[k][0] for k in group],

@@ -233,6 +233,7 @@ class TransferEngine(FrameTransfers):
         self.device_reads = device_reads
         self._piece_reads = cf.ThreadPoolExecutor(max_workers=device_reads.in_flight,
                                                   thread_name_prefix="greenroom-read")
+        self._kept_decoders = frames.KeptDecoders()  # Note [kept decoders] of greenroom.frames
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: list[Transfer] = []
         self._driver = threading.Thread(target=self._drive, name="greenroom-io-driver", daemon=True)

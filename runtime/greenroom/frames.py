@@ -52,11 +52,23 @@ the ninth session's (gaps, 16 MiB pieces, 8 in flight) in the same calls
 (``docs/benchmarks.md``, tenth session). With 64 MiB pieces on a streamed step too, one
 fp32-moment step ran at 0.83 of its bound against 0.58 for the ninth session's path in
 the same call, so the step keeps the default.
+
+Note [kept decoders]: nvCOMP's decoders are kept from chunk to chunk while the engine has
+reads that decode on the device in flight, one set per device on one decode stream, and
+dropped when the last of those reads ends. A decoder made per call cost the decode most of
+its time: on the H200 a new codec's first decode of a 64 MiB chunk took 14 ms against
+1.0-1.7 ms for a second decode (eighth session). One stream and one set per device bound
+the kept scratch to two decoders (one per coding: Note [16-bit frames] of
+``greenroom.compression``; 86 MiB each for a 64 MiB chunk) whatever the number of I/O
+threads, and lose nothing, since nvCOMP calls run one at a time anyway. Dropped when no read
+needs them, their scratch is back in torch's cache before a step ends or an actor sleeps.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,9 +106,45 @@ MAX_SHIFT = 1 << 30
 STORE_RAW = 0  # the element size of a region a codec need not try (incompressible: stored as it is)
 
 
+class KeptDecoders:
+    """Each device's decode stream and nvCOMP decoders, kept while any read that decodes
+    there is in flight (Note [kept decoders])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reads = 0
+        self._by_device: dict[torch.device, tuple[torch.cuda.Stream, dict]] = {}
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Around one chunk's read and decode: the last to leave drops every decoder."""
+        with self._lock:
+            self._reads += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reads -= 1
+                if not self._reads:
+                    self._by_device.clear()
+
+    def on(self, device: torch.device) -> tuple[torch.cuda.Stream, dict]:
+        """The decode stream of ``device`` and the decoders bound to it (inside ``reading``)."""
+        with self._lock:
+            if device not in self._by_device:
+                self._by_device[device] = (torch.cuda.Stream(device), {})
+            return self._by_device[device]
+
+    def held(self) -> int:
+        """Devices with decoders kept now (0 whenever no read is in flight)."""
+        with self._lock:
+            return len(self._by_device)
+
+
 class FrameTransfers:
     """The compressed chunks of ``TransferEngine`` (a base class: it uses the engine's
-    ``staging``, per-thread ``_thread``, ``_hashers``, ``_piece_reads`` and ``device_reads``)."""
+    ``staging``, per-thread ``_thread``, ``_hashers``, ``_piece_reads``, ``device_reads`` and
+    ``_kept_decoders``)."""
 
     def _io_stream(self, device: torch.device) -> torch.cuda.Stream:
         """This I/O thread's own stream on ``device``: codec kernels of concurrent chunks
@@ -190,6 +238,7 @@ class FrameTransfers:
         error = sums = None
         first = frames[0][3]
         held = True
+        decoding = contextlib.ExitStack()
         try:
             buf = self.staging.buffers[slot]
             arr = buf.numpy()
@@ -220,6 +269,7 @@ class FrameTransfers:
                 if stream is not None:
                     io_stream.wait_stream(stream)  # the caller's work on ``piece`` comes first
             if to_device:
+                decoding.enter_context(self._kept_decoders.reading())
                 # The chunk's stored bytes go to the device as they arrive (Note [copy while
                 # reading]); each payload decodes from its offset there, and the sums are
                 # taken there (Note [sums on the device]).
@@ -296,9 +346,12 @@ class FrameTransfers:
                                                                                    device=io_stream.device)
                             for pos, raw, _, _, _, _, _ in on_device]
                 if on_device:
+                    decode_stream, decoders = self._kept_decoders.on(io_stream.device)  # Note [kept decoders]
+                    decode_stream.wait_stream(io_stream)  # ``packed`` and ``outs`` were made there
                     on_device[0][4].decode(packed, [(place + header, n - header)
                                                     for _, _, place, n, _, _, _ in on_device],
-                                           outs, device_layouts, io_stream, [job[6] for job in on_device])
+                                           outs, device_layouts, decode_stream, [job[6] for job in on_device],
+                                           decoders=decoders)
                 if device_sums is not None:
                     with torch.cuda.stream(io_stream):  # not the legacy default stream: it waits for the whole device
                         sums = device_sums.cpu()
@@ -310,6 +363,7 @@ class FrameTransfers:
         finally:
             if held:
                 self.staging.release(slot)
+            decoding.close()  # before the transfer completes: none is kept once it is waited for
             transfer._chunk_finished(error, sums, first)
 
 
