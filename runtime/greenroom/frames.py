@@ -57,7 +57,9 @@ Note [kept decoders]: nvCOMP's decoders are kept from chunk to chunk while the e
 reads that decode on the device in flight, one set per device on one decode stream, and
 dropped when the last of those reads ends. A decoder made per call cost the decode most of
 its time: on the H200 a new codec's first decode of a 64 MiB chunk took 14 ms against
-1.0-1.7 ms for a second decode (eighth session). One stream and one set per device bound
+1.0-1.7 ms for a second decode (eighth session), and on an H100 an 8 GiB wake with kept
+decoders took 1.25 s of CPU time against 2.33 s (medians of six cycles; eighteenth
+session, ``docs/benchmarks.md``). One stream and one set per device bound
 the kept scratch to two decoders (one per coding: Note [16-bit frames] of
 ``greenroom.compression``; 86 MiB each for a 64 MiB chunk) whatever the number of I/O
 threads, and lose nothing, since nvCOMP calls run one at a time anyway. Dropped when no read
