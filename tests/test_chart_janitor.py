@@ -2,7 +2,9 @@
 binary: once per cluster, the only chart with cluster-scoped RBAC."""
 
 import argparse
+import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -143,6 +145,56 @@ def test_notes_give_the_reason_pod_security_gives(run_as_user):
     (line,) = [line for line in out.stdout.splitlines() if "Pod Security" in line]
     assert line.startswith('It needs the "privileged" Pod Security level in ops: baseline refuses its hostPath volume')
     assert ("DAC_OVERRIDE passes baseline" in line) == (run_as_user == 0)
+
+
+NAMESPACE_LOOKUP = 'lookup "v1" "Namespace" "" .Release.Namespace'
+
+
+def chart_in_namespace(tmp_path, namespace: dict) -> str:
+    """A copy of the janitor chart whose lookup of its namespace answers `namespace` ({}:
+    not there, as lookup answers). helm template does no lookup; test_k8s_admission.py
+    runs the real one."""
+    chart = tmp_path / "greenroom-janitor"
+    shutil.copytree(JANITOR_CHART, chart)
+    validate = chart / "templates" / "_validate.tpl"
+    source = validate.read_text()
+    assert source.count(NAMESPACE_LOOKUP) == 1
+    validate.write_text(source.replace(NAMESPACE_LOOKUP, f"fromJson {json.dumps(json.dumps(namespace))}"))
+    return str(chart)
+
+
+@pytest.mark.parametrize("run_as_user", [0, 1000])
+@pytest.mark.parametrize("labels", [
+    {"pod-security.kubernetes.io/enforce": "baseline", "pod-security.kubernetes.io/enforce-version": "v1.30"},
+    {"pod-security.kubernetes.io/enforce": "restricted"},
+])
+def test_a_namespace_whose_pod_security_refuses_the_janitor_is_refused_in_one_line(tmp_path, labels, run_as_user):
+    """Was: the DaemonSet was created and admission refused every janitor pod. Its hostPath
+    volume needs privileged whatever its uid and the level's version."""
+    chart = chart_in_namespace(tmp_path, {"metadata": {"name": "ops", "labels": labels}})
+    out = helm("template", "jan", chart, "--namespace", "ops", "--set", f"runAsUser={run_as_user}")
+    assert out.returncode != 0
+    (line,) = [line for line in out.stderr.splitlines() if "Pod Security" in line]
+    level = labels["pod-security.kubernetes.io/enforce"]
+    assert line.endswith(
+        f'namespace ops enforces Pod Security "{level}", and the janitor needs "privileged" (a hostPath volume, '
+        "the node root /mnt/nvme/greenroom): label it (kubectl label namespace ops "
+        "pod-security.kubernetes.io/enforce=privileged --overwrite) or install into a privileged namespace"), line
+
+
+@pytest.mark.parametrize("namespace", [
+    {},  # not there yet (--create-namespace), and what helm template sees
+    {"metadata": {"name": "ops"}},  # no level of its own: the cluster's default, which no object shows
+    {"metadata": {"name": "ops", "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}},
+    {"metadata": {"name": "ops", "labels": {"pod-security.kubernetes.io/warn": "baseline"}}},
+])
+def test_the_pod_security_check_says_nothing_unless_the_namespace_enforces_a_level_that_refuses(tmp_path, namespace):
+    out = helm("template", "jan", chart_in_namespace(tmp_path, namespace), "--namespace", "ops")
+    assert out.returncode == 0, out.stderr
+    # The same manifests as the chart under helm template, where lookup finds nothing.
+    plain = helm("template", "jan", JANITOR_CHART, "--namespace", "ops")
+    assert plain.returncode == 0, plain.stderr
+    assert out.stdout == plain.stdout
 
 
 def test_janitor_readme_documents_every_value():

@@ -1,6 +1,6 @@
 """The chart against a real API server (the local cluster of scripts/services.d/k8s.sh):
-Pod Security admission per storage mode, the janitor's RBAC, the JobSet controller, and
-`helm upgrade`/`helm uninstall` leaving nothing behind.
+Pod Security admission per storage mode, the janitor's RBAC and Pod Security check, the
+JobSet controller, and `helm upgrade`/`helm uninstall` leaving nothing behind.
 
 These need the control plane only: the Job and JobSet controllers create the pods (or are
 refused), the scheduler need not place them. What runs in the pods is tests/test_k8s_pods.py.
@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from tests.k8s_support import (CHART, cluster_fixture, events, helm, install, janitor_install, kubectl, kubectl_json,
-                               namespace, pods, require_cluster, trainer_values, values_file, wait_until)
+from tests.k8s_support import (CHART, cluster_fixture, events, helm, install, janitor_install, janitor_values, kubectl,
+                               kubectl_json, namespace, pods, require_cluster, trainer_values, values_file,
+                               wait_until)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
@@ -115,6 +116,45 @@ def test_janitor_rbac_is_what_it_needs_and_a_namespace_admin_cannot_install_it(n
     assert out.returncode != 0
     assert 'User "alice" cannot' in out.stderr and 'resource "clusterroles"' in out.stderr, out.stderr
     assert "at the cluster scope" in out.stderr, out.stderr
+
+
+def janitor_objects(ns: str) -> list[str]:
+    """What a janitor release in `ns` would own: in it (helm's release record is a Secret
+    there), and outside it (named by it)."""
+    inside = kubectl("-n", ns, "get", "all,secrets,serviceaccounts,roles,rolebindings", "-o", "name").stdout.split()
+    outside = (kubectl("get", "clusterroles,clusterrolebindings", "-o", "name").stdout.split()
+               + kubectl("-n", "default", "get", "roles,rolebindings", "-o", "name").stdout.split())
+    return [n for n in inside if n != "serviceaccount/default"] + [n for n in outside if ns in n]
+
+
+def refused_in_one_line(out, ns: str, level: str) -> None:
+    assert out.returncode != 0
+    (line,) = [line for line in out.stderr.splitlines() if "enforces Pod Security" in line]
+    assert f'namespace {ns} enforces Pod Security "{level}", and the janitor needs "privileged"' in line, out.stderr
+    assert f"kubectl label namespace {ns} pod-security.kubernetes.io/enforce=privileged --overwrite" in line
+
+
+def test_the_janitor_is_refused_in_one_line_where_pod_security_would_refuse_its_pods(namespace):
+    """Was: installed, its DaemonSet created, and each of its pods refused by admission."""
+    ns = namespace("baseline")
+    refused_in_one_line(janitor_install("jan", ns, check=False), ns, "baseline")
+    assert janitor_objects(ns) == []
+
+
+def test_a_janitor_upgrade_where_pod_security_now_refuses_its_pods_is_refused_and_changes_nothing(namespace):
+    """A namespace relabelled after the install: admission leaves the running pods alone but
+    would refuse those an upgrade rolls out."""
+    ns = namespace("privileged")
+    values = janitor_values("/mnt/nvme/greenroom")
+    janitor_install("jan", ns, values)
+    (daemonset,) = kubectl_json("-n", ns, "get", "daemonsets")["items"]
+    kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=baseline", "--overwrite")
+    refused = janitor_install("jan", ns, {**values, "intervalSeconds": 3}, action="upgrade", check=False)
+    refused_in_one_line(refused, ns, "baseline")
+    release = json.loads(helm("-n", ns, "status", "jan", "-o", "json").stdout)
+    assert release["info"]["status"] == "deployed" and release["version"] == 1  # no revision recorded
+    (after,) = kubectl_json("-n", ns, "get", "daemonsets")["items"]
+    assert after["metadata"]["generation"] == daemonset["metadata"]["generation"]
 
 
 def test_upgrade_then_uninstall_leaves_no_object_behind(namespace):
