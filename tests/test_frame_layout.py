@@ -215,3 +215,107 @@ def test_a_unit_rewritten_with_a_new_stored_size_leaves_its_neighbours_bytes(tmp
             assert torch.equal(as_bytes(tensors[1]), as_bytes(middle))
     finally:
         mover.close()
+
+
+def _record_at(f: StateFile, extent: int) -> int:
+    """The file offset of extent ``extent``'s record (its frame's stored bytes, then its shift)."""
+    return f.table_offset + (f.data_bytes + EXTENT - 1) // EXTENT * 8 + 8 * extent
+
+
+@pytest.mark.parametrize("where", ["table", "table, the field's other bits kept", "memory"])
+def test_a_record_rewritten_to_stored_raw_over_a_zero_tail_is_caught(tmp_path, zstd, where):
+    # The case of docs/reliability.md section 6 that the sums did not cover: the last
+    # frame's record says "stored raw" (exactly its raw length), and the pages after its
+    # stored bytes are the zeros of a fresh file, which add nothing to a sum of pages.
+    # The header would then be read back as data; the record is summed with its extent
+    # (Note [summed records] of greenroom.statefile), so the read stops instead. In the
+    # table of a bucket file (the length written over the whole field, or only over its
+    # low bits), and in the engine's memory for an offload file.
+    t = compressible(torch.float32, 2 * EXTENT // 4)
+    path = str(tmp_path / "state")
+    with StateFile(path, t.numel() * 4, checksums="memory" if where == "memory" else "file", compression=zstd) as f, \
+            TransferEngine(CHUNK) as engine:
+        engine.write(t, f, 0).wait()
+        (_, _), (second, _) = f.recorded(0, t.numel() * 4)[1].tolist()
+        assert second < EXTENT  # compressed, followed by zero pages up to its own place's end
+        if where == "memory":
+            f._stored[(0, t.numel() * 4)][1, 0] = EXTENT
+        else:
+            at = _record_at(f, 1)
+            with open(path, "rb") as raw:
+                raw.seek(at)
+                field = int.from_bytes(raw.read(4), "little")
+            _patch(path, at, (EXTENT if where == "table" else field & ~(2 * EXTENT - 1) | EXTENT).to_bytes(4, "little"))
+        back = torch.empty_like(t)
+        with pytest.raises(IntegrityError) as err:
+            engine.read(back, f, 0).wait()
+    message = str(err.value)
+    assert path in message and f"offset {EXTENT}" in message and "\n" not in message
+
+
+def test_a_flipped_bit_in_a_record_is_caught_by_reads_and_by_checks_of_the_sums_alone(tmp_path, zstd):
+    # Every bit of a compressed frame's record and of a raw frame's, flipped in turn. A
+    # read refuses each (the record's range, the header, or the sum). The checks that
+    # compare sums alone (a checkpoint's load and save: ``verify_against_table``) used to
+    # pass a stored length that still covers the same pages; the sum now covers it.
+    from greenroom.optim.checkpoint import verify_against_table
+
+    g = torch.Generator().manual_seed(7)
+    t = torch.cat([compressible(torch.uint8, EXTENT, 1), torch.randint(0, 256, (EXTENT,), dtype=torch.uint8,
+                                                                       generator=g)])
+    path = str(tmp_path / "bucket")
+    with StateFile(path, t.numel(), checksums="file", compression=zstd) as f, TransferEngine(CHUNK) as engine:
+        engine.write(t, f, 0).wait()
+        assert [n < EXTENT for n, _ in f.recorded(0, t.numel())[1].tolist()] == [True, False]
+        for extent in (0, 1):
+            at = _record_at(f, extent)
+            with open(path, "rb") as raw:
+                raw.seek(at)
+                saved = raw.read(8)
+            for bit in range(64):
+                flipped = (int.from_bytes(saved, "little") ^ (1 << bit)).to_bytes(8, "little")
+                _patch(path, at, flipped)
+                with pytest.raises(IntegrityError) as err:
+                    engine.read(torch.empty_like(t), f, 0).wait()
+                assert path in str(err.value), (extent, bit)
+                with pytest.raises(IntegrityError):
+                    verify_against_table(f)
+                _patch(path, at, saved)
+        back = torch.empty_like(t)
+        engine.read(back, f, 0).wait()
+        verify_against_table(f)
+    assert torch.equal(back, t)
+
+
+def test_a_file_of_the_earlier_table_still_reads_bit_exact(tmp_path, zstd):
+    # A table as greenroom wrote it before records were summed: each extent's sum of its
+    # frame's stored bytes alone, and the records as they are. Made by hand here from the
+    # file's bytes, so it does not depend on the code that writes the current table; the
+    # file and every checkpoint of such files must still read, and verify, as they are.
+    from greenroom.integrity import page_sums
+    from greenroom.optim.checkpoint import verify_against_table
+
+    g = torch.Generator().manual_seed(8)
+    t = torch.cat([compressible(torch.bfloat16, EXTENT, 2).view(torch.uint8),
+                   torch.randint(0, 256, (EXTENT,), dtype=torch.uint8, generator=g),
+                   compressible(torch.uint8, 5000, 3)])
+    path = str(tmp_path / "bucket")
+    with StateFile(path, t.numel(), checksums="file", compression=zstd) as f, TransferEngine(CHUNK) as engine:
+        engine.write(t, f, 0).wait()
+        records = f.recorded(0, f.data_bytes)[1].tolist()
+    with open(path, "rb") as raw:
+        data = torch.frombuffer(bytearray(raw.read(f.data_bytes)), dtype=torch.uint8)
+    sums = []
+    for k, (n, shift) in enumerate(records):
+        at = k * EXTENT - shift
+        sums.append(int(page_sums(data[at:at + align_up(n)], at).sum()))
+    table = torch.zeros(StateFile.table_bytes(t.numel(), compressed=True), dtype=torch.uint8)
+    table[:8 * len(sums)].view(torch.int64).copy_(torch.tensor(sums, dtype=torch.int64))
+    table[8 * len(sums):16 * len(sums)].view(torch.int32).copy_(torch.tensor(records, dtype=torch.int32).view(-1))
+    _patch(path, f.table_offset, table.numpy().tobytes())
+    with StateFile(path, t.numel(), create=False, checksums="file", compression=zstd) as f, \
+            TransferEngine(CHUNK) as engine:
+        verify_against_table(f)
+        back = torch.empty_like(t)
+        engine.read(back, f, 0).wait()
+    assert torch.equal(back, t)

@@ -61,9 +61,10 @@ count smaller than the stream's, nvCOMP 6.0 decoded a payload of its defaults to
 bytes without an error (files written before these options must still read).
 
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
-the engine's position-weighted sums of the stored bytes (a flipped bit on the disk), the
-header (magic, codec, element size, raw and stored lengths must all agree with the
-file's record) and, for ``zstd``, Zstandard's own checksum of the raw bytes, which also
+the engine's position-weighted sums of the stored bytes and of the file's record of the
+frame (a flipped bit on the disk, a damaged record: Note [summed records] of
+``greenroom.statefile``), the header (magic, codec, element size, raw and stored lengths
+must all agree with the file's record) and, for ``zstd``, Zstandard's own checksum of the raw bytes, which also
 catches a codec that decodes to the wrong bytes. nvCOMP's checksum policy was tried
 and not relied on: with nvCOMP 6.0's Python API a payload with a flipped bit decoded
 silently under ``COMPUTE_AND_VERIFY``, so on the GPU the engine's sums of the stored

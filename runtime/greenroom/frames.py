@@ -10,7 +10,7 @@ file, so a frame's bytes there never start after its own place in the chunk: a h
 codec unpacks them in place, back to front; a device codec's chunk is cut by its stored
 bytes (its raw bytes never enter the buffer), so a reader takes any staging size, the
 writer's or not. Every frame's checksum covers its stored bytes at the offsets they
-were stored at.
+were stored at, and its record (Note [summed records] of ``greenroom.statefile``).
 
 Note [compact transfers]: a write stores each chunk's frames right after the previous
 chunk's (``Transfer._place``), not at the chunk's own place, so a transfer's stored

@@ -23,7 +23,9 @@ exception is Note [sums on the device]. Where the sums live: in memory per open 
 keyed by the transfer's range (the actor's offload file: it is rewritten every sleep
 and never copied), or in a table at the end of the file itself (``checksums="file"``,
 the optimizer's bucket files: the checkpoint copies the table with the bytes, so a
-loaded checkpoint is verified on its first read like any other state). The files are
+loaded checkpoint is verified on its first read like any other state). A compressed
+file's sums cover each frame's record too (Note [summed records] of
+``greenroom.statefile``). The files are
 wiped at start, so a sum never outlives the process that wrote it unless the file
 was copied with it. ``GREENROOM_VERIFY=0`` (or ``TransferEngine(verify=False)``) skips
 hashing altogether; it exists to measure the cost, and state written that way cannot
@@ -93,6 +95,17 @@ _WORDS_PER_PAGE = ALIGNMENT // 8
 _LANES = _engine_owned(torch.tensor([_signed(_mix(j) | 1) for j in range(_WORDS_PER_PAGE)], dtype=torch.int64))
 _PAGE_A = _signed(_mix(1 << 20) | 1)
 _PAGE_B = _signed(_mix(1 << 21))
+
+
+_RECORD_FACTOR = _signed(_mix(1 << 22) | 1)
+
+
+def record_mix(stored: torch.Tensor) -> torch.Tensor:
+    """What each extent's sum adds for its frame's record in a compressed file (Note
+    [summed records] of ``greenroom.statefile``): the record's 8 bytes (``stored``, int32
+    pairs of stored bytes and shift) as one word, times an odd constant. Multiplying by an
+    odd number is one-to-one mod 2^64, so a record that changes in any way changes it."""
+    return stored.contiguous().view(torch.int64).view(-1) * _RECORD_FACTOR
 
 
 _PAGES_PER_PRODUCT = 4096  # 16 MiB of pages: bounds the temporary of the elementwise form

@@ -18,6 +18,22 @@ place would land in every name, so a file with its checksums in it is never writ
 while ``fstat`` counts more than one link (the writer, ``optim.store``, gives such a
 bucket a new inode and renames it over the live name; this check in ``write`` is the
 last line, one ``fstat`` per chunk).
+
+Note [summed records]: a compressed file's table holds each extent's record (its frame's
+stored bytes and shift, Note [packed frames] of ``greenroom.frames``) beside its sum, and
+a read is steered by the record: how many pages to read, from where, and whether the
+frame is a header and payload or raw bytes. Range checks and the header catch most bad
+records, but not one rewritten to exactly the frame's raw length over pages of zeros
+(a fresh file's tail: zeros add nothing to a sum of pages), which would read the header
+and payload back as data. So each extent's recorded sum is that of its frame's stored
+bytes plus a mix of its record (``integrity.record_mix``), and ``recorded`` takes the
+mix back out: a record changed in any way leaves a sum that the bytes it points to do
+not match, and every check of the sums (a read's, a checkpoint's) sees it. A table of
+this kind marks each record with ``_SUMMED`` in its stored bytes, a bit no record of an
+older file has (a frame stores at most 1 MiB): their sums stay as they were and read as
+they are, and a mark set or cleared by damage leaves a sum with the mix in it, or taken
+out, that matches nothing. The in-memory records of ``checksums="memory"`` are summed the
+same way, without a mark (they never outlive the process).
 """
 
 from __future__ import annotations
@@ -31,10 +47,11 @@ import torch
 
 from greenroom import fs
 from greenroom.errors import ConfigError, StorageError
-from greenroom.integrity import ALIGNMENT, EXTENT, _engine_owned, align_up
+from greenroom.integrity import ALIGNMENT, EXTENT, _engine_owned, align_up, record_mix
 
 _SUM_BYTES = 8
 _STORED_BYTES = 8  # per extent of a compressed file: its frame's stored bytes and shift (``frames``)
+_SUMMED = 1 << 30  # in a record's stored bytes: its extent's sum covers the record (Note [summed records])
 
 
 def _aligned_host(nbytes: int) -> torch.Tensor:
@@ -236,7 +253,10 @@ class StateFile:
     def record_sums(self, offset: int, nbytes: int, sums: torch.Tensor | None,
                     stored: torch.Tensor | None = None) -> None:
         """Keep the extent sums of the range just written (``nbytes`` aligned), and for a
-        compressed file each extent's frame's stored bytes and shift (Note [packed frames])."""
+        compressed file each extent's frame's stored bytes and shift (Note [packed frames]),
+        summed with them (Note [summed records])."""
+        if sums is not None and stored is not None:
+            sums = sums + record_mix(stored)
         if self.table_offset is None:
             with self._sums_lock:
                 end = offset + nbytes
@@ -256,7 +276,10 @@ class StateFile:
         if sums is not None:
             table[:extents * _SUM_BYTES].view(torch.int64).copy_(sums)
         if stored is not None:
-            table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2).copy_(stored)
+            records = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2)
+            records.copy_(stored)
+            if sums is not None:
+                records[:, 0] |= _SUMMED
         self.write(memoryview(table.numpy()), self.table_offset)
         # What a checkpoint's manifest records of a file it did not read (optim.instep).
         self.table_crc32 = f"{zlib.crc32(memoryview(table.numpy())):08x}"
@@ -273,12 +296,18 @@ class StateFile:
         the file was opened). One read of the table of a file that holds it."""
         if self.table_offset is None:
             with self._sums_lock:
-                return self._sums.get((offset, nbytes)), self._stored.get((offset, nbytes))
+                sums, stored = self._sums.get((offset, nbytes)), self._stored.get((offset, nbytes))
+            if sums is not None and stored is not None:
+                sums = sums - record_mix(stored)
+            return sums, stored
         table, extents = self._table(offset, nbytes)
         sums = table[:extents * _SUM_BYTES].view(torch.int64).clone()
         stored = None
         if self.compression is not None:
             stored = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2)
+            summed = (stored[:, 0] & _SUMMED) != 0
+            stored[:, 0] &= ~_SUMMED
+            sums -= torch.where(summed, record_mix(stored), 0)
             stored = stored.clone() if bool((stored[:, 0] > 0).all()) else None
         return sums, stored
 
