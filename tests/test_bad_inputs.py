@@ -104,6 +104,11 @@ CASES = {
     "train --metrics is a dir": (lambda s: ["train", *SMALL, "--metrics", S(s, "adir")], {}, "is a directory"),
     "train --metrics under a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "afile", "m.jsonl")], {},
                                      "is not a directory"),
+    # a fresh run truncated it (and a resumed one dropped every line that was not JSON)
+    "train --metrics a user's file": (lambda s: ["train", *SMALL, "--metrics", S(s, "afile")], {},
+                                      "line 1 is not a greenroom train metrics record, so greenroom did not write"),
+    "train --metrics another tool's JSON lines": (lambda s: ["train", *SMALL, "--metrics", S(s, "list.yaml")], {},
+                                                  "refusing to overwrite it"),
     "train job id with a slash": (lambda s: ["train", *SMALL, *DISK, "--metrics", S(s, "m.jsonl"),
                                              "--offload-train-disk-dir", S(s, "off")], {"GREENROOM_JOB_ID": "a/b"},
                                   "the job id (from $GREENROOM_JOB_ID"),

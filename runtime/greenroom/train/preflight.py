@@ -70,6 +70,37 @@ def check_paths(config, offload: OffloadConfig) -> None:
         if os.path.isdir(metrics):
             raise ConfigError(f"--metrics {metrics} is a directory; give a file path")
         _check_creatable_dir("--metrics", os.path.dirname(metrics))
+        _check_ours("--metrics", metrics)
+
+
+def is_metrics_record(line: str) -> bool:
+    """``line`` is one record ``greenroom train`` writes (an object with its iteration
+    number and its phases' events)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return (isinstance(record, dict) and type(record.get("iteration")) is int
+            and isinstance(record.get("events"), list))
+
+
+def _check_ours(flag: str, path: str) -> None:
+    """A fresh run truncates the metrics file and a resumed one rewrites it, so a file
+    that is there must be one ``greenroom train`` wrote: every line a record, but for a
+    torn last line (a run killed mid-write). Anything else is the user's: refused."""
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    for number, line in enumerate(lines, 1):
+        # A record's start: a line the user wrote without a newline is still theirs.
+        torn = number == len(lines) and not line.endswith("\n") and line.startswith('{"iteration": ')
+        if line.strip() and not torn and not is_metrics_record(line):
+            raise ConfigError(f"{flag} {path}: line {number} is not a greenroom train metrics record, so greenroom "
+                              "did not write this file; refusing to overwrite it: give another path")
 
 
 def check_save_space(save: str, need: int) -> None:
