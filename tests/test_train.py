@@ -467,3 +467,21 @@ def test_metrics_never_overwrites_a_file_greenroom_did_not_write(disk_dir):
     resumed = train([*SMALL, "--iterations", "3", "--load", ck, "--metrics", metrics])
     assert "dropped 1 torn line(s)" in resumed.stderr
     assert [r["iteration"] for r in records(metrics)] == [1, 2, 3]
+
+
+def test_a_resume_rewrites_a_symlinked_metrics_files_target_not_the_link(disk_dir):
+    """Dropping the records past the checkpoint replaced the link with a regular file: the
+    target kept the stale records and the resumed run's went beside it."""
+    ck = os.path.join(disk_dir, "ck")
+    real = os.path.join(disk_dir, "real.jsonl")
+    train([*SMALL, "--iterations", "2", "--save", ck, "--metrics", real])
+    with open(real, "a") as f:
+        f.write(json.dumps({"iteration": 3, "events": []}) + "\n")  # logged by a run killed before its save
+    os.chmod(real, 0o640)
+    link = os.path.join(disk_dir, "link.jsonl")
+    os.symlink(real, link)
+    train([*SMALL, "--iterations", "3", "--load", ck, "--metrics", link])
+    assert os.path.islink(link) and os.readlink(link) == real
+    assert [r["iteration"] for r in records(real)] == [1, 2, 3] and records(real)[2]["events"]
+    assert os.stat(real).st_mode & 0o777 == 0o640
+    assert sorted(os.listdir(disk_dir)) == ["ck", "link.jsonl", "real.jsonl"]

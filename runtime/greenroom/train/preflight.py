@@ -8,6 +8,7 @@ do, and leaves nothing behind on disk (the write probe removes its file).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -115,8 +116,9 @@ def open_metrics(path: str, *, append: bool, resume_at: int = 0):
     """The metrics file, its dir created; an OSError becomes a one-line error naming it.
     A resumed run (``append``) first drops the records of iterations past ``resume_at``,
     the checkpoint's: a run killed after it logged them, and they are trained again now,
-    so each iteration keeps one record (``greenroom report`` would plot both)."""
-    path = os.path.abspath(path)
+    so each iteration keeps one record (``greenroom report`` would plot both). A symlink
+    is followed: the rewrite replaces its target, not the link."""
+    path = os.path.realpath(path)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if append and os.path.isfile(path):
@@ -143,9 +145,15 @@ def _drop_records_past(path: str, iteration: int) -> None:
     if not dropped and not torn:
         return
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.chmod(tmp, os.stat(path).st_mode & 0o7777)  # the file keeps the mode it had
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     what = [f"{len(dropped)} record(s) of iterations past the checkpoint's {iteration} ({min(dropped)}-{max(dropped)}: "
             "logged by a run that did not save them; they are trained again now)"] if dropped else []
     what += [f"{torn} torn line(s)"] if torn else []
