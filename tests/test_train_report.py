@@ -136,3 +136,31 @@ def test_what_is_not_one_runs_metrics_is_one_line_and_no_png(disk_dir):
         assert line.startswith("greenroom report: error: ") and expected[name] in line, line
         assert sorted(os.listdir(disk_dir)) == before
 
+
+def test_the_output_never_replaces_a_file_report_did_not_draw(disk_dir):
+    """-o was written whatever it named: the metrics file itself, a user's file (or, for a
+    name matplotlib has no format for, a traceback), a path it could not write (a
+    FileNotFoundError traceback), a dir (wrote DIR.png and said "wrote DIR")."""
+    metrics = os.path.join(disk_dir, "m.jsonl")
+    assert cli("train", *SMALL, "--iterations", "1", "--metrics", metrics).returncode == 0
+    mine = os.path.join(disk_dir, "mine.png")
+    with open(mine, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n a photo")
+    os.makedirs(os.path.join(disk_dir, "adir"))
+    kept = {p: open(p, "rb").read() for p in (metrics, mine)}
+    cases = {metrics: "greenroom report writes a PNG; give a path ending in .png",
+             mine: "exists and is not a plot greenroom report drew; refusing to overwrite it",
+             os.path.join(disk_dir, "adir"): "greenroom report writes a PNG",
+             os.path.join(disk_dir, "adir.png", "x.png"): "cannot write it (No such file or directory)",
+             "/proc/greenroom-report.png": "cannot write it"}
+    for output, expected in cases.items():
+        before = sorted(os.listdir(disk_dir))
+        line = one_error_line(cli("report", metrics, "-o", output))
+        assert line.startswith(f"greenroom report: error: -o {output}") and expected in line, line
+        assert sorted(os.listdir(disk_dir)) == before
+    assert kept == {p: open(p, "rb").read() for p in kept}
+    png = os.path.join(disk_dir, "r.png")
+    for _ in range(2):  # a plot of its own is replaced
+        result = cli("report", metrics, "-o", png)
+        assert result.returncode == 0 and result.stdout.startswith(f"wrote {png} ("), result.stderr
+    assert sorted(os.listdir(disk_dir)) == ["adir", "m.jsonl", "mine.png", "r.png"]

@@ -12,6 +12,7 @@ one segment to the next, and each segment's start is marked with its first itera
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -21,6 +22,8 @@ from greenroom.log import get_logger
 
 log = get_logger(__name__)
 
+SOFTWARE = "greenroom report"
+"""The PNG's Software text: what tells a plot of ours, which a new report may replace."""
 PHASE_COLORS = {"sync": "#999999", "sleep": "#d62728", "rollout": "#1f77b4", "wake": "#2ca02c", "train": "#ff7f0e"}
 
 
@@ -179,13 +182,43 @@ def draw(records: list[dict], output: str) -> None:
         rewards.annotate(f"resumed at iteration {records[index]['iteration']}", (at, 0.95), fontsize=8,
                          xytext=(3, 0), textcoords="offset points", va="top")
     fig.tight_layout()
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
+    # Written beside and moved into place: a failed write leaves no partial PNG, and an
+    # earlier report stays whole until the new one is complete.
+    tmp = os.path.join(os.path.dirname(os.path.abspath(output)), f".{os.path.basename(output)}.tmp{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=110, format="png", metadata={"Software": SOFTWARE})
+        os.replace(tmp, output)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise GreenroomError(f"-o {output}: cannot write it ({e.strerror}); give a path in a writable dir") from None
+    finally:
+        plt.close(fig)
+
+
+def check_output(output: str) -> None:
+    """``output`` is a PNG path that holds nothing, or a report drawn before (told by the
+    mark ``draw`` leaves in it): never the metrics file or another file of the user's."""
+    if not output.lower().endswith(".png"):
+        raise GreenroomError(f"-o {output}: greenroom report writes a PNG; give a path ending in .png")
+    if os.path.isdir(output):
+        raise GreenroomError(f"-o {output} is a directory; give a file path ending in .png")
+    if not os.path.lexists(output):
+        return
+    try:
+        with open(output, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise GreenroomError(f"-o {output}: cannot read what is there ({e.strerror})") from None
+    if not head.startswith(b"\x89PNG\r\n\x1a\n") or b"tEXtSoftware\x00" + SOFTWARE.encode() not in head:
+        raise GreenroomError(f"-o {output} exists and is not a plot greenroom report drew; refusing to overwrite "
+                             "it: give another -o, or move the file away")
 
 
 def run(args: argparse.Namespace) -> int:
     records = read_records(args.metrics)
     output = args.output or os.path.splitext(args.metrics)[0] + ".png"
+    check_output(output)
     draw(records, output)
     starts = segments(records)
     if args.json:
