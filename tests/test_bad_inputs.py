@@ -73,6 +73,20 @@ CASES = {
                                           "--async-save needs --save DIR"),
     "train --iterations abc": (lambda s: ["train", "--iterations", "abc"], {}, "--iterations: invalid int value"),
     "train --lr -1": (lambda s: ["train", *SMALL, "--lr", "-1"], {}, "--lr must be positive"),
+    # these trained: on NaN weights after the first step (--group-size 1 then failed in a
+    # traceback from torch.multinomial), or a loss of nan; a 20-digit --seed was torch's
+    # "Overflow when unpacking long long"
+    "train --lr inf": (lambda s: ["train", *SMALL, "--lr", "inf"], {}, "--lr must be positive and finite, got inf"),
+    "train --group-size 1": (lambda s: ["train", *SMALL, "--group-size", "1"], {},
+                             "--group-size 1: each prompt needs at least 2 completions"),
+    "train --kl-coef nan": (lambda s: ["train", *SMALL, "--reference-policy", "--kl-coef", "nan"], {},
+                            "--kl-coef must be a finite number >= 0, got nan"),
+    "train --kl-coef -1": (lambda s: ["train", *SMALL, "--reference-policy", "--kl-coef=-1"], {},
+                           "--kl-coef must be a finite number >= 0, got -1.0"),
+    "train --weight-decay inf": (lambda s: ["train", *SMALL, "--weight-decay", "inf"], {},
+                                 "--weight-decay must be a finite number >= 0, got inf"),
+    "train --seed 20 digits": (lambda s: ["train", *SMALL, "--seed", "9" * 20], {},
+                               "--seed must be a whole number from 0 to 4294967295"),
     "train --minibatches 3 (does not divide)": (lambda s: ["train", *SMALL, "--minibatches", "3"], {},
                                                 "--minibatches 3 must divide"),
     "train huge chunk": (lambda s: ["train", *SMALL, *DISK, "--offload-train-disk-dir", S(s, "off"),
@@ -104,6 +118,11 @@ CASES = {
     "train --metrics is a dir": (lambda s: ["train", *SMALL, "--metrics", S(s, "adir")], {}, "is a directory"),
     "train --metrics under a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "afile", "m.jsonl")], {},
                                      "is not a directory"),
+    # a fresh run truncated it (and a resumed one dropped every line that was not JSON)
+    "train --metrics a user's file": (lambda s: ["train", *SMALL, "--metrics", S(s, "afile")], {},
+                                      "line 1 is not a greenroom train metrics record, so greenroom did not write"),
+    "train --metrics another tool's JSON lines": (lambda s: ["train", *SMALL, "--metrics", S(s, "list.yaml")], {},
+                                                  "refusing to overwrite it"),
     "train job id with a slash": (lambda s: ["train", *SMALL, *DISK, "--metrics", S(s, "m.jsonl"),
                                              "--offload-train-disk-dir", S(s, "off")], {"GREENROOM_JOB_ID": "a/b"},
                                   "the job id (from $GREENROOM_JOB_ID"),

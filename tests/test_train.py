@@ -441,3 +441,47 @@ def test_ctrl_c_in_the_loop_ends_in_one_line_with_130_and_leaves_no_files(disk_d
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "greenroom train: interrupted"
     assert os.listdir(root) == ["mine.txt"]
+
+
+def test_metrics_never_overwrites_a_file_greenroom_did_not_write(disk_dir):
+    """A fresh run truncated whatever --metrics named, and a resumed one rewrote it without
+    its lines that were not JSON (a user's notes lost all but nothing, with a warning about
+    "torn lines"). A file of greenroom's own, with a torn last line, is still taken."""
+    ck = os.path.join(disk_dir, "ck")
+    metrics = os.path.join(disk_dir, "m.jsonl")
+    train([*SMALL, "--iterations", "2", "--save", ck, "--metrics", metrics])
+    notes = os.path.join(disk_dir, "notes.txt")
+    for text in ("my notes\nline two\n", '{"iteration": "mine"}\n', "no newline"):
+        with open(notes, "w") as f:
+            f.write(text)
+        for extra in ([], ["--load", ck]):
+            result = train([*SMALL, "--iterations", "3", "--metrics", notes, *extra], check=False)
+            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+            assert result.stderr.strip().splitlines() == [
+                f"greenroom train: error: --metrics {notes}: line 1 is not a greenroom train metrics record, so "
+                "greenroom did not write this file; refusing to overwrite it: give another path"]
+            with open(notes) as f:
+                assert f.read() == text
+    with open(metrics, "a") as f:
+        f.write('{"iteration": 3, "iter')  # a run killed mid-write
+    resumed = train([*SMALL, "--iterations", "3", "--load", ck, "--metrics", metrics])
+    assert "dropped 1 torn line(s)" in resumed.stderr
+    assert [r["iteration"] for r in records(metrics)] == [1, 2, 3]
+
+
+def test_a_resume_rewrites_a_symlinked_metrics_files_target_not_the_link(disk_dir):
+    """Dropping the records past the checkpoint replaced the link with a regular file: the
+    target kept the stale records and the resumed run's went beside it."""
+    ck = os.path.join(disk_dir, "ck")
+    real = os.path.join(disk_dir, "real.jsonl")
+    train([*SMALL, "--iterations", "2", "--save", ck, "--metrics", real])
+    with open(real, "a") as f:
+        f.write(json.dumps({"iteration": 3, "events": []}) + "\n")  # logged by a run killed before its save
+    os.chmod(real, 0o640)
+    link = os.path.join(disk_dir, "link.jsonl")
+    os.symlink(real, link)
+    train([*SMALL, "--iterations", "3", "--load", ck, "--metrics", link])
+    assert os.path.islink(link) and os.readlink(link) == real
+    assert [r["iteration"] for r in records(real)] == [1, 2, 3] and records(real)[2]["events"]
+    assert os.stat(real).st_mode & 0o777 == 0o640
+    assert sorted(os.listdir(disk_dir)) == ["ck", "link.jsonl", "real.jsonl"]

@@ -8,6 +8,7 @@ do, and leaves nothing behind on disk (the write probe removes its file).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -70,6 +71,37 @@ def check_paths(config, offload: OffloadConfig) -> None:
         if os.path.isdir(metrics):
             raise ConfigError(f"--metrics {metrics} is a directory; give a file path")
         _check_creatable_dir("--metrics", os.path.dirname(metrics))
+        _check_ours("--metrics", metrics)
+
+
+def is_metrics_record(line: str) -> bool:
+    """``line`` is one record ``greenroom train`` writes (an object with its iteration
+    number and its phases' events)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return (isinstance(record, dict) and type(record.get("iteration")) is int
+            and isinstance(record.get("events"), list))
+
+
+def _check_ours(flag: str, path: str) -> None:
+    """A fresh run truncates the metrics file and a resumed one rewrites it, so a file
+    that is there must be one ``greenroom train`` wrote: every line a record, but for a
+    torn last line (a run killed mid-write). Anything else is the user's: refused."""
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    for number, line in enumerate(lines, 1):
+        # A record's start: a line the user wrote without a newline is still theirs.
+        torn = number == len(lines) and not line.endswith("\n") and line.startswith('{"iteration": ')
+        if line.strip() and not torn and not is_metrics_record(line):
+            raise ConfigError(f"{flag} {path}: line {number} is not a greenroom train metrics record, so greenroom "
+                              "did not write this file; refusing to overwrite it: give another path")
 
 
 def check_save_space(save: str, need: int) -> None:
@@ -84,8 +116,9 @@ def open_metrics(path: str, *, append: bool, resume_at: int = 0):
     """The metrics file, its dir created; an OSError becomes a one-line error naming it.
     A resumed run (``append``) first drops the records of iterations past ``resume_at``,
     the checkpoint's: a run killed after it logged them, and they are trained again now,
-    so each iteration keeps one record (``greenroom report`` would plot both)."""
-    path = os.path.abspath(path)
+    so each iteration keeps one record (``greenroom report`` would plot both). A symlink
+    is followed: the rewrite replaces its target, not the link."""
+    path = os.path.realpath(path)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if append and os.path.isfile(path):
@@ -112,9 +145,15 @@ def _drop_records_past(path: str, iteration: int) -> None:
     if not dropped and not torn:
         return
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.chmod(tmp, os.stat(path).st_mode & 0o7777)  # the file keeps the mode it had
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     what = [f"{len(dropped)} record(s) of iterations past the checkpoint's {iteration} ({min(dropped)}-{max(dropped)}: "
             "logged by a run that did not save them; they are trained again now)"] if dropped else []
     what += [f"{torn} torn line(s)"] if torn else []

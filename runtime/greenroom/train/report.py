@@ -12,12 +12,18 @@ one segment to the next, and each segment's start is marked with its first itera
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
 from greenroom.config import GB
 from greenroom.errors import GreenroomError
+from greenroom.log import get_logger
 
+log = get_logger(__name__)
+
+SOFTWARE = "greenroom report"
+"""The PNG's Software text: what tells a plot of ours, which a new report may replace."""
 PHASE_COLORS = {"sync": "#999999", "sleep": "#d62728", "rollout": "#1f77b4", "wake": "#2ca02c", "train": "#ff7f0e"}
 
 
@@ -29,22 +35,81 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def read_records(path: str) -> list[dict]:
+    """The records of ``path``, one run's, each iteration once. A torn last line (a run
+    killed mid-write) is left out, and a resumed segment's records replace those of the
+    iterations it trained again, both said on stderr; anything else that is not one
+    run's records is refused in one line naming the line."""
     try:
         with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
+            lines = list(enumerate(f, 1))
     except FileNotFoundError:
         raise GreenroomError(f"{path}: no such metrics file (greenroom train writes one with --metrics)") from None
-    records = []
-    for number, line in enumerate(lines, 1):
+    except UnicodeDecodeError:
+        raise GreenroomError(f"{path}: not a greenroom train metrics file (not UTF-8 text)") from None
+    except OSError as e:
+        raise GreenroomError(f"{path}: cannot read it ({e.strerror}); give the file greenroom train --metrics "
+                             "wrote") from None
+    lines = [(number, line) for number, line in lines if line.strip()]
+    if lines and not lines[-1][1].endswith("\n") and lines[-1][1].startswith('{"iteration": '):
         try:
-            record = json.loads(line)
-            record["events"]  # noqa: B018 - every greenroom train record has them
-        except (ValueError, KeyError, TypeError):
-            raise GreenroomError(f"{path}:{number}: not a greenroom train metrics line") from None
+            json.loads(lines[-1][1])
+        except ValueError:
+            log.warning(f"{path}:{lines[-1][0]}: left out a torn last line (its run was killed while writing it)")
+            lines.pop()
+    records, numbers = [], []
+    for number, line in lines:
+        record = _record(line)
+        if record is None:
+            raise GreenroomError(f"{path}:{number}: not a greenroom train metrics line")
         records.append(record)
+        numbers.append(number)
     if not records:
         raise GreenroomError(f"{path}: no metrics lines")
-    return records
+    return _one_run(path, records, numbers)
+
+
+_PHASE_FIELDS = ("start", "end", "host_rss", "actor_resident")
+
+
+def _record(line: str) -> dict | None:
+    """The record on ``line``, or None where it lacks what ``draw`` reads."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not (isinstance(record, dict) and type(record.get("iteration")) is int
+            and isinstance(record.get("reward"), (int, float)) and {"device", "world_size", "backend"} <= set(record)
+            and isinstance(record.get("events"), list)):
+        return None
+    events = record["events"]
+    if not all(isinstance(e, dict) and all(isinstance(e.get(k), (int, float)) for k in _PHASE_FIELDS)
+               and "device_used" in e and isinstance(e["device_used"], (int, float, type(None))) for e in events):
+        return None
+    return record if {e.get("phase") for e in events} >= set(PHASE_COLORS) else None
+
+
+def _one_run(path: str, records: list[dict], numbers: list[int]) -> list[dict]:
+    """A segment that starts again at an iteration logged before is a resume from an
+    earlier checkpoint: its records replace the killed run's of those iterations. One
+    that starts at iteration 1 is another run: refused, as the plot would draw two runs
+    as one (and call the second a resume)."""
+    kept = []
+    for i, (record, number) in enumerate(zip(records, numbers)):
+        previous = records[i - 1] if i else None
+        new_segment = previous is not None and (record["events"][0]["start"] < previous["events"][-1]["end"]
+                                                or record["iteration"] <= previous["iteration"])
+        if new_segment and record["iteration"] == 1:
+            raise GreenroomError(f"{path}:{number}: a new run starts at iteration 1 after iteration "
+                                 f"{previous['iteration']} (line {numbers[i - 1]}): the file holds more than one "
+                                 "run; give one run's file")
+        if new_segment:
+            superseded = [r for r in kept if r["iteration"] >= record["iteration"]]
+            if superseded:
+                log.warning(f"{path}:{number}: a resumed run trained iterations {superseded[0]['iteration']}-"
+                            f"{superseded[-1]['iteration']} again: drew its records, not the earlier ones")
+                kept = kept[:len(kept) - len(superseded)]
+        kept.append(record)
+    return kept
 
 
 def segments(records: list[dict]) -> list[tuple[int, float]]:
@@ -117,13 +182,43 @@ def draw(records: list[dict], output: str) -> None:
         rewards.annotate(f"resumed at iteration {records[index]['iteration']}", (at, 0.95), fontsize=8,
                          xytext=(3, 0), textcoords="offset points", va="top")
     fig.tight_layout()
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
+    # Written beside and moved into place: a failed write leaves no partial PNG, and an
+    # earlier report stays whole until the new one is complete.
+    tmp = os.path.join(os.path.dirname(os.path.abspath(output)), f".{os.path.basename(output)}.tmp{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=110, format="png", metadata={"Software": SOFTWARE})
+        os.replace(tmp, output)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise GreenroomError(f"-o {output}: cannot write it ({e.strerror}); give a path in a writable dir") from None
+    finally:
+        plt.close(fig)
+
+
+def check_output(output: str) -> None:
+    """``output`` is a PNG path that holds nothing, or a report drawn before (told by the
+    mark ``draw`` leaves in it): never the metrics file or another file of the user's."""
+    if not output.lower().endswith(".png"):
+        raise GreenroomError(f"-o {output}: greenroom report writes a PNG; give a path ending in .png")
+    if os.path.isdir(output):
+        raise GreenroomError(f"-o {output} is a directory; give a file path ending in .png")
+    if not os.path.lexists(output):
+        return
+    try:
+        with open(output, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise GreenroomError(f"-o {output}: cannot read what is there ({e.strerror})") from None
+    if not head.startswith(b"\x89PNG\r\n\x1a\n") or b"tEXtSoftware\x00" + SOFTWARE.encode() not in head:
+        raise GreenroomError(f"-o {output} exists and is not a plot greenroom report drew; refusing to overwrite "
+                             "it: give another -o, or move the file away")
 
 
 def run(args: argparse.Namespace) -> int:
     records = read_records(args.metrics)
     output = args.output or os.path.splitext(args.metrics)[0] + ".png"
+    check_output(output)
     draw(records, output)
     starts = segments(records)
     if args.json:

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -113,11 +114,23 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.group_size < 2:
+            # One completion is its own baseline: the advantage is 0/0, and the first step
+            # turned every weight into NaN.
+            raise ConfigError(f"--group-size {self.group_size}: each prompt needs at least 2 completions (their "
+                              "mean reward is the baseline each one is compared with)")
         if (self.prompts * self.group_size) % self.minibatches:
             raise ConfigError(f"--minibatches {self.minibatches} must divide --prompts x --group-size "
                              f"({self.prompts * self.group_size})")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        # inf trained on NaN weights from the first step, as nan or a negative KL weight did.
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"--lr must be positive and finite, got {self.lr}")
+        for name in ("weight_decay", "kl_coef"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(self, name)}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            # Each iteration's generator is seeded from it: past this, torch's overflow error.
+            raise ConfigError(f"--seed must be a whole number from 0 to {2**32 - 1}, got {self.seed!r}")
         if self.dtype not in PRECISIONS:
             raise ConfigError(f"--dtype: expected one of {', '.join(PRECISIONS)}, got {self.dtype!r}")
         if not isinstance(self.save_interval, int) or self.save_interval < 0:
