@@ -42,7 +42,8 @@ def test_janitor_has_least_privilege_and_a_metrics_service():
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
     # The hostPath root is its only writable path.
     assert c["volumeMounts"] == [{"name": "offload-root", "mountPath": "/greenroom/node"}]
-    assert pod["volumes"] == [{"name": "offload-root", "hostPath": {"path": "/mnt/nvme/greenroom", "type": "Directory"}}]
+    root = {"path": "/mnt/nvme/greenroom", "type": "Directory"}
+    assert pod["volumes"] == [{"name": "offload-root", "hostPath": root}]
     (svc,) = by_kind(docs, "Service")
     assert svc["metadata"]["labels"]["release"] == "prometheus"
     assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9400, "targetPort": "metrics"}]

@@ -71,8 +71,6 @@ def _os_error(path: str, label: str, op: str, nbytes: int, offset: int, e: OSErr
                         f"{e.strerror or e} ({name}); " + advice.get(e.errno, "check the disk and the dir"))
 
 
-
-
 def pwrite_all(fd: int, buf: memoryview, offset: int, path: str) -> int:
     """Write all of ``buf`` at ``offset``, retrying short writes; returns ``len(buf)``."""
     done = 0

@@ -35,7 +35,6 @@ from greenroom.train.task import TaskConfig, reward, sample_prompts
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 
 
-
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Settings of the loop (the model's and the task's are separate)."""
