@@ -83,6 +83,8 @@ CASES = {
                             "--kl-coef must be a finite number >= 0, got nan"),
     "train --kl-coef -1": (lambda s: ["train", *SMALL, "--reference-policy", "--kl-coef=-1"], {},
                            "--kl-coef must be a finite number >= 0, got -1.0"),
+    "train --kl-coef without --reference-policy": (lambda s: ["train", *SMALL, "--kl-coef", "0.1"], {},
+                                                   "--kl-coef 0.1 weighs the KL penalty towards --reference-policy"),
     "train --weight-decay inf": (lambda s: ["train", *SMALL, "--weight-decay", "inf"], {},
                                  "--weight-decay must be a finite number >= 0, got inf"),
     "train --seed 20 digits": (lambda s: ["train", *SMALL, "--seed", "9" * 20], {},

@@ -14,6 +14,7 @@ import os
 
 import greenroom
 from greenroom import publish
+from greenroom.errors import ConfigError
 from greenroom.log import get_logger
 from greenroom.statedir import launcher_number
 from greenroom.train.model import PRECISIONS, ModelConfig
@@ -67,8 +68,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                           "bf16 or fp32")
     opt.add_argument("--reference-policy", action="store_true",
                      help="keep a frozen copy of the initial policy and penalise KL towards it")
-    opt.add_argument("--kl-coef", type=float, default=_TRAIN.kl_coef,
-                     help="KL penalty weight (with --reference-policy)")
+    opt.add_argument("--kl-coef", type=float, default=None,
+                     help=f"KL penalty weight (with --reference-policy; default {_TRAIN.kl_coef})")
     sizes = parser.add_argument_group("model and task sizes")
     sizes.add_argument("--d-model", type=int, default=_MODEL.d_model)
     sizes.add_argument("--n-layers", type=int, default=_MODEL.n_layers)
@@ -91,6 +92,10 @@ def resume_dir(load: str | None, mode: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kl_coef is not None and not args.reference_policy:
+        # Without a reference there is no KL term: the weight would be ignored silently.
+        raise ConfigError(f"--kl-coef {args.kl_coef:g} weighs the KL penalty towards --reference-policy: pass "
+                          "--reference-policy too, or drop --kl-coef")
     offload = greenroom.OffloadConfig.from_args(args)
     task = TaskConfig(digits=args.digits)
     model = ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers,
@@ -102,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
                          offload_backend=args.offload_backend, offload_mover=args.offload_mover,
                          progress=not args.no_progress, lr=args.lr, weight_decay=args.weight_decay,
                          prompts=args.prompts, group_size=args.group_size, minibatches=args.minibatches,
-                         dtype=args.dtype, reference_policy=args.reference_policy, kl_coef=args.kl_coef)
+                         dtype=args.dtype, reference_policy=args.reference_policy,
+                         kl_coef=_TRAIN.kl_coef if args.kl_coef is None else args.kl_coef)
     rank = launcher_number("RANK", 0)
     with Trainer(config, offload=offload, model=model, task=task, rank=rank) as trainer:
         trainer.train()
