@@ -434,7 +434,7 @@ def test_ctrl_c_in_the_loop_ends_in_one_line_with_130_and_leaves_no_files(disk_d
     os.makedirs(root)
     open(os.path.join(root, "mine.txt"), "w").close()
     proc = greenroom_stopped_at("rollout", "train", *SMALL, "--offload-train", "--offload-train-target", "disk",
-                                "--offload-train-disk-dir", root)
+                                "--offload-train-disk-dir", root, sigint=True)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=120)
