@@ -485,3 +485,15 @@ def test_a_resume_rewrites_a_symlinked_metrics_files_target_not_the_link(disk_di
     assert [r["iteration"] for r in records(real)] == [1, 2, 3] and records(real)[2]["events"]
     assert os.stat(real).st_mode & 0o777 == 0o640
     assert sorted(os.listdir(disk_dir)) == ["ck", "link.jsonl", "real.jsonl"]
+
+
+def test_the_report_hint_is_a_command_the_shell_runs_as_printed(disk_dir):
+    # The last line tells how to plot the metrics: a path with a space, quoted, so that the
+    # hint pasted into a shell names the file.
+    import shlex
+
+    metrics = os.path.join(disk_dir, "my runs", "m.jsonl")
+    os.makedirs(os.path.dirname(metrics))
+    out = train([*SMALL[2:], "--iterations", "1", "--metrics", metrics]).stdout
+    hint = out.split("(plot with: ")[1].split(")\n")[0]
+    assert shlex.split(hint) == ["greenroom", "report", metrics]

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -353,7 +354,7 @@ class Trainer:
                 self._save(c.iterations)  # nothing left to train: the checkpoint as loaded
             self._join_save()
         if self.metrics_file is not None:
-            self._say(f"metrics: {os.path.abspath(c.metrics)} (plot with: greenroom report {c.metrics})")
+            self._say(f"metrics: {os.path.abspath(c.metrics)} (plot with: greenroom report {shlex.quote(c.metrics)})")
 
     def _saves_after(self, iteration: int) -> bool:
         """Whether ``--save`` writes a checkpoint at the end of ``iteration``."""
