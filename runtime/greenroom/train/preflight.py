@@ -74,15 +74,16 @@ def check_paths(config, offload: OffloadConfig) -> None:
         _check_ours("--metrics", metrics)
 
 
-def is_metrics_record(line: str) -> bool:
-    """``line`` is one record ``greenroom train`` writes (an object with its iteration
-    number and its phases' events)."""
+def metrics_record(line: str) -> dict | None:
+    """The record on ``line`` if it is one ``greenroom train`` writes (an object with its
+    iteration number and its phases' events), else None."""
     try:
         record = json.loads(line)
     except ValueError:
-        return False
-    return (isinstance(record, dict) and type(record.get("iteration")) is int
-            and isinstance(record.get("events"), list))
+        return None
+    if isinstance(record, dict) and type(record.get("iteration")) is int and isinstance(record.get("events"), list):
+        return record
+    return None
 
 
 def _check_ours(flag: str, path: str) -> None:
@@ -99,7 +100,7 @@ def _check_ours(flag: str, path: str) -> None:
     for number, line in enumerate(lines, 1):
         # A record's start: a line the user wrote without a newline is still theirs.
         torn = number == len(lines) and not line.endswith("\n") and line.startswith('{"iteration": ')
-        if line.strip() and not torn and not is_metrics_record(line):
+        if line.strip() and not torn and metrics_record(line) is None:
             raise ConfigError(f"{flag} {path}: line {number} is not a greenroom train metrics record, so greenroom "
                               "did not write this file; refusing to overwrite it: give another path")
 

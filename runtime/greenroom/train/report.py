@@ -19,6 +19,7 @@ import os
 from greenroom.config import GB
 from greenroom.errors import GreenroomError
 from greenroom.log import get_logger
+from greenroom.train.preflight import metrics_record
 
 log = get_logger(__name__)
 
@@ -73,13 +74,9 @@ _PHASE_FIELDS = ("start", "end", "host_rss", "actor_resident")
 
 def _record(line: str) -> dict | None:
     """The record on ``line``, or None where it lacks what ``draw`` reads."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    if not (isinstance(record, dict) and type(record.get("iteration")) is int
-            and isinstance(record.get("reward"), (int, float)) and {"device", "world_size", "backend"} <= set(record)
-            and isinstance(record.get("events"), list)):
+    record = metrics_record(line)
+    if record is None or not (isinstance(record.get("reward"), (int, float))
+                              and {"device", "world_size", "backend"} <= set(record)):
         return None
     events = record["events"]
     if not all(isinstance(e, dict) and all(isinstance(e.get(k), (int, float)) for k in _PHASE_FIELDS)
