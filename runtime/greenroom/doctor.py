@@ -19,7 +19,6 @@ import resource
 
 from greenroom import cliflags, fs
 from greenroom.config import MIB, check_host_bytes
-from greenroom.diskio import ALIGNMENT
 from greenroom.errors import ConfigError
 from greenroom.rankdir import RankDir, check_root
 
@@ -40,9 +39,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _probe_bytes(directory: str) -> int:
-    """The probe's size: a quarter of the free space, at most ``PROBE_BYTES``, in whole
-    pages; under ``MIN_PROBE_BYTES`` there is no room to probe."""
-    return min(PROBE_BYTES, fs.free_bytes(directory) // 4) // ALIGNMENT * ALIGNMENT
+    """The probe's size: a quarter of the free space, at most ``PROBE_BYTES`` (the probe
+    rounds it up to whole pages); under ``MIN_PROBE_BYTES`` there is no room to probe."""
+    return min(PROBE_BYTES, fs.free_bytes(directory) // 4)
 
 
 def _raw_probe(scratch: str, directory: str):
