@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 
 from greenroom import cliflags, fs
 from greenroom.config import MIB, check_host_bytes
 from greenroom.errors import ConfigError
-from greenroom.rankdir import RankDir, check_root
+from greenroom.rankdir import RankDir, check_existing_root
 
 PROBE_BYTES = 256 * MIB
 MIN_PROBE_BYTES = MIB
@@ -98,9 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--offload-train-disk-chunk-mb must be a positive integer number of MiB, "
                           f"got {args.chunk_mb}")
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
-    if not os.path.isdir(directory):
-        raise ConfigError(f"doctor: DIR {directory} is not a directory (create it on node-local NVMe first)")
-    check_root(directory, name="doctor: DIR")
+    check_existing_root(directory, name="doctor: DIR")
     r = check(directory, chunk_mb=args.chunk_mb, bandwidth=not args.no_probe)
     if args.json:
         print(json.dumps(r, sort_keys=True))

@@ -182,6 +182,14 @@ def check_root(root: str, *, name: str) -> None:
                           "that you can write")
 
 
+def check_existing_root(root: str, *, name: str) -> None:
+    """``check_root`` for a root that must exist already: a bench's or ``doctor``'s, whose
+    rank dir would otherwise make it (and its parents) and leave it behind."""
+    if not os.path.isdir(root):
+        raise ConfigError(f"{name} {root} is not a directory (create it on node-local NVMe first)")
+    check_root(root, name=name)
+
+
 def _mkdir_own(path: str) -> bool:
     """Make ``path`` with mode 0700 unless it exists; an existing dir keeps its mode
     (Note [what greenroom creates]). True when this call made it."""

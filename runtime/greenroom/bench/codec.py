@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +21,7 @@ from greenroom.bench.disk import MAX_DEPTH, RAW_BLOCK, raw_bandwidth
 from greenroom.config import COMPRESSIONS, GB, MIB, check_device_bytes, check_disk_bytes
 from greenroom.diskio import align_up
 from greenroom.errors import ConfigError
-from greenroom.rankdir import RankDir, check_root
+from greenroom.rankdir import RankDir, check_existing_root
 from greenroom.units import parse_bytes
 
 CHUNK = 64 * MIB  # one staging buffer of the default 256 MiB chunk
@@ -172,10 +171,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bench codec --threads: expected 1 to {MAX_THREADS} (the engine runs 2 per staging "
                           f"buffer), got {args.threads}")
     if args.dir:
-        if not os.path.isdir(args.dir):
-            # As bench disk and doctor: the probe's rank dir root would be made here and left behind.
-            raise ConfigError(f"bench codec --dir {args.dir} is not a directory (create it on node-local NVMe first)")
-        check_root(args.dir, name="bench codec --dir")
+        check_existing_root(args.dir, name="bench codec --dir")
     r = measure(args)
     if args.json:
         print(json.dumps(r, sort_keys=True))

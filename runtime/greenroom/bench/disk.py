@@ -25,7 +25,7 @@ from greenroom.compression import resolve as resolve_compression
 from greenroom.config import MIB, check_device_bytes, check_disk_bytes, check_host_bytes
 from greenroom.diskio import ALIGNMENT, DEFAULT_DEPTH, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError
-from greenroom.rankdir import RankDir, check_root
+from greenroom.rankdir import RankDir, check_existing_root
 from greenroom.units import parse_bytes, positive_int
 
 RAW_BLOCK = 64 * MIB
@@ -197,9 +197,7 @@ def measure_repeated(directory: str, size: int, *, repeat: int, **kwargs) -> dic
 
 def run(args: argparse.Namespace) -> int:
     directory = cliflags.resolve_disk_dir(args, "bench disk")
-    if not os.path.isdir(directory):
-        raise ConfigError(f"bench disk: DIR {directory} is not a directory")
-    check_root(directory, name="bench disk: DIR")
+    check_existing_root(directory, name="bench disk: DIR")
     if args.chunk_mb <= 0 or args.depth <= 0:
         raise ConfigError("bench disk: --offload-train-disk-chunk-mb and --depth must be positive integers")
     # Each buffer holds whole frames of a codec (one MiB), or one aligned block at least.

@@ -31,6 +31,7 @@ from greenroom import cliflags, fs
 from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, GIB, MIB, OffloadConfig, check_device_bytes, check_disk_bytes, check_host_bytes
 from greenroom.errors import ConfigError
+from greenroom.rankdir import check_existing_root
 from greenroom.units import bytes_or_zero, parse_bytes, positive_int
 
 
@@ -264,10 +265,8 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):
         raise ConfigError("bench offload --offload-train-target disk needs --offload-train-disk-dir DIR on node-local "
                           "NVMe (or $SCRATCH)")
-    if args.target == "disk" and args.dir and not os.path.isdir(args.dir):
-        # As bench disk and doctor: the rank dir's root would be made here and left behind.
-        raise ConfigError(f"bench offload --offload-train-disk-dir {args.dir} is not a directory (create it on "
-                          "node-local NVMe first)")
+    if args.target == "disk" and args.dir:
+        check_existing_root(args.dir, name="bench offload --offload-train-disk-dir")
     result = measure(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))

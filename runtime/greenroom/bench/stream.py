@@ -62,7 +62,7 @@ from greenroom.config import GB, MIB, check_device_bytes, check_disk_bytes, chec
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
-from greenroom.rankdir import check_root
+from greenroom.rankdir import check_existing_root
 from greenroom.units import parse_bytes, parse_count
 
 PARAM_NUMEL = 50_000_000
@@ -140,15 +140,11 @@ def _validate(args: argparse.Namespace) -> None:
     if cache:
         check_host_bytes("--stream-optimizer-state-host-cache-gb", f"{cache:g}", int(cache * GB) + args.chunk_mb * MIB,
                          default=0, counted="the host cache plus the pinned staging")
-    if not os.path.isdir(args.dir):
-        raise ConfigError(f"--offload-train-disk-dir {args.dir} is not a directory")
+    check_existing_root(args.dir, name="--offload-train-disk-dir")
     if args.checkpoint_dir is not None:
         if not args.checkpoint:
             raise ConfigError("--checkpoint-dir needs --checkpoint")
-        if not os.path.isdir(args.checkpoint_dir):
-            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir} is not a directory")
-        check_root(args.checkpoint_dir, name="--checkpoint-dir")
-    check_root(args.dir, name="--offload-train-disk-dir")
+        check_existing_root(args.checkpoint_dir, name="--checkpoint-dir")
     if args.against == "deepspeed":
         from greenroom.bench import peer
 
