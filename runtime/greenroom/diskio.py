@@ -29,6 +29,16 @@ worker fails its chunk; either way the transfer completes with the error and
 ``wait()``/``drain()``/``close()`` raise it. ``drain()`` waits for every transfer before
 it raises, so no I/O is in flight afterwards. OS errors name the file, the operation,
 the offset and the state the file holds.
+
+Note [interrupted waits]: a wait ends only when its transfer does. SIGTERM (made a
+SystemExit by ``greenroom.rankdir``) and Ctrl-C raise in the main thread wherever it is,
+often inside ``wait()`` or ``drain()`` while workers still copy into or out of the
+transfer's memory. Raised at once, the exception would unwind into cleanup that frees
+that memory: the offloader's failed wake resizes the actor's storages to zero, and a
+worker still filling one wrote through a null pointer (a segfault under Slurm's
+``scancel``, and the rank dir left behind). So a wait that is interrupted waits again
+until the transfer is over, then raises the interruption: one chunk's I/O at most per
+transfer in flight, after which every ``finally`` runs on memory no thread is using.
 """
 
 from __future__ import annotations
@@ -183,7 +193,7 @@ class Transfer:
         return self._done.is_set()
 
     def wait(self) -> int:
-        self._done.wait()
+        self._wait_done()
         if self._error is not None:
             self._reported = True
             raise self._error
@@ -195,9 +205,21 @@ class Transfer:
 
     def _wait_unreported(self) -> None:
         """Like wait(), but an error some caller already saw is not raised twice."""
-        self._done.wait()
+        self._wait_done()
         if self._error is not None and not self._reported:
             self.wait()
+
+    def _wait_done(self) -> None:
+        """Until every chunk is over, even when a signal's exception interrupts the wait:
+        it is raised then (Note [interrupted waits])."""
+        interrupted = None
+        while not self._done.is_set():
+            try:
+                self._done.wait()
+            except BaseException as e:
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
 
 class TransferEngine(FrameTransfers):
@@ -262,7 +284,8 @@ class TransferEngine(FrameTransfers):
 
     def drain(self) -> None:
         """Wait for every transfer submitted so far, then raise the first error: when it
-        raises, no I/O of this engine is in flight any more."""
+        raises, no I/O of this engine is in flight any more (an interruption too, Note
+        [interrupted waits])."""
         pending, self._inflight = self._inflight, []
         first = None
         for t in pending:
@@ -272,6 +295,15 @@ class TransferEngine(FrameTransfers):
                 first = first or e
         if first is not None:
             raise first
+
+    def settle(self) -> None:
+        """``drain()`` for a caller that is already raising: wait for every transfer in
+        flight and report none of their errors (the caller's exception is the one to
+        report). When it returns, the caller may free the memory they used."""
+        try:
+            self.drain()
+        except BaseException:
+            pass
 
     def close(self) -> None:
         if self._closed:

@@ -175,19 +175,23 @@ class DiskMover:
         f = self._place(live)
         moved = Moved(dead=sum(u.nbytes for u in units if u.dead))
         writes = []
-        for u in live:
-            slot = self._slots[u.key]
-            view = u.bytes_view()
-            skip = self.skip_clean if self.skip_clean is not None else view.is_cuda
-            mark = fingerprint(view) if skip else None
-            if mark is not None and mark == slot.fingerprint:
-                moved.clean += u.nbytes
-                continue
-            slot.fingerprint = None  # unknown until the write is durable
-            # Views must outlive their transfers: keep them until drain() returns.
-            writes.append((slot, mark, view))
-            self._engine.write(view, f, slot.offset, element_sizes=UNIT_ELEMENT_SIZES)
-            moved.copied += u.nbytes
+        try:
+            for u in live:
+                slot = self._slots[u.key]
+                view = u.bytes_view()
+                skip = self.skip_clean if self.skip_clean is not None else view.is_cuda
+                mark = fingerprint(view) if skip else None
+                if mark is not None and mark == slot.fingerprint:
+                    moved.clean += u.nbytes
+                    continue
+                slot.fingerprint = None  # unknown until the write is durable
+                # Views must outlive their transfers: keep them until drain() returns.
+                writes.append((slot, mark, view))
+                self._engine.write(view, f, slot.offset, element_sizes=UNIT_ELEMENT_SIZES)
+                moved.copied += u.nbytes
+        except BaseException:
+            self._engine.settle()  # before the caller's cleanup (Note [interrupted waits] of greenroom.diskio)
+            raise
         self._engine.drain()
         # Flush even with O_DIRECT: an O_DIRECT write can still sit in the drive's (or a
         # virtual disk host's) write cache, and flushing it then would land on the wake's
@@ -201,14 +205,20 @@ class DiskMover:
         assert self._file is not None
         views = []
         copied = 0
-        for u in units:
-            if u.dead:
-                continue
-            slot = self._slots[u.key]
-            assert slot.nbytes == u.nbytes
-            views.append(u.bytes_view())
-            self._engine.read(views[-1], self._file, slot.offset)
-            copied += u.nbytes
+        try:
+            for u in units:
+                if u.dead:
+                    continue
+                slot = self._slots[u.key]
+                assert slot.nbytes == u.nbytes
+                views.append(u.bytes_view())
+                self._engine.read(views[-1], self._file, slot.offset)
+                copied += u.nbytes
+        except BaseException:
+            # The failed wake frees the storages these reads fill: wait them out first
+            # (Note [interrupted waits] of greenroom.diskio).
+            self._engine.settle()
+            raise
         self._engine.drain()
         return Moved(copied=copied, dead=_zero_dead(units))
 
