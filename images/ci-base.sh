@@ -16,7 +16,9 @@ if [ ! -s "$cache" ]; then
   mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
   mirror=${mirror:-http://deb.debian.org/debian}
   rootfs=$(mktemp -d .tools/ci-base-rootfs.XXXXXX 2>/dev/null || { mkdir -p .tools; mktemp -d .tools/ci-base-rootfs.XXXXXX; })
-  trap 'rm -rf "$rootfs"' EXIT
+  # --one-file-system: a debootstrap cut short can leave the host's /proc or /sys mounted
+  # in the rootfs; the removal must stop at them, not descend into the host's.
+  trap 'rm -rf --one-file-system "$rootfs"' EXIT
   # The tarball's "./" carries this dir's mode into the image's /: mktemp's 0700 left /
   # closed to every user but root (the image's uid 1000 could not exec anything). Images
   # of that base were tagged bookworm; bookworm-2 is the fixed one.
