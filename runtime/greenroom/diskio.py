@@ -37,8 +37,9 @@ transfer's memory. Raised at once, the exception would unwind into cleanup that 
 that memory: the offloader's failed wake resizes the actor's storages to zero, and a
 worker still filling one wrote through a null pointer (a segfault under Slurm's
 ``scancel``, and the rank dir left behind). So a wait that is interrupted waits again
-until the transfer is over, then raises the interruption: one chunk's I/O at most per
-transfer in flight, after which every ``finally`` runs on memory no thread is using.
+until the transfer is over, then raises the interruption (its chunks not yet started
+run too: at worst the rest of a wake, seconds, well inside Slurm's KillWait and a pod's
+grace period), after which every ``finally`` runs on memory no thread is using.
 """
 
 from __future__ import annotations
