@@ -32,8 +32,9 @@ MAX_THREADS = 2 * MAX_DEPTH
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.compression(parser, default=None, choices=[c for c in COMPRESSIONS if c not in ("auto", "none")],
                          required=True, help="the codec to time")
-    parser.add_argument("--size", type=parse_bytes, default=1 << 30, help="bytes of state, in whole 64 MiB chunks: rounded down, "
-                        "at least one (default 1GiB; the report gives the size timed)")
+    parser.add_argument("--size", type=parse_bytes, default=1 << 30,
+                        help="bytes of state, in whole 64 MiB chunks: rounded down, at least one (default 1GiB; the "
+                             "report gives the size timed)")
     parser.add_argument("--state", choices=("trained", "random"), default="trained",
                         help="trained: fp32 masters of a transformer trained 50 steps (greenroom.bench.trained); "
                              "random: random bytes (nothing compresses)")
