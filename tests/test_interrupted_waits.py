@@ -23,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "interrupted_wake_worker.py")
 
 
-class Interrupted(Exception):
-    pass
+class Interrupted(BaseException):
+    """Not an Exception, as SystemExit and KeyboardInterrupt are not."""
 
 
 def hold_reads(monkeypatch) -> threading.Event:
@@ -68,6 +68,27 @@ def test_an_interrupted_wait_raises_once_the_transfer_is_over(disk_dir, monkeypa
             engine.drain() if how == "drain" else transfer.wait()
         assert gate.is_set() and transfer.done(), "the wait raised with the transfer's chunks still in flight"
     assert torch.equal(back, src)
+
+
+def test_settle_reports_no_transfer_error_but_raises_a_signal_after_the_same_wait(disk_dir, monkeypatch, alarm):
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    with TransferEngine(1 << 20) as engine, StateFile(os.path.join(disk_dir, "f"), src.numel()) as f:
+        engine.write(src, f, 0).wait()
+        real_read = StateFile.read
+
+        def failing_read(self, buf, offset):
+            raise OSError(5, "Input/output error (injected)")
+
+        monkeypatch.setattr(StateFile, "read", failing_read)
+        engine.read(torch.empty_like(src), f, 0)
+        engine.settle()  # the caller's own exception is the one to report
+        monkeypatch.setattr(StateFile, "read", real_read)
+        gate = hold_reads(monkeypatch)
+        transfer = engine.read(torch.empty_like(src), f, 0)
+        alarm(0.2)
+        with pytest.raises(Interrupted):
+            engine.settle()
+        assert gate.is_set() and transfer.done()
 
 
 @pytest.mark.parametrize("mode", ["signal", "submit"])

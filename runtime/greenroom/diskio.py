@@ -300,10 +300,11 @@ class TransferEngine(FrameTransfers):
     def settle(self) -> None:
         """``drain()`` for a caller that is already raising: wait for every transfer in
         flight and report none of their errors (the caller's exception is the one to
-        report). When it returns, the caller may free the memory they used."""
+        report). When it returns, the caller may free the memory they used; a signal's
+        exception that arrived meanwhile is raised, after the same wait."""
         try:
             self.drain()
-        except BaseException:
+        except Exception:
             pass
 
     def close(self) -> None:
