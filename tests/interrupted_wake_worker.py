@@ -29,8 +29,8 @@ HOLD_S = 1.0  # how long the first read waits at its gate
 INTERRUPT_S = 0.3  # when the wake is interrupted: while that read waits
 
 
-class Interrupted(Exception):
-    pass
+class Interrupted(BaseException):
+    """Not an Exception, as SystemExit (SIGTERM's, in greenroom) is not."""
 
 
 def hold_first_read() -> threading.Event:
@@ -63,6 +63,10 @@ def fail_second_submit() -> None:
     TransferEngine.read = read
 
 
+def raise_interrupted(signum, frame):
+    raise Interrupted("SIGALRM")
+
+
 def main() -> int:
     directory, mode = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
@@ -77,7 +81,7 @@ def main() -> int:
         real_state_read, real_engine_read = StateFile.read, TransferEngine.read
         gate = hold_first_read()
         if mode == "signal":
-            signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(Interrupted("SIGALRM")))
+            signal.signal(signal.SIGALRM, raise_interrupted)
             signal.setitimer(signal.ITIMER_REAL, INTERRUPT_S)
         else:
             fail_second_submit()
