@@ -521,3 +521,59 @@ def test_bench_codec_times_the_codec_and_refuses_bad_input():
     assert "decode_kept_bytes_per_s" not in result  # zstd's contexts are kept per thread already
     bad = bench("--threads", "0")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--threads" in bad.stderr
+
+
+def test_runs_join_only_frames_back_to_back_in_one_storage_of_one_length_and_element_size():
+    # Note [batched decode]: a run's planes move in one kernel through one strided view, so
+    # a run must never reach past its first frame's storage, even where the allocator put
+    # a second tensor right behind it.
+    n = 4 * 256
+    chunk = torch.zeros(8 * n, dtype=torch.uint8)
+    frames_in = list(chunk.view(8, n))
+    assert list(compression._runs(frames_in, [4] * 8)) == [(0, 8)]
+    assert list(compression._runs(frames_in, [4, 4, 2, 2, 2, 4, 4, 4])) == [(0, 2), (2, 5), (5, 8)]
+    skipping = [frames_in[0], frames_in[1], frames_in[3], frames_in[4]]
+    assert list(compression._runs(skipping, [4] * 4)) == [(0, 2), (2, 4)]
+    odd = [chunk[:n + 16], chunk[n + 16:2 * n + 32]]  # not a multiple of the batch alignment
+    assert list(compression._runs(odd, [4, 4])) == [(0, 1), (1, 2)]
+    short_last = [frames_in[0], frames_in[1], chunk[2 * n:2 * n + 512]]
+    assert list(compression._runs(short_last, [4] * 3)) == [(0, 2), (2, 3)]
+
+    class AdjacentStorage:  # a tensor of another storage that starts where the run ends
+        def __init__(self, tensor, ptr):
+            self.tensor, self.ptr = tensor, ptr
+
+        def numel(self):
+            return self.tensor.numel()
+
+        def data_ptr(self):
+            return self.ptr
+
+        def untyped_storage(self):
+            return torch.zeros(1, dtype=torch.uint8).untyped_storage()
+
+    other = AdjacentStorage(torch.zeros(n, dtype=torch.uint8), frames_in[1].data_ptr() + n)
+    assert list(compression._runs([frames_in[0], frames_in[1], other], [4] * 3)) == [(0, 2), (2, 3)]
+
+
+@pytest.mark.gpu
+def test_nvcomp_decode_refuses_a_payload_of_another_length_or_cut_short_in_one_line():
+    # Note [batched decode]: decoded into a fixed buffer per frame, a payload that decodes
+    # shorter than its frame, or noise that does not decode, is an IntegrityError naming it.
+    codec = _nvcomp_or_skip()
+    stream = torch.cuda.Stream()
+    frame = as_bytes(compressible(torch.float32, EXTENT // 4).cuda())
+    ((codec_id, payload),) = codec.encode([frame[:EXTENT // 2]], [4], stream)
+    with torch.cuda.stream(stream):
+        packed = payload.clone()
+        out = torch.empty_like(frame)
+    with pytest.raises(IntegrityError, match=f"frame: the compressed frame decodes to {EXTENT // 2} bytes, "
+                                             f"expected {EXTENT}"):
+        codec.decode(packed, [(0, packed.numel())], [out], [(codec_id, 4)], stream, ["frame"])
+    with torch.cuda.stream(stream):
+        noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, device="cuda")
+    with pytest.raises(IntegrityError, match="^frame: (a compressed frame does not decode|the compressed frame "
+                                             "decodes to)"):
+        codec.decode(noise, [(0, noise.numel())], [out[:EXTENT // 2]], [(codec_id, 4)], stream, ["frame"])
+    codec.decode(packed, [(0, packed.numel())], [out[:EXTENT // 2]], [(codec_id, 4)], stream, ["frame"])
+    assert torch.equal(out[:EXTENT // 2], frame[:EXTENT // 2])

@@ -60,6 +60,15 @@ records how it was cut, so the decoder is built without these options: given a s
 count smaller than the stream's, nvCOMP 6.0 decoded a payload of its defaults to wrong
 bytes without an error (files written before these options must still read).
 
+Note [batched decode]: a chunk's frames decode in one nvCOMP call per coding, into one
+scratch buffer at the frames' own offsets (``out=``: nvCOMP allocates no output), and each
+run of back-to-back frames of one length and element size is joined from its planes in
+one kernel, as the encoder splits them. The kernels are fast (45-80 GB/s, Note [ANS
+chunks]); what cost the decoder half the encoder's rate at one thread was the per-frame
+work around them, 64 times per 64 MiB chunk: an output allocation called back into Python,
+a tensor made from each nvCOMP array and one transpose launch per frame. Every payload is
+decoded from its offset in the chunk's one device copy, never copied out frame by frame.
+
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
 the engine's position-weighted sums of the stored bytes and of the file's record of the
 frame (a flipped bit on the disk, a damaged record: Note [summed records] of
@@ -240,20 +249,14 @@ class NvcompPlanes:
         offsets, total = self._offsets(frames)
         with self._lock, torch.cuda.stream(stream):  # nvCOMP's scratch comes from this stream's pool
             planes = torch.empty(total, dtype=torch.uint8, device=stream.device)
-            i = 0
-            while i < len(frames):
-                # Back-to-back frames of one size and element size: one transpose kernel.
-                n, size, j = frames[i].numel(), itemsizes[i], i + 1
-                while (j < len(frames) and n % _BATCH_ALIGN == 0 and frames[j].numel() == n
-                       and itemsizes[j] == size and frames[j].data_ptr() == frames[j - 1].data_ptr() + n):
-                    j += 1
+            for i, j in _runs(frames, itemsizes):  # one transpose kernel per run
+                n, size = frames[i].numel(), itemsizes[i]
                 run = frames[i].as_strided((j - i, n), (n, 1))
                 dst = planes[offsets[i]:offsets[i] + (j - i) * n].view(j - i, n)
                 if size == 1 or n % size or half:
                     dst.copy_(run)
                 else:
                     dst.view(j - i, size, n // size).copy_(run.view(j - i, n // size, size).transpose(1, 2))
-                i = j
             encoded = self._codec(stream, half, encoding=True).encode(self._batch(planes, offsets, frames, stream))
             stream.synchronize()
             return [torch.as_tensor(e, device=stream.device).view(torch.uint8).reshape(-1) for e in encoded]
@@ -264,15 +267,17 @@ class NvcompPlanes:
         """Decode the payloads at ``spans`` (``(offset, bytes)``, 16-byte aligned) of
         ``packed``, a chunk's stored bytes on the device, into ``outs`` (device, the
         frames' raw lengths); ``layouts`` are each frame's header codec id and element
-        size. Every payload is decoded from its offset in ``packed`` (not one small copy
-        per frame). The stream is synchronized. ``decoders``, a dict the caller keeps for
-        this one ``stream``, keeps nvCOMP's decoders (and their scratch) from call to call
-        until the caller drops it (the engine's ``frames.KeptDecoders``); without it each
-        call makes its own."""
+        size. The stream is synchronized. ``decoders``, a dict the caller keeps for this
+        one ``stream``, keeps nvCOMP's decoders (and their scratch) from call to call until
+        the caller drops it (the engine's ``frames.KeptDecoders``); without it each call
+        makes its own (Note [batched decode])."""
         with self._lock, torch.cuda.stream(stream):
             for half, group in _by_flag([codec_id == NVCOMP_F16_ID for codec_id, _ in layouts]):
                 batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [spans[k][0] for k in group],
                                                [spans[k][1] for k in group], stream.cuda_stream)
+                targets = [outs[k] for k in group]
+                offsets, total = self._offsets(targets)
+                planes = torch.empty(total, dtype=torch.uint8, device=stream.device)
                 if decoders is None:
                     decoder = self._codec(stream, half, encoding=False)
                 elif half in decoders:
@@ -280,20 +285,42 @@ class NvcompPlanes:
                 else:
                     decoder = decoders[half] = self._codec(stream, half, encoding=False)
                 try:
-                    decoded = decoder.decode(batch)
-                    stream.synchronize()
-                except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError
+                    sizes = decoder.decode(batch, out=self._batch(planes, offsets, targets, stream)).buffer_sizes
+                except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError or ValueError
                     raise IntegrityError(f"{where[group[0]]}: a compressed frame does not decode ({e}): a flipped "
                                          "bit, a failing disk or a stray write; stopped before using it: restart "
                                          "from the last checkpoint") from None
-                for d, k in zip(decoded, group):
-                    planes = torch.as_tensor(d, device=stream.device).view(torch.uint8).reshape(-1)
-                    if planes.numel() != outs[k].numel():
-                        raise IntegrityError(f"{where[k]}: the compressed frame decodes to {planes.numel()} bytes, "
-                                             f"expected {outs[k].numel()}; stopped before using it: restart from the "
-                                             "last checkpoint")
-                    plane_join(planes, outs[k], 1 if half else layouts[k][1])
+                for size, out, k in zip(sizes, targets, group):
+                    if size != out.numel():
+                        raise IntegrityError(f"{where[k]}: the compressed frame decodes to {size} bytes, expected "
+                                             f"{out.numel()}; stopped before using it: restart from the last "
+                                             "checkpoint")
+                itemsizes = [1 if half else layouts[k][1] for k in group]
+                for i, j in _runs(targets, itemsizes):  # one transpose kernel per run
+                    n, size = targets[i].numel(), itemsizes[i]
+                    run = planes[offsets[i]:offsets[i] + (j - i) * n].view(j - i, n)
+                    dst = targets[i].as_strided((j - i, n), (n, 1))
+                    if size == 1 or n % size:
+                        dst.copy_(run)
+                    else:
+                        dst.view(j - i, n // size, size).copy_(run.view(j - i, size, n // size).transpose(1, 2))
             stream.synchronize()
+
+
+def _runs(frames: list[torch.Tensor], itemsizes: list[int]):
+    """``(i, j)`` for each run ``frames[i:j]`` of byte tensors that lie back to back in one
+    storage, of one length (a multiple of the batch alignment) and element size: their
+    planes move in one kernel (a 64 MiB chunk is 64 one-MiB frames)."""
+    i = 0
+    while i < len(frames):
+        n, size, j = frames[i].numel(), itemsizes[i], i + 1
+        storage = frames[i].untyped_storage().data_ptr()
+        while (j < len(frames) and n % _BATCH_ALIGN == 0 and frames[j].numel() == n and itemsizes[j] == size
+               and frames[j].data_ptr() == frames[j - 1].data_ptr() + n
+               and frames[j].untyped_storage().data_ptr() == storage):
+            j += 1
+        yield i, j
+        i = j
 
 
 def _by_flag(flags: list[bool]) -> list[tuple[bool, list[int]]]:
