@@ -15,8 +15,8 @@ Codecs (``--offload-train-disk-compression``):
     nvCOMP's ANS on the GPU (the ``nvidia-nvcomp-cu13``/``-cu12`` wheel of torch's CUDA
     major): byte planes; a frame of 2-byte elements keeps the smaller of byte planes and
     nvCOMP's 16-bit mode (Note [16-bit frames]).
-    Runs on the device before the bytes cross to the host, at 12-25 GB/s inside the
-    engine's calls on the H200, 7-13x its NVMe (docs/benchmarks.md). What ``auto`` runs
+    Runs on the device before the bytes cross to the host, at 31-50 GB/s each way in
+    the engine's calls on an H100, 15-25x its disk (Note [batched decode]). What ``auto`` runs
     where CUDA is up and the wheel loads.
 ``zstd``
     Byte planes, then Zstandard level 1 on the host, in the engine's I/O threads. The same
@@ -66,11 +66,12 @@ run of back-to-back frames of one length and element size is joined from its pla
 one kernel, as the encoder splits them. The kernels are fast (45-80 GB/s, Note [ANS
 chunks]); what cost the decoder half the encoder's rate at one thread was the per-frame
 work around them, 64 times per 64 MiB chunk: an output allocation called back into Python,
-a tensor made from each nvCOMP array and one transpose launch per frame. On an H100 (bench
-codec, 1 GiB of trained fp32 state, twentieth session) decode went from 15-18 GB/s to
-31-44 GB/s, at 1 and 4 threads. The encoder does the same: its payloads go into one buffer
-with nvCOMP's worst-case room for each, and are views of it. Every payload is decoded from
-its offset in the chunk's one device copy, never copied out frame by frame.
+a tensor made from each nvCOMP array and one transpose launch per frame. The encoder does
+the same: its payloads go into one buffer with nvCOMP's worst-case room for each, and are
+views of it. On an H100 (bench codec, 1 GiB of trained fp32 state, 1 and 4 threads,
+twentieth session, docs/benchmarks.md) decode went from 15-18 GB/s to 31-44 GB/s and
+encode from 24-31 to 35-50 GB/s. Every payload is decoded from its offset in the chunk's
+one device copy, never copied out frame by frame.
 
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
 the engine's position-weighted sums of the stored bytes and of the file's record of the
