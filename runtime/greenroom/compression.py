@@ -69,8 +69,8 @@ work around them, 64 times per 64 MiB chunk: an output allocation called back in
 a tensor made from each nvCOMP array and one transpose launch per frame. The encoder does
 the same: its payloads go into one buffer with nvCOMP's worst-case room for each, and are
 views of it. On an H100 (bench codec, 1 GiB of trained fp32 state, 1 and 4 threads,
-twentieth session, docs/benchmarks.md) decode went from 15-18 GB/s to 31-44 GB/s and
-encode from 24-31 to 35-50 GB/s. Every payload is decoded from its offset in the chunk's
+twentieth session, docs/benchmarks.md) decode went from 11-22 GB/s to 31-49 GB/s and
+encode from 21-32 to 33-50 GB/s. Every payload is decoded from its offset in the chunk's
 one device copy, never copied out frame by frame.
 
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
