@@ -27,6 +27,15 @@ GOLDEN = os.path.join(REPO, "tests", "golden", "slurm")
 SHELLCHECK_EXCLUDES = "SC1091"
 
 
+# The machine's bash and Debian 11's 5.1 (scripts/setup.d/60-bash51.sh): the batch script runs
+# under a node's own /bin/bash, and clusters still run 5.1.
+BASH_51 = os.path.join(REPO, ".tools", "bash-5.1", "bin", "bash")
+BASHES = [pytest.param("bash", id="bash"),
+          pytest.param(BASH_51, id="bash-5.1", marks=pytest.mark.skipif(
+              not os.access(BASH_51, os.X_OK), reason=f"{BASH_51} not found: `make test` unpacks it from "
+                                                      "Debian 11's bash package (scripts/setup.d/60-bash51.sh)"))]
+
+
 def example_name(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
@@ -70,10 +79,18 @@ def test_rendered_example_matches_its_golden_script(example):
         assert proc.stdout == f.read(), f"{rel} renders differently from {golden}"
 
 
-@pytest.mark.parametrize("golden", sorted(glob.glob(os.path.join(GOLDEN, "*.sh"))), ids=os.path.basename)
-def test_golden_script_passes_bash_n_and_shellcheck(golden):
-    syntax = subprocess.run(["bash", "-n", golden], capture_output=True, text=True)
+GOLDEN_SCRIPTS = sorted(glob.glob(os.path.join(GOLDEN, "*.sh")))
+
+
+@pytest.mark.parametrize("bash", BASHES)
+@pytest.mark.parametrize("golden", GOLDEN_SCRIPTS, ids=os.path.basename)
+def test_golden_script_passes_bash_n(golden, bash):
+    syntax = subprocess.run([bash, "-n", golden], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
+
+
+@pytest.mark.parametrize("golden", GOLDEN_SCRIPTS, ids=os.path.basename)
+def test_golden_script_passes_shellcheck(golden):
     lint = shellcheck(golden)
     assert lint.returncode == 0, lint.stdout
 
@@ -102,7 +119,8 @@ def test_seed_flags_pass_through_as_the_exact_flags():
     assert "GREENROOM_ARGS=" + shlex.quote(shlex.join(flags)) in script
 
 
-def test_greenroom_args_reach_any_trainer_and_parse_as_offload_config(tmp_path):
+@pytest.mark.parametrize("bash", BASHES)
+def test_greenroom_args_reach_any_trainer_and_parse_as_offload_config(tmp_path, bash):
     """The exported $GREENROOM_ARGS, evaluated by bash with a scratch path that needs
     quoting, is what OffloadConfig.from_env() reads back: the YAML's flags plus the dir."""
     from greenroom.config import OffloadConfig
@@ -117,13 +135,14 @@ def test_greenroom_args_reach_any_trainer_and_parse_as_offload_config(tmp_path):
     start = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_SCRATCH="))
     end = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_ARGS"))
     probe = "\n".join(lines[start:end + 1] + ['printf "%s" "$GREENROOM_ARGS"'])
-    env = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout
+    env = subprocess.run([bash, "-c", probe], capture_output=True, text=True, check=True).stdout
     offload = OffloadConfig.from_env({"GREENROOM_ARGS": env})
     assert offload.offload_to_disk and offload.stream_optimizer_state_to_disk
     assert offload.offload_train_disk_dir == os.path.join(str(scratch), f"greenroom_train_offload_{os.getuid()}")
 
 
-def test_disk_dir_in_greenroom_args_round_trips_any_path_through_the_trainers_reader(tmp_path):
+@pytest.mark.parametrize("bash", BASHES)
+def test_disk_dir_in_greenroom_args_round_trips_any_path_through_the_trainers_reader(tmp_path, bash):
     """bash's printf %q wrote $'...' for these under LC_ALL=C, which shlex.split read as a
     relative dir starting with $. Each path must come back from $GREENROOM_ARGS as itself."""
     from greenroom.config import OffloadConfig, env_argv
@@ -136,7 +155,7 @@ def test_disk_dir_in_greenroom_args_round_trips_any_path_through_the_trainers_re
         start = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_SCRATCH="))
         end = next(i for i, line in enumerate(lines) if line.startswith("export GREENROOM_ARGS"))
         probe = "\n".join(lines[start:end + 1] + ['printf "%s" "$GREENROOM_ARGS"'])
-        proc = subprocess.run(["bash", "-c", probe], capture_output=True, check=True,
+        proc = subprocess.run([bash, "-c", probe], capture_output=True, check=True,
                               env={"PATH": os.environ["PATH"], "LC_ALL": "C"})
         args = proc.stdout.decode("utf-8")
         disk_dir = os.path.join(str(scratch), f"greenroom_train_offload_{os.getuid()}")
@@ -172,7 +191,8 @@ def test_pyxis_names_its_container_once_per_job_and_the_exit_reclaim_never_runs_
     assert "|| true" not in on_exit and "greenroom reclaim" not in on_exit.replace("reclaim ||", "")
 
 
-def test_values_with_spaces_and_dollars_reach_the_trainer_as_one_word(tmp_path):
+@pytest.mark.parametrize("bash", BASHES)
+def test_values_with_spaces_and_dollars_reach_the_trainer_as_one_word(tmp_path, bash):
     """Python quotes: a scratch path, env value and extra arg with shell metacharacters
     come out of bash exactly as written."""
     weird = str(tmp_path / "my scratch $HOME `id`")
@@ -184,7 +204,7 @@ def test_values_with_spaces_and_dollars_reach_the_trainer_as_one_word(tmp_path):
     trainer_lines = [line for line in script.splitlines() if line.startswith(("trainer=(", "trainer+=("))]
     probe = "\n".join([env_line, scratch_line, *[line.replace('"$GREENROOM_OFFLOAD_ROOT"', "X") for line in trainer_lines],
                        'printf "%s\\n" "$GREETING" "$GREENROOM_SCRATCH" "${trainer[@]}"'])
-    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.splitlines()
+    out = subprocess.run([bash, "-c", probe], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "it's $USER; rm -rf /"
     assert out[1] == weird
     trainer = out[2:]
