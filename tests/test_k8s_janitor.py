@@ -1,9 +1,9 @@
 """``greenroom reclaim ROOT --kubernetes``: the pod rule, Events, metrics, fallback, bad input.
 
 No Kubernetes API server can run here, so the API is a small in-process HTTP server
-(``http.server`` on 127.0.0.1, in a thread) that speaks the two paths the janitor uses:
-``GET /api/v1/pods?fieldSelector=spec.nodeName=...`` and
-``POST /api/v1/namespaces/default/events``. The janitor talks to it with the REAL
+(``http.server`` on 127.0.0.1, in a thread) that speaks the three paths the janitor uses:
+``GET /api/v1/pods?fieldSelector=spec.nodeName=...``, ``GET /api/v1/nodes/NAME`` (outside a
+pod) and ``POST /api/v1/namespaces/default/events``. The janitor talks to it with the REAL
 ``kubernetes`` Python client, configured through a kubeconfig, over loopback. That fake
 server is the only stand-in: the dirs are real, their locks are held by real processes
 (``tests/rank_holder.py`` holding a ``RankDir``), the metrics are scraped over HTTP.
@@ -36,13 +36,18 @@ HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
 NODE = "gpu-node-7"
 # The janitor's own pod, on NODE in every listing of the fake API (the chart's POD_NAMESPACE/POD_NAME).
 JANITOR_NAMESPACE, JANITOR_POD = "greenroom-system", "greenroom-janitor-x7k2p"
+# Another node's address: TEST-NET-3, assigned to no host (TEST-NET-1 is this sandbox's own network).
+OTHER_NODE_IP = "203.0.113.77"
 
 
 class FakeApi:
-    """Pods bound to nodes, the Events posted, and a number of failures to answer first."""
+    """Pods bound to nodes, the Nodes, the Events posted, and a number of failures to answer first."""
 
     def __init__(self) -> None:
         self.pods: list[dict] = []
+        self.nodes: dict[str, list[tuple[str, str]]] = {}  # name: its status.addresses, (type, address)
+        self.nodes_read: list[str] = []
+        self.node_status = 200  # 403: reading a Node is forbidden
         self.events: list[dict] = []
         self.selectors: list[str] = []
         self.fail_next = 0
@@ -58,6 +63,9 @@ class FakeApi:
                                        "labels": {"batch.kubernetes.io/job-name": "grpo"}},
                           "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "greenroom"}]},
                           "status": {"phase": phase}})
+
+    def add_node(self, name: str, addresses: list[tuple[str, str]]) -> None:
+        self.nodes[name] = addresses
 
     def _handler(self):
         api = self
@@ -76,6 +84,8 @@ class FakeApi:
 
             def do_GET(self):
                 url = urllib.parse.urlparse(self.path)
+                if url.path.startswith("/api/v1/nodes/"):
+                    return self._node(url.path.removeprefix("/api/v1/nodes/"))
                 if url.path != "/api/v1/pods":
                     return self._send(404, {"kind": "Status", "code": 404})
                 if api.fail_next:
@@ -87,6 +97,16 @@ class FakeApi:
                 items = [p for p in api.pods if p["spec"]["nodeName"] == node]
                 self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
                                  "items": items})
+
+            def _node(self, name: str) -> None:
+                api.nodes_read.append(name)
+                if api.node_status != 200:
+                    return self._send(api.node_status, {"kind": "Status", "code": api.node_status})
+                if name not in api.nodes:
+                    return self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+                self._send(200, {"kind": "Node", "apiVersion": "v1", "metadata": {"name": name},
+                                 "status": {"addresses": [{"type": kind, "address": address}
+                                                          for kind, address in api.nodes[name]]}})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -115,6 +135,8 @@ class FakeApi:
 def api(tmp_path, monkeypatch):
     fake = FakeApi()
     fake.add_pod(str(uuid.uuid4()), JANITOR_POD, namespace=JANITOR_NAMESPACE)
+    # NODE is this host (its InternalIP is loopback), for the tests that run the janitor outside a pod.
+    fake.add_node(NODE, [("InternalIP", "127.0.0.1")])
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", fake.kubeconfig(str(tmp_path)))
     monkeypatch.setenv("POD_NAMESPACE", JANITOR_NAMESPACE)
@@ -365,7 +387,7 @@ def test_the_loop_waits_out_a_forbidden_listing_and_picks_up_when_rbac_is_fixed(
     assert [line.rsplit("retrying in ", 1)[1] for line in retries] == ["0.1s", "0.2s", "0.4s"]
 
 
-# Outside a pod only an empty listing gives a wrong name away: another node's pods could be this one's.
+# Outside a pod, a misspelt name is no Node; another node's name: test_outside_a_pod_another_nodes_name_deletes_nothing.
 @pytest.mark.parametrize("node, in_pod", [("gpu-node-77", True), ("other-node", True), ("gpu-node-77", False)])
 def test_a_wrong_node_name_deletes_nothing(api, disk_dir, node, in_pod):
     """A misspelt --node-name lists no pod (another node's name, that node's): every dir of
@@ -375,10 +397,89 @@ def test_a_wrong_node_name_deletes_nothing(api, disk_dir, node, in_pod):
     restarting = dead(disk_dir, "uid-restarting", "grpo")
     env = {} if in_pod else {"POD_NAME": ""}
     line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", node, env=env))
-    assert f"node '{node}'" in line and "nothing deleted" in line
+    assert f"node '{node}'" in line and "nothing deleted" in line.lower()
     assert (f"janitor's own pod {JANITOR_NAMESPACE}/{JANITOR_POD}" in line) == in_pod
+    assert api.nodes_read == ([] if in_pod else [node])  # in a pod the janitor needs no access to nodes
     assert os.path.exists(os.path.join(restarting, "offload", "state.bin"))
     assert api.events == []
+
+
+@pytest.mark.parametrize("interval", [None, "0.05"])
+def test_outside_a_pod_another_nodes_name_deletes_nothing(api, disk_dir, interval):
+    """Outside a pod, the listing of another real node is not empty, so it passed for this
+    node's: a pod here between container restarts (its lock free) counted as gone and its
+    rank dir was removed. In loop mode too the janitor stops at once (the name will not
+    get any better by waiting)."""
+    api.add_pod("uid-restarting", "grpo-0")
+    api.add_pod("uid-there", "grpo-9", node="other-node")
+    api.add_node("other-node", [("InternalIP", OTHER_NODE_IP), ("Hostname", "other-node")])
+    restarting = dead(disk_dir, "uid-restarting", "grpo")
+    loop = ["--interval", interval] if interval else []
+    proc = greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", "other-node", *loop, env={"POD_NAME": ""},
+                     timeout=60)
+    assert os.path.exists(os.path.join(restarting, "offload", "state.bin"))
+    assert api.events == []
+    line = one_line_error(proc)
+    assert "--node-name 'other-node' is not this host" in line and "nothing deleted" in line
+    assert f"InternalIP {OTHER_NODE_IP}, Hostname other-node" in line and repr(socket.gethostname()) in line
+    assert "Pass this node's name, or run the janitor in its chart" in line
+
+
+def this_host() -> str:
+    hostname = socket.gethostname()
+    if hostname.split(".")[0].lower() == "localhost":
+        pytest.skip("this host is named localhost, which names every host")
+    return hostname
+
+
+@pytest.mark.parametrize("node_of_this_host", ["named after it", "its Hostname address", "its InternalIP"])
+def test_outside_a_pod_this_hosts_node_reclaims_as_before(api, disk_dir, node_of_this_host):
+    node, addresses = {
+        "named after it": (lambda: (this_host(), [("InternalIP", OTHER_NODE_IP)])),
+        # Compared case-insensitively, and the short name with a dotted one's first label.
+        "its Hostname address": (lambda: ("worker-3", [("Hostname", this_host().upper() + ".cluster.local")])),
+        "its InternalIP": (lambda: ("worker-4", [("InternalIP", OTHER_NODE_IP), ("ExternalIP", "127.0.0.1")])),
+    }[node_of_this_host]()
+    api.add_node(node, addresses)
+    api.add_pod("uid-restarting", "grpo-0", node=node)
+    restarting = dead(disk_dir, "uid-restarting", "grpo")
+    gone = dead(disk_dir, "uid-gone", "grpo")
+    proc = greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", node, env={"POD_NAME": ""}, check_rc=0)
+    assert f"reclaimed: {gone}" in proc.stdout and not os.path.exists(gone)
+    assert os.path.exists(os.path.join(restarting, "offload", "state.bin"))
+    assert api.nodes_read == [node]
+    assert [e["involvedObject"]["name"] for e in api.events] == [node]
+
+
+@pytest.mark.parametrize("node_status", [404, 403])
+def test_outside_a_pod_a_node_that_cannot_be_read_deletes_nothing(api, disk_dir, node_status):
+    gone = dead(disk_dir, "uid-gone", "grpo")
+    node = NODE
+    if node_status == 404:
+        node = "gpu-node-8"  # no such node
+    else:
+        api.node_status = 403
+    line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", node,
+                                    env={"POD_NAME": ""}))
+    if node_status == 404:
+        assert "the API has no node 'gpu-node-8'" in line and "kubectl get nodes" in line
+    else:
+        assert "HTTP 403" in line and "needs get on nodes" in line and "run the janitor in its chart" in line
+    assert "nothing deleted" in line.lower()
+    assert os.path.exists(gone) and api.selectors == [] and api.events == []
+
+
+def test_names_and_addresses_of_this_host():
+    from greenroom.k8s_janitor import is_local_address, names_host
+
+    assert names_host(["gpu-7"], "GPU-7.cluster.local") and names_host(["gpu-7.cluster.local."], "gpu-7")
+    assert not names_host(["gpu-7.a"], "gpu-7.b") and not names_host(["gpu-70"], "gpu-7")
+    assert not names_host(["localhost"], "localhost.localdomain")  # every host's name
+    assert is_local_address("127.0.0.1") and not is_local_address(OTHER_NODE_IP)
+    for not_an_address_here in ("0.0.0.0", "127.0.0.2", "fe80::1", "gpu-7", ""):
+        assert not is_local_address(not_an_address_here), not_an_address_here
+    if socket.has_ipv6 and is_local_address("::1"):
+        assert not is_local_address("2001:db8::77") and is_local_address("0:0::1")
 
 
 def test_the_janitor_forgets_pods_gone_before_the_last_listing(api, disk_dir):
@@ -467,7 +568,8 @@ def test_unreachable_api_is_one_line_in_a_single_pass(disk_dir, tmp_path):
     proc = greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE,
                      env={"KUBECONFIG": config, "KUBERNETES_SERVICE_HOST": ""})
     line = one_line_error(proc)
-    assert "listing pods failed" in line and "reachable" in line
+    # Outside a pod (no POD_NAME here) the first call reads the Node.
+    assert f"reading node '{NODE}' failed" in line and "reachable" in line
 
 
 def test_an_unreadable_listing_skips_the_pass_and_counts_an_api_error(api, disk_dir):

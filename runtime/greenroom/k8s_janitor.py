@@ -22,6 +22,10 @@ otherwise leave one empty dir per pod on the node forever. Only trees greenroom 
 like a pod UID that the init container did not make (the kubelet's, with the init
 container turned off; one of an older chart; a user's) stays.
 
+A ``--node-name`` that is not this node would make every pod here look gone, so it is
+refused before anything is deleted: in a pod the listing must hold the janitor's own pod,
+outside one the Node must be this host, by name or address.
+
 Every reclaim becomes a Kubernetes Event on the Node (reason ``StaleOffloadReclaimed``,
 bytes freed, the pod and job it belonged to) and moves Prometheus counters served on
 ``--metrics-port``. Without the pod listing a restarting pod's dir cannot be told from a
@@ -37,10 +41,13 @@ Imports no torch: the janitor image runs only this.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import ipaddress
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -79,7 +86,7 @@ class JanitorConfig:
     pod: str = ""
     """This janitor's own pod, ``namespace/name`` (``$POD_NAMESPACE``/``$POD_NAME``, which the
     chart sets from the downward API), that every listing of its node must hold; empty
-    outside a pod."""
+    outside a pod, where the Node must be this host instead (``check_node_is_this_host``)."""
     interval: float | None = None
     """Seconds between passes; None runs one pass and exits."""
     metrics_port: int = 0
@@ -157,20 +164,28 @@ def load_api() -> k8s.CoreV1Api:
     return k8s.CoreV1Api(k8s.ApiClient(configuration))
 
 
-def list_node_pods(api: k8s.CoreV1Api, node_name: str) -> dict[str, PodInfo]:
-    """Pods bound to ``node_name``, by UID."""
+@contextlib.contextmanager
+def api_errors(doing: str, needs: str):
+    """The client's failures while ``doing`` (``"listing pods"``): NoApiAccess for a
+    401/403, with ``needs`` naming the access it takes; ApiUnavailable for the rest, which
+    may pass."""
     try:
-        pods = api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}",
-                                               _request_timeout=REQUEST_TIMEOUT)
+        yield
     except k8s.ApiException as e:
         if e.status in (401, 403):
-            raise NoApiAccess(f"the API refused to list pods (HTTP {e.status} {e.reason}): the janitor's "
-                              "ServiceAccount needs the ClusterRole with list on pods") from None
-        raise ApiUnavailable(f"listing pods failed: HTTP {e.status} {e.reason}") from None
+            raise NoApiAccess(f"{doing} was refused (HTTP {e.status} {e.reason}): {needs}") from None
+        raise ApiUnavailable(f"{doing} failed: HTTP {e.status} {e.reason}") from None
     except (urllib3.exceptions.HTTPError, OSError) as e:
-        raise ApiUnavailable(f"listing pods failed: {type(e).__name__}: {e}") from None
+        raise ApiUnavailable(f"{doing} failed: {type(e).__name__}: {e}") from None
     except ValueError as e:  # a reply the client's models reject (a proxy's error page, ...)
-        raise ApiUnavailable(f"listing pods failed: unreadable reply ({str(e).splitlines()[0]})") from None
+        raise ApiUnavailable(f"{doing} failed: unreadable reply ({str(e).splitlines()[0]})") from None
+
+
+def list_node_pods(api: k8s.CoreV1Api, node_name: str) -> dict[str, PodInfo]:
+    """Pods bound to ``node_name``, by UID."""
+    with api_errors("listing pods", "the janitor's ServiceAccount needs the ClusterRole with list on pods"):
+        pods = api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}",
+                                               _request_timeout=REQUEST_TIMEOUT)
     found = {}
     for pod in pods.items or []:
         meta = pod.metadata
@@ -185,7 +200,8 @@ def check_listing(pods: dict[str, PodInfo], node_name: str, own_pod: str) -> Non
     """A listing that cannot be this node's is a ConfigError: a misspelt ``--node-name``
     lists no pod, another node's name that node's, and either way every dir of a pod here
     would count as gone. In a pod, the janitor's own pod must be listed; outside one, a node
-    runs at least one pod (its DaemonSets')."""
+    runs at least one pod (its DaemonSets'), and ``check_node_is_this_host`` has refused
+    another node's name before the listing."""
     if own_pod:
         if not any(f"{p.namespace}/{p.name}" == own_pod for p in pods.values()):
             raise ConfigError(f"the pods the API lists on node {node_name!r} do not include this janitor's own "
@@ -194,6 +210,66 @@ def check_listing(pods: dict[str, PodInfo], node_name: str, own_pod: str) -> Non
     elif not pods:
         raise ConfigError(f"the API lists no pod on node {node_name!r}: is --node-name right (kubectl get node "
                           f"{node_name})? Every dir of a pod would have counted as gone; nothing deleted")
+
+
+def names_host(names: list[str], host: str) -> bool:
+    """Whether one of ``names`` is ``host``, case-insensitively, a short name matching the
+    first label of a dotted one (``gpu-7`` is ``gpu-7.cluster.local``; ``gpu-7.a`` is not
+    ``gpu-7.b``). Never for ``localhost``: every host is that, so it says nothing."""
+    host = host.lower().rstrip(".")
+    short_host = host.split(".")[0]
+    if short_host == "localhost":
+        return False
+    for name in (name.lower().rstrip(".") for name in names):
+        if name in (host, short_host) or name.split(".")[0] == host:
+            return True
+    return False
+
+
+def is_local_address(address: str) -> bool:
+    """Whether ``address`` is assigned to this host. A connected UDP socket sends nothing,
+    and the kernel gives it the destination itself as its source address only when that
+    address is local. (A bind test passes any address where ``ip_nonlocal_bind`` is on, as
+    on hosts that move a virtual IP, and passes 0.0.0.0 everywhere.)"""
+    try:
+        ip = ipaddress.ip_address(address)
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))
+            return ipaddress.ip_address(s.getsockname()[0]) == ip
+    except (ValueError, OSError):  # not an address, no route to it (fe80:: without a scope): not here
+        return False
+
+
+def check_node_is_this_host(api: k8s.CoreV1Api, node_name: str) -> None:
+    """Outside a pod, ``check_listing`` cannot tell another real node's listing from this
+    one's (it is not empty), and with it every dir of a pod here would count as gone. So
+    the Node ``node_name`` must be this host: its name or a Hostname address is this
+    host's name, or an InternalIP/ExternalIP is assigned here. ConfigError if not;
+    ApiUnavailable or NoApiAccess (needs get on nodes) if the Node cannot be read."""
+    with api_errors(f"reading node {node_name!r}", "outside a pod the janitor checks that --node-name is this "
+                    "host, which needs get on nodes (or run the janitor in its chart, where its own pod in the "
+                    "listing is the check)"):
+        try:
+            node = api.read_node(node_name, _request_timeout=REQUEST_TIMEOUT)
+        except k8s.ApiException as e:
+            if e.status != 404:
+                raise
+            node = None
+    if node is None:
+        raise ConfigError(f"the API has no node {node_name!r}: is --node-name right (kubectl get nodes)? "
+                          "Nothing deleted")
+    addresses = [(a.type, a.address) for a in (node.status.addresses if node.status else None) or []]
+    names = [node_name] + [address for kind, address in addresses if kind == "Hostname"]
+    hostname = socket.gethostname()
+    ips = [address for kind, address in addresses if kind in ("InternalIP", "ExternalIP")]
+    # The FQDN last: it may ask DNS.
+    if names_host(names, hostname) or any(is_local_address(ip) for ip in ips) or names_host(names, socket.getfqdn()):
+        return
+    shown = ", ".join(f"{kind} {address}" for kind, address in addresses) or "no addresses"
+    raise ConfigError(f"--node-name {node_name!r} is not this host {hostname!r}: node {node_name!r} has "
+                      f"{shown}, none of them this host's names or addresses, and every dir of a pod here would "
+                      "have counted as gone; nothing deleted. Pass this node's name, or run the janitor in its "
+                      "chart (there its own pod in the listing is the check)")
 
 
 _POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -304,6 +380,9 @@ class Janitor:
         self.out = out
         self.api: k8s.CoreV1Api | None = None
         self.lock_rule_only = False
+        # Outside a pod: whether check_node_is_this_host has passed. Once is enough, as a
+        # node keeps its name; until then (the API down) every pass asks again.
+        self.node_is_this_host = False
         self.failures = 0
         self.seen: dict[str, PodInfo] = {}
         self.last_listing: dict[str, PodInfo] = {}
@@ -329,6 +408,10 @@ class Janitor:
         rule = None
         if not self.lock_rule_only:
             try:
+                # In a pod, check_listing's own-pod check is enough and needs no access to nodes.
+                if not self.config.pod and not self.node_is_this_host:
+                    check_node_is_this_host(self.api, self.config.node_name)
+                    self.node_is_this_host = True
                 listed_at = time.time()
                 pods = list_node_pods(self.api, self.config.node_name)
             except (ApiUnavailable, NoApiAccess) as e:
