@@ -22,7 +22,8 @@ def greenroom(*args: str, env: dict | None = None, timeout: float = 300, check_r
     return proc
 
 
-def greenroom_stopped_at(point: str, *args: str, env: dict | None = None, sigint: bool = False) -> subprocess.Popen:
+def greenroom_stopped_at(point: str, *args: str, env: dict | None = None, sigint: bool = False,
+                         cwd: str = REPO) -> subprocess.Popen:
     """``greenroom args`` started with ``GREENROOM_TEST_STOP_AT=point`` (``greenroom.faults``);
     returns once it has stopped itself there, to be resumed with SIGCONT. ``sigint``: start
     it with SIGINT at its default, as from a terminal (``make test`` in the background hands
@@ -30,7 +31,7 @@ def greenroom_stopped_at(point: str, *args: str, env: dict | None = None, sigint
     default_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sigint else None
     proc = subprocess.Popen([sys.executable, "-m", "greenroom.cli", *args],
                             env={**os.environ, **(env or {}), "GREENROOM_TEST_STOP_AT": point},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                             preexec_fn=default_sigint)
     assert os.WIFSTOPPED(wait_stopped(proc, f"greenroom {args[0]}")), f"greenroom {args[0]} ended before {point}"
     return proc

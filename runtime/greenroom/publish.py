@@ -43,7 +43,8 @@ second later would do. ``greenroom train`` takes it for ``--save`` at start-up a
 it for the run, so a second trainer is refused before it trains. The lock file is
 removed on release (a process that then wins the lock on the removed inode sees the
 path name another one and starts over, as ``greenroom.rankdir`` does); one a killed
-process left is reused by the next save or load.
+process left is reused by the next save or load. ``held`` is the same lock for one file
+with one writer (``greenroom train``'s metrics file).
 """
 
 from __future__ import annotations
@@ -201,6 +202,14 @@ def discard(path: str) -> None:
 
 
 # -- one writer per checkpoint dir (Note [one writer per checkpoint dir]) ------------------
+class LockHeld(Exception):
+    """Another process holds a lock file; ``holder`` is what it recorded there (``pid N on HOST``)."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
 @contextlib.contextmanager
 def locked(path: str, *, reading: bool = False):
     """Hold ``path``'s checkpoint lock for the block (re-entrant within the process):
@@ -232,37 +241,65 @@ def locked(path: str, *, reading: bool = False):
 
 def _acquire(path: str, reading: bool) -> int:
     lock_path = path + LOCK_SUFFIX
+    try:
+        fd = _take(lock_path, fcntl.LOCK_SH if reading else fcntl.LOCK_EX)
+    except LockHeld as e:
+        if reading:
+            raise CheckpointError(
+                f"{path}: another process ({e.holder}) holds {lock_path}: it saves there, and a load now could "
+                "read a checkpoint it is replacing: load it once that run is done, or load a copy") from None
+        raise CheckpointError(
+            f"{path}: another process ({e.holder}) holds {lock_path}: it is saving there (or resuming from "
+            "it) now, and a second save would replace its checkpoint or be replaced by it: wait for it to "
+            "finish, or give this run another checkpoint dir") from None
+    except OSError as e:
+        if reading and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return -1
+        raise StorageError(f"{lock_path}: cannot create the checkpoint dir's lock file ({e.strerror})") from None
+    if not reading:  # readers leave the record alone: it names the last saver or a reader, never garbage
+        os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def _take(lock_path: str, mode: int) -> int:
+    """An fd of ``lock_path`` (created if missing) holding ``flock`` ``mode`` on the inode
+    the path names. ``LockHeld`` if another process holds it past ``LOCK_GRACE_S``; the
+    ``OSError`` of a file that cannot be opened is the caller's to name."""
     while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            if reading and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                return -1
-            raise StorageError(f"{lock_path}: cannot create the checkpoint dir's lock file ({e.strerror})") from None
-        try:
-            _flock_within_grace(fd, fcntl.LOCK_SH if reading else fcntl.LOCK_EX)
+            _flock_within_grace(fd, mode)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            if reading:
-                raise CheckpointError(
-                    f"{path}: another process ({holder}) holds {lock_path}: it saves there, and a load now could "
-                    "read a checkpoint it is replacing: load it once that run is done, or load a copy") from None
-            raise CheckpointError(
-                f"{path}: another process ({holder}) holds {lock_path}: it is saving there (or resuming from "
-                "it) now, and a second save would replace its checkpoint or be replaced by it: wait for it to "
-                "finish, or give this run another checkpoint dir") from None
+            raise LockHeld(holder) from None
         try:
             same = os.stat(lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
         if same:
-            break
+            return fd
         os.close(fd)  # its holder removed it as we opened it: start over
-    if not reading:  # readers leave the record alone: it names the last saver or a reader, never garbage
+
+
+@contextlib.contextmanager
+def held(lock_path: str):
+    """``lock_path`` locked exclusively for the block, recording this process as its
+    holder, and removed after: the checkpoint dir's lock for any one file whose writer
+    must be alone (``greenroom train --metrics``). ``LockHeld`` names a live holder; a
+    file a killed holder left is taken over (its ``flock`` went with the process)."""
+    fd = _take(lock_path, fcntl.LOCK_EX)
+    try:
         os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-    return fd
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except BaseException:
+        _release(lock_path, fd, exclusive=True)
+        raise
+    try:
+        yield
+    finally:
+        _release(lock_path, fd, exclusive=True)
 
 
 def _flock_within_grace(fd: int, mode: int) -> None:

@@ -17,6 +17,7 @@ from greenroom import publish
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
 from greenroom.statedir import launcher_number
+from greenroom.train import preflight
 from greenroom.train.model import PRECISIONS, ModelConfig
 from greenroom.train.task import VOCAB_SIZE, TaskConfig
 from greenroom.train.trainer import TrainConfig, Trainer
@@ -45,8 +46,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                      help="strict (default): --load DIR must hold a checkpoint; auto: a --load DIR that does "
                           "not exist yet (or is empty) is a fresh start, so one command serves the first run "
                           "and every restart (the chart's and the Slurm templates' default)")
-    run.add_argument("--metrics", metavar="PATH", default=_TRAIN.metrics,
-                     help="JSON lines, one per iteration (default %(default)s)")
+    run.add_argument("--metrics", metavar="PATH",
+                     help="JSON lines, one per iteration, written by this run alone: another run writing PATH "
+                          f"refuses this one (default {preflight.DEFAULT_METRICS}, or train-metrics-<job>.jsonl "
+                          "there under $GREENROOM_JOB_ID or $SLURM_JOB_ID; while another run writes it, a "
+                          "-pid<N> file beside it)")
     run.add_argument("--seed", type=int, default=_TRAIN.seed)
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     run.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",

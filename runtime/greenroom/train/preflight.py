@@ -17,6 +17,7 @@ from greenroom import fs, publish
 from greenroom.config import OffloadConfig, check_device_bytes
 from greenroom.errors import CheckpointError, ConfigError
 from greenroom.log import get_logger
+from greenroom.rankdir import is_dir_name
 
 log = get_logger(__name__)
 
@@ -66,8 +67,8 @@ def check_paths(config, offload: OffloadConfig) -> None:
             raise ConfigError(f"--load {load} is not a directory; give the dir a --save wrote")
         if os.path.isdir(load) and not os.access(load, os.R_OK | os.X_OK):
             raise ConfigError(f"--load {load}: not readable by uid {os.getuid()}")
-    if config.metrics:
-        metrics = os.path.abspath(config.metrics)
+    if config.metrics != "":
+        metrics = os.path.abspath(config.metrics if config.metrics is not None else default_metrics())
         if os.path.isdir(metrics):
             raise ConfigError(f"--metrics {metrics} is a directory; give a file path")
         _check_creatable_dir("--metrics", os.path.dirname(metrics))
@@ -113,20 +114,86 @@ def check_save_space(save: str, need: int) -> None:
                          "free there; free space or choose another dir")
 
 
-def open_metrics(path: str, *, append: bool, resume_at: int = 0):
-    """The metrics file, its dir created; an OSError becomes a one-line error naming it.
+DEFAULT_METRICS = ".run/train-metrics.jsonl"
+
+
+def default_metrics() -> str:
+    """Where a run without ``--metrics`` writes (Note [one writer per metrics file]):
+    ``.run/train-metrics.jsonl``, or ``.run/train-metrics-<job>.jsonl`` under a job id
+    ``$GREENROOM_JOB_ID`` or ``$SLURM_JOB_ID`` gives (the one that names the rank dirs)."""
+    job = os.environ.get("GREENROOM_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return DEFAULT_METRICS
+    if not is_dir_name(job):
+        raise ConfigError(f"the job id (from $GREENROOM_JOB_ID or $SLURM_JOB_ID) {job!r} cannot be part of the "
+                          "default --metrics file name (it has a /, or is . or ..): fix it, or pass --metrics PATH")
+    return f".run/train-metrics-{job}.jsonl"
+
+
+@contextlib.contextmanager
+def open_metrics(path: str | None, *, append: bool, resume_at: int = 0):
+    """The metrics file ``path`` (None: the default), its dir created, held for the
+    block as its one writer: yields ``(path, file)``, ``path`` the file written (the
+    default moves aside while another run holds it). An OSError becomes a one-line error
+    naming the file.
     A resumed run (``append``) first drops the records of iterations past ``resume_at``,
     the checkpoint's: a run killed after it logged them, and they are trained again now,
     so each iteration keeps one record (``greenroom report`` would plot both). A symlink
-    is followed: the rewrite replaces its target, not the link."""
-    path = os.path.realpath(path)
+    is followed: the rewrite replaces its target, not the link.
+
+    Note [one writer per metrics file]: two runs writing one file interleaved their
+    records, or the second truncated the first's, and neither said so. So the writer
+    holds ``publish.held`` on ``FILE.lock`` (the lock of a checkpoint dir, for one file)
+    from before it touches the file until the run ends. A ``--metrics`` the user gave
+    that another live run holds is refused in one line naming that run. The default is
+    not refused: runs started from one dir without ``--metrics`` (test workers, jobs
+    submitted from one dir) would then each fail but the first; while it is held, this
+    run writes ``FILE`` with ``-pid<N>`` before ``.jsonl`` and says so. Under a
+    scheduler's job id the default is that job's own file, so concurrent jobs never
+    meet and a requeued job, which keeps its id, resumes into its own records."""
+    given = path is not None
+    path = path if given else default_metrics()
+    with contextlib.ExitStack() as stack:
+        try:
+            _hold(stack, path)
+        except publish.LockHeld as e:
+            if given:
+                raise ConfigError(f"--metrics {path}: another run ({e.holder}) is writing it (it holds "
+                                  f"{_lock_path(path)}): give this run another --metrics path, or start it once "
+                                  "that run has ended") from None
+            taken, path = path, f"{os.path.splitext(path)[0]}-pid{os.getpid()}.jsonl"
+            _check_ours("--metrics", os.path.abspath(path))
+            try:
+                _hold(stack, path)
+            except publish.LockHeld as again:
+                raise ConfigError(f"--metrics {path}: another run ({again.holder}) is writing it: pass this run "
+                                  "its own --metrics PATH") from None
+            log.warning(f"{taken} is being written by another run ({e.holder}), so this run's metrics go to "
+                        f"{path} (--metrics PATH chooses)")
+        real = os.path.realpath(path)
+        try:
+            if append and os.path.isfile(real):
+                _drop_records_past(real, resume_at)
+            f = stack.enter_context(open(real, "a" if append else "w", encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"--metrics {real}: cannot open it for writing ({e.strerror})") from None
+        yield path, f
+
+
+def _lock_path(path: str) -> str:
+    """The metrics file's lock, beside its target: two runs naming it through different links meet."""
+    return os.path.realpath(path) + publish.LOCK_SUFFIX
+
+
+def _hold(stack: contextlib.ExitStack, path: str) -> None:
+    """Hold the writer's lock of the metrics file ``path`` until ``stack`` closes, its
+    dir created first."""
+    lock_path = _lock_path(path)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if append and os.path.isfile(path):
-            _drop_records_past(path, resume_at)
-        return open(path, "a" if append else "w", encoding="utf-8")
+        os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+        stack.enter_context(publish.held(lock_path))
     except OSError as e:
-        raise ConfigError(f"--metrics {path}: cannot open it for writing ({e.strerror})") from None
+        raise ConfigError(f"--metrics {path}: cannot create its lock file {lock_path} ({e.strerror})") from None
 
 
 def _drop_records_past(path: str, iteration: int) -> None:

@@ -59,8 +59,10 @@ class TrainConfig:
     load: str | None = None
     """Dir of a previous ``save`` to resume from (same topology)."""
 
-    metrics: str = ".run/train-metrics.jsonl"
-    """JSON lines file, one object per iteration (rank 0 writes it)."""
+    metrics: str | None = None
+    """JSON lines file, one object per iteration (rank 0 writes it; ``""``: none). None:
+    ``.run/train-metrics.jsonl``, per job under a scheduler's job id, and beside it while
+    another run writes that (``greenroom.train.preflight`` Note [one writer per metrics file])."""
 
     seed: int = 0
     """Seeds the initial weights and, per iteration and rank, the prompts and sampling."""
@@ -255,10 +257,10 @@ class Trainer:
                               f"give --iterations {self.start_iteration} or more")
         if self.rank == 0 and c.save:
             preflight.check_save_space(c.save, self._checkpoint_bytes() * self.world_size)
-        self.metrics_file = None
-        if self.rank == 0 and c.metrics:
-            self.metrics_file = self._stack.enter_context(preflight.open_metrics(c.metrics, append=bool(c.load),
-                                                                                 resume_at=self.start_iteration))
+        self.metrics_path, self.metrics_file = None, None
+        if self.rank == 0 and c.metrics != "":
+            self.metrics_path, self.metrics_file = self._stack.enter_context(
+                preflight.open_metrics(c.metrics, append=bool(c.load), resume_at=self.start_iteration))
         self.start_time = time.perf_counter()
 
     def _load(self) -> int:
@@ -354,7 +356,8 @@ class Trainer:
                 self._save(c.iterations)  # nothing left to train: the checkpoint as loaded
             self._join_save()
         if self.metrics_file is not None:
-            self._say(f"metrics: {os.path.abspath(c.metrics)} (plot with: greenroom report {shlex.quote(c.metrics)})")
+            path = self.metrics_path
+            self._say(f"metrics: {os.path.abspath(path)} (plot with: greenroom report {shlex.quote(path)})")
 
     def _saves_after(self, iteration: int) -> bool:
         """Whether ``--save`` writes a checkpoint at the end of ``iteration``."""
