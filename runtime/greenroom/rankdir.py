@@ -38,6 +38,18 @@ fallback ``rmtree`` deleted the successor's lock and files while it ran, leaving
 path to a third owner. A rank killed mid-close leaves an aside dir that the next
 ``greenroom reclaim`` pass finishes (its lock goes last, so a live one is seen locked).
 
+Note [an interrupted close]: SIGTERM (made a SystemExit here) or Ctrl-C that lands in
+``close`` raised at once, in the middle of the delete: the rank ended 143 with its aside
+dir (and whatever of its files the delete had not reached yet: the whole streamed state)
+and its job/role parents left on disk until the next ``greenroom reclaim``. A run that
+ends by a signal is meant to leave nothing (a scheduler's SIGTERM at a job's end lands
+in its close as readily as anywhere). So ``close`` holds the two signals (their handlers
+only record them) while it deletes, then puts the handlers back and has each signal that
+came do what it would have done then: the rank dir's handler raises SystemExit(128 + N)
+or KeyboardInterrupt, after the dir is gone. The delete takes as long as unlinking the
+files (well inside Slurm's KillWait and a pod's grace period). Off the main thread no
+handler can be set, and a close there is as before.
+
 Note [made parents]: a ``<job>`` or ``<role>`` dir that greenroom makes (its ``mkdir``
 succeeds) gets an empty marker file, ``MADE_NAME``, at once; one it finds (a user's own
 ``ROOT/$SLURM_JOB_ID`` from their prolog) gets none. A remover (``close``, ``greenroom
@@ -364,19 +376,30 @@ class RankDir:
         return self
 
     def close(self) -> None:
-        """Remove the dir (and the job/role parents greenroom made, once empty) and release the lock."""
+        """Remove the dir (and the job/role parents greenroom made, once empty) and release
+        the lock; a SIGTERM or SIGINT meanwhile has its effect once that is done (Note [an
+        interrupted close])."""
         if self._lock_fd < 0:
             return
-        self._remove_held_dir()
-        for parent in (os.path.dirname(self.path), os.path.dirname(os.path.dirname(self.path))):
-            if not remove_made_dir(parent):
-                break  # another rank or role of the job is still there, or the dir is the user's
-        os.close(self._lock_fd)
-        self._lock_fd = -1
-        _OPEN.discard(self)
-        self._claims.clear()
-        self._claimed_ever.clear()
+        received: list[int] = []
+        found = _hold_signals(received)
+        try:
+            self._remove_held_dir()
+            for parent in (os.path.dirname(self.path), os.path.dirname(os.path.dirname(self.path))):
+                if not remove_made_dir(parent):
+                    break  # another rank or role of the job is still there, or the dir is the user's
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            _OPEN.discard(self)
+            self._claims.clear()
+            self._claimed_ever.clear()
+        except BaseException:
+            _put_back(found)
+            _deliver(found, received)
+            raise
+        _put_back(found)
         self._restore_handlers()
+        _deliver(found, received)
 
     def _remove_held_dir(self) -> None:
         """Delete the dir whose lock this process holds (Note [closing aside])."""
@@ -536,6 +559,34 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process
     return True
+
+
+def _hold_signals(received: list[int]) -> dict[int, object]:
+    """From now on SIGTERM and SIGINT only append to ``received`` (Note [an interrupted
+    close]); returns the handlers they had, for ``_put_back`` and ``_deliver`` (none off
+    the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    found: dict[int, object] = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        found[signum] = signal.signal(signum, lambda signum, _frame: received.append(signum))
+    return found
+
+
+def _put_back(found: dict[int, object]) -> None:
+    for signum, handler in found.items():
+        signal.signal(signum, handler)
+
+
+def _deliver(found: dict[int, object], received: list[int]) -> None:
+    """Have each signal held meanwhile do what it would have done when it came: call the
+    handler it had then (the rank dir's own raises SystemExit or KeyboardInterrupt)."""
+    for signum in dict.fromkeys(received):
+        handler = found[signum]
+        if callable(handler):
+            handler(signum, None)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(signum)  # its handler is back: the process ends by it, as then
 
 
 def _raise_exit(signum, _frame) -> None:
