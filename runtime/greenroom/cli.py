@@ -14,7 +14,7 @@ import sys
 
 import greenroom
 from greenroom import log
-from greenroom.errors import GreenroomError
+from greenroom.errors import GreenroomError, peer_gone
 
 COMMANDS = {
     "train": ("greenroom.train.main", "the colocated train/sleep/rollout/wake loop"),
@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         notes = "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
         print(f"greenroom {args.command}: error: {e}{notes}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        gone = peer_gone(e)
+        if gone is None:
+            raise  # a bug: its traceback is what a report needs
+        print(f"greenroom {args.command}: error: {gone}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         # ^C: the command's `with` blocks and finally clauses have cleaned up on the way
         # here (a rank dir turns SIGINT into this exception for that); the shell's code.

@@ -291,6 +291,7 @@ class Trainer:
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.world_size == 1:
             return model
+        kill_point("parallelize")  # the first collective: the other ranks wait in it for this one
         if self.config.parallel == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
