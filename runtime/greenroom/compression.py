@@ -108,26 +108,20 @@ MAGIC = b"GRZF"
 _HEADER = struct.Struct("<4sBBxxII")  # magic, codec id, element size, raw bytes, payload bytes
 
 
-def plane_split(frame: torch.Tensor | np.ndarray, itemsize: int):
-    """The frame's bytes reordered into ``itemsize`` planes (Note [byte planes])."""
+def plane_split(frame: np.ndarray, itemsize: int) -> np.ndarray:
+    """A host frame's bytes reordered into ``itemsize`` planes (Note [byte planes]; the
+    device codec splits whole runs of frames in its own kernels, Note [batched decode])."""
     if itemsize == 1:
         return frame
-    if isinstance(frame, np.ndarray):
-        return np.ascontiguousarray(frame.reshape(-1, itemsize).T).reshape(-1)
-    return frame.view(-1, itemsize).t().contiguous().view(-1)
+    return np.ascontiguousarray(frame.reshape(-1, itemsize).T).reshape(-1)
 
 
-def plane_join(planes, out, itemsize: int) -> None:
-    """Write the frame whose planes are ``planes`` into ``out`` (the inverse of ``plane_split``)."""
-    if isinstance(out, np.ndarray):
-        if itemsize == 1:
-            out[:] = planes
-            return
-        out.reshape(-1, itemsize)[:] = planes.reshape(itemsize, -1).T
-    elif itemsize == 1:
-        out.copy_(planes)
-    else:
-        out.view(-1, itemsize).copy_(planes.view(itemsize, -1).t())
+def plane_join(planes: np.ndarray, out: np.ndarray, itemsize: int) -> None:
+    """Write the host frame whose planes are ``planes`` into ``out`` (the inverse of ``plane_split``)."""
+    if itemsize == 1:
+        out[:] = planes
+        return
+    out.reshape(-1, itemsize)[:] = planes.reshape(itemsize, -1).T
 
 
 def pays(raw_bytes: int, payload_bytes: int) -> bool:
