@@ -72,16 +72,49 @@ def test_a_signal_in_the_close_is_raised_once_the_dir_is_gone(disk_dir, monkeypa
     RankDir(root, role="actor", rank=0, job="job").open().close()  # the lock is free
 
 
-def test_greenroom_train_sigtermed_in_its_close_exits_143_and_leaves_nothing(disk_dir):
-    """The real thing: a trainer stopped at ``rankdir-close`` (SIGSTOP), sent SIGTERM and
-    continued: exit 143, one line at most, and nothing under the offload root."""
+@pytest.mark.parametrize("signum,raised", [(signal.SIGTERM, SystemExit), (signal.SIGINT, KeyboardInterrupt)])
+def test_a_signal_in_the_open_is_raised_once_the_dir_is_open_and_closing_leaves_nothing(
+        disk_dir, monkeypatch, request, signum, raised):
+    """The signal arrives at ``rankdir-parents`` (the job/role dirs made, the rank dir
+    not yet): the open finishes and sets its exit hooks, then the signal's exception is
+    raised through the rank dir's handler; the close that follows (atexit's, on the way
+    out) leaves nothing. At its default the signal killed the process there, and the
+    parents stayed for reclaim."""
+    start = signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    request.addfinalizer(lambda: signal.signal(signum, start))
+    root = os.path.join(disk_dir, "root")
+    os.makedirs(root)
+
+    def deliver(name):
+        if name == "rankdir-parents":
+            assert callable(signal.getsignal(signum)), "the signal would end the test process"
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(rankdir, "kill_point", deliver)
+    rank_dir = RankDir(root, role="actor", rank=0, job="job")
+    with pytest.raises(raised) as caught:
+        rank_dir.open()
+    if raised is SystemExit:
+        assert caught.value.code == 128 + signal.SIGTERM
+    assert rank_dir.is_open and os.path.isdir(rank_dir.path)
+    rank_dir.close()
+    assert os.listdir(root) == []
+    assert signal.getsignal(signum) == (signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL), \
+        "the close did not give the signal its handler back"
+
+
+@pytest.mark.parametrize("point", ["rankdir-parents", "rankdir-close"])
+def test_greenroom_train_sigtermed_in_its_open_or_close_exits_143_and_leaves_nothing(disk_dir, point):
+    """The real thing: a trainer stopped (SIGSTOP) at ``rankdir-parents`` in its rank
+    dir's open or at ``rankdir-close``, sent SIGTERM and continued: exit 143, one line at
+    most, and nothing under the offload root."""
     root = os.path.join(disk_dir, "offload")
     cmd = [sys.executable, "-m", "greenroom.cli", "train", "--iterations", "1", "--prompts", "4", "--group-size", "2",
            "--minibatches", "1", "--d-model", "16", "--no-progress", "--dtype", "bf16", "--offload-train",
            "--offload-train-target", "disk", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", root,
            "--metrics", os.path.join(disk_dir, "m.jsonl")]
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime"), "OMP_NUM_THREADS": "1",
-           "GREENROOM_TEST_STOP_AT": "rankdir-close"}
+           "GREENROOM_TEST_STOP_AT": point}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         deadline = time.monotonic() + 240
@@ -100,4 +133,4 @@ def test_greenroom_train_sigtermed_in_its_close_exits_143_and_leaves_nothing(dis
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "Traceback" not in err
-    assert os.listdir(root) == [], "the trainer's close, interrupted, left files for reclaim"
+    assert os.listdir(root) == [], f"the trainer, interrupted at {point}, left files for reclaim"

@@ -47,8 +47,13 @@ in its close as readily as anywhere). So ``close`` holds the two signals (their 
 only record them) while it deletes, then puts the handlers back and has each signal that
 came do what it would have done then: the rank dir's handler raises SystemExit(128 + N)
 or KeyboardInterrupt, after the dir is gone. The delete takes as long as unlinking the
-files (well inside Slurm's KillWait and a pod's grace period). Off the main thread no
-handler can be set, and a close there is as before.
+files (well inside Slurm's KillWait and a pod's grace period). ``open`` holds them the
+same way from its first ``mkdir`` until its exit hooks are in place: there, at their
+default, the two signals killed the process outright and left the job/role parents and a
+half-made rank dir for reclaim; now they come after, through the rank dir's handler, and
+the open dir is closed on the way out. That hold lasts at most ``LOCK_WAIT_SECONDS`` (the
+wait for a reclaimer's lock) beyond the mkdirs. Off the main thread no handler can be
+set, and an open or close there is as before.
 
 Note [made parents]: a ``<job>`` or ``<role>`` dir that greenroom makes (its ``mkdir``
 succeeds) gets an empty marker file, ``MADE_NAME``, at once; one it finds (a user's own
@@ -322,21 +327,36 @@ class RankDir:
 
     # -- lifetime -----------------------------------------------------------------
     def open(self) -> "RankDir":
+        """Make, lock and claim the dir; a SIGTERM or SIGINT meanwhile has its effect once
+        the dir is open and its exit hooks are in place (Note [an interrupted close])."""
         if self._lock_fd >= 0:
             return self
+        received: list[int] = []
+        found = _hold_signals(received)
         try:
-            return self._open()
-        except OSError as e:
-            # A full disk (no block left for a dir or the owner record), a read-only or
-            # failing one: one line naming the path, never a traceback.
-            self.close()
-            name = errno.errorcode.get(e.errno, str(e.errno))
-            advice = ("free space there or point --offload-train-disk-dir at another disk"
-                      if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check --offload-train-disk-dir")
-            raise StorageError(f"{e.filename or self.path}: setting up this rank's dir {self.path} failed: "
-                               f"{e.strerror} ({name}); {advice}") from None
+            try:
+                self._open()
+            except OSError as e:
+                # A full disk (no block left for a dir or the owner record), a read-only or
+                # failing one: one line naming the path, never a traceback.
+                self.close()
+                name = errno.errorcode.get(e.errno, str(e.errno))
+                advice = ("free space there or point --offload-train-disk-dir at another disk"
+                          if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check --offload-train-disk-dir")
+                raise StorageError(f"{e.filename or self.path}: setting up this rank's dir {self.path} failed: "
+                                   f"{e.strerror} ({name}); {advice}") from None
+        except BaseException:
+            _put_back(found)
+            _deliver(found, received)
+            raise
+        _put_back(found)
+        self._install_exit_hooks()
+        # Through the handlers now in place: the rank dir's own raises SystemExit, and the
+        # dir it leaves open is closed on the way out (atexit), as for any later signal.
+        _deliver({signum: signal.getsignal(signum) for signum in found}, received)
+        return self
 
-    def _open(self) -> "RankDir":
+    def _open(self) -> None:
         self._check_root()
         deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while True:
@@ -372,8 +392,6 @@ class RankDir:
         _OPEN.add(self)
         _wipe_contents(self.path)
         write_json_atomic(os.path.join(self.path, OWNER_NAME), self.owner_record())
-        self._install_exit_hooks()
-        return self
 
     def close(self) -> None:
         """Remove the dir (and the job/role parents greenroom made, once empty) and release
