@@ -27,9 +27,14 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
                 "page_cache_growth_bytes",
                 "peak_device_step_bytes", "init_peak_device_bytes"):
         assert key in r
+    # The first step reads every bucket and keeps the largest on the device; the second
+    # starts on it unread and keeps another (optim.held_buckets Note [the last bucket stays]).
+    first, second = r["steps"]
+    assert r["buckets"] == 5 and first["bytes_read"] == r["state_bytes"]
+    assert first["bytes_written"] == second["bytes_read"] == second["bytes_written"] == r["bytes_read"]
+    assert r["bytes_read"] == r["state_bytes"] - r["kept_bucket_bytes"] > 0
     # bf16 params: the master's low halves (2 B, and its bucket's fingerprints and room for
-    # exceptions) + two bf16 moments (2 B each) per param, all read and written
-    assert r["buckets"] == 5 and r["bytes_read"] == r["bytes_written"] == r["state_bytes"]
+    # exceptions) + two bf16 moments (2 B each) per param
     assert r["master_layout"] == "remainder"
     counted = streamed_bytes_per_param("bf16", remainder=True) * 2_000_000
     assert counted <= r["state_bytes"] <= counted + r["buckets"] * 5 * 4096
@@ -55,7 +60,10 @@ def test_bench_stream_checkpoint_json_reports_the_in_step_checkpoint_reading_not
     assert i["mode"] == "link"
     assert i["extra_bytes_read"] == 0  # every bucket streamed: the checkpoint came from the step's own pass
     assert i["extra_bytes_written"] == 0  # no second write: its files are the step's
-    assert i["step_disk_bytes_written"] == r["disk_bytes_written"]  # the step wrote the state once, as a plain one
+    # The step wrote the state once: as a plain step does, and the bucket a plain step keeps
+    # on the device (optim.held_buckets Note [the last bucket stays]) too, as the checkpoint needs it.
+    assert r["kept_bucket_bytes"] > 0 and r["compression"].startswith("compression: none")
+    assert i["step_disk_bytes_written"] == r["disk_bytes_written"] + r["kept_bucket_bytes"]
     assert i["step_seconds"] > 0 and len(i["plain_step_seconds"]) == 2 and i["ratio"] > 0
     assert i["extra_seconds"] == i["step_seconds"] - sum(i["plain_step_seconds"]) / 2
     assert i["step_after_ratio"] > 0 and i["ratio_to_step_before"] > 0
@@ -83,8 +91,9 @@ def test_bench_stream_with_a_host_cache_moves_only_the_uncached_buckets(disk_dir
     half = json.loads(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--json", "--master-layout", "fp32",
                                 "--stream-optimizer-state-host-cache-gb", "0.012", check_rc=0).stdout)
     assert half["cached_buckets"] == 2 and 0 < half["host_cache_bytes"] <= half["host_cache_budget_bytes"]
+    first, second = half["steps"]
+    assert first["bytes_written"] == second["bytes_read"] == second["bytes_written"] < first["bytes_read"]
     for step in half["steps"]:
-        assert step["bytes_read"] == step["bytes_written"] < half["state_bytes"]
         assert step["disk_bytes"] == step["bytes_read"] + step["bytes_written"]
     assert half["ratio"] > 0
     every = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--master-layout", "fp32",
@@ -127,7 +136,9 @@ def test_bench_stream_bf16_params_without_a_codec_move_ten_bytes_per_param(disk_
                              "--dir", disk_dir, "--json", check_rc=0).stdout)
     assert r["moment_dtype"] == "fp32" and r["master_layout"] == "remainder"
     assert 10 <= r["disk_bytes_per_param"] <= 10.05
-    assert r["disk_bytes_read"] == r["disk_bytes_written"]
+    # One bucket, read by the one step and kept on the device after it (optim.held_buckets Note
+    # [the last bucket stays]): a later step would move none of it.
+    assert r["buckets"] == 1 and r["disk_bytes_read"] == r["kept_bucket_bytes"] and r["disk_bytes_written"] == 0
     assert r["full_master_bytes"] == 12 * 4_000_000
     # A second probe after the steps: the ratio against the mean of both bounds lies
     # between the ratios against each.

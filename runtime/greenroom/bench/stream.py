@@ -244,6 +244,7 @@ def measure(args: argparse.Namespace) -> dict:
                                   # All the process holds, params and grads too: what a peer reports.
                                   "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None})
             rss_phases["steps"] = _rss_now()
+            kept_bytes = opt.store.kept_bytes  # before a checkpoint or state dict writes it back
             # This disk's speed drifts from one probe to the next: a second probe right
             # after the steps brackets them (reported beside the headline, which keeps the first).
             raw_after = raw_bandwidth(rank_dir.subdir("raw"), max(args.raw_size, 1 << 20))
@@ -284,6 +285,9 @@ def measure(args: argparse.Namespace) -> dict:
         "dir": os.path.abspath(args.dir), "filesystem": fs.mount_of(args.dir).fstype, "o_direct": direct,
         "bucket_numel": args.bucket_numel, "buckets": buckets, "largest_bucket_bytes": largest_bucket,
         "state_bytes": state_bytes, "chunk_bytes": staging,
+        # The bucket the last step left on the device (optim.held_buckets Note [the last bucket
+        # stays]): a step after another one neither reads it nor writes it back.
+        "kept_bucket_bytes": kept_bytes,
         "host_cache_budget_bytes": int(args.stream_optimizer_state_host_cache_gb * GB),
         "host_cache_bytes": host_cache_bytes, "cached_buckets": cached_buckets,
         "raw_read_bytes_per_s": raw.read_bytes_per_s, "raw_write_bytes_per_s": raw.write_bytes_per_s,
@@ -304,7 +308,9 @@ def measure(args: argparse.Namespace) -> dict:
         "raw_mixed_write_bytes_per_s": raw.mixed_write_bytes_per_s,
         "overlapped_bound_seconds": overlapped,
         "overlapped_ratio": last["seconds"] / overlapped if overlapped else None,
-        "master_layout": args.master_layout, "disk_bytes_per_param": last["disk_bytes_read"] / n,
+        "master_layout": args.master_layout,
+        # The first step reads every bucket: the whole state as stored.
+        "disk_bytes_per_param": steps[0]["disk_bytes_read"] / n,
         "full_master_bytes": full_bytes, "full_master_bound_seconds": full_bound,
         "full_master_ratio": last["seconds"] / full_bound,
         "raw_after_read_bytes_per_s": raw_after.read_bytes_per_s,
@@ -486,6 +492,9 @@ def run(args: argparse.Namespace) -> int:
               f"{s['bytes_written'] / GB:.2f} GB, on disk {s['disk_bytes'] / GB:.2f} GB, "
               f"{s['disk_bytes'] / s['seconds'] / GB:.2f} GB/s, CPU {s['cpu_seconds']:.2f} s"
               + (f", peak device +{s['peak_device_bytes'] / GB:.2f} GB" if s["peak_device_bytes"] is not None else ""))
+    if r["kept_bucket_bytes"]:
+        print(f"between steps one bucket ({r['kept_bucket_bytes'] / GB:.2f} GB) stays on the device: a step after "
+              "another reads and writes that much less")
     if r["ratio"] is None:
         print("disk bound 0 s: every bucket is in the host cache")
     else:
@@ -494,7 +503,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"reads and writes at once (same run): read {r['raw_mixed_read_bytes_per_s'] / GB:.2f} GB/s, write "
               f"{r['raw_mixed_write_bytes_per_s'] / GB:.2f} GB/s; a fully overlapped step's bound "
               f"{r['overlapped_bound_seconds']:.2f} s, step / it {r['overlapped_ratio']:.2f}")
-    print(f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param each way; step / bound of "
+    print(f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param stored; step / bound of "
           f"the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} B/param "
           f"({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}; with a probe after the steps "
           f"too (read {r['raw_after_read_bytes_per_s'] / GB:.2f}, write {r['raw_after_write_bytes_per_s'] / GB:.2f} "

@@ -349,6 +349,7 @@ def _verified_resident(opt: StreamedState, path: str) -> dict:
 
 def _replace_state(opt: StreamedState, path: str, manifest: dict, resident: dict) -> None:
     store = opt.store
+    store.discard_kept()  # every bucket is replaced: the kept one's bytes must not go over the loaded file
     unsummed = manifest.get("checksums", True) is False and store.engine.verify
     if unsummed:
         log.warning(f"{path}: saved with GREENROOM_VERIFY=0, so its bucket files carry no checksums; their bytes "

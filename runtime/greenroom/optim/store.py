@@ -36,26 +36,12 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
 - ``initialize()`` is bounded the same way: one bucket is assembled on the device,
   written to its final file, synced and its pages dropped before the next one starts;
   no copy of the whole state ever exists on the device or the host.
-- ``host_cache_bytes`` (``--stream-optimizer-state-host-cache-gb``): see Note [host cache].
+- Between steps the last bucket a step updated stays in its device buffer, and the next
+  step starts on it: ``optim.held_buckets`` Note [the last bucket stays].
+- ``host_cache_bytes`` (``--stream-optimizer-state-host-cache-gb``): ``optim.held_buckets``
+  Note [host cache].
 - A bucket file with another name (a checkpoint's link, a backup) is never written in
   place: ``optim.bucket_files`` Note [new inodes].
-
-Note [host cache]: whole buckets, as many as fit in ``host_cache_bytes``, live in host
-memory (pinned when the store's device is CUDA) instead of going to the disk each step.
-Which: the buckets in order, each taken while it still fits (a bucket too large for
-what is left is skipped, a later smaller one may still be taken). Every cached byte
-saves the same disk traffic, two bytes a step (read and written back), so no choice
-saves more than filling the budget, and the order makes the choice plain from the
-layout. ``stream()`` copies a cached bucket host -> device buffer and back on a copy
-stream, overlapped as the disk path is, and never touches its file. The files of cached
-buckets stay preallocated (running out of space is still a setup error) but go stale
-while the run lives: ``initialize``/``overwrite`` fill the cache instead of the file,
-and every step writes back to the cache. So whatever reads the files around the
-stream (a checkpoint's copy, the memory-mapped state dict) calls ``flush()`` first,
-which writes the stale ones out through the engine (checksummed, synced), and whatever
-replaces the files around the engine (a checkpoint's load) calls
-``refill_host_cache()``, which reads them back (verified). ``close()`` flushes, so the
-files hold the state afterwards. With ``host_cache_bytes`` 0 nothing of this runs.
 """
 
 from __future__ import annotations
@@ -69,9 +55,10 @@ import torch
 from greenroom.diskio import STORE_RAW, StateFile, TransferEngine
 from greenroom.errors import ConfigError
 from greenroom.optim import remainder
-from greenroom.optim.bucket_files import BucketFiles, Replacement
+from greenroom.optim.bucket_files import Replacement
 from greenroom.optim.codecs import moment_codecs
-from greenroom.optim.hostcache import HostCopy, host_memory, unpin
+from greenroom.optim.held_buckets import HeldBuckets, Kept
+from greenroom.optim.hostcache import HostCopy, unpin
 from greenroom.optim.layout import (DEFAULT_BUCKET_NUMEL, DEVICE_BUFFERS, FILE_PATTERN, Bucket, BucketState, Entry,
                                     Segment, build_buckets)
 
@@ -113,7 +100,7 @@ def _remove_created(files: list[StateFile]) -> None:
             os.unlink(f.path)
 
 
-class BucketStore(BucketFiles):
+class BucketStore(HeldBuckets):
     """Per-bucket state files for ``entries`` in ``directory``, streamed to ``device``.
 
     Args:
@@ -156,6 +143,7 @@ class BucketStore(BucketFiles):
         self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype, compressed=compression is not None,
                                      moments=moments)
         self._buffers: list[_DeviceBuffer] = []
+        self._kept: Kept | None = None  # optim.held_buckets Note [the last bucket stays]
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -190,25 +178,11 @@ class BucketStore(BucketFiles):
         sizes = [(seg.offset, size) for seg, size in segments if seg is not None]
         return self.engine.write(raw, file or self.files[bucket.index], 0, element_sizes=tuple(sizes), mirror=mirror)
 
-    def write_cached(self, index: int, file: StateFile):
-        """Write cached bucket ``index``'s host bytes to ``file`` (no read: the cache is the state)."""
-        return self._write(self.host_cache[index], self.buckets[index], file=file)
-
     # -- facts ----------------------------------------------------------------------
     @property
     def state_bytes(self) -> int:
         """Bytes of all bucket files (what one full step reads, and writes)."""
         return sum(b.file_bytes for b in self.buckets)
-
-    @property
-    def host_cache_bytes(self) -> int:
-        """Host memory the cached buckets take (at most ``host_cache_budget``)."""
-        return sum(t.numel() for t in self.host_cache.values())
-
-    @property
-    def disk_bytes_per_step(self) -> int:
-        """Bytes of the files a full step reads (and writes back): the uncached buckets'."""
-        return sum(b.file_bytes for b in self.buckets if b.index not in self.host_cache)
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -246,6 +220,7 @@ class BucketStore(BucketFiles):
         bucket at a time on the device, each file synced and its pages dropped (a cached
         bucket goes to its host memory instead, Note [host cache])."""
         get = source if callable(source) else source.__getitem__
+        self._write_back_kept()
         buffer = self._buffer(0)
         for bucket, file in zip(self.buckets, self.files):
             raw = buffer.raw[:bucket.data_bytes]
@@ -267,6 +242,7 @@ class BucketStore(BucketFiles):
         bucket is encoded, written to its file (or its host memory, Note [host cache]),
         synced and its pages dropped before the next one starts."""
         order = range(len(self.buckets)) if indices is None else indices
+        self._write_back_kept()
         buffer = self._buffer(0)
         for index in order:
             bucket = self.buckets[index]
@@ -276,16 +252,6 @@ class BucketStore(BucketFiles):
             fill(state)
             self._encode(state, buffer)
             self._store_bucket(index, raw)
-
-    def _store_bucket(self, index: int, raw: torch.Tensor) -> None:
-        """Put a whole bucket's bytes where it lives: its cache (the file goes stale), or
-        its file (written, synced, its pages dropped)."""
-        host = self.host_cache.get(index)
-        if host is not None:
-            host.copy_(raw)
-            self._stale.add(index)
-            return
-        self._store_file(index, raw)
 
     def extend(self, entries: Sequence[Entry]) -> list[int]:
         """Append ``entries`` in new buckets of their own (``add_param_group``); returns
@@ -312,15 +278,6 @@ class BucketStore(BucketFiles):
         self._cache_buckets([b.index for b in added])  # what budget is left, by the same rule
         return [b.index for b in added]
 
-    def _cache_buckets(self, indices: Sequence[int]) -> None:
-        """Give the buckets ``indices`` host memory while the budget lasts (Note [host cache])."""
-        left = self.host_cache_budget - self.host_cache_bytes
-        for index in indices:
-            nbytes = self.buckets[index].data_bytes
-            if nbytes <= left:
-                self.host_cache[index] = host_memory(nbytes, self._pinned)
-                left -= nbytes
-
     # -- the step -------------------------------------------------------------------
     def stream(self, indices: Sequence[int] | None = None, *,
                checkpoint: StepCheckpoint | None = None) -> Iterator[BucketState]:
@@ -335,9 +292,24 @@ class BucketStore(BucketFiles):
         if not order:
             return
         linked = checkpoint is not None and checkpoint.links
-        fresh = {} if linked else self._new_files([i for i in order if i not in self.host_cache])
-        buffers = [self._buffer(i) for i in range(min(DEVICE_BUFFERS, len(order)))]
-        pending = self._submit_read(order[0], buffers[0])
+        if self._kept is not None and self._kept.index not in order:
+            self._write_back_kept()
+        kept, self._kept = self._kept, None
+        if kept is not None and linked and kept.new_file is not None:  # the checkpoint brings a new file
+            self._drop(Replacement(kept.index, kept.new_file, False))
+            kept.new_file = None
+        order = self._order(order, kept.index if kept is not None else None)
+        try:
+            unkept = [i for i in order if i not in self.host_cache and (kept is None or i != kept.index)]
+            fresh = {} if linked else self._new_files(unkept)
+        except BaseException:
+            self._kept = kept
+            raise
+        if kept is not None and kept.new_file is not None:
+            fresh[kept.index] = kept.new_file
+        buffers = self._ring(min(DEVICE_BUFFERS, len(order)), kept.buffer if kept is not None else None)
+        pending = HostCopy() if kept is not None else self._submit_read(order[0], buffers[0])
+        last = None  # the bucket to keep on the device when the stream ends
         failed = True
         try:
             for k, index in enumerate(order):
@@ -350,9 +322,16 @@ class BucketStore(BucketFiles):
                 state = self._decode(index, buffer)
                 yield state
                 self._encode(state, buffer)
-                self._submit_write(index, buffer, checkpoint, fresh)
+                if k + 1 == len(order) and checkpoint is None and index not in self.host_cache:
+                    last = Kept(index, buffer, fresh.pop(index, None))
+                else:
+                    self._submit_write(index, buffer, checkpoint, fresh)
+                kept = None  # its bytes are this stream's now: written back, or kept again as ``last``
             failed = False
         finally:
+            if kept is not None:  # failed or closed before its write-back began: its file never had them
+                self._kept = kept
+                fresh.pop(kept.index, None)
             try:
                 self.engine.drain()
             except BaseException:
@@ -370,6 +349,8 @@ class BucketStore(BucketFiles):
                         self._finish_write(buffer, checkpoint)
                 for index, f in fresh.items():  # made for a bucket the stream never wrote
                     self._drop(Replacement(index, f, False))
+                if last is not None:  # updated, even where another bucket's write-back failed
+                    self._kept = last
 
     def _finish_write(self, buffer: _DeviceBuffer, checkpoint: StepCheckpoint | None) -> None:
         """Wait for the write still reading ``buffer``; give its new file the live name, or
@@ -417,69 +398,6 @@ class BucketStore(BucketFiles):
             mirror = target
         file = buffer.replacing.file if buffer.replacing is not None else None
         buffer.write = self._write(raw, bucket, file=file, mirror=mirror)
-
-    def _host_copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> HostCopy:
-        """Copy between a device buffer and the host cache: on the CPU at once; on CUDA on
-        the store's copy stream, after what the caller's stream has queued, so it runs
-        beside the caller's update of the other buffer."""
-        if not (dst.is_cuda or src.is_cuda):
-            dst.copy_(src)
-            return HostCopy()
-        current = torch.cuda.current_stream(self.device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        self._copy_stream.wait_stream(current)
-        with torch.cuda.stream(self._copy_stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._copy_stream)
-        # The caller's stream waits for a read on the device; a write-back's buffer is
-        # reused by the engine, which only orders after the caller's stream: the host waits.
-        return HostCopy(done, current if to_device else None)
-
-    def _sync_host_copies(self) -> None:
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
-
-    # -- the files around the stream (Note [host cache]) ------------------------------
-    def flush(self) -> None:
-        """Make every bucket file hold the live state: drain I/O, then write the cached
-        buckets whose files are stale out through the engine (checksummed) and sync
-        them. Call it before reading the files around the stream."""
-        self.engine.drain()
-        self._sync_host_copies()
-        stale = sorted(self._stale)
-        for index in stale:
-            self._store_file(index, self.host_cache[index])
-            self._stale.discard(index)
-
-    def _store_file(self, index: int, raw: torch.Tensor) -> None:
-        """Write a whole bucket's bytes to its file, synced, its pages dropped; to a new
-        inode when the file is shared (``optim.bucket_files`` Note [new inodes])."""
-        fresh = self._new_files([index])
-        replacing = Replacement(index, fresh[index], False) if fresh else None
-        file = replacing.file if replacing is not None else self.files[index]
-        try:
-            self._write(raw, self.buckets[index], file=file).wait()
-            file.sync()
-        except BaseException:
-            if replacing is not None:
-                self._drop(replacing)
-            raise
-        if replacing is not None:
-            self._install(replacing)
-        self.bytes_written += self.buckets[index].file_bytes
-
-    def refill_host_cache(self) -> None:
-        """Read the cached buckets back from their files (verified against the files'
-        checksums): after the files were replaced around the engine (a checkpoint's load)."""
-        self.engine.drain()
-        self._sync_host_copies()
-        for index, host in self.host_cache.items():
-            self.engine.read(host, self.files[index], 0)
-            self.bytes_read += self.buckets[index].file_bytes
-        self.engine.drain()
-        self._stale.clear()
 
     def _decode(self, index: int, buffer: _DeviceBuffer) -> BucketState:
         bucket = self.buckets[index]
@@ -538,6 +456,16 @@ class BucketStore(BucketFiles):
             self._buffers.append(_DeviceBuffer(self.max_bucket_bytes, self.device))
         return self._buffers[i]
 
+    def _ring(self, count: int, first: _DeviceBuffer | None) -> list[_DeviceBuffer]:
+        """``count`` distinct device buffers for a stream, ``first`` (the kept bucket's) leading."""
+        ring = [] if first is None else [first]
+        i = 0
+        while len(ring) < count:
+            if self._buffer(i) is not first:
+                ring.append(self._buffer(i))
+            i += 1
+        return ring
+
     def _scratch_tensor(self, key: str) -> torch.Tensor:
         if key not in self._scratch:
             numel = max(b.numel for b in self.buckets)
@@ -549,9 +477,10 @@ class BucketStore(BucketFiles):
         return sum(s.raw.numel() for s in self._buffers) + sum(t.numel() * 4 for t in self._scratch.values())
 
     def release_device_buffers(self) -> None:
-        """Drain I/O and give the device buffers and scratch back (before the actor sleeps,
-        say): between steps they hold nothing the files lack, and ``stream`` and
-        ``initialize`` make them again when next needed."""
+        """Write the kept bucket back, drain I/O and give the device buffers and scratch
+        back (before the actor sleeps, say): then they hold nothing the files lack, and
+        ``stream`` and ``initialize`` make them again when next needed."""
+        self._write_back_kept()  # not under the finally: if it fails, its buffer is the state
         try:
             self.engine.drain()
         finally:
@@ -559,9 +488,14 @@ class BucketStore(BucketFiles):
             self._buffers.clear()
             self._scratch.clear()
 
-    def close(self) -> None:
-        """Flush the host cache, drain I/O, close the files (they stay on disk, holding
-        the state) and free the device buffers and the host cache."""
+    def close(self, *, write_back: bool = True) -> None:
+        """Flush the host cache and the kept bucket, drain I/O, close the files (they stay
+        on disk, holding the state) and free the device buffers and the host cache. With
+        ``write_back`` False the files keep what they hold and nothing new is written: for
+        a store dropped unclosed, whose files no one reads again (see ``StreamedOptimizer.__del__``)."""
+        if not write_back:
+            self._stale.clear()
+            self.discard_kept()
         try:
             try:
                 self.flush()

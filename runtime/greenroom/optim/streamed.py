@@ -266,20 +266,24 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         return freed
 
     # -- lifetime ---------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, *, write_back: bool = True) -> None:
         """Drain I/O and release the files and device buffers. The files go with the rank
-        dir: at once when ``state_dir`` was a plain path, else when the ``RankDir`` closes."""
+        dir: at once when ``state_dir`` was a plain path, else when the ``RankDir`` closes.
+        ``write_back``: see ``BucketStore.close``."""
         if self._store is not None:
             if self._pending_checkpoint is not None:
                 self._pending_checkpoint.abandon()
                 self._pending_checkpoint = None
             store, self._store = self._store, None
             try:
-                store.close()
+                store.close(write_back=write_back)
             finally:
                 self._grad_scratch = None
                 self._state_dir.release()
 
     def __del__(self) -> None:
+        # Dropped unclosed: the store's I/O threads would outlive it. Nothing is written
+        # back: no one can open these files again, and new I/O from a garbage collection,
+        # which may run on one of the engine's own threads, could wait on itself forever.
         if getattr(self, "_store", None) is not None:
-            self.close()  # the store's I/O threads would otherwise outlive it
+            self.close(write_back=False)

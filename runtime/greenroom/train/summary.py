@@ -83,7 +83,9 @@ def iteration_line(record: dict, *, on_disk: bool) -> str:
             f"offloaded {human_bytes(record['offloaded_bytes'])}, wrote {human_bytes(record['sleep_written'])})  "
             f"wake {record['wake_s']:.3f}s ({record['wake_gbps']:.2f} GB/s)  "
             + (f"streamed read {human_bytes(record['stream_read_bytes'])} written "
-               f"{human_bytes(record['stream_written_bytes'])} ({record['stream_gbps']:.2f} GB/s)  "
+               f"{human_bytes(record['stream_written_bytes'])} ({record['stream_gbps']:.2f} GB/s"
+               + (f", {human_bytes(record['stream_kept_bytes'])} kept on the device"
+                  if record["stream_kept_bytes"] else "") + ")  "
                if record["stream_read_bytes"] else "")
             + (f"on disk {human_bytes(record['disk_stored_bytes'])}  " if on_disk else "") +
             f"peak dev {record['peak_device_bytes'] / GB:.3f} GB  host {record['peak_host_rss'] / GB:.2f} GB")

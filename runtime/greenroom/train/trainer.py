@@ -420,6 +420,9 @@ class Trainer:
             "wake_s": woke.seconds, "wake_bytes": woke.nbytes, "wake_gbps": woke.bytes_per_s / GB,
             "offloaded_bytes": slept.nbytes,
             **streamed, "stream_s": step_s,
+            # The bucket the last step left on the device (optim.held_buckets Note [the last bucket
+            # stays]): read this iteration, written back at the next sleep.
+            "stream_kept_bytes": getattr(getattr(self.optimizer, "store", None), "kept_bytes", 0),
             "stream_gbps": (streamed["stream_read_bytes"] + streamed["stream_written_bytes"]) / step_s / GB
             if step_s and streamed["stream_read_bytes"] else 0.0,
             "disk_stored_bytes": stored_bytes(self.rank_dir.path) if self.rank_dir is not None else 0,
