@@ -100,13 +100,16 @@ def test_a_checkpoint_saved_without_verification_loads_with_it_and_says_so(disk_
             o.step()
         for a, b in zip(params, resumed_params):
             assert torch.equal(a, b)
-        with open(resumed.store.path(1), "r+b") as f:
+        # Bucket 1 stays on the device for the next step, which reads bucket 0 from its
+        # file (optim.held_buckets Note [the last bucket stays]).
+        assert resumed.store._kept.index == 1
+        with open(resumed.store.path(0), "r+b") as f:
             f.seek(4096 + 7)
             byte = f.read(1)
             f.seek(4096 + 7)
             f.write(bytes([byte[0] ^ 0x01]))
         grads(resumed_params, 3)
-        with pytest.raises(IntegrityError, match=r"bucket-00001\.bin: checksum mismatch at offset 0 "):
+        with pytest.raises(IntegrityError, match=r"bucket-00000\.bin: checksum mismatch at offset 0 "):
             resumed.step()
     finally:
         unverified.close()

@@ -55,12 +55,15 @@ def test_a_byte_flipped_in_a_live_bucket_before_the_saving_step_is_refused_and_t
     """Issue 30 case 4: the save used to copy the flipped bucket, report "saved iteration
     4" and replace the good checkpoint with one no resume accepts. The trainer's save now
     comes from the last step's own pass (``optim.instep``), whose reads are verified: a
-    flip before that step stops it, and nothing is published."""
+    flip before that step stops it, and nothing is published. The flip goes in after
+    iteration 4's sleep wrote the bucket back: between two steps its one bucket stays on
+    the device (``optim.held_buckets`` Note [the last bucket stays]), and a flip in its file
+    then is overwritten unread."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
-    # After the first optimizer step of iteration 4 (2 per iteration), before the last.
+    # Iteration 4's rollout (the resumed run's second): after its sleep, before its steps.
     proc = start(["--iterations", "4", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
-                 stop_at="train-step@3")
+                 stop_at="rollout@2")
     live = os.path.join(root, JOB, "actor", "rank00000", "optim", "bucket-00000.bin")
     with open(live, "r+b") as f:
         f.seek(5000)
@@ -102,12 +105,15 @@ def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
         opt.save_checkpoint(ckpt)
         before = {n: open(os.path.join(ckpt, n), "rb").read() for n in os.listdir(ckpt)}
         opt.step()
-        with open(opt.store.path(1), "r+b") as f:
+        # Bucket 1 stays on the device after the step, and the save writes it out first
+        # (optim.held_buckets Note [the last bucket stays]): the flip goes in bucket 0.
+        assert opt.store._kept.index == 1
+        with open(opt.store.path(0), "r+b") as f:
             f.seek(4096 * 3 + 1)
             byte = f.read(1)
             f.seek(4096 * 3 + 1)
             f.write(bytes([byte[0] ^ 0x80]))
-        with pytest.raises(IntegrityError, match=r"bucket-00001\.bin: checksum mismatch at offset 0 .* while saving a "
+        with pytest.raises(IntegrityError, match=r"bucket-00000\.bin: checksum mismatch at offset 0 .* while saving a "
                                                  r"checkpoint: .*nothing was published, the previous checkpoint stays"):
             opt.save_checkpoint(ckpt)
         assert {n: open(os.path.join(ckpt, n), "rb").read() for n in os.listdir(ckpt)} == before
