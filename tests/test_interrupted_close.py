@@ -9,6 +9,7 @@ dir (``.greenroom-reclaim-*``, holding whatever the delete had not reached: at w
 whole streamed state) and its job/role parents left until the next ``greenroom reclaim``.
 """
 
+import errno
 import os
 import signal
 import subprocess
@@ -134,3 +135,101 @@ def test_greenroom_train_sigtermed_in_its_open_or_close_exits_143_and_leaves_not
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "Traceback" not in err
     assert os.listdir(root) == [], f"the trainer, interrupted at {point}, left files for reclaim"
+
+
+def wait_asleep(pid):
+    """Until the main thread of ``pid`` sleeps in one wait (no context switch for half a
+    second): True; False once the process ends."""
+    deadline, seen, since = time.monotonic() + 120, None, 0.0
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f)
+        except FileNotFoundError:
+            return False
+        now = tuple(fields[k].split()[0] for k in ("State", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
+        if now[0] == "Z":  # exited, or exiting: its other threads going
+            return False
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif now[0] == "S" and time.monotonic() - since >= 0.5:
+            return True
+        time.sleep(0.02)
+    raise AssertionError(f"the main thread of {pid} never settled in a wait")
+
+
+def stopped(proc):
+    """Until ``proc`` has stopped itself at its stop point."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.05)
+    raise AssertionError(proc.communicate()[1][-2000:] if proc.poll() is not None else "never stopped")
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("first_in", ["the-loops-wait", "an-iteration"])
+def test_signals_while_the_trainer_waits_for_an_async_save_let_it_end_then_clean_up(disk_dir, first_in, second):
+    """Ctrl-C ends a ``--async-save`` run while a publish is in flight, landing in the
+    loop's wait for it (``the-loops-wait``) or in the next iteration (``an-iteration``,
+    stopped at ``sync@2``, whence the close waits for the publish); SIGTERM or a second
+    Ctrl-C follows while the trainer waits. Raised in a wait, a signal's exception made
+    Python's ``Thread.join`` take the publishing thread for stopped, so the close went
+    on at once, closing the files under it, and the process exited, killing it
+    mid-publish; raised in the close's wait, it also skipped the close's cleanups (left
+    to atexit and the garbage collector, which a one-rank run cannot tell apart).
+    Now both signals wait for the publish to end, the close then runs in full, and the
+    Ctrl-C that ended the run is what the user sees: exit 130, nothing left.
+
+    The publish is held by a FIFO that the test puts into the staged dir while the
+    trainer is stopped at ``instep-streamed`` (iteration 1's step writing its streamed
+    state there, before the publish starts): the publish's ``fsync_tree`` blocks opening
+    it until the test opens the other end, then fails on it (a FIFO has no fsync), and
+    the failed save discards its staged dir, as any failed publish does."""
+    from greenroom import publish
+
+    root, ckpt = os.path.join(disk_dir, "offload"), os.path.join(disk_dir, "ckpt")
+    iterations, stops = ("1", "instep-streamed") if first_in == "the-loops-wait" else ("2", "instep-streamed,sync@2")
+    cmd = [sys.executable, "-m", "greenroom.cli", "train", "--iterations", iterations, "--prompts", "4",
+           "--group-size", "2", "--minibatches", "1", "--d-model", "16", "--no-progress", "--dtype", "bf16",
+           "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
+           "--offload-train-disk-dir", root, "--metrics", os.path.join(disk_dir, "m.jsonl"), "--save", ckpt,
+           "--save-interval", "1", "--async-save"]
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime"), "OMP_NUM_THREADS": "1",
+           "GREENROOM_TEST_STOP_AT": stops}
+    # SIGINT at its default, as from a terminal (see above).
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        stopped(proc)
+        gate = os.path.join(ckpt + publish.NEW_SUFFIX, "gate")
+        os.mkfifo(gate)
+        proc.send_signal(signal.SIGCONT)
+        if first_in == "the-loops-wait":
+            assert wait_asleep(proc.pid)  # the loop waits for the publish
+        else:
+            stopped(proc)  # at sync@2, the publish beside it
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
+        assert wait_asleep(proc.pid), "the run ended with its publish still in flight"
+        proc.send_signal(second)
+        assert wait_asleep(proc.pid), "the run ended with its publish still in flight"
+        deadline = time.monotonic() + 60
+        while True:  # the other end, once the publish has opened its own
+            try:
+                os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+                break
+            except OSError as e:
+                assert e.errno == errno.ENXIO and time.monotonic() < deadline and proc.poll() is None, e
+                time.sleep(0.05)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert err.splitlines()[-1] == "greenroom train: interrupted" and "Traceback" not in err, err[-2000:]
+    assert os.listdir(root) == []
+    assert sorted(os.listdir(disk_dir)) == ["m.jsonl", "offload"], "a cleanup was skipped, or the publish cut short"

@@ -25,7 +25,7 @@ from greenroom.config import GB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.faults import kill_point
 from greenroom.fs import stored_bytes
-from greenroom.rankdir import RankDir
+from greenroom.rankdir import RankDir, signals_held
 from greenroom.statedir import launcher_number
 from greenroom.tensors import local_tensor
 from greenroom.train import checkpoint, preflight, summary
@@ -207,9 +207,11 @@ class Trainer:
         """Run the cleanups. The exception that ended the run is what the user sees: a
         cleanup error is added to it as a note, never put in its place."""
         try:
-            if self._save_thread is not None:
-                self._save_thread.join()  # a publish in flight finishes (or fails) before the files close
-            self._stack.close()
+            try:
+                if self._save_thread is not None:
+                    self._wait_for_publish(self._save_thread)  # before the files it writes close
+            finally:  # also after a signal that the wait held, raised at its end
+                self._stack.close()
         except BaseException as cleanup:
             if exc is None:
                 raise
@@ -553,11 +555,23 @@ class Trainer:
         thread = self._save_thread
         if thread is None:
             return
-        thread.join()
+        self._wait_for_publish(thread)
         self._save_thread = None
         if self._save_error is not None:
             raise self._save_error
         self._say(f"saved iteration {self._saved_iteration} to {self.config.save} (published in the background)")
+
+    @staticmethod
+    def _wait_for_publish(thread: threading.Thread) -> None:
+        """Until the publish ends (it finishes or fails). SIGTERM and SIGINT meanwhile have
+        their effect then (Note [an interrupted close] of greenroom.rankdir). Raised in the
+        join, their exception made Python 3.11's ``Thread.join`` take the thread, still
+        writing the checkpoint, for stopped: no later join waited for it, so the close went
+        on to close the files under it and the process exited mid-publish; raised in the
+        close's own join, it also left the close's cleanups to atexit and the garbage
+        collector."""
+        with signals_held():
+            thread.join()
 
     @contextlib.contextmanager
     def _preemption_deferred(self):
