@@ -596,11 +596,12 @@ def _hold_signals(received: list[int]) -> dict[int, object]:
 @contextlib.contextmanager
 def signals_held():
     """SIGTERM and SIGINT that come during the block have their effect at its end,
-    through the handlers they had at its start (Note [an interrupted close])."""
+    through the handlers they had at its start (Note [an interrupted close]). Yields the
+    list they are recorded in, so that a block can end early on them."""
     received: list[int] = []
     found = _hold_signals(received)
     try:
-        yield
+        yield received
     finally:
         _put_back(found)
         _deliver(found, received)
