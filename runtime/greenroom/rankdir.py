@@ -53,7 +53,8 @@ default, the two signals killed the process outright and left the job/role paren
 half-made rank dir for reclaim; now they come after, through the rank dir's handler, and
 the open dir is closed on the way out. That hold lasts at most ``LOCK_WAIT_SECONDS`` (the
 wait for a reclaimer's lock) beyond the mkdirs. Off the main thread no handler can be
-set, and an open or close there is as before.
+set, and an open or close there is as before. ``signals_held`` lends the same hold to
+the trainer's waits for an ``--async-save`` publish (``Trainer._wait_for_publish``).
 
 Note [made parents]: a ``<job>`` or ``<role>`` dir that greenroom makes (its ``mkdir``
 succeeds) gets an empty marker file, ``MADE_NAME``, at once; one it finds (a user's own
@@ -79,6 +80,7 @@ rank dir exists the parent holds more than the marker and stays.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -589,6 +591,20 @@ def _hold_signals(received: list[int]) -> dict[int, object]:
     for signum in (signal.SIGTERM, signal.SIGINT):
         found[signum] = signal.signal(signum, lambda signum, _frame: received.append(signum))
     return found
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGTERM and SIGINT that come during the block have their effect at its end,
+    through the handlers they had at its start (Note [an interrupted close]). Yields the
+    list they are recorded in, so that a block can end early on them."""
+    received: list[int] = []
+    found = _hold_signals(received)
+    try:
+        yield received
+    finally:
+        _put_back(found)
+        _deliver(found, received)
 
 
 def _put_back(found: dict[int, object]) -> None:

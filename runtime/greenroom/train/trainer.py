@@ -25,7 +25,7 @@ from greenroom.config import GB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.faults import kill_point
 from greenroom.fs import stored_bytes
-from greenroom.rankdir import RankDir
+from greenroom.rankdir import RankDir, signals_held
 from greenroom.statedir import launcher_number
 from greenroom.tensors import local_tensor
 from greenroom.train import checkpoint, preflight, summary
@@ -207,9 +207,11 @@ class Trainer:
         """Run the cleanups. The exception that ended the run is what the user sees: a
         cleanup error is added to it as a note, never put in its place."""
         try:
-            if self._save_thread is not None:
-                self._save_thread.join()  # a publish in flight finishes (or fails) before the files close
-            self._stack.close()
+            try:
+                if self._save_thread is not None:
+                    self._wait_for_publish()  # before the files it writes close
+            finally:  # also after a signal that the wait held, raised at its end
+                self._stack.close()
         except BaseException as cleanup:
             if exc is None:
                 raise
@@ -547,20 +549,47 @@ class Trainer:
                 self._save_error = e
 
         self._save_error = None
-        self._save_thread = threading.Thread(target=publish, name="greenroom-async-save")
+        # A daemon: a publish that a second signal gave up on (``_wait_for_publish``) must not
+        # keep the process from exiting; every other way out joins it first.
+        self._save_thread = threading.Thread(target=publish, name="greenroom-async-save", daemon=True)
         self._save_thread.start()
         self._saved_iteration = iteration
 
     def _join_save(self) -> None:
         """Wait for an ``--async-save`` publish in flight; raise what it raised."""
-        thread = self._save_thread
-        if thread is None:
+        if self._save_thread is None:
             return
-        thread.join()
+        self._wait_for_publish()
         self._save_thread = None
         if self._save_error is not None:
             raise self._save_error
         self._say(f"saved iteration {self._saved_iteration} to {self.config.save} (published in the background)")
+
+    def _wait_for_publish(self) -> None:
+        """Until the publish ends (it finishes or fails), or a second SIGTERM or SIGINT
+        comes. One such signal meanwhile has its effect then (Note [an interrupted close]
+        of greenroom.rankdir). Raised in the join, its exception made Python 3.11's
+        ``Thread.join`` take the thread, still writing the checkpoint, for stopped: no later
+        join waited for it, so the close went on to close the files under it and the
+        process exited mid-publish; raised in the close's own join, it also left the
+        close's cleanups to atexit and the garbage collector.
+
+        A second signal is the way out of a publish that never ends (rank 0's waits
+        without a deadline for the manifest of a rank killed mid-save): both then have
+        their effect at once, the close runs under the publish, which is given up (a
+        daemon thread, it dies with the process), and the staged ``DIR.new`` stays for the
+        next run's settle to discard, as after a forced exit. Signals whose handlers do
+        not raise (SIGTERM in the loop, recorded for the preemption save; an ignored one)
+        leave the wait going on, as they did before it held them."""
+        thread = self._save_thread
+        try:
+            while thread.is_alive():
+                with signals_held() as received:
+                    while thread.is_alive() and len(received) < 2:
+                        thread.join(1.0)  # its end ends this at once; a second signal, within a second
+        finally:
+            if thread.is_alive():  # given up: the close must not wait for it again
+                self._save_thread = None
 
     @contextlib.contextmanager
     def _preemption_deferred(self):
