@@ -257,6 +257,8 @@ class BucketStore(HeldBuckets):
         """Append ``entries`` in new buckets of their own (``add_param_group``); returns
         the new buckets' indices. Their files are created but not filled: ``overwrite``
         them before streaming."""
+        # Before any new file: a failed write-back of the kept bucket then leaves none behind.
+        self._write_back_kept()
         first_entry, first_bucket = len(self.entries), len(self.buckets)
         added = [dataclasses.replace(b, index=first_bucket + b.index,
                                      entries=tuple(first_entry + i for i in b.entries))
