@@ -202,6 +202,13 @@ def async_save_run(disk_dir, iterations, stops):
     return proc, root, gate
 
 
+def assert_interrupted(proc, err, root):
+    """Ended by its Ctrl-C: 130, one line, and nothing left in the offload root."""
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert err.splitlines()[-1] == "greenroom train: interrupted" and "Traceback" not in err, err[-2000:]
+    assert os.listdir(root) == []
+
+
 @pytest.mark.parametrize("first_in,second", [("the-loops-wait", None), ("an-iteration", signal.SIGTERM),
                                              ("an-iteration", signal.SIGINT)])
 def test_signals_while_the_trainer_waits_for_an_async_save_let_it_end_then_clean_up(disk_dir, first_in, second):
@@ -242,9 +249,7 @@ def test_signals_while_the_trainer_waits_for_an_async_save_let_it_end_then_clean
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
-    assert err.splitlines()[-1] == "greenroom train: interrupted" and "Traceback" not in err, err[-2000:]
-    assert os.listdir(root) == []
+    assert_interrupted(proc, err, root)
     assert sorted(os.listdir(disk_dir)) == ["m.jsonl", "offload"], "a cleanup was skipped, or the publish cut short"
 
 
@@ -279,9 +284,7 @@ def test_a_second_signal_ends_the_wait_for_a_publish_that_never_ends(disk_dir, f
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
-    assert err.splitlines()[-1] == "greenroom train: interrupted" and "Traceback" not in err, err[-2000:]
-    assert os.listdir(root) == []
+    assert_interrupted(proc, err, root)
     # The FIFO's only opener died with the process: nothing is left blocked on it.
     staged = os.path.dirname(gate)
     assert sorted(os.listdir(disk_dir)) == ["ckpt.new", "m.jsonl", "offload"]
