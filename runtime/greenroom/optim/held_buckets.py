@@ -98,7 +98,8 @@ class HeldBuckets(BucketFiles):
 
     @property
     def disk_bytes_per_step(self) -> int:
-        """Bytes of the files a full step reads (and writes back): the uncached buckets'."""
+        """Bytes of the files a step reads (and writes back) when no bucket is kept: the
+        uncached buckets'."""
         return sum(b.file_bytes for b in self.buckets if b.index not in self.host_cache)
 
     @property

@@ -181,7 +181,7 @@ class BucketStore(HeldBuckets):
     # -- facts ----------------------------------------------------------------------
     @property
     def state_bytes(self) -> int:
-        """Bytes of all bucket files (what one full step reads, and writes)."""
+        """Bytes of all bucket files (what a step reads and writes when no bucket is kept)."""
         return sum(b.file_bytes for b in self.buckets)
 
     @property
@@ -283,9 +283,11 @@ class BucketStore(HeldBuckets):
     # -- the step -------------------------------------------------------------------
     def stream(self, indices: Sequence[int] | None = None, *,
                checkpoint: StepCheckpoint | None = None) -> Iterator[BucketState]:
-        """Yield the buckets ``indices`` (default all, in order) on the device, reading
-        ahead one and writing back behind; all writes are drained when it finishes, and
-        every bucket written to a new file has its live name (``optim.bucket_files`` Note [new inodes]).
+        """Yield the buckets ``indices`` (default all) on the device, reading ahead one and
+        writing back behind: the bucket the last stream kept first, unread, and last the
+        one this stream keeps, unwritten (``optim.held_buckets`` Note [the last bucket
+        stays]); the other writes are drained when it finishes, and every bucket written
+        to a new file has its live name (``optim.bucket_files`` Note [new inodes]).
         ``checkpoint``: an in-step checkpoint (``optim.instep``) that each written-back
         bucket also goes to: by a link (to the live file once written in place, or, for
         a shared one, to the new file the checkpoint hands out), or by a second write
