@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from greenroom import fs
+from greenroom import fs, statefile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
@@ -25,6 +25,22 @@ def disk_dir(tmp_path):
     os.makedirs(path)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def fail_a_write_of(monkeypatch):
+    """Make the next write of one file fail with EIO at the syscall wrapper, once."""
+    armed = {}
+    real = statefile.pwrite_all
+
+    def pwrite_all(fd, buf, offset, path):
+        if armed.get("path") == path:
+            del armed["path"]
+            raise OSError(5, "Input/output error")
+        return real(fd, buf, offset, path)
+
+    monkeypatch.setattr(statefile, "pwrite_all", pwrite_all)  # what StateFile.write calls
+    return lambda path: armed.update(path=path)
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import re
 import pytest
 import torch
 
-from greenroom import statefile
 from greenroom.errors import GreenroomError, StorageError
 from greenroom.optim import checkpoint, reflink
 from greenroom.optim import StreamingAdam, StreamingMuon
@@ -97,22 +96,6 @@ def _assert_same_params(pairs):
     (ours, _), (theirs, _) = pairs
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
-
-
-@pytest.fixture
-def fail_a_write_of(monkeypatch):
-    """Make the next write of one file fail with EIO at the syscall wrapper, once."""
-    armed = {}
-    real = statefile.pwrite_all
-
-    def pwrite_all(fd, buf, offset, path):
-        if armed.get("path") == path:
-            del armed["path"]
-            raise OSError(5, "Input/output error")
-        return real(fd, buf, offset, path)
-
-    monkeypatch.setattr(statefile, "pwrite_all", pwrite_all)  # what StateFile.write calls
-    return lambda path: armed.update(path=path)
 
 
 @pytest.mark.parametrize("kind", [StreamingAdam, StreamingMuon], ids=lambda k: k.__name__)

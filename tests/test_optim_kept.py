@@ -109,25 +109,17 @@ def test_a_load_drops_the_kept_bucket_and_a_save_writes_it_first(disk_dir):
     opt.close()
 
 
-def test_a_failed_write_back_keeps_the_bucket_and_a_retry_writes_it(disk_dir, monkeypatch):
+def test_a_failed_write_back_keeps_the_bucket_and_a_retry_writes_it(disk_dir, fail_a_write_of):
     ours, twin = twins(ODD_SHAPES)
     opt, other = _opt(ours, os.path.join(disk_dir, "a")), _opt(twin, os.path.join(disk_dir, "b"))
     set_grads(ours, twin, step=0)
     opt.step()
     other.step()
     kept = opt.store._kept.index
-    failing, real = opt.store.path(kept), statefile.pwrite_all
-
-    def pwrite_all(fd, buf, offset, path):
-        if path == failing:
-            raise OSError(5, "Input/output error")
-        return real(fd, buf, offset, path)
-
-    monkeypatch.setattr(statefile, "pwrite_all", pwrite_all)
+    fail_a_write_of(opt.store.path(kept))
     with pytest.raises(StorageError, match=r"bucket-\d+\.bin: write of .* Input/output error"):
         opt.release_device_memory()
     assert opt.store.kept_bytes > 0 and opt.store.device_bytes() > 0  # its buffer still holds the only copy
-    monkeypatch.undo()
     opt.release_device_memory()
     other.release_device_memory()
     assert _file_bytes(opt, kept) == _file_bytes(other, kept)
