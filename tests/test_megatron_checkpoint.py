@@ -175,7 +175,7 @@ def test_moments_saved_as_bf16_are_not_read_as_fp32(disk_dir):
     loaded.close()
 
 
-def test_after_a_failed_step_the_streaming_distributed_optimizer_refuses_until_loaded(disk_dir, monkeypatch):
+def test_after_a_failed_step_the_streaming_distributed_optimizer_refuses_until_loaded(disk_dir, fail_a_write_of):
     """optim.poison Note [a failed step poisons], as StreamingAdam's: bucket 1's
     write-back fails in a step (EIO at the engine's syscall wrapper, once), after bucket
     0 was stepped; the next step, ``state_dict()`` and ``save_checkpoint`` each refuse in
@@ -184,7 +184,6 @@ def test_after_a_failed_step_the_streaming_distributed_optimizer_refuses_until_l
     only the 16-bit param buffer it casts the mains into is a plain tensor per shard
     (megatron's DDP buffers need CUDA), and megatron's own part after the stream (the
     all-gather) is never reached here."""
-    from greenroom import statefile
     from greenroom.errors import GreenroomError, StorageError
 
     opt = _optimizer(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3)
@@ -198,18 +197,9 @@ def test_after_a_failed_step_the_streaming_distributed_optimizer_refuses_until_l
     save_checkpoint(opt, ckpt)
     saved = [[t.clone() for t in (s.master, s.exp_avg, s.exp_avg_sq)] for s in opt.store.stream()]
 
-    failing = opt.store.path(1) + (".new" if opt.store.shared(1) else "")  # linked by the save: a new inode
-    real = statefile.pwrite_all
-
-    def pwrite_all(fd, buf, offset, path):
-        if path == failing:
-            raise OSError(5, "Input/output error")
-        return real(fd, buf, offset, path)
-
-    monkeypatch.setattr(statefile, "pwrite_all", pwrite_all)
+    fail_a_write_of(opt.store.path(1) + (".new" if opt.store.shared(1) else ""))  # linked by the save: a new inode
     with pytest.raises(StorageError, match=r"bucket-00001\.bin(\.new)?: write of .* Input/output error"):
         opt.step_with_ready_grads()
-    monkeypatch.undo()
     # Half stepped: bucket 0 (entry 0) took the update, bucket 1 did not.
     assert [torch.equal(opt.streamed_state(i)[0], saved[i][0]) for i in range(2)] == [False, True]
     for what, call in (("step()", opt.step_with_ready_grads), ("state_dict()", opt.state_dict),
