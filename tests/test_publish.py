@@ -142,6 +142,45 @@ def test_loads_share_the_lock_and_a_save_is_refused_while_any_reads(disk_dir):
     assert content(path) == "two" and not os.path.exists(path + ".lock")
 
 
+def _taken(lock_path):
+    """Whether some open file holds ``lock_path``'s flock (a fresh open file of this
+    process is refused by any other one, ours included)."""
+    import fcntl
+
+    fd = os.open(lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_the_last_holder_in_the_process_lets_go_even_on_another_thread(disk_dir):
+    """The trainer holds the lock for the run and an --async-save publish inside it on its
+    own thread; a publish given up by a second signal outlives the run's block. The lock
+    stays taken until that publish is out of it too."""
+    import threading
+
+    path = os.path.join(disk_dir, "ck")
+    inside, leave = threading.Event(), threading.Event()
+
+    def publish_thread():
+        with publish.locked(path):
+            inside.set()
+            leave.wait()
+
+    thread = threading.Thread(target=publish_thread)
+    with publish.locked(path):
+        thread.start()
+        assert inside.wait(10)
+    assert _taken(path + ".lock"), "released under the publish"
+    leave.set()
+    thread.join()
+    assert not os.path.exists(path + ".lock")
+
+
 RELEASING_READER = """
 import fcntl, os, sys, time
 lock = sys.argv[1] + ".lock"

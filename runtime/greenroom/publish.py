@@ -57,6 +57,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 import zlib
@@ -69,6 +70,7 @@ NEW_SUFFIX = ".new"
 OLD_SUFFIX = ".old"
 LOCK_SUFFIX = ".lock"
 _held: dict[str, list[int]] = {}  # checkpoint path -> [lock fd, depth, exclusive]: this process's locks
+_depth_guard = threading.Lock()  # depths change on the trainer's thread and its async publish's
 LOCK_GRACE_S = 0.5
 """How long a lock found taken is tried again before the taker is refused (Note [the last reader's instant])."""
 _RENAME_EXCHANGE = 2
@@ -214,29 +216,35 @@ class LockHeld(Exception):
 def locked(path: str, *, reading: bool = False):
     """Hold ``path``'s checkpoint lock for the block (re-entrant within the process):
     exclusive for a save, shared for a load (``reading``), where a read-only location
-    (no lock file can be made, so no save can run there either) is read without it."""
+    (no lock file can be made, so no save can run there either) is read without it.
+
+    The last holder in the process lets go, whichever block it is: the trainer holds the
+    lock for the run and an ``--async-save`` publish inside it on its own thread, and a
+    publish that a second signal gave up on (``Trainer._wait_for_publish``) outlives
+    the run's block until the process exits. Released by the outer block, the lock left
+    that publish writing the checkpoint unguarded."""
     path = os.path.realpath(path)
     held = _held.get(path)
-    if held is not None:
-        if not reading and not held[2]:
-            _upgrade(path, "save there")
-        held[1] += 1
-        try:
+    if held is None:
+        fd = _acquire(path, reading)
+        if fd < 0:
             yield
-        finally:
-            held[1] -= 1
-        return
-    fd = _acquire(path, reading)
-    if fd < 0:
-        yield
-        return
-    _held[path] = [fd, 1, not reading]
+            return
+        held = _held[path] = [fd, 0, not reading]
+    elif not reading and not held[2]:
+        _upgrade(path, "save there")
+    with _depth_guard:
+        held[1] += 1
     try:
         yield
     finally:
-        fd, _, exclusive = _held.pop(path)  # an upgrade may have taken the lock afresh (``_upgrade``)
-        if fd >= 0:
-            _release(path + LOCK_SUFFIX, fd, exclusive=exclusive)
+        with _depth_guard:
+            held[1] -= 1
+            last = held[1] == 0
+            if last:
+                del _held[path]
+        if last and held[0] >= 0:  # an upgrade may have taken the lock afresh (``_upgrade``)
+            _release(path + LOCK_SUFFIX, held[0], exclusive=held[2])
 
 
 def _acquire(path: str, reading: bool) -> int:
