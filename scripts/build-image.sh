@@ -12,6 +12,10 @@
 #                           empty for a CPU image)
 #   GREENROOM_BUILD_CA      a CA bundle to mount for pip (podman/buildah only), for a
 #                           package mirror the base image's CAs do not know
+#   GREENROOM_BUILD_TARGET  deps: build only the Dockerfile's deps stage (what greenroom
+#                           needs, without greenroom)
+#   GREENROOM_DEPS_IMAGE    an image that stage built earlier, from the same pyproject.toml
+#                           and wheels: the build starts from it (images/ci-image.sh)
 set -euo pipefail
 usage="usage: scripts/build-image.sh IMAGE:TAG BASE_IMAGE"
 [ "$#" -eq 2 ] || { echo "$usage" >&2; exit 2; }
@@ -52,6 +56,8 @@ args=(--build-arg "BASE_IMAGE=$base" --build-arg "VERSION=$version" --build-arg 
       --build-arg "CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ)" --build-arg "PIP_NO_INDEX=${GREENROOM_PIP_NO_INDEX:-0}"
       --build-arg "GREENROOM_EXTRAS=${GREENROOM_IMAGE_EXTRAS-nvcomp}"
       -t "$image" -f "$context/Dockerfile")
+[ -z "${GREENROOM_BUILD_TARGET:-}" ] || args+=(--target "$GREENROOM_BUILD_TARGET")
+[ -z "${GREENROOM_DEPS_IMAGE:-}" ] || args+=(--build-arg "DEPS_IMAGE=$GREENROOM_DEPS_IMAGE")
 if [ -n "${GREENROOM_BUILD_CA:-}" ]; then
   [ "$engine" != docker ] || { echo "build-image: GREENROOM_BUILD_CA needs podman or buildah (docker build has no -v)" >&2; exit 2; }
   args+=(-v "$GREENROOM_BUILD_CA:/run/host-ca.crt:ro" --build-arg PIP_CERT=/run/host-ca.crt)

@@ -131,7 +131,8 @@ def test_ci_image_never_removes_a_container_with_an_old_tag(tmp_path):
     """images/ci-image.sh removes earlier ci- tags; with --force that removed the containers
     using them too (the test run of another checkout on this machine). Run against a fake
     podman (and a no-op wheel staging) in a copy of the script's tree: an old tag in use is
-    left in place, one not in use goes, and the user's own tag is never named."""
+    left in place, one not in use goes, and the user's own tag is never named; a deps image
+    of another tree goes after them."""
     tree = tmp_path / "tree"
     (tree / "images").mkdir(parents=True)
     subprocess.run(["cp", os.path.join(REPO, "images", "ci-image.sh"), str(tree / "images")], check=True)
@@ -146,7 +147,7 @@ def test_ci_image_never_removes_a_container_with_an_old_tag(tmp_path):
 echo "$*" >> {calls}
 case "$1" in
   image) exit 0 ;;
-  images) printf '%s\\n' localhost/greenroom:ci-inuse localhost/greenroom:ci-idle localhost/greenroom:0.1.0 ;;
+  images) printf '%s\\n' localhost/greenroom:ci-inuse localhost/greenroom:ci-idle localhost/greenroom:0.1.0 localhost/greenroom-ci-deps:0ld ;;
   rmi) [[ " $* " != *" --force "* && " $* " != *" -f "* ]] || echo FORCED >> {calls}
        [ "${{!#}}" != localhost/greenroom:ci-inuse ] || {{ echo "image used by container" >&2; exit 2; }} ;;
 esac
@@ -158,7 +159,9 @@ esac
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("localhost/greenroom:ci-")
     rmi = [line for line in calls.read_text().splitlines() if line.startswith("rmi") or line == "FORCED"]
-    assert rmi == ["rmi localhost/greenroom:ci-inuse", "rmi localhost/greenroom:ci-idle"], rmi
+    # Then the deps image (images/Dockerfile's deps stage) that is not this tree's.
+    assert rmi == ["rmi localhost/greenroom:ci-inuse", "rmi localhost/greenroom:ci-idle",
+                   "rmi localhost/greenroom-ci-deps:0ld"], rmi
     assert "ci-image: left localhost/greenroom:ci-inuse in place (a container uses it)" in out.stderr
 
 
