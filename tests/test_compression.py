@@ -445,6 +445,27 @@ def test_bench_codec_fails_a_codec_that_decodes_wrong_bytes(monkeypatch, capsys)
 
 
 @pytest.mark.gpu
+def test_nvcomp_payloads_depend_on_the_frame_alone_not_on_what_the_memory_held():
+    # Stored bytes are a function of the state (the engine zeroes its padding too): the
+    # same frames encoded before and after the allocator's pool was filled with other
+    # bytes give the same payloads, of both codings.
+    codec = _nvcomp_or_skip()
+    stream = torch.cuda.Stream()
+    for seed, dtype in ((0, torch.float32), (1, torch.bfloat16)):
+        size = dtype.itemsize
+        frames_in = list(compressible(dtype, 4 * EXTENT // size, seed).cuda().view(torch.uint8).view(-1, EXTENT))
+        first = [(codec_id, payload.clone()) for codec_id, payload in codec.encode(frames_in, [size] * 4, stream)]
+        with torch.cuda.stream(stream):  # the pool the encoder allocates from
+            for fill in (0xB6, 0x5A):
+                junk = torch.full((256 << 20,), fill, dtype=torch.uint8, device="cuda")
+                stream.synchronize()
+                del junk
+        again = codec.encode(frames_in, [size] * 4, stream)
+        assert [c for c, _ in first] == [c for c, _ in again]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, again))
+
+
+@pytest.mark.gpu
 def test_nvcomp_decoders_kept_by_the_caller_decode_other_chunks_bit_exact():
     # bench codec's decode_kept figure: one dict of decoders per stream, reused on chunks
     # it has not seen, of both codings (planes and the 16-bit mode).

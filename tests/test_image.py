@@ -147,7 +147,8 @@ def test_ci_image_never_removes_a_container_with_an_old_tag(tmp_path):
 echo "$*" >> {calls}
 case "$1" in
   image) exit 0 ;;
-  images) printf '%s\\n' localhost/greenroom:ci-inuse localhost/greenroom:ci-idle localhost/greenroom:0.1.0 localhost/greenroom-ci-deps:0ld ;;
+  images) printf '%s\\n' localhost/greenroom:ci-inuse localhost/greenroom:ci-idle localhost/greenroom:0.1.0 \\
+                 localhost/greenroom-ci-deps:0ld ;;
   rmi) [[ " $* " != *" --force "* && " $* " != *" -f "* ]] || echo FORCED >> {calls}
        [ "${{!#}}" != localhost/greenroom:ci-inuse ] || {{ echo "image used by container" >&2; exit 2; }} ;;
 esac
