@@ -94,6 +94,19 @@ def test_everything_that_reads_the_files_gets_the_kept_buckets_newest_bytes(disk
     other.close()
 
 
+def test_the_state_dict_lists_params_in_order_whatever_bucket_a_step_kept(disk_dir):
+    # Steps take the kept bucket first and the largest last, so ``opt.state`` gains its
+    # entries out of param order; torch's state dict lists them in order, and so does ours
+    # (the host-cache test zipped two optimizers' values and compared different params).
+    params, _ = twins(ODD_SHAPES)
+    opt = _opt(params, disk_dir)
+    for step in range(3):
+        set_grads(params, step=step)
+        opt.step()
+        assert list(opt.state_dict()["state"]) == list(range(len(params)))
+    opt.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_load_drops_the_kept_bucket_and_a_save_writes_it_first(disk_dir, device):
     ours, ref_params = twins(ODD_SHAPES, device=_device(device))

@@ -64,7 +64,7 @@ def _assert_same(ref, ref_opt, ours, our_opt):
         assert torch.equal(a, b), name
     theirs = ref_opt.state_dict()["state"]
     mine = our_opt.state_dict()["state"]
-    assert theirs.keys() == mine.keys()
+    assert list(theirs) == list(mine)  # the same params, listed in torch's order too
     for i in theirs:
         assert torch.equal(theirs[i]["momentum_buffer"], mine[i]["momentum_buffer"].to(theirs[i]["momentum_buffer"].device)), i
 

@@ -39,7 +39,9 @@ def export_state_dict(opt) -> dict:
     where = {id(opt.streamed[i]): (bucket, k) for bucket in store.buckets for k, i in enumerate(bucket.entries)}
     maps: dict[int, dict] = {}
     state: dict[int, dict] = {}
-    for p in opt.state:
+    for p in _param_list(opt):  # in param order, as StreamingAdam's (its state_dict.py says why)
+        if p not in opt.state:
+            continue
         bucket, k = where[id(p)]
         if bucket.index not in maps:
             maps[bucket.index] = _bucket_segments(store, bucket, moment_dtype)

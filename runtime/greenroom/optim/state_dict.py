@@ -152,7 +152,13 @@ def export_state_dict(opt: StreamingAdam) -> dict:
             where[id(opt.streamed[i])] = (bucket, k)
     maps: dict[int, dict] = {}
     state: dict[int, dict] = {}
-    for p, pstate in opt.state.items():
+    # In param order, as torch's: ``opt.state`` gains its entries in stream order, which
+    # the kept bucket (optim.held_buckets Note [the last bucket stays]) changes from step
+    # to step, so two optimizers of one state listed their params in different orders.
+    for p in _param_list(opt):
+        pstate = opt.state.get(p)
+        if pstate is None:
+            continue
         local = local_tensor(p)
         out = {"step": pstate["step"]}
         if id(p) in where:
