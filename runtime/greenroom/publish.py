@@ -230,11 +230,12 @@ def locked(path: str, *, reading: bool = False):
         if fd < 0:
             yield
             return
-        held = _held[path] = [fd, 0, not reading]
-    elif not reading and not held[2]:
-        _upgrade(path, "save there")
-    with _depth_guard:
-        held[1] += 1
+        held = _held[path] = [fd, 1, not reading]  # held from here on: no step that could raise between
+    else:
+        if not reading and not held[2]:
+            _upgrade(path, "save there")
+        with _depth_guard:
+            held[1] += 1
     try:
         yield
     finally:
