@@ -53,8 +53,9 @@ default, the two signals killed the process outright and left the job/role paren
 half-made rank dir for reclaim; now they come after, through the rank dir's handler, and
 the open dir is closed on the way out. That hold lasts at most ``LOCK_WAIT_SECONDS`` (the
 wait for a reclaimer's lock) beyond the mkdirs. Off the main thread no handler can be
-set, and an open or close there is as before. ``signals_held`` lends the same hold to
-the trainer's waits for an ``--async-save`` publish (``Trainer._wait_for_publish``).
+set, and an open or close there is as before. The holding is ``greenroom.signals``'s, whose
+``signals_held`` lends the same hold to the trainer's waits for an ``--async-save``
+publish (``Trainer._wait_for_publish``).
 
 Note [made parents]: a ``<job>`` or ``<role>`` dir that greenroom makes (its ``mkdir``
 succeeds) gets an empty marker file, ``MADE_NAME``, at once; one it finds (a user's own
@@ -80,7 +81,6 @@ rank dir exists the parent holds more than the marker and stays.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import errno
 import fcntl
 import json
@@ -88,12 +88,11 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
 
-from greenroom import fs
+from greenroom import fs, signals
 from greenroom.errors import ConfigError, StorageError
 from greenroom.faults import kill_point
 
@@ -334,7 +333,7 @@ class RankDir:
         if self._lock_fd >= 0:
             return self
         received: list[int] = []
-        found = _hold_signals(received)
+        found = signals.hold(received)
         try:
             try:
                 self._open()
@@ -348,14 +347,14 @@ class RankDir:
                 raise StorageError(f"{e.filename or self.path}: setting up this rank's dir {self.path} failed: "
                                    f"{e.strerror} ({name}); {advice}") from None
         except BaseException:
-            _put_back(found)
-            _deliver(found, received)
+            signals.put_back(found)
+            signals.deliver(found, received)
             raise
-        _put_back(found)
+        signals.put_back(found)
         self._install_exit_hooks()
         # Through the handlers now in place: the rank dir's own raises SystemExit, and the
         # dir it leaves open is closed on the way out (atexit), as for any later signal.
-        _deliver({signum: signal.getsignal(signum) for signum in found}, received)
+        signals.deliver({signum: signal.getsignal(signum) for signum in found}, received)
         return self
 
     def _open(self) -> None:
@@ -402,7 +401,7 @@ class RankDir:
         if self._lock_fd < 0:
             return
         received: list[int] = []
-        found = _hold_signals(received)
+        found = signals.hold(received)
         try:
             self._remove_held_dir()
             for parent in (os.path.dirname(self.path), os.path.dirname(os.path.dirname(self.path))):
@@ -414,12 +413,12 @@ class RankDir:
             self._claims.clear()
             self._claimed_ever.clear()
         except BaseException:
-            _put_back(found)
-            _deliver(found, received)
+            signals.put_back(found)
+            signals.deliver(found, received)
             raise
-        _put_back(found)
+        signals.put_back(found)
         self._restore_handlers()
-        _deliver(found, received)
+        signals.deliver(found, received)
 
     def _remove_held_dir(self) -> None:
         """Delete the dir whose lock this process holds (Note [closing aside])."""
@@ -545,11 +544,11 @@ class RankDir:
             return
         # SIGTERM/SIGINT become SystemExit/KeyboardInterrupt so that `with` blocks and
         # finally clauses run; a handler the trainer installed itself is left alone.
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in signals.HELD:
             current = signal.getsignal(signum)
             if current in (signal.SIG_DFL, signal.default_int_handler):
                 self._previous_handlers[signum] = current
-                signal.signal(signum, _raise_exit)
+                signal.signal(signum, signals.raise_exit)
 
     def _restore_handlers(self) -> None:
         atexit.unregister(self.close)
@@ -579,51 +578,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process
     return True
-
-
-def _hold_signals(received: list[int]) -> dict[int, object]:
-    """From now on SIGTERM and SIGINT only append to ``received`` (Note [an interrupted
-    close]); returns the handlers they had, for ``_put_back`` and ``_deliver`` (none off
-    the main thread, where handlers cannot be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    found: dict[int, object] = {}
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        found[signum] = signal.signal(signum, lambda signum, _frame: received.append(signum))
-    return found
-
-
-@contextlib.contextmanager
-def signals_held():
-    """SIGTERM and SIGINT that come during the block have their effect at its end,
-    through the handlers they had at its start (Note [an interrupted close]). Yields the
-    list they are recorded in, so that a block can end early on them."""
-    received: list[int] = []
-    found = _hold_signals(received)
-    try:
-        yield received
-    finally:
-        _put_back(found)
-        _deliver(found, received)
-
-
-def _put_back(found: dict[int, object]) -> None:
-    for signum, handler in found.items():
-        signal.signal(signum, handler)
-
-
-def _deliver(found: dict[int, object], received: list[int]) -> None:
-    """Have each signal held meanwhile do what it would have done when it came: call the
-    handler it had then (the rank dir's own raises SystemExit or KeyboardInterrupt)."""
-    for signum in dict.fromkeys(received):
-        handler = found[signum]
-        if callable(handler):
-            handler(signum, None)
-        elif handler == signal.SIG_DFL:
-            signal.raise_signal(signum)  # its handler is back: the process ends by it, as then
-
-
-def _raise_exit(signum, _frame) -> None:
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    sys.exit(128 + signum)

@@ -25,7 +25,8 @@ from greenroom.config import GB, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.faults import kill_point
 from greenroom.fs import stored_bytes
-from greenroom.rankdir import RankDir, signals_held
+from greenroom.rankdir import RankDir
+from greenroom.signals import signals_held
 from greenroom.statedir import launcher_number
 from greenroom.tensors import local_tensor
 from greenroom.train import checkpoint, preflight, summary
