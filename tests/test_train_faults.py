@@ -267,7 +267,8 @@ def test_a_cleanup_error_is_added_to_the_original_never_replaces_it(disk_dir):
     from greenroom.config import OffloadConfig
     from greenroom.train.model import ModelConfig
     from greenroom.train.task import VOCAB_SIZE, TaskConfig
-    from greenroom.train.trainer import TrainConfig, Trainer
+    from greenroom.train.config import TrainConfig
+    from greenroom.train.trainer import Trainer
 
     task = TaskConfig()
     trainer = Trainer(TrainConfig(iterations=1, metrics=os.path.join(disk_dir, "m.jsonl"), progress=False),

@@ -18,9 +18,10 @@ from greenroom.errors import ConfigError
 from greenroom.log import get_logger
 from greenroom.statedir import launcher_number
 from greenroom.train import preflight
+from greenroom.train.config import TrainConfig
 from greenroom.train.model import PRECISIONS, ModelConfig
 from greenroom.train.task import VOCAB_SIZE, TaskConfig
-from greenroom.train.trainer import TrainConfig, Trainer
+from greenroom.train.trainer import Trainer
 
 RESUME_MODES = ("strict", "auto")
 log = get_logger(__name__)
