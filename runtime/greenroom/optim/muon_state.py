@@ -21,14 +21,10 @@ from typing import Any
 
 import torch
 
-from greenroom.optim.state_dict import (_as_param_like, _bucket_segments, _view_dtype, check_groups, check_tensor,
-                                        refusal)
+from greenroom.optim.state_dict import (_as_param_like, _bucket_segments, _param_list, _view_dtype, check_groups,
+                                        check_tensor, refusal)
 
 _KEYS = ("momentum_buffer", "master")
-
-
-def _param_list(opt) -> list[torch.Tensor]:
-    return [p for g in opt.param_groups for p in g["params"]]
 
 
 def export_state_dict(opt) -> dict:
