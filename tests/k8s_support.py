@@ -37,7 +37,8 @@ def cluster_status() -> dict[str, str]:
 
 
 def require_cluster(part: str = "control-plane") -> None:
-    """Skip unless `part` of the cluster (control-plane, jobset, node) is up, with its reason."""
+    """Skip unless `part` of the cluster (control-plane, node, image, pods, node2, dns,
+    jobset: scripts/services.d/k8s.sh writes their status) is up, with its reason."""
     require_tool("helm")
     require_tool("kubectl")
     status = cluster_status()
@@ -105,15 +106,30 @@ def install(release: str, namespace: str, values: dict, chart: str = CHART,
         os.unlink(path)
 
 
-def wait_until(what: str, probe, timeout: float = WAIT_S):
-    """Poll `probe` until it returns something truthy; fail naming `what` if it never does."""
+def warning_events(ns: str, last: int = 5) -> str:
+    """The newest Warning events of `ns`, one per line: why a pod is stuck (a sandbox its
+    network plugin could not set up, a volume that did not mount), which its logs never say."""
+    out = kubectl("-n", ns, "get", "events", "--field-selector", "type=Warning", "-o", "json", check=False)
+    if out.returncode != 0:
+        return f"(its events could not be read: {out.stderr.strip()})"
+    items = sorted(json.loads(out.stdout)["items"],
+                   key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    lines = [f"{e['involvedObject'].get('name')}: {e.get('reason')}: {e.get('message', '').strip()}"
+             for e in items[-last:]]
+    return "\n".join(lines) or "(no Warning event)"
+
+
+def wait_until(what: str, probe, timeout: float = WAIT_S, ns: str | None = None):
+    """Poll `probe` until it returns something truthy; fail naming `what` if it never does,
+    with the newest Warning events of namespace `ns` where one is given."""
     deadline = time.monotonic() + timeout
     while True:
         result = probe()
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout:.0f} s")
+            why = f"; the newest Warning events of {ns}:\n{warning_events(ns)}" if ns else ""
+            raise AssertionError(f"{what}: not reached within {timeout:.0f} s{why}")
         time.sleep(1)
 
 

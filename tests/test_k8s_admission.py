@@ -35,7 +35,7 @@ def test_hostpath_is_admitted_when_privileged_and_refused_under_baseline(namespa
     privileged = namespace("privileged")
     install("hp", privileged, values)
     wait_until("both hostPath trainer pods created in a privileged namespace",
-               lambda: len(trainer_pods(privileged, "hp")) == 2)
+               lambda: len(trainer_pods(privileged, "hp")) == 2, ns=privileged)
     assert refusals(privileged) == []
 
     baseline = namespace("baseline")
@@ -55,7 +55,7 @@ def test_hostpath_is_admitted_when_privileged_and_refused_under_baseline(namespa
     out = kubectl("-n", baseline, "apply", "-f", "-", stdin=rendered)
     assert "would violate PodSecurity" in out.stderr and "baseline:latest" in out.stderr, out.stderr
     (message, *_) = wait_until("the Job controller's pod creation refused under baseline",
-                               lambda: refusals(baseline))
+                               lambda: refusals(baseline), ns=baseline)
     assert 'violates PodSecurity "baseline:latest"' in message
     assert "hostPath volumes" in message
     assert trainer_pods(baseline, "hp") == []
@@ -71,7 +71,7 @@ def test_node_local_modes_are_admitted_under_restricted(namespace, mode):
     out = install("nl", ns, values)
     assert "would violate PodSecurity" not in out.stderr, out.stderr
     wait_until(f"both {mode} trainer pods created in a restricted namespace",
-               lambda: len(trainer_pods(ns, "nl")) == 2 or refusals(ns))
+               lambda: len(trainer_pods(ns, "nl")) == 2 or refusals(ns), ns=ns)
     assert refusals(ns) == []
 
 
@@ -161,7 +161,7 @@ def test_upgrade_then_uninstall_leaves_no_object_behind(namespace):
     ns = namespace("privileged")
     values = trainer_values(2, "hostPath")
     install("up", ns, values)
-    wait_until("trainer pods created", lambda: len(trainer_pods(ns, "up")) == 2)
+    wait_until("trainer pods created", lambda: len(trainer_pods(ns, "up")) == 2, ns=ns)
     # A Job's pod template is immutable: the API server refuses an upgrade that changes the
     # trainer (uninstall and install again instead); one that keeps it goes through.
     refused = install("up", ns, {**values, "podLabels": {"greenroom-test/upgraded": "yes"}}, action="upgrade",
@@ -183,7 +183,7 @@ def test_upgrade_then_uninstall_leaves_no_object_behind(namespace):
         return [n for n in names + cluster_scoped if n not in kept and not n.startswith("event")]
 
     wait_until("nothing left of the release (pods removed by the garbage collector)",
-               lambda: not leftovers(), timeout=120)
+               lambda: not leftovers(), timeout=120, ns=ns)
 
 
 def test_jobset_mode_creates_the_trainer_pods(namespace):
@@ -192,5 +192,5 @@ def test_jobset_mode_creates_the_trainer_pods(namespace):
     install("js", ns, trainer_values(2, "hostPath", workload="jobset"))
     (jobset,) = kubectl_json("-n", ns, "get", "jobsets")["items"]
     wait_until("the JobSet controller's Job and its two pods",
-               lambda: len(pods(ns, f"jobset.sigs.k8s.io/jobset-name={jobset['metadata']['name']}")) == 2)
+               lambda: len(pods(ns, f"jobset.sigs.k8s.io/jobset-name={jobset['metadata']['name']}")) == 2, ns=ns)
     assert refusals(ns) == []

@@ -15,7 +15,7 @@ from tests.test_k8s_pods import image_values
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the test below
-cluster = cluster_fixture("node", "image", "node2", "dns", "jobset")
+cluster = cluster_fixture("node", "image", "pods", "node2", "dns", "jobset")
 
 SECOND_NODE_TAINT = {"key": "greenroom.dev/second-node", "operator": "Exists", "effect": "NoSchedule"}
 
@@ -42,7 +42,7 @@ def test_a_two_pod_jobset_spreads_over_both_nodes_and_trains_across_them(namespa
         return kubectl("-n", ns, "logs", "-l", selector, "-c", "trainer", "--tail=-1", "--prefix", check=False).stdout
 
     try:  # well inside the test's own timeout, so a stuck job says where each pod got to
-        state = wait_until("the 2-pod JobSet finished", lambda: jobset_state(ns, name), timeout=300)
+        state = wait_until("the 2-pod JobSet finished", lambda: jobset_state(ns, name), timeout=300, ns=ns)
     except AssertionError as e:
         where = [(p["metadata"]["name"], p["spec"].get("nodeName"), p["status"].get("phase"),
                   [c.get("state") for c in p["status"].get("containerStatuses", [])]) for p in pods(ns, selector)]

@@ -25,7 +25,7 @@ from tests.k8s_support import (CLUSTER_DIR, cluster_fixture, helm, install, jani
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
-cluster = cluster_fixture("node", "image")
+cluster = cluster_fixture("node", "image", "pods")
 
 TRAINER_UID = 1000
 
@@ -71,7 +71,7 @@ def test_the_images_own_cuda_torch_imports_on_the_cpu_node(namespace):
     def finished() -> str | None:
         phase = kubectl_json("-n", ns, "get", "pod", "torch-import")["status"].get("phase")
         return phase if phase in ("Succeeded", "Failed") else None
-    phase = wait_until("the pod finished", finished)
+    phase = wait_until("the pod finished", finished, ns=ns)
     out = kubectl("-n", ns, "logs", "torch-import", check=False)
     assert phase == "Succeeded", out.stdout + out.stderr
     assert out.stdout.strip() == f"{torch.__version__} False"
@@ -106,7 +106,7 @@ def test_two_pods_train_with_disk_offload_and_streaming_over_gloo(namespace, nod
     ns = namespace("privileged")
     install("dp2", ns, train_values(node_root))
     job = "dp2-greenroom"
-    state = wait_until("the 2-pod Indexed Job finished", lambda: job_state(ns, job), timeout=900)
+    state = wait_until("the 2-pod Indexed Job finished", lambda: job_state(ns, job), timeout=900, ns=ns)
     out = logs(ns, "app.kubernetes.io/instance=dp2")
     assert state == "Complete", out
     # Both ranks, in their own pods, joined one gloo group through pod 0's DNS name.
@@ -118,7 +118,7 @@ def test_two_pods_train_with_disk_offload_and_streaming_over_gloo(namespace, nod
     # empty pod dirs they made (Note [made parents] of greenroom.rankdir), which the janitor
     # removes: the ranks removed their own.
     helm("-n", ns, "uninstall", "dp2", "--wait")
-    wait_until("the trainer pods gone", lambda: not pods(ns, "app.kubernetes.io/instance=dp2"))
+    wait_until("the trainer pods gone", lambda: not pods(ns, "app.kubernetes.io/instance=dp2"), ns=ns)
     left = files_under(node_root)
     assert all(os.path.basename(f) == MADE_NAME for f in left), left
 
@@ -132,7 +132,7 @@ def test_init_container_reclaims_a_dead_rank_and_keeps_a_live_one(namespace, nod
     ns = namespace("privileged")
     install("ic", ns, train_values(node_root, nodes=1, iterations=1))
     wait_until("the init container ran", lambda: "greenroom-init:" in logs(
-        ns, "app.kubernetes.io/instance=ic", container="prepare-offload-dir"))
+        ns, "app.kubernetes.io/instance=ic", container="prepare-offload-dir"), ns=ns)
     assert not os.path.exists(dead)
     assert os.path.isdir(live) and live_proc.poll() is None
 
@@ -164,20 +164,20 @@ def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(
     ns = namespace("privileged")
     kubectl("-n", ns, "apply", "-f", "-", stdin=LIVE_POD)
     wait_until("the live pod running", lambda: kubectl_json("-n", ns, "get", "pod", "live")["status"].get("phase")
-               == "Running")
+               == "Running", ns=ns)
     live_uid = kubectl_json("-n", ns, "get", "pod", "live")["metadata"]["uid"]
     # Both owners are dead processes: only the API can tell the pod that is still there.
     kept = killed(holders, os.path.join(node_root, live_uid), "job-a", live_uid)
     gone_uid = str(uuid.uuid4())
     removed = killed(holders, os.path.join(node_root, gone_uid), "job-b", gone_uid)
     janitor_install("jan-pods", ns, janitor_values(node_root, image=image_values()["image"]))
-    wait_until("the janitor removed the gone pod's rank dir", lambda: not os.path.exists(removed))
+    wait_until("the janitor removed the gone pod's rank dir", lambda: not os.path.exists(removed), ns=ns)
     assert os.path.isdir(kept)
 
     def reclaim_events() -> list[dict]:
         return [e for e in kubectl_json("-n", "default", "get", "events")["items"]
                 if e.get("reason") == "StaleOffloadReclaimed" and gone_uid in e.get("message", "")]
-    (event, *_) = wait_until("the janitor's Event about it", reclaim_events)
+    (event, *_) = wait_until("the janitor's Event about it", reclaim_events, ns=ns)
     assert event["involvedObject"]["kind"] == "Node"
 
     # Scraped from the node, as Prometheus would: the pod's address on the bridge, the
@@ -210,13 +210,13 @@ def test_a_deleted_trainer_saves_on_sigterm_runs_again_and_resumes_bit_identical
         install("whole", ns, values("whole"))
         install("cut", ns, values("cut"))
         selector = "app.kubernetes.io/instance=cut"
-        wait_until("the trainer past its first iteration", lambda: "iter   1/12" in logs(ns, selector))
+        wait_until("the trainer past its first iteration", lambda: "iter   1/12" in logs(ns, selector), ns=ns)
         (first,) = pods(ns, selector)
         # preStop, then SIGTERM: the trainer saves and exits 143, which the Job's pod
         # failure policy counts and runs again; the new pod resumes with --resume auto.
         kubectl("-n", ns, "delete", "pod", first["metadata"]["name"], "--wait=false")
         for release in ("whole", "cut"):
-            state = wait_until(f"{release} finished", lambda: job_state(ns, f"{release}-greenroom"), timeout=900)
+            state = wait_until(f"{release} finished", lambda: job_state(ns, f"{release}-greenroom"), timeout=900, ns=ns)
             assert state == "Complete", logs(ns, f"app.kubernetes.io/instance={release}")
         # The pod that finished is a new one, and it resumed from the save on SIGTERM.
         (second,) = pods(ns, selector)

@@ -1,6 +1,6 @@
 # shellcheck shell=bash disable=SC2154  # dir: set by scripts/services.d/k8s.sh
 # Cluster DNS for the test cluster, sourced by scripts/services.d/k8s.sh (its helpers:
-# status, kubectl_admin; program_image from scripts/k8s/node.sh): CoreDNS (built by scripts/k8s/build.sh) as a Deployment in
+# status, why_not_ready, kubectl_admin; program_image from scripts/k8s/node.sh): CoreDNS (built by scripts/k8s/build.sh) as a Deployment in
 # kube-system with its own ServiceAccount and read-only RBAC, behind the kube-dns Service
 # whose ClusterIP the kubelet hands to every pod. It finds the API server the in-cluster
 # way (the `kubernetes` Service and its ServiceAccount token).
@@ -87,6 +87,6 @@ MANIFESTS
   if kubectl_admin -n kube-system rollout status deployment/coredns --timeout=120s >/dev/null; then
     status dns "up (CoreDNS in kube-system, $image)"
   else
-    status dns "CoreDNS did not become ready: $(kubectl_admin -n kube-system logs deployment/coredns --tail=1 2>&1)"
+    status dns "CoreDNS did not become ready: $(why_not_ready kube-system deployment/coredns)"
   fi
 }

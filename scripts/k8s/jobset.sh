@@ -1,5 +1,5 @@
 # shellcheck shell=bash disable=SC2154  # dir: set by scripts/services.d/k8s.sh
-# The JobSet controller, sourced by scripts/services.d/k8s.sh (helpers: status,
+# The JobSet controller, sourced by scripts/services.d/k8s.sh (helpers: status, why_not_ready,
 # kubectl_admin; program_image from scripts/k8s/node.sh). It runs in the cluster as the
 # JobSet project deploys it: the module release's own config/default (the CRD, the
 # jobset-system namespace, the controller's ServiceAccount and RBAC, its Deployment, the
@@ -58,7 +58,7 @@ json.dump({"apiVersion": "v1", "kind": "List", "items": items}, sys.stdout)
 wait_jobset() {
   wait_for "the JobSet CRD" 60 crd_established
   if ! kubectl_admin -n jobset-system rollout status deployment/jobset-controller-manager --timeout=180s >/dev/null; then
-    status jobset "the controller did not become ready: $(kubectl_admin -n jobset-system logs deployment/jobset-controller-manager --tail=1 2>&1)"
+    status jobset "the controller did not become ready: $(why_not_ready jobset-system deployment/jobset-controller-manager)"
     return 0
   fi
   wait_for "the JobSet webhook" 120 jobset_webhook_answers ||

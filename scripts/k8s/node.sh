@@ -1,6 +1,6 @@
 # shellcheck shell=bash disable=SC2154  # dir, node_name: set by scripts/services.d/k8s.sh
 # The test cluster's node, sourced by scripts/services.d/k8s.sh (its helpers: daemon,
-# wait_for, status, kubectl_admin; its variables: dir, node_name, service_cidr; dns_ip
+# wait_for, status, newest_warning, kubectl_admin; its variables: dir, node_name, service_cidr; dns_ip
 # from scripts/k8s/dns.sh):
 # containerd (runc, CNI bridge) with a locally built pause image and the kubelet as host
 # processes; kube-proxy (scripts/k8s/proxy.sh) and cluster DNS (scripts/k8s/dns.sh) in pods.
@@ -146,8 +146,37 @@ start_node() {
     echo "$image" >"$dir/image"
     status image "up ($image in containerd)"
   else
-    status image "scripts/k8s/image.sh failed (see its output above)"
+    status image "${image:-scripts/k8s/image.sh failed (see its output above)}"
   fi
+}
+
+# probe_pods: a pod on the first node's bridge (the pause image, nothing mounted, in
+# kube-system) must reach Running. The chart's pods need what it needs (a sandbox whose
+# network the CNI bridge sets up, a snapshot, runc); where it cannot run, their tests skip
+# saying why (its newest Warning event) instead of each waiting out its bound.
+probe_pods() {
+  local probe=greenroom-probe
+  kubectl_admin -n kube-system delete pod "$probe" --ignore-not-found >/dev/null 2>&1 || true
+  kubectl_admin -n kube-system apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: $probe}
+spec:
+  nodeName: $node_name
+  automountServiceAccountToken: false
+  securityContext: {runAsNonRoot: true, runAsUser: 65534, seccompProfile: {type: RuntimeDefault}}
+  containers:
+  - name: pause
+    image: $pause_image
+    imagePullPolicy: Never
+    securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+EOF
+  if kubectl_admin -n kube-system wait "pod/$probe" --for=jsonpath='{.status.phase}'=Running --timeout=120s >/dev/null 2>&1; then
+    status pods "up (a pod on $node_name's bridge ran)"
+  else
+    status pods "a pod on $node_name's bridge did not start within 120 s: $(newest_warning kube-system)"
+  fi
+  kubectl_admin -n kube-system delete pod "$probe" --wait=false >/dev/null 2>&1 || true
 }
 
 # Stops the node's pods the way the kubelet does (sandboxes, their network namespaces and

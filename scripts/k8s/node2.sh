@@ -44,7 +44,7 @@ start_node2() {
   import_pause_image "$bin" "$sock" ||
     { status node2 "the pause image could not be imported into its containerd"; return 0; }
   if ! image=$(scripts/k8s/image.sh "$sock" | tail -1); then
-    status node2 "scripts/k8s/image.sh failed for its containerd (see its output above)"; return 0
+    status node2 "${image:-scripts/k8s/image.sh failed for its containerd (see its output above)}"; return 0
   fi
   daemon kubelet-2 "$bin/kubelet" --config="$nd/kubelet/config.yaml" --kubeconfig="$dir/kubelet-2.kubeconfig" \
     --root-dir="$nd/kubelet/root" --hostname-override="$node2_name" --node-ip="$ip"

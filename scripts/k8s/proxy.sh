@@ -1,6 +1,6 @@
 # shellcheck shell=bash disable=SC2154  # dir, node_name, pod_cidr: set by services.d/k8s.sh and node.sh
 # kube-proxy for the test cluster, sourced by scripts/services.d/k8s.sh (its helpers: status,
-# kubectl_admin; program_image from scripts/k8s/node.sh): a
+# why_not_ready, kubectl_admin; program_image from scripts/k8s/node.sh): a
 # DaemonSet in kube-system as kubeadm runs it: host network, privileged (it writes the
 # node's iptables rules), its own ServiceAccount bound to the built-in system:node-proxier
 # role. It reaches the API server by the node's address, not by the `kubernetes` Service
@@ -79,7 +79,7 @@ spec:
       - {name: lib-modules, hostPath: {path: /lib/modules}}
 MANIFESTS
   if ! kubectl_admin -n kube-system rollout status daemonset/kube-proxy --timeout=120s >/dev/null; then
-    status node "kube-proxy did not become ready: $(kubectl_admin -n kube-system logs daemonset/kube-proxy --tail=1 2>&1)"
+    status node "kube-proxy did not become ready: $(why_not_ready kube-system daemonset/kube-proxy)"
     return 1
   fi
 }

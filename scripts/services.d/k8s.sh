@@ -62,6 +62,22 @@ node_ip() { ip -4 route get 1.1.1.1 2>/dev/null | awk '{for (i = 1; i < NF; i++)
 
 kubectl_admin() { kubectl --kubeconfig "$dir/admin.kubeconfig" "$@"; }
 
+# newest_warning NAMESPACE: NAMESPACE's newest Warning event (`object: reason: message`):
+# why a pod never started (its sandbox's network not set up, no room for its snapshot),
+# which its logs cannot say.
+newest_warning() {
+  local event
+  event=$(kubectl_admin -n "$1" get events --field-selector type=Warning --sort-by=.lastTimestamp \
+    -o jsonpath='{range .items[*]}{.involvedObject.name}: {.reason}: {.message}{"\n"}{end}' 2>&1 | tail -1)
+  echo "${event:-none}"
+}
+
+# why_not_ready NAMESPACE WORKLOAD: the last line of WORKLOAD's logs and NAMESPACE's newest
+# Warning event.
+why_not_ready() {
+  echo "$(kubectl_admin -n "$1" logs "$2" --tail=1 2>&1 | tail -1); newest Warning event: $(newest_warning "$1")"
+}
+
 start_control_plane() {
   local bin=$1 ip=$2 etcd
   etcd=$(command -v etcd || echo /usr/bin/etcd)
@@ -147,7 +163,10 @@ start() {
     start_dns "$bin" || status dns "failed to start (kubectl -n kube-system logs deployment/coredns)"
     [ "$jobset_applied" = 0 ] || wait_jobset ||
       status jobset "failed to start (kubectl -n jobset-system logs deployment/jobset-controller-manager)"
+    # Last: it tells whether a pod can start with everything else imported and running.
+    probe_pods
   else
+    status pods "not started: the node is not up"
     status dns "not started: the node is not up"
     status jobset "not started: the node is not up"
     status node2 "not started: the first node is not up"
