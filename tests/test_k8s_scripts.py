@@ -6,10 +6,9 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 
 from tests.conftest import REPO, require_tool
-from tests.k8s_support import require_cluster
+from tests.k8s_support import require_cluster, wait_until
 
 SCRIPTS = ["scripts/services.d/k8s.sh", "scripts/k8s/build.sh", "scripts/k8s/pki.sh", "scripts/k8s/node.sh",
            "scripts/k8s/jobset.sh", "scripts/k8s/dns.sh", "scripts/k8s/proxy.sh", "scripts/k8s/image.sh", "scripts/k8s/prune-images.sh", "scripts/setup.d/50-k8s.sh"]
@@ -61,10 +60,9 @@ def test_image_import_without_room_is_refused_in_one_line_and_imports_nothing():
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         listing = [ctr, "--address", sock, "--namespace", "k8s.io"]
-        deadline = time.monotonic() + 30
-        while subprocess.run([*listing, "version"], capture_output=True).returncode != 0:
-            assert time.monotonic() < deadline and daemon.poll() is None, "containerd did not start"
-            time.sleep(0.2)
+        wait_until("the test's own containerd answering or gone", lambda: daemon.poll() is not None
+                   or subprocess.run([*listing, "version"], capture_output=True).returncode == 0, timeout=30)
+        assert daemon.poll() is None, "the test's own containerd exited at its start"
         out = subprocess.run(["bash", "scripts/k8s/image.sh", sock], cwd=REPO, capture_output=True, text=True,
                              env=dict(os.environ, GREENROOM_K8S_FREE_MARGIN_GB="1000000000"))
         assert out.returncode == 1, out.stderr
