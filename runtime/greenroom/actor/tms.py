@@ -47,9 +47,9 @@ ROLLOUT_TAG = "rollout"
 # machine a pause released exactly the bytes of torch's segments (docs/benchmarks.md):
 # any foreign allocation shows as at least one granule beyond them.
 FOREIGN_SLACK = 1 << 20
-# Pauses measured before a sleep is refused. An H100 run of the GPU tests (twenty-fifth
-# session) once read 2 MiB more than torch's segments at a first sleep that twenty runs
-# of the same actor, alone on the GPU, never showed.
+# Pauses measured before a sleep is refused. In one H100 run of the GPU tests (twenty-fifth
+# session), two tests' first sleeps read 2 MiB more than torch's segments; twenty sleeps
+# of the same actor, alone on the GPU, never did.
 RELEASE_SAMPLES = 3
 
 
