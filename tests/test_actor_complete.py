@@ -333,6 +333,37 @@ def test_memory_torch_did_not_allocate_in_the_paused_region_is_refused_in_one_li
     tms.check_release(released=1 << 30, expected=(1 << 30) + (64 << 20))  # segments outside the hook: fine
 
 
+class _FakeRegion:
+    """A paused region of ``held`` bytes on a device whose free memory also moves by
+    ``elsewhere[k]`` during the k-th pause (another process, a library's thread)."""
+
+    def __init__(self, held: int, elsewhere: list[int]) -> None:
+        self.held, self.elsewhere, self.free, self.calls = held, elsewhere, 0, []
+
+    def pause(self) -> None:
+        self.free += self.held + self.elsewhere[len([c for c in self.calls if c == "pause"])]
+        self.calls.append("pause")
+
+    def resume(self) -> None:
+        self.free -= self.held
+        self.calls.append("resume")
+
+
+@pytest.mark.parametrize("elsewhere, foreign, pauses", [
+    ([0], 0, 1),                             # alone on the device: one pause
+    ([2 << 20, 0], 0, 2),                     # freed elsewhere during the first pause only
+    ([2 << 20, 4 << 20, 0], 0, 3),
+    ([2 << 20] * 3, 2 << 20, 3),             # a foreign allocation shows at every pause
+    ([-(8 << 20), 0], -(8 << 20), 1),         # allocated elsewhere: under the slack, no refusal
+])
+def test_a_pause_that_released_more_than_torch_held_is_measured_again(elsewhere, foreign, pauses):
+    expected = 1 << 30
+    region = _FakeRegion(expected, elsewhere)
+    released = tms.released_by_pause(region.pause, region.resume, lambda: region.free, expected)
+    assert released - expected == foreign
+    assert region.calls == ["pause", "resume"] * (pauses - 1) + ["pause"]  # left paused, each pause measured
+
+
 def test_all_zero_storages_are_not_moved_and_come_back_identical(disk_dir):
     """Grads zeroed in place after the step (zero_grad(set_to_none=False)) and any
     all-zero buffer: zero-filling at wake gives the same bytes, so nothing moves."""

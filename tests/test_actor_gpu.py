@@ -7,7 +7,8 @@ tensor, and what the trainer never tracked (a frozen reference policy, an EMA co
 loose tensor), must come back bit-identical (at the same device address on
 torch_memory_saver), and the device memory must be free while the actor sleeps. Then:
 a second process allocates the memory the portable backend gave back; an NCCL process
-group works after every wake; memory torch did not allocate is refused in one line.
+group works after every wake; memory torch did not allocate is refused in one line,
+and memory freed elsewhere on the device during a pause is measured again, not refused.
 """
 
 import os
@@ -269,6 +270,43 @@ print(message)
 off.close(); rd.close()
 print("ok")
 """
+
+
+TRANSIENT = PREAMBLE + """
+import ctypes
+state = torch.randn(1 << 24, device="cuda")
+expected = state.cpu()
+cudart = ctypes.CDLL(None)
+elsewhere = ctypes.c_void_p()
+with off.outside_region():  # not in the paused region, as another process's memory is not
+    assert cudart.cudaMalloc(ctypes.byref(elsewhere), ctypes.c_size_t(64 << 20)) == 0
+real_pause, pauses = off._tms.pause, []
+
+
+def pause_while_memory_is_freed_elsewhere(tag):
+    real_pause(tag)
+    pauses.append(tag)
+    if elsewhere.value:  # during the first pause only: the driver's free memory grows by 64 MiB more
+        assert cudart.cudaFree(elsewhere) == 0
+        elsewhere.value = None
+
+
+off._tms.pause = pause_while_memory_is_freed_elsewhere
+with off.asleep():
+    released, held = off.last_release
+    assert len(pauses) == 2 and released - held <= (1 << 20), (pauses, off.last_release)
+assert torch.equal(state.cpu(), expected)
+print("pauses", len(pauses), "release", off.last_release)
+off.close(); rd.close()
+print("ok")
+"""
+
+
+def test_memory_freed_elsewhere_during_the_pause_is_measured_again_not_refused(disk_dir):
+    out = _run(TRANSIENT.format(target="disk", disk_dir=disk_dir, backend="tms"),
+               _env("tms", "disk", disk_dir, "transient"))
+    print(out)
+    assert out.endswith("ok")
 
 
 def test_memory_torch_did_not_allocate_is_refused_and_the_actor_stays_awake(disk_dir):
