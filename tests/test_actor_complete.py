@@ -3,6 +3,7 @@ drops dead bytes, skips clean ones, and a failed wake can be tried again (CPU, C
 
 import copy
 import gc
+import itertools
 import logging
 import os
 import subprocess
@@ -15,6 +16,8 @@ import torch
 
 from greenroom import OffloadConfig, actor
 from greenroom.actor import tms
+from greenroom.actor.movers import Moved
+from greenroom.actor.offloader import LeftAsleep
 from greenroom.diskio import StateFile
 from greenroom.errors import GreenroomError
 from greenroom.rankdir import RankDir
@@ -362,6 +365,86 @@ def test_a_pause_that_released_more_than_torch_held_is_measured_again(elsewhere,
     released = tms.released_by_pause(region.pause, region.resume, lambda: region.free, expected)
     assert released - expected == foreign
     assert region.calls == ["pause", "resume"] * (pauses - 1) + ["pause"]  # left paused, each pause measured
+
+
+class _FakeSaver:
+    """torch_memory_saver's pause and resume, with failures where a case puts them; the
+    real one needs CUDA and runs in tests/test_actor_gpu.py."""
+
+    def __init__(self, fail: dict) -> None:
+        self.fail, self.calls = fail, []
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        error = self.fail.get((name, self.calls.count(name)))
+        if error is not None:
+            raise error
+
+    def pause(self, tag):
+        self._call("pause")
+
+    def resume(self, tag):
+        self._call("resume")
+
+
+class _FakeMover:
+    def __init__(self) -> None:
+        self.restored = 0
+
+    def save(self, units):
+        return Moved(copied=1)
+
+    def restore(self, units):
+        self.restored += 1
+        return Moved(copied=1)
+
+
+def _tms_offloader(monkeypatch, saver, free_bytes):
+    """A TmsOffloader's sleep on the CPU: the saver and the driver's free memory are stand-ins."""
+    off = object.__new__(tms.TmsOffloader)
+    off._tms, off._mover, off.device = saver, _FakeMover(), torch.device("cpu")
+    off._paused = off._given_back = False
+    off.pause_seconds = off.resume_seconds = 0.0
+    monkeypatch.setattr(off, "_actor_segment_bytes", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_bytes(), 0))
+    return off
+
+
+@pytest.mark.parametrize("fail, raised, calls", [
+    # the first pause fails: the device still holds every byte, nothing to put back
+    ({("pause", 1): RuntimeError("pause")}, RuntimeError, ["pause"]),
+    # a signal once the pause gave the bytes back: resumed and restored, then raised
+    ({("free", 2): KeyboardInterrupt()}, KeyboardInterrupt, ["pause", "resume"]),
+    # the pause taken again fails after its resume: restored, then raised
+    ({("free", 2): 4 << 20, ("pause", 2): RuntimeError("pause")}, RuntimeError, ["pause", "resume", "pause"]),
+])
+def test_a_sleep_stopped_after_its_pause_puts_the_actor_back(monkeypatch, fail, raised, calls):
+    saver, reads = _FakeSaver(fail), []
+
+    def free_bytes():
+        reads.append(1)
+        outcome = fail.get(("free", len(reads)), 0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    off = _tms_offloader(monkeypatch, saver, free_bytes)
+    with pytest.raises(raised):
+        off._sleep([])
+    assert saver.calls == calls
+    assert off._mover.restored == (0 if calls == ["pause"] else 1) and not off._paused
+
+
+def test_a_sleep_whose_undo_fails_is_left_asleep_in_one_line(monkeypatch):
+    saver = _FakeSaver({("resume", 3): RuntimeError("no device memory")})  # the two retries' resumes work
+    reads = itertools.cycle([0, 64 << 20])  # every pause reads 64 MiB more than torch held
+    off = _tms_offloader(monkeypatch, saver, lambda: next(reads))
+    with pytest.raises(LeftAsleep, match="did not allocate.*putting the actor back then failed "
+                                         r"\(RuntimeError: no device memory\)") as err:
+        off._sleep([])
+    assert "\n" not in str(err.value) and off._paused and off._mover.restored == 0
+    assert saver.calls == ["pause", "resume", "pause", "resume", "pause", "resume"]
 
 
 def test_all_zero_storages_are_not_moved_and_come_back_identical(disk_dir):

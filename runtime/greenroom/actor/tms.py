@@ -101,6 +101,7 @@ class TmsOffloader(Offloader):
         # torch_memory_saver's own share of the last transition (all of it for mover tms).
         self.pause_seconds = self.resume_seconds = 0.0
         self._paused = False
+        self._given_back = False  # a pause of this sleep gave the device bytes back
         self._tms_moved = 0  # bytes torch_memory_saver's own mover backed up at the last sleep
         if self.mover == "tms":
             self._mover = None
@@ -133,7 +134,7 @@ class TmsOffloader(Offloader):
 
     def _pause(self) -> None:
         self._tms.pause(ACTOR_TAG)
-        self._paused = True
+        self._paused = self._given_back = True
 
     def _resume(self) -> None:
         self._tms.resume(ACTOR_TAG)
@@ -152,16 +153,22 @@ class TmsOffloader(Offloader):
             self._tms_moved = expected
             return Moved(copied=expected)
         # The mover holds every byte already, so a pause taken again loses nothing more.
-        released = released_by_pause(self._pause, self._resume, lambda: torch.cuda.mem_get_info(self.device)[0],
-                                     expected)
-        self.pause_seconds = time.perf_counter() - start
-        self.last_release = (released, expected)
+        self._given_back = False
         try:
+            released = released_by_pause(self._pause, self._resume, lambda: torch.cuda.mem_get_info(self.device)[0],
+                                         expected)
+            self.pause_seconds = time.perf_counter() - start
+            self.last_release = (released, expected)
             check_release(released, expected)
-        except GreenroomError as refused:
+        except BaseException as failed:
+            if not self._given_back:
+                raise  # the first pause did not happen: the device holds every byte as it was
+            # Refused, or stopped (an error, a signal) once a pause had given the bytes back:
+            # only the mover holds them now.
             try:
-                self._wake(units)  # put the actor back as it was (but for the foreign bytes)
+                self._wake(units)  # put the actor back as it was (but for any foreign bytes)
             except BaseException as undo:
+                refused = str(failed) if isinstance(failed, GreenroomError) else one_line(failed)
                 raise LeftAsleep(f"{refused}; putting the actor back then failed ({one_line(undo)}): it is asleep "
                                  "with its copies whole: call wake() to retry") from undo
             raise
