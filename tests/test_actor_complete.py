@@ -3,7 +3,6 @@ drops dead bytes, skips clean ones, and a failed wake can be tried again (CPU, C
 
 import copy
 import gc
-import itertools
 import logging
 import os
 import subprocess
@@ -336,20 +335,30 @@ def test_memory_torch_did_not_allocate_in_the_paused_region_is_refused_in_one_li
     tms.check_release(released=1 << 30, expected=(1 << 30) + (64 << 20))  # segments outside the hook: fine
 
 
-class _FakeRegion:
-    """A paused region of ``held`` bytes on a device whose free memory also moves by
-    ``elsewhere[k]`` during the k-th pause (another process, a library's thread)."""
+class _FakeSaver:
+    """torch_memory_saver's pause and resume of a region of ``held`` bytes, on a device whose
+    free memory (``free``) also moves by ``elsewhere[k]`` during the k-th pause (another
+    process, a library's thread), with failures where ``fail`` puts them, keyed by call and
+    its count. The real one needs CUDA and runs in tests/test_actor_gpu.py."""
 
-    def __init__(self, held: int, elsewhere: list[int]) -> None:
-        self.held, self.elsewhere, self.free, self.calls = held, elsewhere, 0, []
+    def __init__(self, held: int, elsewhere: list[int] = (), fail: dict | None = None) -> None:
+        self.held, self.elsewhere, self.fail, self.free, self.calls = held, list(elsewhere), fail or {}, 0, []
 
-    def pause(self) -> None:
-        self.free += self.held + self.elsewhere[len([c for c in self.calls if c == "pause"])]
-        self.calls.append("pause")
+    def _call(self, name: str) -> int:
+        self.calls.append(name)
+        count = self.calls.count(name)
+        error = self.fail.get((name, count))
+        if error is not None:
+            raise error
+        return count
 
-    def resume(self) -> None:
+    def pause(self, tag=None) -> None:
+        k = self._call("pause") - 1
+        self.free += self.held + (self.elsewhere[k] if k < len(self.elsewhere) else 0)
+
+    def resume(self, tag=None) -> None:
+        self._call("resume")
         self.free -= self.held
-        self.calls.append("resume")
 
 
 @pytest.mark.parametrize("elsewhere, foreign, pauses", [
@@ -361,30 +370,10 @@ class _FakeRegion:
 ])
 def test_a_pause_that_released_more_than_torch_held_is_measured_again(elsewhere, foreign, pauses):
     expected = 1 << 30
-    region = _FakeRegion(expected, elsewhere)
-    released = tms.released_by_pause(region.pause, region.resume, lambda: region.free, expected)
+    saver = _FakeSaver(expected, elsewhere)
+    released = tms.released_by_pause(saver.pause, saver.resume, lambda: saver.free, expected)
     assert released - expected == foreign
-    assert region.calls == ["pause", "resume"] * (pauses - 1) + ["pause"]  # left paused, each pause measured
-
-
-class _FakeSaver:
-    """torch_memory_saver's pause and resume, with failures where a case puts them; the
-    real one needs CUDA and runs in tests/test_actor_gpu.py."""
-
-    def __init__(self, fail: dict) -> None:
-        self.fail, self.calls = fail, []
-
-    def _call(self, name: str) -> None:
-        self.calls.append(name)
-        error = self.fail.get((name, self.calls.count(name)))
-        if error is not None:
-            raise error
-
-    def pause(self, tag):
-        self._call("pause")
-
-    def resume(self, tag):
-        self._call("resume")
+    assert saver.calls == ["pause", "resume"] * (pauses - 1) + ["pause"]  # left paused, each pause measured
 
 
 class _FakeMover:
@@ -411,23 +400,23 @@ def _tms_offloader(monkeypatch, saver, free_bytes):
     return off
 
 
-@pytest.mark.parametrize("fail, raised, calls", [
+@pytest.mark.parametrize("elsewhere, fail, interrupted_read, raised, calls", [
     # the first pause fails: the device still holds every byte, nothing to put back
-    ({("pause", 1): RuntimeError("pause")}, RuntimeError, ["pause"]),
+    ([], {("pause", 1): RuntimeError("pause")}, None, RuntimeError, ["pause"]),
     # a signal once the pause gave the bytes back: resumed and restored, then raised
-    ({("free", 2): KeyboardInterrupt()}, KeyboardInterrupt, ["pause", "resume"]),
+    ([], {}, 2, KeyboardInterrupt, ["pause", "resume"]),
     # the pause taken again fails after its resume: restored, then raised
-    ({("free", 2): 4 << 20, ("pause", 2): RuntimeError("pause")}, RuntimeError, ["pause", "resume", "pause"]),
+    ([4 << 20], {("pause", 2): RuntimeError("pause")}, None, RuntimeError, ["pause", "resume", "pause"]),
 ])
-def test_a_sleep_stopped_after_its_pause_puts_the_actor_back(monkeypatch, fail, raised, calls):
-    saver, reads = _FakeSaver(fail), []
+def test_a_sleep_stopped_after_its_pause_puts_the_actor_back(monkeypatch, elsewhere, fail, interrupted_read,
+                                                             raised, calls):
+    saver, reads = _FakeSaver(0, elsewhere, fail), []
 
     def free_bytes():
         reads.append(1)
-        outcome = fail.get(("free", len(reads)), 0)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+        if len(reads) == interrupted_read:
+            raise KeyboardInterrupt
+        return saver.free
 
     off = _tms_offloader(monkeypatch, saver, free_bytes)
     with pytest.raises(raised):
@@ -437,9 +426,9 @@ def test_a_sleep_stopped_after_its_pause_puts_the_actor_back(monkeypatch, fail, 
 
 
 def test_a_sleep_whose_undo_fails_is_left_asleep_in_one_line(monkeypatch):
-    saver = _FakeSaver({("resume", 3): RuntimeError("no device memory")})  # the two retries' resumes work
-    reads = itertools.cycle([0, 64 << 20])  # every pause reads 64 MiB more than torch held
-    off = _tms_offloader(monkeypatch, saver, lambda: next(reads))
+    # Every pause reads 64 MiB more than torch held; the two re-measures' resumes work, the put-back's fails.
+    saver = _FakeSaver(0, [64 << 20] * 3, {("resume", 3): RuntimeError("no device memory")})
+    off = _tms_offloader(monkeypatch, saver, lambda: saver.free)
     with pytest.raises(LeftAsleep, match="did not allocate.*putting the actor back then failed "
                                          r"\(RuntimeError: no device memory\)") as err:
         off._sleep([])
