@@ -33,7 +33,9 @@ SEED = {"params": 744_000_000_000, "world_size": 32, "nproc_per_node": 4, "data_
 
 
 def test_the_seeds_shape_needs_streaming():
-    p = plan({"stream_optimizer_state_to_disk": True}, **SEED, gpu_memory_gb=276.6, disk_gbps=(8.0, 4.0))
+    # Masters whole, as the seed's figures are (its optimizer stores fp32 mains).
+    p = plan({"stream_optimizer_state_to_disk": True, "stream_optimizer_state_master_layout": "fp32"}, **SEED,
+             gpu_memory_gb=276.6, disk_gbps=(8.0, 4.0))
     r = p["per_rank"]
     assert p["model_parallel"] == 32
     # 744e9 / 32 = 23.25e9 params per rank; bf16 weights and grads 2 B each.
@@ -56,7 +58,7 @@ def test_the_seeds_shape_needs_streaming():
     resident = plan({}, **SEED, gpu_memory_gb=276.6)
     assert resident["per_rank"]["optimizer_state"] == 279_000_000_000
     assert resident["problems"] == ["the model state needs 372.0 GB per rank without streaming, the GPU has 276.6 GB: "
-                                    "add --stream-optimizer-state-to-disk"]
+                                    "add --stream-optimizer-state-to-disk: 97.0 GB per rank"]
 
 
 def test_the_seeds_command_as_the_issue_gives_it(monkeypatch):
@@ -65,12 +67,12 @@ def test_the_seeds_command_as_the_issue_gives_it(monkeypatch):
     proc = greenroom("plan", "--params", "744e9", "--world-size", "32", "--nproc-per-node", "4", "--data-parallel",
                      "1", "--gpu-memory-gb", "276.6", "--stream-optimizer-state-to-disk", "--json", env=env, check_rc=0)
     p = json.loads(proc.stdout)
-    assert p["per_rank"]["optimizer_state"] == 279_000_000_000
+    assert p["per_rank"]["optimizer_state"] == int(23_250_000_000 * REMAINDER_12)  # masters as remainders
     assert p["fits_gpu"] == {"without_streaming": False, "with_streaming": True}
     assert "disk_dir" not in p  # no dir anywhere: the budget, without the free-space check
     text = greenroom("plan", "--params", "744B", "--world-size", "32", "--nproc-per-node", "4", "--data-parallel",
                      "1", "--gpu-memory-gb", "276.6", "--stream-optimizer-state-to-disk", env=env, check_rc=0).stdout
-    assert "optimizer state 279.0 GB" in text and "without streaming 372.0 GB (DOES NOT FIT)" in text
+    assert "optimizer state 232.8 GB (23,250,000,000 params, 10.014 B/param streamed)" in text and "without streaming 372.0 GB (DOES NOT FIT)" in text
 
 
 SEVEN_B = {"params": 7_000_000_000, "world_size": 8, "nproc_per_node": 8, "data_parallel": 8}
@@ -90,8 +92,9 @@ def test_7b_at_dp8():
     # FSDP divides the weights and grads too: 1.75 + 1.75 + 10.5 GB.
     fsdp = plan({}, **SEVEN_B, sharding="full", gpu_memory_gb=80)
     assert fsdp["per_rank"]["gpu"]["without_streaming"] == 14e9
-    # Streaming with bf16 moments: 4 + 2 + 2 = 8 B/param on disk, 56 GB per rank, 448 GB per node.
-    bf16 = plan({"stream_optimizer_state_to_disk": True, "stream_optimizer_state_moment_dtype": "bf16"}, **SEVEN_B)
+    # Streaming with bf16 moments, masters whole: 4 + 2 + 2 = 8 B/param on disk, 56 GB per rank, 448 GB per node.
+    bf16 = plan({"stream_optimizer_state_to_disk": True, "stream_optimizer_state_moment_dtype": "bf16",
+                 "stream_optimizer_state_master_layout": "fp32"}, **SEVEN_B)
     assert bf16["per_rank"]["disk"]["streaming"] == 56e9 and bf16["per_node"]["disk"]["total"] == 448e9
     assert bf16["per_rank"]["gpu"]["with_streaming"] == 28e9 + 100e6 * (3 * 8 + 4)
 
@@ -162,8 +165,10 @@ def test_plan_measures_the_disk_when_asked(disk_dir):
     p = json.loads(proc.stdout)
     assert p["disk_gbps"]["source"] == "measured" and p["disk_gbps"]["read"] > 0
     read, write = p["seconds"]["read_bytes_per_s_per_rank"], p["seconds"]["write_bytes_per_s_per_rank"]
-    # 1e6 bf16 params: 12 MB streamed per step each way; 4 MB of weights and grads per sleep.
-    assert p["seconds"]["streamed_step"] == pytest.approx(12e6 / read + 12e6 / write)
+    # 1e6 bf16 params: 10.014 MB streamed per step each way (masters as remainders); 4 MB
+    # of weights and grads per sleep.
+    step = int(1e6 * REMAINDER_12)
+    assert p["seconds"]["streamed_step"] == pytest.approx(step / read + step / write)
     assert p["seconds"]["sleep"] == pytest.approx(4e6 / write) and p["seconds"]["wake"] == pytest.approx(4e6 / read)
 
 
@@ -174,3 +179,115 @@ def test_a_plan_without_streaming_gives_no_streamed_step_time():
     out = greenroom("plan", "--params", "1e6", "--disk-read-gbps", "2", "--disk-write-gbps", "1", check_rc=0).stdout
     assert "time:       disk 2/1 GB/s read/write per node (given): nothing of this plan moves through the disk" in out
     assert "streamed step" not in out
+
+
+# -- what plan prints is what the run does ---------------------------------------------
+
+REMAINDER_12 = 2 + 8 / 4096 + 12 / 1024 + 8  # bf16 param, master as a remainder, two fp32 moments
+
+
+def test_disk_and_time_are_sized_with_the_master_layout_the_plan_prints():
+    """The seed's shape streams its masters as remainders by default: 10.014 B/param on
+    disk, not 12 (279 GB) per rank, and the streamed step moves those bytes."""
+    p = plan({"stream_optimizer_state_to_disk": True}, **SEED, gpu_memory_gb=276.6, disk_gbps=(8.0, 4.0))
+    per_rank = 23_250_000_000 * REMAINDER_12
+    assert p["master_layout"] == "remainder" and p["optimizer_bytes_per_param"] == pytest.approx(REMAINDER_12)
+    assert p["per_rank"]["optimizer_state"] == int(per_rank) == p["per_rank"]["disk"]["streaming"]
+    assert p["per_rank"]["optimizer_state_stored"] == int(per_rank)
+    assert p["seconds"]["streamed_step"] == pytest.approx(per_rank / 2e9 + per_rank / 1e9)
+    whole = plan({"stream_optimizer_state_to_disk": True, "stream_optimizer_state_master_layout": "fp32"}, **SEED,
+                 disk_gbps=(8.0, 4.0))
+    assert whole["per_rank"]["disk"]["streaming"] == 279_000_000_000
+    assert whole["seconds"]["streamed_step"] == pytest.approx(418.5)
+    # fp16 params have no remainder layout: their masters are stored whole.
+    fp16 = plan({"stream_optimizer_state_to_disk": True}, **SEED, param_dtype="fp16")
+    assert fp16["per_rank"]["disk"]["streaming"] == 279_000_000_000
+
+
+def test_the_advice_shards_the_optimizer_state_before_it_streams():
+    """The README's 7B and 70B examples fit with --sharding optimizer (no disk traffic);
+    the seed's shape, at DP=1, can only stream."""
+    seven = plan({}, **SEVEN_B, gpu_memory_gb=80)
+    assert seven["problems"] == ["the model state needs 112.0 GB per rank without streaming, the GPU has 80.0 GB: use "
+                                 "--sharding optimizer (ZeRO-1, Megatron's distributed optimizer): 38.5 GB per rank"]
+    seventy = plan({}, **SEVENTY_B, gpu_memory_gb=80)
+    assert seventy["problems"] == ["the model state needs 140.0 GB per rank without streaming, the GPU has 80.0 GB: "
+                                   "use --sharding optimizer (ZeRO-1, Megatron's distributed optimizer): 48.1 GB per "
+                                   "rank"]
+    seed = plan({}, **SEED, gpu_memory_gb=276.6)
+    assert seed["problems"] == ["the model state needs 372.0 GB per rank without streaming, the GPU has 276.6 GB: "
+                                "add --stream-optimizer-state-to-disk: 97.0 GB per rank"]
+    # 70B at DP=8 on 40 GB GPUs: ZeRO-1 (48.1 GB) does not fit, FSDP (17.5 / 8 x 2 + 13.1 = 17.5 GB) does.
+    assert "use --sharding full (FSDP, ZeRO-3): 17.5 GB per rank" in plan({}, **SEVENTY_B, gpu_memory_gb=40)["problems"][0]
+
+
+def test_the_disk_advice_names_what_each_change_leaves_per_node(tmp_path):
+    """A disk too small for the node: each change with the bytes it leaves per node; no
+    narrower moments where nothing streams, and fewer ranks per node, not more."""
+    flags = {"offload_train": True, "offload_train_target": "disk", "offload_train_disk_dir": str(tmp_path)}
+    [line] = plan(flags, params=10**15, world_size=8, nproc_per_node=8, data_parallel=8)["problems"]
+    assert "moment" not in line and "more ranks" not in line
+    assert "--sharding optimizer (" in line and "--offload-train-target cpu (0 B per node)" in line
+    assert "fewer ranks per node (each needs " in line
+    streaming = plan({"stream_optimizer_state_to_disk": True, "offload_train_disk_dir": str(tmp_path)},
+                     params=10**15, world_size=8, nproc_per_node=8, data_parallel=8)
+    [line] = streaming["problems"]
+    # 10.014 B/param over 8 ranks per node; bf16 moments leave 6.014 B/param.
+    assert "--stream-optimizer-state-moment-dtype bf16 (48.1 PB per node)" in line  # 6.014 B x 1e15 x 8
+    assert line.startswith(f"{tmp_path} has ")
+    assert "the node's 8 rank(s) need 80.1 PB: --sharding optimizer (10.0 PB per node)" in line
+
+
+def test_plan_states_its_codec_and_resolves_auto_as_train_does():
+    from importlib.util import find_spec
+
+    try:
+        nvcomp = find_spec("nvidia.nvcomp") is not None
+    except ModuleNotFoundError:
+        nvcomp = False
+    auto = plan({"stream_optimizer_state_to_disk": True, "offload_train_disk_compression": "auto"}, **SEED)
+    assert auto["compression"] == ("nvcomp-ans" if nvcomp else "none")
+    if not nvcomp:  # as train runs here: none, so the stored bytes are the raw ones
+        assert auto["per_rank"]["optimizer_state_stored"] == auto["per_rank"]["optimizer_state"]
+        assert "the nvCOMP wheel is not installed here" in auto["compression_line"]
+    given = plan({"stream_optimizer_state_to_disk": True, "offload_train_disk_compression": "nvcomp-ans"}, **SEED)
+    assert given["compression"] == "nvcomp-ans"
+    assert given["per_rank"]["optimizer_state_stored"] < given["per_rank"]["optimizer_state"]
+    out = greenroom("plan", "--params", "1e6", "--stream-optimizer-state-to-disk", "--offload-train-disk-compression",
+                    "nvcomp-ans", env={"SCRATCH": ""}, check_rc=0).stdout
+    assert "codec:      nvcomp-ans (--offload-train-disk-compression)" in out
+
+
+def test_plan_text_gives_the_disk_answer_without_a_disk_dir_and_judges_host_memory_only_when_given(monkeypatch):
+    env = {k: v for k, v in os.environ.items() if k not in ("SCRATCH", "GREENROOM_DISK_DIR")}
+    argv = ["plan", "--params", "744B", "--world-size", "32", "--nproc-per-node", "4", "--data-parallel", "1",
+            "--stream-optimizer-state-to-disk", "--offload-train-disk-compression", "none"]
+    out = greenroom(*argv, env=env, check_rc=0).stdout
+    assert "disk per rank: 232.8 GB (streamed state 232.8 GB, paused actor 0 B); per node 931.3 GB" in out
+    assert "free space not checked" in out
+    assert "host memory: 268.4 MB per rank, 1.1 GB for the node's 4 rank(s) (not judged: no --host-memory-gb)" in out
+    p = json.loads(greenroom(*argv, "--json", env=env, check_rc=0).stdout)
+    assert p["fits_host"] is None and p["host_memory_per_node"] is None
+    judged = json.loads(greenroom(*argv, "--host-memory-gb", "512", "--json", env=env, check_rc=0).stdout)
+    assert judged["fits_host"] is True and judged["host_memory_per_node"] == 512_000_000_000
+
+
+def test_plan_reports_the_hbm_the_rollout_engine_gets_while_the_actor_sleeps():
+    zero1 = {**SEVENTY_B, "sharding": "optimizer", "gpu_memory_gb": 80}
+    # Offloaded: the actor keeps none of its 48.125 GB; the CUDA context (0.5) and NCCL (1.0) stay.
+    asleep = plan({"offload_train": True}, **zero1)["rollout"]
+    assert asleep == {"actor_keeps": 0, "cuda_context": 500_000_000, "nccl": 1_000_000_000, "free": 78_500_000_000}
+    # Not offloaded: the actor keeps its whole model state.
+    awake = plan({}, **zero1)["rollout"]
+    assert awake["actor_keeps"] == 48_125_000_000 and awake["free"] == 80e9 - 48.125e9 - 1.5e9
+    # Assumptions are flags; without --gpu-memory-gb the free HBM is not judged.
+    p = plan_cli.build_plan(OffloadFlags(offload_train=True), Layout(**SEVENTY_B), role="actor", job="j",
+                            gpu_memory_gb=80, cuda_context_gb=0.0, nccl_gb=4.0)
+    assert p["rollout"]["free"] == 76_000_000_000
+    out = greenroom("plan", "--params", "70B", "--world-size", "64", "--nproc-per-node", "8", "--data-parallel",
+                    "8", "--sharding", "optimizer", "--offload-train", "--gpu-memory-gb", "80", check_rc=0).stdout
+    [line] = [l for l in out.splitlines() if l.startswith("rollout:")]
+    assert line.startswith("rollout:    78.5 GB of 80.0 GB HBM free while the actor sleeps; the actor keeps none")
+    assert "the CUDA context 0.5 GB and NCCL's buffers 1.0 GB stay (assumed: --cuda-context-gb, --nccl-gb" in line
+    none = greenroom("plan", "--params", "7B", "--offload-train", check_rc=0).stdout
+    assert "rollout:    HBM free while the actor sleeps not judged: no --gpu-memory-gb" in none

@@ -1,8 +1,10 @@
 """`greenroom plan`, `doctor` and `bench disk` as a user runs them."""
 
+import argparse
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -19,15 +21,16 @@ def test_plan_reports_dirs_staging_disk_and_verdict(disk_dir):
                      "--offload-train-disk-chunk-mb", "128", "--params", "1e6", "--world-size", "2",
                      "--role", "critic", env={"GREENROOM_JOB_ID": "job7"}, check_rc=0)
     out = proc.stdout
-    assert "pinned staging per rank: 256.0 MiB (2 x 128.0 MiB chunk: offload and streaming each stage their own)" in out
+    assert ("pinned staging per rank: 268.4 MB (2 x --offload-train-disk-chunk-mb 128: offload and streaming each "
+            "stage their own)") in out
     assert os.path.join(disk_dir, "job7", "critic", "rank00000") in out
     assert "verdict:    OK" in out
     assert "StreamingAdam 8 B (master + 2 moments), StreamingMuon 6 B (master + momentum)" in out
     plan = json.loads(greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
                                 "--params", "1e6", "--world-size", "2", "--sharding", "optimizer",
                                 "--stream-optimizer-state-moment-dtype", "bf16", "--json", check_rc=0).stdout)
-    # bf16 moments: 4 B master + 2 x 2 B moments = 8 B/param, over 2 optimizer shards.
-    assert plan["disk_bytes_per_rank"]["streaming"] == 4_000_000
+    # bf16 moments: the master as a 16-bit remainder (2.014 B) + 2 x 2 B moments, over 2 optimizer shards.
+    assert plan["disk_bytes_per_rank"]["streaming"] == int(500_000 * (6 + 8 / 4096 + 12 / 1024))
     # Muon: master + one bf16 momentum; StreamingAdam's default for bf16 params: the master as a 16-bit remainder
     assert plan["streamed_bytes_per_param"] == {"adam": 8.0, "muon": 6.0, "adam_bf16_remainder": 6 + 8 / 4096 + 12 / 1024}
     assert plan["staging_bytes_per_rank"] == 256 << 20 and plan["fits"] is True
@@ -41,12 +44,13 @@ def test_plan_with_whole_masters_drops_the_remainder_figure(disk_dir):
     assert plan["master_layout"] == "fp32"
     assert plan["streamed_bytes_per_param"] == {"adam": 12.0, "muon": 8.0}
     out = greenroom(*argv, check_rc=0).stdout
-    assert "streaming:  on, moments fp32, masters fp32" in out and "(masters whole)" in out
+    assert "streaming:  on, moments fp32, masters fp32" in out and "per 16-bit param with masters whole" in out
+    assert "remainder" not in out
 
 
 def test_plan_reports_the_host_cache_with_the_staging(disk_dir):
     argv = ["plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir, "--params", "1e8",
-            "--world-size", "4", "--nproc-per-node", "2", "--sharding", "optimizer"]
+            "--world-size", "4", "--nproc-per-node", "2", "--sharding", "optimizer", "--stream-optimizer-state-master-layout", "fp32"]
     off = json.loads(greenroom(*argv, "--json", check_rc=0).stdout)
     assert off["host_cache_bytes_per_rank"] == 0 and off["host_bytes_per_rank"] == 256 << 20
     assert "host cache" not in greenroom(*argv, check_rc=0).stdout
@@ -65,7 +69,7 @@ def test_plan_exits_2_when_the_state_does_not_fit(disk_dir):
     proc = greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
                      "--params", "1e15")
     assert "DOES NOT FIT" in proc.stdout
-    assert "the state needs" in one_line_error(proc)
+    assert "rank(s) need 10.0 PB: " in one_line_error(proc)
 
 
 def test_plan_verdict_is_not_ok_when_the_host_memory_does_not_fit_though_the_disk_does(disk_dir):
@@ -119,11 +123,11 @@ def test_doctor_probes_a_disk_with_less_free_than_a_raw_block_and_says_when_it_h
             f.write(b"\0" * (13 << 20))
         result = json.loads(greenroom("doctor", small, "--json").stdout)
         assert result["read_gbps"] is None
-        assert result["problems"][1] == "3.0 MiB free: too little to probe the bandwidth or hold offloaded state"
-        assert "free space: 3.0 MiB\n" in greenroom("doctor", small).stdout  # was "0.0 GiB"
+        assert result["problems"][1] == "3.1 MB free: too little to probe the bandwidth or hold offloaded state"
+        assert "free space: 3.1 MB\n" in greenroom("doctor", small).stdout  # 3 MiB, in the unit that fits it
         line = one_line_error(greenroom("plan", "--params", "1e6", "--stream-optimizer-state-to-disk",
                                         "--offload-train-disk-dir", small, "--allow-tmpfs", "--measure-disk"))
-        assert "has 3.0 MiB free: too little to probe its bandwidth" in line
+        assert "has 3.1 MB free: too little to probe its bandwidth" in line
         assert os.listdir(small) == ["fill"]
     finally:
         subprocess.run(["umount", small], check=True)
@@ -184,3 +188,63 @@ def test_benches_take_the_train_flags_they_print(disk_dir):
         args = parser.parse_args(argv)
         assert args.compression in ("zstd", "none")
     assert os.listdir(disk_dir) == []
+
+
+# -- one vocabulary, defaults shown, units that fit ----------------------------------
+
+COMMANDS_WITH_HELP = (["plan"], ["doctor"], ["report"], ["train"], ["reclaim"], ["bench", "stream"],
+                      ["bench", "disk"], ["bench", "offload"], ["bench", "codec"])
+
+
+def _parser_of(argv: list[str]):
+    from greenroom import cli
+
+    parser = cli.build_parser(argv)
+    for word in argv:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    return parser
+
+
+@pytest.mark.parametrize("argv", COMMANDS_WITH_HELP, ids=" ".join)
+def test_every_help_shows_each_options_default(argv):
+    """Every option with a value when not given says it in --help."""
+    parser = _parser_of(argv)
+    formatter = parser.formatter_class(prog=parser.prog)
+    for action in parser._actions:
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            continue
+        assert "default" in formatter._get_help_string(action), f"{' '.join(argv)} {action.option_strings[0]}"
+    assert "(default: 1)" in _parser_of(["plan"]).format_help()  # --world-size
+
+
+def test_plan_help_has_only_flags_that_mean_something_to_a_plan():
+    text = greenroom("plan", "--help", check_rc=0).stdout
+    assert "--no-load-optim" not in text
+    assert "--cuda-context-gb" in text and "--nccl-gb" in text
+
+
+def test_every_bench_takes_the_dir_bare_or_as_the_flag_and_defaults_to_the_train_codec(disk_dir):
+    for argv in (["bench", "stream", disk_dir, "--params", "1000"], ["bench", "offload", disk_dir],
+                 ["bench", "codec", "--compression", "zstd", disk_dir], ["bench", "disk", disk_dir],
+                 ["doctor", disk_dir]):
+        args = _parser_of(argv[:2] if argv[0] == "bench" else argv[:1]).parse_args(argv[2:] if argv[0] == "bench"
+                                                                                    else argv[1:])
+        assert args.dir_positional == disk_dir, argv
+        if argv[0] == "bench" and argv[1] != "codec":
+            assert args.compression == "auto", argv  # as greenroom train's
+    result = json.loads(greenroom("bench", "disk", disk_dir, "--size", "4MiB", "--chunk-mb", "4", "--repeat", "1",
+                                  "--device", "cpu", "--json", check_rc=0).stdout)
+    assert result["compression"] == "none"  # auto on a CPU device: none, as train resolves it
+
+
+def test_doctor_says_what_a_warning_costs_before_it_says_ok(disk_dir):
+    proc = subprocess.run(["bash", "-c", 'ulimit -l 1024 && exec "$0" -m greenroom.cli doctor "$1" --no-probe',
+                           sys.executable, disk_dir], capture_output=True, text=True, check=True)
+    lines = proc.stdout.splitlines()
+    [warning] = [line for line in lines if line.startswith("warning:")]
+    assert "memlock limit (1.0 MB) is below the staging (536.9 MB)" in warning
+    assert "a run fails at start-up pinning its staging" in warning
+    assert lines[-1] == "verdict:    OK for offload and streaming, at the cost the 1 warning(s) above name"
+    # One unit system: decimal figures, no GiB or MiB beside them.
+    assert "GiB" not in proc.stdout and "MiB" not in proc.stdout

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from greenroom.compression import expected_ratio
 from greenroom.config import OffloadFlags, moment_bytes_per_element
 from greenroom.errors import ConfigError
-from greenroom.optim.footprint import (GRAD_BYTES, MASTER_BYTES, PARAM_BYTES, RESIDENT_MOMENT_BYTES, has_master,
-                                       resident_optimizer_bytes_per_param, streamed_bytes_per_param,
-                                       streaming_device_bytes)
+from greenroom.optim.footprint import (GRAD_BYTES, MASTER_BYTES, PARAM_BYTES, REMAINDER_BYTES_PER_PARAM,
+                                       RESIDENT_MOMENT_BYTES, has_master, resident_optimizer_bytes_per_param,
+                                       streamed_bytes_per_param, streaming_device_bytes)
 from greenroom.optim.layout import DEFAULT_BUCKET_NUMEL, DEVICE_BUFFERS
 from greenroom.statedir import MAX_LAUNCHER_NUMBER
 
@@ -100,10 +100,16 @@ def rank_budget(layout: Layout, config: OffloadFlags, codec: str | None) -> dict
     resident_optimizer = opt_params * resident_optimizer_bytes_per_param(dtype)
     streaming = config.stream_optimizer_state_to_disk
     moments = config.stream_optimizer_state_moment_dtype if streaming else "fp32"
-    optimizer = opt_params * (streamed_bytes_per_param(moments, master_on_disk=master) if streaming
-                              else resident_optimizer_bytes_per_param(dtype))
+    # StreamingAdam stores a bf16 param's master as its low 16 bits (the master layout
+    # ``remainder``); an fp16 param's master, and every master under ``fp32``, whole.
+    remainder = streaming and dtype == "bf16" and config.stream_optimizer_state_master_layout == "remainder"
+    optimizer = opt_params * (streamed_bytes_per_param(moments, master_on_disk=master, remainder=remainder)
+                              if streaming else resident_optimizer_bytes_per_param(dtype))
     each_moment = opt_params * (moment_bytes_per_element(moments) if streaming else RESIDENT_MOMENT_BYTES)
-    optimizer_stored = ((_stored(opt_params * MASTER_BYTES, codec, "fp32 master") if master else 0.0)
+    # A remainder's low mantissa bits are counted incompressible (no measured ratio).
+    stored_master = (_stored(opt_params * REMAINDER_BYTES_PER_PARAM, None, "remainder") if remainder
+                     else _stored(opt_params * MASTER_BYTES, codec, "fp32 master"))
+    optimizer_stored = ((stored_master if master else 0.0)
                         + _stored(each_moment, codec, f"{moments} exp_avg")
                         + _stored(each_moment, codec, f"{moments} exp_avg_sq"))
     bucket = min(DEFAULT_BUCKET_NUMEL, opt_params)
@@ -135,6 +141,15 @@ def rank_budget(layout: Layout, config: OffloadFlags, codec: str | None) -> dict
         # A step reads and writes back the buckets the host cache does not hold.
         "streamed_per_step": stored_streaming * (1 - host_cache / optimizer) if streaming and optimizer else 0.0,
     }
+
+
+def asleep_device_bytes(rank: dict, config: OffloadFlags) -> float:
+    """Device bytes of model state the actor keeps while it sleeps: none where it offloads
+    (weights, grads and a resident optimizer state leave; a streaming optimizer gives its
+    bucket buffers back first), all of it where it does not."""
+    if config.offload_train:
+        return 0.0
+    return rank["gpu"]["with_streaming" if config.stream_optimizer_state_to_disk else "without_streaming"]
 
 
 def seconds(rank: dict, *, nproc_per_node: int, read_gbps: float | None, write_gbps: float | None,

@@ -14,6 +14,7 @@ import sys
 
 import greenroom
 from greenroom import log
+from greenroom.cliflags import DefaultsFormatter
 from greenroom.errors import GreenroomError, peer_gone
 
 COMMANDS = {
@@ -48,7 +49,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, (module_name, summary) in COMMANDS.items():
         # torchrun's arguments and the trainer's follow `greenroom torchrun`, a trainer's
         # --help among them: no -h of greenroom's own there (torchrun's --help answers).
-        command_parser = sub.add_parser(name, help=summary, description=summary, add_help=name != "torchrun")
+        command_parser = sub.add_parser(name, help=summary, description=summary, add_help=name != "torchrun",
+                                        formatter_class=DefaultsFormatter)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.configure_parser(command_parser)

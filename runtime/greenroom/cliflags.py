@@ -12,6 +12,19 @@ from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MASTER_LAYOUTS, MOM
 from greenroom.errors import ConfigError
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default: appended as ``(default: X)`` where the help
+    does not say it already, except a flag that is off (``store_true``) or has no value
+    unless given (default None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default in (None, False)
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def disk_dir(parser: argparse.ArgumentParser, *, required: bool = False, positional: bool = False,
              help: str = "a dir on node-local NVMe") -> None:
     """``--offload-train-disk-dir DIR`` (alias ``--dir``); with ``positional``, a bare
@@ -22,9 +35,12 @@ def disk_dir(parser: argparse.ArgumentParser, *, required: bool = False, positio
         parser.add_argument("dir_positional", nargs="?", metavar="DIR", help="the same, given bare")
 
 
-def resolve_disk_dir(args: argparse.Namespace, command: str) -> str:
-    """The dir of a command that takes it bare or as the flag (one of the two)."""
+def resolve_disk_dir(args: argparse.Namespace, command: str, *, required: bool = True) -> str | None:
+    """The dir of a command that takes it bare or as the flag (one of the two); None
+    where neither is given and the command does without (not ``required``)."""
     given = [d for d in (args.dir_positional, args.dir) if d is not None]
+    if not given and not required:
+        return None
     if not given:
         raise ConfigError(f"{command}: give the dir: --offload-train-disk-dir DIR (or DIR)")
     if len(given) == 2 and given[0] != given[1]:

@@ -289,6 +289,17 @@ class OffloadFlags:
         return cls.from_args(_flags_parser().parse_args(env_argv(environ)))
 
 
+class _Omitting:
+    """An argument group that leaves out the flags of ``omit`` (their field names)."""
+
+    def __init__(self, group, omit: tuple[str, ...]) -> None:
+        self.group, self.omit = group, omit
+
+    def add_argument(self, *names, **kwargs):
+        if names[0].lstrip("-").replace("-", "_") not in self.omit:
+            self.group.add_argument(*names, **kwargs)
+
+
 # The dataclass fields that are flags, in flag order (``--`` + the name with dashes).
 FLAG_FIELDS = ("offload_train", "offload_train_target", "offload_train_disk_dir", "offload_train_disk_chunk_mb",
                "offload_train_disk_compression", "stream_optimizer_state_to_disk",
@@ -354,10 +365,13 @@ def _flags_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(parser: argparse.ArgumentParser, *, omit: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     """Add the seed's flags (and ``--allow-tmpfs``) to any argparse parser; their
-    defaults come from ``$GREENROOM_ARGS`` where it is set (the command line wins)."""
-    _add_flags(parser)
+    defaults come from ``$GREENROOM_ARGS`` where it is set (the command line wins).
+    ``omit``: fields whose flags mean nothing to the command (``plan`` resumes nothing:
+    ``no_load_optim``); they keep their defaults."""
+    _add_flags(parser, omit)
+    parser.set_defaults(**{name: OffloadFlags.__dataclass_fields__[name].default for name in omit})
     argv = env_argv()
     if argv:
         given = _flags_parser().parse_args(argv)
@@ -365,8 +379,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _add_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("greenroom offload and streaming")
+def _add_flags(parser: argparse.ArgumentParser, omit: tuple[str, ...] = ()) -> None:
+    group = _Omitting(parser.add_argument_group("greenroom offload and streaming"), omit)
     group.add_argument("--offload-train", action="store_true",
                        help="the actor sleeps (its device memory leaves the GPU) between training phases")
     # default None: an explicit value must be told apart from the default (see the rules).

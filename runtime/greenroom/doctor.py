@@ -20,13 +20,14 @@ from greenroom import cliflags, fs
 from greenroom.config import MIB, check_host_bytes
 from greenroom.errors import ConfigError
 from greenroom.rankdir import RankDir, check_existing_root
+from greenroom.units import rate_text, size_text
 
 PROBE_BYTES = 256 * MIB
 MIN_PROBE_BYTES = MIB
 
 
 def _limit(value: int) -> str:
-    return "unlimited" if value == resource.RLIM_INFINITY else f"{value / MIB:.0f} MiB"
+    return "unlimited" if value == resource.RLIM_INFINITY else size_text(value)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +56,7 @@ def probe(directory: str):
     """The quick raw bandwidth probe (``greenroom.bench.disk.raw_bandwidth``), sized to
     the free space, in a rank dir of its own under ``directory`` (never in it)."""
     if _probe_bytes(directory) < MIN_PROBE_BYTES:
-        raise ConfigError(f"{directory} has {fs.human_bytes(fs.free_bytes(directory))} free: too little to probe its "
+        raise ConfigError(f"{directory} has {size_text(fs.free_bytes(directory))} free: too little to probe its "
                           "bandwidth (or hold offloaded state); free some space or use a larger disk")
     with RankDir(directory, role="doctor", allow_tmpfs=True) as rank_dir:
         return _raw_probe(rank_dir.path, directory)
@@ -83,7 +84,7 @@ def check(directory: str, *, chunk_mb: int, bandwidth: bool) -> dict:
     if mount.fstype in fs.MEMORY_FILESYSTEMS:
         result["problems"].append(f"{mount.fstype} keeps the data in RAM")
     if not roomy:
-        result["problems"].append(f"{fs.human_bytes(result['free_bytes'])} free: too little to probe the bandwidth "
+        result["problems"].append(f"{size_text(result['free_bytes'])} free: too little to probe the bandwidth "
                                   "or hold offloaded state")
     if measured is not None:
         result.update(read_gbps=measured.read_bytes_per_s / 1e9, write_gbps=measured.write_bytes_per_s / 1e9)
@@ -103,18 +104,33 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(r, sort_keys=True))
         return 0 if r["fit"] else 1
     print(f"filesystem: {r['filesystem']} ({r['source']} at {r['mount_point']})")
-    print(f"free space: {fs.human_bytes(r['free_bytes'])}")  # in GiB, 16 MiB read "0.0 GiB"
+    print(f"free space: {size_text(r['free_bytes'])}")  # the unit fits the figure: 16 MiB is not "0.0 GB"
     print(f"O_DIRECT:   {'yes' if r['o_direct'] else 'no (buffered I/O with fdatasync + DONTNEED)'}")
     memlock = _limit(resource.RLIM_INFINITY if r["memlock_bytes"] is None else r["memlock_bytes"])
-    print(f"memlock:    {memlock} (both mechanisms pin {r['staging_bytes'] / MIB:.0f} MiB per rank)")
-    if r["memlock_low"]:
-        print("warning:    memlock limit is below the staging; if pinning fails, raise it "
-              "(ulimit -l / the container's memlock rlimit)")
+    print(f"memlock:    {memlock} (both mechanisms pin {size_text(r['staging_bytes'])} per rank)")
     if r["read_gbps"] is not None:
-        print(f"bandwidth:  write {r['write_gbps']:.2f} GB/s, read {r['read_gbps']:.2f} GB/s (quick probe; "
-              f"greenroom plan --disk-read-gbps {r['read_gbps']:.2f} --disk-write-gbps {r['write_gbps']:.2f})")
+        print(f"bandwidth:  write {rate_text(r['write_gbps'] * 1e9)}, read {rate_text(r['read_gbps'] * 1e9)} (quick "
+              f"probe; greenroom plan --disk-read-gbps {r['read_gbps']:.2f} --disk-write-gbps {r['write_gbps']:.2f})")
     if r["problems"]:
         print("verdict:    NOT FIT: " + "; ".join(r["problems"]))
         return 1
-    print("verdict:    OK for offload and streaming")
+    warnings = warning_costs(r)
+    for line in warnings:
+        print(f"warning:    {line}")
+    print("verdict:    OK for offload and streaming" + (f", at the cost the {len(warnings)} warning(s) above name"
+                                                         if warnings else ""))
     return 0
+
+
+def warning_costs(r: dict) -> list[str]:
+    """Each warning of a dir that fits, with what it costs a run there."""
+    out = []
+    if r["memlock_low"]:
+        out.append(f"the memlock limit ({_limit(r['memlock_bytes'])}) is below the staging "
+                   f"({size_text(r['staging_bytes'])}): where the container runtime enforces it on CUDA's pinned "
+                   "memory, a run fails at start-up pinning its staging; raise it (ulimit -l, the container's "
+                   "memlock rlimit)")
+    if not r["o_direct"]:
+        out.append("no O_DIRECT: every byte passes through the page cache (written with fdatasync, then dropped), "
+                   "which costs host CPU and memory bandwidth and makes a read probe look faster than the disk")
+    return out

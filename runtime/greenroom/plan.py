@@ -2,9 +2,10 @@
 
 Per rank and per node: weights, grads, optimizer state (raw, and the bytes expected on
 disk under the codec), pinned staging, host cache, the paused actor's copy, disk bytes;
-whether the model state fits the GPU with and without streaming; whether a node's host
-memory holds all its ranks' staging, caches and (cpu target) pinned copies; whether the
-disk dir has room; and, given the disk's GB/s (``greenroom bench disk``/``doctor``, or
+whether the model state fits the GPU with and without streaming; the HBM a colocated
+rollout engine gets while the actor sleeps; whether a node's host memory (given) holds all
+its ranks' staging, caches and (cpu target) pinned copies; whether the disk dir has room;
+and, given the disk's GB/s (``greenroom bench disk``/``doctor``, or
 ``--measure-disk``), the expected streamed-step and sleep/wake seconds. The arithmetic is
 ``greenroom.budget``. Exit 2 when the plan does not fit.
 """
@@ -12,45 +13,59 @@ disk dir has room; and, given the disk's GB/s (``greenroom bench disk``/``doctor
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
+from dataclasses import replace
 
 from greenroom import fs
-from greenroom.budget import SHARDINGS, Layout, rank_budget, seconds
-from greenroom.config import GB, OffloadConfig, OffloadFlags, add_arguments, default_disk_dir
+from greenroom.budget import SHARDINGS, Layout, asleep_device_bytes, rank_budget, seconds
+from greenroom.config import (FLAG_FIELDS, GB, MIB, MIN_COMPRESSED_CHUNK_MB, OffloadConfig, OffloadFlags,
+                              add_arguments, default_disk_dir)
+from greenroom.errors import ConfigError
 from greenroom.optim.footprint import PARAM_DTYPES, muon_bytes_per_param, streamed_bytes_per_param
 from greenroom.rankdir import rank_dir_path
-from greenroom.units import gbps, gigabytes, parse_count, positive_int
+from greenroom.units import gbps, gigabytes, gigabytes_or_zero, parse_count, positive_int, size_text
 
 
 def _ints(d: dict) -> dict:
     return {k: _ints(v) if isinstance(v, dict) else int(v) for k, v in d.items()}
 
 
+# What stays on a GPU while the actor sleeps besides its own state, unless given: a torch
+# process's CUDA context and kernels (about half a GB on an H100 with CUDA 12/13), and
+# NCCL's buffers for one communicator of 8 GPUs (channels x peers x NCCL_BUFFSIZE); more
+# communicators, or larger buffers, take more. Assumptions, stated as such in the output.
+DEFAULT_CUDA_CONTEXT_GB = 0.5
+DEFAULT_NCCL_GB = 1.0
+
+
 def build_plan(config: OffloadFlags, layout: Layout, *, role: str, job: str, gpu_memory_gb: float | None = None,
                host_memory_gb: float | None = None, disk_gbps: tuple[float, float] | None = None,
-               disk_source: str = "given") -> dict:
+               disk_source: str = "given", cuda_context_gb: float = DEFAULT_CUDA_CONTEXT_GB,
+               nccl_gb: float = DEFAULT_NCCL_GB) -> dict:
     """The plan as a dict (what ``--json`` prints)."""
-    codec = _planned_codec(config.offload_train_disk_compression) if config.uses_disk else None
+    codec, codec_line = planned_codec(config)
     rank = rank_budget(layout, config, codec)
     n = layout.nproc_per_node
     host_node = rank["host"]["total"] * n
-    if host_memory_gb is None:
-        host_memory, host_source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-    else:
-        host_memory, host_source = int(host_memory_gb * GB), "given"
+    # Host memory is judged against the nodes the run gets, given: plan runs on a login
+    # node or a laptop, whose memory says nothing about them (as for the GPU).
+    host_memory = None if host_memory_gb is None else int(host_memory_gb * GB)
     plan = {
         "offload": config.offload_train_target if config.offload_train else "off",
         "streaming": config.stream_optimizer_state_to_disk,
         "moment_dtype": config.stream_optimizer_state_moment_dtype,
         "master_layout": config.stream_optimizer_state_master_layout,
-        "compression": codec or "none",
+        "compression": codec or "none", "compression_line": codec_line,
         "params": layout.params, "param_dtype": layout.param_dtype, "world_size": layout.world_size,
         "nproc_per_node": n, "nodes": layout.world_size // n, "data_parallel": layout.data_parallel,
         "model_parallel": layout.model_parallel, "sharding": layout.sharding,
         "per_rank": _ints(rank),
         "per_node": _ints({part: {k: v * n for k, v in rank[part].items()} for part in ("host", "disk", "stored")}),
+        "optimizer_bytes_per_param": rank["optimizer_state"] / rank["optimizer_params"]
+        if rank["optimizer_params"] else 0.0,
         "chunk_bytes": config.chunk_bytes,
         "staging_bytes_per_rank": config.staging_bytes_per_rank,
         "host_cache_bytes_per_rank": int(rank["host"]["host_cache"]),
@@ -59,13 +74,14 @@ def build_plan(config: OffloadFlags, layout: Layout, *, role: str, job: str, gpu
         "disk_bytes_per_rank": _ints(rank["disk"]),
         "disk_bytes_per_node": int(rank["disk"]["total"] * n),
         "stored_bytes_per_rank": _ints(rank["stored"]),
-        "host_memory_per_node": host_memory, "host_memory_source": host_source,
-        "fits_host": host_node <= host_memory,
+        "host_memory_per_node": host_memory, "host_memory_source": "given" if host_memory is not None else None,
+        "fits_host": None if host_memory is None else host_node <= host_memory,
         "gpu_memory": None if gpu_memory_gb is None else int(gpu_memory_gb * GB),
         "fits_gpu": None,
     }
     if gpu_memory_gb is not None:
         plan["fits_gpu"] = {way: need <= gpu_memory_gb * GB for way, need in rank["gpu"].items()}
+    plan["rollout"] = _rollout(rank, config, plan["gpu_memory"], cuda_context_gb, nccl_gb)
     plan["disk_gbps"] = None if disk_gbps is None else {"read": disk_gbps[0], "write": disk_gbps[1],
                                                         "source": disk_source}
     plan["seconds"] = seconds(rank, nproc_per_node=n, read_gbps=disk_gbps and disk_gbps[0],
@@ -91,40 +107,128 @@ def build_plan(config: OffloadFlags, layout: Layout, *, role: str, job: str, gpu
             # Files stay preallocated at the raw size, so "fits" counts raw bytes.
             "fits": free >= rank["disk"]["total"] * n,
         })
-    plan["problems"] = problems(plan)
+    plan["problems"] = problems(plan, _alternatives(plan, config, layout, codec))
     return plan
 
 
-def problems(plan: dict) -> list[str]:
-    """One line per way the plan does not fit (empty when it does)."""
+def _rollout(rank: dict, config: OffloadFlags, gpu_memory: int | None, cuda_context_gb: float,
+             nccl_gb: float) -> dict:
+    """The HBM a colocated rollout engine gets while the actor sleeps: the GPU less what
+    stays (the CUDA context, NCCL's buffers, what the actor keeps)."""
+    keeps = asleep_device_bytes(rank, config)
+    context, nccl = cuda_context_gb * GB, nccl_gb * GB
+    return {"actor_keeps": int(keeps), "cuda_context": int(context), "nccl": int(nccl),
+            "free": None if gpu_memory is None else int(gpu_memory - keeps - context - nccl)}
+
+
+def _alternatives(plan: dict, config: OffloadFlags, layout: Layout, codec: str | None) -> dict:
+    """The budgets of the changes plan may advise, each one flag away from this plan:
+    sharding the optimizer state or everything over the data-parallel replicas,
+    streaming, narrower moments, masters as remainders, the cpu target."""
+    flags = {name: getattr(config, name) for name in FLAG_FIELDS}
+    # The resolved target counts as given when rebuilt: keep it unsaid where it was.
+    flags["offload_train_target"] = config.offload_train_target if config._target_given else None
+    out = {}
+
+    def variant(name: str, layout_changes: dict | None = None, **flag_changes) -> None:
+        try:
+            other = OffloadFlags(**{**flags, **flag_changes})
+        except ConfigError:
+            return
+        out[name] = rank_budget(replace(layout, **(layout_changes or {})), other, codec)
+
+    if layout.data_parallel > 1:
+        for sharding in SHARDINGS[SHARDINGS.index(layout.sharding) + 1:]:
+            variant(f"--sharding {sharding}", {"sharding": sharding})
+    if not config.stream_optimizer_state_to_disk:
+        variant("--stream-optimizer-state-to-disk", stream_optimizer_state_to_disk=True,
+                offload_train_target="disk" if config.offload_train else flags["offload_train_target"])
+    else:
+        if config.stream_optimizer_state_moment_dtype == "fp32":
+            variant("--stream-optimizer-state-moment-dtype bf16", stream_optimizer_state_moment_dtype="bf16")
+        if config.stream_optimizer_state_master_layout == "fp32" and layout.param_dtype == "bf16":
+            variant("--stream-optimizer-state-master-layout remainder",
+                    stream_optimizer_state_master_layout="remainder")
+    if config.offload_to_disk and not config.stream_optimizer_state_to_disk:
+        variant("--offload-train-target cpu", offload_train_target="cpu")
+    return out
+
+
+def problems(plan: dict, alternatives: dict | None = None) -> list[str]:
+    """One line per way the plan does not fit (empty when it does), each with the changes
+    that would fit it, by what they leave."""
+    alternatives = alternatives or {}
     out = []
-    gb = _gb
     if plan.get("fits") is False:
-        out.append(f"{plan['disk_dir']} has {gb(plan['free_bytes'])} free, the state needs "
-                   f"{gb(plan['disk_bytes_per_node'])} per node: use a larger disk, more ranks, or narrower moments")
-    if not plan["fits_host"]:
-        out.append(f"a node's {plan['nproc_per_node']} rank(s) need {gb(plan['host_bytes_per_node'])} of host memory, "
-                   f"the node has {gb(plan['host_memory_per_node'])} ({plan['host_memory_source']}): use a smaller "
+        out.append(_disk_problem(plan, alternatives))
+    if plan["fits_host"] is False:
+        out.append(f"a node's {plan['nproc_per_node']} rank(s) need {_gb(plan['host_bytes_per_node'])} of host "
+                   f"memory, the node has {_gb(plan['host_memory_per_node'])} (--host-memory-gb): use a smaller "
                    "chunk or host cache, the disk target, or fewer ranks per node")
     fits_gpu = plan["fits_gpu"]
     if fits_gpu is not None:
         way = "with_streaming" if plan["streaming"] else "without_streaming"
         if not fits_gpu[way]:
             need = plan["per_rank"]["gpu"][way]
-            if fits_gpu["with_streaming"]:
-                fix = "add --stream-optimizer-state-to-disk" + (
-                    " (with --offload-train-target disk)" if plan["offload"] == "cpu" else "")
-            else:
-                fix = "use more model parallelism" + (", or --sharding" if plan["data_parallel"] > 1 else "")
             out.append(f"the model state needs {need / GB:.1f} GB per rank {way.replace('_', ' ')}, the GPU has "
-                       f"{plan['gpu_memory'] / GB:.1f} GB: {fix}")
+                       f"{plan['gpu_memory'] / GB:.1f} GB: {_gpu_fix(plan, alternatives, way)}")
     return out
 
 
-def _planned_codec(choice: str) -> str | None:
-    """The codec the ranks will run: ``auto`` plans for nvCOMP, since training runs on
-    GPU nodes (the node's header line says if it does not load there)."""
-    return {"auto": "nvcomp-ans", "none": None}.get(choice, choice)
+def _gpu_fix(plan: dict, alternatives: dict, way: str) -> str:
+    """The first change that fits the GPU, in the order that costs least at run time:
+    sharding over the data-parallel replicas (no disk traffic), then streaming."""
+    gpu = plan["gpu_memory"]
+    for name in ("--sharding optimizer", "--sharding full"):
+        if name in alternatives and alternatives[name]["gpu"][way] <= gpu:
+            what = ("ZeRO-1, Megatron's distributed optimizer" if name.endswith("optimizer") else "FSDP, ZeRO-3")
+            return f"use {name} ({what}): {_gb(alternatives[name]['gpu'][way])} per rank"
+    streaming = alternatives.get("--stream-optimizer-state-to-disk")
+    if streaming is not None and streaming["gpu"]["with_streaming"] <= gpu:
+        return (f"add --stream-optimizer-state-to-disk" + (" (with --offload-train-target disk)"
+                                                            if plan["offload"] == "cpu" else "")
+                + f": {_gb(streaming['gpu']['with_streaming'])} per rank")
+    if way == "without_streaming":
+        for name in ("--sharding optimizer", "--sharding full"):
+            if name in alternatives and alternatives[name]["gpu"]["with_streaming"] <= gpu:
+                return (f"use {name} and add --stream-optimizer-state-to-disk: "
+                        f"{_gb(alternatives[name]['gpu']['with_streaming'])} per rank")
+    return "use more model parallelism (TP x PP x EP: a larger --world-size over --data-parallel)"
+
+
+def _disk_problem(plan: dict, alternatives: dict) -> str:
+    """The disk that does not hold a node's ranks, and what each change leaves per node."""
+    n, free = plan["nproc_per_node"], plan["free_bytes"]
+    fixes = [f"{name} ({size_text(alt['disk']['total'] * n)} per node)" for name, alt in alternatives.items()
+             if alt["disk"]["total"] * n < plan["disk_bytes_per_node"]]
+    fixes.append(f"fewer ranks per node (each needs {size_text(plan['disk_bytes_per_rank']['total'])}; "
+                 "more nodes or more model parallelism)")
+    fixes.append("a disk dir with more free space")
+    return (f"{plan['disk_dir']} has {size_text(free)} free, the node's {n} rank(s) need "
+            f"{size_text(plan['disk_bytes_per_node'])}: " + "; or ".join(fixes))
+
+
+def planned_codec(config: OffloadFlags) -> tuple[str | None, str]:
+    """The codec plan sizes the stored bytes with, and one line saying which and why.
+    ``auto`` resolves as ``greenroom train`` resolves it, by what is installed here:
+    nvcomp-ans where the nvCOMP wheel (the nvcomp extra) is, else none. An explicit codec
+    is planned as given (the training nodes may have what this machine lacks)."""
+    if not config.uses_disk:
+        return None, "compression: not used (nothing goes to disk)"
+    choice = config.offload_train_disk_compression
+    if choice != "auto":
+        return (None if choice == "none" else choice), f"compression: {choice} (--offload-train-disk-compression)"
+    if config.chunk_bytes < MIN_COMPRESSED_CHUNK_MB * MIB:
+        return None, (f"compression: none (auto: --offload-train-disk-chunk-mb is under {MIN_COMPRESSED_CHUNK_MB}, "
+                      "too small for one-MiB frames)")
+    try:
+        installed = importlib.util.find_spec("nvidia.nvcomp") is not None
+    except ModuleNotFoundError:
+        installed = False
+    if installed:
+        return "nvcomp-ans", "compression: nvcomp-ans (auto: the nvCOMP wheel is installed here; it runs on CUDA)"
+    return None, ("compression: none (auto: the nvCOMP wheel is not installed here, so train would run none; "
+                  "--offload-train-disk-compression nvcomp-ans plans for nodes that have it)")
 
 
 def _gb(nbytes: float) -> str:
@@ -137,35 +241,42 @@ def print_plan(plan: dict) -> None:
                  else "off")
     print(f"offload:    {plan['offload']}")
     print(f"streaming:  {streaming}")
+    print(f"codec:      {plan['compression_line'].removeprefix('compression: ')}")
     print(f"layout:     {plan['params']:,} {plan['param_dtype']} params on {plan['world_size']} rank(s), "
           f"{plan['nodes']} node(s) of {plan['nproc_per_node']}: data parallel {plan['data_parallel']} x model "
           f"parallel {plan['model_parallel']}, sharding {plan['sharding']}")
+    state_words = (f"{plan['optimizer_bytes_per_param']:.3f} B/param streamed" if plan["streaming"]
+                   else f"{plan['optimizer_bytes_per_param']:g} B/param resident")
     print(f"per rank:   weights {_gb(r['weights'])}, grads {_gb(r['grads'])}, optimizer state "
-          f"{_gb(r['optimizer_state'])} ({r['optimizer_params']:,} params)"
+          f"{_gb(r['optimizer_state'])} ({r['optimizer_params']:,} params, {state_words})"
           + (f", {_gb(r['optimizer_state_stored'])} expected stored under {plan['compression']}"
              if plan["compression"] != "none" else ""))
     gpu = r["gpu"]
     fits = plan["fits_gpu"] or {}
-    verdict = {True: "fits", False: "DOES NOT FIT", None: "no --gpu-memory-gb given"}
+    verdict = {True: "fits", False: "DOES NOT FIT", None: "not judged: no --gpu-memory-gb"}
     print(f"GPU:        without streaming {_gb(gpu['without_streaming'])} "
           f"({verdict[fits.get('without_streaming')]}), with streaming {_gb(gpu['with_streaming'])} "
           f"({verdict[fits.get('with_streaming')]})" + (f" of {_gb(plan['gpu_memory'])}" if plan["gpu_memory"] else "")
           + " (model state only)")
-    staging = fs.human_bytes(plan["staging_bytes_per_rank"])
+    print("rollout:    " + _rollout_words(plan))
+    chunk = f"--offload-train-disk-chunk-mb {plan['chunk_bytes'] >> 20}"
+    staging = size_text(plan["staging_bytes_per_rank"])
     if plan["staging_bytes_per_rank"] == 2 * plan["chunk_bytes"]:
-        staging += f" (2 x {fs.human_bytes(plan['chunk_bytes'])} chunk: offload and streaming each stage their own)"
+        staging += f" (2 x {chunk}: offload and streaming each stage their own)"
+    elif plan["staging_bytes_per_rank"]:
+        staging += f" (one {chunk} buffer)"
     print(f"pinned staging per rank: {staging}")
     if plan["host_cache_bytes_per_rank"]:
         cache = plan["host_cache_bytes_per_rank"]
         share = cache / plan["disk_bytes_per_rank"]["streaming"]
-        print(f"host cache per rank: up to {cache / GB:.2f} GB ({fs.human_bytes(cache)}, {share:.0%} of the streamed "
-              "state) in pinned host memory, whole buckets only")
+        print(f"host cache per rank: up to {cache / GB:.2f} GB ({share:.0%} of the streamed state) in pinned host "
+              "memory, whole buckets only")
     if r["host"]["pinned_actor_copy"]:
         print(f"pinned actor copy per rank: {_gb(r['host']['pinned_actor_copy'])} (cpu target)")
-    print(f"host memory: {_gb(plan['host_bytes_per_rank'])} per rank, "
-          f"{_gb(plan['host_bytes_per_node'])} for the node's {plan['nproc_per_node']} rank(s), of "
-          f"{_gb(plan['host_memory_per_node'])} ({plan['host_memory_source']}): "
-          + ("fits" if plan["fits_host"] else "DOES NOT FIT"))
+    judged = ("not judged: no --host-memory-gb" if plan["fits_host"] is None
+              else f"of {_gb(plan['host_memory_per_node'])}: " + ("fits" if plan["fits_host"] else "DOES NOT FIT"))
+    print(f"host memory: {size_text(plan['host_bytes_per_rank'])} per rank, "
+          f"{size_text(plan['host_bytes_per_node'])} for the node's {plan['nproc_per_node']} rank(s) ({judged})")
     s = plan["seconds"]
     if s:
         d = plan["disk_gbps"]
@@ -173,38 +284,56 @@ def print_plan(plan: dict) -> None:
             [f"sleep {s['sleep']:.1f} s, wake {s['wake']:.1f} s"] if "sleep" in s else [])
         print(f"time:       disk {d['read']:g}/{d['write']:g} GB/s read/write per node ({d['source']}): "
               + (", ".join(parts) or "nothing of this plan moves through the disk"))
-    if "disk_dir" not in plan:
-        print("disk:       " + ("no --offload-train-disk-dir (nor $SCRATCH): free space not checked"
-                                 if plan["disk_bytes_per_rank"]["total"] else "not used"))
-        return
     d = plan["disk_bytes_per_rank"]
+    if not d["total"]:
+        print("disk:       not used")
+        return
+    print(f"disk per rank: {size_text(d['total'])} (streamed state {size_text(d['streaming'])}, paused actor "
+          f"{size_text(d['offload'])}); per node {size_text(plan['disk_bytes_per_node'])} for "
+          f"{plan['nproc_per_node']} rank(s)")
+    if "streamed_bytes_per_param" in plan:
+        per = plan["streamed_bytes_per_param"]
+        remainder = (f"; with this plan's masters as remainders StreamingAdam stores a bf16 param in "
+                     f"{per['adam_bf16_remainder']:.3f} B" if "adam_bf16_remainder" in per else "")
+        print(f"streamed state per 16-bit param with masters whole: StreamingAdam {per['adam']:g} B (master + 2 "
+              f"moments), StreamingMuon {per['muon']:g} B (master + momentum){remainder}")
+    stored = plan["stored_bytes_per_rank"]
+    if plan["compression"] != "none" and stored["total"]:
+        print(f"compression: {plan['compression']}: a step or sleep is expected to move "
+              f"{size_text(stored['total'])} per rank instead of {size_text(d['total'])} "
+              f"({d['total'] / stored['total']:.2f}x less; the files keep their full size)")
+    if "disk_dir" not in plan:
+        print(f"verdict:    {'OK' if not plan['problems'] else 'DOES NOT FIT'}: no --offload-train-disk-dir "
+              f"(nor $SCRATCH): the node needs {size_text(plan['disk_bytes_per_node'])} on disk, free space not "
+              "checked")
+        return
     missing = ("" if plan["disk_dir_exists"]
                else ", does not exist yet: free space is that of its nearest existing parent")
     print(f"disk dir:   {plan['disk_dir']} ({plan['filesystem']} at {plan['mount_point']}{missing})")
     print("rank dirs:  " + ", ".join(plan["rank_dirs"][:2]) + (" ..." if len(plan["rank_dirs"]) > 2 else ""))
-    print(f"disk per rank: {fs.human_bytes(d['total'])} (streamed state {fs.human_bytes(d['streaming'])}, "
-          f"paused actor {fs.human_bytes(d['offload'])})")
-    if "streamed_bytes_per_param" in plan:
-        per = plan["streamed_bytes_per_param"]
-        bound = (f" (upper bounds: with masters as remainders it stores a bf16 param in "
-                 f"{per['adam_bf16_remainder']:.3f} B)" if "adam_bf16_remainder" in per else " (masters whole)")
-        print(f"streamed state per 16-bit param: StreamingAdam {per['adam']:g} B (master + 2 moments), "
-              f"StreamingMuon {per['muon']:g} B (master + momentum); the figures above are StreamingAdam's{bound}")
-    stored = plan["stored_bytes_per_rank"]
-    if plan["compression"] != "none" and stored["total"]:
-        print(f"compression: {plan['compression']}: a step or sleep is expected to move "
-              f"{fs.human_bytes(stored['total'])} per rank instead of {fs.human_bytes(d['total'])} "
-              f"({d['total'] / stored['total']:.2f}x less; the files keep their full size)")
     # The plan's verdict, not the disk's alone: a node's host memory or a GPU that does not
     # fit fails it too (plan exits 2 on any problem).
     verdict = "OK" if not plan["problems"] else "DOES NOT FIT"
     print(f"verdict:    {verdict}: {plan['nproc_per_node']} rank(s) on this node need "
-          f"{fs.human_bytes(plan['disk_bytes_per_node'])} on disk, {fs.human_bytes(plan['free_bytes'])} free"
+          f"{size_text(plan['disk_bytes_per_node'])} on disk, {size_text(plan['free_bytes'])} free"
           + (" (the disk fits; the error says what does not)" if plan["problems"] and plan["fits"] else ""))
 
 
+def _rollout_words(plan: dict) -> str:
+    """What the rollout engine gets while the actor sleeps, and what stays."""
+    ro = plan["rollout"]
+    keeps = ("the actor keeps none of its model state (it offloads; a streaming optimizer gives its bucket "
+             "buffers back)" if plan["offload"] != "off"
+             else f"the actor keeps its {_gb(ro['actor_keeps'])} of model state (no --offload-train)")
+    stays = (f"{keeps}; the CUDA context {_gb(ro['cuda_context'])} and NCCL's buffers {_gb(ro['nccl'])} stay "
+             "(assumed: --cuda-context-gb, --nccl-gb; activations and the allocator's cache are given back at sleep)")
+    if ro["free"] is None:
+        return f"HBM free while the actor sleeps not judged: no --gpu-memory-gb; {stays}"
+    return f"{_gb(max(ro['free'], 0))} of {_gb(plan['gpu_memory'])} HBM free while the actor sleeps; {stays}"
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    add_arguments(parser)
+    add_arguments(parser, omit=("no_load_optim",))  # a plan resumes nothing
     run_group = parser.add_argument_group("the run")
     run_group.add_argument("--params", type=parse_count, required=True, metavar="N",
                            help="model parameters: 7B, 70B, 744B, 744e9, 1000000")
@@ -222,7 +351,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     run_group.add_argument("--gpu-memory-gb", type=gigabytes, default=None, metavar="GB",
                            help="memory of one GPU, GB; without it the GPU fit is not judged")
     run_group.add_argument("--host-memory-gb", type=gigabytes, default=None, metavar="GB",
-                           help="host memory of one node, GB (default: this machine's)")
+                           help="host memory of one node, GB; without it the host memory is not judged")
+    run_group.add_argument("--cuda-context-gb", type=gigabytes_or_zero, default=DEFAULT_CUDA_CONTEXT_GB,
+                           metavar="GB", help="device memory a rank's CUDA context and kernels keep, GB (an assumption: "
+                                              "nvidia-smi shows an idle rank's)")
+    run_group.add_argument("--nccl-gb", type=gigabytes_or_zero, default=DEFAULT_NCCL_GB, metavar="GB",
+                           help="device memory NCCL's buffers keep per GPU, GB (an assumption: it grows with "
+                                "communicators, channels and NCCL_BUFFSIZE)")
     run_group.add_argument("--disk-read-gbps", type=gbps, default=None, metavar="GB/S",
                            help="the node's disk read bandwidth (greenroom bench disk / doctor measure it)")
     run_group.add_argument("--disk-write-gbps", type=gbps, default=None, metavar="GB/S",
@@ -269,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(config, layout, role=args.role,
                       job=os.environ.get("GREENROOM_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "<job>",
                       gpu_memory_gb=args.gpu_memory_gb, host_memory_gb=args.host_memory_gb, disk_gbps=disk_gbps,
-                      disk_source=source)
+                      disk_source=source, cuda_context_gb=args.cuda_context_gb, nccl_gb=args.nccl_gb)
     if args.json:
         print(json.dumps(plan, sort_keys=True))
     else:

@@ -82,6 +82,16 @@ def gigabytes(text: str) -> float:
     return value
 
 
+def gigabytes_or_zero(text: str) -> float:
+    """``gigabytes``, or 0 for any spelling of zero (``--nccl-gb 0``: none assumed)."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return gigabytes(text)
+
+
 # The disk bandwidths a plan takes, GB/s: from 1 KB/s to a PB/s. Past them the seconds
 # (bytes over bytes per second) overflow to inf, or the bytes per second do.
 MIN_GBPS, MAX_GBPS = 1e-6, 1e6
@@ -104,3 +114,21 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def size_text(nbytes: float) -> str:
+    """A byte count in decimal units for figures printed beside GB (``279.0 GB``,
+    ``256.0 MB``, ``4.1 KB``, ``512 B``): one unit system, and small figures not as
+    ``0.00 GB``."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def rate_text(bytes_per_s: float) -> str:
+    """A bandwidth in decimal units (``6.52 GB/s``, ``310.4 MB/s``, ``2.1 KB/s``)."""
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3)):
+        if abs(bytes_per_s) >= scale:
+            return f"{bytes_per_s / scale:.{2 if unit == 'GB/s' else 1}f} {unit}"
+    return f"{bytes_per_s:.0f} B/s"

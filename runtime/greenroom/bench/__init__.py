@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from greenroom.cliflags import DefaultsFormatter
+
 BENCHMARKS = {
     "disk": ("greenroom.bench.disk", "sequential bandwidth through the I/O layer vs raw O_DIRECT"),
     "stream": ("greenroom.bench.stream", "streamed optimizer step time vs the disk bound"),
@@ -22,7 +24,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, (module_name, summary) in BENCHMARKS.items():
         module = importlib.import_module(module_name)
-        bench_parser = sub.add_parser(name, help=summary, description=summary)
+        bench_parser = sub.add_parser(name, help=summary, description=summary, formatter_class=DefaultsFormatter)
         module.configure_parser(bench_parser)
         bench_parser.set_defaults(_bench=module.run)
 

@@ -39,7 +39,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="trained: fp32 masters of a transformer trained 50 steps (greenroom.bench.trained); "
                              "random: random bytes (nothing compresses)")
     parser.add_argument("--threads", type=int, default=4, help="threads calling the codec at once (default 4)")
-    cliflags.disk_dir(parser, help="also probe the raw disk here, for the ratio to it")
+    cliflags.disk_dir(parser, positional=True, help="also probe the raw disk here, for the ratio to it")
     cliflags.json_flag(parser)
 
 
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.threads <= MAX_THREADS:
         raise ConfigError(f"bench codec --threads: expected 1 to {MAX_THREADS} (the engine runs 2 per staging "
                           f"buffer), got {args.threads}")
-    if args.dir:
+    if cliflags.resolve_disk_dir(args, "bench codec", required=False):
         check_existing_root(args.dir, name="bench codec --dir")
     r = measure(args)
     if args.json:

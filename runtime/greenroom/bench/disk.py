@@ -142,9 +142,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.chunk_mb(parser, help="staging budget, MiB (default %(default)s)")
     parser.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="staging buffers / I/O threads")
     cliflags.device(parser)
-    cliflags.compression(parser, default="none",
-                         help="also time the engine with this codec on the same random bytes (it cannot pay: the "
-                              "cost of trying)")
+    cliflags.compression(parser, help="also time the engine with this codec on the same random bytes (it cannot "
+                                      "pay: the cost of trying); auto resolves as train does, none skips it")
     parser.add_argument("--repeat", type=positive_int, default=3,
                         help="passes, each measuring raw and engine (default %(default)s); min/median/max reported")
     cliflags.json_flag(parser)
@@ -200,6 +199,12 @@ def run(args: argparse.Namespace) -> int:
     check_existing_root(directory, name="bench disk: DIR")
     if args.chunk_mb <= 0 or args.depth <= 0:
         raise ConfigError("bench disk: --offload-train-disk-chunk-mb and --depth must be positive integers")
+    device = cliflags.resolve_device(args.device, "bench disk")
+    if args.compression == "auto":
+        from greenroom.compression import resolve
+
+        codec, _ = resolve("auto", cuda=device == "cuda", chunk_bytes=args.chunk_mb * MIB)
+        args.compression = codec.name if codec is not None else "none"
     # Each buffer holds whole frames of a codec (one MiB), or one aligned block at least.
     smallest, what = (MIB, "a compressed frame, 1 MiB,") if args.compression != "none" else (ALIGNMENT, "4 KiB")
     most = min(args.chunk_mb * MIB // smallest, MAX_DEPTH)
@@ -209,7 +214,6 @@ def run(args: argparse.Namespace) -> int:
                           f"(--offload-train-disk-chunk-mb), and past {MAX_DEPTH} buffers (2 I/O threads each) the "
                           "bench measures threads more than the disk")
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
-    device = cliflags.resolve_device(args.device, "bench disk")
     # One scratch file at a time (the raw probe's, then the engine's), and the tensor.
     check_disk_bytes("bench disk --size", fs.human_bytes(args.size), align_up(args.size, raw_block(args.size)),
                      directory)

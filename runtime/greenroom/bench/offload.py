@@ -40,7 +40,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--untracked-size", type=bytes_or_zero, default=0,
                         help="bytes more that the offloader is not told about (default 0)")
     cliflags.target(parser)
-    cliflags.disk_dir(parser, help="disk dir for the per-rank files (node-local NVMe; needed for disk)")
+    cliflags.disk_dir(parser, positional=True, help="disk dir for the per-rank files (node-local NVMe; needed for disk)")
     cliflags.chunk_mb(parser)
     parser.add_argument("--cycles", type=positive_int, default=2, help="sleep/wake cycles (default %(default)s)")
     cliflags.compression(parser, help="codec of the offload file")
@@ -259,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("bench offload: --size and --cycles must be positive")
     if args.untracked_size < 0:
         raise ConfigError(f"bench offload --untracked-size: expected 0 or more, got {args.untracked_size}")
+    cliflags.resolve_disk_dir(args, "bench offload", required=False)
     args.device = cliflags.resolve_device(args.device, "bench offload")
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"  # inherited by the relaunch under torch_memory_saver

@@ -63,7 +63,7 @@ from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.optim.store import DEFAULT_BUCKET_NUMEL
 from greenroom.rankdir import check_existing_root
-from greenroom.units import parse_bytes, parse_count
+from greenroom.units import parse_bytes, parse_count, rate_text, size_text
 
 PARAM_NUMEL = 50_000_000
 
@@ -71,7 +71,7 @@ PARAM_NUMEL = 50_000_000
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=parse_count, required=True, metavar="N",
                         help="parameters to optimize (1B, 2e9, 500000000, ...)")
-    cliflags.disk_dir(parser, required=True, help="a dir on node-local NVMe for the bucket files")
+    cliflags.disk_dir(parser, required=True, positional=True, help="a dir on node-local NVMe for the bucket files")
     cliflags.moment_dtype(parser)
     parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                         help="bf16: master + moments stream (12 B/param in fp32); fp32: moments only")
@@ -128,6 +128,7 @@ def _check_fits(args: argparse.Namespace) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
+    cliflags.resolve_disk_dir(args, "bench stream")
     args.device = cliflags.resolve_device(args.device, "bench stream")
     for flag in ("steps", "bucket_numel", "param_numel", "chunk_mb"):
         if getattr(args, flag) <= 0:
@@ -261,6 +262,7 @@ def measure(args: argparse.Namespace) -> dict:
             state_bytes = opt.store.state_bytes
             buckets = len(opt.store.buckets)
             largest_bucket = opt.store.max_bucket_bytes
+            largest_bucket_numel = max((b.numel for b in opt.store.buckets), default=0)
             cached_buckets, host_cache_bytes = len(opt.store.host_cache), opt.store.host_cache_bytes
             direct = all(f.direct for f in opt.store.files)
             verify = opt.store.engine.verify
@@ -283,7 +285,8 @@ def measure(args: argparse.Namespace) -> dict:
     return {
         "params": n, "param_dtype": args.param_dtype, "moment_dtype": args.moment_dtype, "device": str(device),
         "dir": os.path.abspath(args.dir), "filesystem": fs.mount_of(args.dir).fstype, "o_direct": direct,
-        "bucket_numel": args.bucket_numel, "buckets": buckets, "largest_bucket_bytes": largest_bucket,
+        "bucket_numel": args.bucket_numel, "param_numel": args.param_numel, "buckets": buckets, "largest_bucket_bytes": largest_bucket,
+        "largest_bucket_numel": largest_bucket_numel,
         "state_bytes": state_bytes, "chunk_bytes": staging,
         # The bucket the last step left on the device (optim.held_buckets Note [the last bucket
         # stays]): a step after another one neither reads it nor writes it back.
@@ -330,6 +333,29 @@ def measure(args: argparse.Namespace) -> dict:
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
         "checkpoint": checkpoint, "state_dict": state_dict, "verify": verify,
     }
+
+
+def _buckets_words(r: dict) -> str:
+    """The buckets as built: a param larger than ``--bucket-numel`` gets a bucket of its
+    own, so the largest may exceed it."""
+    count = f"{r['buckets']} bucket{'s' if r['buckets'] != 1 else ''}"
+    largest = f"largest {r['largest_bucket_numel']:,} elements ({size_text(r['largest_bucket_bytes'])})"
+    if r["largest_bucket_numel"] > r["bucket_numel"]:
+        return (f"{count}, {largest}: a param over --bucket-numel {r['bucket_numel']:,} gets a bucket of its own "
+                f"(--param-numel {r['param_numel']:,})")
+    return f"{count} of up to --bucket-numel {r['bucket_numel']:,} elements, {largest}"
+
+
+def _why_no_io(r: dict) -> str:
+    """Why a step moved nothing through the disk: the bucket the last step kept on the
+    device, the host cache's buckets, or both, hold all of the state."""
+    reasons = []
+    if r["kept_bucket_bytes"]:
+        reasons.append("the one bucket stayed on the device between steps" if r["buckets"] == 1
+                       else "the bucket kept on the device between steps")
+    if r["cached_buckets"]:
+        reasons.append(f"{r['cached_buckets']} of {r['buckets']} buckets in the host cache")
+    return " and ".join(reasons) or "nothing streams"
 
 
 def _rss_now() -> dict:
@@ -475,65 +501,70 @@ def run(args: argparse.Namespace) -> int:
         return 0
     r = result
     print(f"bench stream: {r['params']:,} {r['param_dtype']} params, {r['moment_dtype']} moments, on {r['device']}; "
-          f"{r['buckets']} buckets of <= {r['bucket_numel']:,} elements, state {r['state_bytes'] / GB:.2f} GB "
+          f"{_buckets_words(r)}, state {size_text(r['state_bytes'])} "
           f"in {r['dir']} ({r['filesystem']}, O_DIRECT {'on' if r['o_direct'] else 'off'}, "
           f"checksums {'verified' if r['verify'] else 'OFF (--no-verify)'})")
     if r["host_cache_budget_bytes"]:
-        print(f"host cache: {r['cached_buckets']} of {r['buckets']} buckets, {r['host_cache_bytes'] / GB:.2f} GB of "
-              f"{r['host_cache_budget_bytes'] / GB:.2f} GB ({'pinned' if r['device'].startswith('cuda') else 'plain'} "
+        print(f"host cache: {r['cached_buckets']} of {r['buckets']} buckets, {size_text(r['host_cache_bytes'])} of "
+              f"{size_text(r['host_cache_budget_bytes'])} ({'pinned' if r['device'].startswith('cuda') else 'plain'} "
               "host memory); the rest streams")
-    print(f"raw disk (same run): read {r['raw_read_bytes_per_s'] / GB:.2f} GB/s, "
-          f"write {r['raw_write_bytes_per_s'] / GB:.2f} GB/s")
+    print(f"raw disk (same run): read {rate_text(r['raw_read_bytes_per_s'])}, "
+          f"write {rate_text(r['raw_write_bytes_per_s'])}")
     init_device = r["init_peak_device_bytes"]
     print(f"init: {r['init_seconds']:.2f} s"
-          + (f", peak device {init_device / GB:.2f} GB" if init_device is not None else ""))
+          + (f", peak device {size_text(init_device)}" if init_device is not None else ""))
     for i, s in enumerate(r["steps"], 1):
-        print(f"step {i}: {s['seconds']:.2f} s, state read {s['bytes_read'] / GB:.2f} GB + written "
-              f"{s['bytes_written'] / GB:.2f} GB, on disk {s['disk_bytes'] / GB:.2f} GB, "
-              f"{s['disk_bytes'] / s['seconds'] / GB:.2f} GB/s, CPU {s['cpu_seconds']:.2f} s"
-              + (f", peak device +{s['peak_device_bytes'] / GB:.2f} GB" if s["peak_device_bytes"] is not None else ""))
+        moved = (f"on disk {size_text(s['disk_bytes'])}, {rate_text(s['disk_bytes'] / s['seconds'])}" if s["disk_bytes"]
+                 else f"no disk I/O, no bandwidth measured ({_why_no_io(r)})")
+        print(f"step {i}: {s['seconds']:.2f} s, state read {size_text(s['bytes_read'])} + written "
+              f"{size_text(s['bytes_written'])}, {moved}, CPU {s['cpu_seconds']:.2f} s"
+              + (f", peak device +{size_text(s['peak_device_bytes'])}" if s["peak_device_bytes"] is not None else ""))
     if r["kept_bucket_bytes"]:
-        print(f"between steps one bucket ({r['kept_bucket_bytes'] / GB:.2f} GB) stays on the device: a step after "
+        print(f"between steps one bucket ({size_text(r['kept_bucket_bytes'])}) stays on the device: a step after "
               "another reads and writes that much less")
     if r["ratio"] is None:
-        print("disk bound 0 s: every bucket is in the host cache")
+        print(f"disk bound 0 s: the last step moved nothing through the disk ({_why_no_io(r)}); no step/bound ratio")
     else:
         print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
     if r["overlapped_ratio"] is not None:
-        print(f"reads and writes at once (same run): read {r['raw_mixed_read_bytes_per_s'] / GB:.2f} GB/s, write "
-              f"{r['raw_mixed_write_bytes_per_s'] / GB:.2f} GB/s; a fully overlapped step's bound "
+        print(f"reads and writes at once (same run): read {rate_text(r['raw_mixed_read_bytes_per_s'])}, write "
+              f"{rate_text(r['raw_mixed_write_bytes_per_s'])}; a fully overlapped step's bound "
               f"{r['overlapped_bound_seconds']:.2f} s, step / it {r['overlapped_ratio']:.2f}")
-    print(f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param stored; step / bound of "
-          f"the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} B/param "
-          f"({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}; with a probe after the steps "
-          f"too (read {r['raw_after_read_bytes_per_s'] / GB:.2f}, write {r['raw_after_write_bytes_per_s'] / GB:.2f} "
-          f"GB/s), against the mean of both bounds {r['full_master_ratio_bracketed']:.2f}")
-    print(f"{r['compression']}; {r['state']} state: on disk read {r['disk_bytes_read'] / GB:.2f} GB, written "
-          f"{r['disk_bytes_written'] / GB:.2f} GB per step ("
+    masters = f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param stored"
+    if r["ratio"] is None:  # a step that moved nothing is not compared with a bound that moves everything
+        print(masters)
+    else:
+        print(f"{masters}; step / bound of the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} "
+              f"B/param ({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}; with a probe after "
+              f"the steps too (read {rate_text(r['raw_after_read_bytes_per_s'])}, write "
+              f"{rate_text(r['raw_after_write_bytes_per_s'])}), against the mean of both bounds "
+              f"{r['full_master_ratio_bracketed']:.2f}")
+    print(f"{r['compression']}; {r['state']} state: on disk read {size_text(r['disk_bytes_read'])}, written "
+          f"{size_text(r['disk_bytes_written'])} in the last step ("
           + (f"{r['stored_ratio']:.2f}x smaller than the state" if r["stored_ratio"] is not None
-             else "none of the state went to disk") + "); "
-          f"1000 steps write {r['disk_bytes_written_per_1000_steps'] / 1e12:.2f} TB")
+             else f"it wrote nothing: {_why_no_io(r)}; the files hold what init and earlier steps wrote") + "); "
+          f"1000 such steps write {size_text(r['disk_bytes_written_per_1000_steps'])}")
     if r["checkpoint"] is not None:
         c = r["checkpoint"]
         i = c["in_step"]
         print(f"checkpoint in the step by {i['mode']}: {i['step_seconds']:.2f} s against plain steps "
               f"{i['plain_step_seconds'][0]:.2f} / {i['plain_step_seconds'][1]:.2f} s ({i['ratio']:.2f}x, "
               f"{i['extra_seconds']:+.2f} s, of it publish {i['publish_seconds']:.2f} s); extra read "
-              f"{i['extra_bytes_read'] / GB:.2f} GB, extra written {i['extra_bytes_written'] / GB:.2f} GB; "
+              f"{size_text(i['extra_bytes_read'])}, extra written {size_text(i['extra_bytes_written'])}; "
               f"the step after it {i['step_after_ratio']:.2f}x the one before")
-        print(f"checkpoint between steps ({c['save_kind']}) of {c['bytes'] / GB:.2f} GB: {c['save_seconds']:.2f} s, "
-              f"read {c['save_bytes_read'] / GB:.2f} GB, written {c['save_bytes_written'] / GB:.2f} GB; "
+        print(f"checkpoint between steps ({c['save_kind']}) of {size_text(c['bytes'])}: {c['save_seconds']:.2f} s, "
+              f"read {size_text(c['save_bytes_read'])}, written {size_text(c['save_bytes_written'])}; "
               f"verified load {c['load_seconds']:.2f} s")
     if r["state_dict"] is not None:
         for name, d in r["state_dict"].items():
-            print(f"{name.replace('_', ' ')}: {d['seconds']:.2f} s, {d['bytes'] / GB:.2f} GB, "
-                  f"{d['bytes'] / d['seconds'] / GB:.2f} GB/s; host RSS +{d['rss_growth_bytes'] / GB:.2f} GB "
-                  f"(anonymous +{d['anon_growth_bytes'] / GB:.2f} GB, budget staging + 1 GiB = "
-                  f"{(r['chunk_bytes'] + (1 << 30)) / GB:.2f} GB), "
-                  f"page cache +{d['page_cache_growth_bytes'] / GB:.2f} GB")
-    print(f"host RSS peak {r['host_rss_peak_bytes'] / GB:.2f} GB (budget {r['host_rss_budget_bytes'] / GB:.2f} GB: "
-          f"before + staging + 1 GiB; at init {r['init_host_rss_peak_bytes'] / GB:.2f} GB), "
-          f"page cache growth {r['page_cache_growth_bytes'] / GB:.3f} GB")
+            print(f"{name.replace('_', ' ')}: {d['seconds']:.2f} s, {size_text(d['bytes'])}, "
+                  f"{rate_text(d['bytes'] / d['seconds'])}; host RSS +{size_text(d['rss_growth_bytes'])} "
+                  f"(anonymous +{size_text(d['anon_growth_bytes'])}, budget staging + 1.1 GB = "
+                  f"{size_text((r['chunk_bytes'] + (1 << 30)))}), "
+                  f"page cache +{size_text(d['page_cache_growth_bytes'])}")
+    print(f"host RSS peak {size_text(r['host_rss_peak_bytes'])} (budget {size_text(r['host_rss_budget_bytes'])}: "
+          f"before + staging + 1.1 GB; at init {size_text(r['init_host_rss_peak_bytes'])}), "
+          f"page cache growth {size_text(r['page_cache_growth_bytes'])}")
     print("host RSS (anonymous) after: " + ", ".join(f"{name} {p['rss'] / GB:.2f} ({p['anon'] / GB:.2f}) GB"
                                                      for name, p in r["host_rss_phases"].items()))
     if peer_failed is not None:

@@ -7,8 +7,8 @@ import torch
 
 from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, OffloadConfig
-from greenroom.fs import human_bytes
 from greenroom.tensors import local_tensor
+from greenroom.units import rate_text, size_text
 
 
 def header(o: OffloadConfig, *, params: int, dtype: str, device: torch.device, world_size: int, backend: str,
@@ -50,8 +50,10 @@ def streaming_words(opt) -> str:
     """What streams and what stays resident on this rank."""
     streamed = sum(local_tensor(p).numel() for p in opt.streamed)
     resident = sum(local_tensor(p).numel() for p in opt.resident)
-    words = (f"{streamed:,} params stream ({human_bytes(opt.store.state_bytes)} of optimizer state "
-             f"in {len(opt.store.buckets)} bucket file(s), read and written back every optimizer step), "
+    words = (f"{streamed:,} params stream ({size_text(opt.store.state_bytes)} of optimizer state "
+             f"in {len(opt.store.buckets)} bucket file(s): each optimizer step reads every bucket and writes it "
+             "back, but the one it ends on stays on the device for the next step and is written back when the "
+             "actor sleeps, the run saves or it ends), "
              f"{resident:,} stay resident (fp32 params of at most {opt.resident_numel:,} elements)")
     if not streamed:
         words += ("; WARNING: nothing streams, every param is a small fp32 one: use --dtype mixed or bf16, "
@@ -79,13 +81,16 @@ def iteration_line(record: dict, *, on_disk: bool) -> str:
     rank dir, whose stored bytes the record counts."""
     return (f"iter {record['iteration']:>3}/{record['iterations']}  reward {record['reward']:.3f}  "
             f"loss {record['loss']:+.4f}  train {record['train_s']:.2f}s  rollout {record['rollout_s']:.2f}s  "
-            f"sleep {record['sleep_s']:.3f}s ({record['sleep_gbps']:.2f} GB/s, "
-            f"offloaded {human_bytes(record['offloaded_bytes'])}, wrote {human_bytes(record['sleep_written'])})  "
-            f"wake {record['wake_s']:.3f}s ({record['wake_gbps']:.2f} GB/s)  "
-            + (f"streamed read {human_bytes(record['stream_read_bytes'])} written "
-               f"{human_bytes(record['stream_written_bytes'])} ({record['stream_gbps']:.2f} GB/s"
-               + (f", {human_bytes(record['stream_kept_bytes'])} kept on the device"
+            f"sleep {record['sleep_s']:.3f}s ({rate_text(record['sleep_gbps'] * GB)}, "
+            f"offloaded {size_text(record['offloaded_bytes'])}, wrote {size_text(record['sleep_written'])})  "
+            f"wake {record['wake_s']:.3f}s ({rate_text(record['wake_gbps'] * GB)})  "
+            + (f"streamed read {size_text(record['stream_read_bytes'])} written "
+               f"{size_text(record['stream_written_bytes'])} ("
+               + (f"{size_text(record['stream_sleep_written_bytes'])} of it at sleep, "
+                  if record.get("stream_sleep_written_bytes") else "")
+               + f"steps {rate_text(record['stream_gbps'] * GB)}"
+               + (f", {size_text(record['stream_kept_bytes'])} kept on the device for the next step"
                   if record["stream_kept_bytes"] else "") + ")  "
-               if record["stream_read_bytes"] else "")
-            + (f"on disk {human_bytes(record['disk_stored_bytes'])}  " if on_disk else "") +
-            f"peak dev {record['peak_device_bytes'] / GB:.3f} GB  host {record['peak_host_rss'] / GB:.2f} GB")
+               if record["stream_read_bytes"] or record["stream_written_bytes"] else "")
+            + (f"on disk {size_text(record['disk_stored_bytes'])}  " if on_disk else "") +
+            f"peak dev {size_text(record['peak_device_bytes'])}  host {size_text(record['peak_host_rss'])}")

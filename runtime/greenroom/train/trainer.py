@@ -254,16 +254,22 @@ class Trainer:
                            "end": time.perf_counter() - self.start_time, "host_rss": self.memory.rss(),
                            "device_used": used, "actor_resident": resident})
 
+        # The streamed state's bytes over the whole iteration: the sleep writes back the
+        # bucket the previous step kept on the device (optim.held_buckets Note [the last
+        # bucket stays]), the steps read and write the rest.
+        stream_start = self._stream_counters()
         t = time.perf_counter()
         kill_point("sync")
         self.engine.sync_from(self.model)
         mark("sync", t)
         t = time.perf_counter()
+        before_sleep = self._stream_counters()
         with self._bar(1, "sleep") as bar:
             kill_point("sleep")
             slept = self.offloader.sleep()
             bar.update()
         mark("sleep", t)
+        sleep_written = self._stream_counters()["stream_written_bytes"] - before_sleep["stream_written_bytes"]
         t = time.perf_counter()
         with self.offloader.rollout_region(), self._bar(self.task.digits, "rollout") as bar:
             prompts = sample_prompts(self.task, c.prompts, gen).repeat_interleave(c.group_size, dim=0)
@@ -281,8 +287,9 @@ class Trainer:
         streamed_before = self._stream_counters()
         loss_sum, step_s = self._train_step(prompts, completions, old_logp, rewards, gen, save=save)
         mark("train", t)
-        streamed = {k: after - before for (k, after), before in zip(self._stream_counters().items(),
-                                                                     streamed_before.values())}
+        stream_end = self._stream_counters()
+        stepped = {k: stream_end[k] - streamed_before[k] for k in stream_end}
+        streamed = {k: stream_end[k] - stream_start[k] for k in stream_end}
         reward_mean, loss_mean = self._mean_over_ranks(rewards.mean().item(), loss_sum / c.minibatches)
         phase = {e["phase"]: e["end"] - e["start"] for e in events}
         return {
@@ -293,11 +300,15 @@ class Trainer:
             "wake_s": woke.seconds, "wake_bytes": woke.nbytes, "wake_gbps": woke.bytes_per_s / GB,
             "offloaded_bytes": slept.nbytes,
             **streamed, "stream_s": step_s,
-            # The bucket the last step left on the device (optim.held_buckets Note [the last bucket
-            # stays]): read this iteration, written back at the next sleep.
+            # Of stream_written_bytes, what this iteration's sleep wrote back: the bucket the
+            # previous iteration's last step kept on the device.
+            "stream_sleep_written_bytes": sleep_written,
+            # The bucket this iteration's last step left on the device: read this iteration,
+            # written back at the next sleep (or save, or exit).
             "stream_kept_bytes": getattr(getattr(self.optimizer, "store", None), "kept_bytes", 0),
-            "stream_gbps": (streamed["stream_read_bytes"] + streamed["stream_written_bytes"]) / step_s / GB
-            if step_s and streamed["stream_read_bytes"] else 0.0,
+            # The steps' own bytes over the steps' seconds (the sleep's write-back is timed in sleep_s).
+            "stream_gbps": (stepped["stream_read_bytes"] + stepped["stream_written_bytes"]) / step_s / GB
+            if step_s and stepped["stream_read_bytes"] else 0.0,
             "disk_stored_bytes": stored_bytes(self.rank_dir.path) if self.rank_dir is not None else 0,
             "kv_cache_bytes": self.engine.last_cache_bytes, "peak_device_bytes": peaks["device"],
             "peak_host_rss": self.memory.peak, "device": str(self.device), "world_size": self.world_size,
