@@ -39,11 +39,13 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
     counted = streamed_bytes_per_param("bf16", remainder=True) * 2_000_000
     assert counted <= r["state_bytes"] <= counted + r["buckets"] * 5 * 4096
     assert r["full_master_bytes"] == 8 * 2_000_000 and r["full_master_ratio"] < r["ratio"]
-    # `greenroom plan` counts whole masters (Megatron's mains): an upper bound here.
+    # `greenroom plan` counts the same layout, less the 4 KiB alignment of each bucket's
+    # segments (20 KiB at most per bucket: 0.002 % of a default 100M-element bucket).
     plan = json.loads(greenroom("plan", "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype",
                                 "bf16", "--offload-train-disk-dir", disk_dir, "--params", "2000000",
                                 "--world-size", "1", "--json", check_rc=0).stdout)
-    assert r["state_bytes"] <= plan["disk_bytes_per_rank"]["streaming"]
+    assert plan["disk_bytes_per_rank"]["streaming"] == int(counted)
+    assert plan["disk_bytes_per_rank"]["streaming"] <= r["state_bytes"] <= counted + r["buckets"] * 5 * 4096
     # The bound is the bench's bytes at the raw rates it measured in the same run.
     assert r["disk_bound_seconds"] > 0 and r["ratio"] > 0
     assert len(r["steps"]) == 2
@@ -99,10 +101,30 @@ def test_bench_stream_with_a_host_cache_moves_only_the_uncached_buckets(disk_dir
     every = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--master-layout", "fp32",
                       "--stream-optimizer-state-host-cache-gb", "0.04",
                       check_rc=0).stdout
-    assert "host cache: 5 of 5 buckets" in every and "on disk 0.00 GB" in every
-    assert "every bucket is in the host cache" in every
-    # Nothing written to disk: no stored ratio (was "0.00x smaller than the state").
-    assert "written 0.00 GB per step (none of the state went to disk)" in every
+    assert "host cache: 5 of 5 buckets" in every and "no disk I/O, no bandwidth measured (" in every
+    assert "disk bound 0 s: the last step moved nothing through the disk (" in every
+    assert "5 of 5 buckets in the host cache" in every
+    # Nothing written to disk in the last step: no stored ratio, and the files init wrote
+    # are not denied.
+    assert "written 0 B in the last step (it wrote nothing: " in every
+    assert "the files hold what init and earlier steps wrote" in every and "none of the state went" not in every
+    assert os.listdir(disk_dir) == []
+
+
+def test_bench_stream_on_a_run_of_one_bucket_says_nothing_false(disk_dir):
+    """One 2M-element param over --bucket-numel 500,000: one bucket, larger than the cap,
+    kept on the device after the first step, so the second moves nothing through the
+    disk. No "<= 500,000 elements", no host cache where there is none, no "0.00 GB/s"."""
+    out = greenroom("bench", "stream", disk_dir, "--params", "2000000", "--bucket-numel", "500000", "--param-numel",
+                    "2000000", "--chunk-mb", "8", "--raw-size", "16MiB", "--compression", "none", check_rc=0).stdout
+    assert ("1 bucket, largest 2,000,000 elements (20.0 MB): a param over --bucket-numel 500,000 gets a bucket of "
+            "its own") in out
+    assert "<=" not in out and "host cache" not in out and "0.00 GB" not in out
+    [step2] = [line for line in out.splitlines() if line.startswith("step 2:")]
+    assert "no disk I/O, no bandwidth measured (the one bucket stayed on the device between steps)" in step2
+    assert ("disk bound 0 s: the last step moved nothing through the disk (the one bucket stayed on the device "
+            "between steps); no step/bound ratio") in out
+    assert "none of the state went to disk" not in out and "1000 such steps write 0 B" in out
     assert os.listdir(disk_dir) == []
 
 
