@@ -112,11 +112,39 @@ def test_default_run_learns(disk_dir):
         # disk, and the rank dir holds the files.
         header = result.stdout.splitlines()[0]
         assert "params stream (" in header and "stay resident" in header and "WARNING" not in header
-        for r in rows:
-            assert r["stream_read_bytes"] == r["stream_written_bytes"] + r["stream_kept_bytes"] > 0
+        for previous, r in zip([None, *rows], rows):
+            # The sleep writes back the bucket the previous iteration's last step kept.
+            assert r["stream_sleep_written_bytes"] == (previous["stream_kept_bytes"] if previous else 0)
+            assert r["stream_read_bytes"] - r["stream_kept_bytes"] == (r["stream_written_bytes"]
+                                                                       - r["stream_sleep_written_bytes"])
             assert r["stream_kept_bytes"] > 0
             assert r["stream_disk_read_bytes"] > 0 and r["disk_stored_bytes"] > 0 and r["offloaded_bytes"] > 0
         assert all("streamed read" in line for line in result.stdout.splitlines() if line.startswith("iter "))
+
+
+@needs_streaming
+def test_the_lines_count_the_write_back_of_the_kept_bucket_at_sleep(disk_dir):
+    """Every iteration after the first writes the optimizer state back when the actor
+    sleeps (the bucket the last step kept on the device): the line and the record count it
+    where the steps alone wrote nothing, and the header says when it happens."""
+    metrics = os.path.join(disk_dir, "m.jsonl")
+    result = train([*SMALL, "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
+                    "--offload-train-disk-dir", os.path.join(disk_dir, "o"), "--offload-train-disk-compression",
+                    "none", "--metrics", metrics])
+    header, *lines = result.stdout.splitlines()
+    assert "read and written back every optimizer step" not in header
+    assert "is written back when the actor sleeps, the run saves or it ends" in header
+    rows = records(metrics)
+    state = rows[0]["stream_read_bytes"]
+    assert state > 0 and rows[0]["stream_kept_bytes"] == state  # one bucket: kept after every step
+    for r in rows[1:]:
+        assert r["stream_written_bytes"] == r["stream_sleep_written_bytes"] == state
+    iterations = [line for line in lines if line.startswith("iter ")]
+    assert "written 0 B" in iterations[0]
+    shown = f"{state / 1e3:.1f} KB"  # --d-model 32: 274.4 KB of state
+    for line in iterations[1:]:
+        assert f"streamed read {shown} written {shown} ({shown} of it at sleep, steps " in line
+    assert "0.00 GB/s" not in result.stdout
 
 
 @needs_streaming
