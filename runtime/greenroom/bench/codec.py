@@ -22,7 +22,7 @@ from greenroom.config import COMPRESSIONS, GB, MIB, check_device_bytes, check_di
 from greenroom.diskio import align_up
 from greenroom.errors import ConfigError
 from greenroom.rankdir import RankDir, check_existing_root
-from greenroom.units import parse_bytes
+from greenroom.units import parse_bytes, rate_text, size_text
 
 CHUNK = 64 * MIB  # one staging buffer of the default 256 MiB chunk
 FRAME = MIB
@@ -178,13 +178,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(r, sort_keys=True))
         return 0 if r["bit_exact"] else 1
-    print(f"bench codec {r['compression']} on {r['device']}, {r['bytes'] / GB:.2f} GB of {r['state']} state in "
+    print(f"bench codec {r['compression']} on {r['device']}, {size_text(r['bytes'])} of {r['state']} state in "
           f"1 MiB frames, {r['threads']} thread(s): ratio {r['ratio']:.3f}, bit-exact: {r['bit_exact']}")
-    line = f"encode {r['encode_bytes_per_s'] / GB:.2f} GB/s, decode {r['decode_bytes_per_s'] / GB:.2f} GB/s"
+    line = f"encode {rate_text(r['encode_bytes_per_s'])}, decode {rate_text(r['decode_bytes_per_s'])}"
     if "decode_kept_bytes_per_s" in r:
-        line += f" ({r['decode_kept_bytes_per_s'] / GB:.2f} GB/s with decoders kept)"
+        line += f" ({rate_text(r['decode_kept_bytes_per_s'])} with decoders kept)"
     if "raw_write_bytes_per_s" in r:
-        line += (f"; raw disk write {r['raw_write_bytes_per_s'] / GB:.2f} GB/s ({r['encode_vs_disk']:.2f}x), "
-                 f"read {r['raw_read_bytes_per_s'] / GB:.2f} GB/s ({r['decode_vs_disk']:.2f}x)")
+        line += (f"; raw disk write {rate_text(r['raw_write_bytes_per_s'])} ({r['encode_vs_disk']:.2f}x), "
+                 f"read {rate_text(r['raw_read_bytes_per_s'])} ({r['decode_vs_disk']:.2f}x)")
     print(line)
     return 0 if r["bit_exact"] else 1

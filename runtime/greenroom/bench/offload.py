@@ -32,7 +32,7 @@ from greenroom.compression import resolve as resolve_compression
 from greenroom.config import GB, GIB, MIB, OffloadConfig, check_device_bytes, check_disk_bytes, check_host_bytes
 from greenroom.errors import ConfigError
 from greenroom.rankdir import check_existing_root
-from greenroom.units import bytes_or_zero, parse_bytes, positive_int
+from greenroom.units import bytes_or_zero, parse_bytes, positive_int, rate_text, size_text
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=True))
         return 0 if result["bit_exact"] else 1
     r = result
-    print(f"bench offload: {r['tracked_bytes'] / GIB:g} GiB tracked + {r['untracked_bytes'] / GIB:g} GiB untracked "
+    print(f"bench offload: {size_text(r['tracked_bytes'])} tracked + {size_text(r['untracked_bytes'])} untracked "
           f"on {r['device']}, "
           f"target {r['target']}, backend {r['backend']} (mover {r['mover']}), chunk {r['chunk_mb']} MiB"
           + (f", checksums {'verified' if r['verify'] else 'OFF (--no-verify)'}" if r["target"] == "disk" else ""))
@@ -285,14 +285,14 @@ def run(args: argparse.Namespace) -> int:
         print("  bound: a plain pinned copy of the same bytes, probed before each cycle")
     for i, c in enumerate(r["cycles"], 1):
         b = c["bound"]
-        print(f"  cycle {i}: sleep {c['sleep_s']:.2f}s ({c['sleep_bytes_per_s'] / GB:.2f} GB/s, "
-              f"{c['sleep_ratio']:.2f} of {unit[0]} {b[unit[0] + '_bytes_per_s'] / GB:.2f})  "
-              f"wake {c['wake_s']:.2f}s ({c['wake_bytes_per_s'] / GB:.2f} GB/s, "
-              f"{c['wake_ratio']:.2f} of {unit[1]} {b[unit[1] + '_bytes_per_s'] / GB:.2f})  "
-              f"moved {c['sleep_copied'] / GB:.2f} of {c['sleep_covered'] / GB:.2f} GB "
-              f"({c['disk_bytes_written'] / GB:.2f} GB on disk)  "
+        print(f"  cycle {i}: sleep {c['sleep_s']:.2f}s ({rate_text(c['sleep_bytes_per_s'])}, "
+              f"{c['sleep_ratio']:.2f} of {unit[0]} {rate_text(b[unit[0] + '_bytes_per_s'])})  "
+              f"wake {c['wake_s']:.2f}s ({rate_text(c['wake_bytes_per_s'])}, "
+              f"{c['wake_ratio']:.2f} of {unit[1]} {rate_text(b[unit[1] + '_bytes_per_s'])})  "
+              f"moved {size_text(c['sleep_copied'])} of {size_text(c['sleep_covered'])} "
+              f"({size_text(c['disk_bytes_written'])} on disk)  "
               f"CPU: sleep {c['sleep_cpu_s']:.2f}s, wake {c['wake_cpu_s']:.2f}s  "
-              f"peak host RSS {c['peak_host_rss'] / GB:.2f} GB")
+              f"peak host RSS {size_text(c['peak_host_rss'])}")
     which = "cycles 2.." if len(r["cycles"]) > 1 else "the cycle"
     print(f"  worst of {which} vs its bound: sleep {r['sleep_ratio']:.2f}, wake {r['wake_ratio']:.2f}; "
           f"bit-exact: {r['bit_exact']}; {r['compression']} ({r['state']} state)")
@@ -302,6 +302,6 @@ def run(args: argparse.Namespace) -> int:
               f"wake {r['wake_time_ratio_bracketed']:.2f}")
     if r["host_rss_budget"] is not None:
         verdict = "within" if r["peak_host_rss"] <= r["host_rss_budget"] else "OVER"
-        print(f"  peak host RSS {r['peak_host_rss'] / GB:.2f} GB, {verdict} the budget "
-              f"{r['host_rss_budget'] / GB:.2f} GB (start + chunk + 1 GiB)")
+        print(f"  peak host RSS {size_text(r['peak_host_rss'])}, {verdict} the budget "
+              f"{size_text(r['host_rss_budget'])} (start + chunk + 1.1 GB)")
     return 0 if r["bit_exact"] else 1

@@ -74,7 +74,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.disk_dir(parser, required=True, positional=True, help="a dir on node-local NVMe for the bucket files")
     cliflags.moment_dtype(parser)
     parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
-                        help="bf16: master + moments stream (12 B/param in fp32); fp32: moments only")
+                        help="bf16: master and moments stream, 10.014 B/param stored with fp32 moments in the default "
+                             "master layout (remainder; 12 with --master-layout fp32); fp32: moments only (8 B/param)")
     cliflags.master_layout(parser)
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default %(default)s)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="elements per bucket")
