@@ -216,6 +216,9 @@ def test_every_help_shows_each_options_default(argv):
             continue
         assert "default" in formatter._get_help_string(action), f"{' '.join(argv)} {action.option_strings[0]}"
     assert "(default: 1)" in _parser_of(["plan"]).format_help()  # --world-size
+    # bench stream --param-dtype says what its default layout stores, not the whole-master 12 B.
+    [param_dtype] = [a for a in _parser_of(["bench", "stream"])._actions if "--param-dtype" in a.option_strings]
+    assert "10.014 B/param stored with fp32 moments in the default master layout" in param_dtype.help
 
 
 def test_plan_help_has_only_flags_that_mean_something_to_a_plan():
