@@ -145,6 +145,9 @@ def test_the_lines_count_the_write_back_of_the_kept_bucket_at_sleep(disk_dir):
     for line in iterations[1:]:
         assert f"streamed read {shown} written {shown} ({shown} of it at sleep, steps " in line
     assert "0.00 GB/s" not in result.stdout
+    # The last iteration's kept bucket is written back as the run closes, and said.
+    assert f"exit: {shown} of streamed optimizer state written back (the bucket the last step kept on the device)" \
+        in result.stdout
 
 
 @needs_streaming

@@ -89,7 +89,7 @@ def iteration_line(record: dict, *, on_disk: bool) -> str:
                + (f"{size_text(record['stream_sleep_written_bytes'])} of it at sleep, "
                   if record.get("stream_sleep_written_bytes") else "")
                + f"steps {rate_text(record['stream_gbps'] * GB)}"
-               + (f", {size_text(record['stream_kept_bytes'])} kept on the device for the next step"
+               + (f", {size_text(record['stream_kept_bytes'])} kept on the device"
                   if record["stream_kept_bytes"] else "") + ")  "
                if record["stream_read_bytes"] or record["stream_written_bytes"] else "")
             + (f"on disk {size_text(record['disk_stored_bytes'])}  " if on_disk else "") +

@@ -33,6 +33,7 @@ from greenroom.train.loss import policy_loss
 from greenroom.train.model import ModelConfig, Transformer, set_precision
 from greenroom.train.rollout import RolloutEngine
 from greenroom.train.task import TaskConfig, reward, sample_prompts
+from greenroom.units import size_text
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 
@@ -199,7 +200,7 @@ class Trainer:
             optimizer = StreamingAdam.from_config(params, self.offload, self.rank_dir, lr=self.config.lr,
                                                   weight_decay=self.config.weight_decay, **layout)
             if hasattr(optimizer, "close"):
-                self._stack.callback(optimizer.close)
+                self._stack.callback(self._close_optimizer, optimizer)
             return optimizer
         # The same implementation StreamingAdam uses (fused on CUDA, foreach elsewhere), so
         # fp32 streaming on or off trains bit-identically.
@@ -375,6 +376,20 @@ class Trainer:
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
+
+    def _close_optimizer(self, optimizer) -> None:
+        """Close the streaming optimizer, and say what its close wrote back: the bucket the
+        last step kept on the device, which no iteration's line counts."""
+        try:
+            store = optimizer.store
+        except AssertionError:  # closed already (a cleanup after a failed close): nothing to count
+            store = None
+        before = store.bytes_written if store is not None else 0
+        optimizer.close()
+        written = (store.bytes_written - before) if store is not None else 0
+        if written:
+            self._say(f"exit: {size_text(written)} of streamed optimizer state written back (the bucket the "
+                      "last step kept on the device)")
 
     def _say(self, line: str) -> None:
         if self.rank == 0:
