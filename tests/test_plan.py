@@ -289,5 +289,20 @@ def test_plan_reports_the_hbm_the_rollout_engine_gets_while_the_actor_sleeps():
     [line] = [l for l in out.splitlines() if l.startswith("rollout:")]
     assert line.startswith("rollout:    78.5 GB of 80.0 GB HBM free while the actor sleeps; the actor keeps none")
     assert "the CUDA context 0.5 GB and NCCL's buffers 1.0 GB stay (assumed: --cuda-context-gb, --nccl-gb" in line
+    full = greenroom("plan", "--params", "7B", "--gpu-memory-gb", "80", "--world-size", "8", "--sharding", "optimizer",
+                     "--nccl-gb", "45", check_rc=0).stdout  # 38.5 GB kept + 0.5 + 45 GB of NCCL
+    assert "rollout:    NO HBM free while the actor sleeps: what stays takes all of the GPU's 80.0 GB" in full
     none = greenroom("plan", "--params", "7B", "--offload-train", check_rc=0).stdout
     assert "rollout:    HBM free while the actor sleeps not judged: no --gpu-memory-gb" in none
+
+
+def test_the_disk_advice_for_the_seeds_shape(tmp_path):
+    """The seed's shape on a node whose disk holds less than its 4 ranks' 931.3 GB: at
+    DP=1 nothing shards, so bf16 moments, fewer ranks per node or a larger disk."""
+    p = plan({"stream_optimizer_state_to_disk": True, "offload_train_disk_dir": str(tmp_path)}, **SEED)
+    if p["free_bytes"] >= p["disk_bytes_per_node"]:
+        pytest.skip("this disk holds the seed's 931 GB per node")
+    [line] = p["problems"]
+    assert line.endswith("the node's 4 rank(s) need 931.3 GB: --stream-optimizer-state-moment-dtype bf16 (559.3 GB "
+                         "per node); or fewer ranks per node (each needs 232.8 GB; more nodes or more model "
+                         "parallelism); or a disk dir with more free space")

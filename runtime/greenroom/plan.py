@@ -329,7 +329,9 @@ def _rollout_words(plan: dict) -> str:
              "(assumed: --cuda-context-gb, --nccl-gb; activations and the allocator's cache are given back at sleep)")
     if ro["free"] is None:
         return f"HBM free while the actor sleeps not judged: no --gpu-memory-gb; {stays}"
-    return f"{_gb(max(ro['free'], 0))} of {_gb(plan['gpu_memory'])} HBM free while the actor sleeps; {stays}"
+    if ro["free"] <= 0:
+        return f"NO HBM free while the actor sleeps: what stays takes all of the GPU's {_gb(plan['gpu_memory'])}; {stays}"
+    return f"{_gb(ro['free'])} of {_gb(plan['gpu_memory'])} HBM free while the actor sleeps; {stays}"
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
