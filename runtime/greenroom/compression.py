@@ -15,47 +15,46 @@ Codecs (``--offload-train-disk-compression``):
     nvCOMP's ANS on the GPU (the ``nvidia-nvcomp-cu13``/``-cu12`` wheel of torch's CUDA
     major): byte planes; a frame of 2-byte elements keeps the smaller of byte planes and
     nvCOMP's 16-bit mode (Note [16-bit frames]).
-    Runs on the device before the bytes cross to the host, at 31-50 GB/s each way in
-    the engine's calls on an H100, 15-25x its disk (Note [batched decode]). What ``auto`` runs
-    where CUDA is up and the wheel loads.
+    Runs on the device before the bytes cross to the host, many times faster than the
+    disk each way in the engine's calls (Note [batched decode]; docs/benchmarks.md,
+    'Compression: the codec alone'). What ``auto`` runs where CUDA is up and the wheel
+    loads.
 ``zstd``
     Byte planes, then Zstandard level 1 on the host, in the engine's I/O threads. The same
     frame format, for machines without a GPU (and the CI). It compresses about as well but
-    runs at 0.3-0.8 GB/s per core, slower than an NVMe disk, so ``auto`` does not pick it.
+    runs slower per core than an NVMe disk (docs/benchmarks.md, 'Compression: the codec
+    alone'), so ``auto`` does not pick it.
 
 Note [byte planes]: the bytes of a float differ in how random they are: the sign and
 exponent byte repeats across neighbouring elements while the low mantissa bytes are
 near noise. Interleaved, a byte-oriented coder sees noise everywhere; split into planes
 (plane k holds byte k of every element, a pure permutation of the frame) the exponent
-plane compresses several-fold and the noise planes cost what they are. Measured on a
-trained model's state: ANS alone 1.05-1.5x, planes + ANS 1.16-1.77x (issue 16).
+plane compresses several-fold and the noise planes cost what they are. On a trained
+model's state ANS over the planes stores every kind of tensor smaller than ANS over the
+interleaved bytes.
 
 Note [16-bit frames]: for 2-byte elements (bf16 weights and moments, the masters'
 remainders) byte planes split the exponent: bf16's high byte is the sign and seven
 exponent bits, its low byte the last exponent bit and the mantissa, so the one
 compressible field is cut in two and the sign sits with it. nvCOMP's ANS has a mode for
 16-bit floats (``data_type="<f2"``) that models the element itself; on the bench's
-trained bf16 weights (H200, nvCOMP 6.0.0.12 with its default chunks, 64-byte headers and
-page padding counted) it stored them 1.454x smaller against 1.429x for byte planes (an
-order-0 entropy bound of the two byte planes: 1.482), but it stored the streamed step's
-bf16 Adam moments about 2 % larger than byte planes did. Neither mode wins on every kind
-of tensor, and the engine does not know what a frame holds, so a 2-byte frame is coded
-both ways (two GPU passes at about 25 GB/s each, against a disk of 2) and keeps the
-smaller: the 1e9 bf16-moment step then stored 4.72 GB, against 4.84 GB in the 16-bit
-mode alone. Frames of the 16-bit mode carry their own codec id (``NVCOMP_F16_ID``), so a
-greenroom that predates them refuses the file in one line instead of decoding it as
-planes.
+trained bf16 weights it stores them smaller than byte planes do, but it stores the
+streamed step's bf16 Adam moments larger (docs/benchmarks.md, 'Compression: the codec
+alone'). Neither mode wins on every kind of tensor, and the engine does not know what a
+frame holds, so a 2-byte frame is coded both ways (two GPU passes, each far faster than
+the disk) and keeps the smaller, which stores the bf16-moment step in fewer bytes than
+either mode alone. Frames of the 16-bit mode carry their own codec id
+(``NVCOMP_F16_ID``), so a greenroom that predates them refuses the file in one line
+instead of decoding it as planes.
 
 Note [ANS chunks]: nvCOMP's ANS cuts its input into chunks (64 KiB by default), each
 with its own frequency table, and each chunk into sub-chunks (8 by default) with their
 own coder states; both cost stored bytes in every chunk. Larger chunks pay them less
 often, but a chunk that straddles two byte planes codes both under one table, so a
 chunk must not be larger than a plane: a quarter of a frame, the plane of a 4-byte
-frame. Measured on the bench's trained state (H200, nvCOMP 6.0.0.12, 64 one-MiB frames
-per call), 256 KiB chunks of 4 sub-chunks against the defaults: bf16 weights 1.458x ->
-1.504x (16-bit mode), bf16 exp_avg 1.410x -> 1.447x, bf16 exp_avg_sq 1.553x -> 1.586x
-(planes), fp32 master 1.156x -> 1.191x, fp32 exp_avg_sq 1.193x -> 1.223x (planes); 1 MiB
-chunks dropped fp32 planes to 1.08x. Decode ran at 45-80 GB/s throughout. The bitstream
+frame. On the bench's trained state 256 KiB chunks of 4 sub-chunks store every kind of
+tensor smaller than nvCOMP's defaults, and 1 MiB chunks store fp32 planes much worse
+(docs/benchmarks.md, 'Compression: the codec alone', by kind of tensor). The bitstream
 records how it was cut, so the decoder is built without these options: given a sub-chunk
 count smaller than the stream's, nvCOMP 6.0 decoded a payload of its defaults to wrong
 bytes without an error (files written before these options must still read).
@@ -63,15 +62,14 @@ bytes without an error (files written before these options must still read).
 Note [batched decode]: a chunk's frames decode in one nvCOMP call per coding, into one
 scratch buffer at the frames' own offsets (``out=``: nvCOMP allocates no output), and each
 run of back-to-back frames of one length and element size is joined from its planes in
-one kernel, as the encoder splits them. The kernels are fast (45-80 GB/s, Note [ANS
-chunks]); what cost the decoder half the encoder's rate at one thread was the per-frame
-work around them, 64 times per 64 MiB chunk: an output allocation called back into Python,
-a tensor made from each nvCOMP array and one transpose launch per frame. The encoder does
-the same: its payloads go into one buffer with nvCOMP's worst-case room for each, and are
-views of it. On an H100 (bench codec, 1 GiB of trained fp32 state, 1 and 4 threads,
-twentieth session, docs/benchmarks.md) decode went from 11-22 GB/s to 31-49 GB/s and
-encode from 21-32 to 33-50 GB/s. Every payload is decoded from its offset in the chunk's
-one device copy, never copied out frame by frame.
+one kernel, as the encoder splits them. The kernels are fast; what cost the decoder
+half the encoder's rate at one thread was the per-frame work around them, 64 times per
+64 MiB chunk: an output allocation called back into Python, a tensor made from each
+nvCOMP array and one transpose launch per frame. The encoder does the same: its payloads
+go into one buffer with nvCOMP's worst-case room for each, and are views of it. Batched,
+both run well faster than frame by frame (docs/benchmarks.md, 'Design measurements').
+Every payload is decoded from its offset in the chunk's one device copy, never copied
+out frame by frame.
 
 Note [frame checks]: a stored frame is checked three ways before its bytes are used:
 the engine's position-weighted sums of the stored bytes and of the file's record of the
@@ -192,10 +190,10 @@ class NvcompPlanes:
         from nvidia import nvcomp
 
         self._nvcomp = nvcomp
-        # One codec call at a time: measured on the H200, four I/O threads calling at
-        # once ran 2.9 GB/s together (they contend for the GIL and the launch path), one
-        # at a time 11 GB/s; the disk is the slower side either way, and the other threads
-        # keep it busy meanwhile.
+        # One codec call at a time: four I/O threads calling at once ran several times
+        # slower together than one at a time (they contend for the GIL and the launch
+        # path; docs/benchmarks.md, 'Design measurements'); the disk is the slower side
+        # either way, and the other threads keep it busy meanwhile.
         self._lock = threading.Lock()
         self._bounds: dict[tuple[bool, int], int] = {}
         # nvCOMP's own allocator cudaMallocs and cudaFrees its scratch and outputs on every
@@ -205,11 +203,12 @@ class NvcompPlanes:
         nvcomp.set_device_allocator(_TorchDeviceBlock)
 
     def _codec(self, stream: torch.cuda.Stream, half: bool, *, encoding: bool):
-        # Bound to ``stream``: a codec keeps its scratch (86 MiB for a 64 MiB batch,
-        # measured on the H200) for as long as it lives, and a sleeping actor must give
-        # every byte of it back, so an encoder lives for one call and the engine drops its
-        # decoders when no read needs them (Note [kept decoders] of greenroom.frames). The
-        # scratch comes from torch's cache, so the next codec's is a reuse, not a cudaMalloc.
+        # Bound to ``stream``: a codec keeps its scratch (more than the batch it codes:
+        # docs/benchmarks.md, 'Design measurements') for as long as it lives, and a sleeping
+        # actor must give every byte of it back, so an encoder lives for one call and the
+        # engine drops its decoders when no read needs them (Note [kept decoders] of
+        # greenroom.frames). The scratch comes from torch's cache, so the next codec's is a
+        # reuse, not a cudaMalloc.
         options = {"data_type": "<f2"} if half else {}  # Note [16-bit frames]
         if encoding:  # a decoder takes them from the bitstream (Note [ANS chunks])
             options.update(ANS_CHUNKS)
@@ -347,11 +346,11 @@ def _by_flag(flags: list[bool]) -> list[tuple[bool, list[int]]]:
 
 
 # Stored bytes per raw byte expected on a trained model's state, per kind of tensor: what
-# ``greenroom plan`` reports. nvcomp-ans: the issue's measurement on a 207M-param Llama
-# after 5 AdamW steps (H200, nvCOMP 6.0, byte planes, nvCOMP's default chunks; Note [ANS
-# chunks] stores 2-3 % less), except bf16 weights: the offload bench's trained actor, 8 GiB
-# stored as 5.74 GB (Note [16-bit frames], Note [ANS chunks]); zstd: a 2-layer
-# MLP after 20 AdamW steps (docs/benchmarks.md). Kinds not measured count as incompressible.
+# ``greenroom plan`` reports. nvcomp-ans: a 207M-param Llama after 5 AdamW steps (byte
+# planes, nvCOMP's default chunks; Note [ANS chunks] stores a little less), except bf16
+# weights: the offload bench's trained actor (Note [16-bit frames], Note [ANS chunks];
+# docs/benchmarks.md, 'Actor offload'); zstd: a 2-layer MLP after 20 AdamW steps. Kinds
+# not measured count as incompressible.
 EXPECTED_RATIO = {
     "nvcomp-ans": {"fp32 master": 1.16, "fp32 exp_avg": 1.30, "fp32 exp_avg_sq": 1.36, "bf16 weights": 1.49,
                    "bf16 exp_avg": 1.60, "bf16 exp_avg_sq": 1.77},
@@ -377,10 +376,9 @@ NVCOMP_F16_ID = 3
 class _TorchDeviceBlock:
     """Device memory for nvCOMP from torch's caching allocator (``ptr`` is what it reads),
     zeroed: nvCOMP's ANS encoder carries bytes of its scratch into the payloads it writes.
-    On an H100 (twenty-fifth session) the same fp32 frames encoded twice in a row differed
-    at 122-193 bytes of 3.5 MB, and bf16 frames, after other data had passed through the
-    pool, at 420-500; every payload decoded exactly either way. With zeroed scratch every
-    encode matched. A stored file must be a function of the state it holds (a retried
+    Unzeroed, the same frames encoded twice gave payloads that differed (each still
+    decoding exactly); zeroed, every encode matched (docs/benchmarks.md, 'Design
+    measurements'). A stored file must be a function of the state it holds (a retried
     write, a checkpoint written twice), and the memset runs at the device's memory rate,
     far above the encoder's."""
 

@@ -72,8 +72,9 @@ def _aligned_backing(nbytes: int, pin: bool) -> torch.Tensor:
 
     Pinned, the exact size first: torch's pinned allocator rounds each block up to a power
     of two, so the 4 KiB of slack a misaligned start would need made a 256 MiB staging pin
-    512 MiB (measured on the H200: ``pinned_host`` in ``bench stream``). Its blocks of a
-    power-of-two size start on a page; the slack is only added where one did not."""
+    512 MiB (``pinned_host`` in ``bench stream``; docs/benchmarks.md, 'Design
+    measurements'). Its blocks of a power-of-two size start on a page; the slack is only
+    added where one did not."""
     if pin:
         exact = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         if exact.data_ptr() % ALIGNMENT == 0:

@@ -21,49 +21,41 @@ range (no frame stores more than its raw bytes), so a transfer never touches the
 of another, and a unit or bucket rewritten whole fits where it was. A chunk is placed
 once the one before it is (chunks take their buffers in order, so the one before is
 already running); the first chunk, and one whose frames' shifts could pass
-``MAX_SHIFT`` (the record is an int32), start at their own place. On the H200 the raw
-disk read a contiguous file in 4 requests of 64 MiB at a time 18 % faster than in 8 of
-16 MiB (``docs/benchmarks.md``, tenth session), and only a contiguous run gives a
-reader requests that large (Note [copy while reading]).
+``MAX_SHIFT`` (the record is an int32), start at their own place. The raw disk reads a
+contiguous file faster in 4 requests of 64 MiB at a time than in 8 of 16 MiB
+(docs/benchmarks.md, 'Design measurements'), and only a contiguous run gives a reader
+requests that large (Note [copy while reading]).
 
 Note [decode after the slot]: a read's device frames decode from their one device copy,
 after the chunk's staging buffer has gone back to the engine, so the next read into that
-buffer runs while they decode. Holding it through the decode kept the disk waiting: on
-the H200 an 8 GiB wake had on average 2.7 of its 4 reads in flight and, in the slowest
-runs, no read at all for 0.9 s of its 5.2 s, while the I/O threads queued for the codec
-(decodes of a 64 MiB chunk took 12-60 ms there, against 14 ms alone). The engine keeps
-twice as many I/O threads as buffers, so a thread that decodes does not hold back one
-that reads.
+buffer runs while they decode. Holding it through the decode kept the disk waiting: a
+wake had well under its 4 reads in flight while the I/O threads queued for the codec
+(docs/benchmarks.md, 'Design measurements'). The engine keeps twice as many I/O threads
+as buffers, so a thread that decodes does not hold back one that reads.
 
-Note [copy while reading]: a chunk bound for the device is read in pieces by the
-engine's own pool of readers (``DeviceReads``), and each piece is copied to the device as
-soon as it is in: the chunk's buffer is free soon after its last byte arrives. Read whole
-by the chunk's thread and then copied, the four chunks' reads of a wake shared the disk,
-finished together and were copied together: on the H200 no read (or one) was in flight
-for 12 ms of every 80. How large and how many the pieces are depends on what else the
-disk does. An engine that reads beside its own writes (a streamed step, the default
-``BESIDE_WRITES``) reads 16 MiB pieces, 8 in flight: all 8 were in flight for 92 % of a
-wake, and the step keeps its share of the disk against the write-backs. An engine whose
-reads have the disk alone (the actor's, whose wake only reads: ``READS_ALONE``) reads
-each chunk's stored bytes, contiguous since Note [compact transfers], in one request of
-up to 64 MiB, 4 in flight: the raw disk there read 4 x 64 MiB requests 18 % faster than
-8 x 16 MiB (three rounds; 7-33 %), and a wake read its stored bytes 13-15 % faster than
-the ninth session's (gaps, 16 MiB pieces, 8 in flight) in the same calls
-(``docs/benchmarks.md``, tenth session). With 64 MiB pieces on a streamed step too, one
-fp32-moment step ran at 0.83 of its bound against 0.58 for the ninth session's path in
-the same call, so the step keeps the default.
+Note [copy while reading]: a chunk bound for the device is read in pieces by the engine's
+own pool of readers (``DeviceReads``), and each piece is copied to the device as soon as it
+is in: the chunk's buffer is free soon after its last byte arrives. Read whole by the
+chunk's thread and then copied, the four chunks' reads of a wake shared the disk, finished
+together and were copied together, with no read (or one) in flight meanwhile
+(docs/benchmarks.md, 'Design measurements'). How large and how many the pieces are depends
+on what else the disk does. An engine that reads beside its own writes (a streamed step, the
+default ``BESIDE_WRITES``) reads 16 MiB pieces, 8 in flight: all 8 are in flight nearly all
+of a wake, and the step keeps its share of the disk against the write-backs. An engine whose
+reads have the disk alone (the actor's, whose wake only reads: ``READS_ALONE``) reads each
+chunk's stored bytes, contiguous by Note [compact transfers], in one request of up to
+64 MiB, 4 in flight: the raw disk reads 4 x 64 MiB requests faster than 8 x 16 MiB, and so does
+a wake. A streamed step with 64 MiB pieces ran slower than with 16 MiB x 8, so the step
+keeps the default (docs/benchmarks.md, 'Design measurements').
 
 Note [kept decoders]: nvCOMP's decoders are kept from chunk to chunk while the engine has
 reads that decode on the device in flight, one set per device on one decode stream, and
 dropped when the last of those reads ends. A decoder made per call cost the decode most of
-its time: on the H200 a new codec's first decode of a 64 MiB chunk took 14 ms against
-1.0-1.7 ms for a second decode (eighth session), and on an H100 an 8 GiB wake with kept
-decoders took 1.25 s of CPU time against 2.33 s (medians of six cycles; eighteenth
-session, ``docs/benchmarks.md``). One stream and one set per device bound
-the kept scratch to two decoders (one per coding: Note [16-bit frames] of
-``greenroom.compression``; 86 MiB each for a 64 MiB chunk) whatever the number of I/O
-threads, and lose nothing, since nvCOMP calls run one at a time anyway. Dropped when no read
-needs them, their scratch is back in torch's cache before a step ends or an actor sleeps.
+its time, and a wake about twice the CPU time (docs/benchmarks.md, 'Design measurements').
+One stream and one set per device bound the kept scratch to two decoders (one per coding:
+Note [16-bit frames] of ``greenroom.compression``) whatever the number of I/O threads, and
+lose nothing, since nvCOMP calls run one at a time anyway. Dropped when no read needs them,
+their scratch is back in torch's cache before a step ends or an actor sleeps.
 """
 
 from __future__ import annotations

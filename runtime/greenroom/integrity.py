@@ -12,10 +12,10 @@ bit changes it by +-2^b times an odd number, never 0 mod 2^64, so it is always c
 and a page written or read at the wrong place is caught too (its factor differs). Being
 linear, an extent's sum can be put together from the pieces of any chunking, so it
 does not depend on the staging size. It runs as one int64 mat-vec per chunk (no
-temporary as large as the chunk; a multiply-then-sum ran 5-10x slower): 9-12 GB/s on
-one idle core of the CI machine (3-7 with other jobs on its 2 cores), against ~2 GB/s
-disks. A chunk is hashed off its worker's path: a written chunk on a hashing thread
-while the worker writes it out, a read chunk while its DMA to the device runs. Hashing
+temporary as large as the chunk; a multiply-then-sum is several times slower), faster on
+one core than the disks it checks (docs/benchmarks.md, 'Design measurements'). A chunk
+is hashed off its worker's path: a written chunk on a hashing thread while the worker
+writes it out, a read chunk while its DMA to the device runs. Hashing
 on the host by default: the staging buffer is where the bytes leave for, and arrive
 from, the disk (so that is what is verified), it is aligned and padded (the device
 tensor is neither at its tail), and the same code serves CPU and CUDA tensors; the
@@ -37,9 +37,9 @@ for the codec to decode from. Its sums are taken there, from that copy, by the s
 linear formula (``lane_dot``): bit for bit the sums the host would get, of the very
 bytes the codec then decodes, at device speed, and the staging buffer goes back to the
 engine as soon as the copy is done (Note [decode after the slot] of greenroom.frames).
-Hashed on the host, the buffer stayed out of the next read for the hash: on the H200
-four reads of an 8 GiB wake finished together, hashed together for about 22 ms with
-no read in flight, and did so every 135 ms (about a sixth of the wake).
+Hashed on the host, the buffer stayed out of the next read for the hash: a wake's reads
+finished together and were hashed together with no read in flight, for a share of every
+wake (docs/benchmarks.md, 'Design measurements').
 """
 
 from __future__ import annotations

@@ -43,13 +43,13 @@ from greenroom.errors import GreenroomError, one_line
 
 ACTOR_TAG = "default"  # the tag TMS_INIT_ENABLE gives every allocation
 ROLLOUT_TAG = "rollout"
-# torch_memory_saver maps every allocation in whole 2 MiB granules, and on the GPU
-# machine a pause released exactly the bytes of torch's segments (docs/benchmarks.md):
-# any foreign allocation shows as at least one granule beyond them.
+# torch_memory_saver maps every allocation in whole 2 MiB granules, and a pause releases
+# exactly the bytes of torch's segments (docs/benchmarks.md, 'Design measurements'): any
+# foreign allocation shows as at least one granule beyond them.
 FOREIGN_SLACK = 1 << 20
-# Pauses measured before a sleep is refused. In one H100 run of the GPU tests (twenty-fifth
-# session), two tests' first sleeps read 2 MiB more than torch's segments; twenty sleeps
-# of the same actor, alone on the GPU, never did.
+# Pauses measured before a sleep is refused: memory freed elsewhere on the device during
+# a pause reads as foreign in that pause only, an allocation in the region in every one
+# (docs/benchmarks.md, 'Design measurements').
 RELEASE_SAMPLES = 3
 
 

@@ -28,7 +28,7 @@ reading ahead, and one whose write-back is still draining, so the read of bucket
 waits for the write-back of bucket k-2 only, never for that of k-1. On the H200 three
 buffers of 1e8-element buckets ran the bf16-moment step of 1e9 params in 0.52 of its
 disk bound where two of 2e8 took 0.61, in less HBM (2.33 GB against 2.65;
-``docs/benchmarks.md``, twelfth session)."""
+docs/benchmarks.md, 'Design measurements')."""
 FILE_PATTERN = "bucket-{:05d}.bin"
 
 
