@@ -18,6 +18,7 @@ import torch
 
 from greenroom import cli
 from greenroom.reclaim import reclaim
+from greenroom.train import rotation
 from tests.conftest import require_tool
 from tests.test_train import REPO, env, streaming_available
 
@@ -37,8 +38,15 @@ def run(args, *, root, metrics, kill_at=None, prefix=()):
     return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
+def newest(ckpt):
+    """The checkpoint dir a load of ``ckpt`` tries first: a root's newest complete iteration dir."""
+    return rotation.candidates(ckpt)[0]
+
+
 def state_of(ckpt):
-    """Every tensor and byte of a checkpoint's state (weights, streamed files, resident state)."""
+    """Every tensor and byte of a checkpoint's state (weights, streamed files, resident
+    state); ``ckpt`` a root (its newest iteration) or one checkpoint dir."""
+    ckpt = newest(ckpt)
     rank = os.path.join(ckpt, "rank00000")
     out = {f"model.{k}": v for k, v in torch.load(os.path.join(rank, "model.pt"), weights_only=True).items()}
     resident = torch.load(os.path.join(rank, "optim", "resident.pt"), weights_only=True)
@@ -165,7 +173,7 @@ def damaged(disk_dir, reference, change, capsys):
     _, half = reference
     ckpt = os.path.join(disk_dir, "ckpt")
     shutil.copytree(half, ckpt)
-    change(ckpt)
+    change(newest(ckpt))
     root = os.path.join(disk_dir, "offload")
     capsys.readouterr()
     rc = cli.main(["train", *FLAGS, "--offload-train-disk-dir", root, "--metrics", os.path.join(disk_dir, "m.jsonl"),

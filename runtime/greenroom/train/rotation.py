@@ -173,6 +173,9 @@ def promote(root: str, iteration: int, keep_last: int) -> list[int]:
     write_pointer(root, iteration)
     older = [i for i in iterations(root) if i < iteration]
     removed = older[keep_last - 1:]
+    # An older dir without its generation record is one a killed retention left half deleted.
+    removed += [i for i in {_iteration_of(n) for n in _names(root) if _ITER.fullmatch(n)}
+                if i < iteration and i not in older]
     for it in removed:
         kill_point("retire")
         publish.discard(iteration_dir(root, it))

@@ -478,6 +478,7 @@ class Trainer:
         """Before the iteration's last optimizer step: stage the save, and have a
         streaming optimizer write its state into it from that step's own pass."""
         self._join_save()  # the previous save is published before this one stages
+        self._promote()  # and verified (read back beside this iteration), so retention frees its room first
         self._check_room()
         path = rotation.iteration_dir(self.config.save, self._next_save)
         mine = checkpoint.begin(path, rank=self.rank, barrier=self._barrier)
@@ -488,7 +489,6 @@ class Trainer:
         """After the step: the weights, manifests, meta and the publish; with
         ``--async-save`` on a thread, from host copies taken now."""
         c = self.config
-        self._promote()  # the previous save, read back beside this iteration's steps
         streaming = self.offload.stream_optimizer_state_to_disk
         path = rotation.iteration_dir(c.save, iteration)
         # Written twice from the step's buffers (no links) or by a resident optimizer: nothing shared to read back.
