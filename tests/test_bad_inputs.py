@@ -108,7 +108,7 @@ CASES = {
     "train --save not writable": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--save",
                                              "/proc/greenroom-ckpt"], {}, "cannot create files there"),
     "train --save over a user's dir": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--save",
-                                                  S(s, "adir")], {}, "refusing to replace it"),
+                                                  S(s, "adir")], {}, "refusing to write there"),
     "train --load missing": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--load", S(s, "nope")], {},
                              "no such checkpoint dir"),
     "train --load a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "m.jsonl"), "--load", S(s, "afile")], {},

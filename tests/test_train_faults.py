@@ -110,13 +110,11 @@ def test_killed_during_the_loop_resumes_bit_identically(disk_dir, reference, poi
     ("save-manifest", "an unfinished save"),
     ("save-meta", "an unfinished save"),
     ("save-staged@2", "complete but not yet moved into place"),  # @1 is the optimizer's own
-    ("save-swapped", "the checkpoint the last save replaced"),
-    ("discard", "the replaced checkpoint half deleted"),
 ])
 def test_killed_during_the_save_resumes_bit_identically_and_says_what_it_settled(disk_dir, reference, point, said):
     resumed = kill_and_resume(disk_dir, reference, point)
     assert said in resumed.stderr
-    finished = point in ("save-staged@2", "save-swapped", "discard")
+    finished = point == "save-staged@2"
     # A save that completed is kept (nothing left to train); an unfinished one is dropped.
     assert ("resuming at iteration 5" if finished else "resuming at iteration 3") in resumed.stdout
 
@@ -130,7 +128,7 @@ def test_async_saves_every_iteration_end_bit_identical(disk_dir, reference):
                metrics=os.path.join(disk_dir, "m.jsonl"))
     assert done.returncode == 0, done.stderr[-3000:]
     for it in range(1, 5):
-        assert f"saved iteration {it} to {ckpt} (published in the background)" in done.stdout
+        assert f"saved iteration {it} to {ckpt}/iter_{it:07d} (published in the background)" in done.stdout
     assert_same(expected, state_of(ckpt))
 
 
@@ -145,14 +143,25 @@ def test_killed_during_an_async_save_resumes_bit_identically(disk_dir, reference
 
 
 def test_killed_between_the_two_renames_without_rename_exchange(disk_dir, reference):
-    """Where renameat2(RENAME_EXCHANGE) fails (strace makes it EINVAL, as on a filesystem
-    without it), the swap takes two renames; a kill between them leaves the new
-    checkpoint at DIR.new and the old at DIR.old, and the resume finishes the swap."""
+    """A save of an iteration already there (a resume with nothing left to train) replaces
+    its dir. Where renameat2(RENAME_EXCHANGE) fails (strace makes it EINVAL, as on a
+    filesystem without it), the swap takes two renames; a kill between them leaves the
+    new checkpoint at iter_N.new and the old at iter_N.old, and the resume finishes the swap."""
     strace = require_tool("strace")
-    resumed = kill_and_resume(disk_dir, reference, "save-aside",
-                              prefix=[strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat2",
-                                      "-e", "inject=renameat2:error=EINVAL"])
-    assert "complete but not yet moved into place" in resumed.stderr
+    expected, half = reference
+    ckpt = os.path.join(disk_dir, "ckpt")
+    shutil.copytree(half, ckpt)
+    root, metrics = os.path.join(disk_dir, "offload"), os.path.join(disk_dir, "m.jsonl")
+    killed = run(["--iterations", "2", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
+                 kill_at="save-aside", prefix=[strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat2",
+                                               "-e", "inject=renameat2:error=EINVAL"])
+    assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), (killed.returncode, killed.stderr[-2000:])
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002.new", "iter_0000002.old", rotation.POINTER]
+    reclaim(root)
+    resumed = run(["--iterations", "4", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "complete but not yet moved into place" in resumed.stderr and "resuming at iteration 3" in resumed.stdout
+    assert_same(expected, state_of(ckpt))
 
 
 def test_killed_at_a_write_of_the_streamed_step(disk_dir, reference):

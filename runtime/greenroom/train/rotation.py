@@ -137,7 +137,8 @@ def candidates(load: str) -> list[str]:
         return [load]
     found = [iteration_dir(load, i) for i in iterations(load)]
     if not found:
-        raise CheckpointError(f"--load {load}: no complete iteration dir (iter_NNNNNNN/) there")
+        raise CheckpointError(f"--load {load}: no complete iteration dir there (iter_NNNNNNN/ with a valid "
+                              f"{publish.GENERATION}): nothing to resume from")
     return found
 
 
