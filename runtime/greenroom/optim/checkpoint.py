@@ -190,6 +190,8 @@ def _save_checkpoint(opt: StreamedState, path: str, verify: bool) -> dict:
     try:
         store = opt.store
         store.flush()  # the cached buckets' files are stale until written out (Note [host cache])
+        for bucket in store.buckets:
+            _check_live(store.path(bucket.index))
         files, ways = {}, set()
         moved = {"bytes_read": 0, "bytes_written": 0}
         link = _links_usable(store, tmp)
@@ -197,7 +199,6 @@ def _save_checkpoint(opt: StreamedState, path: str, verify: bool) -> dict:
         for bucket in store.buckets:
             name = os.path.basename(store.path(bucket.index))
             src, dst = store.path(bucket.index), os.path.join(tmp, name)
-            _check_live(src)
             try:
                 link = link and link_new(src, dst)
                 if not link:
