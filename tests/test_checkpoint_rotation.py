@@ -102,7 +102,8 @@ def test_killed_at_every_step_of_the_rotation_leaves_a_good_checkpoint(disk_dir,
     bit-identical to the uninterrupted run."""
     expected, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
-    args = ["--iterations", "4", "--load", ckpt, "--save", ckpt, "--save-interval", "1", "--keep-last", "1"]
+    args = ["--iterations", "4", "--load", ckpt, "--resume", "auto", "--save", ckpt, "--save-interval", "1",
+            "--keep-last", "1"]
     killed = run(args, root=root, metrics=metrics, kill_at=point)
     assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), (killed.returncode, killed.stderr[-2000:])
     assert good_iterations(ckpt) or any(n.endswith(".new") for n in os.listdir(ckpt)), f"no complete checkpoint left after a kill at {point}: {os.listdir(ckpt)}"
