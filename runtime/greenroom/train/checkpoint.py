@@ -106,11 +106,12 @@ def begin(directory: str, *, rank: int, barrier) -> str:
 
 
 def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
-         barrier) -> None:
+         barrier, verify: bool = False) -> None:
     """A whole save between steps: stage, write every part (the streamed state linked,
     cloned or copied, ``save_checkpoint``), publish; under the lock of the root the
     iteration dir ``directory`` is in (``publish`` Note [one writer per checkpoint dir];
-    ``greenroom train`` holds it for the whole run)."""
+    ``greenroom train`` holds it for the whole run). ``verify``: the streamed state's
+    linked files are read back before the publish (``save_checkpoint(verify=True)``)."""
     root = os.path.dirname(os.path.realpath(directory))
     with publish.locked(root) if rank == 0 else contextlib.nullcontext():
         try:
@@ -120,7 +121,7 @@ def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, r
             raise
         finish(directory, model_state=model_state(model), model_config=model_config(model), optimizer=optimizer,
                optim_state=None, streaming=streaming, optim_written=False, iteration=iteration, rank=rank,
-               world_size=world_size, barrier=barrier)
+               world_size=world_size, barrier=barrier, verify=verify)
 
 
 def model_config(model: torch.nn.Module) -> dict | None:
@@ -148,7 +149,8 @@ def optimizer_state(optimizer) -> dict:
 
 
 def finish(directory: str, *, model_state: dict, model_config: dict | None, optimizer, optim_state: dict | None,
-           streaming: bool, optim_written: bool, iteration: int, rank: int, world_size: int, barrier=None) -> None:
+           streaming: bool, optim_written: bool, iteration: int, rank: int, world_size: int, barrier=None,
+           verify: bool = False) -> None:
     """Write this rank's part of a begun save and publish it (rank 0, once every rank's
     part is there). ``optim_written``: the streamed state is already in ``optim/`` (the
     step wrote it); else it is saved here. ``barrier`` None (``--async-save``, off the
@@ -163,7 +165,7 @@ def finish(directory: str, *, model_state: dict, model_config: dict | None, opti
         names = ["model.pt"]
         if streaming:
             if not optim_written:
-                optimizer.save_checkpoint(os.path.join(mine, "optim"))
+                optimizer.save_checkpoint(os.path.join(mine, "optim"), verify=verify)
             names.append(os.path.join("optim", "manifest.json"))
         else:
             publish.torch_save(optim_state if optim_state is not None else optimizer.state_dict(),

@@ -23,11 +23,11 @@ from greenroom.config import GB, OffloadConfig
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError, one_line
 from greenroom.faults import kill_point
 from greenroom.fs import stored_bytes
+from greenroom.log import get_logger
 from greenroom.rankdir import RankDir
 from greenroom.signals import signals_held
 from greenroom.statedir import launcher_number
 from greenroom.tensors import local_tensor
-from greenroom.log import get_logger
 from greenroom.train import checkpoint, preflight, rotation, summary
 from greenroom.train.config import TrainConfig
 from greenroom.train.loss import policy_loss
@@ -428,11 +428,14 @@ class Trainer:
         self._promote()
         self._check_room()
         path = rotation.iteration_dir(self.config.save, iteration)
+        # Replacing that iteration's dir (a resume with nothing left to train) discards the
+        # one there at the publish: so what it links is read back before, not after.
+        replacing = os.path.isdir(path)
         checkpoint.save(path, model=self.model, optimizer=self.optimizer,
                         streaming=self.offload.stream_optimizer_state_to_disk, iteration=iteration,
-                        rank=self.rank, world_size=self.world_size, barrier=self._barrier)
+                        rank=self.rank, world_size=self.world_size, barrier=self._barrier, verify=replacing)
         self._say(f"saved iteration {iteration} to {path}")
-        self._verify_in_background(iteration, linked=True)
+        self._verify_in_background(iteration, linked=not replacing)
 
     def _check_room(self) -> None:
         """Rank 0, before a save stages: room for this checkpoint beside the kept ones."""
