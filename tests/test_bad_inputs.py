@@ -69,6 +69,8 @@ CASES = {
                             "(sequences of 200000000002 tokens): that needs"),
     "train --save-interval -1": (lambda s: ["train", *SMALL, "--save", f"{s}/ck", "--save-interval", "-1"], {},
                                  "--save-interval must be a whole number of iterations >= 0"),
+    "train --keep-last 0": (lambda s: ["train", *SMALL, "--save", f"{s}/ck", "--keep-last", "0"], {},
+                            "--keep-last must be a whole number of checkpoints >= 1"),
     "train --async-save without --save": (lambda s: ["train", *SMALL, "--async-save"], {},
                                           "--async-save needs --save DIR"),
     "train --iterations abc": (lambda s: ["train", "--iterations", "abc"], {}, "--iterations: invalid int value"),

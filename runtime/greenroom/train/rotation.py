@@ -207,7 +207,8 @@ def idle_io_priority() -> None:
     if _SYS_IOPRIO_SET is None:
         return
     try:
-        ctypes.CDLL(None, use_errno=True).syscall(_SYS_IOPRIO_SET, 1, 0, _IOPRIO_IDLE)  # IOPRIO_WHO_PROCESS, this thread
+        # IOPRIO_WHO_PROCESS with id 0: the calling thread.
+        ctypes.CDLL(None, use_errno=True).syscall(_SYS_IOPRIO_SET, 1, 0, _IOPRIO_IDLE)
     except (OSError, AttributeError):
         pass
 
