@@ -94,8 +94,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "state, tiled")
     cliflags.device(parser)
     parser.add_argument("--checkpoint", action="store_true",
-                        help="also time a step that writes a checkpoint in its own pass, save_checkpoint between "
-                             "steps, and load_checkpoint (dirs beside the bucket files)")
+                        help="also time a step that writes a checkpoint in its own pass and the read-back of "
+                             "what it links, save_checkpoint between steps (without and with verify=True), and "
+                             "load_checkpoint (dirs beside the bucket files)")
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                         help="with --checkpoint: where the in-step checkpoint goes (a rank dir of the bench's under "
                              "DIR, removed after); default beside the bucket files")
