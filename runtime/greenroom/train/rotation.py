@@ -14,8 +14,8 @@ starts unverified; its linked files are read back against their checksum tables
 (``optim.checkpoint.verify_linked``) on a background thread at idle I/O priority, and
 only once every rank has passed does the pointer name it (``promote``) and retention
 remove what it replaces. A checkpoint that fails is dropped (``drop``) with one line;
-the older ones stay. So a kill or a flipped byte anywhere leaves at least one verified
-checkpoint on disk, and ``--load DIR`` (``candidates``) tries the complete iteration
+the older ones stay. So once one checkpoint is verified, a kill or a flipped byte
+anywhere leaves at least one verified checkpoint on disk, and ``--load DIR`` (``candidates``) tries the complete iteration
 dirs newest first, each verified byte for byte by the load, falling back past a bad one
 with one line.
 
