@@ -192,7 +192,7 @@ def async_save_run(disk_dir, iterations, stops):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         stopped(proc)
-        gate = os.path.join(ckpt + publish.NEW_SUFFIX, "gate")
+        gate = os.path.join(ckpt, "iter_0000001" + publish.NEW_SUFFIX, "gate")
         os.mkfifo(gate)
         proc.send_signal(signal.SIGCONT)
     except BaseException:
@@ -250,7 +250,8 @@ def test_signals_while_the_trainer_waits_for_an_async_save_let_it_end_then_clean
             proc.kill()
             proc.wait()
     assert_interrupted(proc, err, root)
-    assert sorted(os.listdir(disk_dir)) == ["m.jsonl", "offload"], "a cleanup was skipped, or the publish cut short"
+    assert sorted(os.listdir(disk_dir)) == ["ckpt", "m.jsonl", "offload"], "a cleanup was skipped"
+    assert os.listdir(os.path.join(disk_dir, "ckpt")) == [], "the publish cut short"
 
 
 @pytest.mark.parametrize("first_in,signals", [("the-loops-wait", (signal.SIGINT, signal.SIGINT)),
@@ -265,7 +266,7 @@ def test_a_second_signal_ends_the_wait_for_a_publish_that_never_ends(disk_dir, f
     (stopped at ``sync@2``; then SIGTERM twice). The second ends the wait: the trainer
     exits by the Ctrl-C, 130 and one line, the close having run under the publish, which
     is given up (its thread a daemon) and nothing left in the offload root. The staged
-    ``ckpt.new`` (the rank's part, the meta and the FIFO; no generation record yet) stays
+    ``ckpt/iter_0000001.new`` (the rank's part, the meta and the FIFO; no generation record yet) stays
     beside the checkpoint, as after a forced exit: the next run's settle discards it."""
     from greenroom import publish
 
@@ -287,7 +288,8 @@ def test_a_second_signal_ends_the_wait_for_a_publish_that_never_ends(disk_dir, f
     assert_interrupted(proc, err, root)
     # The FIFO's only opener died with the process: nothing is left blocked on it.
     staged = os.path.dirname(gate)
-    assert sorted(os.listdir(disk_dir)) == ["ckpt.new", "m.jsonl", "offload"]
+    assert sorted(os.listdir(disk_dir)) == ["ckpt", "m.jsonl", "offload"]
+    assert os.listdir(os.path.join(disk_dir, "ckpt")) == ["iter_0000001.new"]
     assert sorted(os.listdir(staged)) == ["gate", "meta.json", "rank00000"], "the staged save, cut short in its publish"
-    said = publish.recover(os.path.join(disk_dir, "ckpt"))  # the next run's settle
-    assert said.startswith(f"discarded {staged}, incomplete") and sorted(os.listdir(disk_dir)) == ["m.jsonl", "offload"]
+    said = publish.recover(os.path.join(disk_dir, "ckpt", "iter_0000001"))  # the next run's settle
+    assert said.startswith(f"discarded {staged}, incomplete") and os.listdir(os.path.join(disk_dir, "ckpt")) == []

@@ -190,7 +190,9 @@ def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(
 
 
 def model_state(ckpt: str) -> dict:
-    return torch.load(os.path.join(ckpt, "rank00000", "model.pt"), weights_only=True)
+    from greenroom.train import rotation
+
+    return torch.load(os.path.join(rotation.candidates(ckpt)[0], "rank00000", "model.pt"), weights_only=True)
 
 
 def test_a_deleted_trainer_saves_on_sigterm_runs_again_and_resumes_bit_identically(namespace, node_root):

@@ -217,3 +217,27 @@ def test_after_a_failed_step_the_streaming_distributed_optimizer_refuses_until_l
     assert opt.state_dict()["greenroom"]["steps"] == 0
     save_checkpoint(opt, ckpt)
     opt.close()
+
+
+def test_a_live_bucket_file_deleted_before_the_save_is_one_checkpoint_error_naming_it(disk_dir):
+    opt = _optimizer(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3)
+    opt.store.initialize(lambda i: torch.ones(ENTRIES[i].numel))
+    live = opt.store.path(0)
+    os.unlink(live)
+    with pytest.raises(CheckpointError, match=rf"^{live}: cannot save this live bucket file \(No such file or "
+                                              r"directory\): it was deleted or made unreadable"):
+        save_checkpoint(opt, os.path.join(disk_dir, "ckpt"))
+    opt.close()
+
+
+def test_verify_reads_the_linked_files_back_before_the_save_returns(disk_dir):
+    opt = _optimizer(os.path.join(disk_dir, "a"), ENTRIES, lr=1e-3)
+    opt.store.initialize(lambda i: torch.ones(ENTRIES[i].numel))
+    with open(opt.store.path(0), "r+b") as f:
+        f.seek(4097)
+        byte = f.read(1)
+        f.seek(4097)
+        f.write(bytes([byte[0] ^ 0x20]))
+    with pytest.raises(CheckpointError, match=r"bucket-00000\.bin: checksum mismatch in extent 0"):
+        save_checkpoint(opt, os.path.join(disk_dir, "ckpt"), verify=True)
+    opt.close()

@@ -72,6 +72,9 @@ def test_bench_stream_checkpoint_json_reports_the_in_step_checkpoint_reading_not
     # Between steps, beside the bucket files: the save links them (reads their checksum tables only).
     assert c["save_kind"] == "link"
     assert c["save_bytes_written"] == 0 and 0 < c["save_bytes_read"] < r["state_bytes"] // 100
+    # The read-back before a linked checkpoint counts: every byte it shares with the live files, once.
+    assert i["verify_bytes_read"] == r["state_bytes"] and i["verify_seconds"] > 0
+    assert c["save_verify_bytes_read"] == r["state_bytes"] and c["save_verify_seconds"] > 0
     assert c["load_seconds"] > 0
     assert os.listdir(disk_dir) == []
 

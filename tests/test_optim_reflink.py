@@ -75,7 +75,7 @@ def test_a_checkpoint_on_xfs_links_or_clones_the_bucket_files_and_loads_bit_iden
         path = os.path.join(parent, "ckpt")
         free = fs.free_bytes(root)
         moved = opt.save_checkpoint(path)
-        assert moved == {"kind": kind, "bytes_read": moved["bytes_read"], "bytes_written": 0}
+        assert moved == {"kind": kind, "bytes_read": moved["bytes_read"], "bytes_written": 0, "verify": True}
         assert moved["bytes_read"] < opt.store.state_bytes // 100  # the checksum tables only
         assert free - fs.free_bytes(root) < opt.store.state_bytes // 2, "the save took the state's space"
         linked = os.stat(os.path.join(path, "bucket-00000.bin")).st_nlink
@@ -105,6 +105,6 @@ def test_where_neither_links_nor_clones_work_the_save_copies(disk_dir, tmp_path)
     with other_fs(tmp_path) as elsewhere:  # another filesystem: link() and FICLONE give EXDEV
         moved = opt.save_checkpoint(os.path.join(elsewhere, "ckpt"))
         assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes,
-                         "bytes_written": opt.store.state_bytes}
+                         "bytes_written": opt.store.state_bytes, "verify": False}
         opt.close()
 

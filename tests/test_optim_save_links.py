@@ -46,7 +46,7 @@ def test_a_save_beside_the_state_links_the_files_and_loads_bit_identically(disk_
     path = os.path.join(disk_dir, "ckpt")
     written_before, kept = opt.store.bytes_written, opt.store.kept_bytes
     moved = opt.save_checkpoint(path)
-    assert moved == {"kind": "link", "bytes_read": _tables(opt), "bytes_written": 0}
+    assert moved == {"kind": "link", "bytes_read": _tables(opt), "bytes_written": 0, "verify": True}
     # The stale files were written out (flush), then linked: the cached buckets', and the
     # one the last step kept on the device (optim.held_buckets Note [the last bucket stays]).
     assert kept > 0 and opt.store.bytes_written - written_before == kept + sum(
@@ -116,7 +116,8 @@ def test_without_checksums_the_save_copies(disk_dir, monkeypatch):
     set_grads(params, step=0)
     opt.step()
     moved = opt.save_checkpoint(os.path.join(disk_dir, "ckpt"))
-    assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes, "bytes_written": opt.store.state_bytes}
+    assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes, "bytes_written": opt.store.state_bytes,
+                     "verify": False}
     assert all(os.stat(os.path.join(disk_dir, "ckpt", n)).st_nlink == 1 for n in _inodes(opt.store.directory))
     opt.close()
 
@@ -150,3 +151,59 @@ def test_without_room_for_the_next_steps_new_inodes_the_save_copies_and_a_full_d
         os.unlink(filler)
         assert opt.save_checkpoint(path)["kind"] == "link"
         opt.close()
+
+
+def _flip(path, offset=4096 * 3 + 1):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x80]))
+
+
+def test_a_linked_save_is_read_back_before_it_counts(disk_dir):
+    """A save by links reads none of the bytes it shares, so it says ``verify``;
+    ``verify_linked`` reads them back against their tables and names a flipped byte;
+    ``save_checkpoint(verify=True)`` does that read before it publishes, so the
+    checkpoint it would replace stays."""
+    from greenroom.errors import CheckpointError
+
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "live"))
+    for step in range(2):
+        set_grads(params, step=step)
+        opt.step()
+    path = os.path.join(disk_dir, "ckpt")
+    assert opt.save_checkpoint(path)["verify"] is True
+    assert opt.verify_linked(path) == sum(b.file_bytes for b in opt.store.buckets)
+    before = _files(path)
+    set_grads(params, step=2)
+    opt.step()
+    _flip(opt.store.path(0))  # the live file, before the save links it
+    with pytest.raises(CheckpointError, match=r"bucket-00000\.bin: checksum mismatch in extent 0"):
+        opt.save_checkpoint(path, verify=True)
+    assert _files(path) == before, "the previous checkpoint was replaced by one not verified"
+    assert sorted(os.listdir(disk_dir)) == ["ckpt", "live"]
+    opt.close()
+
+
+@pytest.mark.parametrize("how", ["deleted", "unreadable"])
+def test_a_live_bucket_file_gone_at_the_save_is_one_checkpoint_error_naming_it(disk_dir, how):
+    from greenroom.errors import CheckpointError
+
+    if how == "unreadable" and os.geteuid() == 0:
+        pytest.skip("root reads a file whatever its mode")
+    params, _ = twins(SHAPES)
+    opt = _optimizer(params, os.path.join(disk_dir, "live"))
+    set_grads(params, step=0)
+    opt.step()
+    live = opt.store.path(0)
+    if how == "deleted":
+        os.unlink(live)
+    else:
+        os.chmod(live, 0)
+    with pytest.raises(CheckpointError, match=rf"^{live}: cannot save this live bucket file \(.*\): it was deleted or "
+                                              r"made unreadable since the step wrote it; nothing was published"):
+        opt.save_checkpoint(os.path.join(disk_dir, "ckpt"))
+    assert sorted(os.listdir(disk_dir)) == ["live"]
+    opt.close()

@@ -19,7 +19,7 @@ import pytest
 
 from tests.cli_support import greenroom_stopped_at
 from tests.test_train import env
-from tests.test_train_faults import FLAGS, assert_same, reference, run, state_of  # noqa: F401 (a fixture)
+from tests.test_train_faults import FLAGS, assert_same, newest, reference, run, state_of  # noqa: F401 (a fixture)
 
 JOB = "issue30"
 
@@ -187,7 +187,7 @@ def test_lr_on_resume_is_applied_and_said(disk_dir, reference):
     proc = run(["--iterations", "3", "--load", ckpt, "--save", ckpt, "--lr", "0.01"], root=root, metrics=metrics)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"--lr 0.01: replaces the lr 0.003 that {ckpt} was saved with" in proc.stderr
-    manifest = json.load(open(os.path.join(ckpt, "rank00000", "optim", "manifest.json")))
+    manifest = json.load(open(os.path.join(newest(ckpt), "rank00000", "optim", "manifest.json")))
     assert [g["lr"] for g in manifest["param_groups"]] == [0.01]
     same = run(["--iterations", "3", "--load", half], root=root, metrics=metrics)
     assert same.returncode == 0 and "replaces" not in same.stderr, same.stderr[-2000:]
@@ -219,9 +219,9 @@ def test_weights_this_model_lacks_are_refused_where_the_meta_predates_the_sizes(
 
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
-    meta = json.load(open(os.path.join(ckpt, META)))
+    meta = json.load(open(os.path.join(newest(ckpt), META)))
     assert meta.pop("model")["n_layers"] == 2
-    publish.write_checked_json(os.path.join(ckpt, META), {k: v for k, v in meta.items() if k != "crc32"})
+    publish.write_checked_json(os.path.join(newest(ckpt), META), {k: v for k, v in meta.items() if k != "crc32"})
     proc = run(["--iterations", "3", "--load", ckpt, "--n-layers", "1", "--no-load-optim"], root=root,
                metrics=metrics)
     one_line(proc, r"model\.pt: holds \S*1\.\S+ and \d+ more, which this model does not have")

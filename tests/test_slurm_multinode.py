@@ -23,6 +23,7 @@ import yaml
 
 from greenroom.slurm import sbatch
 from greenroom.slurm.config import config_from_dict
+from greenroom.train import rotation
 from tests.cli_support import REPO, greenroom
 from tests.slurm_support import CLUSTER, SUBMITTED, cancel_leftover_jobs, local_cluster
 from tests.test_slurm_cluster import job_data, logs, wait_done, wait_for
@@ -121,7 +122,7 @@ def assert_same_checkpoint(a: str, b: str) -> None:
     compared as its files, the same bytes, but for generation.json: a fresh id per save)."""
     for rank in (0, 1):
         assert_same_state(load_state(a, rank), load_state(b, rank))
-        optim_a, optim_b = (os.path.join(d, f"rank{rank:05d}", "optim") for d in (a, b))
+        optim_a, optim_b = (os.path.join(rotation.candidates(d)[0], f"rank{rank:05d}", "optim") for d in (a, b))
         names = sorted(set(os.listdir(optim_a)) - {"generation.json"})
         assert any(n.startswith("bucket-") for n in names), names
         assert names == sorted(set(os.listdir(optim_b)) - {"generation.json"})

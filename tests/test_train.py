@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from greenroom.train import rotation
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--iterations", "3", "--prompts", "8", "--group-size", "4", "--minibatches", "2", "--d-model", "32",
          "--no-progress"]
@@ -191,7 +193,9 @@ def test_two_ranks_under_torchrun_each_with_its_own_dir(disk_dir, parallel):
 
 
 def load_state(directory, rank=0):
-    path = os.path.join(directory, f"rank{rank:05d}")
+    """A checkpoint's weights and resident optimizer state; ``directory`` a --save root
+    (its newest iteration) or one checkpoint dir."""
+    path = os.path.join(rotation.candidates(directory)[0], f"rank{rank:05d}")
     model = torch.load(os.path.join(path, "model.pt"), weights_only=True)
     optim = None
     if os.path.exists(os.path.join(path, "optim.pt")):
@@ -254,7 +258,8 @@ def test_a_checkpoint_saved_with_the_old_default_bucket_size_resumes_bit_exactly
     old = subprocess.run([sys.executable, "-c", OLD_DEFAULT, "train", *base, "--iterations", "2", "--save", first],
                          env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert old.returncode == 0, old.stderr[-3000:]
-    with open(os.path.join(first, "rank00000", "optim", "manifest.json"), encoding="utf-8") as f:
+    with open(os.path.join(rotation.candidates(first)[0], "rank00000", "optim", "manifest.json"),
+              encoding="utf-8") as f:
         assert json.load(f)["layout"]["bucket_numel"] == 200_000_000
     result = train([*base, "--iterations", "4", "--load", first, "--save", resumed])
     assert "resuming at iteration 3" in result.stdout
@@ -274,7 +279,7 @@ def test_host_cache_trains_and_resumes_bit_identically_to_streaming_without_it(d
     assert "host cache 1 of 1 buckets" in header and "disk 0 GB each way per step" in header
     train([*base, *cache, "--iterations", "4", "--load", first, "--save", resumed])
     assert_same_state(load_state(plain), load_state(resumed))
-    optim = [os.path.join(d, "rank00000", "optim") for d in (plain, resumed)]
+    optim = [os.path.join(rotation.candidates(d)[0], "rank00000", "optim") for d in (plain, resumed)]
     names = sorted(n for n in os.listdir(optim[0]) if n.startswith("bucket-"))
     assert names == sorted(n for n in os.listdir(optim[1]) if n.startswith("bucket-")) and names
     for name in names:  # the streamed state, byte for byte (written out of the cache at the save)
@@ -291,9 +296,10 @@ def test_loading_with_another_world_size_is_refused(disk_dir):
     train([*SMALL, "--save", save, "--metrics", os.path.join(disk_dir, "m.jsonl")])
     from greenroom.publish import read_checked_json, write_checked_json
 
-    meta = read_checked_json(os.path.join(save, "meta.json"), {})
+    newest = rotation.candidates(save)[0]
+    meta = read_checked_json(os.path.join(newest, "meta.json"), {})
     meta["world_size"] = 2  # as a 2-rank run would have written it, checksum and all
-    write_checked_json(os.path.join(save, "meta.json"), meta)
+    write_checked_json(os.path.join(newest, "meta.json"), meta)
     result = train([*SMALL, "--iterations", "4", "--load", save, "--metrics", os.path.join(disk_dir, "m.jsonl")],
                    check=False)
     assert result.returncode == 2
@@ -370,7 +376,7 @@ def test_fp32_streaming_trains_bit_identically_to_resident_adamw(disk_dir):
     opt = StreamingAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                         state_dir=os.path.join(disk_dir, "reader"))
     try:
-        opt.load_checkpoint(os.path.join(streamed, "rank00000", "optim"))
+        opt.load_checkpoint(os.path.join(rotation.candidates(streamed)[0], "rank00000", "optim"))
         state_b = opt.state_dict()["state"]
         assert optim_a["state"].keys() == state_b.keys()
         for i, state in optim_a["state"].items():
@@ -405,7 +411,7 @@ def test_sigterm_with_save_checkpoints_first_and_the_rerun_resumes(disk_dir, ran
     assert "preempted: saved iteration" in out, err
     if ranks == 1:
         assert child.returncode == 128 + signal.SIGTERM
-    meta = json.load(open(os.path.join(save, "meta.json")))
+    meta = json.load(open(os.path.join(rotation.candidates(save)[0], "meta.json")))
     assert 0 < meta["iteration"] < 100000
     resumed = train([*SMALL, "--iterations", str(meta["iteration"] + 1), "--load", save,
                      "--metrics", os.path.join(disk_dir, "m2.jsonl")], ranks=ranks)

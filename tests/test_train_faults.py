@@ -18,6 +18,7 @@ import torch
 
 from greenroom import cli
 from greenroom.reclaim import reclaim
+from greenroom.train import rotation
 from tests.conftest import require_tool
 from tests.test_train import REPO, env, streaming_available
 
@@ -37,8 +38,15 @@ def run(args, *, root, metrics, kill_at=None, prefix=()):
     return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
+def newest(ckpt):
+    """The checkpoint dir a load of ``ckpt`` tries first: a root's newest complete iteration dir."""
+    return rotation.candidates(ckpt)[0]
+
+
 def state_of(ckpt):
-    """Every tensor and byte of a checkpoint's state (weights, streamed files, resident state)."""
+    """Every tensor and byte of a checkpoint's state (weights, streamed files, resident
+    state); ``ckpt`` a root (its newest iteration) or one checkpoint dir."""
+    ckpt = newest(ckpt)
     rank = os.path.join(ckpt, "rank00000")
     out = {f"model.{k}": v for k, v in torch.load(os.path.join(rank, "model.pt"), weights_only=True).items()}
     resident = torch.load(os.path.join(rank, "optim", "resident.pt"), weights_only=True)
@@ -102,13 +110,11 @@ def test_killed_during_the_loop_resumes_bit_identically(disk_dir, reference, poi
     ("save-manifest", "an unfinished save"),
     ("save-meta", "an unfinished save"),
     ("save-staged@2", "complete but not yet moved into place"),  # @1 is the optimizer's own
-    ("save-swapped", "the checkpoint the last save replaced"),
-    ("discard", "the replaced checkpoint half deleted"),
 ])
 def test_killed_during_the_save_resumes_bit_identically_and_says_what_it_settled(disk_dir, reference, point, said):
     resumed = kill_and_resume(disk_dir, reference, point)
     assert said in resumed.stderr
-    finished = point in ("save-staged@2", "save-swapped", "discard")
+    finished = point == "save-staged@2"
     # A save that completed is kept (nothing left to train); an unfinished one is dropped.
     assert ("resuming at iteration 5" if finished else "resuming at iteration 3") in resumed.stdout
 
@@ -122,7 +128,7 @@ def test_async_saves_every_iteration_end_bit_identical(disk_dir, reference):
                metrics=os.path.join(disk_dir, "m.jsonl"))
     assert done.returncode == 0, done.stderr[-3000:]
     for it in range(1, 5):
-        assert f"saved iteration {it} to {ckpt} (published in the background)" in done.stdout
+        assert f"saved iteration {it} to {ckpt}/iter_{it:07d} (published in the background)" in done.stdout
     assert_same(expected, state_of(ckpt))
 
 
@@ -137,14 +143,25 @@ def test_killed_during_an_async_save_resumes_bit_identically(disk_dir, reference
 
 
 def test_killed_between_the_two_renames_without_rename_exchange(disk_dir, reference):
-    """Where renameat2(RENAME_EXCHANGE) fails (strace makes it EINVAL, as on a filesystem
-    without it), the swap takes two renames; a kill between them leaves the new
-    checkpoint at DIR.new and the old at DIR.old, and the resume finishes the swap."""
+    """A save of an iteration already there (a resume with nothing left to train) replaces
+    its dir. Where renameat2(RENAME_EXCHANGE) fails (strace makes it EINVAL, as on a
+    filesystem without it), the swap takes two renames; a kill between them leaves the
+    new checkpoint at iter_N.new and the old at iter_N.old, and the resume finishes the swap."""
     strace = require_tool("strace")
-    resumed = kill_and_resume(disk_dir, reference, "save-aside",
-                              prefix=[strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat2",
-                                      "-e", "inject=renameat2:error=EINVAL"])
-    assert "complete but not yet moved into place" in resumed.stderr
+    expected, half = reference
+    ckpt = os.path.join(disk_dir, "ckpt")
+    shutil.copytree(half, ckpt)
+    root, metrics = os.path.join(disk_dir, "offload"), os.path.join(disk_dir, "m.jsonl")
+    killed = run(["--iterations", "2", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
+                 kill_at="save-aside", prefix=[strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat2",
+                                               "-e", "inject=renameat2:error=EINVAL"])
+    assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), (killed.returncode, killed.stderr[-2000:])
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002.new", "iter_0000002.old", rotation.POINTER]
+    reclaim(root)
+    resumed = run(["--iterations", "4", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "complete but not yet moved into place" in resumed.stderr and "resuming at iteration 3" in resumed.stdout
+    assert_same(expected, state_of(ckpt))
 
 
 def test_killed_at_a_write_of_the_streamed_step(disk_dir, reference):
@@ -165,7 +182,7 @@ def damaged(disk_dir, reference, change, capsys):
     _, half = reference
     ckpt = os.path.join(disk_dir, "ckpt")
     shutil.copytree(half, ckpt)
-    change(ckpt)
+    change(newest(ckpt))
     root = os.path.join(disk_dir, "offload")
     capsys.readouterr()
     rc = cli.main(["train", *FLAGS, "--offload-train-disk-dir", root, "--metrics", os.path.join(disk_dir, "m.jsonl"),

@@ -29,11 +29,16 @@ threads (``greenroom.bench.disk.raw_bandwidth``):
   its publish, and how (``mode``: ``link`` where the checkpoint dir takes hard links to
   the bucket files, extra bytes 0; ``write`` elsewhere, a second write of the state); the
   step after it (which writes the linked buckets to new inodes) against the one before;
+  the read-back of what the checkpoint shares with the live files (``verify_linked``,
+  what ``greenroom train --save`` runs beside the next iteration before the checkpoint
+  counts: ``verify_seconds``, ``verify_bytes_read``);
   ``--checkpoint-dir`` puts that checkpoint on another dir (another filesystem: the
   fallback); then a ``save_checkpoint`` between steps beside the state (``save_kind``:
   ``link``, the live files hard-linked, only their checksum tables read; ``clone``
   where links are refused and the filesystem clones extents; ``copy`` elsewhere: its
-  seconds, bytes read and written) and a verified ``load_checkpoint`` of the whole state;
+  seconds, bytes read and written), the same save with ``verify=True`` (the read-back
+  before the publish: ``save_verify_seconds``, ``save_verify_bytes_read``) and a verified
+  ``load_checkpoint`` of the whole state;
 - with ``--io-only``, every step streams and writes back every bucket unchanged, without
   the optimizer's arithmetic: the step's disk I/O and checksums alone, which is what a
   step on the CPU machine (two cores: the arithmetic takes longer than the disk) cannot
@@ -90,8 +95,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "state, tiled")
     cliflags.device(parser)
     parser.add_argument("--checkpoint", action="store_true",
-                        help="also time a step that writes a checkpoint in its own pass, save_checkpoint between "
-                             "steps, and load_checkpoint (dirs beside the bucket files)")
+                        help="also time a step that writes a checkpoint in its own pass and the read-back of "
+                             "what it links, save_checkpoint between steps (without and with verify=True), and "
+                             "load_checkpoint (dirs beside the bucket files)")
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                         help="with --checkpoint: where the in-step checkpoint goes (a rank dir of the bench's under "
                              "DIR, removed after); default beside the bucket files")
@@ -414,23 +420,31 @@ def _time_checkpoint(opt, directory: str, synchronize, in_step_dir: str | None =
         step_read, step_written = store.disk_bytes("read") - read0, store.disk_bytes("written") - written0
         written = opt.last_checkpoint
         after = timed(opt.step)
+        start = time.perf_counter()
+        verify_read = opt.verify_linked(in_step_path)
+        verify = time.perf_counter() - start
         plain = (before + after) / 2
         in_step = {"mode": written.mode, "step_seconds": checkpointed, "plain_step_seconds": [before, after],
                    "extra_seconds": checkpointed - plain, "ratio": checkpointed / plain,
                    "ratio_to_step_before": checkpointed / before, "step_after_ratio": after / before,
                    "extra_bytes_read": written.extra_bytes_read, "extra_bytes_written": written.extra_bytes_written,
                    "step_disk_bytes_read": step_read, "step_disk_bytes_written": step_written,
-                   "publish_seconds": written.publish_seconds}
+                   "publish_seconds": written.publish_seconds, "verify_seconds": verify,
+                   "verify_bytes_read": verify_read}
         shutil.rmtree(in_step_path)  # the disk holds the live state and one checkpoint at a time
         path = os.path.join(directory, "optim")
         start = time.perf_counter()
         moved = opt.save_checkpoint(path)
         save = time.perf_counter() - start
         start = time.perf_counter()
+        verified = opt.save_checkpoint(path, verify=True)
+        save_verify = time.perf_counter() - start
+        start = time.perf_counter()
         opt.load_checkpoint(path)
         load = time.perf_counter() - start
     return {"in_step": in_step, "save_kind": moved["kind"], "save_seconds": save,
             "save_bytes_read": moved["bytes_read"], "save_bytes_written": moved["bytes_written"],
+            "save_verify_seconds": save_verify, "save_verify_bytes_read": verified["bytes_read"],
             "load_seconds": load, "bytes": opt.store.state_bytes,
             "page_cache_growth_bytes": host.cached_peak - host.cached_before}
 
@@ -552,9 +566,11 @@ def run(args: argparse.Namespace) -> int:
               f"{i['plain_step_seconds'][0]:.2f} / {i['plain_step_seconds'][1]:.2f} s ({i['ratio']:.2f}x, "
               f"{i['extra_seconds']:+.2f} s, of it publish {i['publish_seconds']:.2f} s); extra read "
               f"{size_text(i['extra_bytes_read'])}, extra written {size_text(i['extra_bytes_written'])}; "
-              f"the step after it {i['step_after_ratio']:.2f}x the one before")
+              f"the step after it {i['step_after_ratio']:.2f}x the one before; its read-back "
+              f"{size_text(i['verify_bytes_read'])} in {i['verify_seconds']:.2f} s")
         print(f"checkpoint between steps ({c['save_kind']}) of {size_text(c['bytes'])}: {c['save_seconds']:.2f} s, "
               f"read {size_text(c['save_bytes_read'])}, written {size_text(c['save_bytes_written'])}; "
+              f"with verify=True {c['save_verify_seconds']:.2f} s, read {size_text(c['save_verify_bytes_read'])}; "
               f"verified load {c['load_seconds']:.2f} s")
     if r["state_dict"] is not None:
         for name, d in r["state_dict"].items():

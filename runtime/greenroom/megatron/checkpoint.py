@@ -17,6 +17,12 @@ its load refuses bytes of another dtype, layout or checksum). The ``.megatron.js
 beside it adds what only megatron knows: TP/PP/DP/EP/CP sizes and ranks, and which slice
 of which param each streamed shard is. ``load_checkpoint`` checks that first, so a
 changed parallel layout is named, then lets ``greenroom.optim`` verify and copy.
+
+Beside the state dir the files are hard-linked, not read (``greenroom.optim.checkpoint``
+Note [a save by links]); megatron writes each iteration to its own dir and replaces none,
+so the older iterations stay while a new one is unverified. ``verify=True`` reads the
+linked files back before the save returns; a live bucket file missing or unreadable at
+the save is one ``CheckpointError`` naming it.
 """
 
 from __future__ import annotations
@@ -95,9 +101,10 @@ def locate(checkpoint_dir: str, index: int, rank: int, *, no_load_optim: bool) -
         raise CheckpointError(f"{sidecar}: not valid JSON ({e}); the checkpoint is damaged") from None
 
 
-def save_checkpoint(optimizer, checkpoint_dir: str) -> None:
+def save_checkpoint(optimizer, checkpoint_dir: str, *, verify: bool = False) -> None:
     """Write the streamed state of every streaming DistributedOptimizer in ``optimizer``
-    (a ChainedOptimizer or one) beside megatron's checkpoint in ``checkpoint_dir``."""
+    (a ChainedOptimizer or one) beside megatron's checkpoint in ``checkpoint_dir``;
+    ``verify``: read linked files back first (``greenroom.optim.save_checkpoint``)."""
     from greenroom.megatron.optimizer import streaming_members
 
     rank = _global_rank()
@@ -110,7 +117,7 @@ def save_checkpoint(optimizer, checkpoint_dir: str) -> None:
         # The sidecar first: an interrupted save then leaves a sidecar matching this run
         # beside the previous state dir, which greenroom.optim still verifies whole.
         write_json_atomic(path + ".megatron.json", sidecar_record(member.topology, member.shard_entries))
-        engine_checkpoint.save_checkpoint(member, path)
+        engine_checkpoint.save_checkpoint(member, path, verify=verify)
 
 
 def load_checkpoint(optimizer, checkpoint_dir: str, *, no_load_optim: bool = False) -> None:

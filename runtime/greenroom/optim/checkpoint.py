@@ -37,9 +37,17 @@ and the checkpoint keeps the bytes it saved. Those new files take the state's si
 again, so links are used only where the filesystem has that room free (else the save
 copies, and running out of space is refused at the save, not at the next step). What
 a link cannot do is check the bytes it shares: a byte flipped in a live file since the
-step wrote it is published with it and found by the next step's read or by the load
-(Note [a save verifies what it copies] is the copy's). A user who writes into a
-checkpoint's file in place while it is linked writes the live file too.
+step wrote it is published with it. So a checkpoint with linked or cloned files is not
+trusted until ``verify_linked`` has read them back against their checksum tables; a
+save by links returns ``"verify": True`` to say so, and ``greenroom train`` keeps the
+previous checkpoint until it has (``train.rotation`` Note [a checkpoint is verified
+before it counts]). A caller of ``save_checkpoint`` that replaces its only checkpoint
+in place passes ``verify=True`` to have the save read them before it publishes (Note [a
+save verifies what it copies] is the copy's). A user who writes into a checkpoint's file
+in place while it is linked writes the live file too.
+
+A live bucket file that is missing or unreadable at the save (deleted, its permissions
+changed) is one ``CheckpointError`` naming it; nothing is published.
 
 ``load_checkpoint`` checks everything before it reads a byte of state, in this order:
 the manifest exists (else the checkpoint predates streaming: refused unless
@@ -158,27 +166,32 @@ def _resident_state(opt: StreamedState) -> dict:
 
 
 # -- save ------------------------------------------------------------------------------
-def save_checkpoint(opt: StreamedState, path: str) -> dict:
+def save_checkpoint(opt: StreamedState, path: str, *, verify: bool = False) -> dict:
     """Write ``opt``'s whole state to the directory ``path``, replacing it atomically
     (``greenroom.publish``: the previous checkpoint stays until this one is complete).
     Returns how: ``{"kind": "link", "clone" or "copy", "bytes_read": ..., "bytes_written":
-    ...}`` (the state's bytes the save moved; a link or a clone moves only the checksum
-    tables, read; ``kind`` names the costliest way any file took). One save at a time
+    ..., "verify": ...}`` (the state's bytes the save moved; a link or a clone moves only
+    the checksum tables, read; ``kind`` names the costliest way any file took; ``verify``:
+    linked or cloned files are not verified yet, ``verify_linked`` reads them). With
+    ``verify``, the save reads them back itself before it publishes (``bytes_read``
+    counts it), so the checkpoint it replaces goes only for one known good. One save at a time
     (``publish`` Note [one writer per checkpoint dir]); a symlink is resolved once, so a
     killed save beside its target is settled like any other."""
     path = os.path.realpath(path)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     with publish.locked(path):
-        return _save_checkpoint(opt, path)
+        return _save_checkpoint(opt, path, verify)
 
 
-def _save_checkpoint(opt: StreamedState, path: str) -> dict:
+def _save_checkpoint(opt: StreamedState, path: str, verify: bool) -> dict:
     tmp, said = publish.stage(path)
     if said:
         log.warning(f"{path}: {said}")
     try:
         store = opt.store
         store.flush()  # the cached buckets' files are stale until written out (Note [host cache])
+        for bucket in store.buckets:
+            _check_live(store.path(bucket.index))
         files, ways = {}, set()
         moved = {"bytes_read": 0, "bytes_written": 0}
         link = _links_usable(store, tmp)
@@ -186,13 +199,21 @@ def _save_checkpoint(opt: StreamedState, path: str) -> dict:
         for bucket in store.buckets:
             name = os.path.basename(store.path(bucket.index))
             src, dst = store.path(bucket.index), os.path.join(tmp, name)
-            link = link and link_new(src, dst)
-            if not link:
-                clone = clone and reflink.clone(src, dst)
+            try:
+                link = link and link_new(src, dst)
+                if not link:
+                    clone = clone and reflink.clone(src, dst)
+                if link or clone:
+                    crc = table_crc32(store, bucket.index, dst)
+            except OSError as e:
+                raise _unreadable(src, e) from None
             if link or clone:
                 ways.add("link" if link else "clone")
-                files[name] = {"bytes": bucket.file_bytes, "table_crc32": table_crc32(store, bucket.index, dst)}
+                files[name] = {"bytes": bucket.file_bytes, "table_crc32": crc}
                 moved["bytes_read"] += bucket.file_bytes - bucket.data_bytes  # the table only
+                if verify:
+                    _verify_against_table(store, dst, name, crc)
+                    moved["bytes_read"] += bucket.data_bytes
             else:
                 ways.add("copy")
                 # Every byte copied is checked against the live file's checksums (Note [a
@@ -207,11 +228,40 @@ def _save_checkpoint(opt: StreamedState, path: str) -> dict:
                 moved["bytes_written"] += bucket.file_bytes
             kill_point("save-bucket")
         finish_checkpoint(opt, path, tmp, files)
-        return {"kind": next((k for k in ("copy", "clone", "link") if k in ways), "link"), **moved}
+        return {"kind": next((k for k in ("copy", "clone", "link") if k in ways), "link"), **moved,
+                "verify": not verify and bool(ways & {"link", "clone"})}
     except BaseException:
         if os.path.isdir(tmp):
             publish.discard(tmp)
         raise
+
+
+def _check_live(path: str) -> None:
+    """A live bucket file the save is about to take must be there and readable."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: str, e: OSError) -> CheckpointError:
+    return CheckpointError(f"{path}: cannot save this live bucket file ({e.strerror or e}): it was deleted or made "
+                           "unreadable since the step wrote it; nothing was published, the previous checkpoint stays")
+
+
+def verify_linked(opt: StreamedState, path: str) -> int:
+    """Read back every bucket file of the published checkpoint ``path`` that its save
+    linked or cloned (recorded by its table's CRC-32, bytes the save did not read) and
+    check it against its table; one ``CheckpointError`` naming the first bad file.
+    Returns the bytes read. (``train.rotation`` Note [a checkpoint is verified before it
+    counts].)"""
+    manifest = read_manifest(path)
+    read = 0
+    for name, meta in manifest["files"].items():
+        if "table_crc32" in meta:
+            _verify_against_table(opt.store, os.path.join(path, name), name, meta["table_crc32"])
+            read += meta["bytes"]
+    return read
 
 
 def _links_usable(store: BucketStore, tmp: str) -> bool:

@@ -181,13 +181,22 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def save_checkpoint(self, path: str) -> dict:
-        """Write the state to ``path`` (synchronously, atomically; a clone of the files
-        where the filesystem can); see ``optim.checkpoint``. Returns what it moved."""
+    def save_checkpoint(self, path: str, *, verify: bool = False) -> dict:
+        """Write the state to ``path`` (synchronously, atomically; a link or clone of the
+        files where the filesystem can); see ``optim.checkpoint``. Returns what it moved.
+        ``verify``: read linked or cloned files back before publishing (else
+        ``verify_linked`` reads them after, ``"verify"`` in the result says when)."""
         from greenroom.optim.checkpoint import save_checkpoint
 
         self._refuse_if_failed("save_checkpoint()")
-        return save_checkpoint(self, path)
+        return save_checkpoint(self, path, verify=verify)
+
+    def verify_linked(self, path: str) -> int:
+        """Read back the files the checkpoint at ``path`` shares with the live state (links
+        or clones) against their checksum tables; ``CheckpointError`` names a bad one."""
+        from greenroom.optim.checkpoint import verify_linked
+
+        return verify_linked(self, path)
 
     def checkpoint_next_step(self, path: str) -> None:
         """Have the next ``step()`` write a checkpoint of its result at ``path`` from its

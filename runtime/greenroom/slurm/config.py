@@ -103,11 +103,13 @@ class TrainArgs:
     """``--role``: names the per-rank dirs, so two models of one job never share files."""
 
     checkpoint_dir: str | None = None
-    """``--save`` and ``--load`` dir on shared storage (``greenroom train`` only)."""
+    """``--save`` and ``--load`` dir on shared storage (``greenroom train`` only): the
+    checkpoint root, ``iter_NNNNNNN/`` dirs and ``latest_checkpointed_iteration.txt``."""
 
     resume: str = "auto"
     """``--resume`` with ``checkpoint_dir``: ``auto`` starts fresh while the dir does not
-    exist yet, so the first run and every requeue run one command; ``strict`` requires it."""
+    exist yet, so the first run and every requeue run one command, each requeue loading
+    the newest iteration that verifies; ``strict`` requires it."""
 
     extra_args: list[str] = field(default_factory=list)
     """Further ``greenroom train`` arguments, passed through verbatim (each quoted)."""

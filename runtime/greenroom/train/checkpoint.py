@@ -1,6 +1,8 @@
 """``--save`` / ``--load`` for ``greenroom train``: per-rank model and optimizer state.
 
-Layout of a checkpoint dir ``DIR``::
+``--save ROOT`` writes one such dir per save, ``ROOT/iter_<NNNNNNN>``, with a pointer
+to the newest verified one and retention (``greenroom.train.rotation``). Layout of a
+checkpoint dir ``DIR``::
 
     generation.json      this save's id and the one it replaced (greenroom.publish)
     meta.json            iteration, world size, how the optimizer state was kept
@@ -13,8 +15,7 @@ Layout of a checkpoint dir ``DIR``::
 The whole checkpoint, every rank's model and optimizer state and the meta, becomes
 visible in one rename (``greenroom.publish``, the protocol the optimizer's checkpoint
 uses too): rank 0 stages ``DIR.new``, every rank writes its part there, and rank 0
-writes the meta and swaps it in once all are done. Until then ``DIR`` is the previous
-complete checkpoint. A save at the end of an iteration (``--save``, ``--save-interval``)
+writes the meta and renames it into place once all are done. A save at the end of an iteration (``--save``, ``--save-interval``)
 stages before the iteration's last optimizer step, which writes the streamed state
 into ``optim/`` from its own pass (``greenroom.optim.instep``); the weights, manifests,
 meta and publish follow the step, in the background with ``--async-save``. ``load`` first settles what a killed save left (and says what it
@@ -40,6 +41,7 @@ from greenroom.log import get_logger
 from greenroom.optim.checkpoint import read_manifest
 from greenroom.optim.filecopy import PIECE
 from greenroom.tensors import local_tensor
+from greenroom.train import rotation
 
 META = "meta.json"
 MANIFEST = "manifest.json"
@@ -104,11 +106,14 @@ def begin(directory: str, *, rank: int, barrier) -> str:
 
 
 def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
-         barrier) -> None:
-    """A whole save between steps: stage, write every part (the streamed state cloned or
-    copied, ``save_checkpoint``), publish; under the dir's lock (``publish`` Note [one
-    writer per checkpoint dir]; ``greenroom train`` holds it for the whole run)."""
-    with publish.locked(directory) if rank == 0 else contextlib.nullcontext():
+         barrier, verify: bool = False) -> None:
+    """A whole save between steps: stage, write every part (the streamed state linked,
+    cloned or copied, ``save_checkpoint``), publish; under the lock of the root the
+    iteration dir ``directory`` is in (``publish`` Note [one writer per checkpoint dir];
+    ``greenroom train`` holds it for the whole run). ``verify``: the streamed state's
+    linked files are read back before the publish (``save_checkpoint(verify=True)``)."""
+    root = os.path.dirname(os.path.realpath(directory))
+    with publish.locked(root) if rank == 0 else contextlib.nullcontext():
         try:
             begin(directory, rank=rank, barrier=barrier)
         except BaseException as e:
@@ -116,7 +121,7 @@ def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, r
             raise
         finish(directory, model_state=model_state(model), model_config=model_config(model), optimizer=optimizer,
                optim_state=None, streaming=streaming, optim_written=False, iteration=iteration, rank=rank,
-               world_size=world_size, barrier=barrier)
+               world_size=world_size, barrier=barrier, verify=verify)
 
 
 def model_config(model: torch.nn.Module) -> dict | None:
@@ -144,7 +149,8 @@ def optimizer_state(optimizer) -> dict:
 
 
 def finish(directory: str, *, model_state: dict, model_config: dict | None, optimizer, optim_state: dict | None,
-           streaming: bool, optim_written: bool, iteration: int, rank: int, world_size: int, barrier=None) -> None:
+           streaming: bool, optim_written: bool, iteration: int, rank: int, world_size: int, barrier=None,
+           verify: bool = False) -> None:
     """Write this rank's part of a begun save and publish it (rank 0, once every rank's
     part is there). ``optim_written``: the streamed state is already in ``optim/`` (the
     step wrote it); else it is saved here. ``barrier`` None (``--async-save``, off the
@@ -159,7 +165,7 @@ def finish(directory: str, *, model_state: dict, model_config: dict | None, opti
         names = ["model.pt"]
         if streaming:
             if not optim_written:
-                optimizer.save_checkpoint(os.path.join(mine, "optim"))
+                optimizer.save_checkpoint(os.path.join(mine, "optim"), verify=verify)
             names.append(os.path.join("optim", "manifest.json"))
         else:
             publish.torch_save(optim_state if optim_state is not None else optimizer.state_dict(),
@@ -254,10 +260,9 @@ def read_meta(directory: str) -> dict:
 
 
 def settle(directory: str) -> None:
-    """Finish or discard what a killed save left at ``directory`` (rank 0, before any
-    rank loads), saying which."""
-    said = publish.recover(os.path.realpath(directory))
-    if said:
+    """Finish or discard what killed saves left at ``directory`` (a root's iteration dirs,
+    or one checkpoint dir; rank 0, before any rank loads), saying which."""
+    for said in rotation.settle(os.path.realpath(directory)):
         log.warning(f"--load {directory}: {said}")
 
 
@@ -319,14 +324,22 @@ def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, r
     return meta
 
 
+def verify_for(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bool, rank: int,
+               world_size: int) -> dict:
+    """``verify`` for this run's model (its dtype and sizes); returns the meta."""
+    return verify(directory, optimizer=optimizer, streaming=streaming, no_load_optim=no_load_optim, rank=rank,
+                  world_size=world_size, dtype=dtype_flag(model.state_dict()), model=model_config(model))
+
+
 def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bool, rank: int,
-         world_size: int) -> int:
-    """Restore this rank's state from a checkpoint ``verify`` passed; returns the
-    iteration to continue from."""
+         world_size: int, meta: dict | None = None) -> int:
+    """Restore this rank's state from a checkpoint ``verify`` passed (``meta``: what it
+    returned; None: verified here first); returns the iteration to continue from."""
     weights = model.state_dict()
     ours = dtype_flag(weights)
-    meta = verify(directory, optimizer=optimizer, streaming=streaming, no_load_optim=no_load_optim, rank=rank,
-                  world_size=world_size, dtype=ours, model=model_config(model))
+    if meta is None:
+        meta = verify_for(directory, model=model, optimizer=optimizer, streaming=streaming,
+                          no_load_optim=no_load_optim, rank=rank, world_size=world_size)
     path = rank_path(directory, rank)
     state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
     extra = sorted(set(state) - set(weights))

@@ -20,7 +20,11 @@ class TrainConfig:
     """Which model of the job this is; part of the per-rank dir path."""
 
     save: str | None = None
-    """Dir to write model and optimizer state to at the end."""
+    """Checkpoint root: each save writes ``iter_<NNNNNNN>/`` there and, once verified,
+    points ``latest_checkpointed_iteration.txt`` at it (``train.rotation``)."""
+
+    keep_last: int = 2
+    """With ``save``: how many verified checkpoints stay (older ones go once a newer one is verified)."""
 
     save_interval: int = 0
     """With ``save``: also save every this many iterations (0: only at the end)."""
@@ -30,7 +34,8 @@ class TrainConfig:
     background, so the next iteration does not wait for it."""
 
     load: str | None = None
-    """Dir of a previous ``save`` to resume from (same topology)."""
+    """A ``save`` root to resume from (its newest good iteration), or one checkpoint dir
+    (``DIR/iter_N``, or a single-directory checkpoint); same topology."""
 
     metrics: str | None = None
     """JSON lines file, one object per iteration (rank 0 writes it; ``""``: none). None:
@@ -110,6 +115,8 @@ class TrainConfig:
             raise ConfigError(f"--dtype: expected one of {', '.join(PRECISIONS)}, got {self.dtype!r}")
         if not isinstance(self.save_interval, int) or self.save_interval < 0:
             raise ConfigError(f"--save-interval must be a whole number of iterations >= 0, got {self.save_interval!r}")
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise ConfigError(f"--keep-last must be a whole number of checkpoints >= 1, got {self.keep_last!r}")
         if (self.save_interval or self.async_save) and not self.save:
             flag = "--save-interval" if self.save_interval else "--async-save"
             raise ConfigError(f"{flag} needs --save DIR (where the checkpoints go)")

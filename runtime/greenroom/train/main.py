@@ -13,11 +13,10 @@ import argparse
 import os
 
 import greenroom
-from greenroom import publish
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
 from greenroom.statedir import launcher_number
-from greenroom.train import preflight
+from greenroom.train import preflight, rotation
 from greenroom.train.config import TrainConfig
 from greenroom.train.model import PRECISIONS, ModelConfig
 from greenroom.train.task import VOCAB_SIZE, TaskConfig
@@ -36,13 +35,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--iterations", type=int, default=_TRAIN.iterations,
                      help="total iterations (a resumed run continues up to this count; default %(default)s)")
     run.add_argument("--role", default="actor", help="which model of the job this is (names its per-rank dir)")
-    run.add_argument("--save", metavar="DIR", help="write model and optimizer state here at the end")
+    run.add_argument("--save", metavar="DIR",
+                     help="checkpoint root: each save writes DIR/iter_NNNNNNN/ and, once its bytes are verified, "
+                          "points DIR/latest_checkpointed_iteration.txt at it")
+    run.add_argument("--keep-last", type=int, default=_TRAIN.keep_last, metavar="N",
+                     help="with --save: verified checkpoints kept; older ones go once a newer one is verified "
+                          "(default %(default)s, so there is always a fallback)")
     run.add_argument("--save-interval", type=int, default=_TRAIN.save_interval, metavar="N",
                      help="with --save: also save every N iterations (default 0: only at the end)")
     run.add_argument("--async-save", action="store_true",
                      help="with --save: publish each checkpoint in the background; the next iteration does not "
                           "wait for it (the streamed state is written by the step itself either way)")
-    run.add_argument("--load", metavar="DIR", help="resume from a --save dir (same topology)")
+    run.add_argument("--load", metavar="DIR",
+                     help="resume from a --save root (its newest good iteration; a damaged one is skipped, said "
+                          "in one line) or from one checkpoint, DIR/iter_NNNNNNN (same topology)")
     run.add_argument("--resume", choices=RESUME_MODES, default="strict",
                      help="strict (default): --load DIR must hold a checkpoint; auto: a --load DIR that does "
                           "not exist yet (or is empty) is a fresh start, so one command serves the first run "
@@ -88,7 +94,7 @@ def resume_dir(load: str | None, mode: str) -> str | None:
     existing dir that is not a checkpoint stays an error, in either mode."""
     if load is None or mode == "strict":
         return load
-    if publish.has_checkpoint(load):
+    if rotation.has_checkpoint(load):
         return load  # there, or a save killed mid-swap left it beside (--load settles that)
     if os.path.lexists(load) and not (os.path.isdir(load) and not os.listdir(load)):
         return load  # something that is not a checkpoint: the strict checks say what
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     task = TaskConfig(digits=args.digits)
     model = ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers,
                         n_heads=args.n_heads, max_seq_len=task.seq_len)
-    config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save,
+    config = TrainConfig(iterations=args.iterations, role=args.role, save=args.save, keep_last=args.keep_last,
                          load=resume_dir(args.load, args.resume),
                          save_interval=args.save_interval, async_save=args.async_save,
                          metrics=args.metrics, seed=args.seed, device=args.device, parallel=args.parallel,

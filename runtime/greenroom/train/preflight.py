@@ -15,9 +15,10 @@ import tempfile
 
 from greenroom import fs, publish
 from greenroom.config import OffloadConfig, check_device_bytes
-from greenroom.errors import CheckpointError, ConfigError
+from greenroom.errors import ConfigError
 from greenroom.log import get_logger
 from greenroom.rankdir import is_dir_name
+from greenroom.train import rotation
 
 log = get_logger(__name__)
 
@@ -54,10 +55,7 @@ def check_paths(config, offload: OffloadConfig) -> None:
     if config.save:
         save = os.path.abspath(config.save)
         _check_creatable_dir("--save", os.path.dirname(save))
-        try:
-            publish.check_replaceable(save)
-        except CheckpointError as e:
-            raise ConfigError(f"--save: {e}") from None
+        rotation.check_root(save)
     if config.load:
         load = os.path.abspath(config.load)
         leftovers = [p for p in (load + publish.NEW_SUFFIX, load + publish.OLD_SUFFIX) if os.path.lexists(p)]

@@ -20,14 +20,15 @@ from tqdm import tqdm
 from greenroom import actor, cliflags, publish
 from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.config import GB, OffloadConfig
-from greenroom.errors import ConfigError, GreenroomError
+from greenroom.errors import CheckpointError, ConfigError, GreenroomError, one_line
 from greenroom.faults import kill_point
 from greenroom.fs import stored_bytes
+from greenroom.log import get_logger
 from greenroom.rankdir import RankDir
 from greenroom.signals import signals_held
 from greenroom.statedir import launcher_number
 from greenroom.tensors import local_tensor
-from greenroom.train import checkpoint, preflight, summary
+from greenroom.train import checkpoint, preflight, rotation, summary
 from greenroom.train.config import TrainConfig
 from greenroom.train.loss import policy_loss
 from greenroom.train.model import ModelConfig, Transformer, set_precision
@@ -36,6 +37,7 @@ from greenroom.train.task import TaskConfig, reward, sample_prompts
 from greenroom.units import size_text
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
+log = get_logger(__name__)
 
 
 class Trainer:
@@ -57,6 +59,10 @@ class Trainer:
         self._save_thread: threading.Thread | None = None  # an --async-save publish in flight
         self._save_error: BaseException | None = None
         self._saved_iteration = 0
+        self._next_save = 0  # the iteration the save begun in the current step is of
+        # The last save's iteration and its background read (rotation Note [a checkpoint
+        # is verified before it counts]), until ``_promote`` settles it.
+        self._unverified: tuple[int, rotation.Verification] | None = None
 
     def _resolve_device(self) -> torch.device:
         if cliflags.resolve_device(self.config.device) == "cuda":
@@ -140,20 +146,48 @@ class Trainer:
     def _load(self) -> int:
         # Under the checkpoint's lock (rank 0's) until every rank has read it: no save
         # swaps it meanwhile (Note [one writer per checkpoint dir]).
-        with publish.locked(self.config.load, reading=True) if self.rank == 0 else contextlib.nullcontext():
+        lock = rotation.lock_path(self.config.load)
+        with publish.locked(lock, reading=True) if self.rank == 0 else contextlib.nullcontext():
             if self.rank == 0:
                 checkpoint.settle(self.config.load)
             self._barrier()
             try:
-                start = checkpoint.load(self.config.load, model=self.model, optimizer=self.optimizer,
-                                        streaming=self.offload.stream_optimizer_state_to_disk,
-                                        no_load_optim=self.offload.no_load_optim, rank=self.rank,
-                                        world_size=self.world_size)
+                start = self._load_newest_good(dropping=lock == self.config.save)
             finally:
                 self._barrier()
         checkpoint.apply_run_hyperparameters(self.optimizer, self.config.load, lr=self.config.lr,
                                              weight_decay=self.config.weight_decay)
         return start
+
+    def _load_newest_good(self, *, dropping: bool) -> int:
+        """Load the first of ``--load``'s checkpoints (``rotation.candidates``) that every
+        rank verifies; one damaged is skipped with one line (and dropped where this run
+        saves there, holding the root's lock), the last one's error raised."""
+        c = self.config
+        kwargs = dict(model=self.model, optimizer=self.optimizer, streaming=self.offload.stream_optimizer_state_to_disk,
+                      no_load_optim=self.offload.no_load_optim, rank=self.rank, world_size=self.world_size)
+        candidates = rotation.candidates(c.load)
+        for k, path in enumerate(candidates):
+            error = None
+            try:
+                meta = checkpoint.verify_for(path, **kwargs)
+            except CheckpointError as e:
+                error = e
+            [good] = self._reduce_over_ranks([0.0 if error else 1.0], dist.ReduceOp.MIN)
+            if good:
+                return checkpoint.load(path, meta=meta, **kwargs)
+            last = k + 1 == len(candidates)
+            if last:
+                raise error or CheckpointError(f"--load {c.load}: another rank found {path} damaged (its line says "
+                                               "why), and no older checkpoint is there")
+            if error is not None:
+                log.warning(f"--load {c.load}: {os.path.basename(path)} is damaged, skipped: {one_line(error)}")
+            if self.rank == 0:
+                if dropping:
+                    publish.discard(path)
+                log.warning(f"--load {c.load}: {'dropped' if dropping else 'skipped'} {os.path.basename(path)}, "
+                            f"loading the newest good one before it, {os.path.basename(candidates[k + 1])}")
+        raise AssertionError("unreachable: the last candidate returns or raises")
 
     def _checkpoint_bytes(self) -> int:
         """What this rank's part of a ``--save`` takes: its weights plus the optimizer
@@ -194,7 +228,12 @@ class Trainer:
                                      "which this install lacks") from None
             layout = {}
             if self.config.load and not self.offload.no_load_optim:
-                saved = checkpoint.saved_bucket_numel(self.config.load, self.rank)
+                try:
+                    found = rotation.candidates(self.config.load)
+                except CheckpointError:
+                    found = []  # the load says what is wrong
+                saved = next((n for n in (checkpoint.saved_bucket_numel(p, self.rank) for p in found)
+                              if n is not None), None)
                 if saved is not None:
                     layout["bucket_numel"] = saved
             optimizer = StreamingAdam.from_config(params, self.offload, self.rank_dir, lr=self.config.lr,
@@ -216,6 +255,7 @@ class Trainer:
         with self._preemption_deferred() as preempted:
             for it in range(start, c.iterations):
                 saves = self._saves_after(it + 1)
+                self._next_save = it + 1
                 self._log(self.iteration(it, save=saves))
                 if saves:
                     self._finish_save(it + 1)
@@ -225,11 +265,13 @@ class Trainer:
                     if not saves:
                         self._save(it + 1)
                     self._join_save()
+                    self._promote(final=True)
                     self._say(f"preempted: saved iteration {it + 1}, exiting")
                     raise SystemExit(PREEMPTED_EXIT)
             if c.save and start >= c.iterations:
                 self._save(c.iterations)  # nothing left to train: the checkpoint as loaded
             self._join_save()
+            self._promote(final=True)
         if self.metrics_file is not None:
             path = self.metrics_path
             self._say(f"metrics: {os.path.abspath(path)} (plot with: greenroom report {shlex.quote(path)})")
@@ -409,16 +451,66 @@ class Trainer:
     def _save(self, iteration: int) -> None:
         """A save between steps (preemption, or a run with nothing left to train)."""
         self._join_save()
-        checkpoint.save(self.config.save, model=self.model, optimizer=self.optimizer,
+        self._promote()
+        self._check_room()
+        path = rotation.iteration_dir(self.config.save, iteration)
+        # Replacing that iteration's dir (a resume with nothing left to train) discards the
+        # one there at the publish: so what it links is read back before, not after.
+        replacing = os.path.isdir(path)
+        checkpoint.save(path, model=self.model, optimizer=self.optimizer,
                         streaming=self.offload.stream_optimizer_state_to_disk, iteration=iteration,
-                        rank=self.rank, world_size=self.world_size, barrier=self._barrier)
-        self._say(f"saved iteration {iteration} to {self.config.save}")
+                        rank=self.rank, world_size=self.world_size, barrier=self._barrier, verify=replacing)
+        self._say(f"saved iteration {iteration} to {path}")
+        self._verify_in_background(iteration, linked=not replacing)
+
+    def _check_room(self) -> None:
+        """Rank 0, before a save stages: room for this checkpoint beside the kept ones."""
+        if self.rank == 0:
+            rotation.check_room(self.config.save, self._checkpoint_bytes() * self.world_size)
+
+    def _verify_in_background(self, iteration: int, *, linked: bool) -> None:
+        """Start reading back what the save of ``iteration`` linked (rotation Note [a
+        checkpoint is verified before it counts]); ``linked`` False: nothing to read."""
+        work = None
+        if linked and self.offload.stream_optimizer_state_to_disk:
+            optim_dir = os.path.join(checkpoint.rank_path(rotation.iteration_dir(self.config.save, iteration),
+                                                          self.rank), "optim")
+            work = lambda: self.optimizer.verify_linked(optim_dir)  # noqa: E731
+        self._unverified = (iteration, rotation.Verification(work))
+
+    def _promote(self, *, final: bool = False) -> None:
+        """Settle the last save's verification on every rank: passed everywhere, rank 0
+        points the root at it and removes what ``--keep-last`` no longer keeps; failed
+        anywhere, it is dropped with one line (and a run's last save failing ends it with
+        an error, since the checkpoint it reported is gone)."""
+        if self._unverified is None:
+            return
+        (iteration, verification), self._unverified = self._unverified, None
+        why = verification.wait()
+        if why is not None:
+            log.warning(f"--save {self.config.save}: iteration {iteration} failed its verification: {why}")
+        [good] = self._reduce_over_ranks([0.0 if why else 1.0], dist.ReduceOp.MIN)
+        if self.rank == 0:
+            if good:
+                rotation.promote(self.config.save, iteration, self.config.keep_last)
+            else:
+                rotation.drop(self.config.save, iteration, "its bytes did not verify (see the line above)")
+        self._barrier()
+        if not good and final:
+            left = rotation.iterations(self.config.save)
+            raise CheckpointError(f"--save {self.config.save}: the checkpoint of iteration {iteration} failed its "
+                                  "verification and was dropped; "
+                                  + (f"resume from iteration {left[0]} (--load {self.config.save})" if left
+                                     else "no checkpoint is left there"))
 
     def _begin_save(self) -> None:
         """Before the iteration's last optimizer step: stage the save, and have a
         streaming optimizer write its state into it from that step's own pass."""
         self._join_save()  # the previous save is published before this one stages
-        mine = checkpoint.begin(self.config.save, rank=self.rank, barrier=self._barrier)
+        self._promote()  # and verified (read back beside this iteration), so retention frees its room first
+        self._check_room()
+        path = rotation.iteration_dir(self.config.save, self._next_save)
+        mine = checkpoint.begin(path, rank=self.rank, barrier=self._barrier)
         if self.offload.stream_optimizer_state_to_disk:
             self.optimizer.checkpoint_next_step(os.path.join(mine, "optim"))
 
@@ -427,6 +519,9 @@ class Trainer:
         ``--async-save`` on a thread, from host copies taken now."""
         c = self.config
         streaming = self.offload.stream_optimizer_state_to_disk
+        path = rotation.iteration_dir(c.save, iteration)
+        # Written twice from the step's buffers (no links) or by a resident optimizer: nothing shared to read back.
+        linked = streaming and getattr(self.optimizer.last_checkpoint, "mode", "link") == "link"
         kwargs = dict(model_state=checkpoint.model_state(self.model), model_config=checkpoint.model_config(self.model),
                       optimizer=self.optimizer,
                       # A resident optimizer's state, copied only for a publish beside the next step.
@@ -435,15 +530,18 @@ class Trainer:
                       streaming=streaming, optim_written=streaming, iteration=iteration, rank=self.rank,
                       world_size=self.world_size)
         if not c.async_save:
-            checkpoint.finish(c.save, barrier=self._barrier, **kwargs)
-            self._say(f"saved iteration {iteration} to {c.save}")
+            checkpoint.finish(path, barrier=self._barrier, **kwargs)
+            self._say(f"saved iteration {iteration} to {path}")
+            self._verify_in_background(iteration, linked=linked)
             return
 
         def publish() -> None:
             try:
-                checkpoint.finish(c.save, **kwargs)
+                checkpoint.finish(path, **kwargs)
             except BaseException as e:  # raised by the next _join_save, on the main thread
                 self._save_error = e
+                return
+            self._verify_in_background(iteration, linked=linked)
 
         self._save_error = None
         # A daemon: a publish that a second signal gave up on (``_wait_for_publish``) must not
@@ -460,7 +558,8 @@ class Trainer:
         self._save_thread = None
         if self._save_error is not None:
             raise self._save_error
-        self._say(f"saved iteration {self._saved_iteration} to {self.config.save} (published in the background)")
+        self._say(f"saved iteration {self._saved_iteration} to "
+                  f"{rotation.iteration_dir(self.config.save, self._saved_iteration)} (published in the background)")
 
     def _wait_for_publish(self) -> None:
         """Until the publish ends (it finishes or fails), or a second SIGTERM or SIGINT
