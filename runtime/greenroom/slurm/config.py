@@ -159,8 +159,11 @@ class SlurmJobConfig:
     """Trainer processes per node (default: ``gpus_per_node``, or 1 on a CPU job). With the
     srun launcher they are Slurm tasks; with torchrun, torchrun's ``--nproc-per-node``."""
 
-    cpus_per_task: int = 1
-    """CPUs per trainer process."""
+    cpus_per_task: int | None = None
+    """``--cpus-per-task`` as Slurm means it: the CPUs of one Slurm task. With the srun
+    launcher a task is one trainer process; with torchrun it is the node's one torchrun,
+    which shares them among its ``tasks_per_node`` processes, so it needs at least one
+    each. None: 1 with srun, ``tasks_per_node`` with torchrun."""
 
     mem: str | None = None
     """``--mem`` per node, e.g. ``64G`` (None: the partition's default; ``0``: all)."""
@@ -251,8 +254,7 @@ class SlurmJobConfig:
     """The trainer's flags."""
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "cpus_per_task"):
-            _positive_int(name, getattr(self, name))
+        _positive_int("nodes", self.nodes)
         _non_negative_int("gpus_per_node", self.gpus_per_node)
         _non_negative_int("max_restarts", self.max_restarts)
         if self.tasks_per_node is None:
@@ -263,6 +265,13 @@ class SlurmJobConfig:
                              f"gpus_per_node {self.gpus_per_node}; use at most one process per GPU")
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.cpus_per_task is None:
+            self.cpus_per_task = self.tasks_per_node if self.launcher == "torchrun" else 1
+        _positive_int("cpus_per_task", self.cpus_per_task)
+        if self.launcher == "torchrun" and self.cpus_per_task < self.tasks_per_node:
+            raise ConfigError(f"cpus_per_task: {self.cpus_per_task} CPUs cannot give each of torchrun's "
+                              f"{self.tasks_per_node} processes one; with launcher torchrun it counts the CPUs of "
+                              f"the node's one task (all its processes): use at least {self.tasks_per_node}")
         if self.master_port is not None:
             _positive_int("master_port", self.master_port)
             if not 1024 <= self.master_port <= 65535:
