@@ -1,9 +1,52 @@
 {{/*
-What the schema cannot say (it compares no two values), refused the way `greenroom slurm`
-refuses it: one line naming the values and the fix. Included once, from the Job template.
+What the schema does not say (it checks each value's type and range alone), refused the
+way `greenroom slurm` refuses it: one line naming the values and the fix (helm prints a
+template's fail as one line; a schema rule's message would come wrapped in its own
+"allOf failed ... missing property" lines). Included once, from the Job template.
 */}}
 {{- define "greenroom.validate" -}}
 {{- $v := .Values -}}
+{{- $o := $v.offload -}}
+{{- $st := $v.streamOptimizerState -}}
+{{- if and $o.train (eq (toString $o.target) "cpu") $st.toDisk -}}
+{{- fail "streamOptimizerState.toDisk with offload.train needs offload.target disk: a run that cannot hold its optimizer state on the GPU will not hold a pinned host copy of the whole actor" -}}
+{{- end -}}
+{{- if and (eq (toString $o.target) "disk") (not $o.train) -}}
+{{- fail "offload.target disk requires offload.train: set offload.train true (or drop offload.target disk); greenroom train refuses --offload-train-target disk without --offload-train" -}}
+{{- end -}}
+{{- if and (has (toString $o.diskCompression) (list "nvcomp-ans" "zstd")) (lt (int $o.diskChunkMb) 4) -}}
+{{- fail "offload.diskCompression nvcomp-ans or zstd needs offload.diskChunkMb 4 or more (one-MiB frames in each staging buffer; greenroom train exits 2 otherwise): raise offload.diskChunkMb, or use offload.diskCompression auto or none" -}}
+{{- end -}}
+{{- if and (not $st.toDisk) (gt (float64 (default 0 $st.hostCacheGb)) 0.0) -}}
+{{- fail "streamOptimizerState.hostCacheGb needs streamOptimizerState.toDisk: the host cache keeps buckets of the streamed state" -}}
+{{- end -}}
+{{- if and (not $st.toDisk) (eq (toString $st.masterLayout) "fp32") -}}
+{{- fail "streamOptimizerState.masterLayout fp32 needs streamOptimizerState.toDisk: it lays out streamed masters" -}}
+{{- end -}}
+{{- $s := $v.storage -}}
+{{- if and (eq $s.mode "pvc") (not $s.pvc.claimName) -}}
+{{- fail "storage.pvc.claimName is needed with storage.mode pvc: name an existing PersistentVolumeClaim (or use storage.mode ephemeral for a volume per pod)" -}}
+{{- end -}}
+{{- with $s.emptyDir.medium -}}
+{{- fail (printf "storage.emptyDir.medium %s is refused: a Memory (tmpfs) emptyDir would keep the offloaded state in RAM, counted against the pod's memory limit, which defeats offloading; leave medium \"\" (disk-backed, where the kubelet's root is on NVMe) or use storage.mode hostPath" (toString .)) -}}
+{{- end -}}
+{{- if and (not $v.command) $v.args -}}
+{{- fail "args are the arguments of command and need it: set command (your trainer, with its interpreter), or pass the arguments of greenroom train in train.extraArgs" -}}
+{{- end -}}
+{{- $t := $v.train -}}
+{{- if and $v.command (or $t.extraArgs $t.save $t.load (not (kindIs "invalid" $t.iterations))) -}}
+{{- fail "train.iterations, train.save, train.load and train.extraArgs configure greenroom train, which command replaces: give the arguments of your trainer in args, or leave command empty to run greenroom train" -}}
+{{- end -}}
+{{- if and (not $v.torchrun.enabled) $v.torchrun.extraArgs -}}
+{{- fail "torchrun.extraArgs are arguments of torchrun and need torchrun.enabled true: enable torchrun, or drop them (without torchrun they would go nowhere)" -}}
+{{- end -}}
+{{- range $key := list "jobLabels" "podLabels" -}}
+{{- range $label := list "helm.sh/chart" "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" "app.kubernetes.io/version" "app.kubernetes.io/managed-by" "app.kubernetes.io/part-of" -}}
+{{- if hasKey (default (dict) (index $v $key)) $label -}}
+{{- fail (printf "%s: %s is a label the chart sets (helm.sh/chart, app.kubernetes.io/name, instance, component, version, managed-by, part-of) and may not be set here: the name, instance and component select the trainer pods (the rendezvous Service, onePodPerNode's anti-affinity), and a second value of one renders a duplicate key; use a key of your own" $key $label) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and $v.gpu.count (gt (int $v.procsPerNode) (int $v.gpu.count)) -}}
 {{- fail (printf "procsPerNode %d > gpu.count %d: each process needs its own GPU; use at most one process per GPU" (int $v.procsPerNode) (int $v.gpu.count)) -}}
 {{- end -}}
