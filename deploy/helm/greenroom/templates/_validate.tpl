@@ -50,6 +50,9 @@ template's fail as one line; a schema rule's message would come wrapped in its o
 {{- if and $v.gpu.count (gt (int $v.procsPerNode) (int $v.gpu.count)) -}}
 {{- fail (printf "procsPerNode %d > gpu.count %d: each process needs its own GPU; use at most one process per GPU" (int $v.procsPerNode) (int $v.gpu.count)) -}}
 {{- end -}}
+{{- if and (not $v.command) (gt (int $v.gpu.count) (int $v.procsPerNode)) -}}
+{{- fail (printf "gpu.count %d with procsPerNode %d: greenroom train uses one GPU per process, so %d of each pod's GPUs would sit idle; set procsPerNode %d (torchrun starts one process per GPU) or gpu.count %d" (int $v.gpu.count) (int $v.procsPerNode) (sub (int $v.gpu.count) (int $v.procsPerNode)) (int $v.gpu.count) (int $v.procsPerNode)) -}}
+{{- end -}}
 {{- if and (not $v.torchrun.enabled) (gt (int $v.procsPerNode) 1) -}}
 {{- fail (printf "procsPerNode %d needs torchrun.enabled: without a launcher each pod runs one process" (int $v.procsPerNode)) -}}
 {{- end -}}
