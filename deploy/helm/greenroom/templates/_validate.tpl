@@ -40,6 +40,25 @@ template's fail as one line; a schema rule's message would come wrapped in its o
 {{- if and (not $v.torchrun.enabled) $v.torchrun.extraArgs -}}
 {{- fail "torchrun.extraArgs are arguments of torchrun and need torchrun.enabled true: enable torchrun, or drop them (without torchrun they would go nowhere)" -}}
 {{- end -}}
+{{- $gang := $v.gang.scheduler -}}
+{{- if and (eq (toString $v.schedulerName) "volcano") (ne $gang "volcano") (gt (int $v.nodes) 1) -}}
+{{- fail (printf "schedulerName volcano without gang.scheduler volcano: Volcano would place the %d pods one by one, and a partly placed job holds GPUs while its first pods wait in the rendezvous; set gang.scheduler volcano (a PodGroup with minMember %d)" (int $v.nodes) (int $v.nodes)) -}}
+{{- end -}}
+{{- if and (eq $gang "coscheduling") (not $v.schedulerName) -}}
+{{- fail "gang.scheduler coscheduling needs schedulerName: the scheduler profile that runs the coscheduling plugin (scheduler-plugins' chart installs it as scheduler-plugins-scheduler); the default scheduler would place the pods one by one" -}}
+{{- end -}}
+{{- if and (eq $gang "volcano") (eq (toString $v.schedulerName) "default-scheduler") -}}
+{{- fail "gang.scheduler volcano with schedulerName default-scheduler: the default scheduler ignores Volcano's PodGroup; leave schedulerName empty (volcano) or give Volcano's scheduler name" -}}
+{{- end -}}
+{{- if and (eq $gang "kueue") (not $v.gang.queue) -}}
+{{- fail "gang.scheduler kueue needs gang.queue: the LocalQueue of the namespace that admits the job (kueue.x-k8s.io/queue-name)" -}}
+{{- end -}}
+{{- if and (eq $gang "kueue") (hasKey (default (dict) $v.jobLabels) "kueue.x-k8s.io/queue-name") -}}
+{{- fail "jobLabels kueue.x-k8s.io/queue-name beside gang.scheduler kueue: name the LocalQueue once, in gang.queue" -}}
+{{- end -}}
+{{- if and $v.gang.queue (not (has $gang (list "volcano" "kueue"))) -}}
+{{- fail (printf "gang.queue %s needs gang.scheduler volcano or kueue (a queue of neither would go nowhere)" (toString $v.gang.queue)) -}}
+{{- end -}}
 {{- range $key := list "jobLabels" "podLabels" -}}
 {{- range $label := list "helm.sh/chart" "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" "app.kubernetes.io/version" "app.kubernetes.io/managed-by" "app.kubernetes.io/part-of" -}}
 {{- if hasKey (default (dict) (index $v $key)) $label -}}

@@ -80,8 +80,14 @@ metadata:
     {{- with $v.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+    {{- with (include "greenroom.gang.podLabels" .) }}
+    {{- . | nindent 4 }}
+    {{- end }}
   annotations:
     greenroom.dev/pod-security-level: {{ include "greenroom.podSecurityLevel" . | quote }}
+    {{- with (include "greenroom.gang.podAnnotations" .) }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- with $v.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -96,7 +102,7 @@ spec:
   {{- end }}
   enableServiceLinks: false
   terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
-  {{- with $v.schedulerName }}
+  {{- with (include "greenroom.gang.schedulerName" .) }}
   schedulerName: {{ . | quote }}
   {{- end }}
   {{- with $v.runtimeClassName }}
