@@ -195,7 +195,7 @@ def test_trainer_step_gets_the_cpus_per_task_the_config_asks(tmp_path, disk_dir,
     assert info["NumCPUs"] == "4", info
     for rank in ("0", "1"):
         step = (out / f"{rank}.txt").read_text()
-        assert re.search(r"\bTRES=cpu=(\d+)", step)[1] == str(step_cpus), step
+        assert re.search(r"\bCPUs=(\d+)", step)[1] == str(step_cpus), step
 
 
 # -- jobs running greenroom train ---------------------------------------------------------
