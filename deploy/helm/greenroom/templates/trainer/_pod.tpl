@@ -175,7 +175,11 @@ rules:
 completionMode: Indexed
 completions: {{ $v.nodes }}
 parallelism: {{ $v.nodes }}
-# Per index: a failed rank runs again (and resumes) without restarting the others' pods.
+# Per index. A lost rank's peers fail too (their collective ends, exit 1) and are run
+# again as well: the static rendezvous admits no newcomer into a running group, so every
+# rank meets again there and resumes from the last save. Bounded: the rendezvous by
+# torchrun.rendezvousTimeoutSeconds, the reruns of a rank by this limit (then the Job
+# fails, maxFailedIndexes 0).
 backoffLimitPerIndex: {{ $v.job.backoffLimitPerIndex }}
 {{- if not (kindIs "invalid" $v.job.maxFailedIndexes) }}
 maxFailedIndexes: {{ $v.job.maxFailedIndexes }}
