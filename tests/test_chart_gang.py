@@ -71,6 +71,10 @@ def test_no_gang_renders_none_of_it():
     (("gang.scheduler=kueue", "gang.queue=a", "jobLabels.kueue\\.x-k8s\\.io/queue-name=a"),
      "jobLabels kueue.x-k8s.io/queue-name beside gang.scheduler kueue: name the LocalQueue once, in gang.queue"),
     (("gang.queue=a",), "gang.queue a needs gang.scheduler volcano or kueue"),
+    (("gang.scheduler=coscheduling", "schedulerName=s", "podLabels.scheduling\\.x-k8s\\.io/pod-group=x"),
+     "podLabels scheduling.x-k8s.io/pod-group beside gang.scheduler coscheduling"),
+    (("gang.scheduler=volcano", "podAnnotations.scheduling\\.k8s\\.io/group-name=x"),
+     "podAnnotations scheduling.k8s.io/group-name beside gang.scheduler volcano"),
     (("gang.scheduler=slurm",), "at '/gang/scheduler'"),
 ])
 def test_what_would_not_be_a_gang_is_refused_in_one_line(sets, line):

@@ -56,6 +56,12 @@ template's fail as one line; a schema rule's message would come wrapped in its o
 {{- if and (eq $gang "kueue") (hasKey (default (dict) $v.jobLabels) "kueue.x-k8s.io/queue-name") -}}
 {{- fail "jobLabels kueue.x-k8s.io/queue-name beside gang.scheduler kueue: name the LocalQueue once, in gang.queue" -}}
 {{- end -}}
+{{- if and (eq $gang "coscheduling") (hasKey (default (dict) $v.podLabels) "scheduling.x-k8s.io/pod-group") -}}
+{{- fail "podLabels scheduling.x-k8s.io/pod-group beside gang.scheduler coscheduling: the chart names the pods' PodGroup itself; drop the label" -}}
+{{- end -}}
+{{- if and (eq $gang "volcano") (hasKey (default (dict) $v.podAnnotations) "scheduling.k8s.io/group-name") -}}
+{{- fail "podAnnotations scheduling.k8s.io/group-name beside gang.scheduler volcano: the chart names the pods' PodGroup itself; drop the annotation" -}}
+{{- end -}}
 {{- if and $v.gang.queue (not (has $gang (list "volcano" "kueue"))) -}}
 {{- fail (printf "gang.queue %s needs gang.scheduler volcano or kueue (a queue of neither would go nowhere)" (toString $v.gang.queue)) -}}
 {{- end -}}
