@@ -220,7 +220,7 @@ def test_torchrun_launcher_asks_one_task_per_node_with_cpus_per_task_as_slurm_me
                  "#SBATCH --gpus-per-node=8"):
         assert line in script
     (step,) = [line for line in script if line.startswith("srun --kill-on-bad-exit=1")]
-    # srun of Slurm 22.05 and later does not inherit --cpus-per-task from sbatch.
+    # srun of Slurm 22.05 (and some later releases) does not inherit --cpus-per-task from sbatch.
     assert "--ntasks-per-node=1 --cpus-per-task=64 " in step
     text = "\n".join(script)
     assert "--nproc-per-node=8" in text

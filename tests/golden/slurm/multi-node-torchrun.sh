@@ -87,8 +87,8 @@ on_preempt() {
 trap on_preempt USR1
 
 step_log="$GREENROOM_LOG_DIR/%x-%j-r$GREENROOM_RESTART-%t.out"
-# --cpus-per-task on the step itself: srun of Slurm 22.05 and later does not take it from
-# the batch job, and its tasks would each get one CPU.
+# --cpus-per-task on the step itself: srun of some Slurm releases (22.05 among them) does
+# not take it from the batch job, and its tasks would each get one CPU.
 # One torchrun per node; it starts the node's processes and sets their ranks.
 # shellcheck disable=SC2016
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=64 --output="$step_log" \
