@@ -133,8 +133,9 @@ def applied_crds(volcano_crd, coscheduling_crd):
 
 
 def gang_values(gang: str, **extra) -> dict:
-    values = trainer_values(2, "emptyDir", gang={"scheduler": gang, "queue": extra.pop("queue", "")}, **extra)
-    return values
+    """A 2-pod CPU job (restricted: emptyDir) under ``gang``; its pods stay Pending where no
+    scheduler of that name runs, which is all these tests need of them."""
+    return trainer_values(2, "emptyDir", gang={"scheduler": gang, "queue": extra.pop("queue", "")}, **extra)
 
 
 def _podgroup_and_pods(ns: str, resource: str) -> tuple[dict, list[dict]]:
@@ -154,7 +155,8 @@ def test_api_server_takes_volcanos_podgroup_and_the_pods_name_it(applied_crds, n
         assert pod["spec"]["schedulerName"] == "volcano"
         assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == pg["metadata"]["name"]
     # The API server validates against the CRD's schema: a wrong type is refused there.
-    bad = {**pg, "metadata": {"name": "bad", "namespace": ns}, "spec": {"minMember": "two"}}
+    bad = {"apiVersion": pg["apiVersion"], "kind": "PodGroup", "metadata": {"name": "bad", "namespace": ns},
+           "spec": {"minMember": "two"}}
     out = kubectl("apply", "-f", "-", stdin=json.dumps(bad), check=False)
     assert out.returncode != 0 and "minMember" in out.stderr, out.stderr
 
