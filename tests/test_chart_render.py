@@ -105,9 +105,10 @@ def test_default_command_is_torchrun_running_greenroom_train_with_the_seed_flags
     trainer = container(pod_spec(manifests("disk-target.yaml")), "trainer")
     assert trainer["command"] == ["greenroom", "torchrun"]
     args = trainer["args"]
-    assert args[:6] == ["--nnodes=2", "--nproc-per-node=8", "--node-rank=$(NODE_RANK)",
-                        "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)", "--no-python"]
-    assert args[6:] == ["greenroom", "train", "--iterations", "100", "--role", "actor",
+    assert args[:7] == ["--nnodes=2", "--nproc-per-node=8", "--node-rank=$(NODE_RANK)",
+                        "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)", "--rdzv-conf=timeout=300",
+                        "--no-python"]
+    assert args[7:] == ["greenroom", "train", "--iterations", "100", "--role", "actor",
                         "--save", "/checkpoints/run1", "--load", "/checkpoints/run1", "--resume", "auto",
                         "--offload-train", "--offload-train-target", "disk",
                         "--offload-train-disk-dir", "/var/lib/greenroom/offload",
@@ -429,3 +430,15 @@ def test_helm_package_leaves_the_ci_values_out(tmp_path):
         names = tgz.getnames()
     assert "greenroom/values.schema.json" in names and "greenroom/README.md" in names
     assert not [n for n in names if n.startswith("greenroom/ci/")]
+
+
+def test_torchrun_waits_at_the_rendezvous_for_a_bounded_time():
+    # A rerun rank whose peers never come fails after this, instead of torchrun's 600 s.
+    trainer = container(pod_spec(manifests(sets=("nodes=2",))), "trainer")
+    assert "--rdzv-conf=timeout=300" in trainer["args"]
+    assert trainer["args"].index("--rdzv-conf=timeout=300") < trainer["args"].index("--no-python")
+    trainer = container(pod_spec(manifests(sets=("torchrun.rendezvousTimeoutSeconds=90",))), "trainer")
+    assert "--rdzv-conf=timeout=90" in trainer["args"]
+    job = by_kind(manifests(sets=("nodes=2",)), "Job")[0]["spec"]
+    # A rank's reruns are bounded, and the Job fails once one rank has used them up.
+    assert job["backoffLimitPerIndex"] == 3 and job["maxFailedIndexes"] == 0

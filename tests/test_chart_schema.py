@@ -12,9 +12,36 @@ pytestmark = pytest.mark.helm
 
 def test_memory_backed_emptydir_is_refused_saying_why():
     err = reject("storage.mode=emptyDir", "storage.emptyDir.medium=Memory")
-    assert "/storage/emptyDir" in err
-    assert "storage.emptyDir.medium Memory (tmpfs) is refused" in err
+    assert "storage.emptyDir.medium Memory is refused: a Memory (tmpfs) emptyDir" in err
     assert "defeats offloading" in err
+    # The fix names a key that exists.
+    assert "or use storage.mode hostPath" in err and "storage.type" not in err
+
+
+# Every refusal that compares values, with the words its one line must hold.
+CROSS_VALUE_REFUSALS = [
+    (("storage.mode=pvc",), "storage.pvc.claimName is needed with storage.mode pvc"),
+    (("storage.mode=emptyDir", "storage.emptyDir.medium=Memory"), "storage.emptyDir.medium Memory is refused"),
+    (("offload.train=true", "offload.target=cpu", "streamOptimizerState.toDisk=true"),
+     "streamOptimizerState.toDisk with offload.train needs offload.target disk"),
+    (("offload.target=disk",), "offload.target disk requires offload.train"),
+    (("offload.diskCompression=zstd", "offload.diskChunkMb=2"), "offload.diskCompression nvcomp-ans or zstd needs"),
+    (("streamOptimizerState.hostCacheGb=8",), "streamOptimizerState.hostCacheGb needs streamOptimizerState.toDisk"),
+    (("streamOptimizerState.masterLayout=fp32",), "streamOptimizerState.masterLayout fp32 needs"),
+    (("args={--x}",), "args are the arguments of command and need it"),
+    (("command={python,t.py}", "train.save=/ck"), "configure greenroom train, which command replaces"),
+    (("torchrun.enabled=false", "torchrun.extraArgs={--x}"), "torchrun.extraArgs are arguments of torchrun"),
+    (("podLabels.helm\\.sh/chart=x",), "podLabels: helm.sh/chart is a label the chart sets"),
+]
+
+
+@pytest.mark.parametrize("sets, words", CROSS_VALUE_REFUSALS, ids=[s[0][0] for s in CROSS_VALUE_REFUSALS])
+def test_a_refusal_that_compares_values_reads_as_one_line(sets, words):
+    err = reject(*sets)
+    (line,) = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert line.startswith("Error: execution error at (greenroom/templates/") and words in line, err
+    # Not a schema rule's frame around the message.
+    assert "allOf" not in err and "missing property" not in err, err
 
 
 def test_unknown_values_are_refused():
@@ -130,17 +157,16 @@ def test_an_offload_target_is_refused_exactly_where_greenroom_train_refuses_it(t
                                              stream_optimizer_state_to_disk=stream), err
     if target == "disk" and not train:
         assert "offload.target disk requires offload.train: set offload.train true" in err
-    # A train key dropped with null is no --offload-train either.
+    # A train key dropped with null is no --offload-train either: refused as every null is.
     if target == "disk" and train:
-        assert "offload.target disk requires offload.train" in _chart_refuses(
-            "offload.train=null", "offload.target=disk")
+        assert "at '/offload': missing property 'train'" in _chart_refuses("offload.train=null", "offload.target=disk")
 
 
 def test_args_without_a_command_are_refused_not_left_out():
     # Before: `args` rendered nowhere without `command` (greenroom train ran without them).
     err = reject("args={--output-dir,/ckpt}")
     assert "args are the arguments of command and need it" in err and "train.extraArgs" in err
-    assert "args are the arguments of command" in reject("args={--x}", "command=null")
+    assert "missing property 'command'" in reject("args={--x}", "command=null")  # as every null is
     assert _chart_refuses("command={python,t.py}", "args={--x}") is None
     assert _chart_refuses("train.extraArgs={--no-progress}") is None
 
@@ -166,5 +192,5 @@ def test_labels_that_clash_with_the_charts_own_are_refused_naming_the_key(key, l
     # Before: rendered a second key; podLabels' component (or name) won on the pods, so the
     # rendezvous Service and onePodPerNode's anti-affinity no longer selected them.
     err = reject(f"{key}.{label.replace('.', chr(92) + '.')}=mine")
-    assert f"at '/{key}'" in err and "a label the chart sets (helm.sh/chart, app.kubernetes.io/name" in err
+    assert f"{key}: {label} is a label the chart sets (helm.sh/chart, app.kubernetes.io/name" in err
     assert _chart_refuses(f"{key}.team=rl", f"{key}.kueue\\.x-k8s\\.io/queue-name=a") is None

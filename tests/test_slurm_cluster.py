@@ -11,6 +11,7 @@ import copy
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def cluster():
 
 def job_data(tmp_path, disk_dir, name: str, *, iterations: int = 2, streaming: bool = True, **over) -> dict:
     data = {
-        "job_name": name, "tasks_per_node": 2, "cpus_per_task": 1, "mem": "2G", "time": "00:15:00",
+        "job_name": name, "tasks_per_node": 2, "mem": "2G", "time": "00:15:00",
         "scratch_dir": os.path.join(disk_dir, "scratch"), "log_dir": str(tmp_path / "logs"),
         "greenroom": f"{sys.executable} -m greenroom.cli", "max_restarts": 0,
         "train": {"offload_train": True, "offload_train_target": "disk", "offload_train_disk_chunk_mb": 1,
@@ -142,8 +143,10 @@ def local_variants(tmp_path, disk_dir) -> dict[str, dict]:
         for key in ("partition", "account", "qos", "sbatch_extra"):
             data.pop(key, None)
         data.update(nodes=1, gpus_per_node=min(data.get("gpus_per_node", 0), 2), mem="1G",
-                    cpus_per_task=1, log_dir=base["log_dir"], scratch_dir=base["scratch_dir"])
+                    log_dir=base["log_dir"], scratch_dir=base["scratch_dir"])
+        # The defaults: one CPU per process (this node has 4).
         data.pop("tasks_per_node", None)
+        data.pop("cpus_per_task", None)
         variants[os.path.basename(path)] = data
     for launcher in ("srun", "torchrun"):
         for gpus in (0, 2):
@@ -172,6 +175,27 @@ def test_fake_gpus_reach_the_job_as_cuda_visible_devices(tmp_path):
     out = subprocess.run(["srun", "--gpus-per-node=2", "--mem=100M", "bash", "-c", "echo $CUDA_VISIBLE_DEVICES"],
                          capture_output=True, text=True, timeout=DEADLINE_S)
     assert out.returncode == 0 and out.stdout.strip() == "0,1", out.stderr
+
+
+@pytest.mark.parametrize("launcher, cpus_per_task, step_cpus", [("torchrun", 4, 4), ("srun", 2, 4)])
+def test_trainer_step_gets_the_cpus_per_task_the_config_asks(tmp_path, disk_dir, launcher, cpus_per_task, step_cpus):
+    # 2 processes on the 4-CPU node. cpus_per_task is Slurm's --cpus-per-task: torchrun's one
+    # task gets all 4 for its 2 processes, srun's 2 tasks get 2 each. The step must ask for
+    # them itself: srun of Slurm 22.05 (this cluster's) does not inherit them from sbatch.
+    out = tmp_path / "steps"
+    out.mkdir()
+    probe = f'scontrol show step -o "$SLURM_JOB_ID.$SLURM_STEP_ID" > {out}/"$RANK".txt'
+    data = job_data(tmp_path, disk_dir, f"cpus-{launcher}", launcher=launcher, cpus_per_task=cpus_per_task,
+                    torchrun=f"{sys.executable} -m torch.distributed.run", command=["bash", "-c", probe])
+    data["train"] = {}
+    job = submit(tmp_path, data)
+    info = wait_done(tmp_path, f"cpus-{launcher}", job)
+    text = logs(tmp_path, f"cpus-{launcher}", job)
+    assert info["JobState"] == "COMPLETED", text
+    assert info["NumCPUs"] == "4", info
+    for rank in ("0", "1"):
+        step = (out / f"{rank}.txt").read_text()
+        assert re.search(r"\bCPUs=(\d+)", step)[1] == str(step_cpus), step
 
 
 # -- jobs running greenroom train ---------------------------------------------------------

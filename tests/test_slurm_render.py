@@ -212,14 +212,45 @@ def test_values_with_spaces_and_dollars_reach_the_trainer_as_one_word(tmp_path, 
     assert trainer[-2:] == ["--offload-train-disk-dir", "X"]
 
 
-def test_torchrun_launcher_asks_one_task_per_node_with_all_its_cpus():
-    config = config_from_dict({"launcher": "torchrun", "nodes": 2, "gpus_per_node": 4, "cpus_per_task": 3})
-    script = render(config)
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=12",
-                 "#SBATCH --gpus-per-node=4"):
-        assert line in script.splitlines()
-    assert "--nproc-per-node=4" in script
-    assert '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in script
+def test_torchrun_launcher_asks_one_task_per_node_with_cpus_per_task_as_slurm_means_it():
+    # cpus_per_task is Slurm's --cpus-per-task: the one torchrun task of a node gets exactly that.
+    config = config_from_dict({"launcher": "torchrun", "nodes": 2, "gpus_per_node": 8, "cpus_per_task": 64})
+    script = render(config).splitlines()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=64",
+                 "#SBATCH --gpus-per-node=8"):
+        assert line in script
+    (step,) = [line for line in script if line.startswith("srun --kill-on-bad-exit=1")]
+    # srun of Slurm 22.05 (and some later releases) does not inherit --cpus-per-task from sbatch.
+    assert "--ntasks-per-node=1 --cpus-per-task=64 " in step
+    text = "\n".join(script)
+    assert "--nproc-per-node=8" in text
+    assert '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in text
+
+
+def test_srun_launcher_asks_cpus_per_task_per_process_and_passes_it_to_the_step():
+    script = render(config_from_dict({"nodes": 2, "gpus_per_node": 8, "cpus_per_task": 8})).splitlines()
+    assert "#SBATCH --ntasks-per-node=8" in script and "#SBATCH --cpus-per-task=8" in script
+    (step,) = [line for line in script if line.startswith("srun --kill-on-bad-exit=1")]
+    assert "--cpus-per-task=8 " in step
+
+
+@pytest.mark.parametrize("launcher, tasks, expected", [("srun", 4, 1), ("torchrun", 4, 4), ("torchrun", 1, 1)])
+def test_cpus_per_task_defaults_to_one_cpu_per_process(launcher, tasks, expected):
+    config = config_from_dict({"launcher": launcher, "gpus_per_node": 4, "tasks_per_node": tasks})
+    assert config.cpus_per_task == expected
+    assert f"#SBATCH --cpus-per-task={expected}" in render(config).splitlines()
+
+
+def test_torchrun_with_fewer_cpus_than_processes_is_refused():
+    with pytest.raises(ConfigError, match=r"^cpus_per_task: 4 CPUs cannot give each of torchrun's 8 processes one; "
+                                          r".*use at least 8$"):
+        config_from_dict({"launcher": "torchrun", "gpus_per_node": 8, "cpus_per_task": 4})
+
+
+def test_shipped_torchrun_example_asks_what_it_says():
+    config = load_config(os.path.join(REPO, "deploy", "slurm", "examples", "multi-node-torchrun.yaml"))
+    assert f"#SBATCH --cpus-per-task={config.cpus_per_task}" in render(config).splitlines()
+    assert config.cpus_per_task == 64 and config.tasks_per_node == 8
 
 
 def test_no_restarts_means_no_requeue_not_even_after_a_node_failure():

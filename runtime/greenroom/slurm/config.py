@@ -14,6 +14,7 @@ value with spaces there. Values that end up in shell commands are quoted with
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import shlex
@@ -44,6 +45,11 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_SIGNAL_SECONDS = 65535  # sbatch --signal's upper bound
 
 
+def _unit(unit: str) -> dict:
+    """A field's unit, for the config reference in docs/slurm.md (greenroom.slurm.reference)."""
+    return {"unit": unit}
+
+
 # Seed-flag defaults are OffloadFlags' own (one source: a test compares them).
 _FLAG_DEFAULTS = OffloadFlags()
 GREENROOM_ARGS_MODES = ("auto", "append", "env")
@@ -72,9 +78,9 @@ class TrainArgs:
     """``--offload-train``."""
 
     offload_train_target: str | None = None
-    """``--offload-train-target`` (cpu or disk; None: not given, which means cpu)."""
+    """``--offload-train-target`` (cpu or disk; null: not given, which means cpu)."""
 
-    offload_train_disk_chunk_mb: int = _FLAG_DEFAULTS.offload_train_disk_chunk_mb
+    offload_train_disk_chunk_mb: int = field(default=_FLAG_DEFAULTS.offload_train_disk_chunk_mb, metadata=_unit("MiB"))
     """``--offload-train-disk-chunk-mb``: pinned staging buffer per mechanism and rank."""
 
     offload_train_disk_compression: str = _FLAG_DEFAULTS.offload_train_disk_compression
@@ -89,15 +95,16 @@ class TrainArgs:
     stream_optimizer_state_master_layout: str = _FLAG_DEFAULTS.stream_optimizer_state_master_layout
     """``--stream-optimizer-state-master-layout``: remainder (the default, left out) or fp32."""
 
-    stream_optimizer_state_host_cache_gb: float = _FLAG_DEFAULTS.stream_optimizer_state_host_cache_gb
+    stream_optimizer_state_host_cache_gb: float = field(default=_FLAG_DEFAULTS.stream_optimizer_state_host_cache_gb,
+                                                        metadata=_unit("GB (10^9 bytes) per rank"))
     """``--stream-optimizer-state-host-cache-gb``: host memory per rank (GB) for whole
     buckets kept off the disk; 0 (the default) leaves the flag out."""
 
     no_load_optim: bool = _FLAG_DEFAULTS.no_load_optim
     """``--no-load-optim``: on resume accept a fresh optimizer state."""
 
-    iterations: int | None = None
-    """``--iterations`` (None: the trainer's default)."""
+    iterations: int | None = field(default=None, metadata=_unit("iterations"))
+    """``--iterations`` (null: the trainer's default)."""
 
     role: str = "actor"
     """``--role``: names the per-rank dirs, so two models of one job never share files."""
@@ -151,23 +158,26 @@ class SlurmJobConfig:
     job_name: str = "greenroom"
     """``--job-name``; also names the log files."""
 
-    nodes: int = 1
+    nodes: int = field(default=1, metadata=_unit("nodes"))
     """``--nodes``."""
 
-    gpus_per_node: int = 0
+    gpus_per_node: int = field(default=0, metadata=_unit("GPUs per node"))
     """``--gpus-per-node`` (0: a CPU job, no GPU request)."""
 
-    tasks_per_node: int | None = None
+    tasks_per_node: int | None = field(default=None, metadata=_unit("processes per node"))
     """Trainer processes per node (default: ``gpus_per_node``, or 1 on a CPU job). With the
     srun launcher they are Slurm tasks; with torchrun, torchrun's ``--nproc-per-node``."""
 
-    cpus_per_task: int = 1
-    """CPUs per trainer process."""
+    cpus_per_task: int | None = field(default=None, metadata=_unit("CPUs per Slurm task"))
+    """``--cpus-per-task`` as Slurm means it: the CPUs of one Slurm task. With the srun
+    launcher a task is one trainer process; with torchrun it is the node's one torchrun,
+    which shares them among its ``tasks_per_node`` processes, so it needs at least one
+    each. null: 1 with srun, ``tasks_per_node`` with torchrun."""
 
-    mem: str | None = None
-    """``--mem`` per node, e.g. ``64G`` (None: the partition's default; ``0``: all)."""
+    mem: str | None = field(default=None, metadata=_unit("MiB per node, or with a K, M, G or T suffix"))
+    """``--mem`` per node, e.g. ``64G`` (null: the partition's default; ``0``: all)."""
 
-    time: str = "01:00:00"
+    time: str = field(default="01:00:00", metadata=_unit("minutes, or [D-]HH:MM:SS"))
     """``--time`` in any Slurm form (``MM``, ``HH:MM:SS``, ``D-HH:MM:SS`` ...), as written:
     an unquoted ``4:00:00`` stays that, not YAML 1.1's base-60 int."""
 
@@ -184,28 +194,28 @@ class SlurmJobConfig:
     """``--exclusive``: no other job on the nodes (and their NVMe)."""
 
     launcher: str = "srun"
-    """``srun``: one task per process, RANK/LOCAL_RANK/WORLD_SIZE from SLURM_PROCID/
-    SLURM_LOCALID/SLURM_NTASKS; ``torchrun``: one torchrun per node, rendezvous at the
+    """``srun``: one task per process, RANK/LOCAL_RANK/WORLD_SIZE from
+    SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; ``torchrun``: one torchrun per node, rendezvous at the
     job's first node."""
 
-    master_port: int | None = None
+    master_port: int | None = field(default=None, metadata=_unit("TCP port"))
     """Rendezvous port (default: 20000 + job id % 20000, so jobs sharing a node differ)."""
 
     preempt_signal: str = "USR1"
     """Signal Slurm sends the batch script before the time limit or a preemption
     (``--signal=B:<sig>@<seconds>``); the script then stops the trainer and requeues."""
 
-    preempt_signal_seconds: int = 120
+    preempt_signal_seconds: int = field(default=120, metadata=_unit("seconds"))
     """How long before the end the signal comes."""
 
-    max_restarts: int = 3
+    max_restarts: int = field(default=3, metadata=_unit("requeues"))
     """Requeues after the preemption signal, counted by SLURM_RESTART_COUNT. Above 0 the
     job is also ``--requeue``: Slurm requeues it when it loses a node (a node failure's
     requeue counts too, and Slurm's MaxBatchRequeue caps those). 0: never, ``--no-requeue``."""
 
     scratch_dir: str | None = None
     """Node-local scratch root (NVMe; a job_container/tmpfs per-job /tmp is on disk and
-    fine, /dev/shm is not). None: ``$SCRATCH`` on the node at run time. The per-rank
+    fine, /dev/shm is not). null: ``$SCRATCH`` on the node at run time. The per-rank
     dirs live in ``<scratch>/greenroom_train_offload_<uid>/<job>/<role>/rank<NNNNN>``."""
 
     log_dir: str = "logs"
@@ -223,7 +233,7 @@ class SlurmJobConfig:
     command: str | list[str] | None = None
     """Your trainer's command (a list of words, or one string split like a shell would),
     run by each task or, with the torchrun launcher, by torchrun (``--no-python``: start
-    it with its interpreter). None: ``greenroom train`` with ``train``'s flags."""
+    it with its interpreter). null: ``greenroom train`` with ``train``'s flags."""
 
     greenroom_args: str = "auto"
     """How ``train``'s seed flags reach the trainer. Always: ``$GREENROOM_ARGS`` (read by
@@ -253,8 +263,7 @@ class SlurmJobConfig:
     """The trainer's flags."""
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "cpus_per_task"):
-            _positive_int(name, getattr(self, name))
+        _positive_int("nodes", self.nodes)
         _non_negative_int("gpus_per_node", self.gpus_per_node)
         _non_negative_int("max_restarts", self.max_restarts)
         if self.tasks_per_node is None:
@@ -265,6 +274,13 @@ class SlurmJobConfig:
                              f"gpus_per_node {self.gpus_per_node}; use at most one process per GPU")
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.cpus_per_task is None:
+            self.cpus_per_task = self.tasks_per_node if self.launcher == "torchrun" else 1
+        _positive_int("cpus_per_task", self.cpus_per_task)
+        if self.launcher == "torchrun" and self.cpus_per_task < self.tasks_per_node:
+            raise ConfigError(f"cpus_per_task: {self.cpus_per_task} CPUs cannot give each of torchrun's "
+                              f"{self.tasks_per_node} processes one; with launcher torchrun it counts the CPUs of "
+                              f"the node's one task (all its processes): use at least {self.tasks_per_node}")
         if self.master_port is not None:
             _positive_int("master_port", self.master_port)
             if not 1024 <= self.master_port <= 65535:
@@ -443,7 +459,9 @@ def _build(cls, data, where: str):
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in known:
-            raise ConfigError(f"unknown key '{where}{key}'; known keys: {', '.join(sorted(known))}")
+            close = difflib.get_close_matches(str(key), known, n=1)
+            guess = f": did you mean '{where}{close[0]}'?" if close else ";"
+            raise ConfigError(f"unknown key '{where}{key}'{guess} known keys: {', '.join(sorted(known))}")
     kwargs = dict(data)
     if cls is SlurmJobConfig:
         if "train" in kwargs:

@@ -59,9 +59,8 @@ def resource_options(config: SlurmJobConfig) -> dict[str, str | bool]:
     order. The one mapping from the config to Slurm: the script's ``#SBATCH`` lines and
     submitit's executor parameters are both made from it."""
     per_node = config.tasks_per_node if config.launcher == "srun" else 1
-    cpus = config.cpus_per_task * (config.tasks_per_node if config.launcher == "torchrun" else 1)
     options: dict[str, str | bool] = {"job-name": config.job_name, "nodes": str(config.nodes),
-                                      "ntasks-per-node": str(per_node), "cpus-per-task": str(cpus)}
+                                      "ntasks-per-node": str(per_node), "cpus-per-task": str(config.cpus_per_task)}
     if config.gpus_per_node:
         options["gpus-per-node"] = str(config.gpus_per_node)
     if config.mem is not None:
@@ -132,6 +131,7 @@ def context(config: SlurmJobConfig, *, source: str) -> dict:
         "append_flags": config.appends_flags,
         "launcher": config.launcher,
         "tasks_per_node": config.tasks_per_node,
+        "cpus_per_task": config.cpus_per_task,
         "preempt_signal": config.preempt_signal,
         "max_restarts": config.max_restarts,
         "pyxis": config.container is not None and config.container.runtime == "pyxis",

@@ -4,7 +4,7 @@
 #SBATCH --job-name=greenroom-4n
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=1
-#SBATCH --cpus-per-task=96
+#SBATCH --cpus-per-task=64
 #SBATCH --gpus-per-node=8
 #SBATCH --mem=0
 #SBATCH --time=1-00:00:00
@@ -87,9 +87,11 @@ on_preempt() {
 trap on_preempt USR1
 
 step_log="$GREENROOM_LOG_DIR/%x-%j-r$GREENROOM_RESTART-%t.out"
+# --cpus-per-task on the step itself: srun of some Slurm releases (22.05 among them) does
+# not take it from the batch job, and its tasks would each get one CPU.
 # One torchrun per node; it starts the node's processes and sets their ranks.
 # shellcheck disable=SC2016
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 --output="$step_log" \
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=64 --output="$step_log" \
   bash -c 'NODE_RANK=$SLURM_NODEID exec "$@"' node torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=8 \
   --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
   --no-python "${trainer[@]}" &

@@ -82,9 +82,11 @@ on_preempt() {
 trap on_preempt USR1
 
 step_log="$GREENROOM_LOG_DIR/%x-%j-r$GREENROOM_RESTART-%t.out"
+# --cpus-per-task on the step itself: srun of some Slurm releases (22.05 among them) does
+# not take it from the batch job, and its tasks would each get one CPU.
 # One task per process, each taking its rank from Slurm (expanded in the task's shell).
 # shellcheck disable=SC2016
-srun --kill-on-bad-exit=1 --output="$step_log" \
+srun --kill-on-bad-exit=1 --cpus-per-task=12 --output="$step_log" \
   bash -c 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID NODE_RANK=$SLURM_NODEID WORLD_SIZE=$SLURM_NTASKS exec "$@"' rank \
   "${trainer[@]}" &
 step=$!

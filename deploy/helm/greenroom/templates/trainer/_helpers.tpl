@@ -90,7 +90,8 @@ The schema refuses `args` without `command` and train.* beside it: neither is le
 {{- $argv = concat $v.torchrun.command (list
       (printf "--nnodes=%d" (int $v.nodes))
       (printf "--nproc-per-node=%d" (int $v.procsPerNode))
-      "--node-rank=$(NODE_RANK)" "--master-addr=$(MASTER_ADDR)" "--master-port=$(MASTER_PORT)") -}}
+      "--node-rank=$(NODE_RANK)" "--master-addr=$(MASTER_ADDR)" "--master-port=$(MASTER_PORT)"
+      (printf "--rdzv-conf=timeout=%d" (int $v.torchrun.rendezvousTimeoutSeconds))) -}}
 {{- $argv = concat $argv $v.torchrun.extraArgs (list "--no-python") -}}
 {{- end -}}
 {{- $argv = concat $argv (include "greenroom.trainer.program" . | fromYamlArray) -}}

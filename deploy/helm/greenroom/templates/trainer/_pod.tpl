@@ -80,8 +80,14 @@ metadata:
     {{- with $v.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+    {{- with (include "greenroom.gang.podLabels" .) }}
+    {{- . | nindent 4 }}
+    {{- end }}
   annotations:
     greenroom.dev/pod-security-level: {{ include "greenroom.podSecurityLevel" . | quote }}
+    {{- with (include "greenroom.gang.podAnnotations" .) }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- with $v.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -96,7 +102,7 @@ spec:
   {{- end }}
   enableServiceLinks: false
   terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
-  {{- with $v.schedulerName }}
+  {{- with (include "greenroom.gang.schedulerName" .) }}
   schedulerName: {{ . | quote }}
   {{- end }}
   {{- with $v.runtimeClassName }}
@@ -169,7 +175,11 @@ rules:
 completionMode: Indexed
 completions: {{ $v.nodes }}
 parallelism: {{ $v.nodes }}
-# Per index: a failed rank runs again (and resumes) without restarting the others' pods.
+# Per index. A lost rank's peers fail too (their collective ends, exit 1) and are run
+# again as well: the static rendezvous admits no newcomer into a running group, so every
+# rank meets again there and resumes from the last save. Bounded: the rendezvous by
+# torchrun.rendezvousTimeoutSeconds, the reruns of a rank by this limit (then the Job
+# fails, maxFailedIndexes 0).
 backoffLimitPerIndex: {{ $v.job.backoffLimitPerIndex }}
 {{- if not (kindIs "invalid" $v.job.maxFailedIndexes) }}
 maxFailedIndexes: {{ $v.job.maxFailedIndexes }}
