@@ -15,7 +15,7 @@ def greenroom(*args: str, env: dict | None = None, timeout: float = 300, check_r
               cwd: str | None = None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-m", "greenroom.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "greenroom.cli.main", *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=cwd)
     if check_rc is not None:
         assert proc.returncode == check_rc, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -29,7 +29,7 @@ def greenroom_stopped_at(point: str, *args: str, env: dict | None = None, sigint
     it with SIGINT at its default, as from a terminal (``make test`` in the background hands
     its workers SIGINT ignored, and an ignored SIGINT stays ignored in a child)."""
     default_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sigint else None
-    proc = subprocess.Popen([sys.executable, "-m", "greenroom.cli", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "greenroom.cli.main", *args],
                             env={**os.environ, **(env or {}), "GREENROOM_TEST_STOP_AT": point},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                             preexec_fn=default_sigint)

@@ -4,7 +4,7 @@ the staging size, the ``zstd`` codec fixture and compressible data."""
 import pytest
 import torch
 
-from greenroom import compression
+from greenroom.io import compression
 
 CHUNK = 8 << 20  # 2 MiB staging buffers: transfers span several chunks and frames
 

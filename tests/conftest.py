@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from greenroom import fs, statefile
+from greenroom.io import fs
+from greenroom.io import statefile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLDER = os.path.join(REPO, "tests", "rank_holder.py")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from greenroom import OffloadConfig, actor
-from greenroom.diskio import StateFile
+from greenroom.io.engine import StateFile
 from greenroom.optim import StreamingAdam
 
 

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from greenroom.diskio import StateFile
+from greenroom.io.engine import StateFile
 from greenroom.errors import GreenroomError
 
 EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)

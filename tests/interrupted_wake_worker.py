@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from greenroom import OffloadConfig, actor
-from greenroom.diskio import StateFile, TransferEngine
+from greenroom.io.engine import StateFile, TransferEngine
 
 HOLD_S = 1.0  # how long the first read waits at its gate
 INTERRUPT_S = 0.3  # when the wake is interrupted: while that read waits

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 
 # The holder stands for a trainer started in the foreground, where Ctrl-C raises. A shell
 # starts background commands (``make test &``) with SIGINT ignored, the children inherit

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from greenroom.bench import offload
+from greenroom.cli.bench import offload
 
 
 def args(**kw):

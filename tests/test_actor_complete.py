@@ -17,9 +17,9 @@ from greenroom import OffloadConfig, actor
 from greenroom.actor import tms
 from greenroom.actor.movers import Moved
 from greenroom.actor.offloader import LeftAsleep
-from greenroom.diskio import StateFile
+from greenroom.io.engine import StateFile
 from greenroom.errors import GreenroomError
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 from greenroom.train.model import ModelConfig, Transformer
 
 RUNTIME = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime")
@@ -154,7 +154,7 @@ def test_two_cpu_target_offloaders_in_one_process_leave_each_others_host_copies_
     child = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import tempfile, torch
         from greenroom import OffloadConfig, actor
-        from greenroom.rankdir import RankDir
+        from greenroom.dirs.rankdir import RankDir
         root = tempfile.mkdtemp()
         config = OffloadConfig(offload_train=True, offload_train_target="cpu", offload_train_disk_dir=root)
         with RankDir(root, job="actor") as ra, RankDir(root, job="critic") as rc, \

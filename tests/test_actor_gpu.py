@@ -44,7 +44,7 @@ IMPORTS = """
 import copy, os, sys, torch
 from greenroom import OffloadConfig, actor
 from greenroom.errors import GreenroomError
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 from greenroom.train.model import ModelConfig, Transformer
 """
 
@@ -107,7 +107,7 @@ def test_tms_sleep_wake_is_bit_exact_at_the_same_addresses(disk_dir, target, mov
 def test_greenroom_train_on_cuda_relaunches_under_the_hook_and_learns(disk_dir):
     metrics = os.path.join(disk_dir, "m.jsonl")
     result = subprocess.run(
-        [sys.executable, "-m", "greenroom.cli", "train", "--offload-train", "--offload-train-target", "disk",
+        [sys.executable, "-m", "greenroom.cli.main", "train", "--offload-train", "--offload-train-target", "disk",
          "--offload-train-disk-dir", os.path.join(disk_dir, "offload"), "--iterations", "4", "--no-progress",
          "--metrics", metrics], env=_child_env({}), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -109,7 +109,7 @@ def test_cpu_paths_never_import_torch_memory_saver(disk_dir):
     code = f"""
 import sys, torch
 from greenroom import OffloadConfig, actor
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir={disk_dir!r})
 actor.launch_env(config, 0)
 with RankDir({disk_dir!r}, job="x") as rd, actor.build_offloader(config, rd) as off:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from greenroom import OffloadConfig, actor
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 from greenroom.train.model import ModelConfig, Transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,7 +148,7 @@ def test_disk_target_keeps_host_memory_within_the_chunk(disk_dir):
         import torch
         from greenroom import OffloadConfig, actor
         from greenroom.actor.memory import RssSampler
-        from greenroom.rankdir import RankDir
+        from greenroom.dirs.rankdir import RankDir
         MIB = 1 << 20
         tensors = [torch.ones(64 * MIB // 4) for _ in range(4)]  # 256 MiB, touched
         sampler = RssSampler(0.001)
@@ -176,7 +176,7 @@ def test_files_are_reclaimed_after_sigterm_while_asleep(disk_dir):
     child = _run_child(f"""
         import time, torch
         from greenroom import OffloadConfig, actor
-        from greenroom.rankdir import RankDir
+        from greenroom.dirs.rankdir import RankDir
         config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir={disk_dir!r})
         rd = RankDir({disk_dir!r}, job="sig").open()
         off = actor.build_offloader(config, rd).track([torch.randn(1 << 20)])

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from greenroom.errors import GreenroomError, StorageError
-from greenroom.optim import checkpoint, reflink
+from greenroom.optim.checkpoint import save_load as checkpoint
+from greenroom.optim.checkpoint import reflink
 from greenroom.optim import StreamingAdam, StreamingMuon
 from tests.conftest import require_tool
 from tests.test_faults import run_worker

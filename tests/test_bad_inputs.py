@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from greenroom import cli
+from greenroom.cli import main as cli
 from tests.cli_support import greenroom, one_line_error
 
 SMALL = ["--iterations", "1", "--prompts", "4", "--group-size", "2", "--minibatches", "1", "--d-model", "16",

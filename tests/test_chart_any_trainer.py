@@ -66,7 +66,7 @@ def test_the_rendered_trainer_container_runs_the_script_as_two_ranks(tmp_path):
     argv = [kubelet_expand(a, env) for a in trainer["command"] + trainer["args"]]
     assert argv[:2] == ["greenroom", "torchrun"]
     launcher = shutil.which("greenroom")
-    argv[:1] = [launcher] if launcher else [sys.executable, "-m", "greenroom.cli"]
+    argv[:1] = [launcher] if launcher else [sys.executable, "-m", "greenroom.cli.main"]
     run_env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **env,
                "OMP_NUM_THREADS": "1"}
     out = subprocess.run(argv, env=run_env, capture_output=True, text=True, timeout=600)
@@ -95,7 +95,7 @@ def test_the_script_runs_where_no_mechanism_writes_to_disk(tmp_path, greenroom_a
 
 def test_a_rank_dir_without_a_root_is_one_line():
     from greenroom.errors import ConfigError
-    from greenroom.rankdir import RankDir
+    from greenroom.dirs.rankdir import RankDir
 
     with pytest.raises(ConfigError, match="RankDir: no root dir: pass --offload-train-disk-dir DIR") as info:
         RankDir(None)

@@ -54,7 +54,7 @@ def test_janitor_rbac_grants_only_the_two_calls_it_makes():
     """It lists pods (every namespace, its node) and creates Events in "default"
     (k8s_janitor.EVENT_NAMESPACE). Was: get and watch on pods, never called, and create on
     events in every namespace of the cluster."""
-    from greenroom.k8s_janitor import EVENT_NAMESPACE
+    from greenroom.dirs.janitor import EVENT_NAMESPACE
 
     docs = manifests(chart=JANITOR_CHART)
     (sa,) = by_kind(docs, "ServiceAccount")
@@ -127,7 +127,7 @@ def test_the_janitor_is_told_its_node_and_its_own_pod():
 
 
 def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
-    from greenroom.reclaim_cli import configure_parser
+    from greenroom.cli.reclaim import configure_parser
     parser = argparse.ArgumentParser(exit_on_error=False)
     configure_parser(parser)
     (ds,) = by_kind(manifests(chart=JANITOR_CHART), "DaemonSet")

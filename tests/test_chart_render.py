@@ -166,7 +166,7 @@ def test_each_seed_value_becomes_its_exact_flag(values, expected):
 
 
 def test_the_rendered_train_arguments_parse_with_greenroom_trains_own_parser():
-    from greenroom.train.main import configure_parser
+    from greenroom.cli.train import configure_parser
     for values in ("cpu-target.yaml", "disk-target.yaml", "streaming.yaml", "both.yaml", "jobset.yaml"):
         args = container(pod_spec(manifests(values)), "trainer")["args"]
         train = args[args.index("train") + 1:]

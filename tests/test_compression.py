@@ -1,4 +1,4 @@
-"""The frame codec layer of the I/O engine (greenroom.compression), on the host codec.
+"""The frame codec layer of the I/O engine (greenroom.io.compression), on the host codec.
 
 The CI machines have no GPU, so these run ``zstd`` (the same frame format, header and
 records as ``nvcomp-ans``, which tests/test_diskio.py's CUDA cases and the GPU benches
@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-from greenroom import compression, frames
-from greenroom.diskio import EXTENT, StateFile, TransferEngine, align_up
+from greenroom.io import compression
+from greenroom.io import frames
+from greenroom.io.engine import EXTENT, StateFile, TransferEngine, align_up
 from greenroom.errors import CheckpointError, ConfigError, IntegrityError
 from tests.codec_support import CHUNK, as_bytes, compressible, zstd
 
@@ -232,7 +233,7 @@ def test_a_compressed_checkpoint_loads_and_a_mismatched_codec_is_refused(disk_di
 def test_disk_offload_with_compression_restores_every_byte(disk_dir):
     from greenroom.actor import build_offloader
     from greenroom.config import OffloadConfig
-    from greenroom.rankdir import RankDir
+    from greenroom.dirs.rankdir import RankDir
 
     config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=str(disk_dir),
                            offload_train_disk_chunk_mb=8, offload_train_disk_compression="zstd")
@@ -257,7 +258,7 @@ def test_plan_reports_the_expected_stored_bytes_beside_the_raw_size(disk_dir):
     import sys
 
     def plan(codec: str) -> dict:
-        out = subprocess.run([sys.executable, "-m", "greenroom.cli", "plan", "--offload-train",
+        out = subprocess.run([sys.executable, "-m", "greenroom.cli.main", "plan", "--offload-train",
                               "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
                               "--offload-train-disk-dir", str(disk_dir),
                               "--params", "1e6", "--offload-train-disk-compression", codec, "--json"],
@@ -427,7 +428,7 @@ def test_bench_codec_fails_a_codec_that_decodes_wrong_bytes(monkeypatch, capsys)
     import argparse
     import json
 
-    from greenroom.bench import codec as bench_codec
+    from greenroom.cli.bench import codec as bench_codec
 
     real_decode = compression.ZstdPlanes.decode
 
@@ -497,7 +498,7 @@ def test_bench_codec_on_the_gpu_reports_kept_decoders_and_round_trips():
     import sys
 
     _nvcomp_or_skip()
-    out = subprocess.run([sys.executable, "-m", "greenroom.cli", "bench", "codec", "--compression", "nvcomp-ans",
+    out = subprocess.run([sys.executable, "-m", "greenroom.cli.main", "bench", "codec", "--compression", "nvcomp-ans",
                           "--state", "random", "--size", "128MiB", "--threads", "2", "--json"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -534,7 +535,7 @@ def test_bench_codec_times_the_codec_and_refuses_bad_input():
     import sys
 
     def bench(*extra):
-        return subprocess.run([sys.executable, "-m", "greenroom.cli", "bench", "codec", "--compression", "zstd",
+        return subprocess.run([sys.executable, "-m", "greenroom.cli.main", "bench", "codec", "--compression", "zstd",
                                "--state", "random", "--size", "64MiB", *extra], capture_output=True, text=True)
 
     result = json.loads(bench("--threads", "2", "--json").stdout)

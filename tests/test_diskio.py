@@ -8,9 +8,9 @@ import subprocess
 import pytest
 import torch
 
-from greenroom import fs
+from greenroom.io import fs
 from greenroom.config import OffloadConfig
-from greenroom.diskio import ALIGNMENT, StagingBuffers, StateFile, TransferEngine, align_up
+from greenroom.io.engine import ALIGNMENT, StagingBuffers, StateFile, TransferEngine, align_up
 from greenroom.errors import StorageError
 
 ODD_SIZES = [1, 7, 199, 4095, 4096, 4097, 65536 + 3, 1 << 20, 3 * (1 << 20) + 13]

@@ -82,4 +82,4 @@ def test_no_module_or_class_of_greenroom_keeps_a_tensor_the_offload_would_move(d
     moved = [where for where, t in found if t.untyped_storage().resizable()]
     assert not moved, f"greenroom keeps tensors the portable offload would move and may free: {moved}"
     assert not caches, f"greenroom caches results it cannot keep off the actor's memory: {caches}"
-    assert any(where == "greenroom.integrity._LANES" for where, _ in found), "the walk saw no module tensor at all"
+    assert any(where == "greenroom.io.integrity._LANES" for where, _ in found), "the walk saw no module tensor at all"

@@ -1,4 +1,4 @@
-"""The on-disk layout of compressed transfers (greenroom.frames, Note [compact transfers]),
+"""The on-disk layout of compressed transfers (greenroom.io.frames, Note [compact transfers]),
 on the host codec: damaged records refused, frames packed from a transfer's start, readers
 of any staging size, files of the earlier layout, ``MAX_SHIFT``, failed chunks, and a unit
 rewritten alone. Every round trip is compared with ``torch.equal`` on the bytes.
@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from greenroom import compression, frames
-from greenroom.diskio import EXTENT, StateFile, TransferEngine, align_up
+from greenroom.io import compression
+from greenroom.io import frames
+from greenroom.io.engine import EXTENT, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError, IntegrityError
 from tests.codec_support import CHUNK, as_bytes, compressible, zstd
 
@@ -228,7 +229,7 @@ def test_a_record_rewritten_to_stored_raw_over_a_zero_tail_is_caught(tmp_path, z
     # frame's record says "stored raw" (exactly its raw length), and the pages after its
     # stored bytes are the zeros of a fresh file, which add nothing to a sum of pages.
     # The header would then be read back as data; the record is summed with its extent
-    # (Note [summed records] of greenroom.statefile), so the read stops instead. In the
+    # (Note [summed records] of greenroom.io.statefile), so the read stops instead. In the
     # table of a bucket file (the length written over the whole field, or only over its
     # low bits), and in the engine's memory for an offload file.
     t = compressible(torch.float32, 2 * EXTENT // 4)
@@ -258,7 +259,7 @@ def test_a_flipped_bit_in_a_record_is_caught_by_reads_and_by_checks_of_the_sums_
     # read refuses each (the record's range, the header, or the sum). The checks that
     # compare sums alone (a checkpoint's load and save: ``verify_against_table``) used to
     # pass a stored length that still covers the same pages; the sum now covers it.
-    from greenroom.optim.checkpoint import verify_against_table
+    from greenroom.optim.checkpoint.save_load import verify_against_table
 
     g = torch.Generator().manual_seed(7)
     t = torch.cat([compressible(torch.uint8, EXTENT, 1), torch.randint(0, 256, (EXTENT,), dtype=torch.uint8,
@@ -292,8 +293,8 @@ def test_a_file_of_the_earlier_table_still_reads_bit_exact(tmp_path, zstd):
     # frame's stored bytes alone, and the records as they are. Made by hand here from the
     # file's bytes, so it does not depend on the code that writes the current table; the
     # file and every checkpoint of such files must still read, and verify, as they are.
-    from greenroom.integrity import page_sums
-    from greenroom.optim.checkpoint import verify_against_table
+    from greenroom.io.integrity import page_sums
+    from greenroom.optim.checkpoint.save_load import verify_against_table
 
     g = torch.Generator().manual_seed(8)
     t = torch.cat([compressible(torch.bfloat16, EXTENT, 2).view(torch.uint8),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from greenroom.actor.offloader import PortableOffloader
-from greenroom.diskio import ALIGNMENT, EXTENT, StateFile, TransferEngine, extent_sums, page_sums
+from greenroom.io.engine import ALIGNMENT, EXTENT, StateFile, TransferEngine, extent_sums, page_sums
 from greenroom.errors import IntegrityError, StorageError
 from greenroom.optim import StreamingAdam
 
@@ -32,7 +32,7 @@ def flip_byte(path: str, offset: int) -> None:
 
 
 def test_page_sums_match_the_definition_mod_2_64():
-    from greenroom.integrity import _LANES, _PAGE_A, _PAGE_B
+    from greenroom.io.integrity import _LANES, _PAGE_A, _PAGE_B
 
     buf = torch.randint(0, 256, (3 * ALIGNMENT,), dtype=torch.uint8)
     got = page_sums(buf, 5 * ALIGNMENT)
@@ -254,7 +254,7 @@ def test_cuda_transfers_are_verified_too(disk_dir):
 def test_the_device_form_of_the_sums_is_the_host_form_to_the_bit():
     # Note [sums on the device]: CUDA takes the sums as a product and a sum per slice of
     # pages; the host as a mat-vec. Words at the extremes make every product wrap.
-    from greenroom.integrity import _LANES, _PAGES_PER_PRODUCT, _sliced_lane_dot
+    from greenroom.io.integrity import _LANES, _PAGES_PER_PRODUCT, _sliced_lane_dot
 
     generator = torch.Generator().manual_seed(7)
     words = torch.randint(-(1 << 63), (1 << 63) - 1, (_PAGES_PER_PRODUCT + 3, 512), dtype=torch.int64,
@@ -269,7 +269,7 @@ def test_the_device_form_of_the_sums_is_the_host_form_to_the_bit():
 def test_sums_taken_on_the_device_match_the_hosts():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (runs on the GPU machine)")
-    from greenroom.integrity import _PAGES_PER_PRODUCT
+    from greenroom.io.integrity import _PAGES_PER_PRODUCT
 
     host = torch.randint(0, 256, ((_PAGES_PER_PRODUCT + 5) * ALIGNMENT,), dtype=torch.uint8)
     for offset in (0, 7 * ALIGNMENT, 3 * EXTENT):

@@ -1,5 +1,5 @@
 """A SIGTERM (made a SystemExit by the rank dir) or Ctrl-C that lands while a rank dir
-closes has its effect once the dir is gone (``greenroom.rankdir`` Note [an interrupted
+closes has its effect once the dir is gone (``greenroom.dirs.rankdir`` Note [an interrupted
 close]).
 
 Found by reading ``RankDir.close`` during a SIGTERM stress of ``greenroom train`` (the
@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from greenroom import rankdir
-from greenroom.rankdir import RankDir
+from greenroom.dirs import rankdir
+from greenroom.dirs.rankdir import RankDir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,7 +110,7 @@ def test_greenroom_train_sigtermed_in_its_open_or_close_exits_143_and_leaves_not
     dir's open or at ``rankdir-close``, sent SIGTERM and continued: exit 143, one line at
     most, and nothing under the offload root."""
     root = os.path.join(disk_dir, "offload")
-    cmd = [sys.executable, "-m", "greenroom.cli", "train", "--iterations", "1", "--prompts", "4", "--group-size", "2",
+    cmd = [sys.executable, "-m", "greenroom.cli.main", "train", "--iterations", "1", "--prompts", "4", "--group-size", "2",
            "--minibatches", "1", "--d-model", "16", "--no-progress", "--dtype", "bf16", "--offload-train",
            "--offload-train-target", "disk", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", root,
            "--metrics", os.path.join(disk_dir, "m.jsonl")]
@@ -177,10 +177,10 @@ def async_save_run(disk_dir, iterations, stops):
     blocks opening it until the test opens the other end, then fails on it (a FIFO has no
     fsync), and the failed save discards its staged dir, as any failed publish does.
     Returns the process, the offload root and the FIFO."""
-    from greenroom import publish
+    from greenroom.io import publish
 
     root, ckpt = os.path.join(disk_dir, "offload"), os.path.join(disk_dir, "ckpt")
-    cmd = [sys.executable, "-m", "greenroom.cli", "train", "--iterations", iterations, "--prompts", "4",
+    cmd = [sys.executable, "-m", "greenroom.cli.main", "train", "--iterations", iterations, "--prompts", "4",
            "--group-size", "2", "--minibatches", "1", "--d-model", "16", "--no-progress", "--dtype", "bf16",
            "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
            "--offload-train-disk-dir", root, "--metrics", os.path.join(disk_dir, "m.jsonl"), "--save", ckpt,
@@ -268,7 +268,7 @@ def test_a_second_signal_ends_the_wait_for_a_publish_that_never_ends(disk_dir, f
     is given up (its thread a daemon) and nothing left in the offload root. The staged
     ``ckpt/iter_0000001.new`` (the rank's part, the meta and the FIFO; no generation record yet) stays
     beside the checkpoint, as after a forced exit: the next run's settle discards it."""
-    from greenroom import publish
+    from greenroom.io import publish
 
     proc, root, gate = async_save_run(disk_dir, *(("1", "instep-streamed") if first_in == "the-loops-wait"
                                                   else ("2", "instep-streamed,sync@2")))

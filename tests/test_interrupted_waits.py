@@ -1,6 +1,6 @@
 """A signal's exception (SIGTERM made a SystemExit, Ctrl-C) that interrupts a wait for
 I/O is raised only once no engine thread uses the transfer's memory any more (Note
-[interrupted waits] of greenroom.diskio).
+[interrupted waits] of greenroom.io.engine).
 
 Found under Slurm: ``scancel`` of a training job now and then killed the rank by
 SIGSEGV instead of SIGTERM, leaving its rank dir behind. The SIGTERM had landed in the
@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from greenroom.diskio import StateFile, TransferEngine
+from greenroom.io.engine import StateFile, TransferEngine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "interrupted_wake_worker.py")

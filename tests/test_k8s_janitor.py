@@ -28,8 +28,9 @@ import pytest
 # machine) the module skips instead of failing to import.
 pytest.importorskip("kubernetes", reason="the kubernetes client is not installed (pip install kubernetes)")
 
-from greenroom import k8s_janitor, rankdir  # noqa: E402
-from greenroom.k8s_janitor import Janitor, JanitorConfig  # noqa: E402
+from greenroom.dirs import janitor as k8s_janitor
+from greenroom.dirs import rankdir  # noqa: E402
+from greenroom.dirs.janitor import Janitor, JanitorConfig  # noqa: E402
 from tests.cli_support import REPO, greenroom, one_line_error
 
 HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
@@ -288,7 +289,7 @@ def wait_for(condition, what: str):
 
 def start_cli(root: str, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.Popen([sys.executable, "-m", "greenroom.cli", "reclaim", root, "--kubernetes",
+    return subprocess.Popen([sys.executable, "-m", "greenroom.cli.main", "reclaim", root, "--kubernetes",
                              "--node-name", NODE, "--interval", "0.05", "--metrics-port", str(port), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
 
@@ -470,7 +471,7 @@ def test_outside_a_pod_a_node_that_cannot_be_read_deletes_nothing(api, disk_dir,
 
 
 def test_names_and_addresses_of_this_host():
-    from greenroom.k8s_janitor import is_local_address, names_host
+    from greenroom.dirs.janitor import is_local_address, names_host
 
     assert names_host(["gpu-7"], "GPU-7.cluster.local") and names_host(["gpu-7.cluster.local."], "gpu-7")
     assert not names_host(["gpu-7.a"], "gpu-7.b") and not names_host(["gpu-70"], "gpu-7")
@@ -515,7 +516,7 @@ def test_bad_input_is_one_line_and_exit_2(disk_dir, tmp_path):
 
 
 def test_tmpfs_root_is_refused(tmp_path):
-    from greenroom import fs
+    from greenroom.io import fs
 
     shm = "/dev/shm"
     if not (os.path.isdir(shm) and fs.is_memory_backed(shm)):
@@ -532,7 +533,7 @@ def test_tmpfs_root_is_refused(tmp_path):
 
 def test_root_without_permission_is_refused(disk_dir, tmp_path):
     """The CLI in a forked child that drops to uid nobody (root passes every permission check)."""
-    from greenroom.cli import main
+    from greenroom.cli.main import main
 
     locked = os.path.join(disk_dir, "locked")
     os.makedirs(locked, mode=0o700)  # owned by us, closed to everyone else
@@ -573,7 +574,7 @@ def test_unreachable_api_is_one_line_in_a_single_pass(disk_dir, tmp_path):
 
 
 def test_an_unreadable_listing_skips_the_pass_and_counts_an_api_error(api, disk_dir):
-    from greenroom.k8s_janitor import ApiUnavailable
+    from greenroom.dirs.janitor import ApiUnavailable
 
     gone = dead(disk_dir, "uid-gone", "grpo")
     api.add_pod("uid-other", "broken")
@@ -674,7 +675,7 @@ def test_a_pod_started_after_the_listing_keeps_its_dir_until_a_listing_has_it(ap
 def test_a_root_given_as_a_symlink_on_another_filesystem_still_loses_its_empty_pod_dirs(api, disk_dir):
     """``reclaim`` resolves ROOT; the empty-dir sweep compared each pod dir with the dev of
     the symlink itself (here on tmpfs) and so never removed one."""
-    from greenroom import fs
+    from greenroom.io import fs
 
     if not (os.path.isdir("/dev/shm") and fs.is_memory_backed("/dev/shm")
             and not fs.is_memory_backed(disk_dir)):

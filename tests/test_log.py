@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from greenroom import fs
+from greenroom.io import fs
 from greenroom.log import get_logger
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +46,7 @@ def test_a_record_carries_the_rank_of_the_launcher_or_the_process_group(caplog, 
 
 def test_a_cli_warning_is_one_line_with_the_rank(tmp_path):
     """A Python warning (a flag that is ignored) through ``greenroom plan`` under torchrun's RANK."""
-    proc = subprocess.run([sys.executable, "-m", "greenroom.cli", "plan", "--stream-optimizer-state-to-disk",
+    proc = subprocess.run([sys.executable, "-m", "greenroom.cli.main", "plan", "--stream-optimizer-state-to-disk",
                            "--offload-train-target", "cpu", "--offload-train-disk-dir", str(tmp_path),
                            "--params", "1e6"], env=env(RANK="2"), capture_output=True, text=True, check=True)
     assert proc.stderr.splitlines() == [
@@ -62,7 +62,7 @@ def test_a_cli_log_record_is_one_line_with_the_rank(tmp_path):
     os.makedirs(root)
     try:
         for extra, prefix in (({"SLURM_PROCID": "3"}, "greenroom[rank 3]"), ({}, "greenroom")):
-            proc = subprocess.run([sys.executable, "-m", "greenroom.cli", "reclaim", root], env=env(**extra),
+            proc = subprocess.run([sys.executable, "-m", "greenroom.cli.main", "reclaim", root], env=env(**extra),
                                   capture_output=True, text=True, check=True)
             assert proc.stderr.splitlines() == [f"{prefix} WARNING: {root} is memory-backed (tmpfs); reclaiming anyway"]
     finally:

@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 
 def _pod_argv(node: int, port: int, save: str, disk: str) -> list[str]:
-    greenroom = [sys.executable, "-m", "greenroom.cli"]
+    greenroom = [sys.executable, "-m", "greenroom.cli.main"]
     return [*greenroom, "torchrun", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
             "--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-conf=timeout={RENDEZVOUS_TIMEOUT_S}",
             "--no-python", *greenroom, "train", *TRAIN, "--save", save, "--load", save, "--resume", "auto",

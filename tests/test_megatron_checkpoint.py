@@ -21,8 +21,8 @@ from greenroom.megatron import load_checkpoint, save_checkpoint
 from greenroom.megatron.checkpoint import SUBDIR, locate, sidecar_record, state_dir, verify_sidecar
 from greenroom.megatron.layout import ShardEntry, Topology
 from greenroom.megatron.optimizer import StreamingDistributedOptimizer, _resident_adam
-from greenroom.optim.store import BucketStore, Entry
-from greenroom.rankdir import write_json_atomic
+from greenroom.optim.store.bucket_store import BucketStore, Entry
+from greenroom.dirs.rankdir import write_json_atomic
 
 ENTRIES = [ShardEntry(name="embedding.word_embeddings.weight", group=0, index=0, shape=(1024, 256), start=0,
                       numel=262144),

@@ -28,7 +28,7 @@ with warnings.catch_warnings():
 from greenroom.config import OffloadConfig
 from greenroom.errors import CheckpointError
 from greenroom.megatron import close, demo, load_checkpoint, save_checkpoint, streaming, streaming_members
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 
 SIZE = demo.ModelSize(hidden=256, layers=2, heads=4, vocab=1024, seq=64, batch=2)
 # Smaller than the word embedding's shard (1024 x 256): that one is a bucket of its own,

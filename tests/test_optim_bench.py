@@ -146,7 +146,7 @@ def test_bench_stream_master_layout_flag_selects_whole_masters_and_refuses_fp32_
 
 
 def test_the_raw_probe_reads_and_writes_at_once_when_asked(disk_dir):
-    from greenroom.bench.disk import raw_bandwidth
+    from greenroom.cli.bench.disk import raw_bandwidth
     both = raw_bandwidth(disk_dir, 8 << 20, block=1 << 20, mixed=True)
     assert both.mixed_read_bytes_per_s > 0 and both.mixed_write_bytes_per_s > 0 and both.read_bytes_per_s > 0
     assert raw_bandwidth(disk_dir, 8 << 20, block=1 << 20).mixed_read_bytes_per_s is None
@@ -186,7 +186,7 @@ def test_the_peer_runs_in_a_rank_dir_of_its_own_and_leaves_a_users_deepspeed_nvm
     runs all the same."""
     import argparse
 
-    from greenroom.bench.peer import beside_deepspeed
+    from greenroom.cli.bench.peer import beside_deepspeed
     from greenroom.errors import GreenroomError
 
     theirs = os.path.join(disk_dir, "deepspeed-nvme")
@@ -209,7 +209,7 @@ def test_the_runtime_never_imports_deepspeed():
     root = pathlib.Path(greenroom.__file__).parent
     importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                        if "import deepspeed" in p.read_text() or "from deepspeed" in p.read_text())
-    assert importers == ["bench/deepspeed_peer.py"]  # the peer's child process alone
+    assert importers == ["cli/bench/deepspeed_peer.py"]  # the peer's child process alone
 
 
 def test_bench_stream_checkpoint_on_another_filesystem_writes_the_state_twice(disk_dir, tmp_path):
@@ -243,7 +243,7 @@ def test_the_trained_state_from_a_child_process_is_the_one_training_here_gives()
 
     import torch
 
-    from greenroom.bench.trained import train, train_apart
+    from greenroom.cli.bench.trained import train, train_apart
 
     cpu = torch.device("cpu")
     apart, here = train_apart(cpu, steps=2), train(cpu, steps=2)
@@ -256,7 +256,7 @@ def test_the_trained_state_from_a_child_process_is_the_one_training_here_gives()
 def test_a_failed_child_training_is_one_line_naming_the_flag():
     import torch
 
-    from greenroom.bench.trained import train_apart
+    from greenroom.cli.bench.trained import train_apart
     from greenroom.errors import GreenroomError
 
     with pytest.raises(GreenroomError) as err:
@@ -265,7 +265,7 @@ def test_a_failed_child_training_is_one_line_naming_the_flag():
 
 
 def test_the_rss_ratio_beside_deepspeed_spans_init_and_steps_as_the_peers_peak_does():
-    from greenroom.bench.peer import ratios
+    from greenroom.cli.bench.peer import ratios
 
     ours = {"step_seconds": 3.0, "host_rss_peak_bytes": 100, "init_host_rss_peak_bytes": 150,
             "peak_device_total_bytes": 20}
@@ -275,7 +275,7 @@ def test_the_rss_ratio_beside_deepspeed_spans_init_and_steps_as_the_peers_peak_d
 
 
 def test_the_report_beside_deepspeed_gives_both_sides(capsys):
-    from greenroom.bench.peer import print_beside
+    from greenroom.cli.bench.peer import print_beside
 
     steps = [{"step_seconds": 14.0, "forward_backward_seconds": 0.5, "cpu_seconds": 90.0, "peak_device_bytes": 6e9}]
     peer = {"deepspeed": "0.19.8", "params": 10**9, "steps": steps, "host_rss_peak_bytes": 7e9,

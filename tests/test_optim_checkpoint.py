@@ -10,7 +10,7 @@ import torch
 
 from greenroom.errors import CheckpointError
 from greenroom.optim import StreamingAdam
-from greenroom.optim import checkpoint as ckpt
+from greenroom.optim.checkpoint import save_load as ckpt
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 SHAPES = ODD_SHAPES + [(100,)]  # the last one stays resident (tiny fp32)

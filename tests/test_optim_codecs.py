@@ -13,7 +13,7 @@ import torch
 
 from greenroom.config import FP8_SCALE_BLOCK, MOMENT_DTYPES, moment_bytes_per_element
 from greenroom.optim import StreamingAdam
-from greenroom.optim.codecs import MomentCodec, moment_codecs
+from greenroom.optim.moments import MomentCodec, moment_codecs
 
 DRIFT_BOUNDS = {"bf16": 0.02, "fp16": 0.02, "fp8e4m3": 0.30, "fp8e5m2": 0.30}
 

@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from greenroom.diskio import StateFile, align_up
+from greenroom.io.engine import StateFile, align_up
 from greenroom.errors import ConfigError, GreenroomError, StorageError
 from greenroom.optim import StreamingAdam, StreamingMuon
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
 from tests.test_train_faults import full_fs  # noqa: F401 (a fixture)
 

@@ -31,7 +31,7 @@ def _torchrun(ranks: int, phase: str, disk_dir: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """The 2-rank run: trains, saves through DCP (ours and AdamW's), resumes in-process."""
-    from greenroom import fs
+    from greenroom.io import fs
 
     disk_dir = str(tmp_path_factory.mktemp("dcp"))
     if fs.is_memory_backed(disk_dir):

@@ -7,8 +7,8 @@ import torch
 
 from greenroom.config import OffloadConfig
 from greenroom.optim import StreamingAdam
-from greenroom.optim.layout import DEVICE_BUFFERS
-from greenroom.rankdir import RankDir
+from greenroom.optim.store.layout import DEVICE_BUFFERS
+from greenroom.dirs.rankdir import RankDir
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, step_beside_fp32_masters, twins
 
 

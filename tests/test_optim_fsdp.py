@@ -35,7 +35,7 @@ def _worker(disk_dir: str, out: str) -> None:
 
     from greenroom.errors import CheckpointError
     from greenroom.optim import StreamingAdam
-    from greenroom.rankdir import RankDir
+    from greenroom.dirs.rankdir import RankDir
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

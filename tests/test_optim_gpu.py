@@ -8,7 +8,7 @@ import torch
 
 from greenroom.config import MOMENT_DTYPES
 from greenroom.optim import StreamingAdam
-from greenroom.optim.codecs import moment_codecs
+from greenroom.optim.moments import moment_codecs
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, step_beside_fp32_masters, twins
 
 pytestmark = pytest.mark.gpu

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from greenroom.optim import StreamingAdam
-from greenroom.optim.store import BucketStore, Entry, build_buckets
-from greenroom.rankdir import RankDir
+from greenroom.optim.store.bucket_store import BucketStore, Entry, build_buckets
+from greenroom.dirs.rankdir import RankDir
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 BUCKET_NUMEL = 1500  # ODD_SHAPES then make 4 buckets of 24, 84, 12 and 60 KiB of fp32 state

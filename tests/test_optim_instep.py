@@ -256,7 +256,7 @@ def _assert_live_buckets_whole(base, opt, *, torn_refused=False):
     one before it, each verified against its own checksum table (never a torn mix).
     ``torn_refused``: a bucket the kill caught mid-write in place (its inode had no other
     name) may be torn; then reading it is refused in one line, never used."""
-    from greenroom.optim.checkpoint import verify_against_table
+    from greenroom.optim.checkpoint.save_load import verify_against_table
 
     live = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(base, "live")) for n in names
             if n.startswith("bucket-") and n.endswith(".bin")]
@@ -275,7 +275,7 @@ def test_a_publish_that_fails_after_a_whole_step_raises_without_poisoning(disk_d
     ENOSPC after every bucket stepped: that raised inside the step's poison, which then
     said "partly updated" of a whole step and refused every save. Now the error is
     raised, nothing of the checkpoint is left, and the run goes on like AdamW."""
-    from greenroom.optim import instep
+    from greenroom.optim.checkpoint import instep
 
     ours, theirs = twins(SHAPES)
     opt = _optimizer(ours, os.path.join(disk_dir, "live"))

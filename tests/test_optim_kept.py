@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from greenroom import statefile
+from greenroom.io import statefile
 from greenroom.errors import StorageError
 from greenroom.optim import StreamingAdam
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 from tests.test_optim_support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 BUCKET_NUMEL = 1500  # ODD_SHAPES make 4 buckets of 24, 84, 12 and 60 KiB of fp32 state

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from greenroom import fs
+from greenroom.io import fs
 from greenroom.optim import StreamingAdam
 from tests.test_faults import _finally_all, _require_root_and, _run, _umount, loop_device
 from tests.test_optim_instep import other_fs

@@ -6,7 +6,7 @@ import torch
 
 from greenroom.errors import CheckpointError, GreenroomError
 from greenroom.optim import StreamingAdam, remainder
-from greenroom.optim.store import BucketStore, Entry
+from greenroom.optim.store.bucket_store import BucketStore, Entry
 from tests.test_optim_support import ODD_SHAPES, set_grads, step_beside_fp32_masters, twins
 
 _LOWS = (0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1234)
@@ -221,7 +221,7 @@ def test_remainder_with_a_codec_stays_bit_identical_and_the_low_halves_go_raw(tm
 @pytest.mark.gpu
 @pytest.mark.parametrize("compression", ["none", "nvcomp-ans"])
 def test_remainder_on_cuda_is_bit_identical_to_fused_adamw_on_fp32_masters(tmp_path, compression):
-    from greenroom import compression as codecs
+    from greenroom.io import compression as codecs
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

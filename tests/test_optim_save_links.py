@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from greenroom import fs
+from greenroom.io import fs
 from greenroom.errors import StorageError
 from tests.test_faults import small_ext4
 from tests.test_optim_instep import _files, _inodes, _optimizer, _reference, other_fs

@@ -31,7 +31,7 @@ def test_a_rank_that_ends_at_start_up_leaves_its_peer_one_line_and_no_files(disk
     world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     args = ["train", *SMALL, "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir", root,
             "--metrics", os.path.join(disk_dir, "m.jsonl")]
-    peer = subprocess.Popen([sys.executable, "-m", "greenroom.cli", *args],
+    peer = subprocess.Popen([sys.executable, "-m", "greenroom.cli.main", *args],
                             env={**os.environ, **world, "RANK": "1", "LOCAL_RANK": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:

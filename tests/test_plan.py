@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from greenroom import plan as plan_cli
-from greenroom.budget import Layout
+from greenroom.cli import plan as plan_cli
+from greenroom.cli.budget import Layout
 from greenroom.config import OffloadFlags
 from tests.cli_support import greenroom, one_line_error
 

@@ -98,7 +98,7 @@ def test_doctor_on_a_real_disk_and_on_a_missing_dir(disk_dir):
 
 
 def test_doctor_flags_tmpfs():
-    from greenroom import fs
+    from greenroom.io import fs
     if not os.path.isdir("/dev/shm") or fs.mount_of("/dev/shm").fstype != "tmpfs":
         pytest.skip("/dev/shm is not a tmpfs mount on this machine: no tmpfs dir to show doctor")
     proc = greenroom("doctor", "/dev/shm", "--no-probe")
@@ -177,7 +177,7 @@ def test_a_subcommands_bad_flag_prints_its_own_usage_and_python_m_greenroom_runs
 
 def test_benches_take_the_train_flags_they_print(disk_dir):
     """The line a bench prints about the codec names a flag the bench accepts."""
-    from greenroom import cli
+    from greenroom.cli import main as cli
 
     for argv in (["bench", "stream", "--params", "1000", "--offload-train-disk-dir", disk_dir,
                   "--offload-train-disk-compression", "zstd", "--stream-optimizer-state-moment-dtype", "bf16",
@@ -197,7 +197,7 @@ COMMANDS_WITH_HELP = (["plan"], ["doctor"], ["report"], ["train"], ["reclaim"], 
 
 
 def _parser_of(argv: list[str]):
-    from greenroom import cli
+    from greenroom.cli import main as cli
 
     parser = cli.build_parser(argv)
     for word in argv:
@@ -242,7 +242,7 @@ def test_every_bench_takes_the_dir_bare_or_as_the_flag_and_defaults_to_the_train
 
 
 def test_doctor_says_what_a_warning_costs_before_it_says_ok(disk_dir):
-    proc = subprocess.run(["bash", "-c", 'ulimit -l 1024 && exec "$0" -m greenroom.cli doctor "$1" --no-probe',
+    proc = subprocess.run(["bash", "-c", 'ulimit -l 1024 && exec "$0" -m greenroom.cli.main doctor "$1" --no-probe',
                            sys.executable, disk_dir], capture_output=True, text=True, check=True)
     lines = proc.stdout.splitlines()
     [warning] = [line for line in lines if line.startswith("warning:")]

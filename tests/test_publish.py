@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from greenroom import publish
+from greenroom.io import publish
 from greenroom.errors import CheckpointError
 
 
@@ -104,7 +104,7 @@ def test_checked_json_requires_its_fields_with_their_types(disk_dir):
 
 READER = """
 import sys
-from greenroom import publish
+from greenroom.io import publish
 with publish.locked(sys.argv[1], reading=True):
     print("holding", flush=True)
     sys.stdin.readline()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from greenroom.errors import StorageError
-from greenroom.rankdir import RankDir, rank_dir_path
+from greenroom.dirs.rankdir import RankDir, rank_dir_path
 
 HOLDER = os.path.join(os.path.dirname(__file__), "rank_holder.py")
 
@@ -134,7 +134,7 @@ def test_a_rank_starting_in_the_parent_a_closing_rank_removes_keeps_it_and_the_l
     """A rank opens its dir in ``<job>/<role>`` at the instant a closing sibling has taken
     the dir's marker away and not yet removed it: the ``rmdir`` fails on the new rank dir,
     the marker goes back, and the new rank's close removes both parents (Note [made parents])."""
-    from greenroom import rankdir
+    from greenroom.dirs import rankdir
 
     first = RankDir(disk_dir, job="job", rank=0).open()
     role = os.path.dirname(first.path)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 
-from greenroom.reclaim import TRASH_PREFIX, reclaim
+from greenroom.dirs.reclaim import TRASH_PREFIX, reclaim
 from tests.cli_support import greenroom
 from tests.test_rankdir import HOLDER, start_holder
 
@@ -102,7 +102,7 @@ def test_concurrent_reclaimers_reclaim_each_dir_once(disk_dir):
             failures.append(e)
 
     threads = [threading.Thread(target=reclaimer) for _ in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "greenroom.cli", "reclaim", disk_dir, "--json"],
+    procs = [subprocess.Popen([sys.executable, "-m", "greenroom.cli.main", "reclaim", disk_dir, "--json"],
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     for t in threads:
         t.start()

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from greenroom.rankdir import RankDir
-from greenroom.reclaim import TRASH_PREFIX, reclaim
+from greenroom.dirs.rankdir import RankDir
+from greenroom.dirs.reclaim import TRASH_PREFIX, reclaim
 from tests.cli_support import greenroom, greenroom_stopped_at, one_line_error, wait_stopped
 from tests.test_reclaim import dead_owner
 from tests.test_rankdir import start_holder

@@ -87,7 +87,8 @@ def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
     import torch
 
     from greenroom.errors import IntegrityError
-    from greenroom.optim import StreamingAdam, reflink
+    from greenroom.optim import StreamingAdam
+    from greenroom.optim.checkpoint import reflink
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(100_000, dtype=torch.bfloat16)) for _ in range(2)]
@@ -214,7 +215,7 @@ def test_a_model_of_other_sizes_is_refused_in_one_line(disk_dir, reference):
 def test_weights_this_model_lacks_are_refused_where_the_meta_predates_the_sizes(disk_dir, reference):
     """A checkpoint whose meta has no sizes (written before they were recorded) of a
     2-block model, resumed with --n-layers 1: block 1's weights were dropped silently."""
-    from greenroom import publish
+    from greenroom.io import publish
     from greenroom.train.checkpoint import META
 
     _, half = reference

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import greenroom
-from greenroom import fs
+from greenroom.io import fs
 from greenroom.errors import ConfigError, StorageError
 from greenroom.optim import StreamingAdam
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 from tests.cli_support import REPO, one_line_error
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "statedir_worker.py")
@@ -187,7 +187,7 @@ def test_two_torchrun_ranks_on_one_plain_path_each_own_a_dir_and_match_adamw(dis
 
 # -- never change what greenroom did not create -----------------------------------------------
 def test_benches_and_doctor_work_in_a_rank_dir_of_their_own_and_leave_a_shared_root_as_it_was(disk_dir, capsys):
-    from greenroom import cli
+    from greenroom.cli import main as cli
 
     root = os.path.join(disk_dir, "scratch")
     os.mkdir(root)
@@ -272,7 +272,7 @@ class Runner:
         self.python = _interpreter()
 
     def __call__(self, *, user: str, cli=None, code=None, readonly=None) -> subprocess.CompletedProcess:
-        argv = [self.python, "-m", "greenroom.cli", *cli] if cli is not None else [self.python, "-c", code]
+        argv = [self.python, "-m", "greenroom.cli.main", *cli] if cli is not None else [self.python, "-c", code]
         env = {"PATH": "/usr/bin:/bin", "HOME": self.home, "PYTHONPATH": _site_path(), "OMP_NUM_THREADS": "1"}
         argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
         if user == "nobody":

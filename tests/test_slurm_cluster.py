@@ -43,7 +43,7 @@ def job_data(tmp_path, disk_dir, name: str, *, iterations: int = 2, streaming: b
     data = {
         "job_name": name, "tasks_per_node": 2, "mem": "2G", "time": "00:15:00",
         "scratch_dir": os.path.join(disk_dir, "scratch"), "log_dir": str(tmp_path / "logs"),
-        "greenroom": f"{sys.executable} -m greenroom.cli", "max_restarts": 0,
+        "greenroom": f"{sys.executable} -m greenroom.cli.main", "max_restarts": 0,
         "train": {"offload_train": True, "offload_train_target": "disk", "offload_train_disk_chunk_mb": 1,
                   "stream_optimizer_state_to_disk": streaming, "iterations": iterations,
                   "extra_args": ["--no-progress", "--metrics", str(tmp_path / f"{name}.jsonl")]},

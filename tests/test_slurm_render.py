@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from greenroom.errors import ConfigError
-from greenroom.rankdir import rank_dir_path
+from greenroom.dirs.rankdir import rank_dir_path
 from greenroom.slurm.config import config_from_dict, load_config, time_minutes
 from greenroom.slurm.render import TEMPLATE_DIR, program, render, seed_flags, setup_lines, shipped_templates
 from tests.cli_support import REPO, greenroom, one_line_error

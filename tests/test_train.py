@@ -39,10 +39,10 @@ def env():
 
 def train(args, *, ranks=1, check=True):
     if ranks == 1:
-        cmd = [sys.executable, "-m", "greenroom.cli", "train", *args]
+        cmd = [sys.executable, "-m", "greenroom.cli.main", "train", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "-m", "greenroom.cli", "train", *args]
+               "-m", "greenroom.cli.main", "train", *args]
     result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     if check:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -245,7 +245,7 @@ def test_resume_from_save_is_bit_exact(disk_dir, flags):
 # A greenroom whose StreamingAdam defaulted to buckets of 2e8 elements (before the twelfth session).
 OLD_DEFAULT = ("import sys; from greenroom.optim import StreamingAdam; "
                "StreamingAdam.__init__.__kwdefaults__['bucket_numel'] = 200_000_000; "
-               "from greenroom.cli import main; sys.exit(main(sys.argv[1:]))")
+               "from greenroom.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
 @needs_streaming
@@ -294,7 +294,7 @@ def test_host_cache_trains_and_resumes_bit_identically_to_streaming_without_it(d
 def test_loading_with_another_world_size_is_refused(disk_dir):
     save = os.path.join(disk_dir, "ckpt")
     train([*SMALL, "--save", save, "--metrics", os.path.join(disk_dir, "m.jsonl")])
-    from greenroom.publish import read_checked_json, write_checked_json
+    from greenroom.io.publish import read_checked_json, write_checked_json
 
     newest = rotation.candidates(save)[0]
     meta = read_checked_json(os.path.join(newest, "meta.json"), {})
@@ -332,7 +332,7 @@ def test_sigterm_mid_run_reclaims_every_per_rank_file(disk_dir):
     import signal
 
     root = os.path.join(disk_dir, "offload")
-    cmd = [sys.executable, "-m", "greenroom.cli", "train", *SMALL, "--iterations", "100000", "--offload-train",
+    cmd = [sys.executable, "-m", "greenroom.cli.main", "train", *SMALL, "--iterations", "100000", "--offload-train",
            "--offload-train-target", "disk", "--offload-train-disk-dir", root,
            "--metrics", os.path.join(disk_dir, "m.jsonl")]
     child = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -363,7 +363,7 @@ def test_fp32_streaming_trains_bit_identically_to_resident_adamw(disk_dir):
     import argparse
 
     from greenroom.optim import StreamingAdam
-    from greenroom.train.main import VOCAB_SIZE, configure_parser
+    from greenroom.cli.train import VOCAB_SIZE, configure_parser
     from greenroom.train.model import ModelConfig, Transformer
     from greenroom.train.task import TaskConfig
 
@@ -397,10 +397,10 @@ def test_sigterm_with_save_checkpoints_first_and_the_rerun_resumes(disk_dir, ran
             "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
             os.path.join(disk_dir, "offload")]
     if ranks == 1:
-        cmd = [sys.executable, "-m", "greenroom.cli", "train", *args]
+        cmd = [sys.executable, "-m", "greenroom.cli.main", "train", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "greenroom.cli", "train", *args]
+               "-m", "greenroom.cli.main", "train", *args]
     child = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                              start_new_session=True)
     for line in child.stdout:

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from greenroom import cli
-from greenroom.reclaim import reclaim
+from greenroom.cli import main as cli
+from greenroom.dirs.reclaim import reclaim
 from greenroom.train import rotation
 from tests.conftest import require_tool
 from tests.test_train import REPO, env, streaming_available
@@ -33,7 +33,7 @@ def run(args, *, root, metrics, kill_at=None, prefix=()):
     e = env()
     if kill_at:
         e["GREENROOM_TEST_KILL_AT"] = kill_at
-    cmd = [*prefix, sys.executable, "-m", "greenroom.cli", "train", *FLAGS, "--offload-train-disk-dir", root,
+    cmd = [*prefix, sys.executable, "-m", "greenroom.cli.main", "train", *FLAGS, "--offload-train-disk-dir", root,
            "--metrics", metrics, *args]
     return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300, cwd=REPO)
 
@@ -272,7 +272,7 @@ def test_save_to_a_filesystem_without_room_is_refused_before_training(disk_dir, 
 
 def test_enospc_while_writing_names_the_file_and_leaves_no_partial_file(full_fs):
     from greenroom.errors import StorageError
-    from greenroom.publish import torch_save
+    from greenroom.io.publish import torch_save
 
     path = os.path.join(full_fs, "model.pt")
     with pytest.raises(StorageError, match=f"{path}: writing the checkpoint failed: No space left on device"):
@@ -305,7 +305,7 @@ def test_a_cleanup_error_is_added_to_the_original_never_replaces_it(disk_dir):
 
 def test_enospc_while_copying_a_bucket_file_names_both_files(disk_dir, full_fs):
     from greenroom.errors import StorageError
-    from greenroom.optim.filecopy import copy_file
+    from greenroom.optim.checkpoint.filecopy import copy_file
 
     src, dst = os.path.join(disk_dir, "bucket-00000.bin"), os.path.join(full_fs, "bucket-00000.bin")
     with open(src, "wb") as f:

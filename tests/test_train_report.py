@@ -10,7 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def cli(*args):
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")}
-    return subprocess.run([sys.executable, "-m", "greenroom.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "greenroom.cli.main", *args], env=env, capture_output=True, text=True,
                           timeout=300)
 
 
@@ -40,7 +40,7 @@ def test_a_file_that_is_not_metrics_is_one_line_exit_2(disk_dir):
 
 
 def test_a_resumed_run_continues_the_clock_and_marks_its_segments(disk_dir):
-    from greenroom.train import report
+    from greenroom.cli import report
 
     metrics = os.path.join(disk_dir, "m.jsonl")
     small = ["--prompts", "4", "--group-size", "2", "--minibatches", "1", "--d-model", "32", "--no-progress",
@@ -104,7 +104,7 @@ def test_a_torn_last_line_is_left_out_and_a_resume_replaces_the_iterations_it_tr
     summary = json.loads(result.stdout)
     assert summary["iterations"] == 3 and [s["first_iteration"] for s in summary["segments"]] == [1, 3]
     assert f"{overlap}:4: a resumed run trained iterations 3-3 again: drew its records" in result.stderr
-    from greenroom.train import report
+    from greenroom.cli import report
 
     assert [r["reward"] for r in report.read_records(overlap)][2] == 0.75
 

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 import greenroom
 from greenroom.actor import build_offloader
 from greenroom.optim import StreamingAdam
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 
 parser = greenroom.add_arguments(argparse.ArgumentParser())  # defaults: $GREENROOM_ARGS
 parser.add_argument("output_dir")

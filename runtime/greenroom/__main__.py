@@ -2,6 +2,6 @@
 
 import sys
 
-from greenroom.cli import main
+from greenroom.cli.main import main
 
 sys.exit(main())

@@ -32,9 +32,9 @@ import shlex
 import warnings
 from dataclasses import dataclass, field
 
-from greenroom import fs
+from greenroom.io import fs
 from greenroom.errors import ConfigError
-from greenroom.rankdir import check_root
+from greenroom.dirs.rankdir import check_root
 from greenroom.units import MAX_GB
 
 TARGETS = ("cpu", "disk")
@@ -43,12 +43,12 @@ MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
 # 16 bits beside the param (the default, exact), or the whole fp32 value.
 MASTER_LAYOUTS = ("remainder", "fp32")
 # fp8 moments carry one fp32 scale per block of this many elements (see
-# greenroom.optim.codecs); plan's byte counts include it.
+# greenroom.optim.moments); plan's byte counts include it.
 FP8_SCALE_BLOCK = 128
 _MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8e4m3": 1.0 + 4 / FP8_SCALE_BLOCK,
                  "fp8e5m2": 1.0 + 4 / FP8_SCALE_BLOCK}
 DEFAULT_CHUNK_MB = 256
-# --offload-train-disk-compression (greenroom.compression); auto stores the bytes as they are for now.
+# --offload-train-disk-compression (greenroom.io.compression); auto stores the bytes as they are for now.
 COMPRESSIONS = ("auto", "none", "nvcomp-ans", "zstd")
 # A compressed frame is one MiB and each of the engine's 4 staging buffers holds whole frames.
 MIN_COMPRESSED_CHUNK_MB = 4
@@ -147,7 +147,7 @@ class OffloadFlags:
     """Size of each mechanism's pinned host staging buffer, in MiB."""
 
     offload_train_disk_compression: str = "auto"
-    """Lossless codec of what both mechanisms write to disk (``greenroom.compression``):
+    """Lossless codec of what both mechanisms write to disk (``greenroom.io.compression``):
     ``auto`` (``nvcomp-ans`` where CUDA is up and nvCOMP loads, else none), ``none``,
     ``nvcomp-ans`` or ``zstd``."""
 
@@ -324,7 +324,7 @@ class OffloadConfig(OffloadFlags):
             raise ConfigError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
                              "or set $SCRATCH")
         self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
-        # Before any work: a root this user cannot make a rank dir in (greenroom.rankdir).
+        # Before any work: a root this user cannot make a rank dir in (greenroom.dirs.rankdir).
         check_root(self.offload_train_disk_dir, name="--offload-train-disk-dir")
         check_host_bytes("--offload-train-disk-chunk-mb", self.offload_train_disk_chunk_mb,
                          self.staging_bytes_per_rank)

@@ -56,7 +56,7 @@ def peer_gone(error: BaseException) -> str | None:
     text = str(error)
     if not any(words in text for words in _PEER_GONE):
         return None
-    from greenroom.statedir import launcher_number, process_rank
+    from greenroom.dirs.statedir import launcher_number, process_rank
 
     try:
         if launcher_number("WORLD_SIZE", 1) < 2:

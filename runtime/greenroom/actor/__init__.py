@@ -15,11 +15,11 @@ import torch
 
 from greenroom.actor.launch import check_disk_support, hook_library, hooks_loaded, launch_env, relaunch_with
 from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOffloader
-from greenroom.compression import resolve as resolve_compression
+from greenroom.io.compression import resolve as resolve_compression
 from greenroom.config import OffloadConfig
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
-from greenroom.statedir import claim_state_dir
+from greenroom.dirs.statedir import claim_state_dir
 
 BACKENDS = ("auto", "tms", "portable")
 log = get_logger(__name__)
@@ -33,9 +33,9 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
     Args:
         config: the validated flags; ``--offload-train`` off gives a resident no-op.
         rank_dir: for the disk target, where the files go: the open
-            ``greenroom.rankdir.RankDir`` (its ``offload/`` subdir), or a plain path, under
+            ``greenroom.dirs.rankdir.RankDir`` (its ``offload/`` subdir), or a plain path, under
             which this rank's own locked rank dir is made and removed on ``close()``
-            (``greenroom.statedir``).
+            (``greenroom.dirs.statedir``).
         device: the actor's device.
         backend: ``tms`` (CUDA, hook preloaded), ``portable``, or ``auto``: tms where the
             hook is loaded on CUDA, portable otherwise.

@@ -39,7 +39,7 @@ import torch
 
 from greenroom.actor.movers import HostMover
 from greenroom.actor.tracking import Tracked, storage_key, storage_of
-from greenroom.diskio import StagingBuffers
+from greenroom.io.engine import StagingBuffers
 
 
 def _on(device: torch.device, storage_device: torch.device) -> bool:

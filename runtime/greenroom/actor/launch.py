@@ -17,7 +17,7 @@ import sys
 
 from greenroom.config import OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
-from greenroom.rankdir import job_id, rank_dir_path
+from greenroom.dirs.rankdir import job_id, rank_dir_path
 
 PACKAGE = "torch_memory_saver"
 HOOK_STEM = "torch_memory_saver_hook_mode_preload"

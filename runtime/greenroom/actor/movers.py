@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from greenroom import frames
+from greenroom.io import frames
 from greenroom.actor.fingerprint import fingerprint
 from greenroom.actor.tracking import Tracked
-from greenroom.diskio import StateFile, TransferEngine, align_up
+from greenroom.io.engine import StateFile, TransferEngine, align_up
 
 STATE_FILE = "actor.state"
 
@@ -103,7 +103,7 @@ class HostMover:
 
 # A unit is raw memory (a storage, a run of allocator blocks) whose dtype the mover does not
 # know; a compressing codec splits it into 2-byte planes (Note [byte planes] of
-# greenroom.compression), right for the bf16/fp16 weights and grads that make up most of an
+# greenroom.io.compression), right for the bf16/fp16 weights and grads that make up most of an
 # actor, and still a gain on fp32.
 UNIT_ELEMENT_SIZES = ((0, 2),)
 
@@ -190,7 +190,7 @@ class DiskMover:
                 self._engine.write(view, f, slot.offset, element_sizes=UNIT_ELEMENT_SIZES)
                 moved.copied += u.nbytes
         except BaseException:
-            self._engine.settle()  # before the caller's cleanup (Note [interrupted waits] of greenroom.diskio)
+            self._engine.settle()  # before the caller's cleanup (Note [interrupted waits] of greenroom.io.engine)
             raise
         self._engine.drain()
         # Flush even with O_DIRECT: an O_DIRECT write can still sit in the drive's (or a
@@ -216,7 +216,7 @@ class DiskMover:
                 copied += u.nbytes
         except BaseException:
             # The failed wake frees the storages these reads fill: wait them out first
-            # (Note [interrupted waits] of greenroom.diskio).
+            # (Note [interrupted waits] of greenroom.io.engine).
             self._engine.settle()
             raise
         self._engine.drain()

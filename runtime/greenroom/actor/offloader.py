@@ -109,7 +109,7 @@ class Offloader:
         self.last_wake: PhaseStats | None = None
         self._left_resident = 0  # bytes the last _units() found but leaves on the device
         self._failed_sleep: str | None = None  # the first line of the last sleep's error, if it failed
-        self.state_dir = None  # the claimed offload dir (greenroom.statedir), released after the files close
+        self.state_dir = None  # the claimed offload dir (greenroom.dirs.statedir), released after the files close
 
     def track(self, *sources) -> "Offloader":
         """Name what the actor holds: modules (params, grads, buffers), optimizers

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from greenroom import cliflags
+from greenroom.cli import flags as cliflags
 from greenroom import config as gconfig
 from greenroom.config import GIB
 from greenroom.megatron import demo
@@ -48,7 +48,7 @@ def run(args) -> int:
     from megatron.core.optimizer import get_megatron_optimizer
 
     from greenroom.megatron import close, streaming, streaming_members
-    from greenroom.rankdir import RankDir
+    from greenroom.dirs.rankdir import RankDir
 
     demo.init_single_gpu()
     size = demo.ModelSize(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,

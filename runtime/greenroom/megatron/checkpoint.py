@@ -18,7 +18,7 @@ beside it adds what only megatron knows: TP/PP/DP/EP/CP sizes and ranks, and whi
 of which param each streamed shard is. ``load_checkpoint`` checks that first, so a
 changed parallel layout is named, then lets ``greenroom.optim`` verify and copy.
 
-Beside the state dir the files are hard-linked, not read (``greenroom.optim.checkpoint``
+Beside the state dir the files are hard-linked, not read (``greenroom.optim.checkpoint.save_load``
 Note [a save by links]); megatron writes each iteration to its own dir and replaces none,
 so the older iterations stay while a new one is unverified. ``verify=True`` reads the
 linked files back before the save returns; a live bucket file missing or unreadable at
@@ -34,8 +34,8 @@ import os
 from greenroom.errors import CheckpointError
 from greenroom.log import get_logger
 from greenroom.megatron.layout import ShardEntry, Topology
-from greenroom.optim import checkpoint as engine_checkpoint
-from greenroom.rankdir import write_json_atomic
+from greenroom.optim.checkpoint import save_load as engine_checkpoint
+from greenroom.dirs.rankdir import write_json_atomic
 
 SUBDIR = "greenroom_optim"
 SIDECAR_FORMAT = "greenroom-megatron-shards"

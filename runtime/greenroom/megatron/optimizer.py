@@ -42,16 +42,16 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-from greenroom.compression import resolve as resolve_compression
+from greenroom.io.compression import resolve as resolve_compression
 from greenroom.config import OffloadConfig
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError
 from greenroom.megatron import checks
 from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
 from greenroom.optim import kernel
 from greenroom.optim.poison import FailedStepPoison
-from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
-from greenroom.rankdir import RankDir, check_root, held_rank_dir
-from greenroom.statedir import StateDir, claim_state_dir, open_rank_dir
+from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
+from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir
+from greenroom.dirs.statedir import StateDir, claim_state_dir, open_rank_dir
 
 WHAT = "greenroom.megatron.streaming"  # how refusals name the caller
 # sharded_state_dict's marker for "param state lives in greenroom's files".
@@ -66,7 +66,7 @@ class StreamingSettings:
     """The validated flags (moment dtype, chunk size, disk dir)."""
 
     rank_dir: RankDir | str | os.PathLike | None
-    """This rank's open ``greenroom.rankdir.RankDir``, or a plain path (None: the config's
+    """This rank's open ``greenroom.dirs.rankdir.RankDir``, or a plain path (None: the config's
     disk dir) under which the block's first optimizer makes this rank's own rank dir; each
     optimizer of the block claims a subdir of it (``optim/``, ``optim-2/``, ...)."""
 
@@ -345,7 +345,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         sharded["param_state_sharding_type"] = SHARDING_TYPE
         return sharded
 
-    # -- the streamed state's checkpoint (greenroom.optim.checkpoint.StreamedState) --
+    # -- the streamed state's checkpoint (greenroom.optim.checkpoint.save_load.StreamedState) --
     # Keys: "main.<group>.<index>" for the streamed fp32 mains of 16-bit params,
     # "fp32.<group>.<index>" for the native-fp32 shards under the resident Adam.
     @property
@@ -527,7 +527,7 @@ def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BU
     DistributedOptimizers (and ChainedOptimizers of them) to the rest of megatron.
 
     ``rank_dir`` is this rank's open ``RankDir``, or a plain path: then this rank's own
-    rank dir is made under it (``greenroom.statedir``) and removed when the last of the
+    rank dir is made under it (``greenroom.dirs.statedir``) and removed when the last of the
     block's optimizers is ``close()``d (or at exit).
     """
     settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel)

@@ -1,7 +1,7 @@
 """Optimizer-state streaming: AdamW whose fp32 masters and moments live in per-bucket files.
 
 - ``store``: the bucket store/engine (layout, bounded init, streamed read-ahead and
-  write-behind through ``greenroom.diskio``); shared with ``greenroom.megatron``.
+  write-behind through ``greenroom.io.engine``); shared with ``greenroom.megatron``.
 - ``codecs``: moment storage dtypes (fp32, bf16, fp16, fp8 with per-block scales).
 - ``kernel``: one bucket's update with torch's own AdamW functional.
 - ``adam``: ``StreamingAdam``, the ``torch.optim.Optimizer``.
@@ -21,7 +21,7 @@
 
 from greenroom.optim.adam import RESIDENT_NUMEL, StreamingAdam
 from greenroom.optim.muon import StreamingMuon
-from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, Bucket, BucketState, BucketStore, Entry
+from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, Bucket, BucketState, BucketStore, Entry
 
 __all__ = ["Bucket", "BucketState", "BucketStore", "DEFAULT_BUCKET_NUMEL", "Entry", "RESIDENT_NUMEL",
            "StreamingAdam", "StreamingMuon"]

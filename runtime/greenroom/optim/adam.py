@@ -41,9 +41,9 @@ import torch
 from greenroom.config import MASTER_LAYOUTS, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
-from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
+from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.optim.streamed import StreamedOptimizer, listed_twice
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 from greenroom.tensors import local_tensor
 
 # fp32 params up to this many elements keep their Adam state on the device (256 KiB per
@@ -65,7 +65,7 @@ class StreamingAdam(StreamedOptimizer):
             ``optim/``), or a path: this rank's own rank dir is made under it,
             ``<path>/<job>/optim/rank<N>/``, locked for the optimizer's life (a second
             owner is refused), refused on tmpfs, and removed by ``close()``, at exit or
-            by ``greenroom reclaim`` after a crash (``greenroom.statedir``).
+            by ``greenroom reclaim`` after a crash (``greenroom.dirs.statedir``).
         bucket_numel: elements per bucket (a larger param gets a bucket of its own).
         moment_dtype: storage dtype of both moments, ``greenroom.config.MOMENT_DTYPES``.
         chunk_mb: the pinned host staging of this optimizer's I/O, MiB.
@@ -85,7 +85,7 @@ class StreamingAdam(StreamedOptimizer):
 
     Params with ``requires_grad=False`` get no state and no files. ``state_dict()`` and
     ``load_state_dict()`` use torch's format, backed by the bucket files (see
-    ``greenroom.optim.state_dict``).
+    ``greenroom.optim.checkpoint.state_dict``).
     """
 
     what = "StreamingAdam"
@@ -210,14 +210,14 @@ class StreamingAdam(StreamedOptimizer):
 
     def state_dict(self) -> dict:
         """torch's format, the tensors views of the bucket files; see
-        ``greenroom.optim.state_dict``."""
-        from greenroom.optim.state_dict import export_state_dict
+        ``greenroom.optim.checkpoint.state_dict``."""
+        from greenroom.optim.checkpoint.state_dict import export_state_dict
 
         return self._hooked_state_dict(export_state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Verify everything, then write bucket by bucket; see ``greenroom.optim.state_dict``."""
-        from greenroom.optim.state_dict import import_state_dict
+        """Verify everything, then write bucket by bucket; see ``greenroom.optim.checkpoint.state_dict``."""
+        from greenroom.optim.checkpoint.state_dict import import_state_dict
 
         self._hooked_load_state_dict(state_dict, import_state_dict)
 

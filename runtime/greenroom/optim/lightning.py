@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from greenroom.errors import ConfigError
-from greenroom.rankdir import check_root
+from greenroom.dirs.rankdir import check_root
 
 
 class StreamingCheckpointIO(TorchCheckpointIO):

@@ -33,9 +33,9 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.adam import _follow_param
-from greenroom.optim.store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
+from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.optim.streamed import StreamedOptimizer, listed_twice
-from greenroom.rankdir import RankDir
+from greenroom.dirs.rankdir import RankDir
 
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -151,13 +151,13 @@ class StreamingMuon(StreamedOptimizer):
 
     def state_dict(self) -> dict:
         """torch.optim.Muon's format, the tensors views of the bucket files."""
-        from greenroom.optim.muon_state import export_state_dict
+        from greenroom.optim.checkpoint.muon_state import export_state_dict
 
         return self._hooked_state_dict(export_state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Verify everything, then write bucket by bucket (``torch.optim.Muon``'s dicts load too)."""
-        from greenroom.optim.muon_state import import_state_dict
+        from greenroom.optim.checkpoint.muon_state import import_state_dict
 
         self._hooked_load_state_dict(state_dict, import_state_dict)
 

@@ -12,13 +12,13 @@ from typing import Any, Callable
 
 import torch
 
-from greenroom.compression import resolve as resolve_compression
+from greenroom.io.compression import resolve as resolve_compression
 from greenroom.config import GB, MIB
 from greenroom.errors import ConfigError
 from greenroom.optim.poison import FailedStepPoison
-from greenroom.optim.store import BucketStore, Entry
-from greenroom.rankdir import RankDir
-from greenroom.statedir import claim_state_dir
+from greenroom.optim.store.bucket_store import BucketStore, Entry
+from greenroom.dirs.rankdir import RankDir
+from greenroom.dirs.statedir import claim_state_dir
 from greenroom.tensors import local_tensor
 from greenroom.units import MAX_GB
 
@@ -186,7 +186,7 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         files where the filesystem can); see ``optim.checkpoint``. Returns what it moved.
         ``verify``: read linked or cloned files back before publishing (else
         ``verify_linked`` reads them after, ``"verify"`` in the result says when)."""
-        from greenroom.optim.checkpoint import save_checkpoint
+        from greenroom.optim.checkpoint.save_load import save_checkpoint
 
         self._refuse_if_failed("save_checkpoint()")
         return save_checkpoint(self, path, verify=verify)
@@ -194,15 +194,15 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
     def verify_linked(self, path: str) -> int:
         """Read back the files the checkpoint at ``path`` shares with the live state (links
         or clones) against their checksum tables; ``CheckpointError`` names a bad one."""
-        from greenroom.optim.checkpoint import verify_linked
+        from greenroom.optim.checkpoint.save_load import verify_linked
 
         return verify_linked(self, path)
 
     def checkpoint_next_step(self, path: str) -> None:
         """Have the next ``step()`` write a checkpoint of its result at ``path`` from its
         own streaming pass (no extra read) and publish it when the step ends; see
-        ``greenroom.optim.instep``. A later call replaces an unused request."""
-        from greenroom.optim.instep import InStepCheckpoint
+        ``greenroom.optim.checkpoint.instep``. A later call replaces an unused request."""
+        from greenroom.optim.checkpoint.instep import InStepCheckpoint
 
         if self._pending_checkpoint is not None:
             self._pending_checkpoint.abandon()
@@ -210,7 +210,7 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
 
     def load_checkpoint(self, path: str, no_load_optim: bool = False) -> None:
         """Restore the state saved at ``path``, verified first; see ``optim.checkpoint``."""
-        from greenroom.optim.checkpoint import load_checkpoint
+        from greenroom.optim.checkpoint.save_load import load_checkpoint
 
         load_checkpoint(self, path, no_load_optim=no_load_optim)
         self._state_replaced()  # every bucket, counter and group

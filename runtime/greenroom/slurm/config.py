@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from greenroom import fs
+from greenroom.io import fs
 from greenroom.config import COMPRESSIONS, MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
 from greenroom.errors import ConfigError
-from greenroom.rankdir import is_dir_name
+from greenroom.dirs.rankdir import is_dir_name
 from greenroom.units import MAX_GB
 
 LAUNCHERS = ("srun", "torchrun")
@@ -225,7 +225,7 @@ class SlurmJobConfig:
 
     greenroom: str = "greenroom"
     """The command that runs greenroom on the nodes, e.g. ``/opt/venv/bin/greenroom``
-    or ``python3 -m greenroom.cli`` (split like a shell would, each word quoted)."""
+    or ``python3 -m greenroom.cli.main`` (split like a shell would, each word quoted)."""
 
     torchrun: str = "torchrun"
     """The torchrun command (launcher ``torchrun`` only)."""
@@ -407,7 +407,7 @@ def _check_train(train: TrainArgs) -> None:
         _positive_int("train.iterations", train.iterations)
     if train.resume not in RESUME_MODES:
         raise ConfigError(f"train.resume: expected one of {', '.join(RESUME_MODES)}, got {train.resume!r}")
-    # The trainer's own rule (greenroom.rankdir), so a bad role fails here, not after queueing.
+    # The trainer's own rule (greenroom.dirs.rankdir), so a bad role fails here, not after queueing.
     if not is_dir_name(train.role):
         raise ConfigError(f"train.role: {train.role!r} is not a valid directory name; "
                           "give a name without '/' that is not . or .. (e.g. actor)")

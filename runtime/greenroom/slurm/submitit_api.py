@@ -54,7 +54,7 @@ class TrainTask:
                           WORLD_SIZE=str(env.num_tasks))
         # Exported by the setup lines on the node: the per-user root under the scratch dir.
         argv = ["train", *self.args, "--offload-train-disk-dir", os.environ["GREENROOM_OFFLOAD_ROOT"]]
-        from greenroom.cli import main
+        from greenroom.cli.main import main
 
         rc = main(argv)
         if rc:

@@ -4,7 +4,7 @@
 to the newest verified one and retention (``greenroom.train.rotation``). Layout of a
 checkpoint dir ``DIR``::
 
-    generation.json      this save's id and the one it replaced (greenroom.publish)
+    generation.json      this save's id and the one it replaced (greenroom.io.publish)
     meta.json            iteration, world size, how the optimizer state was kept
     rank<NNNNN>/
       manifest.json      size and CRC-32 of every file of the rank
@@ -13,11 +13,11 @@ checkpoint dir ``DIR``::
       optim/             StreamingAdam's own checkpoint (its manifest checksums its files)
 
 The whole checkpoint, every rank's model and optimizer state and the meta, becomes
-visible in one rename (``greenroom.publish``, the protocol the optimizer's checkpoint
+visible in one rename (``greenroom.io.publish``, the protocol the optimizer's checkpoint
 uses too): rank 0 stages ``DIR.new``, every rank writes its part there, and rank 0
 writes the meta and renames it into place once all are done. A save at the end of an iteration (``--save``, ``--save-interval``)
 stages before the iteration's last optimizer step, which writes the streamed state
-into ``optim/`` from its own pass (``greenroom.optim.instep``); the weights, manifests,
+into ``optim/`` from its own pass (``greenroom.optim.checkpoint.instep``); the weights, manifests,
 meta and publish follow the step, in the background with ``--async-save``. ``load`` first settles what a killed save left (and says what it
 did), then checks every file's size and checksum before it loads a byte; each damaged or
 missing file, and each malformed manifest or meta, is one ``CheckpointError`` line naming
@@ -34,12 +34,12 @@ import zlib
 
 import torch
 
-from greenroom import publish
+from greenroom.io import publish
 from greenroom.errors import CheckpointError, one_line
 from greenroom.faults import kill_point
 from greenroom.log import get_logger
-from greenroom.optim.checkpoint import read_manifest
-from greenroom.optim.filecopy import PIECE
+from greenroom.optim.checkpoint.save_load import read_manifest
+from greenroom.optim.checkpoint.filecopy import PIECE
 from greenroom.tensors import local_tensor
 from greenroom.train import rotation
 
@@ -317,7 +317,7 @@ def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, r
     if "model.pt" not in files:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)}: lists no model.pt; the checkpoint is damaged")
     if streaming and not no_load_optim:
-        from greenroom.optim import checkpoint as optim_checkpoint
+        from greenroom.optim.checkpoint import save_load as optim_checkpoint
 
         optim_dir = os.path.join(path, "optim")
         optim_checkpoint.verify(optimizer, optim_dir, optim_checkpoint.read_manifest(optim_dir))

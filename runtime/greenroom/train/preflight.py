@@ -13,11 +13,12 @@ import json
 import os
 import tempfile
 
-from greenroom import fs, publish
+from greenroom.io import fs
+from greenroom.io import publish
 from greenroom.config import OffloadConfig, check_device_bytes
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
-from greenroom.rankdir import is_dir_name
+from greenroom.dirs.rankdir import is_dir_name
 from greenroom.train import rotation
 
 log = get_logger(__name__)

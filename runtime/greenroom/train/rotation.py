@@ -6,7 +6,7 @@ Layout of a checkpoint root ``DIR`` (Megatron's convention, so its tools find th
     iter_0000010/                      an older one, kept as a fallback (``--keep-last``)
     latest_checkpointed_iteration.txt  the newest verified iteration, replaced atomically
 
-Each iteration dir is published whole by ``greenroom.publish`` (``iter_N.new`` renamed
+Each iteration dir is published whole by ``greenroom.io.publish`` (``iter_N.new`` renamed
 into place). Note [a checkpoint is verified before it counts]: a save that hard-links
 the live bucket files (``optim.instep``) publishes bytes it did not read: a byte flipped
 in a live file after the step wrote it is in the checkpoint too. So a new checkpoint
@@ -32,7 +32,8 @@ import re
 import threading
 from collections.abc import Callable
 
-from greenroom import fs, publish
+from greenroom.io import fs
+from greenroom.io import publish
 from greenroom.errors import CheckpointError, ConfigError, one_line
 from greenroom.faults import kill_point
 from greenroom.log import get_logger

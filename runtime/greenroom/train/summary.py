@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from greenroom.compression import resolve as resolve_compression
+from greenroom.io.compression import resolve as resolve_compression
 from greenroom.config import GB, OffloadConfig
 from greenroom.tensors import local_tensor
 from greenroom.units import rate_text, size_text

@@ -17,16 +17,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from greenroom import actor, cliflags, publish
+from greenroom import actor
+from greenroom.cli import flags as cliflags
+from greenroom.io import publish
 from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.config import GB, OffloadConfig
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError, one_line
 from greenroom.faults import kill_point
-from greenroom.fs import stored_bytes
+from greenroom.io.fs import stored_bytes
 from greenroom.log import get_logger
-from greenroom.rankdir import RankDir
-from greenroom.signals import signals_held
-from greenroom.statedir import launcher_number
+from greenroom.dirs.rankdir import RankDir
+from greenroom.dirs.signals import signals_held
+from greenroom.dirs.statedir import launcher_number
 from greenroom.tensors import local_tensor
 from greenroom.train import checkpoint, preflight, rotation, summary
 from greenroom.train.config import TrainConfig
@@ -564,7 +566,7 @@ class Trainer:
     def _wait_for_publish(self) -> None:
         """Until the publish ends (it finishes or fails), or a second SIGTERM or SIGINT
         comes. One such signal meanwhile has its effect then (Note [an interrupted close]
-        of greenroom.rankdir). Raised in the join, its exception made Python 3.11's
+        of greenroom.dirs.rankdir). Raised in the join, its exception made Python 3.11's
         ``Thread.join`` take the thread, still writing the checkpoint, for stopped: no later
         join waited for it, so the close went on to close the files under it and the
         process exited mid-publish; raised in the close's own join, it also left the

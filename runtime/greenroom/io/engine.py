@@ -1,0 +1,497 @@
+"""The one disk I/O engine that actor offload and optimizer streaming share.
+
+Two layers, in the spirit of kvikio's ``CuFile``:
+
+``StateFile``
+    A preallocated file with explicit-offset ``read``/``write`` (blocking) and
+    ``pread``/``pwrite`` (futures). O_DIRECT where the filesystem takes it; otherwise
+    buffered I/O that fdatasyncs and drops the written or read pages, so the page cache
+    never grows with the state. Short transfers are retried, EINTR is retried by Python
+    (PEP 475), and a file of the wrong length is refused.
+
+``TransferEngine``
+    Moves whole tensors (host or CUDA) to and from ``StateFile`` ranges through a fixed
+    set of aligned staging buffers whose total is the chunk size (pinned when CUDA is
+    up). A driver thread splits each transfer into chunks, one per free buffer; worker
+    threads do the disk I/O, so reads run ahead and writes run behind while the caller
+    computes.
+
+Every transfer is checksummed on its way through the staging buffers and verified
+when read back (``greenroom.io.integrity`` Note [integrity]); a compressed file's chunks
+are packed frames (``greenroom.io.frames`` Note [packed frames]); every error of any engine
+thread reaches the caller of ``wait``/``drain``/``close`` (Note [failing fast]).
+``StateFile`` lives in ``greenroom.io.statefile`` (Notes [alignment], [shared inodes]);
+everything is importable from here.
+
+Note [failing fast]: a driver or worker thread never dies with a transfer unfinished.
+An exception while splitting a transfer fails the chunks not yet handed out; one in a
+worker fails its chunk; either way the transfer completes with the error and
+``wait()``/``drain()``/``close()`` raise it. ``drain()`` waits for every transfer before
+it raises, so no I/O is in flight afterwards. OS errors name the file, the operation,
+the offset and the state the file holds.
+
+Note [interrupted waits]: a wait ends only when its transfer does. SIGTERM (made a
+SystemExit by ``greenroom.dirs.rankdir``) and Ctrl-C raise in the main thread wherever it is,
+often inside ``wait()`` or ``drain()`` while workers still copy into or out of the
+transfer's memory. Raised at once, the exception would unwind into cleanup that frees
+that memory: the offloader's failed wake resizes the actor's storages to zero, and a
+worker still filling one wrote through a null pointer (a segfault under Slurm's
+``scancel``, and the rank dir left behind). So a wait that is interrupted waits again
+until the transfer is over, then raises the interruption (its chunks not yet started
+run too: at worst the rest of a wake, seconds, well inside Slurm's KillWait and a pod's
+grace period), after which every ``finally`` runs on memory no thread is using.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from greenroom.io import frames
+from greenroom.errors import IntegrityError
+from greenroom.io.frames import STORE_RAW, FrameTransfers, frame_chunks
+from greenroom.io.integrity import (ALIGNMENT, EXTENT, align_up, check_sums, extent_sums, page_sums, verify_default,
+                                 verify_mapped)
+from greenroom.io.statefile import StateFile, _aligned_host, pread_all, pwrite_all
+
+DEFAULT_DEPTH = 4
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    assert t.is_contiguous(), "transfers need contiguous tensors"
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _aligned_backing(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory with room to start at an ``ALIGNMENT`` boundary.
+
+    Pinned, the exact size first: torch's pinned allocator rounds each block up to a power
+    of two, so the 4 KiB of slack a misaligned start would need made a 256 MiB staging pin
+    512 MiB (``pinned_host`` in ``bench stream``; docs/benchmarks.md, 'Design
+    measurements'). Its blocks of a power-of-two size start on a page; the slack is only
+    added where one did not."""
+    if pin:
+        exact = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if exact.data_ptr() % ALIGNMENT == 0:
+            return exact
+        del exact
+    return torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+
+
+class StagingBuffers:
+    """``depth`` aligned host buffers whose sizes add up to at most ``total_bytes``.
+
+    Pinned when CUDA is available, so device copies are true DMA and can overlap.
+    """
+
+    def __init__(self, total_bytes: int, depth: int = DEFAULT_DEPTH, *, pin: bool | None = None) -> None:
+        if pin is None:
+            pin = torch.cuda.is_available()
+        each = max(ALIGNMENT, total_bytes // depth // ALIGNMENT * ALIGNMENT)
+        self.buffer_bytes = each
+        self.pinned = pin
+        backing = _aligned_backing(each * depth, pin)
+        skew = (-backing.data_ptr()) % ALIGNMENT
+        self._backing = backing
+        self.buffers = [backing[skew + i * each: skew + (i + 1) * each] for i in range(depth)]
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(depth):
+            self._free.put(i)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.buffer_bytes * len(self.buffers)
+
+    def acquire(self) -> int:
+        return self._free.get()
+
+    def release(self, index: int) -> None:
+        self._free.put(index)
+
+
+@dataclass(eq=False)
+class Transfer:
+    """The future of one tensor transfer; ``wait()`` returns the bytes moved."""
+
+    nbytes: int
+    chunks: int
+    file: "StateFile | None" = None
+    offset: int = 0
+    sums: torch.Tensor | None = None
+    """Extent sums accumulated chunk by chunk (Note [integrity]); None when not verifying."""
+    stored: torch.Tensor | None = None
+    """Of a compressed file, per extent: its frame's stored bytes and how far before its
+    own place they were stored (int32 pairs, Note [packed frames]; filled by a write,
+    recorded before a read)."""
+    expected: torch.Tensor | None = None
+    """Of a read: the recorded extent sums, when fetched with ``stored`` (one table read)."""
+    mirror: "StateFile | None" = None
+    """Of a write: a second file that gets the same stored bytes and table (an in-step
+    checkpoint's copy, ``greenroom.optim.checkpoint.instep``)."""
+    _finish: Callable[["Transfer"], None] | None = None
+    _next_frame: int = 0
+    """Of a compressed write: the first frame of the chunk to be placed next (Note
+    [compact transfers] of ``greenroom.io.frames``)."""
+    _cursor: int | None = None
+    """Of a compressed write: where the next chunk's stored bytes may start."""
+    _placing: threading.Condition = field(default_factory=threading.Condition)
+    _remaining: int = 0
+    _error: BaseException | None = None
+    _reported: bool = False
+    _done: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._remaining = self.chunks
+        if self.chunks == 0:
+            self._complete()
+
+    def _chunk_finished(self, error: BaseException | None, sums: torch.Tensor | None = None,
+                        first_extent: int = 0, count: int = 1) -> None:
+        """``count`` chunks are over (with ``error``, or adding ``sums`` from ``first_extent``)."""
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            if sums is not None and self.sums is not None:
+                self.sums[first_extent:first_extent + sums.numel()] += sums
+            self._remaining -= count
+            last = self._remaining == 0
+        if last:
+            self._complete()
+
+    def _place(self, first_frame: int, count: int, own_place: int, stored_bytes: int, span: int) -> int:
+        """The file offset of the stored bytes of a written chunk of ``count`` frames from
+        ``first_frame``: right after those of the chunk before it (Note [compact transfers]
+        of ``greenroom.io.frames``), once that one is placed; at ``own_place`` for the first
+        chunk, or where a frame's shift could pass ``frames.MAX_SHIFT``. ``span`` is the
+        chunk's raw bytes, aligned."""
+        with self._placing:
+            self._placing.wait_for(lambda: self._next_frame == first_frame)
+            base = self._cursor
+            if base is None or own_place + span - base > frames.MAX_SHIFT:
+                base = own_place
+            self._cursor = base + stored_bytes
+            self._next_frame = first_frame + count
+            self._placing.notify_all()
+        return base
+
+    def _complete(self) -> None:
+        # The last chunk's thread records or checks the sums before anyone may use the
+        # bytes: a read's wait() raises IntegrityError instead of returning.
+        try:
+            if self._error is None and self._finish is not None:
+                self._finish(self)
+        except BaseException as e:
+            self._error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> int:
+        self._wait_done()
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        return self.nbytes
+
+    def unreported_error(self) -> bool:
+        """Whether the transfer failed and nobody has seen its error yet."""
+        return self._error is not None and not self._reported
+
+    def _wait_unreported(self) -> None:
+        """Like wait(), but an error some caller already saw is not raised twice."""
+        self._wait_done()
+        if self._error is not None and not self._reported:
+            self.wait()
+
+    def _wait_done(self) -> None:
+        """Until every chunk is over, even when a signal's exception interrupts the wait:
+        it is raised then (Note [interrupted waits])."""
+        interrupted = None
+        while not self._done.is_set():
+            try:
+                self._done.wait()
+            except BaseException as e:
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+
+
+class TransferEngine(FrameTransfers):
+    """Tensor <-> ``StateFile`` transfers through bounded staging, overlapped.
+
+    Args:
+        chunk_bytes: total staging host memory (the ``--offload-train-disk-chunk-mb``
+            budget); split into ``depth`` buffers.
+        depth: number of staging buffers (the I/O worker threads are twice as many).
+        pin: pin the staging memory (default: when CUDA is available).
+        verify: checksum every write and verify every read (Note [integrity]); default
+            ``GREENROOM_VERIFY`` (on). Off is for measuring the cost only.
+        device_reads: how a compressed chunk bound for the device is read (Note [copy
+            while reading] of ``greenroom.io.frames``): ``BESIDE_WRITES`` or ``READS_ALONE``.
+
+    Transfers are processed in submission order, chunk by chunk; a transfer submitted
+    while another is in flight starts as soon as a buffer frees, so a read of the next
+    bucket overlaps with the write-back of the previous one.
+    """
+
+    def __init__(self, chunk_bytes: int, *, depth: int = DEFAULT_DEPTH, pin: bool | None = None,
+                 verify: bool | None = None, device_reads: frames.DeviceReads = frames.BESIDE_WRITES) -> None:
+        self.verify = verify_default() if verify is None else verify
+        self.staging = StagingBuffers(chunk_bytes, depth, pin=pin)
+        self._thread = threading.local()  # each I/O thread's CUDA stream
+        # Twice the buffers: a read's worker decodes after its buffer went back
+        # (Note [decode after the slot] of greenroom.io.frames), while the next read runs.
+        self._workers = cf.ThreadPoolExecutor(max_workers=2 * depth, thread_name_prefix="greenroom-io")
+        # A write's sums are taken on one of these while its worker writes the same buffer
+        # out: both only read it, and the worker's next chunk starts a hash sooner.
+        self._hashers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-hash")
+        # The pieces of reads bound for the device (Note [copy while reading] of greenroom.io.frames).
+        self.device_reads = device_reads
+        self._piece_reads = cf.ThreadPoolExecutor(max_workers=device_reads.in_flight,
+                                                  thread_name_prefix="greenroom-read")
+        self._kept_decoders = frames.KeptDecoders()  # Note [kept decoders] of greenroom.io.frames
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight: list[Transfer] = []
+        self._driver = threading.Thread(target=self._drive, name="greenroom-io-driver", daemon=True)
+        self._driver.start()
+        self._closed = False
+
+    # -- public API ---------------------------------------------------------------
+    def write(self, src: torch.Tensor, file: StateFile, offset: int, *,
+              element_sizes: tuple[tuple[int, int], ...] | None = None, mirror: StateFile | None = None) -> Transfer:
+        """Write ``src``'s bytes to ``file`` at ``offset`` (4 KiB aligned).
+
+        ``element_sizes``: for a compressed file, ``(byte offset in src, element size)``
+        pairs, ascending from 0, telling the codec how wide the elements of each region are
+        (``src`` may be raw bytes holding several dtypes); default ``src``'s own.
+        ``STORE_RAW`` marks a region no codec can shrink: its frames are stored as they
+        are, without trying.
+        ``mirror``: a file of the same layout that gets every byte written to ``file``
+        from the same staging buffer, and the same checksum table: a second copy for
+        the price of a second write, no read.
+        """
+        return self._submit("write", src, file, offset, element_sizes, mirror)
+
+    def read(self, dst: torch.Tensor, file: StateFile, offset: int) -> Transfer:
+        """Fill ``dst`` from ``file`` at ``offset`` (4 KiB aligned)."""
+        return self._submit("read", dst, file, offset, None)
+
+    def drain(self) -> None:
+        """Wait for every transfer submitted so far, then raise the first error: when it
+        raises, no I/O of this engine is in flight any more (an interruption too, Note
+        [interrupted waits])."""
+        pending, self._inflight = self._inflight, []
+        first = None
+        for t in pending:
+            try:
+                t._wait_unreported()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def settle(self) -> None:
+        """``drain()`` for a caller that is already raising: wait for every transfer in
+        flight and report none of their errors (the caller's exception is the one to
+        report). When it returns, the caller may free the memory they used; a signal's
+        exception that arrived meanwhile is raised, after the same wait."""
+        try:
+            self.drain()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain()
+        finally:
+            self._jobs.put(None)
+            self._driver.join()
+            self._workers.shutdown(wait=True)
+            self._hashers.shutdown(wait=True)
+            self._piece_reads.shutdown(wait=True)
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- machinery ----------------------------------------------------------------
+    def _submit(self, kind: str, tensor: torch.Tensor, file: StateFile, offset: int, element_sizes,
+                mirror: StateFile | None = None) -> Transfer:
+        assert not self._closed
+        assert offset % ALIGNMENT == 0, "see Note [alignment]"
+        data = _byte_view(tensor)
+        nbytes = data.numel()
+        assert offset + nbytes <= file.data_bytes, f"{file.path}: transfer past the end of the file's data"
+        step = self.staging.buffer_bytes
+        sums = stored = expected = finish = None
+        if self.verify and nbytes:
+            end = offset + align_up(nbytes)
+            sums = torch.zeros((end - 1) // EXTENT - offset // EXTENT + 1, dtype=torch.int64)
+            finish = self._seal if kind == "write" else self._check
+        if file.compression is None:
+            chunks = [(start, min(step, nbytes - start), None) for start in range(0, nbytes, step)]
+        elif not nbytes:
+            chunks = []
+        elif kind == "write":
+            chunks = frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
+                                  buffers=len(self.staging.buffers))
+            stored = torch.zeros((sum(len(frames) for _, _, frames in chunks), 2), dtype=torch.int32)
+            finish = self._seal
+        else:
+            expected, stored = file.recorded(offset, align_up(nbytes))
+            if stored is None:
+                raise IntegrityError(f"{file.path}: no record of bytes [{offset}, {offset + nbytes}) of "
+                                     f"{file.label}: they were not written through greenroom's I/O engine "
+                                     "since the file was opened, so they cannot be read")
+            chunks = frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
+                                  buffers=len(self.staging.buffers), stored=stored[:, 0].tolist())
+        transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
+                            mirror=mirror, expected=expected, _finish=finish)
+        ready = None
+        if data.is_cuda:
+            # Copies must see everything the caller's stream has queued on the tensor.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(data.device))
+        # A finished transfer leaves the list only once nothing is left to report: one that
+        # failed stays until drain() raises its error (a caller waiting on the engine alone
+        # must see every failure, not just those of transfers still running).
+        self._inflight = [t for t in self._inflight if not t.done() or t.unreported_error()] + [transfer]
+        self._jobs.put((kind, data, file, offset, transfer, ready, chunks))
+        return transfer
+
+    def _drive(self) -> None:
+        copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            # One call per job, so the driver holds no reference to a finished job's
+            # tensor while it waits for the next (the caller may free that memory).
+            transfer = job[4]
+            handed_out = [0]
+            try:
+                self._split_into_chunks(*job, copy_streams, handed_out)
+            except BaseException as e:  # Note [failing fast]
+                if handed_out[0] < transfer.chunks:
+                    transfer._chunk_finished(e, count=transfer.chunks - handed_out[0])
+            del job, transfer
+
+    def _split_into_chunks(self, kind, data, file, offset, transfer, ready, chunks, copy_streams, handed_out) -> None:
+        stream = None
+        if data.is_cuda:
+            stream = copy_streams.setdefault(data.device, torch.cuda.Stream(data.device))
+            stream.wait_event(ready)
+        on_device = file.compression is not None and file.compression.on_device and data.is_cuda
+        for start, n, frames in chunks:
+            slot = self.staging.acquire()
+            try:
+                piece = data[start:start + n]
+                done_copy = None
+                if kind == "write" and not on_device:
+                    done_copy = self._stage_out(piece, slot, stream)  # a device codec reads the device bytes
+                if frames is None:
+                    task = self._write_chunk if kind == "write" else self._read_chunk
+                    self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
+                else:
+                    task = self._write_frames if kind == "write" else self._read_frames
+                    self._workers.submit(task, piece, slot, file, offset + start, frames, transfer, done_copy,
+                                         stream)
+            except BaseException:
+                self.staging.release(slot)
+                raise
+            handed_out[0] += 1
+
+    def _stage_out(self, piece: torch.Tensor, slot: int, stream) -> torch.cuda.Event | None:
+        buf = self.staging.buffers[slot]
+        if stream is None:
+            buf[:piece.numel()].copy_(piece)
+            return None
+        with torch.cuda.stream(stream):
+            buf[:piece.numel()].copy_(piece, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _sums_of(self, staged: torch.Tensor, file_offset: int, transfer: Transfer) -> tuple:
+        if transfer.sums is None:
+            return None, 0
+        return extent_sums(staged, file_offset), file_offset // EXTENT - transfer.offset // EXTENT
+
+    @staticmethod
+    def _seal(transfer: Transfer) -> None:
+        transfer.file.record_sums(transfer.offset, align_up(transfer.nbytes), transfer.sums, transfer.stored)
+        if transfer.mirror is not None:
+            transfer.mirror.record_sums(transfer.offset, align_up(transfer.nbytes), transfer.sums, transfer.stored)
+
+    @staticmethod
+    def _check(transfer: Transfer) -> None:
+        check_sums(transfer.file, transfer.offset, align_up(transfer.nbytes), transfer.sums, transfer.expected)
+
+    def _write_chunk(self, piece, slot, file, file_offset, transfer, done_copy, stream) -> None:
+        error = sums = None
+        first = 0
+        try:
+            if done_copy is not None:
+                done_copy.synchronize()
+            buf = self.staging.buffers[slot]
+            n = piece.numel()
+            if n % ALIGNMENT:
+                buf[n:align_up(n)].zero_()  # deterministic padding in the file's slack
+            staged = buf[:align_up(n)]
+            pending = self._hashers.submit(self._sums_of, staged, file_offset, transfer)
+            try:
+                file.write(memoryview(staged.numpy()), file_offset)
+                if transfer.mirror is not None:
+                    transfer.mirror.write(memoryview(staged.numpy()), file_offset)
+            finally:
+                sums, first = pending.result()  # before the buffer is released
+        except BaseException as e:  # reported through Transfer.wait()
+            error = e
+        finally:
+            self.staging.release(slot)
+            transfer._chunk_finished(error, sums, first)
+
+    def _read_chunk(self, piece, slot, file, file_offset, transfer, done_copy, stream) -> None:
+        error = sums = None
+        first = 0
+        try:
+            buf = self.staging.buffers[slot]
+            n = piece.numel()
+            staged = buf[:align_up(n)]
+            file.read(memoryview(staged.numpy()), file_offset)
+            if stream is None:
+                piece.copy_(buf[:n])
+                sums, first = self._sums_of(staged, file_offset, transfer)
+            else:
+                with torch.cuda.stream(stream):
+                    piece.copy_(buf[:n], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                # Hash while the DMA reads the same buffer; the caller learns of a
+                # mismatch from wait() before it may touch ``piece``.
+                sums, first = self._sums_of(staged, file_offset, transfer)
+                event.synchronize()  # the staging buffer is reused once released
+        except BaseException as e:
+            error = e
+        finally:
+            self.staging.release(slot)
+            transfer._chunk_finished(error, sums, first)
+
+
+# The layers below, importable from here as before the split.
+__all__ = ["ALIGNMENT", "DEFAULT_DEPTH", "EXTENT", "STORE_RAW", "StagingBuffers", "StateFile", "Transfer",
+           "TransferEngine", "_aligned_host", "align_up", "check_sums", "extent_sums", "page_sums", "pread_all",
+           "pwrite_all", "verify_default", "verify_mapped"]

@@ -1,0 +1,428 @@
+"""Compressed transfers (``greenroom.io.compression``): frames packed per chunk, and their records.
+
+Note [packed frames]: a compressed file (``greenroom.io.compression``) is cut into frames,
+one per ``EXTENT``; a chunk's frames are stored back to back, each at a page boundary,
+and move in one I/O of their stored size (stored at their own places, 1 MiB frames went
+out as ~0.9 MB I/Os and ran slower than the raw chunk). Each frame's record holds its
+stored bytes and its *shift*, how far before its own place they start. A read places
+its chunk's stored bytes back to back in its staging buffer, wherever they lie in the
+file, so a frame's bytes there never start after its own place in the chunk: a host
+codec unpacks them in place, back to front; a device codec's chunk is cut by its stored
+bytes (its raw bytes never enter the buffer), so a reader takes any staging size, the
+writer's or not. Every frame's checksum covers its stored bytes at the offsets they
+were stored at, and its record (Note [summed records] of ``greenroom.io.statefile``).
+
+Note [compact transfers]: a write stores each chunk's frames right after the previous
+chunk's (``Transfer._place``), not at the chunk's own place, so a transfer's stored
+bytes are one run from its start: an 8 GiB bf16 actor that stores 5.7 GB reads back as
+5.7 GB of contiguous file, where stored at each chunk's own place it left a 20 MiB gap
+after every 44 MB. Every chunk's stored bytes still lie inside the transfer's own raw
+range (no frame stores more than its raw bytes), so a transfer never touches the bytes
+of another, and a unit or bucket rewritten whole fits where it was. A chunk is placed
+once the one before it is (chunks take their buffers in order, so the one before is
+already running); the first chunk, and one whose frames' shifts could pass
+``MAX_SHIFT`` (the record is an int32), start at their own place. The raw disk reads a
+contiguous file faster in 4 requests of 64 MiB at a time than in 8 of 16 MiB
+(docs/benchmarks.md, 'Design measurements'), and only a contiguous run gives a reader
+requests that large (Note [copy while reading]).
+
+Note [decode after the slot]: a read's device frames decode from their one device copy,
+after the chunk's staging buffer has gone back to the engine, so the next read into that
+buffer runs while they decode. Holding it through the decode kept the disk waiting: a
+wake had well under its 4 reads in flight while the I/O threads queued for the codec
+(docs/benchmarks.md, 'Design measurements'). The engine keeps twice as many I/O threads
+as buffers, so a thread that decodes does not hold back one that reads.
+
+Note [copy while reading]: a chunk bound for the device is read in pieces by the engine's
+own pool of readers (``DeviceReads``), and each piece is copied to the device as soon as it
+is in: the chunk's buffer is free soon after its last byte arrives. Read whole by the
+chunk's thread and then copied, the four chunks' reads of a wake shared the disk, finished
+together and were copied together, with no read (or one) in flight meanwhile
+(docs/benchmarks.md, 'Design measurements'). How large and how many the pieces are depends
+on what else the disk does. An engine that reads beside its own writes (a streamed step, the
+default ``BESIDE_WRITES``) reads 16 MiB pieces, 8 in flight: all 8 are in flight nearly all
+of a wake, and the step keeps its share of the disk against the write-backs. An engine whose
+reads have the disk alone (the actor's, whose wake only reads: ``READS_ALONE``) reads each
+chunk's stored bytes, contiguous by Note [compact transfers], in one request of up to
+64 MiB, 4 in flight: the raw disk reads 4 x 64 MiB requests faster than 8 x 16 MiB, and so does
+a wake. A streamed step with 64 MiB pieces ran slower than with 16 MiB x 8, so the step
+keeps the default (docs/benchmarks.md, 'Design measurements').
+
+Note [kept decoders]: nvCOMP's decoders are kept from chunk to chunk while the engine has
+reads that decode on the device in flight, one set per device on one decode stream, and
+dropped when the last of those reads ends. A decoder made per call cost the decode most of
+its time, and a wake about twice the CPU time (docs/benchmarks.md, 'Design measurements').
+One stream and one set per device bound the kept scratch to two decoders (one per coding:
+Note [16-bit frames] of ``greenroom.io.compression``) whatever the number of I/O threads, and
+lose nothing, since nvCOMP calls run one at a time anyway. Dropped when no read needs them,
+their scratch is back in torch's cache before a step ends or an actor sleeps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from greenroom.io import compression
+from greenroom.errors import ConfigError, IntegrityError
+from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, page_sums
+
+if TYPE_CHECKING:
+    from greenroom.io.statefile import StateFile
+
+
+@dataclass(frozen=True)
+class DeviceReads:
+    """How a chunk bound for the device is read (Note [copy while reading])."""
+
+    piece: int
+    """Bytes per read."""
+
+    in_flight: int
+    """Reads the engine keeps in flight, over all its buffers."""
+
+
+BESIDE_WRITES = DeviceReads(piece=16 << 20, in_flight=8)
+"""For an engine that reads while it writes (a streamed step's buckets): the default."""
+
+READS_ALONE = DeviceReads(piece=64 << 20, in_flight=4)
+"""For an engine whose reads have the disk to themselves (an actor's wake)."""
+
+MAX_SHIFT = 1 << 30
+"""The furthest before its own place a write stores a frame (Note [compact transfers])."""
+
+STORE_RAW = 0  # the element size of a region a codec need not try (incompressible: stored as it is)
+
+
+class KeptDecoders:
+    """Each device's decode stream and nvCOMP decoders, kept while any read that decodes
+    there is in flight (Note [kept decoders])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reads = 0
+        self._by_device: dict[torch.device, tuple[torch.cuda.Stream, dict]] = {}
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Around one chunk's read and decode: the last to leave drops every decoder."""
+        with self._lock:
+            self._reads += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reads -= 1
+                if not self._reads:
+                    self._by_device.clear()
+
+    def on(self, device: torch.device) -> tuple[torch.cuda.Stream, dict]:
+        """The decode stream of ``device`` and the decoders bound to it (inside ``reading``)."""
+        with self._lock:
+            if device not in self._by_device:
+                self._by_device[device] = (torch.cuda.Stream(device), {})
+            return self._by_device[device]
+
+    def held(self) -> int:
+        """Devices with decoders kept now (0 whenever no read is in flight)."""
+        with self._lock:
+            return len(self._by_device)
+
+
+class FrameTransfers:
+    """The compressed chunks of ``TransferEngine`` (a base class: it uses the engine's
+    ``staging``, per-thread ``_thread``, ``_hashers``, ``_piece_reads``, ``device_reads`` and
+    ``_kept_decoders``)."""
+
+    def _io_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This I/O thread's own stream on ``device``: codec kernels of concurrent chunks
+        run side by side, and never queue behind the driver's copies."""
+        streams = getattr(self._thread, "streams", None)
+        if streams is None:
+            streams = self._thread.streams = {}
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
+
+    def _write_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
+        """Compress the chunk's frames and write them packed (Note [packed frames]): each a
+        header and the payload, or the raw bytes where compression does not pay."""
+        error = sums = base = None
+        first = frames[0][3]
+        span = align_up(piece.numel())
+        try:
+            codec = file.compression
+            buf = self.staging.buffers[slot]
+            arr = buf.numpy()
+            header = compression.HEADER_BYTES
+            lengths, places, at = [], [], 0
+            if codec.on_device and piece.is_cuda:
+                io_stream = self._io_stream(piece.device)
+                io_stream.wait_stream(stream)
+                views = [piece[pos:pos + raw] for pos, raw, _, _ in frames]
+                coded = [k for k, (_, _, size, _) in enumerate(frames) if size != STORE_RAW]
+                payloads = [(None, None)] * len(frames)
+                if coded:
+                    for k, payload in zip(coded, codec.encode([views[k] for k in coded],
+                                                              [frames[k][2] for k in coded], io_stream)):
+                        payloads[k] = payload
+                with torch.cuda.stream(io_stream):
+                    for (pos, raw, size, _), view, (codec_id, payload) in zip(frames, views, payloads):
+                        if payload is not None and compression.pays(raw, payload.numel()):
+                            _put_header(arr, at, codec_id, size, raw, payload.numel())
+                            buf[at + header:at + header + payload.numel()].copy_(payload, non_blocking=True)
+                            lengths.append(header + payload.numel())
+                        else:
+                            buf[at:at + raw].copy_(view, non_blocking=True)
+                            lengths.append(raw)
+                        places.append(at)
+                        at += align_up(lengths[-1])
+                io_stream.synchronize()
+                del payloads
+            else:
+                if done_copy is not None:
+                    done_copy.synchronize()
+                # In place, front to back: a frame's stored bytes end before the next
+                # frame's raw bytes begin, so no frame is overwritten before it is encoded.
+                for pos, raw, size, _ in frames:
+                    # A host tensor in a file of a device codec is stored as it is.
+                    payload = None if codec.on_device or size == STORE_RAW else codec.encode(arr[pos:pos + raw], size)
+                    if payload is not None and compression.pays(raw, len(payload)):
+                        _put_header(arr, at, codec.id, size, raw, len(payload))
+                        arr[at + header:at + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                        lengths.append(header + len(payload))
+                    else:
+                        if at != pos:
+                            arr[at:at + raw] = arr[pos:pos + raw]  # numpy copies overlapping ranges safely
+                        lengths.append(raw)
+                    places.append(at)
+                    at += align_up(lengths[-1])
+            for place, n in zip(places, lengths):
+                buf[place + n:place + align_up(n)].zero_()  # deterministic padding in the frame's own pages
+            base = transfer._place(first, len(frames), chunk_offset, at, span)
+            transfer.stored[first:first + len(frames)] = torch.tensor(
+                [[n, chunk_offset + pos - base - place] for (pos, _, _, _), n, place in zip(frames, lengths, places)],
+                dtype=torch.int32)
+            runs = [(0, at, base)]  # the frames' stored bytes, back to back
+            pending = None if transfer.sums is None else self._hashers.submit(_frame_sums, buf, runs, lengths)
+            try:
+                for target in (file, transfer.mirror):
+                    if target is not None:
+                        target.write(memoryview(arr[:at]), base)
+            finally:
+                sums = None if pending is None else pending.result()  # before the buffer is released
+        except BaseException as e:  # reported through Transfer.wait()
+            error = e
+            if base is None:  # the chunks after this one are placed after its raw bytes
+                transfer._place(first, len(frames), chunk_offset, span, span)
+        finally:
+            self.staging.release(slot)
+            transfer._chunk_finished(error, sums, first)
+
+    def _read_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
+        """Read the chunk's stored bytes (Note [packed frames]) back to back into its staging
+        buffer, check them, decode, and fill ``piece``; the staging slot goes back before the
+        device frames decode (Note [decode after the slot])."""
+        error = sums = None
+        first = frames[0][3]
+        held = True
+        decoding = contextlib.ExitStack()
+        try:
+            buf = self.staging.buffers[slot]
+            arr = buf.numpy()
+            header = compression.HEADER_BYTES
+            lengths, places, runs = [], [], []  # runs: [start, stop in the buffer, file offset]
+            for (pos, raw, _, _), (n, shift) in zip(frames, transfer.stored[first:first + len(frames)].tolist()):
+                stored_at = chunk_offset + pos - shift
+                end = runs[-1][2] + runs[-1][1] - runs[-1][0] if runs else 0  # of the stored bytes so far, in the file
+                if not 0 < n <= raw or (n < raw and n <= header) or shift % ALIGNMENT or not end <= stored_at <= \
+                        chunk_offset + pos:
+                    raise IntegrityError(f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}: the "
+                                         f"file records {n} stored bytes at {shift} bytes before it for a frame of "
+                                         f"{raw}: the record is damaged; stopped before using it: restart from the "
+                                         "last checkpoint")
+                place = runs[-1][1] if runs else 0  # in the buffer: back to back, never after ``pos``
+                if runs and end == stored_at:
+                    runs[-1][1] += align_up(n)
+                else:
+                    runs.append([place, place + align_up(n), stored_at])
+                lengths.append(n)
+                places.append(place)
+            stored_bytes = runs[-1][1]
+            io_stream = packed = None
+            to_device = file.compression.on_device and any(n < raw for (_, raw, _, _), n in zip(frames, lengths))
+            if piece.is_cuda or to_device:
+                device = piece.device if piece.is_cuda else torch.device("cuda", torch.cuda.current_device())
+                io_stream = self._io_stream(device)
+                if stream is not None:
+                    io_stream.wait_stream(stream)  # the caller's work on ``piece`` comes first
+            if to_device:
+                decoding.enter_context(self._kept_decoders.reading())
+                # The chunk's stored bytes go to the device as they arrive (Note [copy while
+                # reading]); each payload decodes from its offset there, and the sums are
+                # taken there (Note [sums on the device]).
+                with torch.cuda.stream(io_stream):
+                    packed = torch.empty(stored_bytes, dtype=torch.uint8, device=device)
+                step = self.device_reads.piece
+                pieces = [(at, min(stop, at + step), stored_at + at - start) for start, stop, stored_at in runs
+                          for at in range(start, stop, step)]
+                reads = []
+                try:
+                    for a, b, at in pieces:
+                        reads.append(self._piece_reads.submit(file.read, memoryview(arr[a:b]), at))
+                    for (a, b, _), read in zip(pieces, reads):
+                        read.result()
+                        with torch.cuda.stream(io_stream):
+                            packed[a:b].copy_(buf[a:b], non_blocking=True)
+                finally:
+                    cf.wait(reads)  # none may still fill the buffer once it is released
+                copied = torch.cuda.Event()
+                copied.record(io_stream)
+            else:
+                for start, stop, stored_at in runs:
+                    file.read(memoryview(arr[start:stop]), stored_at)
+            on_device, on_host, device_layouts = [], [], []
+            for (pos, raw, _, _), n, place in zip(frames, lengths, places):
+                if n == raw:
+                    on_host.append((pos, raw, place, n, None, 1, ""))
+                    continue
+                where = f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}"
+                codec_id, size = compression.parse_header(arr[place:place + header].tobytes(), raw_bytes=raw,
+                                                          stored_bytes=n, where=where)
+                codec = compression.codec_by_id(codec_id, where)
+                if codec.on_device != file.compression.on_device:
+                    raise IntegrityError(f"{where}: the frame names codec {codec.name}, but the file was opened "
+                                         f"for {getattr(file.compression, 'name', 'none')}: the bytes are damaged "
+                                         "or another program wrote them; stopped before using them")
+                (on_device if codec.on_device else on_host).append((pos, raw, place, n, codec, size, where))
+                if codec.on_device:
+                    device_layouts.append((codec_id, size))
+            if packed is not None:
+                copied.synchronize()  # before the buffer may be released
+            elif transfer.sums is not None:  # of the stored bytes, before unpacking overwrites them
+                sums = _frame_sums(buf, runs, lengths)
+            if packed is None:
+                # Back to front, in place: a frame unpacks over the stored bytes of itself and
+                # of the frames after it (already unpacked), never of the frames before it.
+                for pos, raw, place, n, codec, size, where in reversed(on_host):
+                    if codec is not None:
+                        codec.decode(memoryview(arr[place + header:place + n]), arr[pos:pos + raw], size, where)
+                    elif place != pos:
+                        arr[pos:pos + raw] = arr[place:place + raw]
+                copies = _merge([(pos, pos + raw, pos) for pos, raw, _, _, _, _, _ in on_host])
+            else:
+                # A device codec's chunk holds stored bytes only (``frame_chunks``): its raw
+                # frames go to ``piece`` from where they were read.
+                copies = _merge([(pos, pos + raw, place) for pos, raw, place, _, _, _, _ in on_host])
+            if io_stream is not None:
+                with torch.cuda.stream(io_stream):
+                    for start, stop, source in copies:
+                        piece[start:stop].copy_(buf[source:source + stop - start], non_blocking=True)
+                io_stream.synchronize()  # the staging buffer is reused once released
+            else:
+                for start, stop, source in copies:
+                    piece[start:stop].copy_(buf[source:source + stop - start])
+            self.staging.release(slot)
+            held = False
+            if packed is not None:
+                device_sums = None
+                if transfer.sums is not None:
+                    with torch.cuda.stream(io_stream):
+                        device_sums = _frame_sums(packed, runs, lengths)
+                with torch.cuda.stream(io_stream):
+                    outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
+                                                                                   device=io_stream.device)
+                            for pos, raw, _, _, _, _, _ in on_device]
+                if on_device:
+                    decode_stream, decoders = self._kept_decoders.on(io_stream.device)  # Note [kept decoders]
+                    decode_stream.wait_stream(io_stream)  # ``packed`` and ``outs`` were made there
+                    on_device[0][4].decode(packed, [(place + header, n - header)
+                                                    for _, _, place, n, _, _, _ in on_device],
+                                           outs, device_layouts, decode_stream, [job[6] for job in on_device],
+                                           decoders=decoders)
+                if device_sums is not None:
+                    with torch.cuda.stream(io_stream):  # not the legacy default stream: it waits for the whole device
+                        sums = device_sums.cpu()
+                if not piece.is_cuda:
+                    for (pos, raw, _, _, _, _, _), out in zip(on_device, outs):
+                        piece[pos:pos + raw].copy_(out)
+        except BaseException as e:
+            error = e
+        finally:
+            if held:
+                self.staging.release(slot)
+            decoding.close()  # before the transfer completes: none is kept once it is waited for
+            transfer._chunk_finished(error, sums, first)
+
+
+def _put_header(arr: np.ndarray, pos: int, codec_id: int, itemsize: int, raw: int, payload: int) -> None:
+    """The header of a compressed frame, at the start of its slot in the staging buffer."""
+    header = compression.pack_header(codec_id, itemsize, raw, payload)
+    arr[pos:pos + compression.HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+
+
+def _frame_sums(buf: torch.Tensor, runs: list, lengths: list[int]) -> torch.Tensor:
+    """Each frame's checksum (Note [integrity]) of the bytes it stored, at the file offsets
+    they were stored at: one pass over each run ``(start, stop, file offset)`` of the
+    chunk's buffer that moved in one I/O (the runs hold the frames' aligned stored bytes
+    back to back, in order)."""
+    pages = torch.cat([page_sums(buf[start:stop], stored_at) for start, stop, stored_at in runs])
+    frame_of_page = torch.repeat_interleave(torch.arange(len(lengths)),
+                                            torch.tensor([align_up(n) // ALIGNMENT for n in lengths]))
+    return torch.zeros(len(lengths), dtype=torch.int64, device=buf.device).index_add_(
+        0, frame_of_page.to(buf.device, non_blocking=True), pages)
+
+
+def _merge(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Copies ``(start, stop, source)`` joined where both sides run on."""
+    merged: list[list[int]] = []
+    for start, stop, source in copies:
+        if merged and merged[-1][1] == start and merged[-1][2] + start - merged[-1][0] == source:
+            merged[-1][1] = stop
+        else:
+            merged.append([start, stop, source])
+    return [(start, stop, source) for start, stop, source in merged]
+
+
+def frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile, *, buffers: int,
+                 stored=None) -> list:
+    """The chunks of a transfer of a compressed file: whole frames (one per ``EXTENT`` of
+    the file that the transfer touches) that fit a ``step``-byte staging buffer. Each chunk
+    is ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
+    index)])``; a frame's element size is that of the region it starts in, or 1 where it
+    does not divide the frame. A write's chunk holds at most ``step`` raw bytes. A read
+    passes the frames' ``stored`` bytes: its chunk holds at most ``step`` of them where
+    the codec decodes on the device (the raw bytes never enter the buffer), else at most
+    ``step`` raw bytes, which a host codec unpacks in place (Note [packed frames])."""
+    if step < EXTENT:
+        raise ConfigError(f"{file.path}: compression needs staging buffers of at least {EXTENT >> 20} MiB, got "
+                          f"{step} bytes: raise --offload-train-disk-chunk-mb to {buffers * EXTENT >> 20} or more")
+    frames, position, end = [], offset, offset + nbytes
+    while position < end:
+        stop = min(end, (position // EXTENT + 1) * EXTENT)
+        start, raw = position - offset, stop - position
+        size = next(s for at, s in reversed(element_sizes) if at <= start)
+        frames.append((start, raw, size if size == STORE_RAW else 1 if raw % size else size))
+        position = stop
+    if stored is not None and file.compression.on_device:
+        room = [align_up(n) for n in stored]
+    else:
+        room = [raw for _, raw, _ in frames]
+    chunks, i = [], 0
+    while i < len(frames):
+        j, need = i + 1, room[i]
+        while j < len(frames) and need + room[j] <= step:
+            need += room[j]
+            j += 1
+        chunk_start = frames[i][0]
+        chunk_end = frames[j - 1][0] + frames[j - 1][1]
+        chunks.append((chunk_start, chunk_end - chunk_start,
+                       [(start - chunk_start, raw, size, k) for k, (start, raw, size) in enumerate(frames[i:j], i)]))
+        i = j
+    return chunks
