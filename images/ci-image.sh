@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CI image: images/Dockerfile built by scripts/build-image.sh (what `make image` runs)
 # with podman on the debootstrap Debian base of images/ci-base.sh. One build serves both
-# users: tests/test_image.py runs it with podman, and the Kubernetes test cluster imports it
+# users: tests/image/test_image.py runs it with podman, and the Kubernetes test cluster imports it
 # into its containerd (scripts/k8s/image.sh). No registry is reachable, so every wheel the
 # build installs is staged on the host first (images/stage_wheels.py: PyPI's CUDA torch
 # with its nvidia-* runtime wheels, which import on a CPU machine) and pip inside the build

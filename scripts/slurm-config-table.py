@@ -2,7 +2,7 @@
 """Write docs/slurm.md's config reference from the job YAML's definition
 (``greenroom.slurm.reference``: each field of ``greenroom.slurm.config``, its default, unit
 and docstring), so the two cannot drift. ``--check`` exits 1 when docs/slurm.md differs
-from what it would write (tests/test_slurm_config_reference.py runs it).
+from what it would write (tests/slurm/test_config_reference.py runs it).
 
 Usage: scripts/slurm-config-table.py [--check]
 """

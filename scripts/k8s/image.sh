@@ -2,10 +2,10 @@
 # Imports the greenroom image the test cluster's pods run into the cluster's containerd:
 # the CI image of images/ci-image.sh (images/Dockerfile through scripts/build-image.sh, what
 # `make image` runs, on the debootstrap Debian base, with staged wheels), the same build
-# tests/test_image.py runs with podman. The import is skipped when containerd already has
+# tests/image/test_image.py runs with podman. The import is skipped when containerd already has
 # that tag (its store is kept under ~/.cache/greenroom-k8s/containerd, node.sh), so a warm
 # start pays nothing; earlier tags are removed from containerd (each is GBs,
-# scripts/k8s/prune-images.sh). podman keeps its copy: tests/test_image.py runs it.
+# scripts/k8s/prune-images.sh). podman keeps its copy: tests/image/test_image.py runs it.
 # Usage: scripts/k8s/image.sh CONTAINERD_SOCKET   (prints the image name on its last line;
 # where the disk has no room for it, why not, and exits 1)
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs podman, buildah, runc and debootstrap for the image test (tests/test_image.py;
+# Installs podman, buildah, runc and debootstrap for the image test (tests/image/test_image.py;
 # see scripts/lib/apt-install.sh for what happens when it cannot).
 set -euo pipefail
 # shellcheck source=scripts/lib/apt-install.sh

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Installs what the fault-injection suite (tests/test_faults.py) drives: mkfs.ext4 and
+# Installs what the fault-injection suite (tests/faults/test_faults.py) drives: mkfs.ext4 and
 # filefrag (e2fsprogs), losetup and mount (util-linux, mount), dmsetup and blockdev, and
-# strace for the trainer's syscall-injected kills (tests/test_train_faults.py), and mkfs.xfs
-# (xfsprogs) for the reflink checkpoints on a loop-mounted XFS (tests/test_optim_reflink.py); see
+# strace for the trainer's syscall-injected kills (tests/train/test_faults.py), and mkfs.xfs
+# (xfsprogs) for the reflink checkpoints on a loop-mounted XFS (tests/optim/test_reflink.py); see
 # scripts/lib/apt-install.sh for what happens when it cannot.
 set -euo pipefail
 # shellcheck source=scripts/lib/apt-install.sh

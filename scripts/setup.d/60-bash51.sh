@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Puts Debian 11's bash 5.1 in .tools/bash-5.1/bin/bash, beside the machine's own bash, so the
-# Slurm templates' quoting is tested under both (tests/test_slurm_render.py): a cluster's
+# Slurm templates' quoting is tested under both (tests/slurm/test_render.py): a cluster's
 # nodes run the batch script with their own /bin/bash, and Debian 11, Ubuntu 22.04 and
 # RHEL 9 ship 5.1. Only the binary is unpacked (dpkg-deb -x), nothing is installed; the
 # .deb is checked against its pinned SHA-256. Idempotent; on failure it says why and exits

@@ -26,7 +26,7 @@ sleeps is memory torch does not own (``diskio``'s checksum tables, numpy-backed:
 resizable, so never moved) or is found by type (the I/O layer's ``StagingBuffers`` and
 every ``HostMover``'s copies are skipped) or named (the rollout's storages, held in
 ``WeakStorages``).
-tests/test_failed_wake_leaves_greenroom_intact.py walks every module and class for it.
+tests/actor/test_failed_wake.py walks every module and class for it.
 """
 
 from __future__ import annotations

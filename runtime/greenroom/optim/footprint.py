@@ -1,6 +1,6 @@
 """Bytes per parameter of what a training rank holds, by dtype: the one table that
 ``greenroom plan`` sizes runs with and the bucket store's layout is checked against
-(tests/test_optim_exact.py). A change to what a param costs on disk or on the device
+(tests/optim/test_exact.py). A change to what a param costs on disk or on the device
 (a new moment dtype, masters kept elsewhere) is made here and plan follows.
 """
 
