@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from greenroom.io import fs
 from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import check_root
-from greenroom.units import MAX_GB
+from greenroom.io.codec_names import CODECS, check_codec
+from greenroom.units import GB, MAX_GB, MIB
 
 TARGETS = ("cpu", "disk")
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2")
@@ -48,14 +49,6 @@ FP8_SCALE_BLOCK = 128
 _MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8e4m3": 1.0 + 4 / FP8_SCALE_BLOCK,
                  "fp8e5m2": 1.0 + 4 / FP8_SCALE_BLOCK}
 DEFAULT_CHUNK_MB = 256
-# --offload-train-disk-compression (greenroom.io.compression); auto stores the bytes as they are for now.
-COMPRESSIONS = ("auto", "none", "nvcomp-ans", "zstd")
-# A compressed frame is one MiB and each of the engine's 4 staging buffers holds whole frames.
-MIN_COMPRESSED_CHUNK_MB = 4
-MIB = 1 << 20
-GIB = 1 << 30
-# Decimal, for the rates and sizes reports print (disk vendors' GB/s).
-GB = 1e9
 
 
 def moment_bytes_per_element(moment_dtype: str) -> float:
@@ -82,23 +75,6 @@ def check_disk_bytes(flag: str, value, nbytes: int, directory: str, *, counted: 
         raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} on {directory}"
                           f"{f' ({counted})' if counted else ''}, which has {fs.human_bytes(free)} free; "
                           "use a smaller value or a dir on a larger disk")
-
-
-def check_device_bytes(flag: str, value, nbytes: int, device, *, default, counted: str = "") -> None:
-    """Tensors of ``nbytes`` (for ``flag value``) must fit on ``device``: a CUDA device's
-    free memory, or the host's RAM for ``cpu`` (``check_host_bytes``), checked before
-    the first allocation (a CPU allocation past RAM would bring the OOM killer)."""
-    import torch
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        check_host_bytes(flag, value, nbytes, default=default, counted=counted)
-        return
-    free, _ = torch.cuda.mem_get_info(device)
-    if nbytes > free:
-        raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of device memory"
-                          f"{f' ({counted})' if counted else ''}, {device} has {fs.human_bytes(free)} free; "
-                          f"use a smaller value{_default(default)}")
 
 
 def _default(default) -> str:
@@ -185,12 +161,7 @@ class OffloadFlags:
             raise ConfigError(
                 f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {chunk!r}")
         compression = self.offload_train_disk_compression
-        if compression not in COMPRESSIONS:
-            raise ConfigError(f"--offload-train-disk-compression: expected one of {', '.join(COMPRESSIONS)}, "
-                             f"got {compression!r}")
-        if compression not in ("auto", "none") and chunk < MIN_COMPRESSED_CHUNK_MB:
-            raise ConfigError(f"--offload-train-disk-compression {compression} needs --offload-train-disk-chunk-mb "
-                             f"{MIN_COMPRESSED_CHUNK_MB} or more (one-MiB frames in each staging buffer), got {chunk}")
+        check_codec(compression, chunk)
         if self.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
             raise ConfigError(
                 f"--stream-optimizer-state-moment-dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
@@ -392,7 +363,7 @@ def _add_flags(parser: argparse.ArgumentParser, omit: tuple[str, ...] = ()) -> N
                             "(default $GREENROOM_DISK_DIR, else $SCRATCH/greenroom_train_offload_<uid>)")
     group.add_argument("--offload-train-disk-chunk-mb", type=int, default=DEFAULT_CHUNK_MB, metavar="MB",
                        help="pinned host staging buffer per mechanism and rank, MiB")
-    group.add_argument("--offload-train-disk-compression", choices=COMPRESSIONS, default="auto",
+    group.add_argument("--offload-train-disk-compression", choices=CODECS, default="auto",
                        help="lossless codec of what both mechanisms write to disk: auto runs nvcomp-ans on the GPU "
                             "where the nvCOMP wheel loads (the nvcomp extra), else none; zstd (host) is opt-in "
                             "(docs/compression.md)")

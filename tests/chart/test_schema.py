@@ -136,7 +136,7 @@ def _chart_refuses(*sets: str) -> str | None:
 @pytest.mark.parametrize("below", [3, 1, 0, -1])
 def test_a_chunk_too_small_for_the_codec_is_refused_exactly_where_greenroom_train_refuses_it(compression, below):
     # Before: zstd with diskChunkMb 2 rendered, and every trainer exited 2 at start.
-    from greenroom.config import MIN_COMPRESSED_CHUNK_MB
+    from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB
     chunk = MIN_COMPRESSED_CHUNK_MB - below
     err = _chart_refuses(f"offload.diskCompression={compression}", f"offload.diskChunkMb={chunk}")
     assert (err is not None) == _cli_refuses(offload_train_disk_compression=compression,

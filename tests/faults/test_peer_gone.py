@@ -1,6 +1,6 @@
 """A rank that ends while its peers wait for it in a collective (a scheduler's SIGTERM that
 reaches one rank first, a rank's own error): each peer says so in one line
-(``greenroom.errors.peer_gone``), not with gloo's traceback, and leaves nothing behind.
+(``greenroom.ranks.peer_gone``), not with gloo's traceback, and leaves nothing behind.
 Two real ``greenroom train`` ranks (gloo, env:// rendezvous, no launcher: torchrun's
 agent would race the peer's error with its own SIGTERM)."""
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from greenroom.errors import peer_gone
+from greenroom.ranks import peer_gone
 from tests.cli_support import REPO, greenroom_stopped_at
 from tests.train.test_loop import SMALL
 

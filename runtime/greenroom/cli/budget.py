@@ -25,7 +25,7 @@ from greenroom.optim.footprint import (GRAD_BYTES, MASTER_BYTES, PARAM_BYTES, RE
                                        RESIDENT_MOMENT_BYTES, has_master, resident_optimizer_bytes_per_param,
                                        streamed_bytes_per_param, streaming_device_bytes)
 from greenroom.optim.store.layout import DEFAULT_BUCKET_NUMEL, DEVICE_BUFFERS
-from greenroom.dirs.statedir import MAX_LAUNCHER_NUMBER
+from greenroom.ranks import MAX_LAUNCHER_NUMBER
 
 SHARDINGS = ("none", "optimizer", "full")
 # Past these the byte figures (floats) overflow to inf or past what int() takes: an

@@ -18,7 +18,8 @@ import resource
 
 from greenroom.cli import flags as cliflags
 from greenroom.io import fs
-from greenroom.config import MIB, check_host_bytes
+from greenroom.config import check_host_bytes
+from greenroom.units import MIB
 from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import RankDir, check_existing_root
 from greenroom.units import rate_text, size_text

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from greenroom.config import COMPRESSIONS, DEFAULT_CHUNK_MB, MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS
+from greenroom.config import DEFAULT_CHUNK_MB, MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS
+from greenroom.io.codec_names import CODECS as COMPRESSIONS
 from greenroom.errors import ConfigError
 
 
@@ -106,20 +107,6 @@ def backend_and_mover(parser: argparse.ArgumentParser) -> None:
 def device(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the tensors live (default auto: cuda when available, else cpu)")
-
-
-def resolve_device(wanted: str, command: str | None = None) -> str:
-    """``cuda`` or ``cpu`` for a ``--device`` of ``wanted``; ``cuda`` where no CUDA device
-    is up is refused in one line (before torch would raise its own multi-line error
-    mid-run), prefixed with ``command`` where the CLI's own prefix does not name it."""
-    import torch
-
-    if wanted == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{f'{command}: ' if command else ''}--device cuda: no CUDA device is available; "
-                          "use --device cpu (or auto)")
-    return wanted
 
 
 def json_flag(parser: argparse.ArgumentParser) -> None:

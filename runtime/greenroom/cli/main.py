@@ -15,7 +15,8 @@ import sys
 import greenroom
 from greenroom import log
 from greenroom.cli.flags import DefaultsFormatter
-from greenroom.errors import GreenroomError, peer_gone
+from greenroom.errors import GreenroomError
+from greenroom.ranks import peer_gone
 
 COMMANDS = {
     "train": ("greenroom.cli.train", "the colocated train/sleep/rollout/wake loop"),

@@ -21,8 +21,9 @@ from dataclasses import replace
 
 from greenroom.io import fs
 from greenroom.cli.budget import SHARDINGS, Layout, asleep_device_bytes, rank_budget, seconds
-from greenroom.config import (FLAG_FIELDS, GB, MIB, MIN_COMPRESSED_CHUNK_MB, OffloadConfig, OffloadFlags,
-                              add_arguments, default_disk_dir)
+from greenroom.config import FLAG_FIELDS, OffloadConfig, OffloadFlags, add_arguments, default_disk_dir
+from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB
+from greenroom.units import GB, MIB
 from greenroom.errors import ConfigError
 from greenroom.optim.footprint import PARAM_DTYPES, muon_bytes_per_param, streamed_bytes_per_param
 from greenroom.dirs.rankdir import rank_dir_path

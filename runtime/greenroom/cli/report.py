@@ -16,7 +16,7 @@ import contextlib
 import json
 import os
 
-from greenroom.config import GB
+from greenroom.units import GB
 from greenroom.errors import GreenroomError
 from greenroom.log import get_logger
 from greenroom.train.preflight import metrics_record

@@ -15,7 +15,7 @@ import os
 import greenroom
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
-from greenroom.dirs.statedir import launcher_number
+from greenroom.ranks import launcher_number
 from greenroom.train import preflight, rotation
 from greenroom.train.config import TrainConfig
 from greenroom.train.model import PRECISIONS, ModelConfig

@@ -21,40 +21,11 @@ module must not import torch (it reads torch.distributed only when the caller di
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 from greenroom.errors import ConfigError
+from greenroom.ranks import process_rank
 from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir
-
-
-MAX_LAUNCHER_NUMBER = 2**31 - 1  # what torch.distributed and NCCL take as a rank or a size
-
-
-def launcher_number(var: str, default: int, *, minimum: int = 0) -> int:
-    """``$var`` as a launcher sets it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``: torchrun,
-    srun, accelerate, the chart), or ``default`` where it is unset. Anything but a whole
-    number from ``minimum`` up is refused in one line naming the variable, where ``int()``
-    said only "invalid literal" and a negative rank made a dir named ``rank-0001``."""
-    value = os.environ.get(var)
-    if value is None:
-        return default
-    if not (value.isascii() and value.isdigit()) or not minimum <= int(value) <= MAX_LAUNCHER_NUMBER:
-        raise ConfigError(f"${var}={value!r} is not a whole number from {minimum} to {MAX_LAUNCHER_NUMBER}; "
-                          "the launcher (torchrun, srun, the chart) sets it: fix or unset it")
-    return int(value)
-
-
-def process_rank() -> int:
-    """This process's rank: torch.distributed's when it is up, else ``$RANK`` (torchrun,
-    accelerate, Slurm launchers set it), else ``$LOCAL_RANK``, else 0."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    for var in ("RANK", "LOCAL_RANK"):
-        if os.environ.get(var) is not None:
-            return launcher_number(var, 0)
-    return 0
 
 
 @dataclass
@@ -101,4 +72,4 @@ def claim_state_dir(state_dir: str | os.PathLike | RankDir, *, name: str, what: 
         raise
 
 
-__all__ = ["StateDir", "claim_state_dir", "open_rank_dir", "process_rank"]
+__all__ = ["StateDir", "claim_state_dir", "open_rank_dir"]

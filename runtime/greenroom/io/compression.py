@@ -91,8 +91,8 @@ import threading
 import numpy as np
 import torch
 
-from greenroom.config import COMPRESSIONS as CHOICES
-from greenroom.config import MIB, MIN_COMPRESSED_CHUNK_MB
+from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB, check_codec
+from greenroom.units import MIB
 from greenroom.errors import ConfigError, IntegrityError
 from greenroom.io.integrity import EXTENT
 
@@ -424,8 +424,7 @@ def resolve(choice: str, *, cuda: bool, chunk_bytes: int):
     """The codec ``--offload-train-disk-compression CHOICE`` runs (None: none), and one line
     saying which and why. ``auto`` is ``nvcomp-ans`` where CUDA is up and nvCOMP loads,
     else none (never the host codec: ``zstd`` runs slower than an NVMe disk)."""
-    if choice not in CHOICES:
-        raise ConfigError(f"--offload-train-disk-compression: expected one of {', '.join(CHOICES)}, got {choice!r}")
+    check_codec(choice, chunk_bytes // MIB)
     if choice == "none":
         return None, "compression: none (--offload-train-disk-compression none)"
     small = chunk_bytes < MIN_COMPRESSED_CHUNK_MB * MIB
@@ -441,9 +440,6 @@ def resolve(choice: str, *, cuda: bool, chunk_bytes: int):
         except (ImportError, OSError) as e:
             return None, f"compression: none (auto: nvCOMP does not load: {e}; {_INSTALL['nvcomp-ans']})"
     cls = _BY_NAME[choice]
-    if small:
-        raise ConfigError(f"--offload-train-disk-compression {choice} needs --offload-train-disk-chunk-mb "
-                          f"{MIN_COMPRESSED_CHUNK_MB} or more (one-MiB frames in each staging buffer)")
     if cls.on_device and not cuda:
         raise ConfigError(f"--offload-train-disk-compression {choice}: needs CUDA; use zstd, auto or none")
     try:

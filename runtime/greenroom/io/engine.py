@@ -55,9 +55,8 @@ import torch
 from greenroom.io import frames
 from greenroom.errors import IntegrityError
 from greenroom.io.frames import STORE_RAW, FrameTransfers, frame_chunks
-from greenroom.io.integrity import (ALIGNMENT, EXTENT, align_up, check_sums, extent_sums, page_sums, verify_default,
-                                 verify_mapped)
-from greenroom.io.statefile import StateFile, _aligned_host, pread_all, pwrite_all
+from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, extent_sums, page_sums, verify_default
+from greenroom.io.statefile import StateFile, aligned_host, check_sums, pread_all, pwrite_all, verify_mapped
 
 DEFAULT_DEPTH = 4
 
@@ -493,5 +492,5 @@ class TransferEngine(FrameTransfers):
 
 # The layers below, importable from here as before the split.
 __all__ = ["ALIGNMENT", "DEFAULT_DEPTH", "EXTENT", "STORE_RAW", "StagingBuffers", "StateFile", "Transfer",
-           "TransferEngine", "_aligned_host", "align_up", "check_sums", "extent_sums", "page_sums", "pread_all",
+           "TransferEngine", "aligned_host", "align_up", "check_sums", "extent_sums", "page_sums", "pread_all",
            "pwrite_all", "verify_default", "verify_mapped"]

@@ -45,14 +45,10 @@ wake (docs/benchmarks.md, 'Design measurements').
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-from greenroom.errors import ConfigError, IntegrityError
-
-if TYPE_CHECKING:
-    from greenroom.io.statefile import StateFile
+from greenroom.errors import ConfigError
 
 ALIGNMENT = 4096  # the unit of O_DIRECT (``statefile`` Note [alignment]) and of the checksums' pages
 EXTENT = 1 << 20  # bytes per checksum
@@ -84,7 +80,7 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _engine_owned(t: torch.Tensor) -> torch.Tensor:
+def engine_owned(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` in numpy-owned memory. The portable actor offload moves every
     torch-owned (resizable) storage it can reach; the engine's own bookkeeping must stay
     put while the actor sleeps, since the wake's reads are verified with it."""
@@ -92,7 +88,7 @@ def _engine_owned(t: torch.Tensor) -> torch.Tensor:
 
 
 _WORDS_PER_PAGE = ALIGNMENT // 8
-_LANES = _engine_owned(torch.tensor([_signed(_mix(j) | 1) for j in range(_WORDS_PER_PAGE)], dtype=torch.int64))
+_LANES = engine_owned(torch.tensor([_signed(_mix(j) | 1) for j in range(_WORDS_PER_PAGE)], dtype=torch.int64))
 _PAGE_A = _signed(_mix(1 << 20) | 1)
 _PAGE_B = _signed(_mix(1 << 21))
 
@@ -143,30 +139,3 @@ def extent_sums(buf: torch.Tensor, file_offset: int) -> torch.Tensor:
     return torch.zeros(int(index[-1]) + 1 if sums.numel() else 0, dtype=torch.int64).index_add_(0, index, sums)
 
 
-def verify_mapped(file: StateFile, data: torch.Tensor) -> None:
-    """Check bytes of ``file`` that were read around the engine (a memory map of its
-    data, from offset 0) against the checksums recorded for them; a no-op when
-    verification is off."""
-    if verify_default():
-        check_sums(file, 0, data.numel(), extent_sums(data, 0))
-
-
-def check_sums(file: StateFile, offset: int, nbytes: int, sums: torch.Tensor,
-               expected: torch.Tensor | None = None) -> None:
-    """Raise ``IntegrityError`` (one line: the file, the offset, what it holds) unless
-    ``sums`` are the checksums recorded for bytes [offset, offset + nbytes) of ``file``
-    (``expected``, when the caller already fetched them)."""
-    if expected is None:
-        expected = file.recorded(offset, nbytes)[0]
-    if expected is None:
-        raise IntegrityError(f"{file.path}: no checksum for bytes [{offset}, {offset + nbytes}) of {file.label}: "
-                             "they were not written through greenroom's I/O engine since the file was opened, "
-                             "so they cannot be verified")
-    bad = (sums != expected).nonzero()
-    if bad.numel():
-        k = int(bad[0]) + offset // EXTENT
-        start, end = max(offset, k * EXTENT), min(offset + nbytes, (k + 1) * EXTENT)
-        raise IntegrityError(
-            f"{file.path}: checksum mismatch at offset {start} (bytes [{start}, {end}) of {file.label}): what "
-            "was read back is not what greenroom wrote (a flipped bit, a failing disk or a stray write); "
-            "stopped before using it: restart from the last checkpoint")

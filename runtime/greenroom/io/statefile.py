@@ -46,15 +46,15 @@ import zlib
 import torch
 
 from greenroom.io import fs
-from greenroom.errors import ConfigError, StorageError
-from greenroom.io.integrity import ALIGNMENT, EXTENT, _engine_owned, align_up, record_mix
+from greenroom.errors import ConfigError, IntegrityError, StorageError
+from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, engine_owned, extent_sums, record_mix, verify_default
 
 _SUM_BYTES = 8
 _STORED_BYTES = 8  # per extent of a compressed file: its frame's stored bytes and shift (``frames``)
 _SUMMED = 1 << 30  # in a record's stored bytes: its extent's sum covers the record (Note [summed records])
 
 
-def _aligned_host(nbytes: int) -> torch.Tensor:
+def aligned_host(nbytes: int) -> torch.Tensor:
     backing = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
     skew = (-backing.data_ptr()) % ALIGNMENT
     return backing[skew:skew + nbytes]
@@ -263,13 +263,13 @@ class StateFile:
                     for key in [k for k in records if k[0] < end and offset < k[0] + k[1]]:
                         del records[key]
                 if sums is not None:
-                    self._sums[(offset, nbytes)] = _engine_owned(sums)
+                    self._sums[(offset, nbytes)] = engine_owned(sums)
                 if stored is not None:
-                    self._stored[(offset, nbytes)] = _engine_owned(stored)
+                    self._stored[(offset, nbytes)] = engine_owned(stored)
             return
         assert offset == 0 and nbytes == self.data_bytes, "a file with its checksums in it is written whole"
         extents = (nbytes + EXTENT - 1) // EXTENT
-        table = _aligned_host(self.table_bytes(self.size, compressed=self.compression is not None))
+        table = aligned_host(self.table_bytes(self.size, compressed=self.compression is not None))
         table.zero_()
         if sums is not None:
             table[:extents * _SUM_BYTES].view(torch.int64).copy_(sums)
@@ -284,7 +284,7 @@ class StateFile:
 
     def _table(self, offset: int, nbytes: int) -> tuple[torch.Tensor, int]:
         assert offset == 0 and nbytes == self.data_bytes, "a file with its checksums in it is read whole"
-        table = _aligned_host(self.table_bytes(self.size, compressed=self.compression is not None))
+        table = aligned_host(self.table_bytes(self.size, compressed=self.compression is not None))
         self.read(memoryview(table.numpy()), self.table_offset)
         return table, (nbytes + EXTENT - 1) // EXTENT
 
@@ -340,3 +340,32 @@ class StateFile:
     def __del__(self) -> None:
         if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)
+
+
+def verify_mapped(file: StateFile, data: torch.Tensor) -> None:
+    """Check bytes of ``file`` that were read around the engine (a memory map of its
+    data, from offset 0) against the checksums recorded for them; a no-op when
+    verification is off."""
+    if verify_default():
+        check_sums(file, 0, data.numel(), extent_sums(data, 0))
+
+
+def check_sums(file: StateFile, offset: int, nbytes: int, sums: torch.Tensor,
+               expected: torch.Tensor | None = None) -> None:
+    """Raise ``IntegrityError`` (one line: the file, the offset, what it holds) unless
+    ``sums`` are the checksums recorded for bytes [offset, offset + nbytes) of ``file``
+    (``expected``, when the caller already fetched them)."""
+    if expected is None:
+        expected = file.recorded(offset, nbytes)[0]
+    if expected is None:
+        raise IntegrityError(f"{file.path}: no checksum for bytes [{offset}, {offset + nbytes}) of {file.label}: "
+                             "they were not written through greenroom's I/O engine since the file was opened, "
+                             "so they cannot be verified")
+    bad = (sums != expected).nonzero()
+    if bad.numel():
+        k = int(bad[0]) + offset // EXTENT
+        start, end = max(offset, k * EXTENT), min(offset + nbytes, (k + 1) * EXTENT)
+        raise IntegrityError(
+            f"{file.path}: checksum mismatch at offset {start} (bytes [{start}, {end}) of {file.label}): what "
+            "was read back is not what greenroom wrote (a flipped bit, a failing disk or a stray write); "
+            "stopped before using it: restart from the last checkpoint")

@@ -42,7 +42,7 @@ from greenroom.config import MASTER_LAYOUTS, OffloadConfig
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
-from greenroom.optim.streamed import StreamedOptimizer, listed_twice
+from greenroom.optim.streamed import StreamedOptimizer, follow_param, listed_twice
 from greenroom.dirs.rankdir import RankDir
 from greenroom.tensors import local_tensor
 
@@ -50,7 +50,6 @@ from greenroom.tensors import local_tensor
 # moment): expert biases and A_log vectors are far below it, weight matrices far above.
 RESIDENT_NUMEL = 65_536
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FOLLOW_PIECE = 1 << 24  # elements per piece of the masters-follow-the-params check
 
 
 class StreamingAdam(StreamedOptimizer):
@@ -339,7 +338,7 @@ class StreamingAdam(StreamedOptimizer):
             else:
                 target = masters[k]
                 if not bucket.remainder:  # a remainder's decode has followed the params already
-                    _follow_param(target, local_tensor(p))
+                    follow_param(target, local_tensor(p))
                 grad = grad_views[k].copy_(grad)  # fp32 grads for the fp32 master, on the device
             todo.append((k, p))
             for lst, t in zip(lists, (target, grad, avgs[k], sqs[k], self.param_state(p)["step"])):
@@ -348,14 +347,3 @@ class StreamingAdam(StreamedOptimizer):
         if masters is not None:
             for k, p in todo:
                 local_tensor(p).copy_(masters[k])  # the new master, cast to the param's dtype
-
-
-def _follow_param(master: torch.Tensor, param: torch.Tensor) -> None:
-    """Re-seed the elements of ``master`` whose cast no longer equals ``param``; see
-    Note [masters follow the params]. In pieces, so the temporaries (7 B per element)
-    stay small next to an embedding of a billion elements."""
-    flat_master, flat_param = master.view(-1), param.reshape(-1)
-    for start in range(0, flat_master.numel(), _FOLLOW_PIECE):
-        m = flat_master[start:start + _FOLLOW_PIECE]
-        q = flat_param[start:start + _FOLLOW_PIECE]
-        torch.where(q != m.to(q.dtype), q.to(m.dtype), m, out=m)

@@ -32,7 +32,7 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, muon
 
 from greenroom.errors import ConfigError, GreenroomError
-from greenroom.optim.adam import _follow_param
+from greenroom.optim.streamed import follow_param
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.optim.streamed import StreamedOptimizer, listed_twice
 from greenroom.dirs.rankdir import RankDir
@@ -220,7 +220,7 @@ class StreamingMuon(StreamedOptimizer):
                 target = p
             else:
                 target = masters[k]
-                _follow_param(target, p)
+                follow_param(target, p)
                 grad = grad_views[k].copy_(grad)
             self.state.setdefault(p, {})  # has a momentum buffer now, as in torch.optim.Muon's state
             todo.append((k, p))

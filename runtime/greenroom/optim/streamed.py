@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from greenroom.io.compression import resolve as resolve_compression
-from greenroom.config import GB, MIB
+from greenroom.units import GB, MIB
 from greenroom.errors import ConfigError
 from greenroom.optim.poison import FailedStepPoison
 from greenroom.optim.store.bucket_store import BucketStore, Entry
@@ -296,3 +296,17 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         # which may run on one of the engine's own threads, could wait on itself forever.
         if getattr(self, "_store", None) is not None:
             self.close(write_back=False)
+
+
+_FOLLOW_PIECE = 1 << 24  # elements per piece of the masters-follow-the-params check
+
+
+def follow_param(master: torch.Tensor, param: torch.Tensor) -> None:
+    """Re-seed the elements of ``master`` whose cast no longer equals ``param``; see
+    Note [masters follow the params] of ``optim.adam``. In pieces, so the temporaries (7 B per element)
+    stay small next to an embedding of a billion elements."""
+    flat_master, flat_param = master.view(-1), param.reshape(-1)
+    for start in range(0, flat_master.numel(), _FOLLOW_PIECE):
+        m = flat_master[start:start + _FOLLOW_PIECE]
+        q = flat_param[start:start + _FOLLOW_PIECE]
+        torch.where(q != m.to(q.dtype), q.to(m.dtype), m, out=m)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import yaml
 
 from greenroom.io import fs
-from greenroom.config import COMPRESSIONS, MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
+from greenroom.config import MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
+from greenroom.io.codec_names import CODECS as COMPRESSIONS
 from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import is_dir_name
 from greenroom.units import MAX_GB

@@ -15,7 +15,8 @@ import tempfile
 
 from greenroom.io import fs
 from greenroom.io import publish
-from greenroom.config import OffloadConfig, check_device_bytes
+from greenroom.config import OffloadConfig
+from greenroom.devices import check_device_bytes
 from greenroom.errors import ConfigError
 from greenroom.log import get_logger
 from greenroom.dirs.rankdir import is_dir_name

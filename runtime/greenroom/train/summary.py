@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from greenroom.io.compression import resolve as resolve_compression
-from greenroom.config import GB, OffloadConfig
+from greenroom.config import OffloadConfig
+from greenroom.units import GB
 from greenroom.tensors import local_tensor
 from greenroom.units import rate_text, size_text
 

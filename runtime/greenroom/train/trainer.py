@@ -18,17 +18,18 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from greenroom import actor
-from greenroom.cli import flags as cliflags
+from greenroom.devices import resolve_device
 from greenroom.io import publish
 from greenroom.actor.memory import RssSampler, device_used_bytes
-from greenroom.config import GB, OffloadConfig
+from greenroom.config import OffloadConfig
+from greenroom.units import GB
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError, one_line
 from greenroom.faults import kill_point
 from greenroom.io.fs import stored_bytes
 from greenroom.log import get_logger
 from greenroom.dirs.rankdir import RankDir
 from greenroom.dirs.signals import signals_held
-from greenroom.dirs.statedir import launcher_number
+from greenroom.ranks import launcher_number
 from greenroom.tensors import local_tensor
 from greenroom.train import checkpoint, preflight, rotation, summary
 from greenroom.train.config import TrainConfig
@@ -67,7 +68,7 @@ class Trainer:
         self._unverified: tuple[int, rotation.Verification] | None = None
 
     def _resolve_device(self) -> torch.device:
-        if cliflags.resolve_device(self.config.device) == "cuda":
+        if resolve_device(self.config.device) == "cuda":
             return torch.device("cuda", launcher_number("LOCAL_RANK", 0))
         return torch.device("cpu")
 

@@ -19,7 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from greenroom.cli import flags as cliflags
 from greenroom.io import fs
 from greenroom.cli.bench.disk import MAX_DEPTH, RAW_BLOCK, raw_bandwidth
-from greenroom.config import COMPRESSIONS, GB, MIB, check_device_bytes, check_disk_bytes
+from greenroom.config import check_disk_bytes
+from greenroom.devices import check_device_bytes
+from greenroom.io.codec_names import CODECS as COMPRESSIONS
+from greenroom.units import GB, MIB
 from greenroom.io.engine import align_up
 from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import RankDir, check_existing_root

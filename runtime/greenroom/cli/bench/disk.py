@@ -21,9 +21,12 @@ import time
 from dataclasses import asdict, dataclass
 
 from greenroom.cli import flags as cliflags
+from greenroom.devices import resolve_device
 from greenroom.io import fs
 from greenroom.io.compression import resolve as resolve_compression
-from greenroom.config import MIB, check_device_bytes, check_disk_bytes, check_host_bytes
+from greenroom.config import check_disk_bytes, check_host_bytes
+from greenroom.devices import check_device_bytes
+from greenroom.units import MIB
 from greenroom.io.engine import ALIGNMENT, DEFAULT_DEPTH, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import RankDir, check_existing_root
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     check_existing_root(directory, name="bench disk: DIR")
     if args.chunk_mb <= 0 or args.depth <= 0:
         raise ConfigError("bench disk: --offload-train-disk-chunk-mb and --depth must be positive integers")
-    device = cliflags.resolve_device(args.device, "bench disk")
+    device = resolve_device(args.device, "bench disk")
     if args.compression == "auto":
         from greenroom.io.compression import resolve
 

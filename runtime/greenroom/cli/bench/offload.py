@@ -28,9 +28,12 @@ import os
 import time
 
 from greenroom.cli import flags as cliflags
+from greenroom.devices import resolve_device
 from greenroom.io import fs
 from greenroom.io.compression import resolve as resolve_compression
-from greenroom.config import GB, GIB, MIB, OffloadConfig, check_device_bytes, check_disk_bytes, check_host_bytes
+from greenroom.config import OffloadConfig, check_disk_bytes, check_host_bytes
+from greenroom.devices import check_device_bytes
+from greenroom.units import GB, GIB, MIB
 from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import check_existing_root
 from greenroom.units import bytes_or_zero, parse_bytes, positive_int, rate_text, size_text
@@ -261,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     if args.untracked_size < 0:
         raise ConfigError(f"bench offload --untracked-size: expected 0 or more, got {args.untracked_size}")
     cliflags.resolve_disk_dir(args, "bench offload", required=False)
-    args.device = cliflags.resolve_device(args.device, "bench offload")
+    args.device = resolve_device(args.device, "bench offload")
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"  # inherited by the relaunch under torch_memory_saver
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):

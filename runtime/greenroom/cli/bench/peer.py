@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from greenroom.config import GB
+from greenroom.units import GB
 from greenroom.errors import ConfigError, GreenroomError
 
 PREFIX = "GREENROOM-PEER "

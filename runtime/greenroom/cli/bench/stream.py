@@ -62,9 +62,12 @@ import warnings
 import psutil
 
 from greenroom.cli import flags as cliflags
+from greenroom.devices import resolve_device
 from greenroom.io import fs
 from greenroom.actor.memory import RssSampler
-from greenroom.config import GB, MIB, check_device_bytes, check_disk_bytes, check_host_bytes
+from greenroom.config import check_disk_bytes, check_host_bytes
+from greenroom.devices import check_device_bytes
+from greenroom.units import GB, MIB
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL
@@ -137,7 +140,7 @@ def _check_fits(args: argparse.Namespace) -> None:
 
 def _validate(args: argparse.Namespace) -> None:
     cliflags.resolve_disk_dir(args, "bench stream")
-    args.device = cliflags.resolve_device(args.device, "bench stream")
+    args.device = resolve_device(args.device, "bench stream")
     for flag in ("steps", "bucket_numel", "param_numel", "chunk_mb"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")

@@ -140,7 +140,7 @@ def _copy_range(src_fd: int, dst_fd: int, n: int, off: int) -> bool:
     return True
 
 
-def _read_pieces(path: str, size: int, fn) -> None:
+def read_pieces(path: str, size: int, fn) -> None:
     """``fn(piece, offset)`` for the first ``size`` bytes of ``path``, piece by piece, pages dropped."""
     buf = bytearray(min(PIECE, max(size, 1)))
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -157,5 +157,5 @@ def _read_pieces(path: str, size: int, fn) -> None:
 def file_crc32(path: str, size: int) -> str:
     """CRC-32 of the first ``size`` bytes of ``path`` (8 hex digits), pages dropped."""
     crc = [0]
-    _read_pieces(path, size, lambda view, _: crc.__setitem__(0, zlib.crc32(view, crc[0])))
+    read_pieces(path, size, lambda view, _: crc.__setitem__(0, zlib.crc32(view, crc[0])))
     return f"{crc[0]:08x}"

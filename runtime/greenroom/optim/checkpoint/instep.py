@@ -50,7 +50,7 @@ from greenroom.faults import kill_point
 from greenroom.log import get_logger
 from greenroom.optim.checkpoint.save_load import finish_checkpoint, table_crc32
 from greenroom.optim.checkpoint.filecopy import copy_file
-from greenroom.optim.checkpoint.hardlink import link_over, links_work
+from greenroom.optim.store.hardlink import link_over, links_work
 
 log = get_logger(__name__)
 _said_copies: set[tuple[int, int]] = set()  # (state dir's st_dev, checkpoint dir's st_dev) already logged

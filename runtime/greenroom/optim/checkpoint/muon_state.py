@@ -21,29 +21,29 @@ from typing import Any
 
 import torch
 
-from greenroom.optim.checkpoint.state_dict import (_as_param_like, _bucket_segments, _param_list, _view_dtype, check_groups,
+from greenroom.optim.checkpoint.state_dict import (as_param_like, bucket_segments, param_list, view_dtype, check_groups,
                                         check_tensor, refusal)
 
 _KEYS = ("momentum_buffer", "master")
 
 
 def export_state_dict(opt) -> dict:
-    moment_dtype = _view_dtype(opt, "state_dict()")
+    moment_dtype = view_dtype(opt, "state_dict()")
     store = opt.store
     store.flush()
-    index = {id(p): i for i, p in enumerate(_param_list(opt))}
+    index = {id(p): i for i, p in enumerate(param_list(opt))}
     where = {id(opt.streamed[i]): (bucket, k) for bucket in store.buckets for k, i in enumerate(bucket.entries)}
     maps: dict[int, dict] = {}
     state: dict[int, dict] = {}
-    for p in _param_list(opt):  # in param order, as StreamingAdam's (its state_dict.py says why)
+    for p in param_list(opt):  # in param order, as StreamingAdam's (its state_dict.py says why)
         if p not in opt.state:
             continue
         bucket, k = where[id(p)]
         if bucket.index not in maps:
-            maps[bucket.index] = _bucket_segments(store, bucket, moment_dtype)
+            maps[bucket.index] = bucket_segments(store, bucket, moment_dtype)
         segments = maps[bucket.index]
         start = bucket.offsets[k]
-        out = {"momentum_buffer": _as_param_like(segments["exp_avg"](start, p.numel()).view(p.shape), p)}
+        out = {"momentum_buffer": as_param_like(segments["exp_avg"](start, p.numel()).view(p.shape), p)}
         if "master" in segments:
             out["master"] = segments["master"](start, p.numel()).view(p.shape)
         state[index[id(p)]] = out
@@ -60,14 +60,14 @@ _fail = refusal("StreamingMuon.load_state_dict")
 
 
 def import_state_dict(opt, state_dict: Any) -> None:
-    moment_dtype = _view_dtype(opt, "load_state_dict()")
+    moment_dtype = view_dtype(opt, "load_state_dict()")
 
     def check_group(gi: int, saved: dict) -> None:
         if saved.get("moment_dtype") not in (None, opt.moment_dtype):
             _fail(f"its momentum is {saved['moment_dtype']}, this optimizer stores {opt.moment_dtype}")
 
     position, recorded = check_groups(opt, state_dict, _fail, check_group)
-    params = _param_list(opt)
+    params = param_list(opt)
     checked: dict[int, dict] = {}
     for pid, pstate in state_dict["state"].items():
         if pid not in position:

@@ -78,13 +78,13 @@ import torch
 
 from greenroom.io import fs
 from greenroom.io import publish
-from greenroom.io.engine import ALIGNMENT, EXTENT, StateFile, _aligned_host, page_sums
+from greenroom.io.engine import ALIGNMENT, EXTENT, StateFile, aligned_host, page_sums
 from greenroom.errors import CheckpointError, IntegrityError, StorageError
 from greenroom.faults import kill_point
 from greenroom.log import get_logger
 from greenroom.optim.checkpoint import reflink
-from greenroom.optim.checkpoint.filecopy import PIECE, FileSums, _read_pieces, copy_file, file_crc32
-from greenroom.optim.checkpoint.hardlink import NEW_SUFFIX, link_new, links_work
+from greenroom.optim.checkpoint.filecopy import PIECE, FileSums, read_pieces, copy_file, file_crc32
+from greenroom.optim.store.hardlink import NEW_SUFFIX, link_new, links_work
 from greenroom.dirs.rankdir import write_json_atomic
 from greenroom.tensors import local_tensor
 
@@ -300,7 +300,7 @@ def table_crc32(store: BucketStore, index: int, path: str) -> str:
 
 
 def _table_crc32_on_disk(f: StateFile) -> str:
-    table = _aligned_host(f.table_bytes(f.size, compressed=f.compression is not None))
+    table = aligned_host(f.table_bytes(f.size, compressed=f.compression is not None))
     f.read(memoryview(table.numpy()), f.table_offset)
     return f"{zlib.crc32(memoryview(table.numpy())):08x}"
 
@@ -314,7 +314,7 @@ def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
     sums, stored = f.recorded(0, f.data_bytes)
     if f.compression is not None and stored is None:
         raise IntegrityError(f"{f.path}: {f.label} has no record of its stored frames; it cannot be verified")
-    buf = _aligned_host(min(piece_bytes, f.data_bytes))
+    buf = aligned_host(min(piece_bytes, f.data_bytes))
     pages = []
     for offset in range(0, f.data_bytes, piece_bytes):
         view = buf[:min(piece_bytes, f.data_bytes - offset)]
@@ -416,7 +416,7 @@ def _replace_state(opt: StreamedState, path: str, manifest: dict, resident: dict
             clone = _load_bytes(store, bucket.index, os.path.join(path, name), clone)
         if unsummed:
             sums = FileSums(store.files[bucket.index], expect=False)
-            _read_pieces(store.path(bucket.index), bucket.data_bytes, sums.add)
+            read_pieces(store.path(bucket.index), bucket.data_bytes, sums.add)
             sums.record()
     store.refill_host_cache()
     opt.load_resident_state({key: {"step": step, **resident["moments"].get(key, {})}

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -53,14 +53,11 @@ from greenroom.optim import remainder
 from greenroom.optim.kernel import FIXED_GROUP_KEYS
 from greenroom.tensors import local_tensor
 
-if TYPE_CHECKING:  # the optimizer calls into this module; only its type is needed here
-    from greenroom.optim.adam import StreamingAdam
-
 _VIEW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _view_dtype(opt: StreamingAdam, what: str) -> torch.dtype:
+def view_dtype(opt: torch.optim.Optimizer, what: str) -> torch.dtype:
     dtype = _VIEW_DTYPES.get(opt.moment_dtype)
     if dtype is None:
         raise GreenroomError(f"StreamingAdam.{what}: moment dtype {opt.moment_dtype} is stored encoded and has no "
@@ -68,11 +65,11 @@ def _view_dtype(opt: StreamingAdam, what: str) -> torch.dtype:
     return dtype
 
 
-def _param_list(opt: StreamingAdam) -> list[torch.Tensor]:
+def param_list(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def _as_param_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def as_param_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``local`` as a DTensor shard of ``p`` when ``p`` is one (FSDP2), else itself."""
     mesh = getattr(p, "device_mesh", None)
     if mesh is None:
@@ -93,7 +90,7 @@ def _map(path: str, nbytes: int) -> mmap.mmap:
         os.close(fd)  # the mapping keeps the file
 
 
-def _bucket_segments(store, bucket, moment_dtype: torch.dtype, streamed: list[torch.Tensor] | None = None) -> dict:
+def bucket_segments(store, bucket, moment_dtype: torch.dtype, streamed: list[torch.Tensor] | None = None) -> dict:
     """Per segment (``master``, ``exp_avg``, ``exp_avg_sq``) a function ``(first element,
     count) -> flat host tensor`` over the bucket's state. Each segment is its own storage:
     torch.save refuses one storage viewed as two dtypes. ``streamed``: the param of each
@@ -140,12 +137,12 @@ def _rebuilt_masters(streamed: list[torch.Tensor], bucket, data: torch.Tensor) -
     return master
 
 
-def export_state_dict(opt: StreamingAdam) -> dict:
+def export_state_dict(opt: torch.optim.Optimizer) -> dict:
     """The state dict; see Note [state dict views]."""
-    moment_dtype = _view_dtype(opt, "state_dict()")
+    moment_dtype = view_dtype(opt, "state_dict()")
     store = opt.store
     store.flush()  # every write-back, and every cached bucket, is in the files before they are mapped
-    index = {id(p): i for i, p in enumerate(_param_list(opt))}
+    index = {id(p): i for i, p in enumerate(param_list(opt))}
     where = {}  # id(param) -> (bucket, position in the bucket)
     for bucket in store.buckets:
         for k, i in enumerate(bucket.entries):
@@ -155,7 +152,7 @@ def export_state_dict(opt: StreamingAdam) -> dict:
     # In param order, as torch's: ``opt.state`` gains its entries in stream order, which
     # the kept bucket (optim.held_buckets Note [the last bucket stays]) changes from step
     # to step, so two optimizers of one state listed their params in different orders.
-    for p in _param_list(opt):
+    for p in param_list(opt):
         pstate = opt.state.get(p)
         if pstate is None:
             continue
@@ -164,17 +161,17 @@ def export_state_dict(opt: StreamingAdam) -> dict:
         if id(p) in where:
             bucket, k = where[id(p)]
             if bucket.index not in maps:
-                maps[bucket.index] = _bucket_segments(store, bucket, moment_dtype, opt.streamed)
+                maps[bucket.index] = bucket_segments(store, bucket, moment_dtype, opt.streamed)
             start, numel = bucket.offsets[k], local.numel()
             for key, segment in maps[bucket.index].items():
-                out[key] = _as_param_like(segment(start, numel).view(local.shape), p)
+                out[key] = as_param_like(segment(start, numel).view(local.shape), p)
         elif "exp_avg" in pstate:  # resident
-            out.update({key: _as_param_like(pstate[key], p) for key in _MOMENTS})
+            out.update({key: as_param_like(pstate[key], p) for key in _MOMENTS})
         elif local.numel() == 0:  # an empty FSDP2 shard: empty tensors keep the keys alike on every rank
             empty = torch.empty(local.shape, dtype=torch.float32)
-            out.update({key: _as_param_like(empty.to(moment_dtype), p) for key in _MOMENTS})
+            out.update({key: as_param_like(empty.to(moment_dtype), p) for key in _MOMENTS})
             if p.dtype != torch.float32:
-                out["master"] = _as_param_like(empty, p)
+                out["master"] = as_param_like(empty, p)
         state[index[id(p)]] = out
     groups = []
     for g in opt.param_groups:
@@ -235,7 +232,7 @@ def check_groups(opt, state_dict: Any, fail, check_group: Callable[[int, dict], 
     return {pid: n for n, pid in enumerate(ids)}, recorded
 
 
-def _check_adam_group(opt: StreamingAdam, gi: int, saved: dict) -> None:
+def _check_adam_group(opt: torch.optim.Optimizer, gi: int, saved: dict) -> None:
     recorded = saved.get("moment_dtype")
     if recorded is not None and recorded != opt.moment_dtype:
         _fail(f"its moments are {recorded}, this optimizer stores {opt.moment_dtype} "
@@ -245,11 +242,11 @@ def _check_adam_group(opt: StreamingAdam, gi: int, saved: dict) -> None:
             _fail(f"param group {gi} has {key}={saved[key]!r}, which StreamingAdam does not implement")
 
 
-def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> dict[int, dict]:
+def _verify(opt: torch.optim.Optimizer, state_dict: Any, moment_dtype: torch.dtype) -> dict[int, dict]:
     """Every check, before anything changes; returns ``{param index: local tensors}``."""
     position, recorded_by_group = check_groups(opt, state_dict, _fail,
                                                lambda gi, saved: _check_adam_group(opt, gi, saved))
-    params = _param_list(opt)
+    params = param_list(opt)
     resident = {id(p) for p in opt.resident}
     checked = {}
     for pid, pstate in state_dict["state"].items():
@@ -287,11 +284,11 @@ def _verify(opt: StreamingAdam, state_dict: Any, moment_dtype: torch.dtype) -> d
     return checked
 
 
-def import_state_dict(opt: StreamingAdam, state_dict: Any) -> None:
+def import_state_dict(opt: torch.optim.Optimizer, state_dict: Any) -> None:
     """Load ``state_dict`` (from ``export_state_dict`` or ``torch.optim.AdamW``)."""
-    moment_dtype = _view_dtype(opt, "load_state_dict()")
+    moment_dtype = view_dtype(opt, "load_state_dict()")
     checked = _verify(opt, state_dict, moment_dtype)
-    params = _param_list(opt)
+    params = param_list(opt)
     number = {id(p): n for n, p in enumerate(params)}
     store = opt.store
     store.engine.drain()

@@ -55,7 +55,7 @@ import torch
 from greenroom.io.engine import STORE_RAW, StateFile, TransferEngine
 from greenroom.errors import ConfigError
 from greenroom.optim import remainder
-from greenroom.optim.store.files import Replacement
+from greenroom.optim.store.files import DeviceBuffer, Replacement
 from greenroom.optim.moments import moment_codecs
 from greenroom.optim.store.held import HeldBuckets, Kept
 from greenroom.optim.store.hostcache import HostCopy, unpin
@@ -77,19 +77,6 @@ class StepCheckpoint(Protocol):
 
     def link_live(self, index: int) -> None:
         """Bucket ``index``'s live file now holds the step's result: link it in."""
-
-
-class _DeviceBuffer:
-    """A device buffer holding one bucket file's bytes, the write still reading it, and
-    the new file that write fills, to be installed once it is over (``optim.bucket_files`` Note [new inodes])."""
-
-    __slots__ = ("raw", "write", "replacing", "link_out")
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.write = None
-        self.replacing: Replacement | None = None
-        self.link_out: int | None = None  # a bucket written in place, for the checkpoint to link once written
 
 
 def _remove_created(files: list[StateFile]) -> None:
@@ -142,7 +129,7 @@ class BucketStore(HeldBuckets):
         self.moments = moments
         self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype, compressed=compression is not None,
                                      moments=moments)
-        self._buffers: list[_DeviceBuffer] = []
+        self._buffers: list[DeviceBuffer] = []
         self._kept: Kept | None = None  # optim.held_buckets Note [the last bucket stays]
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
@@ -356,7 +343,7 @@ class BucketStore(HeldBuckets):
                 if last is not None:  # updated, even where another bucket's write-back failed
                     self._kept = last
 
-    def _finish_write(self, buffer: _DeviceBuffer, checkpoint: StepCheckpoint | None) -> None:
+    def _finish_write(self, buffer: DeviceBuffer, checkpoint: StepCheckpoint | None) -> None:
         """Wait for the write still reading ``buffer``; give its new file the live name, or
         have the checkpoint link the live file it wrote in place."""
         if buffer.write is not None:
@@ -369,7 +356,7 @@ class BucketStore(HeldBuckets):
         if link_out is not None:
             checkpoint.link_live(link_out)
 
-    def _submit_read(self, index: int, buffer: _DeviceBuffer):
+    def _submit_read(self, index: int, buffer: DeviceBuffer):
         bucket = self.buckets[index]
         raw = buffer.raw[:bucket.data_bytes]
         if index in self.host_cache:
@@ -377,7 +364,7 @@ class BucketStore(HeldBuckets):
         self.bytes_read += bucket.file_bytes
         return self.engine.read(raw, self.files[index], 0)
 
-    def _submit_write(self, index: int, buffer: _DeviceBuffer, checkpoint: StepCheckpoint | None,
+    def _submit_write(self, index: int, buffer: DeviceBuffer, checkpoint: StepCheckpoint | None,
                       fresh: dict[int, StateFile]) -> None:
         """Start the write-back of bucket ``index`` from ``buffer``: to its cache, to a new
         file (the checkpoint's, or ``fresh``'s for a shared file), or in place; with a
@@ -403,7 +390,7 @@ class BucketStore(HeldBuckets):
         file = buffer.replacing.file if buffer.replacing is not None else None
         buffer.write = self._write(raw, bucket, file=file, mirror=mirror)
 
-    def _decode(self, index: int, buffer: _DeviceBuffer) -> BucketState:
+    def _decode(self, index: int, buffer: DeviceBuffer) -> BucketState:
         bucket = self.buckets[index]
         raw = buffer.raw
         if bucket.remainder:
@@ -429,7 +416,7 @@ class BucketStore(HeldBuckets):
         shapes = [self.entries[i].shape for i in bucket.entries]
         return BucketState(bucket=bucket, master=master, exp_avg=moments[0], exp_avg_sq=moments[1], _shapes=shapes)
 
-    def _encode(self, state: BucketState, buffer: _DeviceBuffer) -> None:
+    def _encode(self, state: BucketState, buffer: DeviceBuffer) -> None:
         bucket = state.bucket
         if bucket.remainder:
             self._encode_remainder(bucket, state.master, buffer.raw)
@@ -455,12 +442,12 @@ class BucketStore(HeldBuckets):
     def _master_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         return raw[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.float32)
 
-    def _buffer(self, i: int) -> _DeviceBuffer:
+    def _buffer(self, i: int) -> DeviceBuffer:
         while len(self._buffers) <= i:
-            self._buffers.append(_DeviceBuffer(self.max_bucket_bytes, self.device))
+            self._buffers.append(DeviceBuffer(self.max_bucket_bytes, self.device))
         return self._buffers[i]
 
-    def _ring(self, count: int, first: _DeviceBuffer | None) -> list[_DeviceBuffer]:
+    def _ring(self, count: int, first: DeviceBuffer | None) -> list[DeviceBuffer]:
         """``count`` distinct device buffers for a stream, ``first`` (the kept bucket's) leading."""
         ring = [] if first is None else [first]
         i = 0

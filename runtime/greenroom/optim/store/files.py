@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+import torch
 from typing import Sequence
 
 from greenroom.io.engine import StateFile
 from greenroom.faults import kill_point
-from greenroom.optim.checkpoint.hardlink import NEW_SUFFIX, link_over
+from greenroom.optim.store.hardlink import NEW_SUFFIX, link_over
 from greenroom.optim.store.layout import FILE_PATTERN, Bucket
 
 
@@ -41,6 +43,19 @@ class Replacement:
     index: int
     file: StateFile
     linked: bool
+
+
+class DeviceBuffer:
+    """A device buffer holding one bucket file's bytes, the write still reading it, and
+    the new file that write fills, to be installed once it is over (``optim.bucket_files`` Note [new inodes])."""
+
+    __slots__ = ("raw", "write", "replacing", "link_out")
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.write = None
+        self.replacing: Replacement | None = None
+        self.link_out: int | None = None  # a bucket written in place, for the checkpoint to link once written
 
 
 class BucketFiles:

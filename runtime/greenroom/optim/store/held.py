@@ -49,16 +49,13 @@ run (the rank dir removes them), and resumes come from checkpoints.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from greenroom.io.engine import StateFile, TransferEngine
-from greenroom.optim.store.files import BucketFiles, Replacement
+from greenroom.optim.store.files import BucketFiles, DeviceBuffer, Replacement
 from greenroom.optim.store.hostcache import HostCopy, host_memory
-
-if TYPE_CHECKING:
-    from greenroom.optim.store.bucket_store import _DeviceBuffer
 
 
 @dataclass(eq=False, slots=True)
@@ -68,7 +65,7 @@ class Kept:
     [new inodes])."""
 
     index: int
-    buffer: _DeviceBuffer
+    buffer: DeviceBuffer
     new_file: StateFile | None
 
 

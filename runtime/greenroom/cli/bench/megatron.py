@@ -1,6 +1,6 @@
 """Peak HBM and timing of megatron's DistributedOptimizer with and without streaming.
 
-    python -m greenroom.megatron.bench --mode stock|stream --hidden 2048 --layers 16 \
+    python -m greenroom.cli.bench.megatron --mode stock|stream --hidden 2048 --layers 16 \
         --dir /root/gr --steps 2 [--offload] [--json]
 
 One mode per process, so each starts from an empty CUDA allocator. Prints the peak HBM
@@ -21,7 +21,7 @@ import torch
 
 from greenroom.cli import flags as cliflags
 from greenroom import config as gconfig
-from greenroom.config import GIB
+from greenroom.units import GIB
 from greenroom.megatron import demo
 
 
@@ -147,7 +147,7 @@ def _sleep_wake(offload, rank_dir, model, optimizer, mode) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m greenroom.megatron.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m greenroom.cli.bench.megatron", description=__doc__.splitlines()[0])
     configure_parser(parser)
     return run(parser.parse_args(argv))
 
