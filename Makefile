@@ -13,7 +13,7 @@ IMAGE ?= greenroom
 TAG ?= $(shell $(PYTHON) -c "import tomllib;print(tomllib.load(open('pyproject.toml','rb'))['project']['version'])" 2>/dev/null || echo dev)
 BASE_IMAGE ?= nvcr.io/nvidia/pytorch:25.09-py3
 
-.PHONY: install run test system-deps image clean cluster cluster-down
+.PHONY: install run test lint system-deps image clean cluster cluster-down
 
 install: $(VENV)/.installed
 
@@ -33,9 +33,16 @@ run: install
 system-deps:
 	scripts/setup-system.sh
 
-test: install system-deps
+test: install system-deps lint
 	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" scripts/with-services.sh \
 	  $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The code's own hygiene: formatting, lint, and the layer and no-cycle contracts of
+# docs/architecture.md (pyproject.toml's [tool.ruff] and [tool.importlinter]).
+lint: install
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
+	$(BIN)/lint-imports --no-cache
 
 # A one-node Kubernetes cluster built from upstream (scripts/services.d/k8s.sh): the first
 # run builds it (cached in ~/.cache/greenroom-k8s/); prints the KUBECONFIG to use.
