@@ -20,8 +20,8 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 
+import tomllib
 from packaging.requirements import Requirement
 
 ROOTS = ["greenroom", "torch", "megatron-core", "torch-memory-saver"]

@@ -33,8 +33,11 @@ def main() -> int:
     new = rendered(text)
     if check:
         if new != text:
-            print("docs/slurm.md's config reference differs from greenroom.slurm.config: "
-                  "run scripts/slurm-config-table.py", file=sys.stderr)
+            print(
+                "docs/slurm.md's config reference differs from greenroom.slurm.config: "
+                "run scripts/slurm-config-table.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     with open(DOC, "w", encoding="utf-8") as f:

@@ -11,28 +11,41 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def greenroom(*args: str, env: dict | None = None, timeout: float = 300, check_rc: int | None = None,
-              cwd: str | None = None) -> subprocess.CompletedProcess:
+def greenroom(
+    *args: str, env: dict | None = None, timeout: float = 300, check_rc: int | None = None, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-m", "greenroom.cli.main", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-m", "greenroom.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd,
+    )
     if check_rc is not None:
         assert proc.returncode == check_rc, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
 
 
-def greenroom_stopped_at(point: str, *args: str, env: dict | None = None, sigint: bool = False,
-                         cwd: str = REPO) -> subprocess.Popen:
+def greenroom_stopped_at(
+    point: str, *args: str, env: dict | None = None, sigint: bool = False, cwd: str = REPO
+) -> subprocess.Popen:
     """``greenroom args`` started with ``GREENROOM_TEST_STOP_AT=point`` (``greenroom.faults``);
     returns once it has stopped itself there, to be resumed with SIGCONT. ``sigint``: start
     it with SIGINT at its default, as from a terminal (``make test`` in the background hands
     its workers SIGINT ignored, and an ignored SIGINT stays ignored in a child)."""
     default_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sigint else None
-    proc = subprocess.Popen([sys.executable, "-m", "greenroom.cli.main", *args],
-                            env={**os.environ, **(env or {}), "GREENROOM_TEST_STOP_AT": point},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            preexec_fn=default_sigint)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "greenroom.cli.main", *args],
+        env={**os.environ, **(env or {}), "GREENROOM_TEST_STOP_AT": point},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        preexec_fn=default_sigint,
+    )
     assert os.WIFSTOPPED(wait_stopped(proc, f"greenroom {args[0]}")), f"greenroom {args[0]} ended before {point}"
     return proc
 

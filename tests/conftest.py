@@ -9,8 +9,7 @@ import uuid
 
 import pytest
 
-from greenroom.io import fs
-from greenroom.io import statefile
+from greenroom.io import fs, statefile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
@@ -52,11 +51,13 @@ def holders():
     the test."""
     procs = []
 
-    def start(root: str, job: str, rank: int = 0, role: str = "actor",
-              pod_uid: str | None = None) -> tuple[subprocess.Popen, str]:
+    def start(
+        root: str, job: str, rank: int = 0, role: str = "actor", pod_uid: str | None = None
+    ) -> tuple[subprocess.Popen, str]:
         env = dict(os.environ, GREENROOM_POD_UID=pod_uid) if pod_uid else None
-        p = subprocess.Popen([sys.executable, HOLDER, root, job, role, str(rank)], stdout=subprocess.PIPE, text=True,
-                             env=env)
+        p = subprocess.Popen(
+            [sys.executable, HOLDER, root, job, role, str(rank)], stdout=subprocess.PIPE, text=True, env=env
+        )
         path = p.stdout.readline().strip()
         assert path and os.path.isdir(path), "rank holder did not start"
         procs.append(p)

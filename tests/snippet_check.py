@@ -74,7 +74,8 @@ def main() -> int:
     for root, attrs in chains(tree):
         value = namespace.get(root)
         if value is None or not getattr(value, "__name__", getattr(type(value), "__module__", "")).startswith(
-                "greenroom"):
+            "greenroom"
+        ):
             continue
         for attr in attrs:
             if not hasattr(value, attr):
@@ -82,7 +83,7 @@ def main() -> int:
                 break
             value = getattr(value, attr)
     free = free_names(tree)
-    runnable = (not free and not result["missing"] and "..." not in code and "cuda" not in code)
+    runnable = not free and not result["missing"] and "..." not in code and "cuda" not in code
     result["free_names"] = sorted(free)
     if runnable and not result["problems"]:
         os.chdir(tempfile.mkdtemp(dir=os.environ.get("SNIPPET_DIR")))

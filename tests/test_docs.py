@@ -32,25 +32,37 @@ RUNS_MARK = "(tests/test_docs.py runs this)"
 @pytest.mark.parametrize("where", [f"{p}:{n}" for p, n in SNIPPETS])
 def test_snippet_compiles_imports_and_runs_where_it_can(where, tmp_path):
     path, line = where.rsplit(":", 1)
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime"), "SNIPPET_DIR": str(tmp_path),
-           "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "snippet_check.py"), path, line],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.path.join(REPO, "runtime"),
+        "SNIPPET_DIR": str(tmp_path),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "snippet_check.py"), path, line],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["problems"] == [], result
     # A snippet that says it runs must have run (the CPU examples).
     with open(os.path.join(REPO, path), encoding="utf-8") as f:
-        marked = RUNS_MARK in "".join(f.readlines()[int(line):]).split("```", 1)[0]
+        marked = RUNS_MARK in "".join(f.readlines()[int(line) :]).split("```", 1)[0]
     assert result["ran"] or not marked, result
     if result["missing"]:
-        pytest.skip(f"{where}: {', '.join(result['missing'])} not installed here; compiled and its greenroom "
-                    "names checked")
+        pytest.skip(
+            f"{where}: {', '.join(result['missing'])} not installed here; compiled and its greenroom names checked"
+        )
 
 
 def test_the_readme_flag_table_is_the_parsers():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "flag-table.py"), "--check"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "flag-table.py"), "--check"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -61,25 +73,38 @@ def _plain(path):
 
 def test_the_readme_plan_example_prints_what_the_readme_says(tmp_path):
     text = _plain("README.md")
-    m = re.search(r"\(`(--params 744B [^`]*)`\), comes out at ([\d.]+) GB of optimizer state per rank: ([\d.]+) GB "
-                  r"of model state without streaming, which does not fit, and ([\d.]+) GB with it", text)
+    m = re.search(
+        r"\(`(--params 744B [^`]*)`\), comes out at ([\d.]+) GB of optimizer state per rank: ([\d.]+) GB "
+        r"of model state without streaming, which does not fit, and ([\d.]+) GB with it",
+        text,
+    )
     assert m, "README.md: the plan example's sentence moved; update this test"
     env = {k: v for k, v in os.environ.items() if k not in ("SCRATCH", "GREENROOM_DISK_DIR")}
     env["PYTHONPATH"] = os.path.join(REPO, "runtime")
-    proc = subprocess.run([sys.executable, "-m", "greenroom", "plan", *m.group(1).split(), "--json"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "greenroom", "plan", *m.group(1).split(), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     rank = json.loads(proc.stdout)["per_rank"]
     said = [float(m.group(i)) for i in (2, 3, 4)]
-    assert said == [round(rank["optimizer_state"] / 1e9, 1), round(rank["gpu"]["without_streaming"] / 1e9, 1),
-                    round(rank["gpu"]["with_streaming"] / 1e9, 1)], said
+    assert said == [
+        round(rank["optimizer_state"] / 1e9, 1),
+        round(rank["gpu"]["without_streaming"] / 1e9, 1),
+        round(rank["gpu"]["with_streaming"] / 1e9, 1),
+    ], said
 
 
 # The docs a user reads, and the record of faults; docs/benchmarks.md is a lab notebook
 # that also names tests of branches that were never merged.
 CITING = [p for p in DOCS if not p.endswith("benchmarks.md")] + sorted(
-    glob.glob(os.path.join(REPO, "deploy", "*", "README.md")) + glob.glob(os.path.join(REPO, "deploy", "helm", "*",
-                                                                                        "README.md")))
+    glob.glob(os.path.join(REPO, "deploy", "*", "README.md"))
+    + glob.glob(os.path.join(REPO, "deploy", "helm", "*", "README.md"))
+)
 
 
 def _test_names():
@@ -125,7 +150,7 @@ def _documented_values(chart):
                 continue
             m = re.match(r"^( *)([A-Za-z]\w*):(.*)$", line.rstrip("\n"))
             if m:
-                stack = stack[:len(m.group(1)) // 2] + [m.group(2)]
+                stack = stack[: len(m.group(1)) // 2] + [m.group(2)]
                 if documented:
                     keys[".".join(stack)] = m.group(3).split(" #")[0].strip()
             documented = False

@@ -46,12 +46,29 @@ def test_a_record_carries_the_rank_of_the_launcher_or_the_process_group(caplog, 
 
 def test_a_cli_warning_is_one_line_with_the_rank(tmp_path):
     """A Python warning (a flag that is ignored) through ``greenroom plan`` under torchrun's RANK."""
-    proc = subprocess.run([sys.executable, "-m", "greenroom.cli.main", "plan", "--stream-optimizer-state-to-disk",
-                           "--offload-train-target", "cpu", "--offload-train-disk-dir", str(tmp_path),
-                           "--params", "1e6"], env=env(RANK="2"), capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "greenroom.cli.main",
+            "plan",
+            "--stream-optimizer-state-to-disk",
+            "--offload-train-target",
+            "cpu",
+            "--offload-train-disk-dir",
+            str(tmp_path),
+            "--params",
+            "1e6",
+        ],
+        env=env(RANK="2"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert proc.stderr.splitlines() == [
         "greenroom[rank 2] WARNING: --offload-train-target is ignored without --offload-train "
-        "(streaming alone is the disaggregated case)"]
+        "(streaming alone is the disaggregated case)"
+    ]
 
 
 def test_a_cli_log_record_is_one_line_with_the_rank(tmp_path):
@@ -62,8 +79,13 @@ def test_a_cli_log_record_is_one_line_with_the_rank(tmp_path):
     os.makedirs(root)
     try:
         for extra, prefix in (({"SLURM_PROCID": "3"}, "greenroom[rank 3]"), ({}, "greenroom")):
-            proc = subprocess.run([sys.executable, "-m", "greenroom.cli.main", "reclaim", root], env=env(**extra),
-                                  capture_output=True, text=True, check=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "greenroom.cli.main", "reclaim", root],
+                env=env(**extra),
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             assert proc.stderr.splitlines() == [f"{prefix} WARNING: {root} is memory-backed (tmpfs); reclaiming anyway"]
     finally:
         os.rmdir(root)
@@ -71,11 +93,11 @@ def test_a_cli_log_record_is_one_line_with_the_rank(tmp_path):
 
 def test_library_use_writes_nothing_unless_the_application_configures_logging():
     code = "from greenroom.log import get_logger; get_logger('greenroom.x').warning('not shown')"
-    proc = subprocess.run([sys.executable, "-c", code], env=env(RANK="1"), capture_output=True, text=True,
-                          check=True)
+    proc = subprocess.run([sys.executable, "-c", code], env=env(RANK="1"), capture_output=True, text=True, check=True)
     assert proc.stderr == ""
-    code = ("import logging; logging.basicConfig(format='%(rank)s %(name)s %(message)s'); "
-            "from greenroom.log import get_logger; get_logger('greenroom.x').warning('shown')")
-    proc = subprocess.run([sys.executable, "-c", code], env=env(RANK="1"), capture_output=True, text=True,
-                          check=True)
+    code = (
+        "import logging; logging.basicConfig(format='%(rank)s %(name)s %(message)s'); "
+        "from greenroom.log import get_logger; get_logger('greenroom.x').warning('shown')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env(RANK="1"), capture_output=True, text=True, check=True)
     assert proc.stderr == "1 greenroom.x shown\n"

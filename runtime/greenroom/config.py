@@ -32,9 +32,9 @@ import shlex
 import warnings
 from dataclasses import dataclass, field
 
-from greenroom.io import fs
-from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import check_root
+from greenroom.errors import ConfigError
+from greenroom.io import fs
 from greenroom.io.codec_names import CODECS, check_codec
 from greenroom.units import GB, MAX_GB, MIB
 
@@ -46,8 +46,13 @@ MASTER_LAYOUTS = ("remainder", "fp32")
 # fp8 moments carry one fp32 scale per block of this many elements (see
 # greenroom.optim.moments); plan's byte counts include it.
 FP8_SCALE_BLOCK = 128
-_MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8e4m3": 1.0 + 4 / FP8_SCALE_BLOCK,
-                 "fp8e5m2": 1.0 + 4 / FP8_SCALE_BLOCK}
+_MOMENT_BYTES = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8e4m3": 1.0 + 4 / FP8_SCALE_BLOCK,
+    "fp8e5m2": 1.0 + 4 / FP8_SCALE_BLOCK,
+}
 DEFAULT_CHUNK_MB = 256
 
 
@@ -61,9 +66,11 @@ def check_host_bytes(flag: str, value, nbytes: int, *, default=DEFAULT_CHUNK_MB,
     ``counted`` says what ``nbytes`` adds up, when more than the flag's own bytes."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if nbytes > ram:
-        raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of host memory per rank"
-                          f"{f' ({counted})' if counted else ''}, this machine has {fs.human_bytes(ram)}; "
-                          f"use a smaller value{_default(default)}")
+        raise ConfigError(
+            f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of host memory per rank"
+            f"{f' ({counted})' if counted else ''}, this machine has {fs.human_bytes(ram)}; "
+            f"use a smaller value{_default(default)}"
+        )
 
 
 def check_disk_bytes(flag: str, value, nbytes: int, directory: str, *, counted: str = "") -> None:
@@ -72,9 +79,11 @@ def check_disk_bytes(flag: str, value, nbytes: int, directory: str, *, counted: 
     preallocation would fail halfway through a run."""
     free = fs.free_bytes(directory)
     if nbytes > free:
-        raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} on {directory}"
-                          f"{f' ({counted})' if counted else ''}, which has {fs.human_bytes(free)} free; "
-                          "use a smaller value or a dir on a larger disk")
+        raise ConfigError(
+            f"{flag} {value}: that needs {fs.human_bytes(nbytes)} on {directory}"
+            f"{f' ({counted})' if counted else ''}, which has {fs.human_bytes(free)} free; "
+            "use a smaller value or a dir on a larger disk"
+        )
 
 
 def _default(default) -> str:
@@ -158,40 +167,52 @@ class OffloadFlags:
         self.offload_train_target = target
         chunk = self.offload_train_disk_chunk_mb
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
-            raise ConfigError(
-                f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {chunk!r}")
+            raise ConfigError(f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {chunk!r}")
         compression = self.offload_train_disk_compression
         check_codec(compression, chunk)
         if self.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
             raise ConfigError(
                 f"--stream-optimizer-state-moment-dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
-                f"got {self.stream_optimizer_state_moment_dtype!r}")
+                f"got {self.stream_optimizer_state_moment_dtype!r}"
+            )
         layout = self.stream_optimizer_state_master_layout
         if layout not in MASTER_LAYOUTS:
-            raise ConfigError(f"--stream-optimizer-state-master-layout: expected one of {', '.join(MASTER_LAYOUTS)}, "
-                              f"got {layout!r}")
+            raise ConfigError(
+                f"--stream-optimizer-state-master-layout: expected one of {', '.join(MASTER_LAYOUTS)}, got {layout!r}"
+            )
         if layout != "remainder" and not self.stream_optimizer_state_to_disk:
-            raise ConfigError(f"--stream-optimizer-state-master-layout {layout} lays out streamed masters and needs "
-                              "--stream-optimizer-state-to-disk: add it (or drop the master layout)")
+            raise ConfigError(
+                f"--stream-optimizer-state-master-layout {layout} lays out streamed masters and needs "
+                "--stream-optimizer-state-to-disk: add it (or drop the master layout)"
+            )
         cache = self.stream_optimizer_state_host_cache_gb
         if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= MAX_GB:
-            raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0 and at "
-                              f"most {MAX_GB:g} (an exabyte), got {cache!r}")
+            raise ConfigError(
+                f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0 and at "
+                f"most {MAX_GB:g} (an exabyte), got {cache!r}"
+            )
         self.stream_optimizer_state_host_cache_gb = cache = float(cache)
         if cache and not self.stream_optimizer_state_to_disk:
-            raise ConfigError("--stream-optimizer-state-host-cache-gb caches streamed buckets and needs "
-                              "--stream-optimizer-state-to-disk: add it (or drop the host cache)")
+            raise ConfigError(
+                "--stream-optimizer-state-host-cache-gb caches streamed buckets and needs "
+                "--stream-optimizer-state-to-disk: add it (or drop the host cache)"
+            )
         if target == "disk" and not self.offload_train:
-            raise ConfigError("--offload-train-target disk requires --offload-train: add --offload-train "
-                             "(or drop --offload-train-target disk)")
+            raise ConfigError(
+                "--offload-train-target disk requires --offload-train: add --offload-train "
+                "(or drop --offload-train-target disk)"
+            )
         if self.offload_train and self.stream_optimizer_state_to_disk and target != "disk":
             raise ConfigError(
                 "--stream-optimizer-state-to-disk under --offload-train requires --offload-train-target disk: "
                 "a run that cannot hold its optimizer state on the GPU will not hold a pinned host copy "
-                "of the whole actor either")
+                "of the whole actor either"
+            )
         if self.stream_optimizer_state_to_disk and not self.offload_train and self._target_given:
-            warnings.warn("--offload-train-target is ignored without --offload-train "
-                          "(streaming alone is the disaggregated case)", stacklevel=3)
+            warnings.warn(
+                "--offload-train-target is ignored without --offload-train (streaming alone is the disaggregated case)",
+                stacklevel=3,
+            )
 
     def to_argv(self, *, disk_dir: bool = True) -> list[str]:
         """The flags as ``greenroom train`` (or any ``add_arguments`` parser) takes them,
@@ -203,16 +224,22 @@ class OffloadFlags:
             argv += ["--offload-train", "--offload-train-target", self.offload_train_target]
         if disk_dir and self.offload_train_disk_dir is not None:
             argv += ["--offload-train-disk-dir", self.offload_train_disk_dir]
-        argv += ["--offload-train-disk-chunk-mb", str(self.offload_train_disk_chunk_mb),
-                 "--offload-train-disk-compression", self.offload_train_disk_compression]
+        argv += [
+            "--offload-train-disk-chunk-mb",
+            str(self.offload_train_disk_chunk_mb),
+            "--offload-train-disk-compression",
+            self.offload_train_disk_compression,
+        ]
         if self.stream_optimizer_state_to_disk:
-            argv += ["--stream-optimizer-state-to-disk",
-                     "--stream-optimizer-state-moment-dtype", self.stream_optimizer_state_moment_dtype]
+            argv += [
+                "--stream-optimizer-state-to-disk",
+                "--stream-optimizer-state-moment-dtype",
+                self.stream_optimizer_state_moment_dtype,
+            ]
             if self.stream_optimizer_state_master_layout != "remainder":
                 argv += ["--stream-optimizer-state-master-layout", self.stream_optimizer_state_master_layout]
             if self.stream_optimizer_state_host_cache_gb:
-                argv += ["--stream-optimizer-state-host-cache-gb",
-                         format_gb(self.stream_optimizer_state_host_cache_gb)]
+                argv += ["--stream-optimizer-state-host-cache-gb", format_gb(self.stream_optimizer_state_host_cache_gb)]
         for name in ("no_load_optim", "allow_tmpfs"):
             if getattr(self, name):
                 argv.append("--" + name.replace("_", "-"))
@@ -272,10 +299,19 @@ class _Omitting:
 
 
 # The dataclass fields that are flags, in flag order (``--`` + the name with dashes).
-FLAG_FIELDS = ("offload_train", "offload_train_target", "offload_train_disk_dir", "offload_train_disk_chunk_mb",
-               "offload_train_disk_compression", "stream_optimizer_state_to_disk",
-               "stream_optimizer_state_moment_dtype", "stream_optimizer_state_master_layout",
-               "stream_optimizer_state_host_cache_gb", "no_load_optim", "allow_tmpfs")
+FLAG_FIELDS = (
+    "offload_train",
+    "offload_train_target",
+    "offload_train_disk_dir",
+    "offload_train_disk_chunk_mb",
+    "offload_train_disk_compression",
+    "stream_optimizer_state_to_disk",
+    "stream_optimizer_state_moment_dtype",
+    "stream_optimizer_state_master_layout",
+    "stream_optimizer_state_host_cache_gb",
+    "no_load_optim",
+    "allow_tmpfs",
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -292,22 +328,26 @@ class OffloadConfig(OffloadFlags):
         if self.offload_train_disk_dir is None:
             self.offload_train_disk_dir = default_disk_dir()
         if not self.offload_train_disk_dir:
-            raise ConfigError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, "
-                             "or set $SCRATCH")
+            raise ConfigError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, or set $SCRATCH")
         self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
         # Before any work: a root this user cannot make a rank dir in (greenroom.dirs.rankdir).
         check_root(self.offload_train_disk_dir, name="--offload-train-disk-dir")
-        check_host_bytes("--offload-train-disk-chunk-mb", self.offload_train_disk_chunk_mb,
-                         self.staging_bytes_per_rank)
+        check_host_bytes("--offload-train-disk-chunk-mb", self.offload_train_disk_chunk_mb, self.staging_bytes_per_rank)
         if self.host_cache_bytes:
-            check_host_bytes("--stream-optimizer-state-host-cache-gb",
-                             format_gb(self.stream_optimizer_state_host_cache_gb), self.host_bytes_per_rank,
-                             default=0, counted="the host cache plus the pinned staging")
+            check_host_bytes(
+                "--stream-optimizer-state-host-cache-gb",
+                format_gb(self.stream_optimizer_state_host_cache_gb),
+                self.host_bytes_per_rank,
+                default=0,
+                counted="the host cache plus the pinned staging",
+            )
         mount = fs.mount_of(self.offload_train_disk_dir)
         if mount.fstype in fs.MEMORY_FILESYSTEMS:
-            message = (f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "
-                       f"({mount.mount_point}), which keeps the data in RAM and defeats the purpose; "
-                       "point it at node-local NVMe")
+            message = (
+                f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "
+                f"({mount.mount_point}), which keeps the data in RAM and defeats the purpose; "
+                "point it at node-local NVMe"
+            )
             if not self.allow_tmpfs:
                 raise ConfigError(message + " (or pass --allow-tmpfs for a test)")
             warnings.warn(message + "; continuing because of --allow-tmpfs", stacklevel=3)
@@ -325,8 +365,10 @@ def env_argv(environ=None) -> list[str]:
     except argparse.ArgumentError as e:
         raise ConfigError(f"${ARGS_ENV}: {e}") from None
     if unknown:
-        raise ConfigError(f"${ARGS_ENV}: {' '.join(unknown)} is not a greenroom offload/streaming flag; "
-                          "it holds only those (pass the trainer's own arguments on its command line)")
+        raise ConfigError(
+            f"${ARGS_ENV}: {' '.join(unknown)} is not a greenroom offload/streaming flag; "
+            "it holds only those (pass the trainer's own arguments on its command line)"
+        )
     return argv
 
 
@@ -352,34 +394,75 @@ def add_arguments(parser: argparse.ArgumentParser, *, omit: tuple[str, ...] = ()
 
 def _add_flags(parser: argparse.ArgumentParser, omit: tuple[str, ...] = ()) -> None:
     group = _Omitting(parser.add_argument_group("greenroom offload and streaming"), omit)
-    group.add_argument("--offload-train", action="store_true",
-                       help="the actor sleeps (its device memory leaves the GPU) between training phases")
+    group.add_argument(
+        "--offload-train",
+        action="store_true",
+        help="the actor sleeps (its device memory leaves the GPU) between training phases",
+    )
     # default None: an explicit value must be told apart from the default (see the rules).
-    group.add_argument("--offload-train-target", choices=TARGETS, default=None,
-                       help="where the sleeping actor goes: a pinned host copy (cpu, the default) or per-rank "
-                            "files (disk)")
-    group.add_argument("--offload-train-disk-dir", default=None, metavar="DIR",
-                       help="root of the per-rank dirs, on node-local NVMe "
-                            "(default $GREENROOM_DISK_DIR, else $SCRATCH/greenroom_train_offload_<uid>)")
-    group.add_argument("--offload-train-disk-chunk-mb", type=int, default=DEFAULT_CHUNK_MB, metavar="MB",
-                       help="pinned host staging buffer per mechanism and rank, MiB")
-    group.add_argument("--offload-train-disk-compression", choices=CODECS, default="auto",
-                       help="lossless codec of what both mechanisms write to disk: auto runs nvcomp-ans on the GPU "
-                            "where the nvCOMP wheel loads (the nvcomp extra), else none; zstd (host) is opt-in "
-                            "(docs/compression.md)")
-    group.add_argument("--stream-optimizer-state-to-disk", action="store_true",
-                       help="fp32 master params and Adam moments live in per-bucket files; the step updates one "
-                            "bucket at a time on the GPU (three in flight: one read ahead, one writing back)")
-    group.add_argument("--stream-optimizer-state-moment-dtype", choices=MOMENT_DTYPES, default="fp32",
-                       help="storage dtype of the streamed Adam moments (fp32 is bit-identical to resident AdamW)")
-    group.add_argument("--stream-optimizer-state-master-layout", choices=MASTER_LAYOUTS, default="remainder",
-                       help="how `StreamingAdam` stores a bf16 param's fp32 master: its low 16 bits beside the "
-                            "param, rebuilt exactly (10 B/param with fp32 moments), or whole (`fp32`, 12 B/param); "
-                            "Megatron's mains are stored whole either way")
-    group.add_argument("--stream-optimizer-state-host-cache-gb", type=float, default=0.0, metavar="GB",
-                       help="host memory per rank (GB, pinned with CUDA) that keeps whole buckets of the "
-                            "streamed state off the disk; the rest streams (0: all of it)")
-    group.add_argument("--no-load-optim", action="store_true",
-                       help="on resume, start a fresh optimizer state instead of requiring the saved one")
-    group.add_argument("--allow-tmpfs", action="store_true",
-                       help="accept a tmpfs/ramfs disk dir (tests only: it keeps the data in RAM)")
+    group.add_argument(
+        "--offload-train-target",
+        choices=TARGETS,
+        default=None,
+        help="where the sleeping actor goes: a pinned host copy (cpu, the default) or per-rank files (disk)",
+    )
+    group.add_argument(
+        "--offload-train-disk-dir",
+        default=None,
+        metavar="DIR",
+        help="root of the per-rank dirs, on node-local NVMe "
+        "(default $GREENROOM_DISK_DIR, else $SCRATCH/greenroom_train_offload_<uid>)",
+    )
+    group.add_argument(
+        "--offload-train-disk-chunk-mb",
+        type=int,
+        default=DEFAULT_CHUNK_MB,
+        metavar="MB",
+        help="pinned host staging buffer per mechanism and rank, MiB",
+    )
+    group.add_argument(
+        "--offload-train-disk-compression",
+        choices=CODECS,
+        default="auto",
+        help="lossless codec of what both mechanisms write to disk: auto runs nvcomp-ans on the GPU "
+        "where the nvCOMP wheel loads (the nvcomp extra), else none; zstd (host) is opt-in "
+        "(docs/compression.md)",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-to-disk",
+        action="store_true",
+        help="fp32 master params and Adam moments live in per-bucket files; the step updates one "
+        "bucket at a time on the GPU (three in flight: one read ahead, one writing back)",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-moment-dtype",
+        choices=MOMENT_DTYPES,
+        default="fp32",
+        help="storage dtype of the streamed Adam moments (fp32 is bit-identical to resident AdamW)",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-master-layout",
+        choices=MASTER_LAYOUTS,
+        default="remainder",
+        help="how `StreamingAdam` stores a bf16 param's fp32 master: its low 16 bits beside the "
+        "param, rebuilt exactly (10 B/param with fp32 moments), or whole (`fp32`, 12 B/param); "
+        "Megatron's mains are stored whole either way",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-host-cache-gb",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="host memory per rank (GB, pinned with CUDA) that keeps whole buckets of the "
+        "streamed state off the disk; the rest streams (0: all of it)",
+    )
+    group.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="on resume, start a fresh optimizer state instead of requiring the saved one",
+    )
+    group.add_argument(
+        "--allow-tmpfs",
+        action="store_true",
+        help="accept a tmpfs/ramfs disk dir (tests only: it keeps the data in RAM)",
+    )

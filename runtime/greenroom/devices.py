@@ -17,8 +17,9 @@ def resolve_device(wanted: str, command: str | None = None) -> str:
     if wanted == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if wanted == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{f'{command}: ' if command else ''}--device cuda: no CUDA device is available; "
-                          "use --device cpu (or auto)")
+        raise ConfigError(
+            f"{f'{command}: ' if command else ''}--device cuda: no CUDA device is available; use --device cpu (or auto)"
+        )
     return wanted
 
 
@@ -34,6 +35,8 @@ def check_device_bytes(flag: str, value, nbytes: int, device, *, default, counte
         return
     free, _ = torch.cuda.mem_get_info(device)
     if nbytes > free:
-        raise ConfigError(f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of device memory"
-                          f"{f' ({counted})' if counted else ''}, {device} has {fs.human_bytes(free)} free; "
-                          f"use a smaller value{'' if default is None else f' (default {default})'}")
+        raise ConfigError(
+            f"{flag} {value}: that needs {fs.human_bytes(nbytes)} of device memory"
+            f"{f' ({counted})' if counted else ''}, {device} has {fs.human_bytes(free)} free; "
+            f"use a smaller value{'' if default is None else f' (default {default})'}"
+        )

@@ -8,6 +8,7 @@ does not match) are ``StorageError``/``CheckpointError``. Anything else is a bug
 for a collective that failed because another rank went away (``greenroom.ranks.peer_gone``).
 """
 
+
 class GreenroomError(RuntimeError):
     """A condition the user must fix; the message says what and how."""
 

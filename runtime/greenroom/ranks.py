@@ -25,8 +25,10 @@ def launcher_number(var: str, default: int, *, minimum: int = 0) -> int:
     if value is None:
         return default
     if not (value.isascii() and value.isdigit()) or not minimum <= int(value) <= MAX_LAUNCHER_NUMBER:
-        raise ConfigError(f"${var}={value!r} is not a whole number from {minimum} to {MAX_LAUNCHER_NUMBER}; "
-                          "the launcher (torchrun, srun, the chart) sets it: fix or unset it")
+        raise ConfigError(
+            f"${var}={value!r} is not a whole number from {minimum} to {MAX_LAUNCHER_NUMBER}; "
+            "the launcher (torchrun, srun, the chart) sets it: fix or unset it"
+        )
     return int(value)
 
 
@@ -44,8 +46,12 @@ def process_rank() -> int:
 
 # How gloo and NCCL say a collective lost its peer (torch 2.x): a rank that ended (a
 # signal, an error of its own, the launcher stopping the job) takes its connections with it.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
-              "caused by a remote worker crashing")
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited",
+    "caused by a remote worker crashing",
+)
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*")
 
 
@@ -66,5 +72,7 @@ def peer_gone(error: BaseException) -> str | None:
     except ConfigError:
         return None
     first = _SOURCE_PREFIX.sub("", text.splitlines()[0] if text else "")
-    return (f"rank {rank}: a collective with the other ranks failed: another rank went away ({first}); "
-            "the launcher's log names the rank that ended first, and that rank's log says why")
+    return (
+        f"rank {rank}: a collective with the other ranks failed: another rank went away ({first}); "
+        "the launcher's log names the rank that ended first, and that rank's log says why"
+    )

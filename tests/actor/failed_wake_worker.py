@@ -47,8 +47,9 @@ def fail_a_wake(directory: str) -> None:
     """An actor (a model) sleeps with scope ``all``; every read of the wake fails, and the
     offloader is closed asleep: whatever the sleep moved out stays freed."""
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
-    config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=directory,
-                           offload_train_disk_chunk_mb=1)
+    config = OffloadConfig(
+        offload_train=True, offload_train_target="disk", offload_train_disk_dir=directory, offload_train_disk_chunk_mb=1
+    )
     offloader = actor.build_offloader(config, directory, scope="all").track(model)
     offloader.sleep()
     real_read = StateFile.read

@@ -73,8 +73,9 @@ def main() -> int:
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
     # Of clones: numpy() makes a storage one the offloader must leave resident.
     expected = [p.detach().clone().numpy() for p in model.parameters()]
-    config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=directory,
-                           offload_train_disk_chunk_mb=1)
+    config = OffloadConfig(
+        offload_train=True, offload_train_target="disk", offload_train_disk_dir=directory, offload_train_disk_chunk_mb=1
+    )
     offloader = actor.build_offloader(config, directory, scope="tracked").track(model)
     try:
         offloader.sleep()

@@ -22,8 +22,17 @@ def args(**kw):
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])
 def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target, capsys):
-    rc = offload.run(args(size=(1 << 30) // 32, untracked_size=(1 << 30) // 64, target=target, dir=disk_dir, chunk_mb=4,
-                          cycles=2, json=True))
+    rc = offload.run(
+        args(
+            size=(1 << 30) // 32,
+            untracked_size=(1 << 30) // 64,
+            target=target,
+            dir=disk_dir,
+            chunk_mb=4,
+            cycles=2,
+            json=True,
+        )
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["bit_exact"] is True

@@ -17,9 +17,9 @@ from greenroom import OffloadConfig, actor
 from greenroom.actor import tms
 from greenroom.actor.movers import Moved
 from greenroom.actor.offloader import LeftAsleep
-from greenroom.io.engine import StateFile
-from greenroom.errors import GreenroomError
 from greenroom.dirs.rankdir import RankDir
+from greenroom.errors import GreenroomError
+from greenroom.io.engine import StateFile
 from greenroom.train.model import ModelConfig, Transformer
 
 RUNTIME = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "runtime")
@@ -39,8 +39,12 @@ def step(model, optimizer, seed=0):
 
 
 def offloader(rank_dir, target, **kw):
-    config = OffloadConfig(offload_train=True, offload_train_target=target,
-                           offload_train_disk_dir=os.path.dirname(rank_dir.path), offload_train_disk_chunk_mb=1)
+    config = OffloadConfig(
+        offload_train=True,
+        offload_train_target=target,
+        offload_train_disk_dir=os.path.dirname(rank_dir.path),
+        offload_train_disk_chunk_mb=1,
+    )
     return actor.build_offloader(config, rank_dir, **kw)
 
 
@@ -101,7 +105,7 @@ def test_a_rollout_storage_stays_excluded_while_it_lives_whichever_of_its_tensor
 
 
 def test_a_storage_the_rollout_allocates_where_it_freed_one_is_excluded(disk_dir):
-    """"New in the region" is decided by identity: a storage allocated inside the region
+    """ "New in the region" is decided by identity: a storage allocated inside the region
     at the address of one freed inside it is the rollout's too."""
     with RankDir(disk_dir, job="ra") as rank_dir, offloader(rank_dir, "cpu") as off:
         with off.rollout_region():
@@ -131,8 +135,9 @@ def test_storages_in_shared_memory_stay_resident_intact_and_are_reported(disk_di
     bytes it left; torch could not grow a shrunk shared storage back."""
     model = torch.nn.Linear(64, 64)
     model.share_memory()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8)), batch_size=16,
-                                         num_workers=1)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 8)), batch_size=16, num_workers=1
+    )
     (batch,) = next(iter(loader))
     assert batch.is_shared() and model.weight.is_shared()
     shared = [model.weight, model.bias, batch]
@@ -151,7 +156,11 @@ def test_storages_in_shared_memory_stay_resident_intact_and_are_reported(disk_di
 def test_two_cpu_target_offloaders_in_one_process_leave_each_others_host_copies_alone():
     """B's sleep scans every CPU storage; A's host copies (A's sleeping actor) must not
     be among them. In a process of its own: the old failure was a segfault at A.wake()."""
-    child = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import tempfile, torch
         from greenroom import OffloadConfig, actor
         from greenroom.dirs.rankdir import RankDir
@@ -166,7 +175,13 @@ def test_two_cpu_target_offloaders_in_one_process_leave_each_others_host_copies_
             a.wake()
             b.wake()
             print("identical:", torch.equal(actor_state, expected))
-    """)], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": RUNTIME})
+    """),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": RUNTIME},
+    )
     assert child.returncode == 0, f"rc {child.returncode} (-11: a segfault)\n{child.stderr[-2000:]}"
     assert child.stdout.strip().splitlines()[-1] == "identical: True"
 
@@ -289,8 +304,7 @@ def test_discarded_tensors_are_not_moved_and_come_back_zero(disk_dir):
 
 def test_a_changed_byte_in_a_large_block_is_rewritten_and_an_unchanged_block_is_not(disk_dir):
     block = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)  # 64 MiB
-    with RankDir(disk_dir, job="c") as rank_dir, offloader(rank_dir, "disk", scope="tracked",
-                                                            skip_clean=True) as off:
+    with RankDir(disk_dir, job="c") as rank_dir, offloader(rank_dir, "disk", scope="tracked", skip_clean=True) as off:
         off.track(block)
         first = off.sleep()
         off.wake()
@@ -361,13 +375,16 @@ class _FakeSaver:
         self.free -= self.held
 
 
-@pytest.mark.parametrize("elsewhere, foreign, pauses", [
-    ([0], 0, 1),                             # alone on the device: one pause
-    ([2 << 20, 0], 0, 2),                     # freed elsewhere during the first pause only
-    ([2 << 20, 4 << 20, 0], 0, 3),
-    ([2 << 20] * 3, 2 << 20, 3),             # a foreign allocation shows at every pause
-    ([-(8 << 20), 0], -(8 << 20), 1),         # allocated elsewhere: under the slack, no refusal
-])
+@pytest.mark.parametrize(
+    "elsewhere, foreign, pauses",
+    [
+        ([0], 0, 1),  # alone on the device: one pause
+        ([2 << 20, 0], 0, 2),  # freed elsewhere during the first pause only
+        ([2 << 20, 4 << 20, 0], 0, 3),
+        ([2 << 20] * 3, 2 << 20, 3),  # a foreign allocation shows at every pause
+        ([-(8 << 20), 0], -(8 << 20), 1),  # allocated elsewhere: under the slack, no refusal
+    ],
+)
 def test_a_pause_that_released_more_than_torch_held_is_measured_again(elsewhere, foreign, pauses):
     expected = 1 << 30
     saver = _FakeSaver(expected, elsewhere)
@@ -400,16 +417,20 @@ def _tms_offloader(monkeypatch, saver, free_bytes):
     return off
 
 
-@pytest.mark.parametrize("elsewhere, fail, interrupted_read, raised, calls", [
-    # the first pause fails: the device still holds every byte, nothing to put back
-    ([], {("pause", 1): RuntimeError("pause")}, None, RuntimeError, ["pause"]),
-    # a signal once the pause gave the bytes back: resumed and restored, then raised
-    ([], {}, 2, KeyboardInterrupt, ["pause", "resume"]),
-    # the pause taken again fails after its resume: restored, then raised
-    ([4 << 20], {("pause", 2): RuntimeError("pause")}, None, RuntimeError, ["pause", "resume", "pause"]),
-])
-def test_a_sleep_stopped_after_its_pause_puts_the_actor_back(monkeypatch, elsewhere, fail, interrupted_read,
-                                                             raised, calls):
+@pytest.mark.parametrize(
+    "elsewhere, fail, interrupted_read, raised, calls",
+    [
+        # the first pause fails: the device still holds every byte, nothing to put back
+        ([], {("pause", 1): RuntimeError("pause")}, None, RuntimeError, ["pause"]),
+        # a signal once the pause gave the bytes back: resumed and restored, then raised
+        ([], {}, 2, KeyboardInterrupt, ["pause", "resume"]),
+        # the pause taken again fails after its resume: restored, then raised
+        ([4 << 20], {("pause", 2): RuntimeError("pause")}, None, RuntimeError, ["pause", "resume", "pause"]),
+    ],
+)
+def test_a_sleep_stopped_after_its_pause_puts_the_actor_back(
+    monkeypatch, elsewhere, fail, interrupted_read, raised, calls
+):
     saver, reads = _FakeSaver(0, elsewhere, fail), []
 
     def free_bytes():
@@ -429,8 +450,11 @@ def test_a_sleep_whose_undo_fails_is_left_asleep_in_one_line(monkeypatch):
     # Every pause reads 64 MiB more than torch held; the two re-measures' resumes work, the put-back's fails.
     saver = _FakeSaver(0, [64 << 20] * 3, {("resume", 3): RuntimeError("no device memory")})
     off = _tms_offloader(monkeypatch, saver, lambda: saver.free)
-    with pytest.raises(LeftAsleep, match="did not allocate.*putting the actor back then failed "
-                                         r"\(RuntimeError: no device memory\)") as err:
+    with pytest.raises(
+        LeftAsleep,
+        match="did not allocate.*putting the actor back then failed "
+        r"\(RuntimeError: no device memory\)",
+    ) as err:
         off._sleep([])
     assert "\n" not in str(err.value) and off._paused and off._mover.restored == 0
     assert saver.calls == ["pause", "resume", "pause", "resume", "pause", "resume"]
@@ -456,6 +480,7 @@ def test_all_zero_storages_are_not_moved_and_come_back_identical(disk_dir):
 
 def test_sleep_and_wake_out_of_order_are_one_line_errors(disk_dir):
     from greenroom.errors import GreenroomError
+
     with RankDir(disk_dir, job="o") as rank_dir, offloader(rank_dir, "cpu") as off:
         with pytest.raises(GreenroomError, match=r"wake\(\) while awake"):
             off.wake()
@@ -467,6 +492,7 @@ def test_sleep_and_wake_out_of_order_are_one_line_errors(disk_dir):
 
 def test_a_tracked_streaming_optimizer_gives_back_its_buffers_before_the_sleep(disk_dir):
     from greenroom.optim import StreamingAdam
+
     with RankDir(disk_dir, job="s") as rank_dir, offloader(rank_dir, "disk") as off:
         model = torch.nn.Linear(512, 512).to(torch.bfloat16)
         opt = StreamingAdam(model.parameters(), state_dir=rank_dir, bucket_numel=100_000, chunk_mb=1)

@@ -63,8 +63,9 @@ def test_no_module_or_class_of_greenroom_keeps_a_tensor_the_offload_would_move(d
     and no function keeps a cache this walk cannot look into (functools.lru_cache)."""
     stream_two_steps(os.path.join(disk_dir, "opt"))
     model = torch.nn.Linear(256, 256)
-    config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=disk_dir,
-                           offload_train_disk_chunk_mb=1)
+    config = OffloadConfig(
+        offload_train=True, offload_train_target="disk", offload_train_disk_dir=disk_dir, offload_train_disk_chunk_mb=1
+    )
     with actor.build_offloader(config, os.path.join(disk_dir, "actor"), skip_clean=True).track(model) as off:
         for _ in range(2):
             with off.asleep():

@@ -22,19 +22,29 @@ import torch
 from greenroom import OffloadConfig, actor
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)"),
+]
 
 
 def _child_env(extra: dict) -> dict:
     """This environment plus ``extra``, with this checkout's runtime first on PYTHONPATH."""
-    return {**os.environ, **extra,
-            "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "runtime"), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        **extra,
+        "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "runtime"), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def _run(code: str, env_extra: dict, timeout: int = 300) -> str:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_child_env(env_extra),
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=_child_env(env_extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout.strip()
 
@@ -48,7 +58,9 @@ from greenroom.dirs.rankdir import RankDir
 from greenroom.train.model import ModelConfig, Transformer
 """
 
-CHILD = IMPORTS + """config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
+CHILD = (
+    IMPORTS
+    + """config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
                        offload_train_disk_chunk_mb=16)
 with RankDir({disk_dir!r}, role="actor") as rd, actor.build_offloader(config, rd, device="cuda",
                                                                         backend="tms") as off:
@@ -91,15 +103,19 @@ with RankDir({disk_dir!r}, role="actor") as rd, actor.build_offloader(config, rd
     assert all(torch.isfinite(p).all() for p in model.parameters())
 print("ok", off.last_sleep.nbytes, round(off.last_sleep.seconds, 3), round(off.last_wake.seconds, 3))
 """
+)
 
 
 @pytest.mark.parametrize("mover", ["greenroom", "tms"])
 @pytest.mark.parametrize("target", ["cpu", "disk"])
 def test_tms_sleep_wake_is_bit_exact_at_the_same_addresses(disk_dir, target, mover):
-    config = OffloadConfig(offload_train=True, offload_train_target=target, offload_train_disk_dir=disk_dir,
-                           offload_train_disk_chunk_mb=16)
-    out = _run(CHILD.format(target=target, mover=mover, disk_dir=disk_dir),
-               actor.launch_env(config, 0, job=f"gpu-{target}-{mover}", mover=mover))
+    config = OffloadConfig(
+        offload_train=True, offload_train_target=target, offload_train_disk_dir=disk_dir, offload_train_disk_chunk_mb=16
+    )
+    out = _run(
+        CHILD.format(target=target, mover=mover, disk_dir=disk_dir),
+        actor.launch_env(config, 0, job=f"gpu-{target}-{mover}", mover=mover),
+    )
     print(target, mover, out)
     assert os.listdir(disk_dir) == []
 
@@ -107,9 +123,27 @@ def test_tms_sleep_wake_is_bit_exact_at_the_same_addresses(disk_dir, target, mov
 def test_greenroom_train_on_cuda_relaunches_under_the_hook_and_learns(disk_dir):
     metrics = os.path.join(disk_dir, "m.jsonl")
     result = subprocess.run(
-        [sys.executable, "-m", "greenroom.cli.main", "train", "--offload-train", "--offload-train-target", "disk",
-         "--offload-train-disk-dir", os.path.join(disk_dir, "offload"), "--iterations", "4", "--no-progress",
-         "--metrics", metrics], env=_child_env({}), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "greenroom.cli.main",
+            "train",
+            "--offload-train",
+            "--offload-train-target",
+            "disk",
+            "--offload-train-disk-dir",
+            os.path.join(disk_dir, "offload"),
+            "--iterations",
+            "4",
+            "--no-progress",
+            "--metrics",
+            metrics,
+        ],
+        env=_child_env({}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(tms)" in result.stdout
     assert len(open(metrics).readlines()) == 4
@@ -123,13 +157,18 @@ def _env(backend: str, target: str, disk_dir: str, job: str) -> dict:
     return actor.launch_env(config, 0, job=job)
 
 
-PREAMBLE = IMPORTS + """config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
+PREAMBLE = (
+    IMPORTS
+    + """config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
                        offload_train_disk_chunk_mb=64)
 rd = RankDir({disk_dir!r}, role="actor").open()
 off = actor.build_offloader(config, rd, device="cuda", backend={backend!r})
 """
+)
 
-COMPLETE = PREAMBLE + """
+COMPLETE = (
+    PREAMBLE
+    + """
 torch.manual_seed(0)
 model = Transformer(ModelConfig(vocab_size=512, d_model=1024, n_layers=4, n_heads=8, max_seq_len=64)).cuda()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -171,19 +210,24 @@ assert all(torch.isfinite(p).all() for p in model.parameters())
 off.close(); rd.close()
 print("ok", actor_bytes)
 """
+)
 
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])
 @pytest.mark.parametrize("backend", ["tms", "portable"])
 def test_untracked_state_comes_back_bit_exact_by_default(disk_dir, backend, target):
-    out = _run(COMPLETE.format(target=target, disk_dir=disk_dir, backend=backend),
-               _env(backend, target, disk_dir, f"complete-{backend}-{target}"))
+    out = _run(
+        COMPLETE.format(target=target, disk_dir=disk_dir, backend=backend),
+        _env(backend, target, disk_dir, f"complete-{backend}-{target}"),
+    )
     print(backend, target, out)
     assert out.endswith(tuple("0123456789")) and "ok" in out
     assert os.listdir(disk_dir) == []
 
 
-SECOND_PROCESS = PREAMBLE + """
+SECOND_PROCESS = (
+    PREAMBLE
+    + """
 import subprocess
 GIB = 1 << 30
 state = [torch.randint(0, 256, (GIB,), dtype=torch.uint8, device="cuda") for _ in range(3)]
@@ -205,6 +249,7 @@ for s, e in zip(state, expected):
 off.close(); rd.close()
 print("ok")
 """
+)
 
 
 def test_a_second_process_allocates_what_the_portable_backend_gave_back(disk_dir):
@@ -213,7 +258,9 @@ def test_a_second_process_allocates_what_the_portable_backend_gave_back(disk_dir
     assert out.endswith("ok")
 
 
-NCCL = PREAMBLE + """
+NCCL = (
+    PREAMBLE
+    + """
 import socket
 import torch.distributed as dist
 with socket.socket() as s:
@@ -239,6 +286,7 @@ dist.destroy_process_group()
 off.close(); rd.close()
 print("ok")
 """
+)
 
 
 @pytest.mark.parametrize("cumem", ["default", "off-outside-region"])
@@ -251,7 +299,9 @@ def test_an_nccl_process_group_works_after_every_wake(disk_dir, cumem):
     assert out.endswith("ok")
 
 
-FOREIGN = PREAMBLE + """
+FOREIGN = (
+    PREAMBLE
+    + """
 import ctypes
 state = torch.randn(1 << 24, device="cuda")
 expected = state.cpu()
@@ -270,9 +320,12 @@ print(message)
 off.close(); rd.close()
 print("ok")
 """
+)
 
 
-TRANSIENT = PREAMBLE + """
+TRANSIENT = (
+    PREAMBLE
+    + """
 import ctypes
 state = torch.randn(1 << 24, device="cuda")
 expected = state.cpu()
@@ -300,17 +353,20 @@ print("pauses", len(pauses), "release", off.last_release)
 off.close(); rd.close()
 print("ok")
 """
+)
 
 
 def test_memory_freed_elsewhere_during_the_pause_is_measured_again_not_refused(disk_dir):
-    out = _run(TRANSIENT.format(target="disk", disk_dir=disk_dir, backend="tms"),
-               _env("tms", "disk", disk_dir, "transient"))
+    out = _run(
+        TRANSIENT.format(target="disk", disk_dir=disk_dir, backend="tms"), _env("tms", "disk", disk_dir, "transient")
+    )
     print(out)
     assert out.endswith("ok")
 
 
 def test_memory_torch_did_not_allocate_is_refused_and_the_actor_stays_awake(disk_dir):
-    out = _run(FOREIGN.format(target="disk", disk_dir=disk_dir, backend="tms"),
-               _env("tms", "disk", disk_dir, "foreign"))
+    out = _run(
+        FOREIGN.format(target="disk", disk_dir=disk_dir, backend="tms"), _env("tms", "disk", disk_dir, "foreign")
+    )
     print(out)
     assert out.endswith("ok")

@@ -46,6 +46,7 @@ def hold_reads(monkeypatch) -> threading.Event:
 @pytest.fixture
 def alarm():
     """SIGALRM's handler raises Interrupted in the main thread, as SIGTERM's does."""
+
     def raise_interrupted(signum, frame):
         raise Interrupted("SIGALRM")
 
@@ -94,8 +95,9 @@ def test_settle_reports_no_transfer_error_but_raises_a_signal_after_the_same_wai
 @pytest.mark.parametrize("mode", ["signal", "submit"])
 def test_a_wake_cut_short_frees_the_actor_only_after_its_reads_and_wakes_again_bit_identically(disk_dir, mode):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "runtime"), REPO]))
-    proc = subprocess.run([sys.executable, WORKER, disk_dir, mode], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, WORKER, disk_dir, mode], capture_output=True, text=True, env=env, timeout=300
+    )
     # Before the fix: rc -11 (SIGSEGV), a worker thread's copy into a freed storage.
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
     assert "read done when the wake raised: True" in proc.stdout, proc.stdout

@@ -20,8 +20,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def disk_config(disk_dir, **kw):
-    return OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=disk_dir,
-                         offload_train_disk_chunk_mb=64, **kw)
+    return OffloadConfig(
+        offload_train=True,
+        offload_train_target="disk",
+        offload_train_disk_dir=disk_dir,
+        offload_train_disk_chunk_mb=64,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("major", [12, 13])
@@ -64,8 +69,12 @@ def test_other_preloads_are_kept_and_an_old_hook_is_replaced(monkeypatch):
 
 
 def test_nothing_to_preload_without_offload_or_without_cuda(disk_dir):
-    assert actor.launch_env(OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir),
-                            0, cuda_major=13) == {}
+    assert (
+        actor.launch_env(
+            OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir), 0, cuda_major=13
+        )
+        == {}
+    )
     # No GPU here (a CPU build, or PyPI's CUDA build without a device): the portable
     # backend needs no hook.
     assert actor.launch_env(disk_config(disk_dir), 0) == {}
@@ -136,8 +145,9 @@ relaunch_with({"GREENROOM_TEST_VAR": "set"})
 """
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")}
     env.pop("GREENROOM_TEST_VAR", None)
-    out = subprocess.run([sys.executable, "-c", code, "arg1"], env=env, capture_output=True, text=True,
-                         timeout=60, check=True).stdout.split("\n")
+    out = subprocess.run(
+        [sys.executable, "-c", code, "arg1"], env=env, capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split("\n")
     first, second = out[0].split(" ", 2), out[1].split(" ", 2)
     assert first[0] == second[0]  # same pid: torchrun and Slurm keep tracking the rank
     assert first[1:] == ["None", "['arg1']"] and second[1:] == ["set", "['arg1']"]

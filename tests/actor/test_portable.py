@@ -68,8 +68,9 @@ def assert_bit_exact(before, model, optimizer):
 def test_sleep_wake_restores_params_grads_buffers_and_optimizer_state_bit_exactly(disk_dir, target):
     model, optimizer = trained_actor()
     before = snapshot(model, optimizer)
-    config = OffloadConfig(offload_train=True, offload_train_target=target, offload_train_disk_dir=disk_dir,
-                           offload_train_disk_chunk_mb=1)
+    config = OffloadConfig(
+        offload_train=True, offload_train_target=target, offload_train_disk_dir=disk_dir, offload_train_disk_chunk_mb=1
+    )
     weight = model.lm.head.weight
     with RankDir(disk_dir, job="t", rank=0) as rank_dir:
         offloader = actor.build_offloader(config, rank_dir).track(model, optimizer)
@@ -92,8 +93,9 @@ def test_training_continues_identically_after_cycles(disk_dir):
     """A step after sleep/wake equals the same step on a twin that never slept."""
     model, optimizer = trained_actor()
     twin, twin_optimizer = trained_actor()
-    config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=disk_dir,
-                           offload_train_disk_chunk_mb=1)
+    config = OffloadConfig(
+        offload_train=True, offload_train_target="disk", offload_train_disk_dir=disk_dir, offload_train_disk_chunk_mb=1
+    )
     tokens = torch.randint(0, 12, (4, 10), generator=torch.Generator().manual_seed(1))
     with RankDir(disk_dir, job="t") as rank_dir, actor.build_offloader(config, rank_dir) as offloader:
         offloader.track(model, optimizer)
@@ -136,8 +138,9 @@ def test_offload_off_is_a_resident_no_op():
 
 def _run_child(code: str, **kwargs):
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
-                            text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE, text=True, **kwargs
+    )
 
 
 def test_disk_target_keeps_host_memory_within_the_chunk(disk_dir):

@@ -22,8 +22,7 @@ def helm(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([require_tool("helm"), *argv], capture_output=True, text=True)
 
 
-def render(*values_files: str, sets: tuple[str, ...] = (), kube_version: str | None = None,
-           chart: str = CHART) -> str:
+def render(*values_files: str, sets: tuple[str, ...] = (), kube_version: str | None = None, chart: str = CHART) -> str:
     argv = ["template", "rel", chart, "--namespace", "train"]
     for f in values_files:
         argv += ["-f", os.path.join(chart, "ci", f)]
@@ -101,8 +100,13 @@ def pss_check_binary() -> str:
     if not os.path.exists(binary):
         os.makedirs(cache, exist_ok=True)
         tmp = f"{binary}.tmp{os.getpid()}"
-        out = subprocess.run([go, "build", "-o", tmp, "."], cwd=PSS_SOURCE, capture_output=True, text=True,
-                             env={**os.environ, "GOFLAGS": "-mod=mod"})
+        out = subprocess.run(
+            [go, "build", "-o", tmp, "."],
+            cwd=PSS_SOURCE,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GOFLAGS": "-mod=mod"},
+        )
         if out.returncode != 0:
             pytest.skip(f"tests/chart/pss did not build (its modules come from the Go proxy): {out.stderr[-500:]}")
         os.replace(tmp, binary)

@@ -29,9 +29,21 @@ MODES = {"hostPath": (), "emptyDir": (), "ephemeral": (), "pvc": ("storage.pvc.c
 
 
 def rendered_trainer(mode: str, *sets: str) -> dict:
-    docs = manifests(sets=("command={python,/app/hf_trainer.py}", "args={/out}", "nodes=2", "procsPerNode=2",
-                           "gpu.count=2", "offload.train=true", "offload.target=disk",
-                           "streamOptimizerState.toDisk=true", f"storage.mode={mode}", *MODES[mode], *sets))
+    docs = manifests(
+        sets=(
+            "command={python,/app/hf_trainer.py}",
+            "args={/out}",
+            "nodes=2",
+            "procsPerNode=2",
+            "gpu.count=2",
+            "offload.train=true",
+            "offload.target=disk",
+            "streamOptimizerState.toDisk=true",
+            f"storage.mode={mode}",
+            *MODES[mode],
+            *sets,
+        )
+    )
     return container(pod_spec(docs), "trainer")
 
 
@@ -54,11 +66,21 @@ def kubelet_expand(text: str, env: dict) -> str:
 def test_the_rendered_trainer_container_runs_the_script_as_two_ranks(tmp_path):
     scratch = tmp_path / "offload"
     scratch.mkdir()
-    trainer = rendered_trainer("ephemeral", f"storage.mountPath={scratch}", "nodes=1",
-                               f"command={{{sys.executable},{SCRIPT}}}", f"args={{{tmp_path / 'out'},--steps=2}}")
-    downward = {"NODE_RANK": "0", "GREENROOM_JOB_ID": "job-uid-1", "GREENROOM_POD_UID": "pod-uid-1",
-                "GREENROOM_POD_NAME": "rel-greenroom-0-abcde", "GREENROOM_POD_NAMESPACE": "train",
-                "GREENROOM_NODE_NAME": "node-1"}
+    trainer = rendered_trainer(
+        "ephemeral",
+        f"storage.mountPath={scratch}",
+        "nodes=1",
+        f"command={{{sys.executable},{SCRIPT}}}",
+        f"args={{{tmp_path / 'out'},--steps=2}}",
+    )
+    downward = {
+        "NODE_RANK": "0",
+        "GREENROOM_JOB_ID": "job-uid-1",
+        "GREENROOM_POD_UID": "pod-uid-1",
+        "GREENROOM_POD_NAME": "rel-greenroom-0-abcde",
+        "GREENROOM_POD_NAMESPACE": "train",
+        "GREENROOM_NODE_NAME": "node-1",
+    }
     env = {}
     for e in trainer["env"]:
         env[e["name"]] = e["value"] if "value" in e else downward[e["name"]]
@@ -67,8 +89,11 @@ def test_the_rendered_trainer_container_runs_the_script_as_two_ranks(tmp_path):
     assert argv[:2] == ["greenroom", "torchrun"]
     launcher = shutil.which("greenroom")
     argv[:1] = [launcher] if launcher else [sys.executable, "-m", "greenroom.cli.main"]
-    run_env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **env,
-               "OMP_NUM_THREADS": "1"}
+    run_env = {
+        **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+        **env,
+        "OMP_NUM_THREADS": "1",
+    }
     out = subprocess.run(argv, env=run_env, capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
@@ -78,24 +103,35 @@ def test_the_rendered_trainer_container_runs_the_script_as_two_ranks(tmp_path):
     assert not [p for p in scratch.rglob("*") if p.is_file()]
 
 
-@pytest.mark.parametrize("greenroom_args", ["--offload-train --offload-train-target cpu", ""],
-                         ids=["cpu target", "no flags"])
+@pytest.mark.parametrize(
+    "greenroom_args", ["--offload-train --offload-train-target cpu", ""], ids=["cpu target", "no flags"]
+)
 def test_the_script_runs_where_no_mechanism_writes_to_disk(tmp_path, greenroom_args):
     """The chart's default offload.target is cpu, and a user may set no seed flags: the
     script opened a RankDir on the unresolved disk dir (None) and died with a TypeError.
     It now opens one only where config.uses_disk, and a RankDir without a root is one
     line naming the flag."""
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime"), "GREENROOM_ARGS": greenroom_args,
-           "GREENROOM_DISK_DIR": str(tmp_path / "disk"), "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "out"), "--steps", "2"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.path.join(REPO, "runtime"),
+        "GREENROOM_ARGS": greenroom_args,
+        "GREENROOM_DISK_DIR": str(tmp_path / "disk"),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    out = subprocess.run(
+        [sys.executable, SCRIPT, str(tmp_path / "out"), "--steps", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("slept") == 2 and not (tmp_path / "disk").exists()
 
 
 def test_a_rank_dir_without_a_root_is_one_line():
-    from greenroom.errors import ConfigError
     from greenroom.dirs.rankdir import RankDir
+    from greenroom.errors import ConfigError
 
     with pytest.raises(ConfigError, match="RankDir: no root dir: pass --offload-train-disk-dir DIR") as info:
         RankDir(None)

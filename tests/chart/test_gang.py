@@ -30,8 +30,14 @@ def test_volcano_gets_a_podgroup_of_every_rank_and_pods_that_name_it(workload):
 
 @pytest.mark.parametrize("workload", ["job", "jobset"])
 def test_coscheduling_gets_its_podgroup_and_pods_labelled_with_it(workload):
-    docs = manifests(sets=(*MULTI, "gang.scheduler=coscheduling", "schedulerName=scheduler-plugins-scheduler",
-                           f"workload={workload}"))
+    docs = manifests(
+        sets=(
+            *MULTI,
+            "gang.scheduler=coscheduling",
+            "schedulerName=scheduler-plugins-scheduler",
+            f"workload={workload}",
+        )
+    )
     (pg,) = by_kind(docs, "PodGroup")
     assert pg["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
     assert pg["spec"] == {"minMember": 4, "minResources": {"nvidia.com/gpu": "32"}}
@@ -60,23 +66,38 @@ def test_no_gang_renders_none_of_it():
     assert "suspend" not in job["spec"] and "schedulerName" not in pod_template(docs)["spec"]
 
 
-@pytest.mark.parametrize("sets, line", [
-    (("schedulerName=volcano", "nodes=2"),
-     "schedulerName volcano without gang.scheduler volcano: Volcano would place the 2 pods one by one"),
-    (("gang.scheduler=coscheduling", "nodes=2"), "gang.scheduler coscheduling needs schedulerName: the scheduler "
-                                                 "profile that runs the coscheduling plugin"),
-    (("gang.scheduler=volcano", "schedulerName=default-scheduler"),
-     "gang.scheduler volcano with schedulerName default-scheduler: the default scheduler ignores"),
-    (("gang.scheduler=kueue",), "gang.scheduler kueue needs gang.queue: the LocalQueue"),
-    (("gang.scheduler=kueue", "gang.queue=a", "jobLabels.kueue\\.x-k8s\\.io/queue-name=a"),
-     "jobLabels kueue.x-k8s.io/queue-name beside gang.scheduler kueue: name the LocalQueue once, in gang.queue"),
-    (("gang.queue=a",), "gang.queue a needs gang.scheduler volcano or kueue"),
-    (("gang.scheduler=coscheduling", "schedulerName=s", "podLabels.scheduling\\.x-k8s\\.io/pod-group=x"),
-     "podLabels scheduling.x-k8s.io/pod-group beside gang.scheduler coscheduling"),
-    (("gang.scheduler=volcano", "podAnnotations.scheduling\\.k8s\\.io/group-name=x"),
-     "podAnnotations scheduling.k8s.io/group-name beside gang.scheduler volcano"),
-    (("gang.scheduler=slurm",), "at '/gang/scheduler'"),
-])
+@pytest.mark.parametrize(
+    "sets, line",
+    [
+        (
+            ("schedulerName=volcano", "nodes=2"),
+            "schedulerName volcano without gang.scheduler volcano: Volcano would place the 2 pods one by one",
+        ),
+        (
+            ("gang.scheduler=coscheduling", "nodes=2"),
+            "gang.scheduler coscheduling needs schedulerName: the scheduler profile that runs the coscheduling plugin",
+        ),
+        (
+            ("gang.scheduler=volcano", "schedulerName=default-scheduler"),
+            "gang.scheduler volcano with schedulerName default-scheduler: the default scheduler ignores",
+        ),
+        (("gang.scheduler=kueue",), "gang.scheduler kueue needs gang.queue: the LocalQueue"),
+        (
+            ("gang.scheduler=kueue", "gang.queue=a", "jobLabels.kueue\\.x-k8s\\.io/queue-name=a"),
+            "jobLabels kueue.x-k8s.io/queue-name beside gang.scheduler kueue: name the LocalQueue once, in gang.queue",
+        ),
+        (("gang.queue=a",), "gang.queue a needs gang.scheduler volcano or kueue"),
+        (
+            ("gang.scheduler=coscheduling", "schedulerName=s", "podLabels.scheduling\\.x-k8s\\.io/pod-group=x"),
+            "podLabels scheduling.x-k8s.io/pod-group beside gang.scheduler coscheduling",
+        ),
+        (
+            ("gang.scheduler=volcano", "podAnnotations.scheduling\\.k8s\\.io/group-name=x"),
+            "podAnnotations scheduling.k8s.io/group-name beside gang.scheduler volcano",
+        ),
+        (("gang.scheduler=slurm",), "at '/gang/scheduler'"),
+    ],
+)
 def test_what_would_not_be_a_gang_is_refused_in_one_line(sets, line):
     err = reject(*sets)
     assert line in err, err

@@ -25,8 +25,15 @@ def test_helm_lint_strict_passes(values):
 
 def test_janitor_has_least_privilege_and_a_metrics_service():
     docs = manifests("metrics.yaml", chart=JANITOR_CHART)
-    assert sorted(d["kind"] for d in docs) == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role",
-                                               "RoleBinding", "Service", "ServiceAccount"]
+    assert sorted(d["kind"] for d in docs) == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "DaemonSet",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+    ]
     (sa,) = by_kind(docs, "ServiceAccount")
     (ds,) = by_kind(docs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
@@ -34,8 +41,18 @@ def test_janitor_has_least_privilege_and_a_metrics_service():
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["priorityClassName"] == "system-node-critical"
     (c,) = pod["containers"]
-    assert c["command"] == ["greenroom", "reclaim", "/greenroom/node", "--kubernetes", "--node-name",
-                            "$(NODE_NAME)", "--interval", "120", "--metrics-port", "9400"]
+    assert c["command"] == [
+        "greenroom",
+        "reclaim",
+        "/greenroom/node",
+        "--kubernetes",
+        "--node-name",
+        "$(NODE_NAME)",
+        "--interval",
+        "120",
+        "--metrics-port",
+        "9400",
+    ]
     assert c["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     sc = c["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
@@ -63,25 +80,35 @@ def test_janitor_rbac_grants_only_the_two_calls_it_makes():
     assert cluster_role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
     (cluster_binding,) = by_kind(docs, "ClusterRoleBinding")
     assert cluster_binding["subjects"] == subject
-    assert cluster_binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                          "name": cluster_role["metadata"]["name"]}
+    assert cluster_binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": cluster_role["metadata"]["name"],
+    }
     (role,) = by_kind(docs, "Role")
     assert role["metadata"]["namespace"] == EVENT_NAMESPACE
     assert role["rules"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     (binding,) = by_kind(docs, "RoleBinding")
     assert binding["metadata"]["namespace"] == EVENT_NAMESPACE and binding["subjects"] == subject
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
 
 
 def test_objects_outside_the_release_namespace_are_named_by_it():
     """The ClusterRole, its binding and the Role in "default" are shared by every
     namespace: two releases of one name in two namespaces must not claim the same ones."""
+
     def names(ns):
         out = helm("template", "jan", JANITOR_CHART, "--namespace", ns)
         assert out.returncode == 0, out.stderr
-        return {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out.stdout)
-                if d and d["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")}
+        return {
+            (d["kind"], d["metadata"]["name"])
+            for d in yaml.safe_load_all(out.stdout)
+            if d and d["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+        }
 
     one, other = names("ops-a"), names("ops-b")
     assert len(one) == 4 and not one & other
@@ -94,15 +121,20 @@ def test_a_trainers_uid_janitor_adds_no_capability():
     assert not by_kind(manifests(chart=JANITOR_CHART), "Service")  # metrics Service off by default
 
 
-@pytest.mark.parametrize("value, message", [
-    # Rendered, then every janitor exited 2 on "--interval must be ... at most 86400".
-    ("intervalSeconds=86401", "at '/intervalSeconds': maximum: got 86,401, want 86,400"),
-    # Rendered a second app.kubernetes.io/name key: pods its DaemonSet's selector does not match.
-    ("podLabels.app\\.kubernetes\\.io/name=mine", "podLabels may not set a label the chart sets"),
-    ("metricsService.labels.app\\.kubernetes\\.io/part-of=x",
-     "metricsService.labels may not set a label the chart sets"),
-    ("tolerations[0]=gpu", "at '/tolerations/0': got string, want object"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        # Rendered, then every janitor exited 2 on "--interval must be ... at most 86400".
+        ("intervalSeconds=86401", "at '/intervalSeconds': maximum: got 86,401, want 86,400"),
+        # Rendered a second app.kubernetes.io/name key: pods its DaemonSet's selector does not match.
+        ("podLabels.app\\.kubernetes\\.io/name=mine", "podLabels may not set a label the chart sets"),
+        (
+            "metricsService.labels.app\\.kubernetes\\.io/part-of=x",
+            "metricsService.labels may not set a label the chart sets",
+        ),
+        ("tolerations[0]=gpu", "at '/tolerations/0': got string, want object"),
+    ],
+)
 def test_values_that_rendered_a_broken_janitor_are_refused_naming_the_key(value, message):
     out = helm("template", "rel", JANITOR_CHART, "--set", "metricsService.enabled=true", "--set", value)
     assert out.returncode != 0, f"helm template accepted {value}"
@@ -110,8 +142,7 @@ def test_values_that_rendered_a_broken_janitor_are_refused_naming_the_key(value,
 
 
 def test_the_longest_interval_renders_and_parses():
-    (ds,) = by_kind(manifests(sets=("intervalSeconds=86400", "podLabels.team=rl"), chart=JANITOR_CHART),
-                    "DaemonSet")
+    (ds,) = by_kind(manifests(sets=("intervalSeconds=86400", "podLabels.team=rl"), chart=JANITOR_CHART), "DaemonSet")
     assert ds["spec"]["template"]["metadata"]["labels"]["team"] == "rl"
     command = ds["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--interval") + 1] == "86400"
@@ -123,11 +154,15 @@ def test_the_janitor_is_told_its_node_and_its_own_pod():
     (ds,) = by_kind(manifests(chart=JANITOR_CHART), "DaemonSet")
     (c,) = ds["spec"]["template"]["spec"]["containers"]
     assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]} == {
-        "NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
+        "NODE_NAME": "spec.nodeName",
+        "POD_NAMESPACE": "metadata.namespace",
+        "POD_NAME": "metadata.name",
+    }
 
 
 def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
     from greenroom.cli.reclaim import configure_parser
+
     parser = argparse.ArgumentParser(exit_on_error=False)
     configure_parser(parser)
     (ds,) = by_kind(manifests(chart=JANITOR_CHART), "DaemonSet")
@@ -140,8 +175,9 @@ def test_janitor_command_parses_with_greenroom_reclaims_own_parser():
 def test_notes_give_the_reason_pod_security_gives(run_as_user):
     """Kubernetes' own checks refuse the janitor under baseline for its hostPath volume alone
     (tests/chart/test_security.py); the NOTES said root with DAC_OVERRIDE needed privileged too."""
-    out = helm("install", "jan", JANITOR_CHART, "--namespace", "ops", "--dry-run=client",
-               "--set", f"runAsUser={run_as_user}")
+    out = helm(
+        "install", "jan", JANITOR_CHART, "--namespace", "ops", "--dry-run=client", "--set", f"runAsUser={run_as_user}"
+    )
     assert out.returncode == 0, out.stderr
     (line,) = [line for line in out.stdout.splitlines() if "Pod Security" in line]
     assert line.startswith('It needs the "privileged" Pod Security level in ops: baseline refuses its hostPath volume')
@@ -165,10 +201,13 @@ def chart_in_namespace(tmp_path, namespace: dict) -> str:
 
 
 @pytest.mark.parametrize("run_as_user", [0, 1000])
-@pytest.mark.parametrize("labels", [
-    {"pod-security.kubernetes.io/enforce": "baseline", "pod-security.kubernetes.io/enforce-version": "v1.30"},
-    {"pod-security.kubernetes.io/enforce": "restricted"},
-])
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {"pod-security.kubernetes.io/enforce": "baseline", "pod-security.kubernetes.io/enforce-version": "v1.30"},
+        {"pod-security.kubernetes.io/enforce": "restricted"},
+    ],
+)
 def test_a_namespace_whose_pod_security_refuses_the_janitor_is_refused_in_one_line(tmp_path, labels, run_as_user):
     """Was: the DaemonSet was created and admission refused every janitor pod. Its hostPath
     volume needs privileged whatever its uid and the level's version."""
@@ -180,15 +219,19 @@ def test_a_namespace_whose_pod_security_refuses_the_janitor_is_refused_in_one_li
     assert line.endswith(
         f'namespace ops enforces Pod Security "{level}", and the janitor needs "privileged" (a hostPath volume, '
         "the node root /mnt/nvme/greenroom): label it (kubectl label namespace ops "
-        "pod-security.kubernetes.io/enforce=privileged --overwrite) or install into a privileged namespace"), line
+        "pod-security.kubernetes.io/enforce=privileged --overwrite) or install into a privileged namespace"
+    ), line
 
 
-@pytest.mark.parametrize("namespace", [
-    {},  # not there yet (--create-namespace), and what helm template sees
-    {"metadata": {"name": "ops"}},  # no level of its own: the cluster's default, which no object shows
-    {"metadata": {"name": "ops", "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}},
-    {"metadata": {"name": "ops", "labels": {"pod-security.kubernetes.io/warn": "baseline"}}},
-])
+@pytest.mark.parametrize(
+    "namespace",
+    [
+        {},  # not there yet (--create-namespace), and what helm template sees
+        {"metadata": {"name": "ops"}},  # no level of its own: the cluster's default, which no object shows
+        {"metadata": {"name": "ops", "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}},
+        {"metadata": {"name": "ops", "labels": {"pod-security.kubernetes.io/warn": "baseline"}}},
+    ],
+)
 def test_the_pod_security_check_says_nothing_unless_the_namespace_enforces_a_level_that_refuses(tmp_path, namespace):
     out = helm("template", "jan", chart_in_namespace(tmp_path, namespace), "--namespace", "ops")
     assert out.returncode == 0, out.stderr

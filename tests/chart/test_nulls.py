@@ -56,11 +56,17 @@ MAIN_NULL_DROPS = {
     "imagePullSecrets": ({"imagePullSecrets": ["regcred"]}, pod_spec, "imagePullSecrets"),
     "job.maxFailedIndexes": ({}, lambda d: _job(d)["spec"], "maxFailedIndexes"),
     "job.ttlSecondsAfterFinished": ({}, lambda d: _job(d)["spec"], "ttlSecondsAfterFinished"),
-    "job.activeDeadlineSeconds": ({"job": {"activeDeadlineSeconds": 3600}}, lambda d: _job(d)["spec"],
-                                  "activeDeadlineSeconds"),
+    "job.activeDeadlineSeconds": (
+        {"job": {"activeDeadlineSeconds": 3600}},
+        lambda d: _job(d)["spec"],
+        "activeDeadlineSeconds",
+    ),
     "train.iterations": ({"train": {"iterations": 10}}, lambda d: _trainer(d)["args"], "--iterations"),
-    "reclaim.initContainer.resources": ({}, lambda d: container(pod_spec(d), "prepare-offload-dir", init=True),
-                                        "resources"),
+    "reclaim.initContainer.resources": (
+        {},
+        lambda d: container(pod_spec(d), "prepare-offload-dir", init=True),
+        "resources",
+    ),
     "reclaim.initContainer.resources.requests": ({}, _init_resources, "requests"),
     "reclaim.initContainer.resources.requests.cpu": ({}, lambda d: _init_resources(d)["requests"], "cpu"),
     "reclaim.initContainer.resources.requests.memory": ({}, lambda d: _init_resources(d)["requests"], "memory"),
@@ -71,33 +77,60 @@ MAIN_NULL_DROPS = {
     "schedulerName": ({"schedulerName": "volcano"}, pod_spec, "schedulerName"),
     "runtimeClassName": ({"runtimeClassName": "nvidia"}, pod_spec, "runtimeClassName"),
     "priorityClassName": ({"priorityClassName": "high"}, pod_spec, "priorityClassName"),
-    "jobLabels": ({"jobLabels": {"kueue.x-k8s.io/queue-name": "a"}}, lambda d: _job(d)["metadata"]["labels"],
-                  "kueue.x-k8s.io/queue-name"),
-    "jobAnnotations": ({"jobAnnotations": {"example.com/owner": "a"}},
-                       lambda d: _job(d)["metadata"].get("annotations", {}), "example.com/owner"),
+    "jobLabels": (
+        {"jobLabels": {"kueue.x-k8s.io/queue-name": "a"}},
+        lambda d: _job(d)["metadata"]["labels"],
+        "kueue.x-k8s.io/queue-name",
+    ),
+    "jobAnnotations": (
+        {"jobAnnotations": {"example.com/owner": "a"}},
+        lambda d: _job(d)["metadata"].get("annotations", {}),
+        "example.com/owner",
+    ),
     "podLabels": ({"podLabels": {"team": "rl"}}, lambda d: pod_template(d)["metadata"]["labels"], "team"),
-    "podAnnotations": ({"podAnnotations": {"example.com/trace": "on"}},
-                       lambda d: pod_template(d)["metadata"]["annotations"], "example.com/trace"),
+    "podAnnotations": (
+        {"podAnnotations": {"example.com/trace": "on"}},
+        lambda d: pod_template(d)["metadata"]["annotations"],
+        "example.com/trace",
+    ),
     "nodeSelector": ({"nodeSelector": {"gpu": "h100"}}, pod_spec, "nodeSelector"),
     "tolerations": ({"tolerations": [{"key": "gpu", "operator": "Exists"}]}, pod_spec, "tolerations"),
-    "affinity": ({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-        {"weight": 1, "preference": {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}}]}}},
-        pod_spec, "affinity"),
-    "topologySpreadConstraints": ({"topologySpreadConstraints": [
-        {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}]},
-        pod_spec, "topologySpreadConstraints"),
+    "affinity": (
+        {
+            "affinity": {
+                "nodeAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 1, "preference": {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}}
+                    ]
+                }
+            }
+        },
+        pod_spec,
+        "affinity",
+    ),
+    "topologySpreadConstraints": (
+        {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}]},
+        pod_spec,
+        "topologySpreadConstraints",
+    ),
     "serviceAccountName": ({"serviceAccountName": "trainer"}, pod_spec, "serviceAccountName"),
     "extraEnv": ({"extraEnv": [{"name": "EXTRA", "value": "1"}]}, lambda d: _names(_trainer(d)["env"]), "EXTRA"),
     "extraVolumes": (_EXTRA_VOLUME, lambda d: _names(pod_spec(d)["volumes"]), "extra"),
-    "extraVolumeMounts": ({**_EXTRA_VOLUME, "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}]},
-                          lambda d: _names(_trainer(d)["volumeMounts"]), "extra"),
+    "extraVolumeMounts": (
+        {**_EXTRA_VOLUME, "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}]},
+        lambda d: _names(_trainer(d)["volumeMounts"]),
+        "extra",
+    ),
     "podSecurityContext.runAsNonRoot": ({}, lambda d: pod_spec(d)["securityContext"], "runAsNonRoot"),
     "podSecurityContext.runAsUser": ({}, lambda d: pod_spec(d)["securityContext"], "runAsUser"),
     "podSecurityContext.runAsGroup": ({}, lambda d: pod_spec(d)["securityContext"], "runAsGroup"),
     "podSecurityContext.fsGroup": ({}, lambda d: pod_spec(d)["securityContext"], "fsGroup"),
     "podSecurityContext.seccompProfile": ({}, lambda d: pod_spec(d)["securityContext"], "seccompProfile"),
-    "securityContext.allowPrivilegeEscalation": ({}, lambda d: _trainer(d)["securityContext"],
-                                                 "allowPrivilegeEscalation"),
+    "securityContext.allowPrivilegeEscalation": (
+        {},
+        lambda d: _trainer(d)["securityContext"],
+        "allowPrivilegeEscalation",
+    ),
     "securityContext.capabilities": ({}, lambda d: _trainer(d)["securityContext"], "capabilities"),
     "securityContext.capabilities.drop": ({}, lambda d: _trainer(d)["securityContext"]["capabilities"], "drop"),
 }
@@ -105,22 +138,46 @@ MAIN_NULL_DROPS = {
 _METRICS = {"metricsService": {"enabled": True}}
 _janitor_resources = {
     f"resources.{part}.{r}": ({}, lambda d, part=part: _janitor(d)["resources"][part], r)
-    for part in ("requests", "limits") for r in ("cpu", "memory")}
+    for part in ("requests", "limits")
+    for r in ("cpu", "memory")
+}
 JANITOR_NULL_DROPS = {
     "imagePullSecrets": ({"imagePullSecrets": ["regcred"]}, lambda d: _daemonset(d)["spec"], "imagePullSecrets"),
-    "metricsService.labels": ({"metricsService": {"enabled": True, "labels": {"team": "obs"}}},
-                              lambda d: by_kind(d, "Service")[0]["metadata"]["labels"], "team"),
+    "metricsService.labels": (
+        {"metricsService": {"enabled": True, "labels": {"team": "obs"}}},
+        lambda d: by_kind(d, "Service")[0]["metadata"]["labels"],
+        "team",
+    ),
     "nodeSelector": ({"nodeSelector": {"gpu": "h100"}}, lambda d: _daemonset(d)["spec"], "nodeSelector"),
-    "tolerations": ({"tolerations": [{"key": "gpu", "operator": "Exists"}]}, lambda d: _daemonset(d)["spec"],
-                    "tolerations"),
-    "affinity": ({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-        {"weight": 1, "preference": {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}}]}}},
-        lambda d: _daemonset(d)["spec"], "affinity"),
-    "priorityClassName": ({"priorityClassName": "system-node-critical"}, lambda d: _daemonset(d)["spec"],
-                          "priorityClassName"),
+    "tolerations": (
+        {"tolerations": [{"key": "gpu", "operator": "Exists"}]},
+        lambda d: _daemonset(d)["spec"],
+        "tolerations",
+    ),
+    "affinity": (
+        {
+            "affinity": {
+                "nodeAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 1, "preference": {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}}
+                    ]
+                }
+            }
+        },
+        lambda d: _daemonset(d)["spec"],
+        "affinity",
+    ),
+    "priorityClassName": (
+        {"priorityClassName": "system-node-critical"},
+        lambda d: _daemonset(d)["spec"],
+        "priorityClassName",
+    ),
     "podLabels": ({"podLabels": {"team": "ops"}}, lambda d: _daemonset(d)["metadata"]["labels"], "team"),
-    "podAnnotations": ({"podAnnotations": {"example.com/trace": "on"}},
-                       lambda d: _daemonset(d)["metadata"].get("annotations", {}), "example.com/trace"),
+    "podAnnotations": (
+        {"podAnnotations": {"example.com/trace": "on"}},
+        lambda d: _daemonset(d)["metadata"].get("annotations", {}),
+        "example.com/trace",
+    ),
     "resources": ({}, _janitor, "resources"),
     "resources.requests": ({}, lambda d: _janitor(d)["resources"], "requests"),
     "resources.limits": ({}, lambda d: _janitor(d)["resources"], "limits"),
@@ -174,8 +231,11 @@ def _blanks(node, path=""):
     return []
 
 
-CASES = [pytest.param(chart, key, id=f"{os.path.basename(chart)}:{key}")
-         for chart in (CHART, JANITOR_CHART) for key in _keys(chart)]
+CASES = [
+    pytest.param(chart, key, id=f"{os.path.basename(chart)}:{key}")
+    for chart in (CHART, JANITOR_CHART)
+    for key in _keys(chart)
+]
 
 
 @pytest.mark.parametrize("chart, key", CASES)

@@ -22,7 +22,6 @@ from tests.chart.support import container, manifests, pod_spec
 pytestmark = pytest.mark.helm
 
 
-
 def dead_rank(start, root, job, rank=0):
     """A rank dir whose owner was SIGKILLed: no cleanup ran, its lock is free."""
     p, path = start(root, job, rank)

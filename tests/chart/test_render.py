@@ -15,8 +15,18 @@ import tarfile
 import pytest
 import yaml
 
-from tests.chart.support import (CHART, CI_VALUES, JANITOR_CHART, by_kind, container, helm, manifests, pod_spec,
-                                 readme_lacks, render)
+from tests.chart.support import (
+    CHART,
+    CI_VALUES,
+    JANITOR_CHART,
+    by_kind,
+    container,
+    helm,
+    manifests,
+    pod_spec,
+    readme_lacks,
+    render,
+)
 from tests.conftest import require_tool
 
 pytestmark = pytest.mark.helm
@@ -35,9 +45,18 @@ def argv_of(c: dict) -> list[str]:
 
 
 def test_ci_values_files_cover_the_issues_matrix():
-    assert set(CI_VALUES) >= {"cpu-target.yaml", "disk-target.yaml", "streaming.yaml", "both.yaml", "jobset.yaml",
-                              "emptydir.yaml", "ephemeral.yaml", "pvc.yaml", "custom-command.yaml",
-                              "scheduling.yaml"}
+    assert set(CI_VALUES) >= {
+        "cpu-target.yaml",
+        "disk-target.yaml",
+        "streaming.yaml",
+        "both.yaml",
+        "jobset.yaml",
+        "emptydir.yaml",
+        "ephemeral.yaml",
+        "pvc.yaml",
+        "custom-command.yaml",
+        "scheduling.yaml",
+    }
 
 
 @pytest.mark.parametrize("values", [None] + CI_VALUES)
@@ -54,9 +73,14 @@ def _validatable(docs: list[dict]) -> list[dict]:
     for d in docs:
         if d["kind"] == "JobSet":
             for rj in d["spec"]["replicatedJobs"]:
-                out.append({"apiVersion": "batch/v1", "kind": "Job",
-                            "metadata": {"name": f"{d['metadata']['name']}-{rj['name']}-0", **rj["template"]["metadata"]},
-                            "spec": rj["template"]["spec"]})
+                out.append(
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "metadata": {"name": f"{d['metadata']['name']}-{rj['name']}-0", **rj["template"]["metadata"]},
+                        "spec": rj["template"]["spec"],
+                    }
+                )
         else:
             out.append(d)
     return out
@@ -71,8 +95,9 @@ def test_every_rendered_manifest_validates_strictly(kube_version, tmp_path):
         path = tmp_path / values
         path.write_text(yaml.safe_dump_all(_validatable(docs)))
         files.append(str(path))
-    out = subprocess.run([validate, "--strict", "--no-warn", "-k", kube_version, *files],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [validate, "--strict", "--no-warn", "-k", kube_version, *files], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ERROR" not in out.stdout and "WARN" not in out.stdout
     assert out.stdout.count("passed for resource") >= len(CI_VALUES) + 1
@@ -90,14 +115,20 @@ def test_default_is_an_indexed_job_that_restarts_a_disrupted_rank_and_fails_on_a
     assert spec["podFailurePolicy"]["rules"] == [
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2]}},
-        {"action": "Count", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [143]}}]
+        {"action": "Count", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [143]}},
+    ]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == svc["metadata"]["name"] == job["metadata"]["name"]
     assert pod["restartPolicy"] == "Never"
     assert job["metadata"]["namespace"] == svc["metadata"]["namespace"] == "train"
-    for key in ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
-                "app.kubernetes.io/version", "app.kubernetes.io/managed-by"):
+    for key in (
+        "helm.sh/chart",
+        "app.kubernetes.io/name",
+        "app.kubernetes.io/instance",
+        "app.kubernetes.io/version",
+        "app.kubernetes.io/managed-by",
+    ):
         assert key in job["metadata"]["labels"]
 
 
@@ -105,14 +136,38 @@ def test_default_command_is_torchrun_running_greenroom_train_with_the_seed_flags
     trainer = container(pod_spec(manifests("disk-target.yaml")), "trainer")
     assert trainer["command"] == ["greenroom", "torchrun"]
     args = trainer["args"]
-    assert args[:7] == ["--nnodes=2", "--nproc-per-node=8", "--node-rank=$(NODE_RANK)",
-                        "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)", "--rdzv-conf=timeout=300",
-                        "--no-python"]
-    assert args[7:] == ["greenroom", "train", "--iterations", "100", "--role", "actor",
-                        "--save", "/checkpoints/run1", "--load", "/checkpoints/run1", "--resume", "auto",
-                        "--offload-train", "--offload-train-target", "disk",
-                        "--offload-train-disk-dir", "/var/lib/greenroom/offload",
-                        "--offload-train-disk-chunk-mb", "128", "--offload-train-disk-compression", "auto"]
+    assert args[:7] == [
+        "--nnodes=2",
+        "--nproc-per-node=8",
+        "--node-rank=$(NODE_RANK)",
+        "--master-addr=$(MASTER_ADDR)",
+        "--master-port=$(MASTER_PORT)",
+        "--rdzv-conf=timeout=300",
+        "--no-python",
+    ]
+    assert args[7:] == [
+        "greenroom",
+        "train",
+        "--iterations",
+        "100",
+        "--role",
+        "actor",
+        "--save",
+        "/checkpoints/run1",
+        "--load",
+        "/checkpoints/run1",
+        "--resume",
+        "auto",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        "/var/lib/greenroom/offload",
+        "--offload-train-disk-chunk-mb",
+        "128",
+        "--offload-train-disk-compression",
+        "auto",
+    ]
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 8
 
 
@@ -124,7 +179,9 @@ def test_the_distributed_env_every_launcher_expects_is_exported():
     # The index-0 pod's stable DNS name (Indexed Job hostname under the headless Service).
     assert env["MASTER_ADDR"] == "rel-greenroom-0.rel-greenroom" and env["MASTER_PORT"] == "29500"
     assert env["GREENROOM_DISK_DIR"] == "/var/lib/greenroom/offload"
-    assert env["GREENROOM_JOB_ID"] == {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}
+    assert env["GREENROOM_JOB_ID"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}
+    }
     assert "RANK" not in env  # torchrun sets it per process
     single = env_of(container(pod_spec(manifests(sets=("torchrun.enabled=false", "nodes=3"))), "trainer"))
     assert single["RANK"] == index and single["LOCAL_RANK"] == "0" and single["WORLD_SIZE"] == "3"
@@ -137,39 +194,62 @@ def test_greenroom_args_is_offload_flags_to_argv_and_reads_back_with_from_env(va
     """The chart's side of the mapping checked against the Python side: GREENROOM_ARGS
     parses (OffloadConfig.from_env's parser) to flags whose to_argv() is the same words."""
     from greenroom.config import OffloadFlags, _flags_parser, env_argv
+
     trainer = container(pod_spec(manifests(values)), "trainer")
     text = env_of(trainer)["GREENROOM_ARGS"]
     ns = _flags_parser().parse_args(env_argv({"GREENROOM_ARGS": text}))
     flags = OffloadFlags.from_args(ns)
     assert shlex.join(flags.to_argv()) == text
     argv = argv_of(trainer)
-    appended = argv[-len(flags.to_argv()):] == flags.to_argv()
+    appended = argv[-len(flags.to_argv()) :] == flags.to_argv()
     assert appended == (values != "custom-command.yaml")  # auto: env only for your own command
 
 
-@pytest.mark.parametrize("values, expected", [
-    ("cpu-target.yaml", ["--offload-train", "--offload-train-target", "cpu"]),
-    # Streaming alone (the disaggregated case): no actor offload flags at all.
-    ("streaming.yaml", ["--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16",
-                        "--no-load-optim"]),
-    ("both.yaml", ["--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
-                   "--stream-optimizer-state-moment-dtype", "fp8e4m3", "--stream-optimizer-state-master-layout", "fp32",
-                   "--stream-optimizer-state-host-cache-gb", "0.5"]),
-])
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ("cpu-target.yaml", ["--offload-train", "--offload-train-target", "cpu"]),
+        # Streaming alone (the disaggregated case): no actor offload flags at all.
+        (
+            "streaming.yaml",
+            ["--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16", "--no-load-optim"],
+        ),
+        (
+            "both.yaml",
+            [
+                "--offload-train",
+                "--offload-train-target",
+                "disk",
+                "--stream-optimizer-state-to-disk",
+                "--stream-optimizer-state-moment-dtype",
+                "fp8e4m3",
+                "--stream-optimizer-state-master-layout",
+                "fp32",
+                "--stream-optimizer-state-host-cache-gb",
+                "0.5",
+            ],
+        ),
+    ],
+)
 def test_each_seed_value_becomes_its_exact_flag(values, expected):
     words = shlex.split(env_of(container(pod_spec(manifests(values)), "trainer"))["GREENROOM_ARGS"])
     for flag in expected:
         assert flag in words
-    assert [w for w in words if w.startswith("--offload-train") and w != "--offload-train-disk-dir"
-            and w not in ("--offload-train-disk-chunk-mb", "--offload-train-disk-compression")] == \
-        [w for w in expected if w.startswith("--offload-train")]
+    assert [
+        w
+        for w in words
+        if w.startswith("--offload-train")
+        and w != "--offload-train-disk-dir"
+        and w not in ("--offload-train-disk-chunk-mb", "--offload-train-disk-compression")
+    ] == [w for w in expected if w.startswith("--offload-train")]
 
 
 def test_the_rendered_train_arguments_parse_with_greenroom_trains_own_parser():
     from greenroom.cli.train import configure_parser
+
     for values in ("cpu-target.yaml", "disk-target.yaml", "streaming.yaml", "both.yaml", "jobset.yaml"):
         args = container(pod_spec(manifests(values)), "trainer")["args"]
-        train = args[args.index("train") + 1:]
+        train = args[args.index("train") + 1 :]
         parser = argparse.ArgumentParser(exit_on_error=False)
         configure_parser(parser)
         parser.parse_args(train)
@@ -185,15 +265,16 @@ def test_any_trainer_runs_its_own_image_and_command_under_torchrun_with_the_flag
     assert "--stream-optimizer-state-moment-dtype bf16" in env["GREENROOM_ARGS"]
     appended = container(pod_spec(manifests("custom-command.yaml", sets=("greenroomArgs=append",))), "trainer")
     flags = shlex.split(env["GREENROOM_ARGS"])
-    assert appended["args"][-len(flags) - 2:] == ["/app/hf_trainer.py", "/checkpoints/run1", *flags]
-    bare = container(pod_spec(manifests(sets=("command={python,t.py}", "args={--x}", "torchrun.enabled=false"))),
-                     "trainer")
+    assert appended["args"][-len(flags) - 2 :] == ["/app/hf_trainer.py", "/checkpoints/run1", *flags]
+    bare = container(
+        pod_spec(manifests(sets=("command={python,t.py}", "args={--x}", "torchrun.enabled=false"))), "trainer"
+    )
     assert bare["command"] == ["python", "t.py"] and bare["args"] == ["--x"]
 
 
 def test_resume_is_auto_and_strict_on_request():
     args = container(pod_spec(manifests("streaming.yaml", sets=("train.resume=strict",))), "trainer")["args"]
-    assert args[args.index("--load"):][:4] == ["--load", "/checkpoints/run1", "--resume", "strict"]
+    assert args[args.index("--load") :][:4] == ["--load", "/checkpoints/run1", "--resume", "strict"]
 
 
 def test_trainer_pods_are_non_root_without_api_access_or_privileges():
@@ -212,8 +293,13 @@ def test_trainer_pods_are_non_root_without_api_access_or_privileges():
 
 def test_a_root_trainer_gets_its_dir_as_root_and_a_container_uid_wins_over_the_pods():
     # uid/gid 0 is root, not "unset": the init container gives the pod's dir to 0:0.
-    root = manifests(sets=("podSecurityContext.runAsUser=0", "podSecurityContext.runAsGroup=0",
-                           "podSecurityContext.runAsNonRoot=false"))
+    root = manifests(
+        sets=(
+            "podSecurityContext.runAsUser=0",
+            "podSecurityContext.runAsGroup=0",
+            "podSecurityContext.runAsNonRoot=false",
+        )
+    )
     init = env_of(container(pod_spec(root), "prepare-offload-dir", init=True))
     assert (init["GREENROOM_TRAINER_UID"], init["GREENROOM_TRAINER_GID"]) == ("0", "0")
     # The trainer runs as its container's runAsUser where it sets one: so does the chown,
@@ -221,9 +307,11 @@ def test_a_root_trainer_gets_its_dir_as_root_and_a_container_uid_wins_over_the_p
     own = manifests(sets=("securityContext.runAsUser=2000",))
     init = env_of(container(pod_spec(own), "prepare-offload-dir", init=True))
     assert (init["GREENROOM_TRAINER_UID"], init["GREENROOM_TRAINER_GID"]) == ("2000", "1000")
-    pvc = container(pod_spec(manifests("pvc.yaml", sets=("securityContext.runAsUser=0",
-                                                         "securityContext.runAsNonRoot=false"))),
-                    "reclaim-offload-dir", init=True)
+    pvc = container(
+        pod_spec(manifests("pvc.yaml", sets=("securityContext.runAsUser=0", "securityContext.runAsNonRoot=false"))),
+        "reclaim-offload-dir",
+        init=True,
+    )
     assert pvc["securityContext"]["runAsUser"] == 0 and pvc["securityContext"]["runAsNonRoot"] is False
     # Neither set: the image's user, 1000.
     unset = manifests(sets=("podSecurityContext.runAsUser=null", "podSecurityContext.runAsGroup=null"))
@@ -253,8 +341,11 @@ def test_each_storage_mode_mounts_its_volume_and_no_root_outside_hostpath(mode):
         assert not inits
     elif mode == "ephemeral":
         claim = vol["ephemeral"]["volumeClaimTemplate"]["spec"]
-        assert claim == {"accessModes": ["ReadWriteOnce"], "storageClassName": "local-path",
-                         "resources": {"requests": {"storage": "300Gi"}}}
+        assert claim == {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "local-path",
+            "resources": {"requests": {"storage": "300Gi"}},
+        }
         assert not inits
     else:
         assert vol["persistentVolumeClaim"] == {"claimName": "nvme-scratch"}
@@ -276,7 +367,7 @@ def k8s_expand(text: str, env: dict) -> str:
             i += 2
         elif text.startswith("$(", i) and ")" in text[i:]:
             end = text.index(")", i)
-            out.append(env.get(text[i + 2:end], text[i:end + 1]))
+            out.append(env.get(text[i + 2 : end], text[i : end + 1]))
             i = end + 1
         else:
             out.append(text[i])
@@ -311,18 +402,31 @@ def test_a_path_with_yaml_or_shell_characters_is_the_same_path_everywhere(path, 
 def test_every_name_and_string_value_reaches_its_field_as_written(tmp_path):
     odd = "x #y "
     values = tmp_path / "odd.yaml"
-    values.write_text(yaml.safe_dump({
-        "image": {"repository": "reg.example.com/t #r", "tag": "1 #t", "pullPolicy": "Always"},
-        "imagePullSecrets": [odd + "s"], "serviceAccountName": odd + "sa", "schedulerName": odd + "sch",
-        "runtimeClassName": odd + "rc", "priorityClassName": odd + "pc", "shmSizeLimit": "8Gi #",
-        "storage": {"mode": "ephemeral", "ephemeral": {"storageClassName": odd + "sc", "size": "9Gi #"}}}))
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "image": {"repository": "reg.example.com/t #r", "tag": "1 #t", "pullPolicy": "Always"},
+                "imagePullSecrets": [odd + "s"],
+                "serviceAccountName": odd + "sa",
+                "schedulerName": odd + "sch",
+                "runtimeClassName": odd + "rc",
+                "priorityClassName": odd + "pc",
+                "shmSizeLimit": "8Gi #",
+                "storage": {"mode": "ephemeral", "ephemeral": {"storageClassName": odd + "sc", "size": "9Gi #"}},
+            }
+        )
+    )
     docs = manifests(str(values), chart=CHART)
     spec = pod_spec(docs)
     trainer = container(spec, "trainer")
     assert trainer["image"] == "reg.example.com/t #r:1 #t" and trainer["imagePullPolicy"] == "Always"
     assert spec["imagePullSecrets"] == [{"name": odd + "s"}]
-    assert [spec[k] for k in ("serviceAccountName", "schedulerName", "runtimeClassName", "priorityClassName")] == \
-        [odd + "sa", odd + "sch", odd + "rc", odd + "pc"]
+    assert [spec[k] for k in ("serviceAccountName", "schedulerName", "runtimeClassName", "priorityClassName")] == [
+        odd + "sa",
+        odd + "sch",
+        odd + "rc",
+        odd + "pc",
+    ]
     vols = {v["name"]: v for v in spec["volumes"]}
     claim = vols["offload"]["ephemeral"]["volumeClaimTemplate"]["spec"]
     assert claim["storageClassName"] == odd + "sc" and claim["resources"]["requests"]["storage"] == "9Gi #"
@@ -332,8 +436,11 @@ def test_every_name_and_string_value_reaches_its_field_as_written(tmp_path):
     named = manifests(sets=("nameOverride=n #o",))
     assert {d["metadata"]["labels"]["app.kubernetes.io/name"] for d in named} == {"n #o"}
     jvalues = tmp_path / "janitor.yaml"
-    jvalues.write_text(yaml.safe_dump({"image": {"repository": "reg #j"}, "priorityClassName": odd + "pc",
-                                       "imagePullSecrets": [odd + "s"]}))
+    jvalues.write_text(
+        yaml.safe_dump(
+            {"image": {"repository": "reg #j"}, "priorityClassName": odd + "pc", "imagePullSecrets": [odd + "s"]}
+        )
+    )
     (ds,) = by_kind(manifests(str(jvalues), chart=JANITOR_CHART), "DaemonSet")
     jspec = ds["spec"]["template"]["spec"]
     assert jspec["containers"][0]["image"].startswith("reg #j:")
@@ -341,8 +448,14 @@ def test_every_name_and_string_value_reaches_its_field_as_written(tmp_path):
 
 
 def test_must_show_scheduling_hooks_land_on_the_right_objects():
-    docs = manifests(sets=("schedulerName=volcano", "runtimeClassName=nvidia", "priorityClassName=high",
-                           "jobLabels.kueue\\.x-k8s\\.io/queue-name=team-a"))
+    docs = manifests(
+        sets=(
+            "schedulerName=volcano",
+            "runtimeClassName=nvidia",
+            "priorityClassName=high",
+            "jobLabels.kueue\\.x-k8s\\.io/queue-name=team-a",
+        )
+    )
     (job,) = by_kind(docs, "Job")
     # Kueue reads the queue from the Job object, not from its pod template.
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
@@ -381,9 +494,11 @@ def test_a_multi_node_job_places_one_pod_per_node_unless_affinity_is_given():
     anti = pod_spec(manifests("disk-target.yaml"))["affinity"]["podAntiAffinity"]
     (term,) = anti["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
-    assert term["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "greenroom",
-                                                    "app.kubernetes.io/instance": "rel",
-                                                    "app.kubernetes.io/component": "trainer"}
+    assert term["labelSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "greenroom",
+        "app.kubernetes.io/instance": "rel",
+        "app.kubernetes.io/component": "trainer",
+    }
     assert "affinity" not in pod_spec(manifests())  # one node
     assert "affinity" not in pod_spec(manifests("disk-target.yaml", sets=("onePodPerNode=false",)))
     assert "nodeAffinity" in pod_spec(manifests("both.yaml", sets=("nodes=2",)))["affinity"]
@@ -412,15 +527,24 @@ def test_notes_tell_how_to_follow_the_job_and_which_pod_security_level_it_needs(
     assert "kubectl -n train get job rel-greenroom -w" in out.stdout
     assert "logs -f -l batch.kubernetes.io/job-name=rel-greenroom" in out.stdout
     assert 'Pod Security: these pods need the "privileged" level' in out.stdout
-    out = helm("install", "rel", CHART, "--dry-run=client", "--namespace", "train", "-f",
-               os.path.join(CHART, "ci", "ephemeral.yaml"))
+    out = helm(
+        "install",
+        "rel",
+        CHART,
+        "--dry-run=client",
+        "--namespace",
+        "train",
+        "-f",
+        os.path.join(CHART, "ci", "ephemeral.yaml"),
+    )
     assert 'Pod Security: these pods need the "restricted" level' in out.stdout
     assert "MASTER_ADDR, MASTER_PORT, WORLD_SIZE, NNODES, NODE_RANK, NPROC_PER_NODE and GREENROOM_ARGS" in out.stdout
 
 
 def test_chart_readme_documents_every_value():
-    assert not readme_lacks(CHART, ("resources", "podSecurityContext", "securityContext",
-                                    "reclaim.initContainer.resources"))
+    assert not readme_lacks(
+        CHART, ("resources", "podSecurityContext", "securityContext", "reclaim.initContainer.resources")
+    )
 
 
 def test_helm_package_leaves_the_ci_values_out(tmp_path):

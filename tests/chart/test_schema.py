@@ -22,8 +22,10 @@ def test_memory_backed_emptydir_is_refused_saying_why():
 CROSS_VALUE_REFUSALS = [
     (("storage.mode=pvc",), "storage.pvc.claimName is needed with storage.mode pvc"),
     (("storage.mode=emptyDir", "storage.emptyDir.medium=Memory"), "storage.emptyDir.medium Memory is refused"),
-    (("offload.train=true", "offload.target=cpu", "streamOptimizerState.toDisk=true"),
-     "streamOptimizerState.toDisk with offload.train needs offload.target disk"),
+    (
+        ("offload.train=true", "offload.target=cpu", "streamOptimizerState.toDisk=true"),
+        "streamOptimizerState.toDisk with offload.train needs offload.target disk",
+    ),
     (("offload.target=disk",), "offload.target disk requires offload.train"),
     (("offload.diskCompression=zstd", "offload.diskChunkMb=2"), "offload.diskCompression nvcomp-ans or zstd needs"),
     (("streamOptimizerState.hostCacheGb=8",), "streamOptimizerState.hostCacheGb needs streamOptimizerState.toDisk"),
@@ -56,43 +58,54 @@ def test_negative_chunk_is_refused():
     assert "/offload/diskChunkMb" in err and "minimum" in err
 
 
-@pytest.mark.parametrize("value, where", [
-    ("offload.target=nvme", "/offload/target"),
-    ("streamOptimizerState.momentDtype=fp4", "/streamOptimizerState/momentDtype"),
-    ("streamOptimizerState.hostCacheGb=-1", "/streamOptimizerState/hostCacheGb"),
-    ("storage.hostPath.type=File", "/storage/hostPath/type"),
-    ("nodes=0", "/nodes"),
-    ("workload=deployment", "/workload"),
-    ("train.role=a/b", "/train/role"),
-])
+@pytest.mark.parametrize(
+    "value, where",
+    [
+        ("offload.target=nvme", "/offload/target"),
+        ("streamOptimizerState.momentDtype=fp4", "/streamOptimizerState/momentDtype"),
+        ("streamOptimizerState.hostCacheGb=-1", "/streamOptimizerState/hostCacheGb"),
+        ("storage.hostPath.type=File", "/storage/hostPath/type"),
+        ("nodes=0", "/nodes"),
+        ("workload=deployment", "/workload"),
+        ("train.role=a/b", "/train/role"),
+    ],
+)
 def test_out_of_range_values_name_their_key(value, where):
     assert f"at '{where}'" in reject(value)
 
 
-@pytest.mark.parametrize("sets, message", [
-    # Refused the way `greenroom slurm` refuses tasks_per_node > gpus_per_node.
-    (("procsPerNode=8", "gpu.count=1"), "procsPerNode 8 > gpu.count 1: each process needs its own GPU"),
-    (("torchrun.enabled=false", "nodes=2", "procsPerNode=4", "gpu.count=4"),
-     "procsPerNode 4 needs torchrun.enabled: without a launcher each pod runs one process"),
-    (("storage.mode=pvc",), "storage.pvc.claimName is needed with storage.mode pvc"),
-    (("hugepages.size=2Mi", "hugepages.amount=1Gi"), "hugepages need a cpu or memory request"),
-    (("hugepages.size=2Mi",), "hugepages.size needs hugepages.amount"),
-    # The default podSecurityContext says runAsNonRoot: the kubelet would never start a root trainer.
-    (("podSecurityContext.runAsUser=0",), "runAsUser 0 (root) with runAsNonRoot true: the kubelet would never"),
-    (("securityContext.runAsUser=0",), "set podSecurityContext.runAsNonRoot=false beside runAsUser 0"),
-])
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        # Refused the way `greenroom slurm` refuses tasks_per_node > gpus_per_node.
+        (("procsPerNode=8", "gpu.count=1"), "procsPerNode 8 > gpu.count 1: each process needs its own GPU"),
+        (
+            ("torchrun.enabled=false", "nodes=2", "procsPerNode=4", "gpu.count=4"),
+            "procsPerNode 4 needs torchrun.enabled: without a launcher each pod runs one process",
+        ),
+        (("storage.mode=pvc",), "storage.pvc.claimName is needed with storage.mode pvc"),
+        (("hugepages.size=2Mi", "hugepages.amount=1Gi"), "hugepages need a cpu or memory request"),
+        (("hugepages.size=2Mi",), "hugepages.size needs hugepages.amount"),
+        # The default podSecurityContext says runAsNonRoot: the kubelet would never start a root trainer.
+        (("podSecurityContext.runAsUser=0",), "runAsUser 0 (root) with runAsNonRoot true: the kubelet would never"),
+        (("securityContext.runAsUser=0",), "set podSecurityContext.runAsNonRoot=false beside runAsUser 0"),
+    ],
+)
 def test_what_compares_two_values_is_refused_naming_them(sets, message):
     # helm frames the message with its own lines; the message itself is one line.
     assert any(message in line for line in reject(*sets).splitlines())
 
 
-@pytest.mark.parametrize("value, where", [
-    ("storage.mode=hostpath", "/storage/mode"),
-    ("greenroomArgs=always", "/greenroomArgs"),
-    ("train.resume=maybe", "/train/resume"),
-    ("job.podFailurePolicy.failExitCodes={0}", "/job/podFailurePolicy/failExitCodes/0"),
-    ("schedulerNam=volcano", ""),
-])
+@pytest.mark.parametrize(
+    "value, where",
+    [
+        ("storage.mode=hostpath", "/storage/mode"),
+        ("greenroomArgs=always", "/greenroomArgs"),
+        ("train.resume=maybe", "/train/resume"),
+        ("job.podFailurePolicy.failExitCodes={0}", "/job/podFailurePolicy/failExitCodes/0"),
+        ("schedulerNam=volcano", ""),
+    ],
+)
 def test_new_values_are_checked_too(value, where):
     err = reject(value)
     assert (f"at '{where}'" in err) if where else "additional properties 'schedulerNam' not allowed" in err
@@ -118,6 +131,7 @@ def _cli_refuses(**flags) -> bool:
     """Whether greenroom train's own config check (OffloadFlags) refuses these flags."""
     from greenroom.config import OffloadFlags
     from greenroom.errors import ConfigError
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a target given without --offload-train is only warned of
@@ -137,13 +151,16 @@ def _chart_refuses(*sets: str) -> str | None:
 def test_a_chunk_too_small_for_the_codec_is_refused_exactly_where_greenroom_train_refuses_it(compression, below):
     # Before: zstd with diskChunkMb 2 rendered, and every trainer exited 2 at start.
     from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB
+
     chunk = MIN_COMPRESSED_CHUNK_MB - below
     err = _chart_refuses(f"offload.diskCompression={compression}", f"offload.diskChunkMb={chunk}")
-    assert (err is not None) == _cli_refuses(offload_train_disk_compression=compression,
-                                             offload_train_disk_chunk_mb=chunk), err
+    assert (err is not None) == _cli_refuses(
+        offload_train_disk_compression=compression, offload_train_disk_chunk_mb=chunk
+    ), err
     if err:
-        assert (f"offload.diskCompression nvcomp-ans or zstd needs offload.diskChunkMb {MIN_COMPRESSED_CHUNK_MB} "
-                "or more") in err
+        assert (
+            f"offload.diskCompression nvcomp-ans or zstd needs offload.diskChunkMb {MIN_COMPRESSED_CHUNK_MB} or more"
+        ) in err
 
 
 @pytest.mark.parametrize("train", [False, True])
@@ -151,10 +168,14 @@ def test_a_chunk_too_small_for_the_codec_is_refused_exactly_where_greenroom_trai
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_offload_target_is_refused_exactly_where_greenroom_train_refuses_it(train, target, stream):
     # Before: offload.target disk without offload.train rendered, its flag silently left out.
-    err = _chart_refuses(f"offload.train={str(train).lower()}", f"offload.target={target}",
-                         f"streamOptimizerState.toDisk={str(stream).lower()}")
-    assert (err is not None) == _cli_refuses(offload_train=train, offload_train_target=target,
-                                             stream_optimizer_state_to_disk=stream), err
+    err = _chart_refuses(
+        f"offload.train={str(train).lower()}",
+        f"offload.target={target}",
+        f"streamOptimizerState.toDisk={str(stream).lower()}",
+    )
+    assert (err is not None) == _cli_refuses(
+        offload_train=train, offload_train_target=target, stream_optimizer_state_to_disk=stream
+    ), err
     if target == "disk" and not train:
         assert "offload.target disk requires offload.train: set offload.train true" in err
     # A train key dropped with null is no --offload-train either: refused as every null is.
@@ -179,8 +200,9 @@ def test_torchrun_args_without_torchrun_are_refused_not_left_out():
     assert _chart_refuses("torchrun.enabled=false") is None
 
 
-@pytest.mark.parametrize("value", ["train.iterations=3", "train.save=/ckpt", "train.load=/ckpt",
-                                   "train.extraArgs={--no-progress}"])
+@pytest.mark.parametrize(
+    "value", ["train.iterations=3", "train.save=/ckpt", "train.load=/ckpt", "train.extraArgs={--no-progress}"]
+)
 def test_greenroom_train_values_beside_a_command_are_refused_not_left_out(value):
     err = reject("command={python,t.py}", value)
     assert "configure greenroom train, which command replaces" in err

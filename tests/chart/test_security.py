@@ -13,8 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.chart.support import (CHART, CI_VALUES, JANITOR_CHART, by_kind, manifests, pod_security, pod_template,
-                                 render)
+from tests.chart.support import CHART, CI_VALUES, JANITOR_CHART, by_kind, manifests, pod_security, pod_template, render
 
 pytestmark = pytest.mark.helm
 
@@ -36,8 +35,11 @@ def test_every_ci_file_declares_the_level_its_pods_pass():
             assert restricted[name] == [], (name, restricted[name])
         else:
             assert declared == "privileged" and baseline[name], name
-    assert {n for n, t in all_templates.items()
-            if t["metadata"]["annotations"]["greenroom.dev/pod-security-level"] == "restricted"} >= set(RESTRICTED_VALUES)
+    assert {
+        n
+        for n, t in all_templates.items()
+        if t["metadata"]["annotations"]["greenroom.dev/pod-security-level"] == "restricted"
+    } >= set(RESTRICTED_VALUES)
 
 
 def test_must_show_ephemeral_renders_no_hostpath_and_passes_restricted():
@@ -48,9 +50,13 @@ def test_must_show_ephemeral_renders_no_hostpath_and_passes_restricted():
 
 
 def test_hostpath_and_ipc_lock_fail_baseline_for_the_reasons_the_readme_gives():
-    verdict = pod_security({"hostPath": pod_template(manifests()),
-                            "ipcLock": pod_template(manifests(sets=("storage.mode=ephemeral", "ipcLock=true")))},
-                           "baseline")
+    verdict = pod_security(
+        {
+            "hostPath": pod_template(manifests()),
+            "ipcLock": pod_template(manifests(sets=("storage.mode=ephemeral", "ipcLock=true"))),
+        },
+        "baseline",
+    )
     assert [v.split(":")[0] for v in verdict["hostPath"]] == ["hostPath volumes"]
     assert [v.split(":")[0] for v in verdict["ipcLock"]] == ["non-default capabilities"]
     restricted = pod_security({"hostPath": pod_template(manifests())}, "restricted")["hostPath"]
@@ -64,19 +70,33 @@ def test_the_janitor_needs_privileged_and_says_so():
     assert [v.split(":")[0] for v in verdict["janitor"]] == ["hostPath volumes"]
 
 
-CHECKOV_JUSTIFIED = {"CKV_K8S_11", "CKV_K8S_13", "CKV_K8S_43", "CKV_K8S_15", "CKV_K8S_25", "CKV_K8S_40",
-                     "CKV_K8S_22", "CKV2_K8S_6"}
+CHECKOV_JUSTIFIED = {
+    "CKV_K8S_11",
+    "CKV_K8S_13",
+    "CKV_K8S_43",
+    "CKV_K8S_15",
+    "CKV_K8S_25",
+    "CKV_K8S_40",
+    "CKV_K8S_22",
+    "CKV2_K8S_6",
+}
 
 
 def test_checkov_on_the_defaults_fails_only_what_the_readme_justifies(tmp_path):
     checkov = shutil.which("checkov")
     if checkov is None:
-        pytest.skip("checkov not installed (pip install checkov==3.3.30; not in the test extra: its pins "
-                    "conflict with the trainers')")
+        pytest.skip(
+            "checkov not installed (pip install checkov==3.3.30; not in the test extra: its pins "
+            "conflict with the trainers')"
+        )
     path = tmp_path / "default.yaml"
     path.write_text(render())
-    out = subprocess.run([checkov, "-f", str(path), "--framework", "kubernetes", "-o", "json", "--quiet"],
-                         capture_output=True, text=True, env={**os.environ, "BC_SKIP_MAPPING": "TRUE"})
+    out = subprocess.run(
+        [checkov, "-f", str(path), "--framework", "kubernetes", "-o", "json", "--quiet"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "BC_SKIP_MAPPING": "TRUE"},
+    )
     report = json.loads(out.stdout)
     failed = {c["check_id"] for c in report["results"]["failed_checks"]}
     assert len(report["results"]["failed_checks"]) <= 8, failed

@@ -32,12 +32,15 @@ def test_slurm_yaml_defaults_are_offload_flags():
 def test_chart_values_defaults_are_offload_flags():
     with open(os.path.join(REPO, "deploy", "helm", "greenroom", "values.yaml"), encoding="utf-8") as f:
         v = yaml.safe_load(f)
-    chart = OffloadFlags(offload_train=v["offload"]["train"], offload_train_target=v["offload"]["target"],
-                         offload_train_disk_chunk_mb=v["offload"]["diskChunkMb"],
-                         offload_train_disk_compression=v["offload"]["diskCompression"],
-                         stream_optimizer_state_to_disk=v["streamOptimizerState"]["toDisk"],
-                         stream_optimizer_state_moment_dtype=v["streamOptimizerState"]["momentDtype"],
-                         stream_optimizer_state_master_layout=v["streamOptimizerState"]["masterLayout"],
-                         stream_optimizer_state_host_cache_gb=v["streamOptimizerState"]["hostCacheGb"],
-                         no_load_optim=v["noLoadOptim"])
+    chart = OffloadFlags(
+        offload_train=v["offload"]["train"],
+        offload_train_target=v["offload"]["target"],
+        offload_train_disk_chunk_mb=v["offload"]["diskChunkMb"],
+        offload_train_disk_compression=v["offload"]["diskCompression"],
+        stream_optimizer_state_to_disk=v["streamOptimizerState"]["toDisk"],
+        stream_optimizer_state_moment_dtype=v["streamOptimizerState"]["momentDtype"],
+        stream_optimizer_state_master_layout=v["streamOptimizerState"]["masterLayout"],
+        stream_optimizer_state_host_cache_gb=v["streamOptimizerState"]["hostCacheGb"],
+        no_load_optim=v["noLoadOptim"],
+    )
     assert chart == DEFAULTS

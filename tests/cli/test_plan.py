@@ -25,8 +25,15 @@ def plan(flags: dict, **layout) -> dict:
     host = layout.pop("host_memory_gb", None)
     disk = layout.pop("disk_gbps", None)
     flags = {"offload_train_disk_compression": "none", **flags}
-    return plan_cli.build_plan(OffloadFlags(**flags), Layout(**layout), role="actor", job="j", gpu_memory_gb=gpu,
-                               host_memory_gb=host, disk_gbps=disk)
+    return plan_cli.build_plan(
+        OffloadFlags(**flags),
+        Layout(**layout),
+        role="actor",
+        job="j",
+        gpu_memory_gb=gpu,
+        host_memory_gb=host,
+        disk_gbps=disk,
+    )
 
 
 SEED = {"params": 744_000_000_000, "world_size": 32, "nproc_per_node": 4, "data_parallel": 1}
@@ -34,8 +41,12 @@ SEED = {"params": 744_000_000_000, "world_size": 32, "nproc_per_node": 4, "data_
 
 def test_the_seeds_shape_needs_streaming():
     # Masters whole, as the seed's figures are (its optimizer stores fp32 mains).
-    p = plan({"stream_optimizer_state_to_disk": True, "stream_optimizer_state_master_layout": "fp32"}, **SEED,
-             gpu_memory_gb=276.6, disk_gbps=(8.0, 4.0))
+    p = plan(
+        {"stream_optimizer_state_to_disk": True, "stream_optimizer_state_master_layout": "fp32"},
+        **SEED,
+        gpu_memory_gb=276.6,
+        disk_gbps=(8.0, 4.0),
+    )
     r = p["per_rank"]
     assert p["model_parallel"] == 32
     # 744e9 / 32 = 23.25e9 params per rank; bf16 weights and grads 2 B each.
@@ -57,22 +68,56 @@ def test_the_seeds_shape_needs_streaming():
     # Without streaming the same run is refused, and told what to add.
     resident = plan({}, **SEED, gpu_memory_gb=276.6)
     assert resident["per_rank"]["optimizer_state"] == 279_000_000_000
-    assert resident["problems"] == ["the model state needs 372.0 GB per rank without streaming, the GPU has 276.6 GB: "
-                                    "add --stream-optimizer-state-to-disk: 97.0 GB per rank"]
+    assert resident["problems"] == [
+        "the model state needs 372.0 GB per rank without streaming, the GPU has 276.6 GB: "
+        "add --stream-optimizer-state-to-disk: 97.0 GB per rank"
+    ]
 
 
 def test_the_seeds_command_as_the_issue_gives_it(monkeypatch):
     monkeypatch.delenv("SCRATCH", raising=False)
     env = {k: v for k, v in os.environ.items() if k != "SCRATCH"}
-    proc = greenroom("plan", "--params", "744e9", "--world-size", "32", "--nproc-per-node", "4", "--data-parallel",
-                     "1", "--gpu-memory-gb", "276.6", "--stream-optimizer-state-to-disk", "--json", env=env, check_rc=0)
+    proc = greenroom(
+        "plan",
+        "--params",
+        "744e9",
+        "--world-size",
+        "32",
+        "--nproc-per-node",
+        "4",
+        "--data-parallel",
+        "1",
+        "--gpu-memory-gb",
+        "276.6",
+        "--stream-optimizer-state-to-disk",
+        "--json",
+        env=env,
+        check_rc=0,
+    )
     p = json.loads(proc.stdout)
     assert p["per_rank"]["optimizer_state"] == int(23_250_000_000 * REMAINDER_12)  # masters as remainders
     assert p["fits_gpu"] == {"without_streaming": False, "with_streaming": True}
     assert "disk_dir" not in p  # no dir anywhere: the budget, without the free-space check
-    text = greenroom("plan", "--params", "744B", "--world-size", "32", "--nproc-per-node", "4", "--data-parallel",
-                     "1", "--gpu-memory-gb", "276.6", "--stream-optimizer-state-to-disk", env=env, check_rc=0).stdout
-    assert "optimizer state 232.8 GB (23,250,000,000 params, 10.014 B/param streamed)" in text and "without streaming 372.0 GB (DOES NOT FIT)" in text
+    text = greenroom(
+        "plan",
+        "--params",
+        "744B",
+        "--world-size",
+        "32",
+        "--nproc-per-node",
+        "4",
+        "--data-parallel",
+        "1",
+        "--gpu-memory-gb",
+        "276.6",
+        "--stream-optimizer-state-to-disk",
+        env=env,
+        check_rc=0,
+    ).stdout
+    assert (
+        "optimizer state 232.8 GB (23,250,000,000 params, 10.014 B/param streamed)" in text
+        and "without streaming 372.0 GB (DOES NOT FIT)" in text
+    )
 
 
 SEVEN_B = {"params": 7_000_000_000, "world_size": 8, "nproc_per_node": 8, "data_parallel": 8}
@@ -93,20 +138,28 @@ def test_7b_at_dp8():
     fsdp = plan({}, **SEVEN_B, sharding="full", gpu_memory_gb=80)
     assert fsdp["per_rank"]["gpu"]["without_streaming"] == 14e9
     # Streaming with bf16 moments, masters whole: 4 + 2 + 2 = 8 B/param on disk, 56 GB per rank, 448 GB per node.
-    bf16 = plan({"stream_optimizer_state_to_disk": True, "stream_optimizer_state_moment_dtype": "bf16",
-                 "stream_optimizer_state_master_layout": "fp32"}, **SEVEN_B)
+    bf16 = plan(
+        {
+            "stream_optimizer_state_to_disk": True,
+            "stream_optimizer_state_moment_dtype": "bf16",
+            "stream_optimizer_state_master_layout": "fp32",
+        },
+        **SEVEN_B,
+    )
     assert bf16["per_rank"]["disk"]["streaming"] == 56e9 and bf16["per_node"]["disk"]["total"] == 448e9
     assert bf16["per_rank"]["gpu"]["with_streaming"] == 28e9 + 100e6 * (3 * 8 + 4)
 
 
 def test_a_state_of_fewer_buckets_than_buffers_is_sized_with_as_many_buffers():
     # 150M params: two buckets (100M and 50M), so a step holds two bucket buffers, not three.
-    small = plan({"stream_optimizer_state_to_disk": True}, params=150_000_000, world_size=1, nproc_per_node=1,
-                 data_parallel=1)
+    small = plan(
+        {"stream_optimizer_state_to_disk": True}, params=150_000_000, world_size=1, nproc_per_node=1, data_parallel=1
+    )
     assert small["per_rank"]["gpu"]["with_streaming"] == 150e6 * (2 + 2) + 100e6 * (2 * 12 + 4)
     # 50M params: one bucket of 50M elements.
-    tiny = plan({"stream_optimizer_state_to_disk": True}, params=50_000_000, world_size=1, nproc_per_node=1,
-                data_parallel=1)
+    tiny = plan(
+        {"stream_optimizer_state_to_disk": True}, params=50_000_000, world_size=1, nproc_per_node=1, data_parallel=1
+    )
     assert tiny["per_rank"]["gpu"]["with_streaming"] == 50e6 * (2 + 2) + 50e6 * (1 * 12 + 4)
 
 
@@ -143,25 +196,61 @@ def test_a_node_of_ranks_is_checked_against_the_nodes_host_memory():
 
 
 def test_plan_cli_refuses_what_does_not_fit_in_one_line():
-    proc = greenroom("plan", "--params", "70B", "--world-size", "64", "--nproc-per-node", "8", "--data-parallel", "8",
-                     "--gpu-memory-gb", "80")
+    proc = greenroom(
+        "plan",
+        "--params",
+        "70B",
+        "--world-size",
+        "64",
+        "--nproc-per-node",
+        "8",
+        "--data-parallel",
+        "8",
+        "--gpu-memory-gb",
+        "80",
+    )
     assert "the model state needs 140.0 GB per rank without streaming" in one_line_error(proc)
 
 
 def test_a_plan_of_fewer_params_than_model_parallel_ranks_reports_instead_of_dividing_by_zero(disk_dir):
     """1 param over 10 model-parallel ranks: each rank stores 0 bytes of it, and the
     compression line divided by that (a ZeroDivisionError traceback)."""
-    proc = greenroom("plan", "--params", "1", "--world-size", "10", "--data-parallel", "1",
-                     "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
-                     "--offload-train-disk-compression", "zstd", check_rc=0)
+    proc = greenroom(
+        "plan",
+        "--params",
+        "1",
+        "--world-size",
+        "10",
+        "--data-parallel",
+        "1",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        disk_dir,
+        "--offload-train-disk-compression",
+        "zstd",
+        check_rc=0,
+    )
     assert "verdict:" in proc.stdout and "Traceback" not in proc.stderr
 
 
 def test_plan_measures_the_disk_when_asked(disk_dir):
     """``--measure-disk`` runs doctor's probe on the disk dir; the seconds follow from it."""
-    proc = greenroom("plan", "--params", "1e6", "--offload-train", "--offload-train-target", "disk",
-                     "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
-                     "--offload-train-disk-compression", "none", "--measure-disk", "--json", check_rc=0)
+    proc = greenroom(
+        "plan",
+        "--params",
+        "1e6",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        disk_dir,
+        "--offload-train-disk-compression",
+        "none",
+        "--measure-disk",
+        "--json",
+        check_rc=0,
+    )
     p = json.loads(proc.stdout)
     assert p["disk_gbps"]["source"] == "measured" and p["disk_gbps"]["read"] > 0
     read, write = p["seconds"]["read_bytes_per_s_per_rank"], p["seconds"]["write_bytes_per_s_per_rank"]
@@ -195,8 +284,11 @@ def test_disk_and_time_are_sized_with_the_master_layout_the_plan_prints():
     assert p["per_rank"]["optimizer_state"] == int(per_rank) == p["per_rank"]["disk"]["streaming"]
     assert p["per_rank"]["optimizer_state_stored"] == int(per_rank)
     assert p["seconds"]["streamed_step"] == pytest.approx(per_rank / 2e9 + per_rank / 1e9)
-    whole = plan({"stream_optimizer_state_to_disk": True, "stream_optimizer_state_master_layout": "fp32"}, **SEED,
-                 disk_gbps=(8.0, 4.0))
+    whole = plan(
+        {"stream_optimizer_state_to_disk": True, "stream_optimizer_state_master_layout": "fp32"},
+        **SEED,
+        disk_gbps=(8.0, 4.0),
+    )
     assert whole["per_rank"]["disk"]["streaming"] == 279_000_000_000
     assert whole["seconds"]["streamed_step"] == pytest.approx(418.5)
     # fp16 params have no remainder layout: their masters are stored whole.
@@ -208,17 +300,25 @@ def test_the_advice_shards_the_optimizer_state_before_it_streams():
     """The README's 7B and 70B examples fit with --sharding optimizer (no disk traffic);
     the seed's shape, at DP=1, can only stream."""
     seven = plan({}, **SEVEN_B, gpu_memory_gb=80)
-    assert seven["problems"] == ["the model state needs 112.0 GB per rank without streaming, the GPU has 80.0 GB: use "
-                                 "--sharding optimizer (ZeRO-1, Megatron's distributed optimizer): 38.5 GB per rank"]
+    assert seven["problems"] == [
+        "the model state needs 112.0 GB per rank without streaming, the GPU has 80.0 GB: use "
+        "--sharding optimizer (ZeRO-1, Megatron's distributed optimizer): 38.5 GB per rank"
+    ]
     seventy = plan({}, **SEVENTY_B, gpu_memory_gb=80)
-    assert seventy["problems"] == ["the model state needs 140.0 GB per rank without streaming, the GPU has 80.0 GB: "
-                                   "use --sharding optimizer (ZeRO-1, Megatron's distributed optimizer): 48.1 GB per "
-                                   "rank"]
+    assert seventy["problems"] == [
+        "the model state needs 140.0 GB per rank without streaming, the GPU has 80.0 GB: "
+        "use --sharding optimizer (ZeRO-1, Megatron's distributed optimizer): 48.1 GB per "
+        "rank"
+    ]
     seed = plan({}, **SEED, gpu_memory_gb=276.6)
-    assert seed["problems"] == ["the model state needs 372.0 GB per rank without streaming, the GPU has 276.6 GB: "
-                                "add --stream-optimizer-state-to-disk: 97.0 GB per rank"]
+    assert seed["problems"] == [
+        "the model state needs 372.0 GB per rank without streaming, the GPU has 276.6 GB: "
+        "add --stream-optimizer-state-to-disk: 97.0 GB per rank"
+    ]
     # 70B at DP=8 on 40 GB GPUs: ZeRO-1 (48.1 GB) does not fit, FSDP (17.5 / 8 x 2 + 13.1 = 17.5 GB) does.
-    assert "use --sharding full (FSDP, ZeRO-3): 17.5 GB per rank" in plan({}, **SEVENTY_B, gpu_memory_gb=40)["problems"][0]
+    assert (
+        "use --sharding full (FSDP, ZeRO-3): 17.5 GB per rank" in plan({}, **SEVENTY_B, gpu_memory_gb=40)["problems"][0]
+    )
 
 
 def test_the_disk_advice_names_what_each_change_leaves_per_node(tmp_path):
@@ -229,8 +329,13 @@ def test_the_disk_advice_names_what_each_change_leaves_per_node(tmp_path):
     assert "moment" not in line and "more ranks" not in line
     assert "--sharding optimizer (" in line and "--offload-train-target cpu (0 B per node)" in line
     assert "fewer ranks per node (each needs " in line
-    streaming = plan({"stream_optimizer_state_to_disk": True, "offload_train_disk_dir": str(tmp_path)},
-                     params=10**15, world_size=8, nproc_per_node=8, data_parallel=8)
+    streaming = plan(
+        {"stream_optimizer_state_to_disk": True, "offload_train_disk_dir": str(tmp_path)},
+        params=10**15,
+        world_size=8,
+        nproc_per_node=8,
+        data_parallel=8,
+    )
     [line] = streaming["problems"]
     # 10.014 B/param over 8 ranks per node; bf16 moments leave 6.014 B/param.
     assert "--stream-optimizer-state-moment-dtype bf16 (48.1 PB per node)" in line  # 6.014 B x 1e15 x 8
@@ -253,15 +358,35 @@ def test_plan_states_its_codec_and_resolves_auto_as_train_does():
     given = plan({"stream_optimizer_state_to_disk": True, "offload_train_disk_compression": "nvcomp-ans"}, **SEED)
     assert given["compression"] == "nvcomp-ans"
     assert given["per_rank"]["optimizer_state_stored"] < given["per_rank"]["optimizer_state"]
-    out = greenroom("plan", "--params", "1e6", "--stream-optimizer-state-to-disk", "--offload-train-disk-compression",
-                    "nvcomp-ans", env={"SCRATCH": ""}, check_rc=0).stdout
+    out = greenroom(
+        "plan",
+        "--params",
+        "1e6",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-compression",
+        "nvcomp-ans",
+        env={"SCRATCH": ""},
+        check_rc=0,
+    ).stdout
     assert "codec:      nvcomp-ans (--offload-train-disk-compression)" in out
 
 
 def test_plan_text_gives_the_disk_answer_without_a_disk_dir_and_judges_host_memory_only_when_given(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k not in ("SCRATCH", "GREENROOM_DISK_DIR")}
-    argv = ["plan", "--params", "744B", "--world-size", "32", "--nproc-per-node", "4", "--data-parallel", "1",
-            "--stream-optimizer-state-to-disk", "--offload-train-disk-compression", "none"]
+    argv = [
+        "plan",
+        "--params",
+        "744B",
+        "--world-size",
+        "32",
+        "--nproc-per-node",
+        "4",
+        "--data-parallel",
+        "1",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-compression",
+        "none",
+    ]
     out = greenroom(*argv, env=env, check_rc=0).stdout
     assert "disk per rank: 232.8 GB (streamed state 232.8 GB, paused actor 0 B); per node 931.3 GB" in out
     assert "free space not checked" in out
@@ -281,16 +406,50 @@ def test_plan_reports_the_hbm_the_rollout_engine_gets_while_the_actor_sleeps():
     awake = plan({}, **zero1)["rollout"]
     assert awake["actor_keeps"] == 48_125_000_000 and awake["free"] == 80e9 - 48.125e9 - 1.5e9
     # Assumptions are flags; without --gpu-memory-gb the free HBM is not judged.
-    p = plan_cli.build_plan(OffloadFlags(offload_train=True), Layout(**SEVENTY_B), role="actor", job="j",
-                            gpu_memory_gb=80, cuda_context_gb=0.0, nccl_gb=4.0)
+    p = plan_cli.build_plan(
+        OffloadFlags(offload_train=True),
+        Layout(**SEVENTY_B),
+        role="actor",
+        job="j",
+        gpu_memory_gb=80,
+        cuda_context_gb=0.0,
+        nccl_gb=4.0,
+    )
     assert p["rollout"]["free"] == 76_000_000_000
-    out = greenroom("plan", "--params", "70B", "--world-size", "64", "--nproc-per-node", "8", "--data-parallel",
-                    "8", "--sharding", "optimizer", "--offload-train", "--gpu-memory-gb", "80", check_rc=0).stdout
+    out = greenroom(
+        "plan",
+        "--params",
+        "70B",
+        "--world-size",
+        "64",
+        "--nproc-per-node",
+        "8",
+        "--data-parallel",
+        "8",
+        "--sharding",
+        "optimizer",
+        "--offload-train",
+        "--gpu-memory-gb",
+        "80",
+        check_rc=0,
+    ).stdout
     [line] = [l for l in out.splitlines() if l.startswith("rollout:")]
     assert line.startswith("rollout:    78.5 GB of 80.0 GB HBM free while the actor sleeps; the actor keeps none")
     assert "the CUDA context 0.5 GB and NCCL's buffers 1.0 GB stay (assumed: --cuda-context-gb, --nccl-gb" in line
-    full = greenroom("plan", "--params", "7B", "--gpu-memory-gb", "80", "--world-size", "8", "--sharding", "optimizer",
-                     "--nccl-gb", "45", check_rc=0).stdout  # 38.5 GB kept + 0.5 + 45 GB of NCCL
+    full = greenroom(
+        "plan",
+        "--params",
+        "7B",
+        "--gpu-memory-gb",
+        "80",
+        "--world-size",
+        "8",
+        "--sharding",
+        "optimizer",
+        "--nccl-gb",
+        "45",
+        check_rc=0,
+    ).stdout  # 38.5 GB kept + 0.5 + 45 GB of NCCL
     assert "rollout:    NO HBM free while the actor sleeps: what stays takes all of the GPU's 80.0 GB" in full
     none = greenroom("plan", "--params", "7B", "--offload-train", check_rc=0).stdout
     assert "rollout:    HBM free while the actor sleeps not judged: no --gpu-memory-gb" in none
@@ -303,6 +462,8 @@ def test_the_disk_advice_for_the_seeds_shape(tmp_path):
     if p["free_bytes"] >= p["disk_bytes_per_node"]:
         pytest.skip("this disk holds the seed's 931 GB per node")
     [line] = p["problems"]
-    assert line.endswith("the node's 4 rank(s) need 931.3 GB: --stream-optimizer-state-moment-dtype bf16 (559.3 GB "
-                         "per node); or fewer ranks per node (each needs 232.8 GB; more nodes or more model "
-                         "parallelism); or a disk dir with more free space")
+    assert line.endswith(
+        "the node's 4 rank(s) need 931.3 GB: --stream-optimizer-state-moment-dtype bf16 (559.3 GB "
+        "per node); or fewer ranks per node (each needs 232.8 GB; more nodes or more model "
+        "parallelism); or a disk dir with more free space"
+    )

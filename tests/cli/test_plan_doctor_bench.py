@@ -16,30 +16,76 @@ def test_version():
 
 
 def test_plan_reports_dirs_staging_disk_and_verdict(disk_dir):
-    proc = greenroom("plan", "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
-                     "--stream-optimizer-state-moment-dtype", "bf16", "--offload-train-disk-dir", disk_dir,
-                     "--offload-train-disk-chunk-mb", "128", "--params", "1e6", "--world-size", "2",
-                     "--role", "critic", env={"GREENROOM_JOB_ID": "job7"}, check_rc=0)
+    proc = greenroom(
+        "plan",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--stream-optimizer-state-to-disk",
+        "--stream-optimizer-state-moment-dtype",
+        "bf16",
+        "--offload-train-disk-dir",
+        disk_dir,
+        "--offload-train-disk-chunk-mb",
+        "128",
+        "--params",
+        "1e6",
+        "--world-size",
+        "2",
+        "--role",
+        "critic",
+        env={"GREENROOM_JOB_ID": "job7"},
+        check_rc=0,
+    )
     out = proc.stdout
-    assert ("pinned staging per rank: 268.4 MB (2 x --offload-train-disk-chunk-mb 128: offload and streaming each "
-            "stage their own)") in out
+    assert (
+        "pinned staging per rank: 268.4 MB (2 x --offload-train-disk-chunk-mb 128: offload and streaming each "
+        "stage their own)"
+    ) in out
     assert os.path.join(disk_dir, "job7", "critic", "rank00000") in out
     assert "verdict:    OK" in out
     assert "StreamingAdam 8 B (master + 2 moments), StreamingMuon 6 B (master + momentum)" in out
-    plan = json.loads(greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
-                                "--params", "1e6", "--world-size", "2", "--sharding", "optimizer",
-                                "--stream-optimizer-state-moment-dtype", "bf16", "--json", check_rc=0).stdout)
+    plan = json.loads(
+        greenroom(
+            "plan",
+            "--stream-optimizer-state-to-disk",
+            "--offload-train-disk-dir",
+            disk_dir,
+            "--params",
+            "1e6",
+            "--world-size",
+            "2",
+            "--sharding",
+            "optimizer",
+            "--stream-optimizer-state-moment-dtype",
+            "bf16",
+            "--json",
+            check_rc=0,
+        ).stdout
+    )
     # bf16 moments: the master as a 16-bit remainder (2.014 B) + 2 x 2 B moments, over 2 optimizer shards.
     assert plan["disk_bytes_per_rank"]["streaming"] == int(500_000 * (6 + 8 / 4096 + 12 / 1024))
     # Muon: master + one bf16 momentum; StreamingAdam's default for bf16 params: the master as a 16-bit remainder
-    assert plan["streamed_bytes_per_param"] == {"adam": 8.0, "muon": 6.0, "adam_bf16_remainder": 6 + 8 / 4096 + 12 / 1024}
+    assert plan["streamed_bytes_per_param"] == {
+        "adam": 8.0,
+        "muon": 6.0,
+        "adam_bf16_remainder": 6 + 8 / 4096 + 12 / 1024,
+    }
     assert plan["staging_bytes_per_rank"] == 256 << 20 and plan["fits"] is True
     assert plan["master_layout"] == "remainder"
 
 
 def test_plan_with_whole_masters_drops_the_remainder_figure(disk_dir):
-    argv = ["plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir, "--params", "1e6",
-            "--stream-optimizer-state-master-layout", "fp32"]
+    argv = [
+        "plan",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        disk_dir,
+        "--params",
+        "1e6",
+        "--stream-optimizer-state-master-layout",
+        "fp32",
+    ]
     plan = json.loads(greenroom(*argv, "--json", check_rc=0).stdout)
     assert plan["master_layout"] == "fp32"
     assert plan["streamed_bytes_per_param"] == {"adam": 12.0, "muon": 8.0}
@@ -49,8 +95,22 @@ def test_plan_with_whole_masters_drops_the_remainder_figure(disk_dir):
 
 
 def test_plan_reports_the_host_cache_with_the_staging(disk_dir):
-    argv = ["plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir, "--params", "1e8",
-            "--world-size", "4", "--nproc-per-node", "2", "--sharding", "optimizer", "--stream-optimizer-state-master-layout", "fp32"]
+    argv = [
+        "plan",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        disk_dir,
+        "--params",
+        "1e8",
+        "--world-size",
+        "4",
+        "--nproc-per-node",
+        "2",
+        "--sharding",
+        "optimizer",
+        "--stream-optimizer-state-master-layout",
+        "fp32",
+    ]
     off = json.loads(greenroom(*argv, "--json", check_rc=0).stdout)
     assert off["host_cache_bytes_per_rank"] == 0 and off["host_bytes_per_rank"] == 256 << 20
     assert "host cache" not in greenroom(*argv, check_rc=0).stdout
@@ -66,16 +126,25 @@ def test_plan_reports_the_host_cache_with_the_staging(disk_dir):
 
 
 def test_plan_exits_2_when_the_state_does_not_fit(disk_dir):
-    proc = greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
-                     "--params", "1e15")
+    proc = greenroom(
+        "plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir, "--params", "1e15"
+    )
     assert "DOES NOT FIT" in proc.stdout
     assert "rank(s) need 10.0 PB: " in one_line_error(proc)
 
 
 def test_plan_verdict_is_not_ok_when_the_host_memory_does_not_fit_though_the_disk_does(disk_dir):
     # The verdict line judged the disk alone: "verdict: OK" above plan's own error and exit 2.
-    proc = greenroom("plan", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir,
-                     "--params", "1e6", "--host-memory-gb", "0.1")
+    proc = greenroom(
+        "plan",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        disk_dir,
+        "--params",
+        "1e6",
+        "--host-memory-gb",
+        "0.1",
+    )
     assert "of host memory" in one_line_error(proc)
     [verdict] = [line for line in proc.stdout.splitlines() if line.startswith("verdict:")]
     assert verdict.startswith("verdict:    DOES NOT FIT: ")
@@ -99,6 +168,7 @@ def test_doctor_on_a_real_disk_and_on_a_missing_dir(disk_dir):
 
 def test_doctor_flags_tmpfs():
     from greenroom.io import fs
+
     if not os.path.isdir("/dev/shm") or fs.mount_of("/dev/shm").fstype != "tmpfs":
         pytest.skip("/dev/shm is not a tmpfs mount on this machine: no tmpfs dir to show doctor")
     proc = greenroom("doctor", "/dev/shm", "--no-probe")
@@ -125,8 +195,18 @@ def test_doctor_probes_a_disk_with_less_free_than_a_raw_block_and_says_when_it_h
         assert result["read_gbps"] is None
         assert result["problems"][1] == "3.1 MB free: too little to probe the bandwidth or hold offloaded state"
         assert "free space: 3.1 MB\n" in greenroom("doctor", small).stdout  # 3 MiB, in the unit that fits it
-        line = one_line_error(greenroom("plan", "--params", "1e6", "--stream-optimizer-state-to-disk",
-                                        "--offload-train-disk-dir", small, "--allow-tmpfs", "--measure-disk"))
+        line = one_line_error(
+            greenroom(
+                "plan",
+                "--params",
+                "1e6",
+                "--stream-optimizer-state-to-disk",
+                "--offload-train-disk-dir",
+                small,
+                "--allow-tmpfs",
+                "--measure-disk",
+            )
+        )
         assert "has 3.1 MB free: too little to probe its bandwidth" in line
         assert os.listdir(small) == ["fill"]
     finally:
@@ -134,8 +214,9 @@ def test_doctor_probes_a_disk_with_less_free_than_a_raw_block_and_says_when_it_h
 
 
 def test_bench_disk_json_has_raw_and_engine_figures(disk_dir):
-    result = json.loads(greenroom("bench", "disk", disk_dir, "--size", "8MiB", "--chunk-mb", "2", "--json",
-                                  check_rc=0).stdout)
+    result = json.loads(
+        greenroom("bench", "disk", disk_dir, "--size", "8MiB", "--chunk-mb", "2", "--json", check_rc=0).stdout
+    )
     for side in ("raw", "engine"):
         assert result[side]["write_bytes_per_s"] > 0 and result[side]["read_bytes_per_s"] > 0
     assert result["write_ratio"] > 0 and result["read_ratio"] > 0
@@ -149,15 +230,29 @@ def test_bench_disk_json_has_raw_and_engine_figures(disk_dir):
 def test_bench_disk_raw_probe_moves_the_bytes_the_engine_does(disk_dir):
     # A --size under 64 MiB was set beside a raw probe of one 64 MiB block: each ratio was a
     # 4 MiB transfer's rate over a 64 MiB one's.
-    result = json.loads(greenroom("bench", "disk", disk_dir, "--size", "4MiB", "--chunk-mb", "2", "--repeat", "1",
-                                  "--json", check_rc=0).stdout)
+    result = json.loads(
+        greenroom(
+            "bench", "disk", disk_dir, "--size", "4MiB", "--chunk-mb", "2", "--repeat", "1", "--json", check_rc=0
+        ).stdout
+    )
     assert result["raw"]["nbytes"] == result["engine"]["nbytes"] == 4 << 20
     assert os.listdir(disk_dir) == []
 
 
 def test_bench_disk_repeat_and_the_train_flag_names(disk_dir):
-    proc = greenroom("bench", "disk", "--offload-train-disk-dir", disk_dir, "--size", "4MiB",
-                     "--offload-train-disk-chunk-mb", "2", "--repeat", "2", check_rc=0)
+    proc = greenroom(
+        "bench",
+        "disk",
+        "--offload-train-disk-dir",
+        disk_dir,
+        "--size",
+        "4MiB",
+        "--offload-train-disk-chunk-mb",
+        "2",
+        "--repeat",
+        "2",
+        check_rc=0,
+    )
     assert "2 pass(es): min / median / max" in proc.stdout
     assert [line.split()[0] for line in proc.stdout.splitlines()[2:4]] == ["write", "read"]
 
@@ -179,11 +274,38 @@ def test_benches_take_the_train_flags_they_print(disk_dir):
     """The line a bench prints about the codec names a flag the bench accepts."""
     from greenroom.cli import main as cli
 
-    for argv in (["bench", "stream", "--params", "1000", "--offload-train-disk-dir", disk_dir,
-                  "--offload-train-disk-compression", "zstd", "--stream-optimizer-state-moment-dtype", "bf16",
-                  "--offload-train-disk-chunk-mb", "8", "--raw-size", "1MiB"],
-                 ["bench", "offload", "--offload-train-target", "cpu", "--offload-train-disk-compression", "none",
-                  "--offload-backend", "portable", "--offload-mover", "greenroom", "--size", "1MiB"]):
+    for argv in (
+        [
+            "bench",
+            "stream",
+            "--params",
+            "1000",
+            "--offload-train-disk-dir",
+            disk_dir,
+            "--offload-train-disk-compression",
+            "zstd",
+            "--stream-optimizer-state-moment-dtype",
+            "bf16",
+            "--offload-train-disk-chunk-mb",
+            "8",
+            "--raw-size",
+            "1MiB",
+        ],
+        [
+            "bench",
+            "offload",
+            "--offload-train-target",
+            "cpu",
+            "--offload-train-disk-compression",
+            "none",
+            "--offload-backend",
+            "portable",
+            "--offload-mover",
+            "greenroom",
+            "--size",
+            "1MiB",
+        ],
+    ):
         parser = cli.build_parser(argv)
         args = parser.parse_args(argv)
         assert args.compression in ("zstd", "none")
@@ -192,8 +314,17 @@ def test_benches_take_the_train_flags_they_print(disk_dir):
 
 # -- one vocabulary, defaults shown, units that fit ----------------------------------
 
-COMMANDS_WITH_HELP = (["plan"], ["doctor"], ["report"], ["train"], ["reclaim"], ["bench", "stream"],
-                      ["bench", "disk"], ["bench", "offload"], ["bench", "codec"])
+COMMANDS_WITH_HELP = (
+    ["plan"],
+    ["doctor"],
+    ["report"],
+    ["train"],
+    ["reclaim"],
+    ["bench", "stream"],
+    ["bench", "disk"],
+    ["bench", "offload"],
+    ["bench", "codec"],
+)
 
 
 def _parser_of(argv: list[str]):
@@ -228,22 +359,52 @@ def test_plan_help_has_only_flags_that_mean_something_to_a_plan():
 
 
 def test_every_bench_takes_the_dir_bare_or_as_the_flag_and_defaults_to_the_train_codec(disk_dir):
-    for argv in (["bench", "stream", disk_dir, "--params", "1000"], ["bench", "offload", disk_dir],
-                 ["bench", "codec", "--compression", "zstd", disk_dir], ["bench", "disk", disk_dir],
-                 ["doctor", disk_dir]):
-        args = _parser_of(argv[:2] if argv[0] == "bench" else argv[:1]).parse_args(argv[2:] if argv[0] == "bench"
-                                                                                    else argv[1:])
+    for argv in (
+        ["bench", "stream", disk_dir, "--params", "1000"],
+        ["bench", "offload", disk_dir],
+        ["bench", "codec", "--compression", "zstd", disk_dir],
+        ["bench", "disk", disk_dir],
+        ["doctor", disk_dir],
+    ):
+        args = _parser_of(argv[:2] if argv[0] == "bench" else argv[:1]).parse_args(
+            argv[2:] if argv[0] == "bench" else argv[1:]
+        )
         assert args.dir_positional == disk_dir, argv
         if argv[0] == "bench" and argv[1] != "codec":
             assert args.compression == "auto", argv  # as greenroom train's
-    result = json.loads(greenroom("bench", "disk", disk_dir, "--size", "4MiB", "--chunk-mb", "4", "--repeat", "1",
-                                  "--device", "cpu", "--json", check_rc=0).stdout)
+    result = json.loads(
+        greenroom(
+            "bench",
+            "disk",
+            disk_dir,
+            "--size",
+            "4MiB",
+            "--chunk-mb",
+            "4",
+            "--repeat",
+            "1",
+            "--device",
+            "cpu",
+            "--json",
+            check_rc=0,
+        ).stdout
+    )
     assert result["compression"] == "none"  # auto on a CPU device: none, as train resolves it
 
 
 def test_doctor_says_what_a_warning_costs_before_it_says_ok(disk_dir):
-    proc = subprocess.run(["bash", "-c", 'ulimit -l 1024 && exec "$0" -m greenroom.cli.main doctor "$1" --no-probe',
-                           sys.executable, disk_dir], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'ulimit -l 1024 && exec "$0" -m greenroom.cli.main doctor "$1" --no-probe',
+            sys.executable,
+            disk_dir,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     lines = proc.stdout.splitlines()
     [warning] = [line for line in lines if line.startswith("warning:")]
     assert "memlock limit (1.0 MB) is below the staging (536.9 MB)" in warning

@@ -75,7 +75,8 @@ def test_a_signal_in_the_close_is_raised_once_the_dir_is_gone(disk_dir, monkeypa
 
 @pytest.mark.parametrize("signum,raised", [(signal.SIGTERM, SystemExit), (signal.SIGINT, KeyboardInterrupt)])
 def test_a_signal_in_the_open_is_raised_once_the_dir_is_open_and_closing_leaves_nothing(
-        disk_dir, monkeypatch, request, signum, raised):
+    disk_dir, monkeypatch, request, signum, raised
+):
     """The signal arrives at ``rankdir-parents`` (the job/role dirs made, the rank dir
     not yet): the open finishes and sets its exit hooks, then the signal's exception is
     raised through the rank dir's handler; the close that follows (atexit's, on the way
@@ -100,8 +101,9 @@ def test_a_signal_in_the_open_is_raised_once_the_dir_is_open_and_closing_leaves_
     assert rank_dir.is_open and os.path.isdir(rank_dir.path)
     rank_dir.close()
     assert os.listdir(root) == []
-    assert signal.getsignal(signum) == (signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL), \
+    assert signal.getsignal(signum) == (signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL), (
         "the close did not give the signal its handler back"
+    )
 
 
 @pytest.mark.parametrize("point", ["rankdir-parents", "rankdir-close"])
@@ -110,12 +112,39 @@ def test_greenroom_train_sigtermed_in_its_open_or_close_exits_143_and_leaves_not
     dir's open or at ``rankdir-close``, sent SIGTERM and continued: exit 143, one line at
     most, and nothing under the offload root."""
     root = os.path.join(disk_dir, "offload")
-    cmd = [sys.executable, "-m", "greenroom.cli.main", "train", "--iterations", "1", "--prompts", "4", "--group-size", "2",
-           "--minibatches", "1", "--d-model", "16", "--no-progress", "--dtype", "bf16", "--offload-train",
-           "--offload-train-target", "disk", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", root,
-           "--metrics", os.path.join(disk_dir, "m.jsonl")]
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime"), "OMP_NUM_THREADS": "1",
-           "GREENROOM_TEST_STOP_AT": point}
+    cmd = [
+        sys.executable,
+        "-m",
+        "greenroom.cli.main",
+        "train",
+        "--iterations",
+        "1",
+        "--prompts",
+        "4",
+        "--group-size",
+        "2",
+        "--minibatches",
+        "1",
+        "--d-model",
+        "16",
+        "--no-progress",
+        "--dtype",
+        "bf16",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        root,
+        "--metrics",
+        os.path.join(disk_dir, "m.jsonl"),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.path.join(REPO, "runtime"),
+        "OMP_NUM_THREADS": "1",
+        "GREENROOM_TEST_STOP_AT": point,
+    }
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         deadline = time.monotonic() + 240
@@ -180,16 +209,54 @@ def async_save_run(disk_dir, iterations, stops):
     from greenroom.io import publish
 
     root, ckpt = os.path.join(disk_dir, "offload"), os.path.join(disk_dir, "ckpt")
-    cmd = [sys.executable, "-m", "greenroom.cli.main", "train", "--iterations", iterations, "--prompts", "4",
-           "--group-size", "2", "--minibatches", "1", "--d-model", "16", "--no-progress", "--dtype", "bf16",
-           "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
-           "--offload-train-disk-dir", root, "--metrics", os.path.join(disk_dir, "m.jsonl"), "--save", ckpt,
-           "--save-interval", "1", "--async-save"]
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime"), "OMP_NUM_THREADS": "1",
-           "GREENROOM_TEST_STOP_AT": stops}
+    cmd = [
+        sys.executable,
+        "-m",
+        "greenroom.cli.main",
+        "train",
+        "--iterations",
+        iterations,
+        "--prompts",
+        "4",
+        "--group-size",
+        "2",
+        "--minibatches",
+        "1",
+        "--d-model",
+        "16",
+        "--no-progress",
+        "--dtype",
+        "bf16",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        root,
+        "--metrics",
+        os.path.join(disk_dir, "m.jsonl"),
+        "--save",
+        ckpt,
+        "--save-interval",
+        "1",
+        "--async-save",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.path.join(REPO, "runtime"),
+        "OMP_NUM_THREADS": "1",
+        "GREENROOM_TEST_STOP_AT": stops,
+    }
     # SIGINT at its default, as from a terminal (see above).
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         stopped(proc)
         gate = os.path.join(ckpt, "iter_0000001" + publish.NEW_SUFFIX, "gate")
@@ -209,8 +276,9 @@ def assert_interrupted(proc, err, root):
     assert os.listdir(root) == []
 
 
-@pytest.mark.parametrize("first_in,second", [("the-loops-wait", None), ("an-iteration", signal.SIGTERM),
-                                             ("an-iteration", signal.SIGINT)])
+@pytest.mark.parametrize(
+    "first_in,second", [("the-loops-wait", None), ("an-iteration", signal.SIGTERM), ("an-iteration", signal.SIGINT)]
+)
 def test_signals_while_the_trainer_waits_for_an_async_save_let_it_end_then_clean_up(disk_dir, first_in, second):
     """Ctrl-C ends a ``--async-save`` run while a publish is in flight, landing in the
     loop's wait for it (``the-loops-wait``) or in the next iteration (``an-iteration``,
@@ -223,8 +291,9 @@ def test_signals_while_the_trainer_waits_for_an_async_save_let_it_end_then_clean
     waits for the publish to end (a second one in the same wait would end it: the next
     test), the close then runs in full, and the Ctrl-C that ended the run is what the
     user sees: exit 130, nothing left. The publish is held by ``async_save_run``'s FIFO."""
-    proc, root, gate = async_save_run(disk_dir, *(("1", "instep-streamed") if first_in == "the-loops-wait"
-                                                  else ("2", "instep-streamed,sync@2")))
+    proc, root, gate = async_save_run(
+        disk_dir, *(("1", "instep-streamed") if first_in == "the-loops-wait" else ("2", "instep-streamed,sync@2"))
+    )
     try:
         if first_in == "the-loops-wait":
             assert wait_asleep(proc.pid)  # the loop waits for the publish
@@ -254,9 +323,14 @@ def test_signals_while_the_trainer_waits_for_an_async_save_let_it_end_then_clean
     assert os.listdir(os.path.join(disk_dir, "ckpt")) == [], "the publish cut short"
 
 
-@pytest.mark.parametrize("first_in,signals", [("the-loops-wait", (signal.SIGINT, signal.SIGINT)),
-                                              ("the-loops-wait", (signal.SIGTERM, signal.SIGINT)),
-                                              ("the-close", (signal.SIGTERM, signal.SIGTERM))])
+@pytest.mark.parametrize(
+    "first_in,signals",
+    [
+        ("the-loops-wait", (signal.SIGINT, signal.SIGINT)),
+        ("the-loops-wait", (signal.SIGTERM, signal.SIGINT)),
+        ("the-close", (signal.SIGTERM, signal.SIGTERM)),
+    ],
+)
 def test_a_second_signal_ends_the_wait_for_a_publish_that_never_ends(disk_dir, first_in, signals):
     """A publish that never ends (rank 0's waits without a deadline for the manifest of a
     rank killed mid-save; here ``async_save_run``'s FIFO, never opened while the trainer
@@ -270,8 +344,9 @@ def test_a_second_signal_ends_the_wait_for_a_publish_that_never_ends(disk_dir, f
     beside the checkpoint, as after a forced exit: the next run's settle discards it."""
     from greenroom.io import publish
 
-    proc, root, gate = async_save_run(disk_dir, *(("1", "instep-streamed") if first_in == "the-loops-wait"
-                                                  else ("2", "instep-streamed,sync@2")))
+    proc, root, gate = async_save_run(
+        disk_dir, *(("1", "instep-streamed") if first_in == "the-loops-wait" else ("2", "instep-streamed,sync@2"))
+    )
     try:
         if first_in == "the-close":
             stopped(proc)  # at sync@2, the publish beside it

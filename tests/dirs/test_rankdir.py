@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from greenroom.errors import StorageError
 from greenroom.dirs.rankdir import RankDir, rank_dir_path
+from greenroom.errors import StorageError
 
 HOLDER = os.path.join(os.path.dirname(__file__), "rank_holder.py")
 
@@ -125,12 +125,14 @@ def test_the_last_rank_to_leave_removes_the_parents_greenroom_made_and_only_thos
         assert os.path.isdir(os.path.dirname(later.path)), "a live rank's role dir was removed"
         later.close()
     assert os.listdir(disk_dir) == ["job"]
-    assert sorted(os.path.relpath(os.path.join(d, n), disk_dir) for d, dirs, files in os.walk(disk_dir)
-                  for n in dirs + files) == sorted({"job", users})
+    assert sorted(
+        os.path.relpath(os.path.join(d, n), disk_dir) for d, dirs, files in os.walk(disk_dir) for n in dirs + files
+    ) == sorted({"job", users})
 
 
-def test_a_rank_starting_in_the_parent_a_closing_rank_removes_keeps_it_and_the_last_close_removes_it(disk_dir,
-                                                                                                    monkeypatch):
+def test_a_rank_starting_in_the_parent_a_closing_rank_removes_keeps_it_and_the_last_close_removes_it(
+    disk_dir, monkeypatch
+):
     """A rank opens its dir in ``<job>/<role>`` at the instant a closing sibling has taken
     the dir's marker away and not yet removed it: the ``rmdir`` fails on the new rank dir,
     the marker goes back, and the new rank's close removes both parents (Note [made parents])."""

@@ -102,8 +102,14 @@ def test_concurrent_reclaimers_reclaim_each_dir_once(disk_dir):
             failures.append(e)
 
     threads = [threading.Thread(target=reclaimer) for _ in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "greenroom.cli.main", "reclaim", disk_dir, "--json"],
-                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "greenroom.cli.main", "reclaim", disk_dir, "--json"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -157,8 +163,12 @@ def test_the_parents_a_rank_killed_mid_close_left_are_removed_by_reclaim(disk_di
     aside dir in ``<job>/<role>``, which greenroom made. The next reclaim finishes the aside
     dir and then removes those parents, holding only their markers now; it used to leave
     them, empty, for good."""
-    holder = subprocess.Popen([sys.executable, HOLDER, disk_dir, "job", "actor", "0"], stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "GREENROOM_TEST_KILL_AT": "rankdir-close"})
+    holder = subprocess.Popen(
+        [sys.executable, HOLDER, disk_dir, "job", "actor", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "GREENROOM_TEST_KILL_AT": "rankdir-close"},
+    )
     path = holder.stdout.readline().strip()
     assert path, "holder did not start"
     holder.send_signal(signal.SIGTERM)

@@ -13,20 +13,20 @@ import pytest
 from greenroom.dirs.rankdir import RankDir
 from greenroom.dirs.reclaim import TRASH_PREFIX, reclaim
 from tests.cli_support import greenroom, greenroom_stopped_at, one_line_error, wait_stopped
-from tests.dirs.test_reclaim import dead_owner
 from tests.dirs.test_rankdir import start_holder
+from tests.dirs.test_reclaim import dead_owner
 from tests.train.test_loop import env
 
 
 def aside_entries(root):
-    return [os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files
-            if n.startswith(TRASH_PREFIX)]
+    return [os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files if n.startswith(TRASH_PREFIX)]
 
 
 def test_a_live_dir_swapped_in_after_the_checks_is_put_back_untouched(disk_dir):
     dead = dead_owner(disk_dir, job="job")
     live_proc, live = start_holder(os.path.join(disk_dir, "elsewhere"), job="other")
     try:
+
         def swap_then_say_stale(path, owner):
             # Between reclaim's lock check and its rename: the checked dir leaves, a live one
             # (its lock held by a running process) takes its name.
@@ -96,10 +96,28 @@ def test_reclaim_removing_the_parent_a_starting_trainer_is_populating_never_brea
     with a FileNotFoundError traceback; it makes the path again and runs."""
     dead = dead_owner(disk_dir, job="job", rank=1)
     trainer = greenroom_stopped_at(  # it made <job>/<role>, not yet its rank dir
-        "rankdir-parents", "train", "--offload-train", "--offload-train-target", "disk",
-        "--offload-train-disk-dir", disk_dir, "--iterations", "1", "--prompts", "4", "--group-size", "2",
-        "--minibatches", "1", "--d-model", "16", "--no-progress",
-        "--metrics", str(tmp_path_factory.mktemp("m") / "m.jsonl"), env={**env(), "GREENROOM_JOB_ID": "job"})
+        "rankdir-parents",
+        "train",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        disk_dir,
+        "--iterations",
+        "1",
+        "--prompts",
+        "4",
+        "--group-size",
+        "2",
+        "--minibatches",
+        "1",
+        "--d-model",
+        "16",
+        "--no-progress",
+        "--metrics",
+        str(tmp_path_factory.mktemp("m") / "m.jsonl"),
+        env={**env(), "GREENROOM_JOB_ID": "job"},
+    )
     swept = greenroom("reclaim", disk_dir, check_rc=0)
     assert f"reclaimed: {dead}" in swept.stdout
     assert not os.path.exists(os.path.join(disk_dir, "job")), "reclaim removed the empty parents"
@@ -139,8 +157,12 @@ def _holder_stopped_in_close(disk_dir):
     """A rank (a real process) stopped in its close: files deleted, lock file not yet."""
     from tests.dirs.test_rankdir import HOLDER
 
-    holder = subprocess.Popen([sys.executable, HOLDER, disk_dir, "job", "actor", "0"], stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "GREENROOM_TEST_STOP_AT": "rankdir-close"})
+    holder = subprocess.Popen(
+        [sys.executable, HOLDER, disk_dir, "job", "actor", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "GREENROOM_TEST_STOP_AT": "rankdir-close"},
+    )
     path = holder.stdout.readline().strip()
     assert path, "holder did not start"
     holder.send_signal(signal.SIGTERM)

@@ -21,18 +21,36 @@ import pytest
 import torch
 
 import greenroom
-from greenroom.io import fs
-from greenroom.errors import ConfigError, StorageError
-from greenroom.optim import StreamingAdam
 from greenroom.dirs.rankdir import RankDir
+from greenroom.errors import ConfigError, StorageError
+from greenroom.io import fs
+from greenroom.optim import StreamingAdam
 from tests.cli_support import REPO, one_line_error
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "statedir_worker.py")
 NOBODY = 65534
-SMALL = ["--iterations", "1", "--prompts", "4", "--group-size", "2", "--minibatches", "1", "--d-model", "16",
-         "--no-progress"]
-TRAIN_DISK = ["train", *SMALL, "--offload-train", "--offload-train-target", "disk",
-              "--stream-optimizer-state-to-disk", "--offload-train-disk-dir"]
+SMALL = [
+    "--iterations",
+    "1",
+    "--prompts",
+    "4",
+    "--group-size",
+    "2",
+    "--minibatches",
+    "1",
+    "--d-model",
+    "16",
+    "--no-progress",
+]
+TRAIN_DISK = [
+    "train",
+    *SMALL,
+    "--offload-train",
+    "--offload-train-target",
+    "disk",
+    "--stream-optimizer-state-to-disk",
+    "--offload-train-disk-dir",
+]
 # Launcher variables a CI runner may carry: the plain-path tests choose them themselves.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GREENROOM_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 
@@ -116,8 +134,9 @@ def test_a_dir_named_by_path_and_one_handed_out_by_the_rank_dir_never_coincide(d
     os.symlink(disk_dir, link)
     with RankDir(disk_dir, job="j", role="actor") as rank_dir:
         pairs = [_train_pair(seed) for seed in (0, 1)]
-        by_path = StreamingAdam(pairs[0][0], lr=1e-2, state_dir=os.path.join(rank_dir.path, "optim"),
-                                bucket_numel=4000, chunk_mb=1)
+        by_path = StreamingAdam(
+            pairs[0][0], lr=1e-2, state_dir=os.path.join(rank_dir.path, "optim"), bucket_numel=4000, chunk_mb=1
+        )
         handed = StreamingAdam(pairs[1][0], lr=1e-2, state_dir=rank_dir, bucket_numel=4000, chunk_mb=1)
         assert os.path.basename(handed.state_dir) == "optim-2"
         for opt, (ours, theirs) in zip((by_path, handed), pairs):
@@ -135,8 +154,14 @@ def test_a_dir_named_by_path_and_one_handed_out_by_the_rank_dir_never_coincide(d
 
 
 def _worker(root, mode, env):
-    return subprocess.Popen([sys.executable, WORKER, root, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, WORKER, root, mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _finish(proc) -> str:
@@ -165,17 +190,33 @@ def test_a_second_process_of_the_same_job_and_rank_is_refused_in_one_line(disk_d
     out, err = second.communicate(timeout=300)
     assert second.returncode == 3, err[-3000:]
     assert out.count("\n") == 1 and "Traceback" not in err
-    assert out.startswith(f"refused: {os.path.dirname(state_dir)} is held by a live process "
-                          f"(pid {holder.pid} on {socket.gethostname()})"), out
+    assert out.startswith(
+        f"refused: {os.path.dirname(state_dir)} is held by a live process (pid {holder.pid} on {socket.gethostname()})"
+    ), out
     assert _finish(holder).splitlines()[-1] == "bit-identical"
     assert os.listdir(root) == []
 
 
 def test_two_torchrun_ranks_on_one_plain_path_each_own_a_dir_and_match_adamw(disk_dir):
     root = os.path.join(disk_dir, "optim")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           WORKER, root, "barrier"], capture_output=True, text=True, timeout=300,
-                          env=_env(OMP_NUM_THREADS="1"), cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            WORKER,
+            root,
+            "barrier",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(OMP_NUM_THREADS="1"),
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     dirs = sorted(line for line in lines if line.startswith(root))
@@ -193,12 +234,44 @@ def test_benches_and_doctor_work_in_a_rank_dir_of_their_own_and_leave_a_shared_r
     os.mkdir(root)
     os.chmod(root, 0o1777)
     before = _state(root)
-    for argv in (["bench", "disk", root, "--size", "4MiB", "--chunk-mb", "1", "--json"],
-                 ["bench", "codec", "--compression", "zstd", "--state", "random", "--size", "2MiB", "--threads", "1",
-                  "--dir", root, "--json"],
-                 ["bench", "stream", "--params", "20000", "--param-numel", "5000", "--bucket-numel", "10000",
-                  "--steps", "1", "--chunk-mb", "1", "--raw-size", "1MiB", "--dir", root, "--json"],
-                 ["doctor", root, "--chunk-mb", "1"]):
+    for argv in (
+        ["bench", "disk", root, "--size", "4MiB", "--chunk-mb", "1", "--json"],
+        [
+            "bench",
+            "codec",
+            "--compression",
+            "zstd",
+            "--state",
+            "random",
+            "--size",
+            "2MiB",
+            "--threads",
+            "1",
+            "--dir",
+            root,
+            "--json",
+        ],
+        [
+            "bench",
+            "stream",
+            "--params",
+            "20000",
+            "--param-numel",
+            "5000",
+            "--bucket-numel",
+            "10000",
+            "--steps",
+            "1",
+            "--chunk-mb",
+            "1",
+            "--raw-size",
+            "1MiB",
+            "--dir",
+            root,
+            "--json",
+        ],
+        ["doctor", root, "--chunk-mb", "1"],
+    ):
         assert cli.main(argv) == 0, argv
         assert _state(root) == before, f"{argv[:2]} changed the shared root or left something in it"
     capsys.readouterr()
@@ -248,8 +321,11 @@ def _traversable_by_others(path: str) -> bool:
 def _interpreter() -> str:
     """A Python the unprivileged user can run: this one, or the system's of the same version."""
     for candidate in (os.path.realpath(sys.executable), f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
-        if os.path.exists(candidate) and _traversable_by_others(os.path.dirname(candidate)) \
-                and os.stat(candidate).st_mode & stat.S_IXOTH:
+        if (
+            os.path.exists(candidate)
+            and _traversable_by_others(os.path.dirname(candidate))
+            and os.stat(candidate).st_mode & stat.S_IXOTH
+        ):
             return candidate
     pytest.skip("no Python interpreter that another user can run (it lives under a private home)")
 
@@ -319,9 +395,20 @@ for name, attempt in attempts.items():
 
 def _assert_refused_everywhere(run, root: str, problem: str, **how) -> None:
     """train, doctor and plan exit 2 with the same one line; the API raises ConfigError with it."""
-    for cli in (TRAIN_DISK + [root], ["doctor", root, "--no-probe"],
-                ["plan", "--params", "1e6", "--offload-train", "--offload-train-target", "disk",
-                 "--offload-train-disk-dir", root]):
+    for cli in (
+        TRAIN_DISK + [root],
+        ["doctor", root, "--no-probe"],
+        [
+            "plan",
+            "--params",
+            "1e6",
+            "--offload-train",
+            "--offload-train-target",
+            "disk",
+            "--offload-train-disk-dir",
+            root,
+        ],
+    ):
         line = one_line_error(run(cli=cli, **how))
         assert f"{root} {problem}" in line, (cli[0], line)
     api = run(code=API_REFUSALS.replace("sys.argv[1], sys.argv[2]", f"{root!r}, {run.home!r}"), **how)
@@ -348,8 +435,10 @@ def test_a_shared_1777_root_keeps_its_mode_for_root_and_for_another_user(shared)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert _state(root) == before, f"as {user}: the shared root changed"
     # A crashed owner (plain state_dir, as nobody) leaves a dir only reclaim may remove.
-    crash = run(user="nobody", code=f"import runpy, sys; sys.argv = ['w', {root!r}, 'crash']; "
-                                    f"runpy.run_path({WORKER!r}, run_name='__main__')")
+    crash = run(
+        user="nobody",
+        code=f"import runpy, sys; sys.argv = ['w', {root!r}, 'crash']; runpy.run_path({WORKER!r}, run_name='__main__')",
+    )
     left = crash.stdout.strip()
     assert crash.returncode == -9 or crash.returncode == 137, crash.stderr[-3000:]
     assert left.startswith(root) and os.path.isdir(left)
@@ -385,6 +474,11 @@ def test_a_read_only_root_is_refused_even_for_root_in_one_line(shared):
     if probe.returncode != 0:
         pytest.skip(f"cannot bind-mount read-only here: {probe.stderr.strip()[-300:]}")
     before = _state(root)
-    _assert_refused_everywhere(run, root, "is not writable by uid 0: it takes no new directory (read-only filesystem)",
-                               user="root", readonly=root)
+    _assert_refused_everywhere(
+        run,
+        root,
+        "is not writable by uid 0: it takes no new directory (read-only filesystem)",
+        user="root",
+        readonly=root,
+    )
     assert _state(root) == before

@@ -23,8 +23,8 @@ import sys
 
 import torch
 
-from greenroom.io.engine import StateFile
 from greenroom.errors import GreenroomError
+from greenroom.io.engine import StateFile
 
 EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
 SHUTDOWN_NOLOGFLUSH = 2
@@ -35,10 +35,14 @@ def break_disk(how: str, fd: int) -> None:
         fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", SHUTDOWN_NOLOGFLUSH))
         return
     name = how.split(":", 1)[1]
-    sectors = subprocess.run(["blockdev", "--getsz", f"/dev/mapper/{name}"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-    for cmd in (["dmsetup", "suspend", "--nolockfs", name], ["dmsetup", "load", name, "--table", f"0 {sectors} error"],
-                ["dmsetup", "resume", "--noudevsync", name]):
+    sectors = subprocess.run(
+        ["blockdev", "--getsz", f"/dev/mapper/{name}"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    for cmd in (
+        ["dmsetup", "suspend", "--nolockfs", name],
+        ["dmsetup", "load", name, "--table", f"0 {sectors} error"],
+        ["dmsetup", "resume", "--noudevsync", name],
+    ):
         subprocess.run(cmd, check=True, capture_output=True, timeout=60)
 
 

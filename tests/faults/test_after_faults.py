@@ -16,14 +16,16 @@ import pytest
 import torch
 
 from greenroom.errors import GreenroomError, StorageError
-from greenroom.optim.checkpoint import save_load as checkpoint
-from greenroom.optim.checkpoint import reflink
 from greenroom.optim import StreamingAdam, StreamingMuon
+from greenroom.optim.checkpoint import reflink
+from greenroom.optim.checkpoint import save_load as checkpoint
 from tests.conftest import require_tool
 from tests.faults.test_faults import run_worker
 
-EIO_LINE = (r"\S+/actor\.state: (read|write) of \d+ bytes at offset \d+ of the actor's offload file failed: "
-            r"Input/output error \(EIO\); .*")
+EIO_LINE = (
+    r"\S+/actor\.state: (read|write) of \d+ bytes at offset \d+ of the actor's offload file failed: "
+    r"Input/output error \(EIO\); .*"
+)
 
 
 def _under_strace(syscall: str, *args: str):
@@ -52,9 +54,11 @@ def test_a_sleep_whose_write_fails_is_undone_and_a_wake_is_refused_in_one_line(d
     assert re.fullmatch("raised: " + EIO_LINE, said["first"]), said["first"]
     assert said["asleep"] == "False"
     assert said["awake and unchanged"] == "True"
-    assert re.fullmatch(r"raised: actor offload: wake\(\) after a failed sleep: nothing to wake, the sleep was "
-                        r"undone and every tensor is still on the device as it was \(the sleep failed with: "
-                        + EIO_LINE + r"\)", said["wake"]), said["wake"]
+    assert re.fullmatch(
+        r"raised: actor offload: wake\(\) after a failed sleep: nothing to wake, the sleep was "
+        r"undone and every tensor is still on the device as it was \(the sleep failed with: " + EIO_LINE + r"\)",
+        said["wake"],
+    ), said["wake"]
     assert said["identical after the retry"] == "True"
 
 
@@ -119,18 +123,27 @@ def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(
         shared = opt.store.shared(3)
         fail_a_write_of(opt.store.path(3) + (".new" if shared else ""))
         name = r"bucket-00003\.bin\.new" if shared else r"bucket-00003\.bin"
-        with pytest.raises(StorageError, match=name + r": write of \d+ bytes at offset \d+ of bucket 3 "
-                                                      r"of the optimizer state failed: Input/output error \(EIO\)"):
+        with pytest.raises(
+            StorageError,
+            match=name + r": write of \d+ bytes at offset \d+ of bucket 3 "
+            r"of the optimizer state failed: Input/output error \(EIO\)",
+        ):
             opt.step()
-        first = (r"\(StorageError: \S+/" + name + r": write of \d+ bytes at offset \d+ of bucket 3 of the "
-                 r"optimizer state failed: Input/output error \(EIO\); .*\) and left the state partly updated")
-        for what, call in (("step()", opt.step), ("state_dict()", opt.state_dict),
-                           ("save_checkpoint()", lambda: opt.save_checkpoint(ckpt))):
+        first = (
+            r"\(StorageError: \S+/" + name + r": write of \d+ bytes at offset \d+ of bucket 3 of the "
+            r"optimizer state failed: Input/output error \(EIO\); .*\) and left the state partly updated"
+        )
+        for what, call in (
+            ("step()", opt.step),
+            ("state_dict()", opt.state_dict),
+            ("save_checkpoint()", lambda: opt.save_checkpoint(ckpt)),
+        ):
             with pytest.raises(GreenroomError) as err:
                 call()
             assert "\n" not in str(err.value)
-            assert re.match(rf"{kind.__name__}: {re.escape(what)} refused: an earlier step\(\) failed {first}",
-                            str(err.value)), str(err.value)
+            assert re.match(
+                rf"{kind.__name__}: {re.escape(what)} refused: an earlier step\(\) failed {first}", str(err.value)
+            ), str(err.value)
 
         opt.load_checkpoint(ckpt)
         with torch.no_grad():
@@ -172,8 +185,11 @@ def test_a_load_that_fails_after_replacing_a_bucket_refuses_until_a_load_succeed
         with pytest.raises(GreenroomError) as err:
             opt.step()
         assert "\n" not in str(err.value)
-        assert re.match(r"StreamingAdam: step\(\) refused: an earlier load_checkpoint\(\) failed \(StorageError: "
-                        r".*\) and left the state partly loaded", str(err.value)), str(err.value)
+        assert re.match(
+            r"StreamingAdam: step\(\) refused: an earlier load_checkpoint\(\) failed \(StorageError: "
+            r".*\) and left the state partly loaded",
+            str(err.value),
+        ), str(err.value)
         monkeypatch.setattr(checkpoint, "copy_file", real)
         for _, o in pairs:
             o.load_checkpoint(ckpt)
@@ -196,8 +212,11 @@ def test_a_state_dict_load_whose_bucket_write_fails_refuses_until_a_load_succeed
             opt.load_state_dict(saved)
         with pytest.raises(GreenroomError) as err:
             opt.state_dict()
-        assert re.match(rf"{kind.__name__}: state_dict\(\) refused: an earlier load_state_dict\(\) failed "
-                        r"\(StorageError: .*\) and left the state partly loaded", str(err.value)), str(err.value)
+        assert re.match(
+            rf"{kind.__name__}: state_dict\(\) refused: an earlier load_state_dict\(\) failed "
+            r"\(StorageError: .*\) and left the state partly loaded",
+            str(err.value),
+        ), str(err.value)
         opt.load_state_dict(saved)
         with torch.no_grad():
             for p, q in zip(params, twin_params):
@@ -219,8 +238,11 @@ def test_a_fresh_state_whose_bucket_write_fails_refuses_until_a_load_succeeds(di
             opt.load_checkpoint(os.path.join(disk_dir, "unused"), no_load_optim=True)
         with pytest.raises(GreenroomError) as err:
             opt.step()
-        assert re.match(rf"{kind.__name__}: step\(\) refused: an earlier initialize_state\(\) failed \(StorageError: "
-                        r".*\) and left the state partly reset", str(err.value)), str(err.value)
+        assert re.match(
+            rf"{kind.__name__}: step\(\) refused: an earlier initialize_state\(\) failed \(StorageError: "
+            r".*\) and left the state partly reset",
+            str(err.value),
+        ), str(err.value)
         for _, o in pairs:
             o.initialize_state()
         with torch.no_grad():

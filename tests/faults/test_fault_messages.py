@@ -22,8 +22,23 @@ from tests.cli_support import greenroom, greenroom_stopped_at, one_line_error
 from tests.dirs.test_reclaim import dead_owner
 from tests.train.test_faults import full_fs  # noqa: F401 (a fixture)
 
-TRAIN = ["train", "--offload-train", "--offload-train-target", "disk", "--iterations", "1", "--prompts", "4",
-         "--group-size", "2", "--minibatches", "1", "--d-model", "16", "--no-progress"]
+TRAIN = [
+    "train",
+    "--offload-train",
+    "--offload-train-target",
+    "disk",
+    "--iterations",
+    "1",
+    "--prompts",
+    "4",
+    "--group-size",
+    "2",
+    "--minibatches",
+    "1",
+    "--d-model",
+    "16",
+    "--no-progress",
+]
 
 
 def test_a_disk_dir_on_a_full_filesystem_is_one_line_naming_the_path(full_fs, tmp_path):  # noqa: F811
@@ -36,12 +51,21 @@ def test_a_disk_dir_on_a_full_filesystem_is_one_line_naming_the_path(full_fs, tm
         except OSError:
             pass
     root = os.path.join(full_fs, "offload")
-    proc = greenroom(*TRAIN, "--offload-train-disk-dir", root, "--allow-tmpfs",
-                     "--metrics", str(tmp_path / "m.jsonl"), env={"GREENROOM_JOB_ID": "j"})
+    proc = greenroom(
+        *TRAIN,
+        "--offload-train-disk-dir",
+        root,
+        "--allow-tmpfs",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        env={"GREENROOM_JOB_ID": "j"},
+    )
     line = one_line_error(proc)
-    assert re.search(rf"setting up this rank's dir {re.escape(root)}/j/actor/rank00000 failed: No space left on "
-                     r"device \(ENOSPC\); free space there or point --offload-train-disk-dir at another disk",
-                     line), line
+    assert re.search(
+        rf"setting up this rank's dir {re.escape(root)}/j/actor/rank00000 failed: No space left on "
+        r"device \(ENOSPC\); free space there or point --offload-train-disk-dir at another disk",
+        line,
+    ), line
     assert not os.path.exists(os.path.join(root, "j")), "the half-made rank dir stays"
 
 
@@ -52,11 +76,19 @@ def test_a_rank_dir_a_reclaimer_is_deleting_is_not_blamed_on_its_dead_owner(disk
     owner = json.load(open(os.path.join(dead, "owner.json")))
     reclaimer = greenroom_stopped_at("reclaim-locked", "reclaim", disk_dir)  # it holds the dead run's lock
     try:
-        proc = greenroom(*TRAIN, "--offload-train-disk-dir", disk_dir, "--metrics", str(tmp_path / "m.jsonl"),
-                         env={"GREENROOM_JOB_ID": "j"})
+        proc = greenroom(
+            *TRAIN,
+            "--offload-train-disk-dir",
+            disk_dir,
+            "--metrics",
+            str(tmp_path / "m.jsonl"),
+            env={"GREENROOM_JOB_ID": "j"},
+        )
         line = one_line_error(proc)
-        assert f"{dead} is locked, but not by its recorded owner (pid {owner['pid']} on {owner['host']}, which has " \
-               "exited): a `greenroom reclaim` is deleting what that run left; start again once it is done" in line
+        assert (
+            f"{dead} is locked, but not by its recorded owner (pid {owner['pid']} on {owner['host']}, which has "
+            "exited): a `greenroom reclaim` is deleting what that run left; start again once it is done" in line
+        )
         assert "--rank" not in line
     finally:
         os.kill(reclaimer.pid, signal.SIGCONT)
@@ -68,11 +100,13 @@ def test_a_checkpoint_saved_without_verification_loads_with_it_and_says_so(disk_
     """Its bucket files carry no checksums; the first read used to blame "a flipped bit,
     a failing disk". The load now sums the bytes its CRC-32 passed, and verification
     works from there on (a later flip is caught)."""
+
     def optimizer(name):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(50_000, dtype=torch.bfloat16)) for _ in range(2)]
-        return params, StreamingAdam(params, state_dir=os.path.join(disk_dir, name), bucket_numel=50_000,
-                                     chunk_mb=1, resident_numel=0)
+        return params, StreamingAdam(
+            params, state_dir=os.path.join(disk_dir, name), bucket_numel=50_000, chunk_mb=1, resident_numel=0
+        )
 
     def grads(params, seed):
         gen = torch.Generator().manual_seed(seed)

@@ -29,9 +29,11 @@ from tests.dirs.test_rankdir import start_holder
 
 WORKER = os.path.join(REPO, "tests", "faults", "fault_worker.py")
 WATCHDOG_S = 120
-EIO_LINE = (r"error: \S+/(bucket-\d{5}\.bin|actor\.state): (read|write|sync) of \d+ bytes at offset \d+ of "
-            r"(bucket \d of the optimizer state|the actor's offload file) failed: Input/output error \(EIO\); "
-            r"the device reported an I/O error: .*")
+EIO_LINE = (
+    r"error: \S+/(bucket-\d{5}\.bin|actor\.state): (read|write|sync) of \d+ bytes at offset \d+ of "
+    r"(bucket \d of the optimizer state|the actor's offload file) failed: Input/output error \(EIO\); "
+    r"the device reported an I/O error: .*"
+)
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -115,8 +117,10 @@ def dm_linear(tmp_path):
         proc = _run("dmsetup", "create", "--noudevsync", name, "--table", f"0 {sectors} linear {dev} 0", check=False)
         if proc.returncode != 0:
             pytest.skip(f"the kernel has no usable device-mapper: {proc.stderr.strip().splitlines()[0]}")
-        with _finally_all(lambda: _run("dmsetup", "remove", "--noudevsync", "--force", name, check=False)), \
-                ext4_on(f"/dev/mapper/{name}", str(tmp_path / "mnt")) as state:
+        with (
+            _finally_all(lambda: _run("dmsetup", "remove", "--noudevsync", "--force", name, check=False)),
+            ext4_on(f"/dev/mapper/{name}", str(tmp_path / "mnt")) as state,
+        ):
             yield state, name
 
 
@@ -124,8 +128,14 @@ def run_worker(*args: str, prefix=()) -> subprocess.CompletedProcess:
     """The worker in its own process group (under ``prefix``, strace say), killed (and
     the test failed) if it hangs."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "runtime"), REPO]))
-    proc = subprocess.Popen([*prefix, sys.executable, WORKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, WORKER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=WATCHDOG_S)
     except subprocess.TimeoutExpired:
@@ -151,8 +161,11 @@ def test_enospc_while_preallocating_buckets_removes_every_file_it_created(tmp_pa
     with small_ext4(tmp_path, 32) as (state, _):
         # 10 MB each: the masters' low halves (Note [remainder]) and two fp32 moments
         params = [torch.nn.Parameter(torch.zeros(1_000_000, dtype=torch.bfloat16)) for _ in range(4)]
-        with pytest.raises(StorageError, match=r"/bucket-0000[123]\.bin: not enough space to preallocate 9\.\d MiB "
-                                               r"\(.* free on .*/mnt\); free space or point --offload-train-disk-dir"):
+        with pytest.raises(
+            StorageError,
+            match=r"/bucket-0000[123]\.bin: not enough space to preallocate 9\.\d MiB "
+            r"\(.* free on .*/mnt\); free space or point --offload-train-disk-dir",
+        ):
             StreamingAdam(params, state_dir=state, bucket_numel=1_000_000, chunk_mb=1, resident_numel=0)
         assert os.listdir(state) == []
 
@@ -161,11 +174,17 @@ def test_enospc_during_a_write_on_a_thin_device_names_the_file_and_the_write(tmp
     _require_root_and("losetup", "mkfs.ext4", "mount")
     # A 64 MiB filesystem on a sparse image that may only grow by ~8 MiB: preallocation
     # succeeds (the filesystem has room), the device runs out under the sleep's writes.
-    with tmpfs(str(tmp_path / "thin"), "12m") as thin, loop_device(os.path.join(thin, "disk.img"), 64) as dev, \
-            ext4_on(dev, str(tmp_path / "mnt")) as state:
+    with (
+        tmpfs(str(tmp_path / "thin"), "12m") as thin,
+        loop_device(os.path.join(thin, "disk.img"), 64) as dev,
+        ext4_on(dev, str(tmp_path / "mnt")) as state,
+    ):
         proc = run_worker("sleep", state, "none")
-        assert_one_line(proc, r"error: \S+/actor\.state: (write|sync) of \d+ bytes at offset \d+ of the actor's "
-                              r"offload file failed: No space left on device \(ENOSPC\); the disk is full: .*")
+        assert_one_line(
+            proc,
+            r"error: \S+/actor\.state: (write|sync) of \d+ bytes at offset \d+ of the actor's "
+            r"offload file failed: No space left on device \(ENOSPC\); the disk is full: .*",
+        )
 
 
 # -- EIO mid-phase ---------------------------------------------------------------------------
@@ -219,8 +238,11 @@ def test_a_bit_flipped_on_the_device_under_a_bucket_file_stops_the_step(tmp_path
         try:
             opt.step()
             _flip_on_device(dev, opt.store.path(1), 3 * (1 << 20) + 5)
-            with pytest.raises(IntegrityError, match=r"bucket-00001\.bin: checksum mismatch at offset 3145728 \(bytes "
-                                                     r"\[3145728, .*\) of bucket 1 of the optimizer state\)"):
+            with pytest.raises(
+                IntegrityError,
+                match=r"bucket-00001\.bin: checksum mismatch at offset 3145728 \(bytes "
+                r"\[3145728, .*\) of bucket 1 of the optimizer state\)",
+            ):
                 opt.step()
         finally:
             opt.close()
@@ -236,8 +258,11 @@ def test_a_bit_flipped_on_the_device_under_the_offload_file_fails_the_wake(tmp_p
         with PortableOffloader(target="disk", offload_dir=state, chunk_bytes=1 << 20).track(model) as offloader:
             offloader.sleep()
             _flip_on_device(dev, os.path.join(state, "actor.state"), 5 * (1 << 20) + 123)
-            with pytest.raises(IntegrityError, match=r"actor\.state: checksum mismatch at offset 5242880 .* of the "
-                                                     r"actor's offload file\)"):
+            with pytest.raises(
+                IntegrityError,
+                match=r"actor\.state: checksum mismatch at offset 5242880 .* of the "
+                r"actor's offload file\)",
+            ):
                 offloader.wake()
 
 
@@ -245,8 +270,18 @@ def test_a_bit_flipped_on_the_device_under_the_offload_file_fails_the_wake(tmp_p
 def test_a_second_trainer_with_the_same_job_role_and_rank_is_refused_in_one_line(disk_dir):
     holder, path = start_holder(disk_dir, job="same-job")
     try:
-        proc = greenroom("train", "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
-                         disk_dir, "--iterations", "1", "--no-progress", env={"GREENROOM_JOB_ID": "same-job"})
+        proc = greenroom(
+            "train",
+            "--offload-train",
+            "--offload-train-target",
+            "disk",
+            "--offload-train-disk-dir",
+            disk_dir,
+            "--iterations",
+            "1",
+            "--no-progress",
+            env={"GREENROOM_JOB_ID": "same-job"},
+        )
         line = one_line_error(proc)
         assert re.search(r"is held by a live process \(pid \d+ on .*\)", line), line
         assert os.path.exists(os.path.join(path, "offload", "state.bin")), "the live owner's files were touched"

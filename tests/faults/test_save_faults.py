@@ -18,16 +18,25 @@ import tempfile
 import pytest
 
 from tests.cli_support import greenroom_stopped_at
-from tests.train.test_loop import env
 from tests.train.test_faults import FLAGS, assert_same, newest, reference, run, state_of  # noqa: F401 (a fixture)
+from tests.train.test_loop import env
 
 JOB = "issue30"
 
 
 def start(args, *, root, metrics, stop_at):
     """A trainer (job ``JOB``) that stops itself at ``stop_at``; returns once it has."""
-    return greenroom_stopped_at(stop_at, "train", *FLAGS, "--offload-train-disk-dir", root, "--metrics", metrics,
-                                *args, env={**env(), "GREENROOM_JOB_ID": JOB})
+    return greenroom_stopped_at(
+        stop_at,
+        "train",
+        *FLAGS,
+        "--offload-train-disk-dir",
+        root,
+        "--metrics",
+        metrics,
+        *args,
+        env={**env(), "GREENROOM_JOB_ID": JOB},
+    )
 
 
 def resume(proc):
@@ -51,7 +60,8 @@ def copy_of(half, disk_dir):
 
 
 def test_a_byte_flipped_in_a_live_bucket_before_the_saving_step_is_refused_and_the_previous_checkpoint_kept(
-        disk_dir, reference):
+    disk_dir, reference
+):
     """Issue 30 case 4: the save used to copy the flipped bucket, report "saved iteration
     4" and replace the good checkpoint with one no resume accepts. The trainer's save now
     comes from the last step's own pass (``optim.instep``), whose reads are verified: a
@@ -62,8 +72,7 @@ def test_a_byte_flipped_in_a_live_bucket_before_the_saving_step_is_refused_and_t
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     # Iteration 4's rollout (the resumed run's second): after its sleep, before its steps.
-    proc = start(["--iterations", "4", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
-                 stop_at="rollout@2")
+    proc = start(["--iterations", "4", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics, stop_at="rollout@2")
     live = os.path.join(root, JOB, "actor", "rank00000", "optim", "bucket-00000.bin")
     with open(live, "r+b") as f:
         f.seek(5000)
@@ -71,8 +80,11 @@ def test_a_byte_flipped_in_a_live_bucket_before_the_saving_step_is_refused_and_t
         f.seek(5000)
         f.write(bytes([byte[0] ^ 0x04]))
     failed = resume(proc)
-    one_line(failed, r"bucket-00000\.bin: checksum mismatch at offset 0 \(bytes \[0, \d+\) of bucket 0 of the "
-                     r"optimizer state\): what was read back is not what greenroom wrote")
+    one_line(
+        failed,
+        r"bucket-00000\.bin: checksum mismatch at offset 0 \(bytes \[0, \d+\) of bucket 0 of the "
+        r"optimizer state\): what was read back is not what greenroom wrote",
+    )
     assert "saved iteration" not in failed.stdout
     assert_same(state_of(half), state_of(ckpt))
     resumed = run(["--iterations", "3", "--load", ckpt], root=root, metrics=metrics)
@@ -92,8 +104,9 @@ def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(100_000, dtype=torch.bfloat16)) for _ in range(2)]
-    opt = StreamingAdam(params, state_dir=os.path.join(disk_dir, "live"), bucket_numel=100_000, chunk_mb=1,
-                        resident_numel=0)
+    opt = StreamingAdam(
+        params, state_dir=os.path.join(disk_dir, "live"), bucket_numel=100_000, chunk_mb=1, resident_numel=0
+    )
     # The checkpoint on another filesystem than the live files: a copy, never a clone.
     elsewhere = tempfile.mkdtemp(prefix="greenroom-ckpt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
@@ -114,8 +127,11 @@ def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
             byte = f.read(1)
             f.seek(4096 * 3 + 1)
             f.write(bytes([byte[0] ^ 0x80]))
-        with pytest.raises(IntegrityError, match=r"bucket-00000\.bin: checksum mismatch at offset 0 .* while saving a "
-                                                 r"checkpoint: .*nothing was published, the previous checkpoint stays"):
+        with pytest.raises(
+            IntegrityError,
+            match=r"bucket-00000\.bin: checksum mismatch at offset 0 .* while saving a "
+            r"checkpoint: .*nothing was published, the previous checkpoint stays",
+        ):
             opt.save_checkpoint(ckpt)
         assert {n: open(os.path.join(ckpt, n), "rb").read() for n in os.listdir(ckpt)} == before
         assert os.listdir(elsewhere) == ["ckpt"]
@@ -130,18 +146,28 @@ def test_a_second_trainer_saving_to_the_same_dir_is_refused_in_one_line_before_i
     read a checkpoint the first run's save is swapping out)."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
-    first = start(["--iterations", "3", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
-                  stop_at="train-step")
+    first = start(
+        ["--iterations", "3", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics, stop_at="train-step"
+    )
     try:
-        second = run(["--iterations", "3", "--save", ckpt, "--seed", "1"], root=root,
-                     metrics=os.path.join(disk_dir, "second.jsonl"))
-        one_line(second, rf"{re.escape(ckpt)}: another process \(pid {first.pid} on \S+\) holds "
-                         rf"{re.escape(ckpt)}\.lock: it is saving there .*give this run another checkpoint dir")
+        second = run(
+            ["--iterations", "3", "--save", ckpt, "--seed", "1"],
+            root=root,
+            metrics=os.path.join(disk_dir, "second.jsonl"),
+        )
+        one_line(
+            second,
+            rf"{re.escape(ckpt)}: another process \(pid {first.pid} on \S+\) holds "
+            rf"{re.escape(ckpt)}\.lock: it is saving there .*give this run another checkpoint dir",
+        )
         assert "iter" not in second.stdout, "refused before training"
         reader = run(["--iterations", "3", "--load", ckpt], root=root, metrics=os.path.join(disk_dir, "third.jsonl"))
-        one_line(reader, rf"{re.escape(ckpt)}: another process \(pid {first.pid} on \S+\) holds "
-                         rf"{re.escape(ckpt)}\.lock: it saves there, and a load now could read a checkpoint it "
-                         r"is replacing")
+        one_line(
+            reader,
+            rf"{re.escape(ckpt)}: another process \(pid {first.pid} on \S+\) holds "
+            rf"{re.escape(ckpt)}\.lock: it saves there, and a load now could read a checkpoint it "
+            r"is replacing",
+        )
     finally:
         done = resume(first)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -155,8 +181,9 @@ def test_a_symlinked_load_finishes_a_killed_save_like_the_real_path(disk_dir, re
     seen, and the resume silently started from the older checkpoint."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
-    killed = run(["--iterations", "3", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
-                 kill_at="save-staged@2")
+    killed = run(
+        ["--iterations", "3", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics, kill_at="save-staged@2"
+    )
     assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-2000:]
     shutil.rmtree(root)
     link = os.path.join(disk_dir, "link")
@@ -175,8 +202,11 @@ def test_iterations_below_the_checkpoints_is_refused_in_one_line_and_nothing_is_
     ckpt, root, metrics = copy_of(half, disk_dir)
     before = state_of(ckpt)
     proc = run(["--iterations", "1", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics)
-    one_line(proc, rf"--iterations 1 is below the iteration of --load {re.escape(ckpt)} \(2\): a resumed run trains "
-                   r"up to --iterations in all, so give --iterations 2 or more")
+    one_line(
+        proc,
+        rf"--iterations 1 is below the iteration of --load {re.escape(ckpt)} \(2\): a resumed run trains "
+        r"up to --iterations in all, so give --iterations 2 or more",
+    )
     assert_same(before, state_of(ckpt))
     assert sorted(os.listdir(disk_dir)) == ["ckpt", "offload"]
 
@@ -199,8 +229,11 @@ def test_a_dtype_other_than_the_checkpoints_is_refused_in_one_line(disk_dir, ref
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     proc = run(["--iterations", "3", "--load", ckpt, "--dtype", "fp32"], root=root, metrics=metrics)
-    one_line(proc, r"the weights were saved as bf16 \(--dtype bf16\), this run has --dtype fp32: resume with "
-                   r"--dtype bf16")
+    one_line(
+        proc,
+        r"the weights were saved as bf16 \(--dtype bf16\), this run has --dtype fp32: resume with "
+        r"--dtype bf16",
+    )
 
 
 def test_a_model_of_other_sizes_is_refused_in_one_line(disk_dir, reference):
@@ -223,8 +256,7 @@ def test_weights_this_model_lacks_are_refused_where_the_meta_predates_the_sizes(
     meta = json.load(open(os.path.join(newest(ckpt), META)))
     assert meta.pop("model")["n_layers"] == 2
     publish.write_checked_json(os.path.join(newest(ckpt), META), {k: v for k, v in meta.items() if k != "crc32"})
-    proc = run(["--iterations", "3", "--load", ckpt, "--n-layers", "1", "--no-load-optim"], root=root,
-               metrics=metrics)
+    proc = run(["--iterations", "3", "--load", ckpt, "--n-layers", "1", "--no-load-optim"], root=root, metrics=metrics)
     one_line(proc, r"model\.pt: holds \S*1\.\S+ and \d+ more, which this model does not have")
 
 
@@ -256,8 +288,15 @@ def test_an_async_save_whose_other_rank_fails_stops_rank_0_with_its_reason(disk_
     ckpt = os.path.join(disk_dir, "ckpt")
     for rank in (0, 1):
         checkpoint.begin(ckpt, rank=rank, barrier=lambda: None)
-    common = dict(model_config=None, optimizer=None, optim_state={}, streaming=False, optim_written=False,
-                  iteration=1, world_size=2)
+    common = dict(
+        model_config=None,
+        optimizer=None,
+        optim_state={},
+        streaming=False,
+        optim_written=False,
+        iteration=1,
+        world_size=2,
+    )
     with pytest.raises(Exception):  # a weight torch.save cannot write: rank 1's part fails
         checkpoint.finish(ckpt, model_state={"w": lambda: None}, rank=1, **common)
     raised = []

@@ -29,8 +29,19 @@ BASE = "localhost/greenroom-ci-base:bookworm-2"
 # This machine: vfs storage and chroot isolation (overlay and the default isolation fail
 # on its hybrid cgroups); runc, because crun fails on rlimits here.
 ENV = dict(os.environ, STORAGE_DRIVER="vfs", BUILDAH_ISOLATION="chroot")
-RUN = ["podman", "--runtime", "runc", "run", "--rm", "--network", "none",
-       "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+RUN = [
+    "podman",
+    "--runtime",
+    "runc",
+    "run",
+    "--rm",
+    "--network",
+    "none",
+    "--ulimit",
+    "nofile=1024:1024",
+    "--ulimit",
+    "nproc=1024:1024",
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +66,11 @@ def _run(image, *argv, volume=None, user=None):
 
 
 def test_image_has_oci_labels_and_a_non_root_user(image):
-    info = json.loads(subprocess.run(["podman", "image", "inspect", image], env=ENV, check=True,
-                                     capture_output=True, text=True).stdout)[0]
+    info = json.loads(
+        subprocess.run(
+            ["podman", "image", "inspect", image], env=ENV, check=True, capture_output=True, text=True
+        ).stdout
+    )[0]
     labels = info["Labels"]
     assert labels["org.opencontainers.image.title"] == "greenroom"
     assert labels["org.opencontainers.image.version"] == "0.1.0"
@@ -89,9 +103,21 @@ def test_one_iteration_of_greenroom_train_with_disk_offload_into_a_host_dir(imag
     if not os.path.exists(os.path.join(REPO, "runtime", "greenroom", "train", "main.py")):
         pytest.skip("greenroom train is not implemented yet (runtime/greenroom/cli/train.py)")
     os.chmod(disk_dir, 0o777)  # the image's user is uid 1000
-    out = _run(image, "greenroom", "train", "--iterations", "1", "--offload-train",
-               "--offload-train-target", "disk", "--offload-train-disk-dir", "/data/offload",
-               "--stream-optimizer-state-to-disk", "--no-progress", volume=disk_dir)
+    out = _run(
+        image,
+        "greenroom",
+        "train",
+        "--iterations",
+        "1",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        "/data/offload",
+        "--stream-optimizer-state-to-disk",
+        "--no-progress",
+        volume=disk_dir,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "offload disk" in out.stdout
     # The rank wrote its files under the mounted dir and removed them at exit.
@@ -101,17 +127,27 @@ def test_one_iteration_of_greenroom_train_with_disk_offload_into_a_host_dir(imag
 
 def test_image_scripts_pass_shellcheck():
     shellcheck = require_tool("shellcheck")
-    scripts = ["scripts/build-image.sh", "images/ci-base.sh", "images/ci-image.sh", "scripts/setup.d/20-helm.sh",
-               "scripts/setup.d/30-containers.sh", "scripts/setup.d/10-slurm.sh", "scripts/lib/apt-install.sh"]
+    scripts = [
+        "scripts/build-image.sh",
+        "images/ci-base.sh",
+        "images/ci-image.sh",
+        "scripts/setup.d/20-helm.sh",
+        "scripts/setup.d/30-containers.sh",
+        "scripts/setup.d/10-slurm.sh",
+        "scripts/lib/apt-install.sh",
+    ]
     # -x follows the shared apt helper the setup steps source.
     out = subprocess.run([shellcheck, "-x", *scripts], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([], "usage: scripts/build-image.sh IMAGE:TAG BASE_IMAGE"),  # a missing argument
-    (["x:1", "base"], "build-image: GREENROOM_BUILD_ENGINE=kaniko is not docker, podman or buildah"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "usage: scripts/build-image.sh IMAGE:TAG BASE_IMAGE"),  # a missing argument
+        (["x:1", "base"], "build-image: GREENROOM_BUILD_ENGINE=kaniko is not docker, podman or buildah"),
+    ],
+)
 def test_build_script_refuses_bad_input_in_one_line(argv, message):
     env = dict(os.environ, GREENROOM_BUILD_ENGINE="kaniko")
     out = subprocess.run(["scripts/build-image.sh", *argv], cwd=REPO, capture_output=True, text=True, env=env)
@@ -137,7 +173,8 @@ def test_ci_image_never_removes_a_container_with_an_old_tag(tmp_path):
     (tree / "images").mkdir(parents=True)
     subprocess.run(["cp", os.path.join(REPO, "images", "ci-image.sh"), str(tree / "images")], check=True)
     (tree / "images" / "stage_wheels.py").write_text(
-        "import os, sys\nos.makedirs(sys.argv[1], exist_ok=True)\nopen(os.path.join(sys.argv[1], '.staged'), 'w')\n")
+        "import os, sys\nos.makedirs(sys.argv[1], exist_ok=True)\nopen(os.path.join(sys.argv[1], '.staged'), 'w')\n"
+    )
     subprocess.run(["git", "init", "-q", str(tree)], check=True)
     calls = tmp_path / "podman-calls"
     bin_dir = tmp_path / "bin"
@@ -154,15 +191,22 @@ case "$1" in
 esac
 """)
     podman.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", GREENROOM_K8S_CACHE=str(tmp_path / "cache"),
-               PYTHON=sys.executable)
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        GREENROOM_K8S_CACHE=str(tmp_path / "cache"),
+        PYTHON=sys.executable,
+    )
     out = subprocess.run(["bash", "images/ci-image.sh"], cwd=tree, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("localhost/greenroom:ci-")
     rmi = [line for line in calls.read_text().splitlines() if line.startswith("rmi") or line == "FORCED"]
     # Then the deps image (images/Dockerfile's deps stage) that is not this tree's.
-    assert rmi == ["rmi localhost/greenroom:ci-inuse", "rmi localhost/greenroom:ci-idle",
-                   "rmi localhost/greenroom-ci-deps:0ld"], rmi
+    assert rmi == [
+        "rmi localhost/greenroom:ci-inuse",
+        "rmi localhost/greenroom:ci-idle",
+        "rmi localhost/greenroom-ci-deps:0ld",
+    ], rmi
     assert "ci-image: left localhost/greenroom:ci-inuse in place (a container uses it)" in out.stderr
 
 
@@ -177,6 +221,7 @@ def test_staged_wheels_follow_torchs_cuda_extras_at_the_installed_versions():
     # PyPI's torch asks for cuda-toolkit[cublas,...]: the offline build needs the wheels
     # behind those extras too (the test cluster's image, scripts/k8s/image.sh).
     from importlib import metadata
+
     if not any(r.startswith("cuda-toolkit[") for r in metadata.requires("torch") or []):
         pytest.skip(f"torch {metadata.version('torch')} here is not PyPI's CUDA build (no cuda-toolkit extras)")
     pins = _stage_wheels_module().closure(["torch"])
@@ -185,18 +230,29 @@ def test_staged_wheels_follow_torchs_cuda_extras_at_the_installed_versions():
 
 
 def test_staging_refuses_a_missing_distribution_in_one_line():
-    out = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'images'); import stage_wheels; "
-                          "stage_wheels.closure(['no-such-distribution-greenroom'])"],
-                         cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, 'images'); import stage_wheels; "
+            "stage_wheels.closure(['no-such-distribution-greenroom'])",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2
-    assert out.stderr == ("stage_wheels: no-such-distribution-greenroom (the image needs it) is not installed in "
-                          f"{sys.executable}: run make install\n")
+    assert out.stderr == (
+        "stage_wheels: no-such-distribution-greenroom (the image needs it) is not installed in "
+        f"{sys.executable}: run make install\n"
+    )
 
 
 def test_the_dockerfile_installs_pinned_versions_only():
     """Every package the image build names is pinned with ==, at the version the test extra
     pins (was: megatron-core>=0.16.1, whatever the index had on the day of the build)."""
     import re
+
     import tomllib
 
     text = open(os.path.join(REPO, "images", "Dockerfile"), encoding="utf-8").read().replace("\\\n", " ")

@@ -10,10 +10,9 @@ import os
 import pytest
 import torch
 
-from greenroom.io import compression
-from greenroom.io import frames
-from greenroom.io.engine import EXTENT, StateFile, TransferEngine, align_up
 from greenroom.errors import CheckpointError, ConfigError, IntegrityError
+from greenroom.io import compression, frames
+from greenroom.io.engine import EXTENT, StateFile, TransferEngine, align_up
 from tests.io.codec_support import CHUNK, as_bytes, compressible, zstd
 
 __all__ = ["zstd"]  # the fixture, imported for the tests below
@@ -21,12 +20,22 @@ __all__ = ["zstd"]  # the fixture, imported for the tests below
 
 @pytest.mark.parametrize("direct", [None, False], ids=["o_direct_if_possible", "buffered"])
 @pytest.mark.parametrize("checksums", ["memory", "file"])
-@pytest.mark.parametrize("dtype, n", [(torch.float32, 3_000_001), (torch.bfloat16, 777_777), (torch.float16, 5),
-                                      (torch.float64, 300_000), (torch.uint8, 4097), (torch.int32, EXTENT // 4)])
+@pytest.mark.parametrize(
+    "dtype, n",
+    [
+        (torch.float32, 3_000_001),
+        (torch.bfloat16, 777_777),
+        (torch.float16, 5),
+        (torch.float64, 300_000),
+        (torch.uint8, 4097),
+        (torch.int32, EXTENT // 4),
+    ],
+)
 def test_round_trips_are_bit_exact_for_every_dtype_and_odd_size(tmp_path, zstd, direct, checksums, dtype, n):
     t = compressible(dtype, n)
-    f = StateFile(str(tmp_path / "state"), t.numel() * t.element_size(), checksums=checksums, compression=zstd,
-                  direct=direct)
+    f = StateFile(
+        str(tmp_path / "state"), t.numel() * t.element_size(), checksums=checksums, compression=zstd, direct=direct
+    )
     with f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
         back = torch.empty_like(t)
@@ -42,8 +51,10 @@ def test_a_transfer_at_an_unaligned_extent_offset_and_one_beside_it(tmp_path, zs
     # that the second begins in, so frames of both live in one extent.
     a, b = compressible(torch.float32, 400_000, 1), compressible(torch.bfloat16, 900_001, 2)
     off_b = align_up(a.numel() * 4)
-    with StateFile(str(tmp_path / "state"), off_b + b.numel() * 2, compression=zstd) as f, \
-            TransferEngine(CHUNK) as engine:
+    with (
+        StateFile(str(tmp_path / "state"), off_b + b.numel() * 2, compression=zstd) as f,
+        TransferEngine(CHUNK) as engine,
+    ):
         engine.write(a, f, 0).wait()
         engine.write(b, f, off_b).wait()
         back_a, back_b = torch.empty_like(a), torch.empty_like(b)
@@ -99,8 +110,10 @@ def test_a_corrupted_stored_frame_is_detected_naming_the_file_and_offset(tmp_pat
 def test_a_damaged_header_is_refused(tmp_path, zstd):
     t = compressible(torch.float32, EXTENT // 4)
     path = str(tmp_path / "state")
-    with StateFile(path, t.numel() * 4, compression=zstd, checksums="memory") as f, \
-            TransferEngine(CHUNK, verify=False) as engine:
+    with (
+        StateFile(path, t.numel() * 4, compression=zstd, checksums="memory") as f,
+        TransferEngine(CHUNK, verify=False) as engine,
+    ):
         engine.write(t, f, 0).wait()
         fd = os.open(path, os.O_RDWR)
         try:
@@ -117,13 +130,15 @@ def test_a_device_frame_in_a_file_of_a_host_codec_is_refused(tmp_path, zstd, mon
     # CUDA, so the frame's codec is a stand-in that says it runs on the device.
     t = compressible(torch.float32, EXTENT // 4)
     path = str(tmp_path / "state")
-    with StateFile(path, t.numel() * 4, compression=zstd, checksums="memory") as f, \
-            TransferEngine(CHUNK) as engine:
+    with StateFile(path, t.numel() * 4, compression=zstd, checksums="memory") as f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
         device_codec = type("DeviceCodec", (), {"name": "nvcomp-ans", "on_device": True})()
         monkeypatch.setattr(compression, "codec_by_id", lambda codec_id, where: device_codec)
-        with pytest.raises(IntegrityError, match=r"state: frame at offset 0 of .*: the frame names codec "
-                                                 r"nvcomp-ans, but the file was opened for zstd"):
+        with pytest.raises(
+            IntegrityError,
+            match=r"state: frame at offset 0 of .*: the frame names codec "
+            r"nvcomp-ans, but the file was opened for zstd",
+        ):
             engine.read(torch.empty_like(t), f, 0).wait()
 
 
@@ -133,14 +148,15 @@ def test_none_stores_the_bytes_exactly_as_before(tmp_path):
     t = compressible(torch.float32, 1_000_003)
     nbytes = t.numel() * 4
     assert StateFile.file_bytes(nbytes, checksums="file") == align_up(nbytes) + align_up(
-        (align_up(nbytes) + EXTENT - 1) // EXTENT * 8)
+        (align_up(nbytes) + EXTENT - 1) // EXTENT * 8
+    )
     path = str(tmp_path / "state")
     with StateFile(path, nbytes, checksums="file") as f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
     with open(path, "rb") as raw:
         data = raw.read()
     assert len(data) == StateFile.file_bytes(nbytes, checksums="file")
-    assert data[:nbytes] == t.numpy().tobytes() and data[nbytes:align_up(nbytes)] == bytes(align_up(nbytes) - nbytes)
+    assert data[:nbytes] == t.numpy().tobytes() and data[nbytes : align_up(nbytes)] == bytes(align_up(nbytes) - nbytes)
 
 
 def test_flags_resolve_in_one_line_each():
@@ -172,8 +188,15 @@ def _adamw_and_streaming(directory: str, compression_name: str, name: str = "opt
     ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
     adamw = torch.optim.AdamW(ref, lr=1e-2, foreach=True)
-    opt = StreamingAdam(ours, lr=1e-2, state_dir=os.path.join(directory, name), bucket_numel=200_000, chunk_mb=8,
-                        resident_numel=0, compression=compression_name)
+    opt = StreamingAdam(
+        ours,
+        lr=1e-2,
+        state_dir=os.path.join(directory, name),
+        bucket_numel=200_000,
+        chunk_mb=8,
+        resident_numel=0,
+        compression=compression_name,
+    )
     return ref, ours, adamw, opt
 
 
@@ -235,8 +258,13 @@ def test_disk_offload_with_compression_restores_every_byte(disk_dir):
     from greenroom.config import OffloadConfig
     from greenroom.dirs.rankdir import RankDir
 
-    config = OffloadConfig(offload_train=True, offload_train_target="disk", offload_train_disk_dir=str(disk_dir),
-                           offload_train_disk_chunk_mb=8, offload_train_disk_compression="zstd")
+    config = OffloadConfig(
+        offload_train=True,
+        offload_train_target="disk",
+        offload_train_disk_dir=str(disk_dir),
+        offload_train_disk_chunk_mb=8,
+        offload_train_disk_compression="zstd",
+    )
     with RankDir(str(disk_dir), role="actor", rank=0) as rank_dir:
         offloader = build_offloader(config, rank_dir, device="cpu", backend="portable", scope="tracked")
         with offloader:
@@ -258,11 +286,28 @@ def test_plan_reports_the_expected_stored_bytes_beside_the_raw_size(disk_dir):
     import sys
 
     def plan(codec: str) -> dict:
-        out = subprocess.run([sys.executable, "-m", "greenroom.cli.main", "plan", "--offload-train",
-                              "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
-                              "--offload-train-disk-dir", str(disk_dir),
-                              "--params", "1e6", "--offload-train-disk-compression", codec, "--json"],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "greenroom.cli.main",
+                "plan",
+                "--offload-train",
+                "--offload-train-target",
+                "disk",
+                "--stream-optimizer-state-to-disk",
+                "--offload-train-disk-dir",
+                str(disk_dir),
+                "--params",
+                "1e6",
+                "--offload-train-disk-compression",
+                codec,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return json.loads(out)
 
     plain, packed = plan("none"), plan("zstd")
@@ -285,15 +330,18 @@ def _nvcomp_or_skip():
 @pytest.mark.gpu
 @pytest.mark.parametrize("checksums", ["memory", "file"])
 # Note [copy while reading]: both settings, and pieces far smaller than a chunk.
-@pytest.mark.parametrize("device_reads", [frames.BESIDE_WRITES, frames.READS_ALONE,
-                                          frames.DeviceReads(piece=256 << 10, in_flight=3)])
+@pytest.mark.parametrize(
+    "device_reads", [frames.BESIDE_WRITES, frames.READS_ALONE, frames.DeviceReads(piece=256 << 10, in_flight=3)]
+)
 def test_nvcomp_round_trips_device_and_host_tensors_and_catches_a_flip(tmp_path, checksums, device_reads):
     codec = _nvcomp_or_skip()
     for dtype, n in ((torch.float32, 3_000_001), (torch.bfloat16, 777_777), (torch.uint8, 5000)):
         t = compressible(dtype, n).cuda()
         path = str(tmp_path / f"state-{n}")
-        with StateFile(path, t.numel() * t.element_size(), checksums=checksums, compression=codec) as f, \
-                TransferEngine(CHUNK, device_reads=device_reads) as engine:
+        with (
+            StateFile(path, t.numel() * t.element_size(), checksums=checksums, compression=codec) as f,
+            TransferEngine(CHUNK, device_reads=device_reads) as engine,
+        ):
             engine.write(t, f, 0).wait()
             back, host = torch.empty_like(t), torch.empty(t.shape, dtype=t.dtype)
             engine.read(back, f, 0).wait()
@@ -325,8 +373,10 @@ def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp
         return real_read(self, buf, file_offset)
 
     small_pieces = frames.DeviceReads(piece=256 << 10, in_flight=8)
-    with StateFile(str(tmp_path / "state"), t.numel() * 2, compression=codec) as f, \
-            TransferEngine(4 * EXTENT, depth=2, device_reads=small_pieces) as engine:
+    with (
+        StateFile(str(tmp_path / "state"), t.numel() * 2, compression=codec) as f,
+        TransferEngine(4 * EXTENT, depth=2, device_reads=small_pieces) as engine,
+    ):
         engine.write(t, f, 0).wait()
         back = torch.empty_like(t)
         monkeypatch.setattr(StateFile, "read", failing_read)
@@ -354,8 +404,10 @@ def test_nvcomp_keeps_the_smaller_coding_of_a_16_bit_frame_and_reads_both(tmp_pa
         assert torch.equal(back, state)
     stream = torch.cuda.Stream()
     frame = as_bytes(half)[:EXTENT]
-    sizes = {codec.id: codec._encode([frame], [2], stream, half=False)[0].numel(),
-             compression.NVCOMP_F16_ID: codec._encode([frame], [2], stream, half=True)[0].numel()}
+    sizes = {
+        codec.id: codec._encode([frame], [2], stream, half=False)[0].numel(),
+        compression.NVCOMP_F16_ID: codec._encode([frame], [2], stream, half=True)[0].numel(),
+    }
     magic, codec_id, itemsize, raw, payload = compression._HEADER.unpack_from(_first_stored_frame(path))
     assert (magic, itemsize, raw) == (compression.MAGIC, 2, EXTENT)
     assert payload == sizes[codec_id] == min(sizes.values())
@@ -387,8 +439,10 @@ def test_the_engine_keeps_decoders_while_it_reads_and_drops_them_after(tmp_path,
     half = compressible(torch.bfloat16, 12 * EXTENT // 2).cuda()
     full = compressible(torch.float32, 12 * EXTENT // 4 + 11, seed=1).cuda()
     state = torch.cat([as_bytes(half), as_bytes(full)])
-    with StateFile(str(tmp_path / "state"), state.numel(), compression=codec) as f, \
-            TransferEngine(4 * EXTENT, depth=2, device_reads=frames.READS_ALONE) as engine:
+    with (
+        StateFile(str(tmp_path / "state"), state.numel(), compression=codec) as f,
+        TransferEngine(4 * EXTENT, depth=2, device_reads=frames.READS_ALONE) as engine,
+    ):
         engine.write(state, f, 0, element_sizes=((0, 2), (half.numel() * 2, 4))).wait()
         for _ in range(2):
             back = torch.empty_like(state)
@@ -414,8 +468,9 @@ def test_nvcomp_decodes_frames_coded_with_nvcomps_default_chunks(tmp_path):
         coded = codec._encode([frame], [2], stream, half=codec_id == compression.NVCOMP_F16_ID)[0]
         planes = frame if options else frame.view(-1, 2).t().contiguous().view(-1)
         with torch.cuda.stream(stream):
-            old = nvcomp.Codec(algorithm="ANS", device_id=frame.device.index, cuda_stream=stream.cuda_stream,
-                               **options).encode(nvcomp.as_array(planes))
+            old = nvcomp.Codec(
+                algorithm="ANS", device_id=frame.device.index, cuda_stream=stream.cuda_stream, **options
+            ).encode(nvcomp.as_array(planes))
             old = torch.as_tensor(old, device=frame.device).view(torch.uint8).reshape(-1).clone()
         stream.synchronize()
         assert not torch.equal(old, coded)  # the options changed the bitstream
@@ -439,8 +494,9 @@ def test_bench_codec_fails_a_codec_that_decodes_wrong_bytes(monkeypatch, capsys)
     monkeypatch.setattr(compression.ZstdPlanes, "decode", decode_one_bit_off)
     parser = argparse.ArgumentParser()
     bench_codec.configure_parser(parser)
-    args = parser.parse_args(["--compression", "zstd", "--state", "random", "--size", "64MiB", "--threads", "2",
-                              "--json"])
+    args = parser.parse_args(
+        ["--compression", "zstd", "--state", "random", "--size", "64MiB", "--threads", "2", "--json"]
+    )
     assert bench_codec.run(args) == 1
     assert json.loads(capsys.readouterr().out)["bit_exact"] is False
 
@@ -483,10 +539,11 @@ def test_nvcomp_decoders_kept_by_the_caller_decode_other_chunks_bit_exact():
             at += align_up(payload.numel(), 256)
         packed = torch.zeros(at, dtype=torch.uint8, device="cuda")
         for (start, n), (_, payload) in zip(spans, coded):
-            packed[start:start + n].copy_(payload)
+            packed[start : start + n].copy_(payload)
         outs = [torch.empty(EXTENT, dtype=torch.uint8, device="cuda") for _ in coded]
-        codec.decode(packed, spans, outs, [(codec_id, size) for codec_id, _ in coded], stream, ["t"] * 4,
-                     decoders=decoders)
+        codec.decode(
+            packed, spans, outs, [(codec_id, size) for codec_id, _ in coded], stream, ["t"] * 4, decoders=decoders
+        )
         assert all(torch.equal(o, f) for o, f in zip(outs, frames_in))
     assert decoders and set(decoders) <= {False, True}
 
@@ -498,9 +555,26 @@ def test_bench_codec_on_the_gpu_reports_kept_decoders_and_round_trips():
     import sys
 
     _nvcomp_or_skip()
-    out = subprocess.run([sys.executable, "-m", "greenroom.cli.main", "bench", "codec", "--compression", "nvcomp-ans",
-                          "--state", "random", "--size", "128MiB", "--threads", "2", "--json"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "greenroom.cli.main",
+            "bench",
+            "codec",
+            "--compression",
+            "nvcomp-ans",
+            "--state",
+            "random",
+            "--size",
+            "128MiB",
+            "--threads",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["bit_exact"] and result["decode_kept_bytes_per_s"] > 0
@@ -515,8 +589,16 @@ def test_streaming_adam_with_nvcomp_is_bit_identical_to_fused_adamw(disk_dir):
     ref = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in [(1024, 1024), (4099,), (333, 777)]]
     ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
     adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01, fused=True)
-    opt = StreamingAdam(ours, lr=1e-2, weight_decay=0.01, state_dir=os.path.join(disk_dir, "optim"),
-                        bucket_numel=1 << 19, chunk_mb=8, resident_numel=0, compression="nvcomp-ans")
+    opt = StreamingAdam(
+        ours,
+        lr=1e-2,
+        weight_decay=0.01,
+        state_dir=os.path.join(disk_dir, "optim"),
+        bucket_numel=1 << 19,
+        chunk_mb=8,
+        resident_numel=0,
+        compression="nvcomp-ans",
+    )
     try:
         for i in range(4):
             _step((ref, ours), (adamw, opt), i)
@@ -535,8 +617,24 @@ def test_bench_codec_times_the_codec_and_refuses_bad_input():
     import sys
 
     def bench(*extra):
-        return subprocess.run([sys.executable, "-m", "greenroom.cli.main", "bench", "codec", "--compression", "zstd",
-                               "--state", "random", "--size", "64MiB", *extra], capture_output=True, text=True)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "greenroom.cli.main",
+                "bench",
+                "codec",
+                "--compression",
+                "zstd",
+                "--state",
+                "random",
+                "--size",
+                "64MiB",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+        )
 
     result = json.loads(bench("--threads", "2", "--json").stdout)
     assert result["bytes"] == 64 << 20 and result["ratio"] < compression.MIN_RATIO  # random bytes do not shrink
@@ -557,9 +655,9 @@ def test_runs_join_only_frames_back_to_back_in_one_storage_of_one_length_and_ele
     assert list(compression._runs(frames_in, [4, 4, 2, 2, 2, 4, 4, 4])) == [(0, 2), (2, 5), (5, 8)]
     skipping = [frames_in[0], frames_in[1], frames_in[3], frames_in[4]]
     assert list(compression._runs(skipping, [4] * 4)) == [(0, 2), (2, 4)]
-    odd = [chunk[:n + 16], chunk[n + 16:2 * n + 32]]  # not a multiple of the batch alignment
+    odd = [chunk[: n + 16], chunk[n + 16 : 2 * n + 32]]  # not a multiple of the batch alignment
     assert list(compression._runs(odd, [4, 4])) == [(0, 1), (1, 2)]
-    short_last = [frames_in[0], frames_in[1], chunk[2 * n:2 * n + 512]]
+    short_last = [frames_in[0], frames_in[1], chunk[2 * n : 2 * n + 512]]
     assert list(compression._runs(short_last, [4] * 3)) == [(0, 2), (2, 3)]
 
     class AdjacentStorage:  # a tensor of another storage that starts where the run ends
@@ -586,17 +684,19 @@ def test_nvcomp_decode_refuses_a_payload_of_another_length_or_cut_short_in_one_l
     codec = _nvcomp_or_skip()
     stream = torch.cuda.Stream()
     frame = as_bytes(compressible(torch.float32, EXTENT // 4).cuda())
-    ((codec_id, payload),) = codec.encode([frame[:EXTENT // 2]], [4], stream)
+    ((codec_id, payload),) = codec.encode([frame[: EXTENT // 2]], [4], stream)
     with torch.cuda.stream(stream):
         packed = payload.clone()
         out = torch.empty_like(frame)
-    with pytest.raises(IntegrityError, match=f"frame: the compressed frame decodes to {EXTENT // 2} bytes, "
-                                             f"expected {EXTENT}"):
+    with pytest.raises(
+        IntegrityError, match=f"frame: the compressed frame decodes to {EXTENT // 2} bytes, expected {EXTENT}"
+    ):
         codec.decode(packed, [(0, packed.numel())], [out], [(codec_id, 4)], stream, ["frame"])
     with torch.cuda.stream(stream):
         noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, device="cuda")
-    with pytest.raises(IntegrityError, match="^frame: (a compressed frame does not decode|the compressed frame "
-                                             "decodes to)"):
-        codec.decode(noise, [(0, noise.numel())], [out[:EXTENT // 2]], [(codec_id, 4)], stream, ["frame"])
-    codec.decode(packed, [(0, packed.numel())], [out[:EXTENT // 2]], [(codec_id, 4)], stream, ["frame"])
-    assert torch.equal(out[:EXTENT // 2], frame[:EXTENT // 2])
+    with pytest.raises(
+        IntegrityError, match="^frame: (a compressed frame does not decode|the compressed frame decodes to)"
+    ):
+        codec.decode(noise, [(0, noise.numel())], [out[: EXTENT // 2]], [(codec_id, 4)], stream, ["frame"])
+    codec.decode(packed, [(0, packed.numel())], [out[: EXTENT // 2]], [(codec_id, 4)], stream, ["frame"])
+    assert torch.equal(out[: EXTENT // 2], frame[: EXTENT // 2])

@@ -8,10 +8,10 @@ import subprocess
 import pytest
 import torch
 
-from greenroom.io import fs
 from greenroom.config import OffloadConfig
-from greenroom.io.engine import ALIGNMENT, StagingBuffers, StateFile, TransferEngine, align_up
 from greenroom.errors import StorageError
+from greenroom.io import fs
+from greenroom.io.engine import ALIGNMENT, StagingBuffers, StateFile, TransferEngine, align_up
 
 ODD_SIZES = [1, 7, 199, 4095, 4096, 4097, 65536 + 3, 1 << 20, 3 * (1 << 20) + 13]
 
@@ -39,14 +39,20 @@ def test_round_trip_odd_sizes_bit_exact(disk_dir, direct, depth):
 
 
 def test_round_trip_of_float_dtypes_and_overlapping_transfers(disk_dir, direct):
-    tensors = [torch.randn(1000, 37, dtype=torch.bfloat16), torch.randn(12345), torch.randn(3, 5, 7, dtype=torch.float16),
-               torch.tensor(3.5, dtype=torch.float64)]
+    tensors = [
+        torch.randn(1000, 37, dtype=torch.bfloat16),
+        torch.randn(12345),
+        torch.randn(3, 5, 7, dtype=torch.float16),
+        torch.tensor(3.5, dtype=torch.float64),
+    ]
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
         total += align_up(t.numel() * t.element_size())
-    with TransferEngine(64 * 1024, depth=4) as engine, StateFile(os.path.join(disk_dir, "mixed"), total,
-                                                                  direct=direct) as f:
+    with (
+        TransferEngine(64 * 1024, depth=4) as engine,
+        StateFile(os.path.join(disk_dir, "mixed"), total, direct=direct) as f,
+    ):
         writes = [engine.write(t, f, o) for t, o in zip(tensors, offsets)]  # all in flight at once
         for w in writes:
             w.wait()
@@ -82,8 +88,9 @@ def test_buffered_io_drops_its_pages(disk_dir):
     # mincore is not in the stdlib; fincore (util-linux) reports resident pages.
     if shutil.which("fincore") is None:
         pytest.skip("fincore (util-linux) not available")
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", path],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", path], capture_output=True, text=True, check=True
+    )
     assert int(out.stdout.split()[0]) < (8 << 20) // 4
 
 
@@ -96,8 +103,9 @@ def test_running_out_of_space_is_a_clear_error_at_setup_with_no_partial_file(tmp
         pytest.skip("cannot mount a size-limited tmpfs here")
     try:
         with pytest.warns(UserWarning, match="--allow-tmpfs"):
-            config = OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=str(mnt),
-                                   allow_tmpfs=True)
+            config = OffloadConfig(
+                stream_optimizer_state_to_disk=True, offload_train_disk_dir=str(mnt), allow_tmpfs=True
+            )
         path = os.path.join(config.offload_train_disk_dir, "bucket0")
         with pytest.raises(StorageError, match=r"bucket0: not enough space to preallocate 16.0 MiB .* free"):
             StateFile(path, 16 << 20)
@@ -111,8 +119,11 @@ def test_io_errors_reach_the_caller(disk_dir):
         f = StateFile(os.path.join(disk_dir, "closed"), 1 << 16, direct=False)
         f.close()
         transfer = engine.write(torch.zeros(1 << 16, dtype=torch.uint8), f, 0)
-        with pytest.raises(StorageError, match=r"closed: write of 16384 bytes at offset \d+ of a state file failed: "
-                                               r"Bad file descriptor \(EBADF\)"):
+        with pytest.raises(
+            StorageError,
+            match=r"closed: write of 16384 bytes at offset \d+ of a state file failed: "
+            r"Bad file descriptor \(EBADF\)",
+        ):
             transfer.wait()
 
 

@@ -9,10 +9,9 @@ import os
 import pytest
 import torch
 
-from greenroom.io import compression
-from greenroom.io import frames
-from greenroom.io.engine import EXTENT, StateFile, TransferEngine, align_up
 from greenroom.errors import ConfigError, IntegrityError
+from greenroom.io import compression, frames
+from greenroom.io.engine import EXTENT, StateFile, TransferEngine, align_up
 from tests.io.codec_support import CHUNK, as_bytes, compressible, zstd
 
 __all__ = ["zstd"]  # the fixture, imported for the tests below
@@ -33,8 +32,10 @@ def test_a_damaged_stored_size_or_shift_record_and_an_unknown_codec_are_refused(
     # greenroom does not know. Each read stops in one line naming the file.
     t = compressible(torch.float32, 2 * EXTENT // 4)
     path = str(tmp_path / "bucket")
-    with StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f, \
-            TransferEngine(CHUNK, verify=False) as engine:
+    with (
+        StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f,
+        TransferEngine(CHUNK, verify=False) as engine,
+    ):
         engine.write(t, f, 0).wait()
         record = f.table_offset + 2 * 8  # after the two extents' sums
         with open(path, "rb") as raw:
@@ -82,8 +83,12 @@ def test_a_transfers_frames_are_packed_from_its_start_and_each_chunk_moves_in_on
     # one write of its stored bytes, right after the previous chunk's (Note [compact
     # transfers]), and every byte comes back.
     g = torch.Generator().manual_seed(5)
-    frames = [compressible(torch.uint8, EXTENT, k) if k % 3 else
-              torch.randint(0, 256, (EXTENT,), dtype=torch.uint8, generator=g) for k in range(7)]
+    frames = [
+        compressible(torch.uint8, EXTENT, k)
+        if k % 3
+        else torch.randint(0, 256, (EXTENT,), dtype=torch.uint8, generator=g)
+        for k in range(7)
+    ]
     t = torch.cat(frames + [compressible(torch.uint8, 5000, 9)])
     calls = _count_writes(monkeypatch)
     with StateFile(str(tmp_path / "state"), t.numel(), compression=zstd) as f, TransferEngine(CHUNK) as engine:
@@ -97,8 +102,9 @@ def test_a_transfers_frames_are_packed_from_its_start_and_each_chunk_moves_in_on
     assert places == [0] + ends[:-1]  # one run from the transfer's start, no gaps
     assert record[0][0] == EXTENT and record[1][0] < EXTENT  # a raw frame, then a compressed one
     # Two frames per staging buffer (CHUNK // 4): one write per chunk, of both frames' pages.
-    assert sorted(calls) == [(places[k], ends[min(k + 1, len(record) - 1)] - places[k])
-                             for k in range(0, len(record), 2)]
+    assert sorted(calls) == [
+        (places[k], ends[min(k + 1, len(record) - 1)] - places[k]) for k in range(0, len(record), 2)
+    ]
 
 
 def test_a_reader_with_smaller_or_larger_staging_than_the_writer_reads_every_byte(tmp_path, zstd):
@@ -116,8 +122,10 @@ def test_a_reader_with_smaller_or_larger_staging_than_the_writer_reads_every_byt
             with TransferEngine(chunk) as engine:
                 engine.read(back, f, 0).wait()
             assert torch.equal(as_bytes(back), as_bytes(t)), chunk
-        with TransferEngine(CHUNK // 4) as engine, \
-                pytest.raises(ConfigError, match=r"compression needs staging buffers of at least 1 MiB") as err:
+        with (
+            TransferEngine(CHUNK // 4) as engine,
+            pytest.raises(ConfigError, match=r"compression needs staging buffers of at least 1 MiB") as err,
+        ):
             engine.read(back, f, 0).wait()
     assert path in str(err.value) and "--offload-train-disk-chunk-mb" in str(err.value) and "\n" not in str(err.value)
 
@@ -162,8 +170,9 @@ def test_a_chunk_is_stored_at_its_own_place_where_its_shift_would_pass_max_shift
 
 
 @pytest.mark.parametrize("failing", ["encode", "write"])
-def test_a_failed_chunk_fails_the_transfer_and_the_chunks_after_it_are_still_placed(tmp_path, zstd, monkeypatch,
-                                                                                    failing):
+def test_a_failed_chunk_fails_the_transfer_and_the_chunks_after_it_are_still_placed(
+    tmp_path, zstd, monkeypatch, failing
+):
     # Each chunk is placed after the one before it (Transfer._place); a chunk that fails
     # before it is placed (its encode) or after (its write) still hands the place on, so
     # the transfer fails with its error instead of hanging, and the engine writes and
@@ -198,10 +207,9 @@ def test_a_unit_rewritten_with_a_new_stored_size_leaves_its_neighbours_bytes(tmp
     from greenroom.actor.tracking import Tracked
 
     tensors = [compressible(torch.bfloat16, 3 * EXTENT // 2 + 2048 * k, seed=k) for k in range(3)]
-    units = [Tracked(storage=t.untyped_storage(), nbytes=t.numel() * 2, key=("unit", k))
-             for k, t in enumerate(tensors)]
+    units = [Tracked(storage=t.untyped_storage(), nbytes=t.numel() * 2, key=("unit", k)) for k, t in enumerate(tensors)]
     kept = [t.clone() for t in tensors]
-    noise = torch.randint(-2 ** 15, 2 ** 15, (tensors[1].numel(),), dtype=torch.int16).view(torch.bfloat16)
+    noise = torch.randint(-(2**15), 2**15, (tensors[1].numel(),), dtype=torch.int16).view(torch.bfloat16)
     mover = DiskMover(str(tmp_path), CHUNK, skip_clean=True, compression=zstd)
     try:
         for sleep, middle in enumerate((noise, kept[1] + 1, noise)):
@@ -234,8 +242,10 @@ def test_a_record_rewritten_to_stored_raw_over_a_zero_tail_is_caught(tmp_path, z
     # low bits), and in the engine's memory for an offload file.
     t = compressible(torch.float32, 2 * EXTENT // 4)
     path = str(tmp_path / "state")
-    with StateFile(path, t.numel() * 4, checksums="memory" if where == "memory" else "file", compression=zstd) as f, \
-            TransferEngine(CHUNK) as engine:
+    with (
+        StateFile(path, t.numel() * 4, checksums="memory" if where == "memory" else "file", compression=zstd) as f,
+        TransferEngine(CHUNK) as engine,
+    ):
         engine.write(t, f, 0).wait()
         (_, _), (second, _) = f.recorded(0, t.numel() * 4)[1].tolist()
         assert second < EXTENT  # compressed, followed by zero pages up to its own place's end
@@ -262,8 +272,9 @@ def test_a_flipped_bit_in_a_record_is_caught_by_reads_and_by_checks_of_the_sums_
     from greenroom.optim.checkpoint.save_load import verify_against_table
 
     g = torch.Generator().manual_seed(7)
-    t = torch.cat([compressible(torch.uint8, EXTENT, 1), torch.randint(0, 256, (EXTENT,), dtype=torch.uint8,
-                                                                       generator=g)])
+    t = torch.cat(
+        [compressible(torch.uint8, EXTENT, 1), torch.randint(0, 256, (EXTENT,), dtype=torch.uint8, generator=g)]
+    )
     path = str(tmp_path / "bucket")
     with StateFile(path, t.numel(), checksums="file", compression=zstd) as f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
@@ -297,9 +308,13 @@ def test_a_file_of_the_earlier_table_still_reads_bit_exact(tmp_path, zstd):
     from greenroom.optim.checkpoint.save_load import verify_against_table
 
     g = torch.Generator().manual_seed(8)
-    t = torch.cat([compressible(torch.bfloat16, EXTENT, 2).view(torch.uint8),
-                   torch.randint(0, 256, (EXTENT,), dtype=torch.uint8, generator=g),
-                   compressible(torch.uint8, 5000, 3)])
+    t = torch.cat(
+        [
+            compressible(torch.bfloat16, EXTENT, 2).view(torch.uint8),
+            torch.randint(0, 256, (EXTENT,), dtype=torch.uint8, generator=g),
+            compressible(torch.uint8, 5000, 3),
+        ]
+    )
     path = str(tmp_path / "bucket")
     with StateFile(path, t.numel(), checksums="file", compression=zstd) as f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
@@ -309,13 +324,15 @@ def test_a_file_of_the_earlier_table_still_reads_bit_exact(tmp_path, zstd):
     sums = []
     for k, (n, shift) in enumerate(records):
         at = k * EXTENT - shift
-        sums.append(int(page_sums(data[at:at + align_up(n)], at).sum()))
+        sums.append(int(page_sums(data[at : at + align_up(n)], at).sum()))
     table = torch.zeros(StateFile.table_bytes(t.numel(), compressed=True), dtype=torch.uint8)
-    table[:8 * len(sums)].view(torch.int64).copy_(torch.tensor(sums, dtype=torch.int64))
-    table[8 * len(sums):16 * len(sums)].view(torch.int32).copy_(torch.tensor(records, dtype=torch.int32).view(-1))
+    table[: 8 * len(sums)].view(torch.int64).copy_(torch.tensor(sums, dtype=torch.int64))
+    table[8 * len(sums) : 16 * len(sums)].view(torch.int32).copy_(torch.tensor(records, dtype=torch.int32).view(-1))
     _patch(path, f.table_offset, table.numpy().tobytes())
-    with StateFile(path, t.numel(), create=False, checksums="file", compression=zstd) as f, \
-            TransferEngine(CHUNK) as engine:
+    with (
+        StateFile(path, t.numel(), create=False, checksums="file", compression=zstd) as f,
+        TransferEngine(CHUNK) as engine,
+    ):
         verify_against_table(f)
         back = torch.empty_like(t)
         engine.read(back, f, 0).wait()

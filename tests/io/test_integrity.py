@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from greenroom.actor.offloader import PortableOffloader
-from greenroom.io.engine import ALIGNMENT, EXTENT, StateFile, TransferEngine, extent_sums, page_sums
 from greenroom.errors import IntegrityError, StorageError
+from greenroom.io.engine import ALIGNMENT, EXTENT, StateFile, TransferEngine, extent_sums, page_sums
 from greenroom.optim import StreamingAdam
 
 MASK = (1 << 64) - 1
@@ -39,7 +39,7 @@ def test_page_sums_match_the_definition_mod_2_64():
     words = buf.view(torch.int64).tolist()
     lanes = _LANES.tolist()
     for p in range(3):
-        lane_sum = sum(w * lanes[j] for j, w in enumerate(words[p * 512:(p + 1) * 512]))
+        lane_sum = sum(w * lanes[j] for j, w in enumerate(words[p * 512 : (p + 1) * 512]))
         factor = (((5 + p) * _PAGE_A + _PAGE_B) & MASK) | 1
         assert got[p].item() & MASK == (lane_sum * factor) & MASK
 
@@ -53,7 +53,7 @@ def test_every_single_bit_flip_changes_the_sum_and_chunking_does_not():
     for start, end in ((0, 5 * ALIGNMENT), (5 * ALIGNMENT, EXTENT + ALIGNMENT), (EXTENT + ALIGNMENT, buf.numel())):
         part = extent_sums(buf[start:end], EXTENT + start)
         first = (EXTENT + start) // EXTENT - 1
-        pieces[first:first + part.numel()] += part
+        pieces[first : first + part.numel()] += part
     assert torch.equal(whole, pieces)
     for _ in range(40):
         byte, bit = rng.randrange(buf.numel()), rng.randrange(8)
@@ -71,8 +71,10 @@ def direct(request):
 def test_a_flipped_byte_in_a_state_file_fails_the_read_naming_file_offset_and_state(disk_dir, direct):
     path = os.path.join(disk_dir, "state")
     src = torch.randint(0, 256, (3 * EXTENT + 1000,), dtype=torch.uint8)
-    with TransferEngine(256 * 1024, verify=True) as engine, \
-            StateFile(path, 4096 + src.numel(), direct=direct, label="the actor's offload file") as f:
+    with (
+        TransferEngine(256 * 1024, verify=True) as engine,
+        StateFile(path, 4096 + src.numel(), direct=direct, label="the actor's offload file") as f,
+    ):
         engine.write(src, f, 4096).wait()
         back = torch.empty_like(src)
         engine.read(back, f, 4096).wait()
@@ -82,8 +84,10 @@ def test_a_flipped_byte_in_a_state_file_fails_the_read_naming_file_offset_and_st
             engine.read(back, f, 4096).wait()
         message = str(e.value)
         assert "\n" not in message
-        assert message.startswith(f"{path}: checksum mismatch at offset {2 * EXTENT} "
-                                  f"(bytes [{2 * EXTENT}, {3 * EXTENT}) of the actor's offload file)")
+        assert message.startswith(
+            f"{path}: checksum mismatch at offset {2 * EXTENT} "
+            f"(bytes [{2 * EXTENT}, {3 * EXTENT}) of the actor's offload file)"
+        )
         engine.drain()  # the error was seen once: drain does not raise it again
 
 
@@ -112,8 +116,9 @@ def test_verification_switch(monkeypatch, disk_dir):
 def _streaming_adam(disk_dir, n_params=4, numel=300_000):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(numel, dtype=torch.bfloat16)) for _ in range(n_params)]
-    opt = StreamingAdam(params, lr=1e-3, state_dir=os.path.join(disk_dir, "optim"), bucket_numel=numel,
-                        chunk_mb=1, resident_numel=0)
+    opt = StreamingAdam(
+        params, lr=1e-3, state_dir=os.path.join(disk_dir, "optim"), bucket_numel=numel, chunk_mb=1, resident_numel=0
+    )
     for p in params:
         p.grad = torch.randn_like(p)
     return params, opt
@@ -191,8 +196,11 @@ def test_a_flipped_byte_in_the_actor_offload_file_fails_the_wake(disk_dir):
     try:
         offloader.sleep()
         flip_byte(os.path.join(disk_dir, "actor.state"), 100)
-        with pytest.raises(IntegrityError, match=r"actor\.state: checksum mismatch at offset 0 \(bytes \[0, .*\) of "
-                                                 r"the actor's offload file\)"):
+        with pytest.raises(
+            IntegrityError,
+            match=r"actor\.state: checksum mismatch at offset 0 \(bytes \[0, .*\) of "
+            r"the actor's offload file\)",
+        ):
             offloader.wake()
     finally:
         offloader.close()
@@ -226,6 +234,7 @@ def test_an_error_in_the_driver_thread_reaches_wait_drain_and_close(disk_dir, mo
 @pytest.mark.timeout(60)
 def test_an_error_recording_the_checksums_reaches_wait(disk_dir, monkeypatch):
     with TransferEngine(1 << 16) as engine, StateFile(os.path.join(disk_dir, "seal"), 1 << 20) as f:
+
         def broken(*args):
             raise StorageError("table write failed")
 
@@ -257,8 +266,9 @@ def test_the_device_form_of_the_sums_is_the_host_form_to_the_bit():
     from greenroom.io.integrity import _LANES, _PAGES_PER_PRODUCT, _sliced_lane_dot
 
     generator = torch.Generator().manual_seed(7)
-    words = torch.randint(-(1 << 63), (1 << 63) - 1, (_PAGES_PER_PRODUCT + 3, 512), dtype=torch.int64,
-                          generator=generator)
+    words = torch.randint(
+        -(1 << 63), (1 << 63) - 1, (_PAGES_PER_PRODUCT + 3, 512), dtype=torch.int64, generator=generator
+    )
     words[0] = -(1 << 63)
     words[1] = (1 << 63) - 1
     assert torch.equal(_sliced_lane_dot(words, _LANES), words @ _LANES)

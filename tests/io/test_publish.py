@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from greenroom.io import publish
 from greenroom.errors import CheckpointError
+from greenroom.io import publish
 
 
 def make(path, payload):
@@ -52,8 +52,9 @@ def test_complete_new_with_the_old_aside_is_moved_in(disk_dir):
     new, _ = publish.stage(path)
     with open(os.path.join(new, "data"), "w") as f:
         f.write("two")
-    publish.write_checked_json(os.path.join(new, publish.GENERATION),
-                               {"id": "b", "previous": publish.generation(path)["id"]})
+    publish.write_checked_json(
+        os.path.join(new, publish.GENERATION), {"id": "b", "previous": publish.generation(path)["id"]}
+    )
     os.rename(path, path + ".old")  # killed between the two renames
     said = publish.recover(path)
     assert "finished the save" in said and "discarded" in said
@@ -64,8 +65,9 @@ def test_a_damaged_generation_record_is_never_trusted(disk_dir):
     path = os.path.join(disk_dir, "ck")
     make(path, "one")
     new, _ = publish.stage(path)
-    publish.write_checked_json(os.path.join(new, publish.GENERATION),
-                               {"id": "b", "previous": publish.generation(path)["id"]})
+    publish.write_checked_json(
+        os.path.join(new, publish.GENERATION), {"id": "b", "previous": publish.generation(path)["id"]}
+    )
     record = os.path.join(new, publish.GENERATION)
     data = json.load(open(record))
     data["previous"] = "forged"
@@ -83,10 +85,15 @@ def test_a_foreign_dir_is_never_replaced(disk_dir):
     assert os.listdir(path) == ["thesis.tex"] and leftovers(path) == []
 
 
-@pytest.mark.parametrize("text,message", [
-    (b"{", "not valid JSON"), (b"\xff\xfe", "not valid JSON"), (b"[]", "no checksum field"),
-    (b'{"a": 1, "crc32": "00000000"}', "does not match"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (b"{", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[]", "no checksum field"),
+        (b'{"a": 1, "crc32": "00000000"}', "does not match"),
+    ],
+)
 def test_checked_json_names_the_file_and_the_fault(disk_dir, text, message):
     path = os.path.join(disk_dir, "meta.json")
     open(path, "wb").write(text)
@@ -116,8 +123,9 @@ def another_reader(path):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", READER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", READER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline() == "holding\n"
     return proc
 
@@ -204,8 +212,9 @@ def test_a_reader_releasing_the_lock_as_another_process_takes_it_refuses_nobody(
 
     path = os.path.join(disk_dir, "ck")
     make(path, "one")
-    releasing = subprocess.Popen([sys.executable, "-c", RELEASING_READER, path, "0.1"], stdout=subprocess.PIPE,
-                                 text=True)
+    releasing = subprocess.Popen(
+        [sys.executable, "-c", RELEASING_READER, path, "0.1"], stdout=subprocess.PIPE, text=True
+    )
     assert releasing.stdout.readline() == "exclusive\n"
     with publish.locked(path, reading=reading):
         assert content(path) == "one"

@@ -43,8 +43,10 @@ def require_cluster(part: str = "control-plane") -> None:
     require_tool("kubectl")
     status = cluster_status()
     if not status:
-        pytest.skip(f"no Kubernetes test cluster ({CLUSTER_DIR}/status missing): "
-                    "`make test` or `make cluster` starts it (scripts/services.d/k8s.sh)")
+        pytest.skip(
+            f"no Kubernetes test cluster ({CLUSTER_DIR}/status missing): "
+            "`make test` or `make cluster` starts it (scripts/services.d/k8s.sh)"
+        )
     if "control-plane" != part and not status.get("control-plane", "").startswith("up"):
         part = "control-plane"
     reason = status.get(part, "not started")
@@ -65,8 +67,9 @@ def cluster_fixture(*parts: str):
     return cluster
 
 
-def kubectl(*argv: str, check: bool = True, user: str | None = None,
-            stdin: str | None = None) -> subprocess.CompletedProcess:
+def kubectl(
+    *argv: str, check: bool = True, user: str | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess:
     cmd = ["kubectl", "--kubeconfig", KUBECONFIG, *argv]
     if user:
         cmd[3:3] = ["--as", user]
@@ -97,8 +100,9 @@ def values_file(values: dict) -> str:
     return f.name
 
 
-def install(release: str, namespace: str, values: dict, chart: str = CHART,
-            action: str = "install", **kw) -> subprocess.CompletedProcess:
+def install(
+    release: str, namespace: str, values: dict, chart: str = CHART, action: str = "install", **kw
+) -> subprocess.CompletedProcess:
     path = values_file(values)
     try:
         return helm(action, release, chart, "--namespace", namespace, "-f", path, **kw)
@@ -112,10 +116,10 @@ def warning_events(ns: str, last: int = 5) -> str:
     out = kubectl("-n", ns, "get", "events", "--field-selector", "type=Warning", "-o", "json", check=False)
     if out.returncode != 0:
         return f"(its events could not be read: {out.stderr.strip()})"
-    items = sorted(json.loads(out.stdout)["items"],
-                   key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
-    lines = [f"{e['involvedObject'].get('name')}: {e.get('reason')}: {e.get('message', '').strip()}"
-             for e in items[-last:]]
+    items = sorted(json.loads(out.stdout)["items"], key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    lines = [
+        f"{e['involvedObject'].get('name')}: {e.get('reason')}: {e.get('message', '').strip()}" for e in items[-last:]
+    ]
     return "\n".join(lines) or "(no Warning event)"
 
 
@@ -141,8 +145,13 @@ def namespace():
     def make(level: str) -> str:
         name = f"gr-{level[:4]}-{uuid.uuid4().hex[:6]}"
         kubectl("create", "namespace", name)
-        kubectl("label", "namespace", name, f"pod-security.kubernetes.io/enforce={level}",
-                f"pod-security.kubernetes.io/warn={level}")
+        kubectl(
+            "label",
+            "namespace",
+            name,
+            f"pod-security.kubernetes.io/enforce={level}",
+            f"pod-security.kubernetes.io/warn={level}",
+        )
         made.append(name)
         return name
 
@@ -179,11 +188,15 @@ def storage_values(mode: str, node_root: str = "/mnt/nvme/greenroom") -> dict:
 
 def trainer_values(nodes: int, mode: str = "hostPath", **extra) -> dict:
     """A CPU trainer job of `nodes` pods on the one test node."""
-    values: dict = {"nodes": nodes, "gpu": {"count": 0}, "shmSizeLimit": "256Mi",
-                    "image": {"repository": "localhost/greenroom", "tag": "k8s-test", "pullPolicy": "Never"},
-                    **storage_values(mode)}
+    values: dict = {
+        "nodes": nodes,
+        "gpu": {"count": 0},
+        "shmSizeLimit": "256Mi",
+        "image": {"repository": "localhost/greenroom", "tag": "k8s-test", "pullPolicy": "Never"},
+        **storage_values(mode),
+    }
     if "onePodPerNode" in chart_values():
-        values["onePodPerNode"] = False   # one node: every rank shares it
+        values["onePodPerNode"] = False  # one node: every rank shares it
     values.update(extra)
     return values
 
@@ -204,9 +217,15 @@ def janitor_values(root: str, image: dict | None = None) -> dict:
     if os.path.isdir(JANITOR_CHART):
         return {"image": image, "root": root, "rootType": "Directory", "intervalSeconds": 2}
     # Without the init container: it would reclaim the root by the lock rule first.
-    values = trainer_values(1, "hostPath", image=image, command=["sleep", "3600"],
-                            torchrun={"enabled": False}, janitor={"enabled": True, "intervalSeconds": 2},
-                            reclaim={"initContainer": {"enabled": False}})
+    values = trainer_values(
+        1,
+        "hostPath",
+        image=image,
+        command=["sleep", "3600"],
+        torchrun={"enabled": False},
+        janitor={"enabled": True, "intervalSeconds": 2},
+        reclaim={"initContainer": {"enabled": False}},
+    )
     values["storage"]["hostPath"]["path"] = root
     return values
 

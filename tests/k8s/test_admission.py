@@ -11,9 +11,23 @@ import os
 
 import pytest
 
-from tests.k8s.support import (CHART, cluster_fixture, events, helm, install, janitor_install, janitor_values, kubectl,
-                               kubectl_json, namespace, pods, require_cluster, trainer_values, values_file,
-                               wait_until)
+from tests.k8s.support import (
+    CHART,
+    cluster_fixture,
+    events,
+    helm,
+    install,
+    janitor_install,
+    janitor_values,
+    kubectl,
+    kubectl_json,
+    namespace,
+    pods,
+    require_cluster,
+    trainer_values,
+    values_file,
+    wait_until,
+)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
@@ -34,16 +48,20 @@ def test_hostpath_is_admitted_when_privileged_and_refused_under_baseline(namespa
     values = trainer_values(2, "hostPath")
     privileged = namespace("privileged")
     install("hp", privileged, values)
-    wait_until("both hostPath trainer pods created in a privileged namespace",
-               lambda: len(trainer_pods(privileged, "hp")) == 2, ns=privileged)
+    wait_until(
+        "both hostPath trainer pods created in a privileged namespace",
+        lambda: len(trainer_pods(privileged, "hp")) == 2,
+        ns=privileged,
+    )
     assert refusals(privileged) == []
 
     baseline = namespace("baseline")
     # The chart reads the namespace's level from the API (lookup) and refuses in one line.
     refused = install("hp", baseline, values, check=False)
     assert refused.returncode != 0
-    assert f'namespace {baseline} enforces Pod Security "baseline", and these values need "privileged"' \
-        in refused.stderr, refused.stderr
+    assert (
+        f'namespace {baseline} enforces Pod Security "baseline", and these values need "privileged"' in refused.stderr
+    ), refused.stderr
     assert "storage.mode hostPath" in refused.stderr
     # The API server refuses the same pods by itself: the manifests applied without helm
     # (a template render does no lookup) give a Job whose pods are never created.
@@ -54,8 +72,9 @@ def test_hostpath_is_admitted_when_privileged_and_refused_under_baseline(namespa
         os.unlink(path)
     out = kubectl("-n", baseline, "apply", "-f", "-", stdin=rendered)
     assert "would violate PodSecurity" in out.stderr and "baseline:latest" in out.stderr, out.stderr
-    (message, *_) = wait_until("the Job controller's pod creation refused under baseline",
-                               lambda: refusals(baseline), ns=baseline)
+    (message, *_) = wait_until(
+        "the Job controller's pod creation refused under baseline", lambda: refusals(baseline), ns=baseline
+    )
     assert 'violates PodSecurity "baseline:latest"' in message
     assert "hostPath volumes" in message
     assert trainer_pods(baseline, "hp") == []
@@ -70,8 +89,11 @@ def test_node_local_modes_are_admitted_under_restricted(namespace, mode):
         kubectl("-n", ns, "apply", "-f", "-", stdin=PVC)
     out = install("nl", ns, values)
     assert "would violate PodSecurity" not in out.stderr, out.stderr
-    wait_until(f"both {mode} trainer pods created in a restricted namespace",
-               lambda: len(trainer_pods(ns, "nl")) == 2 or refusals(ns), ns=ns)
+    wait_until(
+        f"both {mode} trainer pods created in a restricted namespace",
+        lambda: len(trainer_pods(ns, "nl")) == 2 or refusals(ns),
+        ns=ns,
+    )
     assert refusals(ns) == []
 
 
@@ -87,8 +109,11 @@ spec:
 
 
 def janitor_account(ns: str, release: str) -> str:
-    (daemonset,) = [d for d in kubectl_json("-n", ns, "get", "daemonsets")["items"]
-                    if d["metadata"]["labels"].get("app.kubernetes.io/instance") == release]
+    (daemonset,) = [
+        d
+        for d in kubectl_json("-n", ns, "get", "daemonsets")["items"]
+        if d["metadata"]["labels"].get("app.kubernetes.io/instance") == release
+    ]
     return f"system:serviceaccount:{ns}:{daemonset['spec']['template']['spec']['serviceAccountName']}"
 
 
@@ -122,8 +147,10 @@ def janitor_objects(ns: str) -> list[str]:
     """What a janitor release in `ns` would own: in it (helm's release record is a Secret
     there), and outside it (named by it)."""
     inside = kubectl("-n", ns, "get", "all,secrets,serviceaccounts,roles,rolebindings", "-o", "name").stdout.split()
-    outside = (kubectl("get", "clusterroles,clusterrolebindings", "-o", "name").stdout.split()
-               + kubectl("-n", "default", "get", "roles,rolebindings", "-o", "name").stdout.split())
+    outside = (
+        kubectl("get", "clusterroles,clusterrolebindings", "-o", "name").stdout.split()
+        + kubectl("-n", "default", "get", "roles,rolebindings", "-o", "name").stdout.split()
+    )
     return [n for n in inside if n != "serviceaccount/default"] + [n for n in outside if ns in n]
 
 
@@ -164,8 +191,9 @@ def test_upgrade_then_uninstall_leaves_no_object_behind(namespace):
     wait_until("trainer pods created", lambda: len(trainer_pods(ns, "up")) == 2, ns=ns)
     # A Job's pod template is immutable: the API server refuses an upgrade that changes the
     # trainer (uninstall and install again instead); one that keeps it goes through.
-    refused = install("up", ns, {**values, "podLabels": {"greenroom-test/upgraded": "yes"}}, action="upgrade",
-                      check=False)
+    refused = install(
+        "up", ns, {**values, "podLabels": {"greenroom-test/upgraded": "yes"}}, action="upgrade", check=False
+    )
     assert refused.returncode != 0 and "field is immutable" in refused.stderr, refused.stderr
     install("up", ns, values, action="upgrade")
     release = json.loads(helm("-n", ns, "status", "up", "-o", "json").stdout)
@@ -175,15 +203,20 @@ def test_upgrade_then_uninstall_leaves_no_object_behind(namespace):
     def leftovers() -> list[str]:
         kinds = "all,configmaps,secrets,serviceaccounts,roles,rolebindings,events.events.k8s.io"
         names = kubectl("-n", ns, "get", kinds, "-o", "name").stdout.split()
-        cluster_scoped = kubectl("get", "clusterroles,clusterrolebindings", "-l",
-                                 "app.kubernetes.io/instance=up", "-o", "name").stdout.split()
+        cluster_scoped = kubectl(
+            "get", "clusterroles,clusterrolebindings", "-l", "app.kubernetes.io/instance=up", "-o", "name"
+        ).stdout.split()
         # What the namespace always holds (its default ServiceAccount and CA ConfigMap),
         # and Events (records of what happened, not objects the release owns).
         kept = {"serviceaccount/default", "configmap/kube-root-ca.crt"}
         return [n for n in names + cluster_scoped if n not in kept and not n.startswith("event")]
 
-    wait_until("nothing left of the release (pods removed by the garbage collector)",
-               lambda: not leftovers(), timeout=120, ns=ns)
+    wait_until(
+        "nothing left of the release (pods removed by the garbage collector)",
+        lambda: not leftovers(),
+        timeout=120,
+        ns=ns,
+    )
 
 
 def test_jobset_mode_creates_the_trainer_pods(namespace):
@@ -191,6 +224,9 @@ def test_jobset_mode_creates_the_trainer_pods(namespace):
     ns = namespace("privileged")
     install("js", ns, trainer_values(2, "hostPath", workload="jobset"))
     (jobset,) = kubectl_json("-n", ns, "get", "jobsets")["items"]
-    wait_until("the JobSet controller's Job and its two pods",
-               lambda: len(pods(ns, f"jobset.sigs.k8s.io/jobset-name={jobset['metadata']['name']}")) == 2, ns=ns)
+    wait_until(
+        "the JobSet controller's Job and its two pods",
+        lambda: len(pods(ns, f"jobset.sigs.k8s.io/jobset-name={jobset['metadata']['name']}")) == 2,
+        ns=ns,
+    )
     assert refusals(ns) == []

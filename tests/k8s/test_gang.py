@@ -29,8 +29,7 @@ import pytest
 import yaml
 
 from tests.chart.support import by_kind, manifests
-from tests.k8s.support import install, kubectl, kubectl_json, namespace, require_cluster, trainer_values, \
-    wait_until
+from tests.k8s.support import install, kubectl, kubectl_json, namespace, require_cluster, trainer_values, wait_until
 
 __all__ = ["namespace"]  # the fixture, imported for the tests below
 
@@ -71,14 +70,23 @@ def volcano_crd() -> str:
     with open(os.path.join(work, "go.mod"), "w") as f:
         f.write("module crdgen\n\ngo 1.24\n")
     with open(os.path.join(work, "tools.go"), "w") as f:
-        f.write('//go:build tools\n\npackage tools\n\nimport (\n\t_ "sigs.k8s.io/controller-tools/cmd/controller-gen"\n'
-                '\t_ "volcano.sh/apis/pkg/apis/scheduling/v1beta1"\n)\n')
+        f.write(
+            '//go:build tools\n\npackage tools\n\nimport (\n\t_ "sigs.k8s.io/controller-tools/cmd/controller-gen"\n'
+            '\t_ "volcano.sh/apis/pkg/apis/scheduling/v1beta1"\n)\n'
+        )
     go = _go()
     _run([go, "get", CONTROLLER_TOOLS.replace("@", "/cmd/controller-gen@"), VOLCANO_APIS], cwd=work)
     _run([go, "build", "-o", "controller-gen", "sigs.k8s.io/controller-tools/cmd/controller-gen"], cwd=work)
     tmp = f"{out}.tmp{os.getpid()}"
-    _run([os.path.join(work, "controller-gen"), "crd:allowDangerousTypes=true",
-          "paths=volcano.sh/apis/pkg/apis/scheduling/v1beta1", f"output:crd:dir={tmp}"], cwd=work)
+    _run(
+        [
+            os.path.join(work, "controller-gen"),
+            "crd:allowDangerousTypes=true",
+            "paths=volcano.sh/apis/pkg/apis/scheduling/v1beta1",
+            f"output:crd:dir={tmp}",
+        ],
+        cwd=work,
+    )
     os.replace(tmp, out)
     return path
 
@@ -101,8 +109,11 @@ def crd_schema(path: str, api_version: str) -> dict:
 @pytest.mark.parametrize("gang", ["volcano", "coscheduling"])
 def test_rendered_podgroup_validates_against_the_schedulers_own_crd(gang, request):
     crd = request.getfixturevalue(f"{gang}_crd")
-    sets = (*MULTI, f"gang.scheduler={gang}", "schedulerName=scheduler-plugins-scheduler") if gang == "coscheduling" \
+    sets = (
+        (*MULTI, f"gang.scheduler={gang}", "schedulerName=scheduler-plugins-scheduler")
+        if gang == "coscheduling"
         else (*MULTI, f"gang.scheduler={gang}")
+    )
     (pg,) = by_kind(manifests(sets=sets), "PodGroup")
     schema = crd_schema(crd, pg["apiVersion"])
     jsonschema.validate(pg, schema)
@@ -113,6 +124,7 @@ def test_rendered_podgroup_validates_against_the_schedulers_own_crd(gang, reques
 
 
 # -- the real API server --------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def applied_crds(volcano_crd, coscheduling_crd):
@@ -140,8 +152,11 @@ def gang_values(gang: str, **extra) -> dict:
 
 def _podgroup_and_pods(ns: str, resource: str) -> tuple[dict, list[dict]]:
     (pg,) = kubectl_json("-n", ns, "get", resource)["items"]
-    pods = wait_until("the Job's 2 pods", lambda: (lambda items: items if len(items) == 2 else None)(
-        kubectl_json("-n", ns, "get", "pods")["items"]), ns=ns)
+    pods = wait_until(
+        "the Job's 2 pods",
+        lambda: (lambda items: items if len(items) == 2 else None)(kubectl_json("-n", ns, "get", "pods")["items"]),
+        ns=ns,
+    )
     return pg, pods
 
 
@@ -155,8 +170,12 @@ def test_api_server_takes_volcanos_podgroup_and_the_pods_name_it(applied_crds, n
         assert pod["spec"]["schedulerName"] == "volcano"
         assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == pg["metadata"]["name"]
     # The API server validates against the CRD's schema: a wrong type is refused there.
-    bad = {"apiVersion": pg["apiVersion"], "kind": "PodGroup", "metadata": {"name": "bad", "namespace": ns},
-           "spec": {"minMember": "two"}}
+    bad = {
+        "apiVersion": pg["apiVersion"],
+        "kind": "PodGroup",
+        "metadata": {"name": "bad", "namespace": ns},
+        "spec": {"minMember": "two"},
+    }
     out = kubectl("apply", "-f", "-", stdin=json.dumps(bad), check=False)
     assert out.returncode != 0 and "minMember" in out.stderr, out.stderr
 
@@ -182,5 +201,7 @@ def test_kueue_job_is_created_suspended_and_starts_no_pod_before_admission(names
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     time.sleep(10)  # the Job controller would have made its pods by now, were it not suspended
     assert kubectl_json("-n", ns, "get", "pods")["items"] == []
-    assert any(c["type"] == "Suspended" and c["status"] == "True"
-               for c in kubectl_json("-n", ns, "get", "job", job["metadata"]["name"])["status"].get("conditions", []))
+    assert any(
+        c["type"] == "Suspended" and c["status"] == "True"
+        for c in kubectl_json("-n", ns, "get", "job", job["metadata"]["name"])["status"].get("conditions", [])
+    )

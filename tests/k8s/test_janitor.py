@@ -58,12 +58,19 @@ class FakeApi:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def add_pod(self, uid: str, name: str, phase: str = "Running", node: str = NODE,
-                namespace: str = "train") -> None:
-        self.pods.append({"metadata": {"uid": uid, "name": name, "namespace": namespace,
-                                       "labels": {"batch.kubernetes.io/job-name": "grpo"}},
-                          "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "greenroom"}]},
-                          "status": {"phase": phase}})
+    def add_pod(self, uid: str, name: str, phase: str = "Running", node: str = NODE, namespace: str = "train") -> None:
+        self.pods.append(
+            {
+                "metadata": {
+                    "uid": uid,
+                    "name": name,
+                    "namespace": namespace,
+                    "labels": {"batch.kubernetes.io/job-name": "grpo"},
+                },
+                "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "greenroom"}]},
+                "status": {"phase": phase},
+            }
+        )
 
     def add_node(self, name: str, addresses: list[tuple[str, str]]) -> None:
         self.nodes[name] = addresses
@@ -96,8 +103,9 @@ class FakeApi:
                 api.selectors.append(selector)
                 node = selector.removeprefix("spec.nodeName=")
                 items = [p for p in api.pods if p["spec"]["nodeName"] == node]
-                self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
-                                 "items": items})
+                self._send(
+                    200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items}
+                )
 
             def _node(self, name: str) -> None:
                 api.nodes_read.append(name)
@@ -105,9 +113,17 @@ class FakeApi:
                     return self._send(api.node_status, {"kind": "Status", "code": api.node_status})
                 if name not in api.nodes:
                     return self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
-                self._send(200, {"kind": "Node", "apiVersion": "v1", "metadata": {"name": name},
-                                 "status": {"addresses": [{"type": kind, "address": address}
-                                                          for kind, address in api.nodes[name]]}})
+                self._send(
+                    200,
+                    {
+                        "kind": "Node",
+                        "apiVersion": "v1",
+                        "metadata": {"name": name},
+                        "status": {
+                            "addresses": [{"type": kind, "address": address} for kind, address in api.nodes[name]]
+                        },
+                    },
+                )
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -121,10 +137,17 @@ class FakeApi:
     def kubeconfig(self, directory: str) -> str:
         path = os.path.join(directory, "kubeconfig")
         with open(path, "w") as f:
-            json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "fake",
-                       "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-                       "users": [{"name": "janitor", "user": {"token": "t"}}],
-                       "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "janitor"}}]}, f)
+            json.dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "janitor", "user": {"token": "t"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "janitor"}}],
+                },
+                f,
+            )
         return path
 
     def close(self) -> None:
@@ -167,8 +190,9 @@ def hold(root: str, pod_uid: str | None, job: str):
         env["GREENROOM_POD_UID"] = pod_uid
         made_dirs(root, pod_uid)
     base = os.path.join(root, pod_uid or "no-pod")
-    proc = subprocess.Popen([sys.executable, HOLDER, base, job, "actor", "0"], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, HOLDER, base, job, "actor", "0"], stdout=subprocess.PIPE, text=True, env=env
+    )
     path = proc.stdout.readline().strip()
     assert path, "holder did not start"
     return proc, path
@@ -205,8 +229,7 @@ def test_pod_rule_keeps_existing_pods_and_reclaims_gone_ones_at_once(api, disk_d
     gone_locked_proc, gone_locked = hold(disk_dir, "uid-gone-but-running", "grpo")
     try:
         # --min-age an hour: only the pod rule may reclaim young dirs.
-        janitor = Janitor(JanitorConfig(root=disk_dir, node_name=NODE, min_age=3600),
-                          out=open(os.devnull, "w"))
+        janitor = Janitor(JanitorConfig(root=disk_dir, node_name=NODE, min_age=3600), out=open(os.devnull, "w"))
         janitor.connect()
         report = janitor.one_pass()
         got = decisions(report)
@@ -289,9 +312,27 @@ def wait_for(condition, what: str):
 
 def start_cli(root: str, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.Popen([sys.executable, "-m", "greenroom.cli.main", "reclaim", root, "--kubernetes",
-                             "--node-name", NODE, "--interval", "0.05", "--metrics-port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "greenroom.cli.main",
+            "reclaim",
+            root,
+            "--kubernetes",
+            "--node-name",
+            NODE,
+            "--interval",
+            "0.05",
+            "--metrics-port",
+            str(port),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+    )
 
 
 def stop(proc: subprocess.Popen) -> tuple[str, str]:
@@ -308,8 +349,9 @@ def test_loop_survives_api_errors_with_backoff_then_reclaims_and_serves_metrics(
     proc = start_cli(disk_dir, port)
     try:
         wait_for(lambda: api.events, "an Event after the API recovered")
-        values = wait_for(lambda: (v := scrape(port)).get("greenroom_reclaim_dirs_total") and v,
-                          "the reclaimed dir in the metrics")
+        values = wait_for(
+            lambda: (v := scrape(port)).get("greenroom_reclaim_dirs_total") and v, "the reclaimed dir in the metrics"
+        )
     finally:
         out, err = stop(proc)
     assert not os.path.exists(gone)
@@ -358,8 +400,17 @@ def test_a_forbidden_listing_deletes_nothing_without_a_min_age(api, disk_dir):
 def test_forbidden_listing_with_a_min_age_uses_the_lock_rule_for_that_pass(api, disk_dir):
     api.fail_next, api.fail_status = 10**6, 403
     young = dead(disk_dir, "uid-gone", "grpo")
-    proc = greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE, "--min-age", "3600",
-                     env={"KUBECONFIG": os.environ["KUBECONFIG"]}, check_rc=0)
+    proc = greenroom(
+        "reclaim",
+        disk_dir,
+        "--kubernetes",
+        "--node-name",
+        NODE,
+        "--min-age",
+        "3600",
+        env={"KUBECONFIG": os.environ["KUBECONFIG"]},
+        check_rc=0,
+    )
     assert "HTTP 403" in proc.stderr and "ClusterRole" in proc.stderr and "lock rule alone" in proc.stderr
     assert os.path.exists(young)  # no pod listing: --min-age applies, nothing is reclaimed early
     assert api.events == []
@@ -375,8 +426,7 @@ def test_the_loop_waits_out_a_forbidden_listing_and_picks_up_when_rbac_is_fixed(
     port = free_port()
     proc = start_cli(disk_dir, port)
     try:
-        values = wait_for(lambda: (v := scrape(port)).get("greenroom_reclaim_passes_total", 0) >= 2 and v,
-                          "two passes")
+        values = wait_for(lambda: (v := scrape(port)).get("greenroom_reclaim_passes_total", 0) >= 2 and v, "two passes")
     finally:
         out, err = stop(proc)
     assert os.path.exists(os.path.join(restarting, "offload", "state.bin"))
@@ -416,8 +466,9 @@ def test_outside_a_pod_another_nodes_name_deletes_nothing(api, disk_dir, interva
     api.add_node("other-node", [("InternalIP", OTHER_NODE_IP), ("Hostname", "other-node")])
     restarting = dead(disk_dir, "uid-restarting", "grpo")
     loop = ["--interval", interval] if interval else []
-    proc = greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", "other-node", *loop, env={"POD_NAME": ""},
-                     timeout=60)
+    proc = greenroom(
+        "reclaim", disk_dir, "--kubernetes", "--node-name", "other-node", *loop, env={"POD_NAME": ""}, timeout=60
+    )
     assert os.path.exists(os.path.join(restarting, "offload", "state.bin"))
     assert api.events == []
     line = one_line_error(proc)
@@ -460,8 +511,7 @@ def test_outside_a_pod_a_node_that_cannot_be_read_deletes_nothing(api, disk_dir,
         node = "gpu-node-8"  # no such node
     else:
         api.node_status = 403
-    line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", node,
-                                    env={"POD_NAME": ""}))
+    line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", node, env={"POD_NAME": ""}))
     if node_status == 404:
         assert "the API has no node 'gpu-node-8'" in line and "kubectl get nodes" in line
     else:
@@ -503,15 +553,17 @@ def test_bad_input_is_one_line_and_exit_2(disk_dir, tmp_path):
     open(a_file, "w").close()
     line = one_line_error(greenroom("reclaim", a_file, "--kubernetes", "--node-name", NODE, env=env))
     assert "is not a directory" in line
-    line = one_line_error(greenroom("reclaim", os.path.join(disk_dir, "nope"), "--kubernetes",
-                                    "--node-name", NODE, env=env))
+    line = one_line_error(
+        greenroom("reclaim", os.path.join(disk_dir, "nope"), "--kubernetes", "--node-name", NODE, env=env)
+    )
     assert "does not exist" in line and "hostPath" in line
     line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", env=env))
     assert "--node-name is required" in line
     line = one_line_error(greenroom("reclaim", disk_dir, "--interval", "5", env=env))
     assert "need --kubernetes" in line
-    line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE,
-                                    "--interval", "0", env=env))
+    line = one_line_error(
+        greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE, "--interval", "0", env=env)
+    )
     assert "--interval must be more than 0" in line
 
 
@@ -524,8 +576,11 @@ def test_tmpfs_root_is_refused(tmp_path):
     root = os.path.join(shm, f"greenroom-janitor-{os.getpid()}")
     os.makedirs(root, exist_ok=True)
     try:
-        line = one_line_error(greenroom("reclaim", root, "--kubernetes", "--node-name", NODE,
-                                        env={"KUBECONFIG": str(tmp_path / "absent")}))
+        line = one_line_error(
+            greenroom(
+                "reclaim", root, "--kubernetes", "--node-name", NODE, env={"KUBECONFIG": str(tmp_path / "absent")}
+            )
+        )
         assert "is on tmpfs" in line and "NVMe" in line
     finally:
         os.rmdir(root)
@@ -566,8 +621,14 @@ def test_unreachable_api_is_one_line_in_a_single_pass(disk_dir, tmp_path):
     fake = FakeApi()
     config = fake.kubeconfig(str(tmp_path))
     fake.close()  # nothing listens on that port any more
-    proc = greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE,
-                     env={"KUBECONFIG": config, "KUBERNETES_SERVICE_HOST": ""})
+    proc = greenroom(
+        "reclaim",
+        disk_dir,
+        "--kubernetes",
+        "--node-name",
+        NODE,
+        env={"KUBECONFIG": config, "KUBERNETES_SERVICE_HOST": ""},
+    )
     line = one_line_error(proc)
     # Outside a pod (no POD_NAME here) the first call reads the Node.
     assert f"reading node '{NODE}' failed" in line and "reachable" in line
@@ -677,8 +738,7 @@ def test_a_root_given_as_a_symlink_on_another_filesystem_still_loses_its_empty_p
     the symlink itself (here on tmpfs) and so never removed one."""
     from greenroom.io import fs
 
-    if not (os.path.isdir("/dev/shm") and fs.is_memory_backed("/dev/shm")
-            and not fs.is_memory_backed(disk_dir)):
+    if not (os.path.isdir("/dev/shm") and fs.is_memory_backed("/dev/shm") and not fs.is_memory_backed(disk_dir)):
         pytest.skip("needs a tmpfs at /dev/shm and a disk-backed test dir")
     root = os.path.join(disk_dir, "root")
     gone = made_dirs(root, str(uuid.uuid4()))

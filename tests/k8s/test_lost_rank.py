@@ -27,8 +27,21 @@ from tests.cli_support import REPO
 BACKOFF_LIMIT_PER_INDEX = 3  # the chart's default job.backoffLimitPerIndex
 RENDEZVOUS_TIMEOUT_S = 60
 ITERATIONS = 12
-TRAIN = ["--prompts", "8", "--group-size", "4", "--minibatches", "2", "--d-model", "32", "--no-progress",
-         "--iterations", str(ITERATIONS), "--save-interval", "1"]
+TRAIN = [
+    "--prompts",
+    "8",
+    "--group-size",
+    "4",
+    "--minibatches",
+    "2",
+    "--d-model",
+    "32",
+    "--no-progress",
+    "--iterations",
+    str(ITERATIONS),
+    "--save-interval",
+    "1",
+]
 DEADLINE_S = 600
 
 
@@ -40,11 +53,33 @@ def _free_port() -> int:
 
 def _pod_argv(node: int, port: int, save: str, disk: str) -> list[str]:
     greenroom = [sys.executable, "-m", "greenroom.cli.main"]
-    return [*greenroom, "torchrun", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
-            "--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-conf=timeout={RENDEZVOUS_TIMEOUT_S}",
-            "--no-python", *greenroom, "train", *TRAIN, "--save", save, "--load", save, "--resume", "auto",
-            "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir", disk,
-            "--metrics", os.path.join(os.path.dirname(save), f"metrics-{node}.jsonl")]
+    return [
+        *greenroom,
+        "torchrun",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        f"--node-rank={node}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        f"--rdzv-conf=timeout={RENDEZVOUS_TIMEOUT_S}",
+        "--no-python",
+        *greenroom,
+        "train",
+        *TRAIN,
+        "--save",
+        save,
+        "--load",
+        save,
+        "--resume",
+        "auto",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        disk,
+        "--metrics",
+        os.path.join(os.path.dirname(save), f"metrics-{node}.jsonl"),
+    ]
 
 
 class Job:
@@ -62,8 +97,14 @@ class Job:
         self.runs[node] += 1
         log = open(self.tmp / f"pod{node}-run{self.runs[node]}.log", "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.procs[node] = subprocess.Popen(_pod_argv(node, self.port, self.save, self.disk), stdout=log,
-                                            stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        self.procs[node] = subprocess.Popen(
+            _pod_argv(node, self.port, self.save, self.disk),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+        )
 
     def kill(self, node: int) -> None:
         """SIGKILL the pod's whole process tree, as a lost node or container runtime does

@@ -9,8 +9,16 @@ taint and keeps its offload files in an emptyDir, which is each pod's own on any
 
 import pytest
 
-from tests.k8s.support import (cluster_fixture, install, kubectl, kubectl_json, namespace, pods, trainer_values,
-                               wait_until)
+from tests.k8s.support import (
+    cluster_fixture,
+    install,
+    kubectl,
+    kubectl_json,
+    namespace,
+    pods,
+    trainer_values,
+    wait_until,
+)
 from tests.k8s.test_pods import image_values
 
 pytestmark = pytest.mark.k8s
@@ -28,11 +36,17 @@ def jobset_state(ns: str, name: str) -> str | None:
 
 def test_a_two_pod_jobset_spreads_over_both_nodes_and_trains_across_them(namespace):
     ns = namespace("privileged")
-    values = trainer_values(2, "emptyDir", **image_values(), workload="jobset", onePodPerNode=True,
-                            tolerations=[SECOND_NODE_TAINT],
-                            train={"iterations": 2, "extraArgs": ["--no-progress"]},
-                            offload={"train": True, "target": "disk", "diskChunkMb": 4, "diskCompression": "none"},
-                            streamOptimizerState={"toDisk": True})
+    values = trainer_values(
+        2,
+        "emptyDir",
+        **image_values(),
+        workload="jobset",
+        onePodPerNode=True,
+        tolerations=[SECOND_NODE_TAINT],
+        train={"iterations": 2, "extraArgs": ["--no-progress"]},
+        offload={"train": True, "target": "disk", "diskChunkMb": 4, "diskCompression": "none"},
+        streamOptimizerState={"toDisk": True},
+    )
     install("spread", ns, values)
     (jobset,) = kubectl_json("-n", ns, "get", "jobsets")["items"]
     name = jobset["metadata"]["name"]
@@ -44,8 +58,15 @@ def test_a_two_pod_jobset_spreads_over_both_nodes_and_trains_across_them(namespa
     try:  # well inside the test's own timeout, so a stuck job says where each pod got to
         state = wait_until("the 2-pod JobSet finished", lambda: jobset_state(ns, name), timeout=300, ns=ns)
     except AssertionError as e:
-        where = [(p["metadata"]["name"], p["spec"].get("nodeName"), p["status"].get("phase"),
-                  [c.get("state") for c in p["status"].get("containerStatuses", [])]) for p in pods(ns, selector)]
+        where = [
+            (
+                p["metadata"]["name"],
+                p["spec"].get("nodeName"),
+                p["status"].get("phase"),
+                [c.get("state") for c in p["status"].get("containerStatuses", [])],
+            )
+            for p in pods(ns, selector)
+        ]
         raise AssertionError(f"{e}; pods: {where}; trainer logs:\n{trainer_logs()}") from None
     out = trainer_logs()
     assert state == "Completed", out

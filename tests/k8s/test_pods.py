@@ -19,9 +19,21 @@ import torch
 
 from greenroom.dirs.rankdir import MADE_NAME
 from tests.conftest import REPO
-from tests.k8s.support import (CLUSTER_DIR, cluster_fixture, helm, install, janitor_install,
-                               janitor_values, kubectl, kubectl_json, namespace, pods, require_cluster, trainer_values,
-                               wait_until)
+from tests.k8s.support import (
+    CLUSTER_DIR,
+    cluster_fixture,
+    helm,
+    install,
+    janitor_install,
+    janitor_values,
+    kubectl,
+    kubectl_json,
+    namespace,
+    pods,
+    require_cluster,
+    trainer_values,
+    wait_until,
+)
 
 pytestmark = pytest.mark.k8s
 __all__ = ["namespace"]  # the fixture, imported for the tests below
@@ -71,6 +83,7 @@ def test_the_images_own_cuda_torch_imports_on_the_cpu_node(namespace):
     def finished() -> str | None:
         phase = kubectl_json("-n", ns, "get", "pod", "torch-import")["status"].get("phase")
         return phase if phase in ("Succeeded", "Failed") else None
+
     phase = wait_until("the pod finished", finished, ns=ns)
     out = kubectl("-n", ns, "logs", "torch-import", check=False)
     assert phase == "Succeeded", out.stdout + out.stderr
@@ -79,10 +92,14 @@ def test_the_images_own_cuda_torch_imports_on_the_cpu_node(namespace):
 
 def train_values(node_root: str, nodes: int = 2, iterations: int = 2) -> dict:
     """`greenroom train` with disk offload and optimizer-state streaming, small and on the CPU."""
-    values = trainer_values(nodes, "hostPath", **image_values(),
-                            train={"iterations": iterations, "extraArgs": ["--no-progress"]},
-                            offload={"train": True, "target": "disk", "diskChunkMb": 4, "diskCompression": "none"},
-                            streamOptimizerState={"toDisk": True})
+    values = trainer_values(
+        nodes,
+        "hostPath",
+        **image_values(),
+        train={"iterations": iterations, "extraArgs": ["--no-progress"]},
+        offload={"train": True, "target": "disk", "diskChunkMb": 4, "diskCompression": "none"},
+        streamOptimizerState={"toDisk": True},
+    )
     values["storage"]["hostPath"]["path"] = node_root
     return values
 
@@ -131,8 +148,11 @@ def test_init_container_reclaims_a_dead_rank_and_keeps_a_live_one(namespace, nod
     dead_proc.wait()
     ns = namespace("privileged")
     install("ic", ns, train_values(node_root, nodes=1, iterations=1))
-    wait_until("the init container ran", lambda: "greenroom-init:" in logs(
-        ns, "app.kubernetes.io/instance=ic", container="prepare-offload-dir"), ns=ns)
+    wait_until(
+        "the init container ran",
+        lambda: "greenroom-init:" in logs(ns, "app.kubernetes.io/instance=ic", container="prepare-offload-dir"),
+        ns=ns,
+    )
     assert not os.path.exists(dead)
     assert os.path.isdir(live) and live_proc.poll() is None
 
@@ -163,8 +183,11 @@ def killed(start, root: str, job: str, pod_uid: str) -> str:
 def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(namespace, node_root, holders):
     ns = namespace("privileged")
     kubectl("-n", ns, "apply", "-f", "-", stdin=LIVE_POD)
-    wait_until("the live pod running", lambda: kubectl_json("-n", ns, "get", "pod", "live")["status"].get("phase")
-               == "Running", ns=ns)
+    wait_until(
+        "the live pod running",
+        lambda: kubectl_json("-n", ns, "get", "pod", "live")["status"].get("phase") == "Running",
+        ns=ns,
+    )
     live_uid = kubectl_json("-n", ns, "get", "pod", "live")["metadata"]["uid"]
     # Both owners are dead processes: only the API can tell the pod that is still there.
     kept = killed(holders, os.path.join(node_root, live_uid), "job-a", live_uid)
@@ -175,16 +198,21 @@ def test_janitor_reclaims_a_gone_pods_dir_through_the_api_and_keeps_a_live_pods(
     assert os.path.isdir(kept)
 
     def reclaim_events() -> list[dict]:
-        return [e for e in kubectl_json("-n", "default", "get", "events")["items"]
-                if e.get("reason") == "StaleOffloadReclaimed" and gone_uid in e.get("message", "")]
+        return [
+            e
+            for e in kubectl_json("-n", "default", "get", "events")["items"]
+            if e.get("reason") == "StaleOffloadReclaimed" and gone_uid in e.get("message", "")
+        ]
+
     (event, *_) = wait_until("the janitor's Event about it", reclaim_events, ns=ns)
     assert event["involvedObject"]["kind"] == "Node"
 
     # Scraped from the node, as Prometheus would: the pod's address on the bridge, the
     # charts' default metrics port.
     (janitor,) = pods(ns, "app.kubernetes.io/component=janitor")
-    metrics = subprocess.run(["curl", "-fsS", f"http://{janitor['status']['podIP']}:9400/metrics"],
-                             capture_output=True, text=True)
+    metrics = subprocess.run(
+        ["curl", "-fsS", f"http://{janitor['status']['podIP']}:9400/metrics"], capture_output=True, text=True
+    )
     assert metrics.returncode == 0, metrics.stderr
     assert "greenroom_reclaim_dirs_total 1.0" in metrics.stdout, metrics.stdout
 

@@ -10,8 +10,18 @@ import tempfile
 from tests.conftest import REPO, require_tool
 from tests.k8s.support import require_cluster, wait_until
 
-SCRIPTS = ["scripts/services.d/k8s.sh", "scripts/k8s/build.sh", "scripts/k8s/pki.sh", "scripts/k8s/node.sh",
-           "scripts/k8s/jobset.sh", "scripts/k8s/dns.sh", "scripts/k8s/proxy.sh", "scripts/k8s/image.sh", "scripts/k8s/prune-images.sh", "scripts/setup.d/50-k8s.sh"]
+SCRIPTS = [
+    "scripts/services.d/k8s.sh",
+    "scripts/k8s/build.sh",
+    "scripts/k8s/pki.sh",
+    "scripts/k8s/node.sh",
+    "scripts/k8s/jobset.sh",
+    "scripts/k8s/dns.sh",
+    "scripts/k8s/proxy.sh",
+    "scripts/k8s/image.sh",
+    "scripts/k8s/prune-images.sh",
+    "scripts/setup.d/50-k8s.sh",
+]
 
 
 def test_cluster_scripts_pass_shellcheck():
@@ -32,16 +42,25 @@ def test_build_says_what_is_missing_without_go(tmp_path):
     bin_dir.mkdir()
     for tool in ("bash", "dirname"):
         os.symlink(subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip(), bin_dir / tool)
-    out = subprocess.run(["bash", "scripts/k8s/build.sh"], cwd=REPO, capture_output=True, text=True,
-                         env={"PATH": str(bin_dir), "HOME": str(tmp_path)})
+    out = subprocess.run(
+        ["bash", "scripts/k8s/build.sh"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
+    )
     assert out.returncode == 3
     assert out.stderr.count("\n") == 1 and "go not found on PATH" in out.stderr
 
 
 def test_prune_images_refuses_a_call_without_a_prefix_in_one_line():
     # Without a prefix it would not know which tags are its own to remove.
-    out = subprocess.run(["bash", "scripts/k8s/prune-images.sh", "/no/socket", "localhost/greenroom:ci-x"],
-                         cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(
+        ["bash", "scripts/k8s/prune-images.sh", "/no/socket", "localhost/greenroom:ci-x"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2
     assert out.stderr == "usage: scripts/k8s/prune-images.sh CONTAINERD_SOCKET KEEP_IMAGE PREFIX...\n"
 
@@ -54,17 +73,32 @@ def test_image_import_without_room_is_refused_in_one_line_and_imports_nothing():
     work = tempfile.mkdtemp(prefix="grc-", dir="/tmp")  # a socket path must stay short
     sock = os.path.join(work, "containerd.sock")
     with open(os.path.join(work, "config.toml"), "w") as f:
-        f.write(f'version = 2\nroot = "{work}/root"\nstate = "{work}/state"\n'
-                f'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n[grpc]\n  address = "{sock}"\n')
-    daemon = subprocess.Popen([containerd, "--config", os.path.join(work, "config.toml")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        f.write(
+            f'version = 2\nroot = "{work}/root"\nstate = "{work}/state"\n'
+            f'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n[grpc]\n  address = "{sock}"\n'
+        )
+    daemon = subprocess.Popen(
+        [containerd, "--config", os.path.join(work, "config.toml")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         listing = [ctr, "--address", sock, "--namespace", "k8s.io"]
-        wait_until("the test's own containerd answering or gone", lambda: daemon.poll() is not None
-                   or subprocess.run([*listing, "version"], capture_output=True).returncode == 0, timeout=30)
+        wait_until(
+            "the test's own containerd answering or gone",
+            lambda: (
+                daemon.poll() is not None or subprocess.run([*listing, "version"], capture_output=True).returncode == 0
+            ),
+            timeout=30,
+        )
         assert daemon.poll() is None, "the test's own containerd exited at its start"
-        out = subprocess.run(["bash", "scripts/k8s/image.sh", sock], cwd=REPO, capture_output=True, text=True,
-                             env=dict(os.environ, GREENROOM_K8S_FREE_MARGIN_GB="1000000000"))
+        out = subprocess.run(
+            ["bash", "scripts/k8s/image.sh", sock],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, GREENROOM_K8S_FREE_MARGIN_GB="1000000000"),
+        )
         assert out.returncode == 1, out.stderr
         (line,) = out.stdout.splitlines()
         assert line.startswith("not imported: ") and "GREENROOM_K8S_FREE_MARGIN_GB" in line, line

@@ -16,18 +16,20 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 
+from greenroom.dirs.rankdir import write_json_atomic
 from greenroom.errors import CheckpointError
 from greenroom.megatron import load_checkpoint, save_checkpoint
 from greenroom.megatron.checkpoint import SUBDIR, locate, sidecar_record, state_dir, verify_sidecar
 from greenroom.megatron.layout import ShardEntry, Topology
 from greenroom.megatron.optimizer import StreamingDistributedOptimizer, _resident_adam
 from greenroom.optim.store.bucket_store import BucketStore, Entry
-from greenroom.dirs.rankdir import write_json_atomic
 
-ENTRIES = [ShardEntry(name="embedding.word_embeddings.weight", group=0, index=0, shape=(1024, 256), start=0,
-                      numel=262144),
-           ShardEntry(name="decoder.layers.0.mlp.linear_fc1.weight", group=1, index=0, shape=(1024, 256), start=0,
-                      numel=262144)]
+ENTRIES = [
+    ShardEntry(name="embedding.word_embeddings.weight", group=0, index=0, shape=(1024, 256), start=0, numel=262144),
+    ShardEntry(
+        name="decoder.layers.0.mlp.linear_fc1.weight", group=1, index=0, shape=(1024, 256), start=0, numel=262144
+    ),
+]
 
 
 def _write(checkpoint, topology=Topology(), entries=ENTRIES, index=0, rank=0):
@@ -38,8 +40,9 @@ def _write(checkpoint, topology=Topology(), entries=ENTRIES, index=0, rank=0):
 
 
 def test_a_checkpoint_without_streamed_state_is_refused(disk_dir):
-    with pytest.raises(CheckpointError, match="no streamed optimizer state .*written before streaming was enabled"
-                                              ".*no_load_optim=True"):
+    with pytest.raises(
+        CheckpointError, match="no streamed optimizer state .*written before streaming was enabled.*no_load_optim=True"
+    ):
         locate(disk_dir, 0, 0, no_load_optim=False)
 
 
@@ -59,17 +62,23 @@ def test_the_state_of_this_rank_is_found_with_its_record(disk_dir):
 def test_a_rank_the_checkpoint_does_not_have_is_named_with_the_saved_layout(disk_dir):
     _write(disk_dir, Topology(dp=2, dp_rank=0), rank=0)
     _write(disk_dir, Topology(dp=2, dp_rank=1), rank=1)
-    with pytest.raises(CheckpointError, match="no streamed state for optimizer 0 of rank 2; it was written by 2 "
-                                              "optimizer shard.* with tp 1, pp 1, dp 2, ep 1, cp 1"):
+    with pytest.raises(
+        CheckpointError,
+        match="no streamed state for optimizer 0 of rank 2; it was written by 2 "
+        "optimizer shard.* with tp 1, pp 1, dp 2, ep 1, cp 1",
+    ):
         locate(disk_dir, 0, 2, no_load_optim=False)
 
 
-@pytest.mark.parametrize(("saved", "named"), [
-    (Topology(tp=2), "tp 2 -> 1"),
-    (Topology(dp=2, dp_rank=1), "dp 2 -> 1, dp_rank 1 -> 0"),
-    (Topology(ep=4), "ep 4 -> 1"),
-    (Topology(pp=2), "pp 2 -> 1"),
-])
+@pytest.mark.parametrize(
+    ("saved", "named"),
+    [
+        (Topology(tp=2), "tp 2 -> 1"),
+        (Topology(dp=2, dp_rank=1), "dp 2 -> 1, dp_rank 1 -> 0"),
+        (Topology(ep=4), "ep 4 -> 1"),
+        (Topology(pp=2), "pp 2 -> 1"),
+    ],
+)
 def test_a_changed_parallel_layout_fails_naming_what_changed(disk_dir, saved, named):
     path = _write(disk_dir, saved)
     _, record = locate(disk_dir, 0, 0, no_load_optim=False)
@@ -83,8 +92,7 @@ def test_a_different_shard_list_is_refused(disk_dir):
     _, record = locate(disk_dir, 0, 0, no_load_optim=False)
     with pytest.raises(CheckpointError, match="2 streamed param shards saved, this run has 1"):
         verify_sidecar(path, record, Topology(), ENTRIES[:1])
-    moved = [ENTRIES[0], ShardEntry(name=ENTRIES[1].name, group=1, index=0, shape=(1024, 256), start=128,
-                                    numel=262016)]
+    moved = [ENTRIES[0], ShardEntry(name=ENTRIES[1].name, group=1, index=0, shape=(1024, 256), start=128, numel=262016)]
     with pytest.raises(CheckpointError, match="layout differs at decoder.layers.0.mlp.linear_fc1.weight"):
         verify_sidecar(path, record, Topology(), moved)
 
@@ -116,8 +124,13 @@ def _optimizer(directory, entries, *, lr, moment_dtype="fp32"):
     os.makedirs(directory, exist_ok=True)
     opt = object.__new__(StreamingDistributedOptimizer)
     opt.shard_entries = entries
-    opt._store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries], directory,
-                             bucket_numel=300_000, moment_dtype=moment_dtype, chunk_bytes=1 << 20)
+    opt._store = BucketStore(
+        [Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
+        directory,
+        bucket_numel=300_000,
+        moment_dtype=moment_dtype,
+        chunk_bytes=1 << 20,
+    )
     opt.shard_fp32_from_float16_groups = [[], []]
     for e in entries:
         main = torch.zeros(e.numel)
@@ -126,7 +139,10 @@ def _optimizer(directory, entries, *, lr, moment_dtype="fp32"):
     opt.shard_fp32_groups = [[torch.zeros(40)], []]
     opt.optimizer = torch.optim.AdamW(
         [{"params": [*fp32, *mains]} for fp32, mains in zip(opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups)],
-        lr=lr, betas=(0.9, 0.95), eps=1e-8)
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     opt.optimizer.param_groups[0].update(weight_decay=0.01, default_config=object())
     opt.optimizer.param_groups[1].update(weight_decay=0.0)
     opt.resident_optimizer = _resident_adam(opt.optimizer, opt.shard_fp32_groups)
@@ -154,7 +170,10 @@ def test_streamed_state_round_trips_through_greenroom_optims_checkpoint(disk_dir
     assert loaded.streamed_steps == 3
     assert loaded.optimizer.param_groups[1]["lr"] == 5e-4
     assert loaded.optimizer.param_groups[0]["betas"] == (0.9, 0.95)
-    ref, ours = saved.resident_optimizer.state[saved.shard_fp32_groups[0][0]], loaded.resident_optimizer.state[loaded.shard_fp32_groups[0][0]]
+    ref, ours = (
+        saved.resident_optimizer.state[saved.shard_fp32_groups[0][0]],
+        loaded.resident_optimizer.state[loaded.shard_fp32_groups[0][0]],
+    )
     for key in ("step", "exp_avg", "exp_avg_sq"):
         assert torch.equal(ref[key], ours[key])
     for a, b in zip(saved.store.stream(), loaded.store.stream()):
@@ -202,13 +221,17 @@ def test_after_a_failed_step_the_streaming_distributed_optimizer_refuses_until_l
         opt.step_with_ready_grads()
     # Half stepped: bucket 0 (entry 0) took the update, bucket 1 did not.
     assert [torch.equal(opt.streamed_state(i)[0], saved[i][0]) for i in range(2)] == [False, True]
-    for what, call in (("step()", opt.step_with_ready_grads), ("state_dict()", opt.state_dict),
-                       ("save_checkpoint()", lambda: save_checkpoint(opt, ckpt))):
+    for what, call in (
+        ("step()", opt.step_with_ready_grads),
+        ("state_dict()", opt.state_dict),
+        ("save_checkpoint()", lambda: save_checkpoint(opt, ckpt)),
+    ):
         with pytest.raises(GreenroomError) as err:
             call()
         assert "\n" not in str(err.value)
-        assert str(err.value).startswith(f"StreamingDistributedOptimizer: {what} refused: an earlier step() failed "
-                                         "(StorageError: ")
+        assert str(err.value).startswith(
+            f"StreamingDistributedOptimizer: {what} refused: an earlier step() failed (StorageError: "
+        )
         assert "load a checkpoint (greenroom.megatron.load_checkpoint)" in str(err.value)
 
     load_checkpoint(opt, ckpt)
@@ -224,8 +247,11 @@ def test_a_live_bucket_file_deleted_before_the_save_is_one_checkpoint_error_nami
     opt.store.initialize(lambda i: torch.ones(ENTRIES[i].numel))
     live = opt.store.path(0)
     os.unlink(live)
-    with pytest.raises(CheckpointError, match=rf"^{live}: cannot save this live bucket file \(No such file or "
-                                              r"directory\): it was deleted or made unreadable"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{live}: cannot save this live bucket file \(No such file or "
+        r"directory\): it was deleted or made unreadable",
+    ):
         save_checkpoint(opt, os.path.join(disk_dir, "ckpt"))
     opt.close()
 

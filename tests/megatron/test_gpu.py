@@ -17,8 +17,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA: megatron-core's DDP and GPT forward run only on the GPU machine",
-                allow_module_level=True)
+    pytest.skip("needs CUDA: megatron-core's DDP and GPT forward run only on the GPU machine", allow_module_level=True)
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 with warnings.catch_warnings():
@@ -26,9 +25,9 @@ with warnings.catch_warnings():
     from megatron.core.optimizer import get_megatron_optimizer
 
 from greenroom.config import OffloadConfig
+from greenroom.dirs.rankdir import RankDir
 from greenroom.errors import CheckpointError
 from greenroom.megatron import close, demo, load_checkpoint, save_checkpoint, streaming, streaming_members
-from greenroom.dirs.rankdir import RankDir
 
 SIZE = demo.ModelSize(hidden=256, layers=2, heads=4, vocab=1024, seq=64, batch=2)
 # Smaller than the word embedding's shard (1024 x 256): that one is a bucket of its own,
@@ -71,7 +70,9 @@ def _assert_same(stock_model, stock_opt, model, optimizer):
         for shards, ours in zip(ref.shard_fp32_groups, member.shard_fp32_groups):
             for a, b in zip(shards, ours):
                 assert torch.equal(a, b)
-                assert torch.equal(ref.optimizer.state[a]["exp_avg_sq"], member.resident_optimizer.state[b]["exp_avg_sq"])
+                assert torch.equal(
+                    ref.optimizer.state[a]["exp_avg_sq"], member.resident_optimizer.state[b]["exp_avg_sq"]
+                )
 
 
 def test_streaming_is_bit_identical_to_stock_across_a_save_and_load(disk_dir):
@@ -152,9 +153,9 @@ def test_megatrons_checkpoint_flow_carries_the_small_state_and_resume_stays_bit_
     with RankDir(disk_dir, role="dist-second") as second:
         model, optimizer = _streamed(config, second)
         model_sd = model.module.sharded_state_dict()
-        loaded = dist_checkpointing.load({"model": model_sd,
-                                          "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)},
-                                         checkpoint)
+        loaded = dist_checkpointing.load(
+            {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}, checkpoint
+        )
         model.module.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
         load_checkpoint(optimizer, checkpoint)

@@ -12,14 +12,17 @@ def test_same_topology_has_no_mismatch():
     assert topo.mismatch(Topology.from_record(topo.record())) is None
 
 
-@pytest.mark.parametrize(("saved", "named"), [
-    (dict(tp=2), "tp 2 -> 1"),
-    (dict(pp=4, pp_rank=3), "pp 4 -> 1, pp_rank 3 -> 0"),
-    (dict(dp=8), "dp 8 -> 1"),
-    (dict(ep=2), "ep 2 -> 1"),
-    (dict(cp=2), "cp 2 -> 1"),
-    (dict(dp_rank=1, dp=2), "dp 2 -> 1, dp_rank 1 -> 0"),
-])
+@pytest.mark.parametrize(
+    ("saved", "named"),
+    [
+        (dict(tp=2), "tp 2 -> 1"),
+        (dict(pp=4, pp_rank=3), "pp 4 -> 1, pp_rank 3 -> 0"),
+        (dict(dp=8), "dp 8 -> 1"),
+        (dict(ep=2), "ep 2 -> 1"),
+        (dict(cp=2), "cp 2 -> 1"),
+        (dict(dp_rank=1, dp=2), "dp 2 -> 1, dp_rank 1 -> 0"),
+    ],
+)
 def test_a_changed_topology_names_what_changed(saved, named):
     message = Topology().mismatch(Topology(**saved))
     assert named in message
@@ -36,7 +39,12 @@ def test_without_model_parallel_state_the_topology_is_all_ones():
 
 
 def test_shard_entry_record_is_json_ready():
-    entry = ShardEntry(name="decoder.layers.0.mlp.linear_fc1.weight", group=1, index=2, shape=(8, 4),
-                       start=4, numel=20)
-    assert entry.record() == {"name": "decoder.layers.0.mlp.linear_fc1.weight", "group": 1, "index": 2,
-                              "shape": [8, 4], "start": 4, "numel": 20}
+    entry = ShardEntry(name="decoder.layers.0.mlp.linear_fc1.weight", group=1, index=2, shape=(8, 4), start=4, numel=20)
+    assert entry.record() == {
+        "name": "decoder.layers.0.mlp.linear_fc1.weight",
+        "group": 1,
+        "index": 2,
+        "shape": [8, 4],
+        "start": 4,
+        "numel": 20,
+    }

@@ -45,13 +45,19 @@ def _offload(disk_dir, **overrides) -> OffloadConfig:
     return OffloadConfig(stream_optimizer_state_to_disk=True, offload_train_disk_dir=disk_dir, **overrides)
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (dict(use_distributed_optimizer=False), "needs megatron's DistributedOptimizer: set OptimizerConfig.use_distributed_optimizer=True"),
-    (dict(optimizer="sgd"), "supports Adam only, got OptimizerConfig.optimizer='sgd'"),
-    (dict(optimizer_cpu_offload=True), "drop --optimizer-cpu-offload"),
-    (dict(use_precision_aware_optimizer=True), "drop --use-precision-aware-optimizer"),
-    (dict(decoupled_weight_decay=False, weight_decay=0.1), "set OptimizerConfig.decoupled_weight_decay=True"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            dict(use_distributed_optimizer=False),
+            "needs megatron's DistributedOptimizer: set OptimizerConfig.use_distributed_optimizer=True",
+        ),
+        (dict(optimizer="sgd"), "supports Adam only, got OptimizerConfig.optimizer='sgd'"),
+        (dict(optimizer_cpu_offload=True), "drop --optimizer-cpu-offload"),
+        (dict(use_precision_aware_optimizer=True), "drop --use-precision-aware-optimizer"),
+        (dict(decoupled_weight_decay=False, weight_decay=0.1), "set OptimizerConfig.decoupled_weight_decay=True"),
+    ],
+)
 def test_optimizer_config_refusals_name_the_setting(overrides, message):
     with pytest.raises(ValueError, match="^optimizer streaming") as info:
         checks.check_optimizer_config(_config(**overrides))
@@ -80,11 +86,14 @@ def test_a_plain_adam_config_passes():
     checks.check_optimizer_config(_config(decoupled_weight_decay=False, weight_decay=0.0))
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (dict(use_megatron_fsdp=True), "does not support Megatron FSDP"),
-    (dict(fp8_param_gather=True), "does not support fp8 params"),
-    (dict(use_distributed_optimizer=False), "set DistributedDataParallelConfig.use_distributed_optimizer=True"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(use_megatron_fsdp=True), "does not support Megatron FSDP"),
+        (dict(fp8_param_gather=True), "does not support fp8 params"),
+        (dict(use_distributed_optimizer=False), "set DistributedDataParallelConfig.use_distributed_optimizer=True"),
+    ],
+)
 def test_ddp_config_refusals_name_the_setting(overrides, message):
     with pytest.raises(ValueError, match=message) as info:
         checks.check_ddp_config(DistributedDataParallelConfig(**overrides))
@@ -93,6 +102,7 @@ def test_ddp_config_refusals_name_the_setting(overrides, message):
 
 def test_fp8_params_on_the_transformer_config_are_refused():
     from megatron.core.transformer import TransformerConfig
+
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     checks.check_transformer_config(config)
     # Set afterwards, as a run with Transformer Engine's fp8 would have it (construction
@@ -172,22 +182,34 @@ def test_blocks_in_two_threads_run_one_after_the_other(disk_dir):
     assert mcore_optimizer.DistributedOptimizer is stock
 
 
-@pytest.mark.parametrize(("config", "chunk", "message"), [
-    (dict(optimizer="sgd"), dict(), "supports Adam only"),
-    (dict(optimizer_cpu_offload=True), dict(), "CPU optimizer offload"),
-    (dict(use_precision_aware_optimizer=True), dict(), "precision-aware optimizer"),
-    (dict(), dict(use_megatron_fsdp=True), "Megatron FSDP"),
-    (dict(), dict(fp8_param_gather=True), "fp8 params"),
-])
+@pytest.mark.parametrize(
+    ("config", "chunk", "message"),
+    [
+        (dict(optimizer="sgd"), dict(), "supports Adam only"),
+        (dict(optimizer_cpu_offload=True), dict(), "CPU optimizer offload"),
+        (dict(use_precision_aware_optimizer=True), dict(), "precision-aware optimizer"),
+        (dict(), dict(use_megatron_fsdp=True), "Megatron FSDP"),
+        (dict(), dict(fp8_param_gather=True), "fp8 params"),
+    ],
+)
 def test_construction_refuses_before_allocating_anything(disk_dir, config, chunk, message):
-    model_chunk = types.SimpleNamespace(ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                                 **chunk))
+    model_chunk = types.SimpleNamespace(
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True, **chunk)
+    )
     with streaming(_offload(disk_dir), rank_dir=None):
         with pytest.raises(ValueError, match=message):
-            StreamingDistributedOptimizer(None, _config(**config), None, None, model_chunks=[model_chunk],
-                                          per_model_buffers=None, data_parallel_group=None,
-                                          data_parallel_group_gloo=None, data_parallel_group_idx=0,
-                                          distributed_optimizer_instance_id=0)
+            StreamingDistributedOptimizer(
+                None,
+                _config(**config),
+                None,
+                None,
+                model_chunks=[model_chunk],
+                per_model_buffers=None,
+                data_parallel_group=None,
+                data_parallel_group_gloo=None,
+                data_parallel_group_idx=0,
+                distributed_optimizer_instance_id=0,
+            )
 
 
 def test_construction_outside_the_block_says_how():
@@ -203,7 +225,9 @@ def test_bucket_numel_must_be_a_positive_integer(disk_dir, bad):
 
 def test_an_inner_optimizer_other_than_torch_adam_is_refused():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-    with pytest.raises(ValueError, match="supports torch's Adam/AdamW, the DistributedOptimizer wraps torch.optim.sgd.SGD"):
+    with pytest.raises(
+        ValueError, match="supports torch's Adam/AdamW, the DistributedOptimizer wraps torch.optim.sgd.SGD"
+    ):
         checks.check_inner_optimizer(sgd)
     checks.check_inner_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]))
     checks.check_inner_optimizer(None)

@@ -18,8 +18,16 @@ def torchrun(ranks: int, script: str, *args: str) -> None:
     """Run ``script args`` on ``ranks`` CPU ranks; a failed rank fails the test with the
     tails of the output."""
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime") + os.pathsep + REPO, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           os.path.abspath(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        os.path.abspath(script),
+        *args,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, _tails(proc, ranks)
 

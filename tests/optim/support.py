@@ -25,7 +25,6 @@ def set_grads(*param_lists, step, skip=()):
             p.grad = None if i in skip else g.to(device=p.device, dtype=p.dtype).clone()
 
 
-
 def step_beside_fp32_masters(opt, ref, ours, masters, *, step, dtype=torch.bfloat16):
     """One step of ``opt`` on the 16-bit ``ours`` and of ``ref`` on their fp32 ``masters``
     with the same grads; each param must then be its new master cast to ``dtype``."""
@@ -36,6 +35,7 @@ def step_beside_fp32_masters(opt, ref, ours, masters, *, step, dtype=torch.bfloa
     ref.step()
     for p, m in zip(ours, masters):
         assert p.dtype == dtype and torch.equal(p.detach(), m.detach().to(dtype))
+
 
 def streamed_moments(opt: StreamingAdam) -> dict:
     """``{param: (exp_avg, exp_avg_sq)}`` decoded from the bucket files (fp32 copies)."""

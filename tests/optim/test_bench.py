@@ -9,23 +9,47 @@ import pytest
 from greenroom.optim.footprint import streamed_bytes_per_param
 from tests.cli_support import greenroom, one_line_error
 
-SMALL = ["--params", "2000000", "--bucket-numel", "600000", "--param-numel", "450000", "--chunk-mb", "8",
-         "--raw-size", "32MiB", "--steps", "2"]
+SMALL = [
+    "--params",
+    "2000000",
+    "--bucket-numel",
+    "600000",
+    "--param-numel",
+    "450000",
+    "--chunk-mb",
+    "8",
+    "--raw-size",
+    "32MiB",
+    "--steps",
+    "2",
+]
 
 
 def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
-    proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--moment-dtype", "bf16", "--state-dict", "--json",
-                     check_rc=0)
+    proc = greenroom(
+        "bench", "stream", *SMALL, "--dir", disk_dir, "--moment-dtype", "bf16", "--state-dict", "--json", check_rc=0
+    )
     r = json.loads(proc.stdout)
     for name in ("torch_save", "torch_load", "dcp_save", "dcp_load"):
         phase = r["state_dict"][name]
         assert phase["bytes"] >= 8 * 2_000_000 and phase["seconds"] > 0
     # torch.save of the state dict reads the bucket files through their mappings: no anonymous copy
     assert r["state_dict"]["torch_save"]["anon_growth_bytes"] < r["chunk_bytes"] + (1 << 30)
-    for key in ("step_seconds", "disk_bound_seconds", "ratio", "bytes_read", "bytes_written", "achieved_bytes_per_s",
-                "raw_read_bytes_per_s", "raw_write_bytes_per_s", "host_rss_peak_bytes", "init_host_rss_peak_bytes",
-                "page_cache_growth_bytes",
-                "peak_device_step_bytes", "init_peak_device_bytes"):
+    for key in (
+        "step_seconds",
+        "disk_bound_seconds",
+        "ratio",
+        "bytes_read",
+        "bytes_written",
+        "achieved_bytes_per_s",
+        "raw_read_bytes_per_s",
+        "raw_write_bytes_per_s",
+        "host_rss_peak_bytes",
+        "init_host_rss_peak_bytes",
+        "page_cache_growth_bytes",
+        "peak_device_step_bytes",
+        "init_peak_device_bytes",
+    ):
         assert key in r
     # The first step reads every bucket and keeps the largest on the device; the second
     # starts on it unread and keeps another (optim.held_buckets Note [the last bucket stays]).
@@ -41,9 +65,22 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
     assert r["full_master_bytes"] == 8 * 2_000_000 and r["full_master_ratio"] < r["ratio"]
     # `greenroom plan` counts the same layout, less the 4 KiB alignment of each bucket's
     # segments (20 KiB at most per bucket: 0.002 % of a default 100M-element bucket).
-    plan = json.loads(greenroom("plan", "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype",
-                                "bf16", "--offload-train-disk-dir", disk_dir, "--params", "2000000",
-                                "--world-size", "1", "--json", check_rc=0).stdout)
+    plan = json.loads(
+        greenroom(
+            "plan",
+            "--stream-optimizer-state-to-disk",
+            "--stream-optimizer-state-moment-dtype",
+            "bf16",
+            "--offload-train-disk-dir",
+            disk_dir,
+            "--params",
+            "2000000",
+            "--world-size",
+            "1",
+            "--json",
+            check_rc=0,
+        ).stdout
+    )
     assert plan["disk_bytes_per_rank"]["streaming"] == int(counted)
     assert plan["disk_bytes_per_rank"]["streaming"] <= r["state_bytes"] <= counted + r["buckets"] * 5 * 4096
     # The bound is the bench's bytes at the raw rates it measured in the same run.
@@ -54,8 +91,7 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
 
 
 def test_bench_stream_checkpoint_json_reports_the_in_step_checkpoint_reading_nothing(disk_dir):
-    r = json.loads(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint", "--json",
-                             check_rc=0).stdout)
+    r = json.loads(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint", "--json", check_rc=0).stdout)
     c = r["checkpoint"]
     i = c["in_step"]
     # Beside the bucket files (one filesystem): the checkpoint links the step's own new files.
@@ -80,30 +116,52 @@ def test_bench_stream_checkpoint_json_reports_the_in_step_checkpoint_reading_not
 
 
 def test_bench_stream_text_report_and_bad_input(disk_dir):
-    proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--param-dtype", "fp32", "--checkpoint",
-                     check_rc=0)
+    proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--param-dtype", "fp32", "--checkpoint", check_rc=0)
     assert "verified load" in proc.stdout and "checkpoint in the step" in proc.stdout
     assert "disk bound" in proc.stdout and "step/bound" in proc.stdout and "page cache growth" in proc.stdout
     assert "--params" in one_line_error(greenroom("bench", "stream", "--params", "1.5", "--dir", disk_dir))
     # Named by the train flag the alias stands for.
-    assert "--offload-train-disk-dir" in one_line_error(greenroom("bench", "stream", "--params", "10", "--dir",
-                                                                  os.path.join(disk_dir, "missing")))
+    assert "--offload-train-disk-dir" in one_line_error(
+        greenroom("bench", "stream", "--params", "10", "--dir", os.path.join(disk_dir, "missing"))
+    )
 
 
 def test_bench_stream_with_a_host_cache_moves_only_the_uncached_buckets(disk_dir):
     # bf16 params, fp32 moments: 12 B/param; 5 buckets, one param each: four of 450,000
     # elements (5.4 MB) and one of 200,000 (2.4 MB): 12 MB hold the first two, 40 MB all.
-    half = json.loads(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--json", "--master-layout", "fp32",
-                                "--stream-optimizer-state-host-cache-gb", "0.012", check_rc=0).stdout)
+    half = json.loads(
+        greenroom(
+            "bench",
+            "stream",
+            *SMALL,
+            "--dir",
+            disk_dir,
+            "--json",
+            "--master-layout",
+            "fp32",
+            "--stream-optimizer-state-host-cache-gb",
+            "0.012",
+            check_rc=0,
+        ).stdout
+    )
     assert half["cached_buckets"] == 2 and 0 < half["host_cache_bytes"] <= half["host_cache_budget_bytes"]
     first, second = half["steps"]
     assert first["bytes_written"] == second["bytes_read"] == second["bytes_written"] < first["bytes_read"]
     for step in half["steps"]:
         assert step["disk_bytes"] == step["bytes_read"] + step["bytes_written"]
     assert half["ratio"] > 0
-    every = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--master-layout", "fp32",
-                      "--stream-optimizer-state-host-cache-gb", "0.04",
-                      check_rc=0).stdout
+    every = greenroom(
+        "bench",
+        "stream",
+        *SMALL,
+        "--dir",
+        disk_dir,
+        "--master-layout",
+        "fp32",
+        "--stream-optimizer-state-host-cache-gb",
+        "0.04",
+        check_rc=0,
+    ).stdout
     assert "host cache: 5 of 5 buckets" in every and "no disk I/O, no bandwidth measured (" in every
     assert "disk bound 0 s: the last step moved nothing through the disk (" in every
     assert "5 of 5 buckets in the host cache" in every
@@ -118,22 +176,58 @@ def test_bench_stream_on_a_run_of_one_bucket_says_nothing_false(disk_dir):
     """One 2M-element param over --bucket-numel 500,000: one bucket, larger than the cap,
     kept on the device after the first step, so the second moves nothing through the
     disk. No "<= 500,000 elements", no host cache where there is none, no "0.00 GB/s"."""
-    out = greenroom("bench", "stream", disk_dir, "--params", "2000000", "--bucket-numel", "500000", "--param-numel",
-                    "2000000", "--chunk-mb", "8", "--raw-size", "16MiB", "--compression", "none", check_rc=0).stdout
-    assert ("1 bucket, largest 2,000,000 elements (20.0 MB): a param over --bucket-numel 500,000 gets a bucket of "
-            "its own") in out
+    out = greenroom(
+        "bench",
+        "stream",
+        disk_dir,
+        "--params",
+        "2000000",
+        "--bucket-numel",
+        "500000",
+        "--param-numel",
+        "2000000",
+        "--chunk-mb",
+        "8",
+        "--raw-size",
+        "16MiB",
+        "--compression",
+        "none",
+        check_rc=0,
+    ).stdout
+    assert (
+        "1 bucket, largest 2,000,000 elements (20.0 MB): a param over --bucket-numel 500,000 gets a bucket of its own"
+    ) in out
     assert "<=" not in out and "host cache" not in out and "0.00 GB" not in out
     [step2] = [line for line in out.splitlines() if line.startswith("step 2:")]
     assert "no disk I/O, no bandwidth measured (the one bucket stayed on the device between steps)" in step2
-    assert ("disk bound 0 s: the last step moved nothing through the disk (the one bucket stayed on the device "
-            "between steps); no step/bound ratio") in out
+    assert (
+        "disk bound 0 s: the last step moved nothing through the disk (the one bucket stayed on the device "
+        "between steps); no step/bound ratio"
+    ) in out
     assert "none of the state went to disk" not in out and "1000 such steps write 0 B" in out
     assert os.listdir(disk_dir) == []
 
 
 def test_bench_stream_master_layout_flag_selects_whole_masters_and_refuses_fp32_params(disk_dir):
-    argv = ["bench", "stream", "--params", "4000000", "--bucket-numel", "2000000", "--chunk-mb", "8",
-            "--raw-size", "32MiB", "--steps", "1", "--compression", "none", "--dir", disk_dir, "--json"]
+    argv = [
+        "bench",
+        "stream",
+        "--params",
+        "4000000",
+        "--bucket-numel",
+        "2000000",
+        "--chunk-mb",
+        "8",
+        "--raw-size",
+        "32MiB",
+        "--steps",
+        "1",
+        "--compression",
+        "none",
+        "--dir",
+        disk_dir,
+        "--json",
+    ]
     r = json.loads(greenroom(*argv, "--stream-optimizer-state-master-layout", "fp32", check_rc=0).stdout)
     assert r["master_layout"] == "fp32" and r["disk_bytes_per_param"] >= 12
     # Where the host memory went, phase by phase (no pinned allocator on a CPU device).
@@ -147,6 +241,7 @@ def test_bench_stream_master_layout_flag_selects_whole_masters_and_refuses_fp32_
 
 def test_the_raw_probe_reads_and_writes_at_once_when_asked(disk_dir):
     from greenroom.cli.bench.disk import raw_bandwidth
+
     both = raw_bandwidth(disk_dir, 8 << 20, block=1 << 20, mixed=True)
     assert both.mixed_read_bytes_per_s > 0 and both.mixed_write_bytes_per_s > 0 and both.read_bytes_per_s > 0
     assert raw_bandwidth(disk_dir, 8 << 20, block=1 << 20).mixed_read_bytes_per_s is None
@@ -156,9 +251,30 @@ def test_the_raw_probe_reads_and_writes_at_once_when_asked(disk_dir):
 def test_bench_stream_bf16_params_without_a_codec_move_ten_bytes_per_param(disk_dir):
     # The issue's figure: with the masters as remainders, fp32 moments and no codec, a
     # step reads (and writes) at most 10.05 bytes per param, against 12 with whole masters.
-    r = json.loads(greenroom("bench", "stream", "--params", "4000000", "--bucket-numel", "2000000", "--chunk-mb", "8",
-                             "--raw-size", "32MiB", "--steps", "1", "--param-dtype", "bf16", "--compression", "none",
-                             "--dir", disk_dir, "--json", check_rc=0).stdout)
+    r = json.loads(
+        greenroom(
+            "bench",
+            "stream",
+            "--params",
+            "4000000",
+            "--bucket-numel",
+            "2000000",
+            "--chunk-mb",
+            "8",
+            "--raw-size",
+            "32MiB",
+            "--steps",
+            "1",
+            "--param-dtype",
+            "bf16",
+            "--compression",
+            "none",
+            "--dir",
+            disk_dir,
+            "--json",
+            check_rc=0,
+        ).stdout
+    )
     assert r["moment_dtype"] == "fp32" and r["master_layout"] == "remainder"
     assert 10 <= r["disk_bytes_per_param"] <= 10.05
     # One bucket, read by the one step and kept on the device after it (optim.held_buckets Note
@@ -207,8 +323,11 @@ def test_the_runtime_never_imports_deepspeed():
     import greenroom
 
     root = pathlib.Path(greenroom.__file__).parent
-    importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
-                       if "import deepspeed" in p.read_text() or "from deepspeed" in p.read_text())
+    importers = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if "import deepspeed" in p.read_text() or "from deepspeed" in p.read_text()
+    )
     assert importers == ["cli/bench/deepspeed_peer.py"]  # the peer's child process alone
 
 
@@ -220,8 +339,19 @@ def test_bench_stream_checkpoint_on_another_filesystem_writes_the_state_twice(di
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", other], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs (another filesystem for the checkpoint) needs root")
     try:
-        proc = greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint", "--checkpoint-dir", other,
-                         "--io-only", "--json", check_rc=0)
+        proc = greenroom(
+            "bench",
+            "stream",
+            *SMALL,
+            "--dir",
+            disk_dir,
+            "--checkpoint",
+            "--checkpoint-dir",
+            other,
+            "--io-only",
+            "--json",
+            check_rc=0,
+        )
         assert json.loads(proc.stdout)["io_only"] is True
         i = json.loads(proc.stdout)["checkpoint"]["in_step"]
         assert i["mode"] == "write" and i["extra_bytes_read"] == 0
@@ -233,8 +363,9 @@ def test_bench_stream_checkpoint_on_another_filesystem_writes_the_state_twice(di
 
 
 def test_bench_stream_checkpoint_dir_without_checkpoint_is_refused_in_one_line(disk_dir):
-    line = one_line_error(greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint-dir", disk_dir,
-                                    check_rc=2))
+    line = one_line_error(
+        greenroom("bench", "stream", *SMALL, "--dir", disk_dir, "--checkpoint-dir", disk_dir, check_rc=2)
+    )
     assert "--checkpoint-dir needs --checkpoint" in line
 
 
@@ -267,8 +398,12 @@ def test_a_failed_child_training_is_one_line_naming_the_flag():
 def test_the_rss_ratio_beside_deepspeed_spans_init_and_steps_as_the_peers_peak_does():
     from greenroom.cli.bench.peer import ratios
 
-    ours = {"step_seconds": 3.0, "host_rss_peak_bytes": 100, "init_host_rss_peak_bytes": 150,
-            "peak_device_total_bytes": 20}
+    ours = {
+        "step_seconds": 3.0,
+        "host_rss_peak_bytes": 100,
+        "init_host_rss_peak_bytes": 150,
+        "peak_device_total_bytes": 20,
+    }
     peer = {"step_seconds": 6.0, "host_rss_peak_bytes": 600, "peak_device_bytes": 10}
     assert ratios(ours, peer) == {"step_ratio": 0.5, "host_rss_ratio": 0.25, "device_ratio": 2.0}
     assert ratios({**ours, "init_host_rss_peak_bytes": 60}, peer)["host_rss_ratio"] == 100 / 600
@@ -278,8 +413,16 @@ def test_the_report_beside_deepspeed_gives_both_sides(capsys):
     from greenroom.cli.bench.peer import print_beside
 
     steps = [{"step_seconds": 14.0, "forward_backward_seconds": 0.5, "cpu_seconds": 90.0, "peak_device_bytes": 6e9}]
-    peer = {"deepspeed": "0.19.8", "params": 10**9, "steps": steps, "host_rss_peak_bytes": 7e9,
-            "peak_device_bytes": 6e9, "step_ratio": 0.5, "host_rss_ratio": 0.2, "device_ratio": 0.5}
+    peer = {
+        "deepspeed": "0.19.8",
+        "params": 10**9,
+        "steps": steps,
+        "host_rss_peak_bytes": 7e9,
+        "peak_device_bytes": 6e9,
+        "step_ratio": 0.5,
+        "host_rss_ratio": 0.2,
+        "device_ratio": 0.5,
+    }
     print_beside({"against": peer})
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("DeepSpeed 0.19.8 ZeRO-Infinity") and "CPU in the last step 90.00 s" in out[0]

@@ -45,9 +45,12 @@ def saved(disk_dir):
 def test_round_trip_in_the_middle_stays_bit_exact(disk_dir):
     ours, ref_params = twins(SHAPES)
     opt = _optimizer(ours, os.path.join(disk_dir, "a"))
-    ref = torch.optim.AdamW([{"params": ref_params[:4]},
-                             {"params": ref_params[4:], "lr": 2e-3, "weight_decay": 0.05}],
-                            lr=1e-2, weight_decay=0.01, foreach=True)
+    ref = torch.optim.AdamW(
+        [{"params": ref_params[:4]}, {"params": ref_params[4:], "lr": 2e-3, "weight_decay": 0.05}],
+        lr=1e-2,
+        weight_decay=0.01,
+        foreach=True,
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
     for step in range(3):
@@ -108,8 +111,9 @@ def test_interrupted_save_leaves_the_previous_checkpoint_intact(saved, monkeypat
     monkeypatch.undo()
     assert {n: open(os.path.join(path, n), "rb").read() for n in os.listdir(path)} == before
     assert [n for n in os.listdir(os.path.dirname(path)) if n.startswith("ckpt")] == ["ckpt"]
-    fresh = _optimizer([torch.nn.Parameter(p.detach().clone()) for p in params],
-                       os.path.join(os.path.dirname(path), "other"))
+    fresh = _optimizer(
+        [torch.nn.Parameter(p.detach().clone()) for p in params], os.path.join(os.path.dirname(path), "other")
+    )
     fresh.load_checkpoint(path)  # still verifies and loads
     assert float(fresh.state[fresh.streamed[0]]["step"]) == 3.0
     fresh.close()
@@ -125,15 +129,17 @@ def _load_into(path, params, directory, **kwargs):
 
 def test_refuses_other_moment_dtype(saved, disk_dir):
     _, params, path = saved
-    with pytest.raises(CheckpointError, match="moment dtype fp32, this run uses bf16.*"
-                                              "--stream-optimizer-state-moment-dtype fp32"):
+    with pytest.raises(
+        CheckpointError, match="moment dtype fp32, this run uses bf16.*--stream-optimizer-state-moment-dtype fp32"
+    ):
         _load_into(path, params, os.path.join(disk_dir, "x"), moment_dtype="bf16")
 
 
 def test_refuses_other_layout(saved, disk_dir):
     _, params, path = saved
-    with pytest.raises(CheckpointError,
-                       match="bucket_numel 2000, this run has 3000; build the optimizer with bucket_numel=2000"):
+    with pytest.raises(
+        CheckpointError, match="bucket_numel 2000, this run has 3000; build the optimizer with bucket_numel=2000"
+    ):
         _load_into(path, params, os.path.join(disk_dir, "x"), bucket_numel=3000)
     other = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES[:-2] + [(9, 999), (100,)]]
     with pytest.raises(CheckpointError, match="layout differs at param 1.2"):
@@ -147,11 +153,17 @@ def test_refuses_a_resident_state_that_does_not_fit_before_touching_the_state(sa
     opt, params, path = saved
     live_before = streamed_bytes(opt)
     other = [torch.nn.Parameter(p.detach().clone()) for p in params[:-1]] + [torch.nn.Parameter(torch.zeros(99))]
-    with pytest.raises(CheckpointError, match=r"resident\.pt: param 1\.\d+'s exp_avg is torch\.float32 \(100,\), "
-                                              r"the param here is torch\.float32 \(99,\): resume with the model"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"resident\.pt: param 1\.\d+'s exp_avg is torch\.float32 \(100,\), "
+        r"the param here is torch\.float32 \(99,\): resume with the model",
+    ):
         _load_into(path, other, os.path.join(disk_dir, "x"))
-    with pytest.raises(CheckpointError, match=r"resident\.pt: holds state for param 1\.\d+, which this optimizer "
-                                              "does not have"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"resident\.pt: holds state for param 1\.\d+, which this optimizer "
+        "does not have",
+    ):
         _load_into(path, params[:-1], os.path.join(disk_dir, "y"))
     fewer = _optimizer([torch.nn.Parameter(p.detach().clone()) for p in params[:-1]], os.path.join(disk_dir, "z"))
     try:
@@ -226,8 +238,9 @@ def test_checkpoint_of_bf16_moments_round_trips_bytes(disk_dir):
     _train(opt, params, 2)
     path = os.path.join(disk_dir, "ckpt")
     opt.save_checkpoint(path)
-    opt2 = _optimizer([torch.nn.Parameter(p.detach().clone()) for p in params], os.path.join(disk_dir, "b"),
-                      moment_dtype="bf16")
+    opt2 = _optimizer(
+        [torch.nn.Parameter(p.detach().clone()) for p in params], os.path.join(disk_dir, "b"), moment_dtype="bf16"
+    )
     opt2.load_checkpoint(path)
     assert streamed_bytes(opt2) == streamed_bytes(opt)
     with pytest.raises(CheckpointError, match="moment dtype bf16, this run uses fp32"):

@@ -28,7 +28,7 @@ def test_segment_bytes_match_the_plan_count(name):
 def test_encoding_a_decoded_moment_gives_the_same_bytes(name):
     gen = torch.Generator().manual_seed(0)
     avg = torch.randn(1000 * 3 + 17, generator=gen) * torch.logspace(-12, 2, 3017)
-    sq = avg ** 2
+    sq = avg**2
     for codec, values in zip(moment_codecs(name), (avg, sq)):
         raw = torch.zeros(codec.nbytes(values.numel()), dtype=torch.uint8)
         codec.encode(values, raw)
@@ -45,16 +45,17 @@ def test_encoding_a_decoded_moment_gives_the_same_bytes(name):
 @pytest.mark.parametrize("name", ["fp8e4m3", "fp8e5m2"])
 def test_fp8_per_block_scales_keep_small_blocks_and_zero_blocks(name):
     codec = MomentCodec(name, sqrt=True)
-    values = torch.cat([torch.full((FP8_SCALE_BLOCK,), 1e-20), torch.zeros(FP8_SCALE_BLOCK),
-                        torch.full((FP8_SCALE_BLOCK,), 1e4)])
+    values = torch.cat(
+        [torch.full((FP8_SCALE_BLOCK,), 1e-20), torch.zeros(FP8_SCALE_BLOCK), torch.full((FP8_SCALE_BLOCK,), 1e4)]
+    )
     raw = torch.zeros(codec.nbytes(values.numel()), dtype=torch.uint8)
     codec.encode(values, raw)
     decoded = torch.empty_like(values)
     codec.decode(raw, decoded)
     # one scale per block: the 1e-20 block survives beside the 1e4 block, zeros stay zero
     assert torch.allclose(decoded[:FP8_SCALE_BLOCK], values[:FP8_SCALE_BLOCK], rtol=0.13)
-    assert not decoded[FP8_SCALE_BLOCK:2 * FP8_SCALE_BLOCK].any()
-    assert torch.allclose(decoded[2 * FP8_SCALE_BLOCK:], values[2 * FP8_SCALE_BLOCK:], rtol=0.13)
+    assert not decoded[FP8_SCALE_BLOCK : 2 * FP8_SCALE_BLOCK].any()
+    assert torch.allclose(decoded[2 * FP8_SCALE_BLOCK :], values[2 * FP8_SCALE_BLOCK :], rtol=0.13)
 
 
 def test_fp8_bucket_of_a_param_without_grad_is_written_back_unchanged(disk_dir):
@@ -81,14 +82,22 @@ def test_fp8_bucket_of_a_param_without_grad_is_written_back_unchanged(disk_dir):
 
 def _train(moment_dtype, directory, steps=200):
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
-                              torch.nn.Linear(256, 1))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1)
+    )
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(512, 32, generator=gen)
     y = torch.sin(x.sum(1, keepdim=True))
     start = torch.cat([p.detach().flatten().clone() for p in net.parameters()])
-    opt = StreamingAdam(net.parameters(), lr=3e-3, weight_decay=0.01, state_dir=os.path.join(directory, moment_dtype),
-                        moment_dtype=moment_dtype, resident_numel=0, bucket_numel=30_000)
+    opt = StreamingAdam(
+        net.parameters(),
+        lr=3e-3,
+        weight_decay=0.01,
+        state_dir=os.path.join(directory, moment_dtype),
+        moment_dtype=moment_dtype,
+        resident_numel=0,
+        bucket_numel=30_000,
+    )
     losses = []
     for _ in range(steps):
         opt.zero_grad()

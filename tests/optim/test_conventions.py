@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from greenroom.io.engine import StateFile, align_up
-from greenroom.errors import ConfigError, GreenroomError, StorageError
-from greenroom.optim import StreamingAdam, StreamingMuon
 from greenroom.dirs.rankdir import RankDir
+from greenroom.errors import ConfigError, GreenroomError, StorageError
+from greenroom.io.engine import StateFile, align_up
+from greenroom.optim import StreamingAdam, StreamingMuon
 from tests.optim.support import ODD_SHAPES, assert_state_equal, set_grads, twins
 from tests.train.test_faults import full_fs  # noqa: F401 (a fixture)
 
@@ -22,8 +22,16 @@ def test_defaults_and_group_keys_are_adamws(disk_dir):
     opt.close()
 
 
-@pytest.mark.parametrize("key,value", [("amsgrad", True), ("maximize", True), ("capturable", True),
-                                       ("differentiable", True), ("decoupled_weight_decay", False)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("amsgrad", True),
+        ("maximize", True),
+        ("capturable", True),
+        ("differentiable", True),
+        ("decoupled_weight_decay", False),
+    ],
+)
 def test_unimplemented_group_keys_are_refused_by_name(disk_dir, key, value):
     p = torch.nn.Parameter(torch.randn(10))
     with pytest.raises(ValueError, match=f"{key}={value}"):
@@ -154,16 +162,18 @@ def test_a_muon_param_group_refused_after_torch_appended_it_is_taken_back_out(di
     w = torch.nn.Parameter(torch.randn(64, 64))
     opt = StreamingMuon([w], lr=0.02, state_dir=disk_dir)
     with pytest.raises(ConfigError, match="has no elements"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(32, 32)),
-                                        torch.nn.Parameter(torch.zeros(0, 8))]})
+        opt.add_param_group(
+            {"params": [torch.nn.Parameter(torch.randn(32, 32)), torch.nn.Parameter(torch.zeros(0, 8))]}
+        )
     assert len(opt.param_groups) == 1 and len(opt.streamed) == 1 and len(opt.store.buckets) == 1
     w.grad = torch.randn(64, 64)
     opt.step()
     opt.close()
 
 
-@pytest.mark.parametrize("key, value", [("maximize", True), ("amsgrad", True), ("decoupled_weight_decay", False),
-                                        ("lr", torch.tensor(1e-3))])
+@pytest.mark.parametrize(
+    "key, value", [("maximize", True), ("amsgrad", True), ("decoupled_weight_decay", False), ("lr", torch.tensor(1e-3))]
+)
 def test_a_group_key_set_after_construction_that_the_step_does_not_implement_is_refused(disk_dir, key, value):
     """AdamW honours maximize, amsgrad and coupled decay set in param_groups between
     steps; the streamed step ignored them without a word (a tensor lr failed mid-step)."""
@@ -186,8 +196,11 @@ def test_params_added_removed_or_replaced_in_a_group_are_refused_at_the_step(dis
     ours, _ = twins(ODD_SHAPES)
     opt = StreamingAdam(ours, lr=1e-2, state_dir=disk_dir, bucket_numel=3000)
     params = opt.param_groups[0]["params"]
-    for changed in (params + [torch.nn.Parameter(torch.randn(10))], params[1:],
-                    [torch.nn.Parameter(p.detach().clone()) for p in params]):
+    for changed in (
+        params + [torch.nn.Parameter(torch.randn(10))],
+        params[1:],
+        [torch.nn.Parameter(p.detach().clone()) for p in params],
+    ):
         opt.param_groups[0]["params"] = changed
         set_grads(changed, step=0)
         with pytest.raises(ConfigError, match=r"param_groups\[0\]\['params'\] changed since the state was laid out"):

@@ -72,8 +72,13 @@ def _worker(phase: str, disk_dir: str, out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
 
     def ours_opt(net, name):
-        return StreamingAdam(net.parameters(), lr=1e-2, state_dir=os.path.join(disk_dir, f"{name}-{world}-{rank}"),
-                             bucket_numel=1000, resident_numel=0)
+        return StreamingAdam(
+            net.parameters(),
+            lr=1e-2,
+            state_dir=os.path.join(disk_dir, f"{name}-{world}-{rank}"),
+            bucket_numel=1000,
+            resident_numel=0,
+        )
 
     def ref_opt(net):
         return torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=True)
@@ -98,8 +103,9 @@ def _worker(phase: str, disk_dir: str, out: str) -> None:
         sa, sb = a.state_dict()["state"], b.state_dict()["state"]
         if sa.keys() != sb.keys():
             return False
-        return all(torch.equal(local(sa[i][key]), local(sb[i][key]))
-                   for i in sa for key in ("step", "exp_avg", "exp_avg_sq"))
+        return all(
+            torch.equal(local(sa[i][key]), local(sb[i][key])) for i in sa for key in ("step", "exp_avg", "exp_avg_sq")
+        )
 
     def save(net, opt, path):
         msd, osd = get_state_dict(net, opt)

@@ -6,22 +6,25 @@ import pytest
 import torch
 
 from greenroom.config import OffloadConfig
+from greenroom.dirs.rankdir import RankDir
 from greenroom.optim import StreamingAdam
 from greenroom.optim.store.layout import DEVICE_BUFFERS
-from greenroom.dirs.rankdir import RankDir
 from tests.optim.support import ODD_SHAPES, assert_state_equal, set_grads, step_beside_fp32_masters, twins
 
 
 def _groups(params, split):
-    return [{"params": params[:split]},
-            {"params": params[split:], "lr": 3e-3, "weight_decay": 0.1, "betas": (0.8, 0.95)}]
+    return [
+        {"params": params[:split]},
+        {"params": params[split:], "lr": 3e-3, "weight_decay": 0.1, "betas": (0.8, 0.95)},
+    ]
 
 
 @pytest.mark.parametrize("bucket_numel", [1, 500, 1500, 10_000_000])
 def test_fp32_bit_identical_over_steps_with_groups_and_missing_grads(disk_dir, bucket_numel):
     ours, ref_params = twins(ODD_SHAPES)
-    opt = StreamingAdam(_groups(ours, 3), lr=1e-2, weight_decay=0.01, state_dir=disk_dir,
-                        bucket_numel=bucket_numel, resident_numel=0)
+    opt = StreamingAdam(
+        _groups(ours, 3), lr=1e-2, weight_decay=0.01, state_dir=disk_dir, bucket_numel=bucket_numel, resident_numel=0
+    )
     ref = torch.optim.AdamW(_groups(ref_params, 3), lr=1e-2, weight_decay=0.01, foreach=True)
     if bucket_numel == 1:
         assert len(opt.store.buckets) == len(ODD_SHAPES)  # every param larger than the cap: its own bucket
@@ -59,11 +62,13 @@ def test_lr_scheduler_closure_and_zero_grad_behave_as_adamw(disk_dir):
     for step in range(8):
         losses = []
         for o, params in ((opt, ours), (ref, ref_params)):
+
             def closure(params=params, o=o):
                 o.zero_grad()
                 loss = sum(((p - t) ** 2).sum() for p, t in zip(params, target))
                 loss.backward()
                 return loss
+
             losses.append(o.step(closure))
         assert torch.equal(losses[0], losses[1])
         for s in scheds:
@@ -123,8 +128,12 @@ def test_bytes_on_disk_follow_the_plan_counts(disk_dir):
 
 
 def test_from_config_uses_the_rank_dir_and_flags(disk_dir):
-    config = OffloadConfig(stream_optimizer_state_to_disk=True, stream_optimizer_state_moment_dtype="bf16",
-                           offload_train_disk_dir=disk_dir, offload_train_disk_chunk_mb=8)
+    config = OffloadConfig(
+        stream_optimizer_state_to_disk=True,
+        stream_optimizer_state_moment_dtype="bf16",
+        offload_train_disk_dir=disk_dir,
+        offload_train_disk_chunk_mb=8,
+    )
     p = torch.nn.Parameter(torch.randn(100_000))
     with RankDir(disk_dir, rank=3, job="j") as rank_dir:
         opt = StreamingAdam.from_config([p], config, rank_dir, lr=0.1)
@@ -138,9 +147,13 @@ def test_from_config_uses_the_rank_dir_and_flags(disk_dir):
 
 def test_bad_hyperparameters_are_one_line_value_errors(disk_dir):
     p = torch.nn.Parameter(torch.randn(10))
-    for kwargs, match in (({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, r"betas\[1\]"),
-                          ({"moment_dtype": "fp12"}, "fp12"), ({"bucket_numel": 0}, "bucket_numel"),
-                          ({"chunk_mb": 0}, "chunk_mb")):
+    for kwargs, match in (
+        ({"lr": -1.0}, "lr"),
+        ({"betas": (0.9, 1.0)}, r"betas\[1\]"),
+        ({"moment_dtype": "fp12"}, "fp12"),
+        ({"bucket_numel": 0}, "bucket_numel"),
+        ({"chunk_mb": 0}, "chunk_mb"),
+    ):
         with pytest.raises(ValueError, match=match):
             StreamingAdam([p], state_dir=disk_dir, resident_numel=0, **kwargs)
     with pytest.raises(ValueError, match="int64"):
@@ -179,6 +192,7 @@ def test_a_step_holds_three_buffers_and_reads_ahead_past_the_last_write_back(dis
             def wait(self):
                 events.append(("waited", index))
                 return transfer.wait()
+
         buffer.write = Waited()
 
     store._submit_read, store._submit_write = read, write
@@ -186,9 +200,9 @@ def test_a_step_holds_three_buffers_and_reads_ahead_past_the_last_write_back(dis
         p.grad = torch.randn_like(p)
     opt.step()
     assert [e for e in events if e[0] == "read"] == [("read", k) for k in range(5)]
-    assert not any(e[0] == "waited" for e in events[:events.index(("read", 2))])  # three reads before any wait
+    assert not any(e[0] == "waited" for e in events[: events.index(("read", 2))])  # three reads before any wait
     for k in range(3, 5):
-        before = events[:events.index(("read", k))]
+        before = events[: events.index(("read", k))]
         assert ("waited", k - 3) in before and ("waited", k - 2) not in before, events
     assert store.device_bytes() == 3 * store.max_bucket_bytes
     opt.close()
@@ -207,8 +221,7 @@ def test_a_store_of_two_buckets_holds_two_buffers(disk_dir):
 def test_released_device_buffers_come_back_and_the_steps_stay_exact(disk_dir):
     # What a sleeping actor does between steps: give the store's slots and scratch back.
     ours, ref_params = twins(ODD_SHAPES)
-    opt = StreamingAdam(ours, lr=1e-2, weight_decay=0.01, state_dir=disk_dir, bucket_numel=1500,
-                        resident_numel=0)
+    opt = StreamingAdam(ours, lr=1e-2, weight_decay=0.01, state_dir=disk_dir, bucket_numel=1500, resident_numel=0)
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01, foreach=True)
     for step in range(3):
         opt.store.release_device_buffers()

@@ -33,9 +33,9 @@ def _worker(disk_dir: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from greenroom.dirs.rankdir import RankDir
     from greenroom.errors import CheckpointError
     from greenroom.optim import StreamingAdam
-    from greenroom.dirs.rankdir import RankDir
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -57,8 +57,9 @@ def _worker(disk_dir: str, out: str) -> None:
     ours, ref = build(mesh), build(mesh)
     result = {}
     with RankDir(os.path.join(disk_dir, "root"), rank=rank, job="fsdp") as rank_dir:
-        opt = StreamingAdam(ours.parameters(), lr=1e-2, weight_decay=0.01, state_dir=rank_dir,
-                            bucket_numel=1000, resident_numel=0)
+        opt = StreamingAdam(
+            ours.parameters(), lr=1e-2, weight_decay=0.01, state_dir=rank_dir, bucket_numel=1000, resident_numel=0
+        )
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=True)
         result["empty_shards"] = sum(1 for p in ours.parameters() if local(p).numel() == 0)
         equal = []
@@ -71,8 +72,14 @@ def _worker(disk_dir: str, out: str) -> None:
         opt.save_checkpoint(ckpt)
         opt.close()
         dist.barrier()
-        opt = StreamingAdam(ours.parameters(), lr=1e-2, weight_decay=0.01, state_dir=rank_dir.subdir("again"),
-                            bucket_numel=1000, resident_numel=0)
+        opt = StreamingAdam(
+            ours.parameters(),
+            lr=1e-2,
+            weight_decay=0.01,
+            state_dir=rank_dir.subdir("again"),
+            bucket_numel=1000,
+            resident_numel=0,
+        )
         try:
             opt.load_checkpoint(os.path.join(disk_dir, "ckpt", f"rank{1 - rank}"))
             result["other_rank_refusal"] = "loaded"
@@ -82,8 +89,9 @@ def _worker(disk_dir: str, out: str) -> None:
         for step in range(STEPS, STEPS + 2):
             train_step(ours, opt, step)
             train_step(ref, ref_opt, step)
-        result["equal_after_resume"] = all(torch.equal(local(a), local(b))
-                                           for a, b in zip(ours.parameters(), ref.parameters()))
+        result["equal_after_resume"] = all(
+            torch.equal(local(a), local(b)) for a, b in zip(ours.parameters(), ref.parameters())
+        )
         opt.close()
         result["dir_exists_before_exit"] = os.path.isdir(rank_dir.path)
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:

@@ -26,8 +26,15 @@ def test_cuda_fp32_bit_identical_to_adamw(disk_dir, impl, bucket_numel):
     ours, ref_params = twins(ODD_SHAPES, device="cuda")
     kw = {impl: True}
     groups = lambda ps: [{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.1}]  # noqa: E731
-    opt = StreamingAdam(groups(ours), lr=1e-2, weight_decay=0.01, state_dir=disk_dir, bucket_numel=bucket_numel,
-                        resident_numel=100, **kw)
+    opt = StreamingAdam(
+        groups(ours),
+        lr=1e-2,
+        weight_decay=0.01,
+        state_dir=disk_dir,
+        bucket_numel=bucket_numel,
+        resident_numel=100,
+        **kw,
+    )
     assert opt.fused == (impl == "fused")
     ref = torch.optim.AdamW(groups(ref_params), lr=1e-2, weight_decay=0.01, **kw)
     sched = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6) for o in (opt, ref)]
@@ -65,7 +72,7 @@ def test_moment_casts_on_the_device_give_the_cpu_bytes(name):
     _cuda()
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(100_003, generator=gen) * torch.logspace(-10, 1, 100_003)
-    for codec, v in zip(moment_codecs(name), (values, values ** 2)):
+    for codec, v in zip(moment_codecs(name), (values, values**2)):
         cpu = torch.zeros(codec.nbytes(v.numel()), dtype=torch.uint8)
         codec.encode(v, cpu)
         gpu = torch.zeros_like(cpu, device="cuda")

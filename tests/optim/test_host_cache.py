@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
+from greenroom.dirs.rankdir import RankDir
 from greenroom.optim import StreamingAdam
 from greenroom.optim.store.bucket_store import BucketStore, Entry, build_buckets
-from greenroom.dirs.rankdir import RankDir
 from tests.optim.support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 BUCKET_NUMEL = 1500  # ODD_SHAPES then make 4 buckets of 24, 84, 12 and 60 KiB of fp32 state
@@ -49,8 +49,7 @@ def test_buckets_are_taken_in_order_while_they_fit(disk_dir):
     sizes = [b.data_bytes for b in build_buckets(entries, 1, "fp32")]
     assert sizes == [12288, 61440, 12288, 36864]  # master, exp_avg, exp_avg_sq of each, 4 KiB aligned
     # In order, each while it still fits: a bucket too large for what is left is skipped.
-    cases = {0: [], 12287: [], 12288: [0], 30000: [0, 2], 12288 + 61440: [0, 1], 61440: [0, 2, 3],
-             10 ** 9: [0, 1, 2, 3]}
+    cases = {0: [], 12287: [], 12288: [0], 30000: [0, 2], 12288 + 61440: [0, 1], 61440: [0, 2, 3], 10**9: [0, 1, 2, 3]}
     for budget, cached in cases.items():
         directory = os.path.join(disk_dir, str(budget))
         os.makedirs(directory)
@@ -70,12 +69,15 @@ def test_fp32_bit_identical_to_uncached_and_adamw_across_a_checkpoint(disk_dir, 
     ours, ref_params = twins(ODD_SHAPES)
     plain_params = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     plain = _opt(plain_params, os.path.join(disk_dir, "plain"), 0)
-    budget = {"none-fits": 4095, "half": _half(plain), "all": 10 ** 9}[cache]
+    budget = {"none-fits": 4095, "half": _half(plain), "all": 10**9}[cache]
     opt = _opt(ours, os.path.join(disk_dir, "cached"), budget)
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01, foreach=True)
     cached = sorted(opt.store.host_cache)
-    assert {"none-fits": cached == [], "half": 0 < len(cached) < len(opt.store.buckets),
-            "all": len(cached) == len(opt.store.buckets)}[cache]
+    assert {
+        "none-fits": cached == [],
+        "half": 0 < len(cached) < len(opt.store.buckets),
+        "all": len(cached) == len(opt.store.buckets),
+    }[cache]
     ckpt, plain_ckpt = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "plain-ckpt")
     for step in range(7):
         if step == 3:
@@ -182,7 +184,7 @@ def _save(state_dict, directory):
 def test_fresh_state_and_added_groups_go_to_the_cache(disk_dir):
     ours, plain_params = twins(ODD_SHAPES)
     plain = _opt(plain_params[:4], os.path.join(disk_dir, "plain"), 0)
-    opt = _opt(ours[:4], os.path.join(disk_dir, "cached"), 10 ** 9)
+    opt = _opt(ours[:4], os.path.join(disk_dir, "cached"), 10**9)
     for o, params in ((opt, ours), (plain, plain_params)):
         o.add_param_group({"params": params[4:], "lr": 3e-3})
     assert len(opt.store.host_cache) == len(opt.store.buckets)  # the new buckets too, budget permitting
@@ -217,10 +219,22 @@ def test_cuda_pinned_cache_is_bit_identical_to_uncached_and_fused_adamw(disk_dir
     shapes = [(1024, 1024), (4096,), (333, 777), (2048, 512), (65537,)]
     ours, plain_params = twins(shapes, device="cuda")
     ref_params = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    plain = _opt(plain_params, os.path.join(disk_dir, "plain"), 0, bucket_numel=1 << 19, moment_dtype=moment_dtype,
-                 compression=compression)
-    opt = _opt(ours, os.path.join(disk_dir, "cached"), _half(plain), bucket_numel=1 << 19,
-               moment_dtype=moment_dtype, compression=compression)
+    plain = _opt(
+        plain_params,
+        os.path.join(disk_dir, "plain"),
+        0,
+        bucket_numel=1 << 19,
+        moment_dtype=moment_dtype,
+        compression=compression,
+    )
+    opt = _opt(
+        ours,
+        os.path.join(disk_dir, "cached"),
+        _half(plain),
+        bucket_numel=1 << 19,
+        moment_dtype=moment_dtype,
+        compression=compression,
+    )
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01, fused=True)
     assert 0 < len(opt.store.host_cache) < len(opt.store.buckets)
     assert all(t.is_pinned() for t in opt.store.host_cache.values())

@@ -61,8 +61,7 @@ def other_fs(tmp_path):
     link() between them fails with EXDEV, as it does for a checkpoint on another disk."""
     mount_point = str(tmp_path / "other-fs")
     os.makedirs(mount_point)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", mount_point],
-                      capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", mount_point], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs (another filesystem for the checkpoint) needs root")
     try:
         yield mount_point
@@ -99,8 +98,9 @@ def _checkpoint_and_resume(opt, ref, ours, ref_params, where, case, mode):
     skipped = [b for b in opt.store.buckets if b.index not in written.mirrored and b.index not in opt.store.host_cache]
     if case == "a bucket skipped":
         assert skipped
-        assert written.extra_bytes_read == sum(b.file_bytes - b.data_bytes if mode == "link" else b.file_bytes
-                                               for b in skipped)  # a link reads the table only
+        assert written.extra_bytes_read == sum(
+            b.file_bytes - b.data_bytes if mode == "link" else b.file_bytes for b in skipped
+        )  # a link reads the table only
     else:
         assert written.extra_bytes_read == 0
     if mode == "link" and case != "host cache":  # a cached bucket is written from host memory
@@ -233,8 +233,13 @@ def _run_worker(base, point, previous="saved", last="checkpoint", where=None):
     script = os.path.join(base, "worker.py")
     with open(script, "w") as f:
         f.write(WORKER.format(repo=REPO))
-    return subprocess.run([sys.executable, script, base, point, previous, last, where or base], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, script, base, point, previous, last, where or base],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -258,11 +263,15 @@ def _assert_live_buckets_whole(base, opt, *, torn_refused=False):
     name) may be torn; then reading it is refused in one line, never used."""
     from greenroom.optim.checkpoint.save_load import verify_against_table
 
-    live = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(base, "live")) for n in names
-            if n.startswith("bucket-") and n.endswith(".bin")]
+    live = [
+        os.path.join(d, n)
+        for d, _, names in os.walk(os.path.join(base, "live"))
+        for n in names
+        if n.startswith("bucket-") and n.endswith(".bin")
+    ]
     assert len(live) == len(opt.store.buckets)
     for path in live:
-        index = int(os.path.basename(path)[len("bucket-"):-len(".bin")])
+        index = int(os.path.basename(path)[len("bucket-") : -len(".bin")])
         with opt.store.open_existing(index, path) as f:
             try:
                 verify_against_table(f)
@@ -279,8 +288,12 @@ def test_a_publish_that_fails_after_a_whole_step_raises_without_poisoning(disk_d
 
     ours, theirs = twins(SHAPES)
     opt = _optimizer(ours, os.path.join(disk_dir, "live"))
-    ref = torch.optim.AdamW([{"params": theirs[:4]}, {"params": theirs[4:], "lr": 2e-3, "weight_decay": 0.05}],
-                            lr=1e-2, weight_decay=0.01, foreach=True)
+    ref = torch.optim.AdamW(
+        [{"params": theirs[:4]}, {"params": theirs[4:], "lr": 2e-3, "weight_decay": 0.05}],
+        lr=1e-2,
+        weight_decay=0.01,
+        foreach=True,
+    )
     set_grads(ours, theirs, step=0)
     opt.step()
     ref.step()
@@ -320,47 +333,55 @@ def test_add_param_group_between_the_request_and_the_step_is_refused(disk_dir):
     opt.close()
 
 
-@pytest.mark.parametrize("point,published,previous,mode", [
-    ("instep-bucket@2", False, "saved", "link"),   # mid-stream: the second bucket's file handed out
-    ("bucket-linked@2", False, "saved", "link"),   # two buckets written in place, linked into the staged one
-    ("instep-bucket@3", False, "saved", "link"),   # the last of the 3 buckets
-    ("instep-streamed", False, "saved", "link"),   # every bucket written, nothing published
-    ("save-staged", False, "saved", "link"),       # complete and recorded, not yet swapped in
-    ("save-swapped", True, "saved", "link"),       # swapped in, the replaced one not yet discarded
-    ("discard", True, "saved", "link"),
-    # The previous checkpoint by links too: the live files were its inodes when the step
-    # began, so the step writes each bucket to the new checkpoint's file and relinks the live name.
-    ("bucket-replaced@2", False, "linked", "link"),
-    ("instep-streamed", False, "linked", "link"),
-    ("save-swapped", True, "linked", "link"),
-    # The checkpoint on another filesystem (a tmpfs: link() gives EXDEV): the second write.
-    ("instep-bucket@2", False, "saved", "write"),
-    ("instep-streamed", False, "saved", "write"),
-    ("save-swapped", True, "saved", "write"),
-])
-def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(disk_dir, tmp_path, finished, point, published,
-                                                                    previous, mode):
+@pytest.mark.parametrize(
+    "point,published,previous,mode",
+    [
+        ("instep-bucket@2", False, "saved", "link"),  # mid-stream: the second bucket's file handed out
+        ("bucket-linked@2", False, "saved", "link"),  # two buckets written in place, linked into the staged one
+        ("instep-bucket@3", False, "saved", "link"),  # the last of the 3 buckets
+        ("instep-streamed", False, "saved", "link"),  # every bucket written, nothing published
+        ("save-staged", False, "saved", "link"),  # complete and recorded, not yet swapped in
+        ("save-swapped", True, "saved", "link"),  # swapped in, the replaced one not yet discarded
+        ("discard", True, "saved", "link"),
+        # The previous checkpoint by links too: the live files were its inodes when the step
+        # began, so the step writes each bucket to the new checkpoint's file and relinks the live name.
+        ("bucket-replaced@2", False, "linked", "link"),
+        ("instep-streamed", False, "linked", "link"),
+        ("save-swapped", True, "linked", "link"),
+        # The checkpoint on another filesystem (a tmpfs: link() gives EXDEV): the second write.
+        ("instep-bucket@2", False, "saved", "write"),
+        ("instep-streamed", False, "saved", "write"),
+        ("save-swapped", True, "saved", "write"),
+    ],
+)
+def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(
+    disk_dir, tmp_path, finished, point, published, previous, mode
+):
     with other_fs(tmp_path) if mode == "write" else contextlib.nullcontext(disk_dir) as where:
         _killed_and_loaded(disk_dir, where, finished, point, published, previous)
 
 
-@pytest.mark.parametrize("point,published,previous,mode", [
-    # By links (checkpoint Note [a save by links]), the previous checkpoint saved a step before.
-    ("save-bucket@1", False, "saved", "link"),     # one bucket file linked into the staged dir
-    ("save-bucket@3", False, "saved", "link"),     # all of them, before resident.pt and the manifest
-    ("save-staged", False, "saved", "link"),       # complete and recorded, not yet swapped in
-    ("save-swapped", True, "saved", "link"),       # swapped in, the replaced one not yet discarded
-    ("discard", True, "saved", "link"),
-    # The previous checkpoint's inodes still the live files' (saved by links just before
-    # the step): the step gave them new inodes, and the new save links those.
-    ("save-bucket@2", False, "saved-now", "link"),
-    ("save-swapped", True, "saved-now", "link"),
-    # The checkpoint on another filesystem (a tmpfs): copied.
-    ("save-bucket@2", False, "saved", "write"),
-    ("save-swapped", True, "saved", "write"),
-])
-def test_killed_during_a_save_between_steps_leaves_a_loadable_checkpoint(disk_dir, tmp_path, finished, point,
-                                                                         published, previous, mode):
+@pytest.mark.parametrize(
+    "point,published,previous,mode",
+    [
+        # By links (checkpoint Note [a save by links]), the previous checkpoint saved a step before.
+        ("save-bucket@1", False, "saved", "link"),  # one bucket file linked into the staged dir
+        ("save-bucket@3", False, "saved", "link"),  # all of them, before resident.pt and the manifest
+        ("save-staged", False, "saved", "link"),  # complete and recorded, not yet swapped in
+        ("save-swapped", True, "saved", "link"),  # swapped in, the replaced one not yet discarded
+        ("discard", True, "saved", "link"),
+        # The previous checkpoint's inodes still the live files' (saved by links just before
+        # the step): the step gave them new inodes, and the new save links those.
+        ("save-bucket@2", False, "saved-now", "link"),
+        ("save-swapped", True, "saved-now", "link"),
+        # The checkpoint on another filesystem (a tmpfs): copied.
+        ("save-bucket@2", False, "saved", "write"),
+        ("save-swapped", True, "saved", "write"),
+    ],
+)
+def test_killed_during_a_save_between_steps_leaves_a_loadable_checkpoint(
+    disk_dir, tmp_path, finished, point, published, previous, mode
+):
     with other_fs(tmp_path) if mode == "write" else contextlib.nullcontext(disk_dir) as where:
         _killed_and_loaded(disk_dir, where, finished, point, published, previous, last="save")
 

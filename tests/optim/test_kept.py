@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from greenroom.io import statefile
-from greenroom.errors import StorageError
-from greenroom.optim import StreamingAdam
 from greenroom.dirs.rankdir import RankDir
+from greenroom.errors import StorageError
+from greenroom.io import statefile
+from greenroom.optim import StreamingAdam
 from tests.optim.support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 BUCKET_NUMEL = 1500  # ODD_SHAPES make 4 buckets of 24, 84, 12 and 60 KiB of fp32 state
@@ -33,8 +33,9 @@ def _device(name):
 
 
 def _opt(params, state_dir, **kwargs):
-    return StreamingAdam(params, state_dir=state_dir, lr=1e-2, weight_decay=0.01, bucket_numel=BUCKET_NUMEL,
-                         resident_numel=0, **kwargs)
+    return StreamingAdam(
+        params, state_dir=state_dir, lr=1e-2, weight_decay=0.01, bucket_numel=BUCKET_NUMEL, resident_numel=0, **kwargs
+    )
 
 
 def _adamw(params):

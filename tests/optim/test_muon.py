@@ -22,13 +22,15 @@ STEPS = 5
 def _model(seed=0, dtype=torch.float32, device="cpu"):
     torch.manual_seed(seed)
     return Transformer(ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)).to(
-        device=device, dtype=dtype)
+        device=device, dtype=dtype
+    )
 
 
 def _split(model):
     matrices = [p for p in model.parameters() if p.ndim == 2]
-    return [{"params": matrices[:3]}, {"params": matrices[3:], "lr": 0.01, "weight_decay": 0.05}], \
-        [p for p in model.parameters() if p.ndim != 2]
+    return [{"params": matrices[:3]}, {"params": matrices[3:], "lr": 0.01, "weight_decay": 0.05}], [
+        p for p in model.parameters() if p.ndim != 2
+    ]
 
 
 def _batch(step, device):
@@ -54,8 +56,7 @@ def _pair(state_dir, device="cpu", **kwargs):
     ref_groups, ref_rest = _split(ref)
     our_groups, our_rest = _split(ours)
     ref_opt = torch.optim.Muon(ref_groups, lr=0.02, momentum=0.9)
-    our_opt = StreamingMuon(our_groups, lr=0.02, momentum=0.9, state_dir=state_dir,
-                            **{"bucket_numel": 3000, **kwargs})
+    our_opt = StreamingMuon(our_groups, lr=0.02, momentum=0.9, state_dir=state_dir, **{"bucket_numel": 3000, **kwargs})
     return (ref, ref_opt, torch.optim.AdamW(ref_rest, lr=1e-3)), (ours, our_opt, torch.optim.AdamW(our_rest, lr=1e-3))
 
 
@@ -66,7 +67,9 @@ def _assert_same(ref, ref_opt, ours, our_opt):
     mine = our_opt.state_dict()["state"]
     assert list(theirs) == list(mine)  # the same params, listed in torch's order too
     for i in theirs:
-        assert torch.equal(theirs[i]["momentum_buffer"], mine[i]["momentum_buffer"].to(theirs[i]["momentum_buffer"].device)), i
+        assert torch.equal(
+            theirs[i]["momentum_buffer"], mine[i]["momentum_buffer"].to(theirs[i]["momentum_buffer"].device)
+        ), i
 
 
 def test_bit_identical_to_torch_muon_after_5_steps(disk_dir):
@@ -144,8 +147,11 @@ def test_an_adam_checkpoint_is_refused_by_muon(disk_dir):
     adam.save_checkpoint(os.path.join(disk_dir, "ckpt"))
     adam.close()
     muon = StreamingMuon([weight], state_dir=os.path.join(disk_dir, "muon"))
-    with pytest.raises(CheckpointError, match=r"two Adam moments \(StreamingAdam\) per param, this optimizer keeps "
-                                              r"a momentum buffer \(StreamingMuon\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"two Adam moments \(StreamingAdam\) per param, this optimizer keeps "
+        r"a momentum buffer \(StreamingMuon\)",
+    ):
         muon.load_checkpoint(os.path.join(disk_dir, "ckpt"))
     muon.close()
 

@@ -20,8 +20,8 @@ import torch
 from greenroom.io import fs
 from greenroom.optim import StreamingAdam
 from tests.faults.test_faults import _finally_all, _require_root_and, _run, _umount, loop_device
-from tests.optim.test_instep import other_fs
 from tests.optim.support import ODD_SHAPES, assert_state_equal, set_grads, twins
+from tests.optim.test_instep import other_fs
 
 SHAPES = ODD_SHAPES + [(100,), (300, 1000)]  # the last: a 2.4 MB bucket, clearly visible in the free space
 
@@ -44,8 +44,7 @@ def small_xfs(tmp_path, size_mb: int = 320):
 
 
 def _optimizer(params, directory):
-    return StreamingAdam(params, lr=1e-2, weight_decay=0.01, state_dir=directory, bucket_numel=4000,
-                         resident_numel=100)
+    return StreamingAdam(params, lr=1e-2, weight_decay=0.01, state_dir=directory, bucket_numel=4000, resident_numel=100)
 
 
 def _files(path):
@@ -104,7 +103,10 @@ def test_where_neither_links_nor_clones_work_the_save_copies(disk_dir, tmp_path)
     opt = _optimizer(params, os.path.join(disk_dir, "live"))
     with other_fs(tmp_path) as elsewhere:  # another filesystem: link() and FICLONE give EXDEV
         moved = opt.save_checkpoint(os.path.join(elsewhere, "ckpt"))
-        assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes,
-                         "bytes_written": opt.store.state_bytes, "verify": False}
+        assert moved == {
+            "kind": "copy",
+            "bytes_read": opt.store.state_bytes,
+            "bytes_written": opt.store.state_bytes,
+            "verify": False,
+        }
         opt.close()
-

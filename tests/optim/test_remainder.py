@@ -29,9 +29,14 @@ def test_every_bf16_pattern_class_round_trips_bit_exact(monkeypatch):
     master = _every_pattern()
     n = master.numel()
     bits = master.view(torch.int32)
-    classes = {"+0": bits == 0, "-0": bits == -(1 << 31), "inf": master.isinf(), "nan": master.isnan(),
-               "subnormal": (master != 0) & (master.abs() < torch.finfo(torch.float32).tiny) & ~master.isnan(),
-               "tie": (bits & 0xFFFF) == 0x8000}
+    classes = {
+        "+0": bits == 0,
+        "-0": bits == -(1 << 31),
+        "inf": master.isinf(),
+        "nan": master.isnan(),
+        "subnormal": (master != 0) & (master.abs() < torch.finfo(torch.float32).tiny) & ~master.isnan(),
+        "tie": (bits & 0xFFFF) == 0x8000,
+    }
     assert all(mask.any() for mask in classes.values())
     low = torch.empty(n, dtype=torch.int16)
     fixups = torch.zeros(remainder.fixup_bytes(n), dtype=torch.uint8)
@@ -61,8 +66,8 @@ def _rule_applied_whole(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     fingerprints, count, indices, wrong_bits = remainder._fixup_views(fixups, n)
     fingerprints.copy_((high.view(-1, remainder.FINGERPRINT_BLOCK) * remainder._weights(master.device)).sum(dim=1))
     count.fill_(wrong.numel())
-    indices[:wrong.numel()].copy_(wrong)
-    wrong_bits[:wrong.numel()].copy_(master.view(torch.int32)[wrong])
+    indices[: wrong.numel()].copy_(wrong)
+    wrong_bits[: wrong.numel()].copy_(master.view(torch.int32)[wrong])
     return master.view(torch.int16).view(-1, 2)[:, 0].clone(), fixups
 
 
@@ -82,7 +87,7 @@ def test_encode_and_decode_by_pieces_write_the_bytes_of_the_rule_applied_whole(m
     param = master.to(torch.bfloat16)
     param[5 * block + 1] = 2.0
     expected = master.clone()
-    expected[5 * block:6 * block] = param[5 * block:6 * block].float()
+    expected[5 * block : 6 * block] = param[5 * block : 6 * block].float()
     rebuilt = torch.full_like(master, 7.0)
     assert int(remainder.decode(rebuilt, low, fixups, [(0, param)])) == 1
     assert _same_bits(rebuilt, expected)
@@ -92,12 +97,13 @@ def test_a_bucket_of_trained_looking_masters_round_trips_through_its_file(disk_d
     gen = torch.Generator().manual_seed(0)
     master = torch.randn(50_000, generator=gen) * 0.02
     specials = _every_pattern()[::997][:40]  # a few of every class, within the default capacity
-    master[1000:1000 + specials.numel()] = specials
+    master[1000 : 1000 + specials.numel()] = specials
     master[5000] = float("nan")
     master.view(torch.int32)[6000:6010] = (master.view(torch.int32)[6000:6010] & ~0xFFFF) | 0x8000  # ties
     param = master.to(torch.bfloat16)
-    store = BucketStore([Entry(name="w", shape=(50_000,), remainder=True)], disk_dir, bucket_numel=30_000,
-                        params=lambda i: param)
+    store = BucketStore(
+        [Entry(name="w", shape=(50_000,), remainder=True)], disk_dir, bucket_numel=30_000, params=lambda i: param
+    )
     store.initialize([master])
     states = store.stream()
     state = next(states)
@@ -148,7 +154,7 @@ def test_params_changed_from_outside_reseed_their_blocks_only(disk_dir):
     ours[1].data.copy_(swapped)
     # What the step must start from: the middle block and the small param's block from
     # the params' values; the first and last blocks keep their masters' bits.
-    masters[0].data[block:2 * block] = ours[0].detach()[block:2 * block].float()
+    masters[0].data[block : 2 * block] = ours[0].detach()[block : 2 * block].float()
     masters[1].data.copy_(swapped.float())
     step_beside_fp32_masters(opt, ref, ours, masters, step=2)
     assert int(opt.store.reseeded_blocks) == 2
@@ -180,8 +186,9 @@ def test_a_checkpoint_of_one_master_layout_is_refused_by_the_other_in_one_line(d
 
 def test_an_unknown_master_layout_is_a_one_line_error(disk_dir):
     with pytest.raises(ValueError, match="master_layout"):
-        StreamingAdam([torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))], state_dir=disk_dir,
-                      master_layout="fp16")
+        StreamingAdam(
+            [torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))], state_dir=disk_dir, master_layout="fp16"
+        )
 
 
 def _beside_fp32_masters(tmp_path, *, device, compression, fused, steps=4):
@@ -191,8 +198,17 @@ def _beside_fp32_masters(tmp_path, *, device, compression, fused, steps=4):
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
     kernel = {"fused": True} if fused else {"foreach": True}
     ref = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.01, **kernel)
-    opt = StreamingAdam(ours, lr=1e-3, weight_decay=0.01, state_dir=str(tmp_path / "optim"), bucket_numel=1 << 19,
-                        chunk_mb=8, resident_numel=0, compression=compression, **kernel)
+    opt = StreamingAdam(
+        ours,
+        lr=1e-3,
+        weight_decay=0.01,
+        state_dir=str(tmp_path / "optim"),
+        bucket_numel=1 << 19,
+        chunk_mb=8,
+        resident_numel=0,
+        compression=compression,
+        **kernel,
+    )
     try:
         for step in range(steps):
             g = torch.Generator().manual_seed(100 + step)

@@ -18,11 +18,11 @@ import os
 import pytest
 import torch
 
-from greenroom.io import fs
 from greenroom.errors import StorageError
+from greenroom.io import fs
 from tests.faults.test_faults import small_ext4
-from tests.optim.test_instep import _files, _inodes, _optimizer, _reference, other_fs
 from tests.optim.support import ODD_SHAPES, assert_state_equal, set_grads, twins
+from tests.optim.test_instep import _files, _inodes, _optimizer, _reference, other_fs
 
 SHAPES = ODD_SHAPES + [(100,)]
 
@@ -50,7 +50,8 @@ def test_a_save_beside_the_state_links_the_files_and_loads_bit_identically(disk_
     # The stale files were written out (flush), then linked: the cached buckets', and the
     # one the last step kept on the device (optim.held_buckets Note [the last bucket stays]).
     assert kept > 0 and opt.store.bytes_written - written_before == kept + sum(
-        opt.store.buckets[i].file_bytes for i in opt.store.host_cache)
+        opt.store.buckets[i].file_bytes for i in opt.store.host_cache
+    )
     assert _inodes(path) == _inodes(opt.store.directory)
     assert all(os.stat(os.path.join(path, n)).st_nlink == 2 for n in _inodes(path))
     saved = _files(path)
@@ -116,8 +117,12 @@ def test_without_checksums_the_save_copies(disk_dir, monkeypatch):
     set_grads(params, step=0)
     opt.step()
     moved = opt.save_checkpoint(os.path.join(disk_dir, "ckpt"))
-    assert moved == {"kind": "copy", "bytes_read": opt.store.state_bytes, "bytes_written": opt.store.state_bytes,
-                     "verify": False}
+    assert moved == {
+        "kind": "copy",
+        "bytes_read": opt.store.state_bytes,
+        "bytes_written": opt.store.state_bytes,
+        "verify": False,
+    }
     assert all(os.stat(os.path.join(disk_dir, "ckpt", n)).st_nlink == 1 for n in _inodes(opt.store.directory))
     opt.close()
 
@@ -142,8 +147,11 @@ def test_without_room_for_the_next_steps_new_inodes_the_save_copies_and_a_full_d
         with open(filler, "wb") as f:
             os.posix_fallocate(f.fileno(), 0, st.f_bfree * st.f_frsize - opt.store.state_bytes // 2)
         assert fs.free_bytes(root) < opt.store.state_bytes
-        with pytest.raises(StorageError, match=r"copying \S+/bucket-\d+\.bin to \S+ failed: No space left on "
-                                               r"device") as info:
+        with pytest.raises(
+            StorageError,
+            match=r"copying \S+/bucket-\d+\.bin to \S+ failed: No space left on "
+            r"device",
+        ) as info:
             opt.save_checkpoint(path)
         assert "\n" not in str(info.value)
         assert _files(path) == saved
@@ -202,8 +210,11 @@ def test_a_live_bucket_file_gone_at_the_save_is_one_checkpoint_error_naming_it(d
         os.unlink(live)
     else:
         os.chmod(live, 0)
-    with pytest.raises(CheckpointError, match=rf"^{live}: cannot save this live bucket file \(.*\): it was deleted or "
-                                              r"made unreadable since the step wrote it; nothing was published"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{live}: cannot save this live bucket file \(.*\): it was deleted or "
+        r"made unreadable since the step wrote it; nothing was published",
+    ):
         opt.save_checkpoint(os.path.join(disk_dir, "ckpt"))
     assert sorted(os.listdir(disk_dir)) == ["live"]
     opt.close()

@@ -15,8 +15,9 @@ SHAPES = [(256,), *ODD_SHAPES]  # the first stays resident
 
 
 def _streaming(params, disk_dir, name="a", **kwargs):
-    return StreamingAdam(params, lr=1e-2, weight_decay=0.05, state_dir=os.path.join(disk_dir, name),
-                         bucket_numel=3000, **kwargs)
+    return StreamingAdam(
+        params, lr=1e-2, weight_decay=0.05, state_dir=os.path.join(disk_dir, name), bucket_numel=3000, **kwargs
+    )
 
 
 def _adamw(params):
@@ -41,10 +42,18 @@ def _file_digests(opt):
 def test_format_is_torchs(disk_dir):
     ours, ref_params = twins(SHAPES)
     opt, ref = _streaming(ours, disk_dir), _adamw(ref_params)
-    assert opt.state_dict() == {"state": {}, "param_groups": [{**ref.state_dict()["param_groups"][0],
-                                                               # the kernel that ran (foreach on the CPU)
-                                                               "fused": False, "foreach": True,
-                                                               "moment_dtype": "fp32"}]}
+    assert opt.state_dict() == {
+        "state": {},
+        "param_groups": [
+            {
+                **ref.state_dict()["param_groups"][0],
+                # the kernel that ran (foreach on the CPU)
+                "fused": False,
+                "foreach": True,
+                "moment_dtype": "fp32",
+            }
+        ],
+    }
     written = opt.store.bytes_written
     opt.load_state_dict(opt.state_dict())  # accelerate's prepare does this: no disk pass for an empty state
     assert opt.store.bytes_written == written
@@ -84,8 +93,9 @@ def test_switching_mid_run_is_bit_exact(disk_dir, direction):
     opt.close()
 
 
-@pytest.mark.parametrize("dtype,moment_dtype", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
-                                                (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize(
+    "dtype,moment_dtype", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"), (torch.bfloat16, "bf16")]
+)
 def test_torch_save_and_resume_equal_the_uninterrupted_run(disk_dir, dtype, moment_dtype):
     ours, again = twins(SHAPES, dtype=dtype)
     opt = _streaming(ours, disk_dir, moment_dtype=moment_dtype)
@@ -141,9 +151,14 @@ def _mutations():
     def groups(sd):
         sd["param_groups"].append(dict(sd["param_groups"][0]))
 
-    return [(moment_dtype, "moments are bf16"), (param_count, "8 params in the state dict, 7 here"),
-            (truncated, "param 3's exp_avg_sq has shape"), (narrow, "param 4's exp_avg is torch.bfloat16"),
-            (amsgrad, "amsgrad=True"), (groups, "2 param groups")]
+    return [
+        (moment_dtype, "moments are bf16"),
+        (param_count, "8 params in the state dict, 7 here"),
+        (truncated, "param 3's exp_avg_sq has shape"),
+        (narrow, "param 4's exp_avg is torch.bfloat16"),
+        (amsgrad, "amsgrad=True"),
+        (groups, "2 param groups"),
+    ]
 
 
 @pytest.mark.parametrize("mutate,match", _mutations(), ids=lambda v: getattr(v, "__name__", ""))
@@ -153,8 +168,10 @@ def test_a_mismatched_state_dict_is_one_line_and_changes_nothing(disk_dir, mutat
     opt = _streaming(ours, disk_dir)
     _run([(opt, ours)], [0, 1])
     sd = opt.state_dict()
-    sd = {"state": {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()},
-          "param_groups": [dict(g, params=list(g["params"])) for g in sd["param_groups"]]}
+    sd = {
+        "state": {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()},
+        "param_groups": [dict(g, params=list(g["params"])) for g in sd["param_groups"]],
+    }
     mutate(sd)
     before, steps = _file_digests(opt), [float(opt.state[p]["step"]) for p in ours]
     lr = opt.param_groups[0]["lr"]
@@ -180,8 +197,9 @@ def test_the_state_dict_does_not_depend_on_the_bucket_layout(disk_dir):
     _run([(opt, ours)], [0, 1])
     for a, b in zip(again, ours):
         a.data.copy_(b.detach())
-    other = StreamingAdam(again, lr=1e-2, weight_decay=0.05, state_dir=os.path.join(disk_dir, "b"), bucket_numel=1,
-                          resident_numel=0)  # one param per bucket; the (256,) one, resident in opt, streams here
+    other = StreamingAdam(
+        again, lr=1e-2, weight_decay=0.05, state_dir=os.path.join(disk_dir, "b"), bucket_numel=1, resident_numel=0
+    )  # one param per bucket; the (256,) one, resident in opt, streams here
     other.load_state_dict(opt.state_dict())
     _run([(opt, ours), (other, again)], [2, 3])
     for a, b in zip(ours, again):

@@ -25,8 +25,10 @@ def test_state_dict_hooks_run_in_torchs_order_and_their_replacements_are_used(di
         saved = opt.state_dict()
         assert saved["extra"] == 1 and set(saved["state"]) == {0, 1}
         saved = {k: v for k, v in saved.items() if k != "extra"}
-        copied = {"state": {i: {k: t.clone() for k, t in s.items()} for i, s in saved["state"].items()},
-                  "param_groups": saved["param_groups"]}
+        copied = {
+            "state": {i: {k: t.clone() for k, t in s.items()} for i, s in saved["state"].items()},
+            "param_groups": saved["param_groups"],
+        }
 
         def drop_extra(o, sd):
             calls.append(("load pre", o is opt))

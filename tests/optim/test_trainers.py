@@ -34,8 +34,15 @@ def test_hf_trainer_resume_is_bit_identical(disk_dir):
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
     transformers.logging.set_verbosity_error()
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 64, (24, 16), generator=gen)
     data = [{"input_ids": t, "labels": t} for t in tokens]
@@ -43,13 +50,24 @@ def test_hf_trainer_resume_is_bit_identical(disk_dir):
     def run(name, resume=None):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
-        opt = StreamingAdam(model.parameters(), lr=3e-3, state_dir=os.path.join(disk_dir, f"state-{name}"),
-                            bucket_numel=20_000)
+        opt = StreamingAdam(
+            model.parameters(), lr=3e-3, state_dir=os.path.join(disk_dir, f"state-{name}"), bucket_numel=20_000
+        )
         sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=6)
-        args = TrainingArguments(output_dir=os.path.join(disk_dir, "out-full"), max_steps=6, save_steps=3,
-                                 per_device_train_batch_size=4, learning_rate=3e-3, use_cpu=True, seed=0,
-                                 report_to=[], logging_steps=100, dataloader_num_workers=0,
-                                 disable_tqdm=True, save_only_model=False)
+        args = TrainingArguments(
+            output_dir=os.path.join(disk_dir, "out-full"),
+            max_steps=6,
+            save_steps=3,
+            per_device_train_batch_size=4,
+            learning_rate=3e-3,
+            use_cpu=True,
+            seed=0,
+            report_to=[],
+            logging_steps=100,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            save_only_model=False,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched))
         trainer.train(resume_from_checkpoint=resume)
         return model, opt
@@ -58,8 +76,9 @@ def test_hf_trainer_resume_is_bit_identical(disk_dir):
     checkpoint = os.path.join(disk_dir, "out-full", "checkpoint-3")
     assert os.path.exists(os.path.join(checkpoint, "optimizer.pt"))
     saved = torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True)
-    assert saved["param_groups"][0]["moment_dtype"] == "fp32" and all(float(s["step"]) == 3
-                                                                     for s in saved["state"].values())
+    assert saved["param_groups"][0]["moment_dtype"] == "fp32" and all(
+        float(s["step"]) == 3 for s in saved["state"].values()
+    )
     resumed_model, resumed_opt = run("resumed", resume=checkpoint)
     _equal_models(full_model, resumed_model)
     _equal_optimizers(full_opt, resumed_opt)
@@ -96,11 +115,20 @@ def test_lightning_resume_is_bit_identical(disk_dir, checkpoint_io):
 
     def run(name, epochs, ckpt_path=None):
         module = Net(os.path.join(disk_dir, f"state-{name}"))
-        checkpoints = ModelCheckpoint(dirpath=os.path.join(disk_dir, f"ckpt-{name}"), save_top_k=-1,
-                                      every_n_epochs=1, filename="{epoch}")
-        trainer = lightning.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
-                                    enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                                    callbacks=[checkpoints], plugins=plugins)
+        checkpoints = ModelCheckpoint(
+            dirpath=os.path.join(disk_dir, f"ckpt-{name}"), save_top_k=-1, every_n_epochs=1, filename="{epoch}"
+        )
+        trainer = lightning.Trainer(
+            max_epochs=epochs,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            deterministic=True,
+            callbacks=[checkpoints],
+            plugins=plugins,
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # num_workers advice and the like
             trainer.fit(module, loader, ckpt_path=ckpt_path)

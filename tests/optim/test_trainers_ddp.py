@@ -41,13 +41,35 @@ def doc_example() -> tuple[str, str]:
 
 
 def _torchrun(phase: str, workdir: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GREENROOM_JOB_ID",
-                                                          "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
-    env.update(PYTHONPATH=os.path.join(REPO, "runtime") + os.pathsep + REPO, OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.abspath(__file__), phase, workdir], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=workdir)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GREENROOM_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+    }
+    env.update(
+        PYTHONPATH=os.path.join(REPO, "runtime") + os.pathsep + REPO,
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            os.path.abspath(__file__),
+            phase,
+            workdir,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=workdir,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
 
 
@@ -87,8 +109,17 @@ if __name__ == "__main__":  # one rank of the example, under torchrun
 
     logging.set_verbosity_error()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    )
     tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": t, "labels": t} for t in tokens]
     first, again = doc_example()

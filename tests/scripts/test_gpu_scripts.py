@@ -16,8 +16,13 @@ def test_gpu_scripts_pass_shellcheck():
 
 
 def test_carry_refuses_an_unknown_flag_in_one_line_and_downloads_nothing(tmp_path):
-    out = subprocess.run(["bash", "scripts/gpu/carry.sh", "--all"], cwd=REPO, capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    out = subprocess.run(
+        ["bash", "scripts/gpu/carry.sh", "--all"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
     assert out.returncode == 2
     assert out.stderr == "usage: scripts/gpu/carry.sh [--deepspeed]\n"
     assert not (tmp_path / ".cache").exists()

@@ -35,18 +35,34 @@ __all__ = ["cancel_leftover_jobs"]  # the autouse fixture, imported for the test
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     """The local cluster, or a skip saying why it is not there."""
-    yield from local_cluster(SLURM_CONF, f"no {SLURM_CONF}: `make test` starts the local cluster "
-                             "(scripts/services.d/slurm.sh)", "-h", "-N", "-o", "%T")
+    yield from local_cluster(
+        SLURM_CONF,
+        f"no {SLURM_CONF}: `make test` starts the local cluster (scripts/services.d/slurm.sh)",
+        "-h",
+        "-N",
+        "-o",
+        "%T",
+    )
 
 
 def job_data(tmp_path, disk_dir, name: str, *, iterations: int = 2, streaming: bool = True, **over) -> dict:
     data = {
-        "job_name": name, "tasks_per_node": 2, "mem": "2G", "time": "00:15:00",
-        "scratch_dir": os.path.join(disk_dir, "scratch"), "log_dir": str(tmp_path / "logs"),
-        "greenroom": f"{sys.executable} -m greenroom.cli.main", "max_restarts": 0,
-        "train": {"offload_train": True, "offload_train_target": "disk", "offload_train_disk_chunk_mb": 1,
-                  "stream_optimizer_state_to_disk": streaming, "iterations": iterations,
-                  "extra_args": ["--no-progress", "--metrics", str(tmp_path / f"{name}.jsonl")]},
+        "job_name": name,
+        "tasks_per_node": 2,
+        "mem": "2G",
+        "time": "00:15:00",
+        "scratch_dir": os.path.join(disk_dir, "scratch"),
+        "log_dir": str(tmp_path / "logs"),
+        "greenroom": f"{sys.executable} -m greenroom.cli.main",
+        "max_restarts": 0,
+        "train": {
+            "offload_train": True,
+            "offload_train_target": "disk",
+            "offload_train_disk_chunk_mb": 1,
+            "stream_optimizer_state_to_disk": streaming,
+            "iterations": iterations,
+            "extra_args": ["--no-progress", "--metrics", str(tmp_path / f"{name}.jsonl")],
+        },
     }
     if streaming:
         # bf16 params: fp32 ones are their own masters and stay resident (nothing to stream).
@@ -101,13 +117,16 @@ def wait_done(tmp_path, name: str, job: str) -> dict:
     return info
 
 
-def wait_ranks_running(tmp_path, disk_dir, name: str, job: str, *, ranks: int = 2,
-                       subdirs: tuple[str, ...] = ("offload",)) -> list[str]:
+def wait_ranks_running(
+    tmp_path, disk_dir, name: str, job: str, *, ranks: int = 2, subdirs: tuple[str, ...] = ("offload",)
+) -> list[str]:
     """Until every rank holds its dir with an owner record and files in each subdir (the
     optimizer's appear at its first step, after the actor first slept)."""
+
     def holding(d: str) -> bool:
         return os.path.exists(os.path.join(d, "owner.json")) and all(
-            os.path.isdir(os.path.join(d, sub)) and os.listdir(os.path.join(d, sub)) for sub in subdirs)
+            os.path.isdir(os.path.join(d, sub)) and os.listdir(os.path.join(d, sub)) for sub in subdirs
+        )
 
     def ready() -> bool:
         dirs = rank_dirs(disk_dir, job)
@@ -132,6 +151,7 @@ def kill_every_process(job: str) -> None:
 
 # -- sbatch --test-only -----------------------------------------------------------------
 
+
 def local_variants(tmp_path, disk_dir) -> dict[str, dict]:
     """Every example plus each launcher/container/GPU shape, shrunk to fit this cluster
     (one node, two fake GPUs, the default partition, no account or QoS)."""
@@ -142,8 +162,13 @@ def local_variants(tmp_path, disk_dir) -> dict[str, dict]:
             data = yaml.safe_load(f)
         for key in ("partition", "account", "qos", "sbatch_extra"):
             data.pop(key, None)
-        data.update(nodes=1, gpus_per_node=min(data.get("gpus_per_node", 0), 2), mem="1G",
-                    log_dir=base["log_dir"], scratch_dir=base["scratch_dir"])
+        data.update(
+            nodes=1,
+            gpus_per_node=min(data.get("gpus_per_node", 0), 2),
+            mem="1G",
+            log_dir=base["log_dir"],
+            scratch_dir=base["scratch_dir"],
+        )
         # The defaults: one CPU per process (this node has 4).
         data.pop("tasks_per_node", None)
         data.pop("cpus_per_task", None)
@@ -152,8 +177,13 @@ def local_variants(tmp_path, disk_dir) -> dict[str, dict]:
         for gpus in (0, 2):
             for container in (None, "pyxis", "apptainer"):
                 data = copy.deepcopy(base)
-                data.update(launcher=launcher, gpus_per_node=gpus, tasks_per_node=gpus or 2, max_restarts=1,
-                            exclusive=container == "pyxis")
+                data.update(
+                    launcher=launcher,
+                    gpus_per_node=gpus,
+                    tasks_per_node=gpus or 2,
+                    max_restarts=1,
+                    exclusive=container == "pyxis",
+                )
                 if container:
                     data["container"] = {"runtime": container, "image": "greenroom:test", "mounts": ["/a:/b"]}
                 variants[f"{launcher}-gpus{gpus}-{container or 'bare'}"] = data
@@ -172,8 +202,12 @@ def test_sbatch_test_only_accepts_every_rendered_variant(tmp_path, disk_dir):
 
 
 def test_fake_gpus_reach_the_job_as_cuda_visible_devices(tmp_path):
-    out = subprocess.run(["srun", "--gpus-per-node=2", "--mem=100M", "bash", "-c", "echo $CUDA_VISIBLE_DEVICES"],
-                         capture_output=True, text=True, timeout=DEADLINE_S)
+    out = subprocess.run(
+        ["srun", "--gpus-per-node=2", "--mem=100M", "bash", "-c", "echo $CUDA_VISIBLE_DEVICES"],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "0,1", out.stderr
 
 
@@ -185,8 +219,15 @@ def test_trainer_step_gets_the_cpus_per_task_the_config_asks(tmp_path, disk_dir,
     out = tmp_path / "steps"
     out.mkdir()
     probe = f'scontrol show step -o "$SLURM_JOB_ID.$SLURM_STEP_ID" > {out}/"$RANK".txt'
-    data = job_data(tmp_path, disk_dir, f"cpus-{launcher}", launcher=launcher, cpus_per_task=cpus_per_task,
-                    torchrun=f"{sys.executable} -m torch.distributed.run", command=["bash", "-c", probe])
+    data = job_data(
+        tmp_path,
+        disk_dir,
+        f"cpus-{launcher}",
+        launcher=launcher,
+        cpus_per_task=cpus_per_task,
+        torchrun=f"{sys.executable} -m torch.distributed.run",
+        command=["bash", "-c", probe],
+    )
     data["train"] = {}
     job = submit(tmp_path, data)
     info = wait_done(tmp_path, f"cpus-{launcher}", job)
@@ -199,6 +240,7 @@ def test_trainer_step_gets_the_cpus_per_task_the_config_asks(tmp_path, disk_dir,
 
 
 # -- jobs running greenroom train ---------------------------------------------------------
+
 
 def test_two_task_job_with_disk_offload_and_streaming_succeeds_and_leaves_no_files(tmp_path, disk_dir):
     # Two fake GPUs: the GPU-shaped script (--gpus-per-node, its steps) runs for real; the
@@ -218,8 +260,14 @@ def test_two_task_job_with_disk_offload_and_streaming_succeeds_and_leaves_no_fil
 
 
 def test_torchrun_launcher_runs_one_torchrun_starting_two_ranks(tmp_path, disk_dir):
-    data = job_data(tmp_path, disk_dir, "torchrun", iterations=3, launcher="torchrun",
-                    torchrun=f"{sys.executable} -m torch.distributed.run")
+    data = job_data(
+        tmp_path,
+        disk_dir,
+        "torchrun",
+        iterations=3,
+        launcher="torchrun",
+        torchrun=f"{sys.executable} -m torch.distributed.run",
+    )
     job = submit(tmp_path, data)
     info = wait_done(tmp_path, "torchrun", job)
     text = logs(tmp_path, "torchrun", job)
@@ -314,6 +362,7 @@ def test_submitit_path_refuses_containers_with_a_one_line_error(tmp_path, disk_d
 
 # -- any trainer -------------------------------------------------------------------------
 
+
 def test_hf_trainer_script_runs_as_two_tasks_from_a_plain_sbatch_of_the_rendered_file(tmp_path, disk_dir):
     """Not greenroom train: deploy/examples/hf_trainer.py (HF Trainer, StreamingAdam, the
     offloader) takes its flags from $GREENROOM_ARGS only (command: with the default
@@ -322,15 +371,20 @@ def test_hf_trainer_script_runs_as_two_tasks_from_a_plain_sbatch_of_the_rendered
     data = job_data(tmp_path, disk_dir, "hf")
     del data["greenroom"]
     data["log_dir"] = str(tmp_path / "not" / "yet" / "logs")
-    data["train"] = {"offload_train": True, "offload_train_target": "disk", "offload_train_disk_chunk_mb": 1,
-                     "stream_optimizer_state_to_disk": True}
+    data["train"] = {
+        "offload_train": True,
+        "offload_train_target": "disk",
+        "offload_train_disk_chunk_mb": 1,
+        "stream_optimizer_state_to_disk": True,
+    }
     script = os.path.join(REPO, "deploy", "examples", "hf_trainer.py")
     data["command"] = [sys.executable, script, str(tmp_path / "out"), "--steps", "3"]
     config = tmp_path / "hf.yaml"
     config.write_text(yaml.safe_dump(data))
     greenroom("slurm", "render", str(config), "-o", str(tmp_path / "hf.sh"), check_rc=0)
-    proc = subprocess.run(["sbatch", "--parsable", str(tmp_path / "hf.sh")], capture_output=True, text=True,
-                          cwd=str(tmp_path))
+    proc = subprocess.run(
+        ["sbatch", "--parsable", str(tmp_path / "hf.sh")], capture_output=True, text=True, cwd=str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
     SUBMITTED.append(job)

@@ -34,13 +34,18 @@ def test_reference_names_every_key_with_its_default_and_unit():
     assert rows["container.image"][0] == "required"
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"gpus_per_nod": 8}, "unknown key 'gpus_per_nod': did you mean 'gpus_per_node'? known keys: "),
-    ({"cpus_per_tsk": 8}, "unknown key 'cpus_per_tsk': did you mean 'cpus_per_task'? known keys: "),
-    ({"train": {"offload_trian": True}}, "unknown key 'train.offload_trian': did you mean 'train.offload_train'? "),
-    ({"container": {"runtime": "pyxis", "image": "x", "mount": []}},
-     "unknown key 'container.mount': did you mean 'container.mounts'? "),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"gpus_per_nod": 8}, "unknown key 'gpus_per_nod': did you mean 'gpus_per_node'? known keys: "),
+        ({"cpus_per_tsk": 8}, "unknown key 'cpus_per_tsk': did you mean 'cpus_per_task'? known keys: "),
+        ({"train": {"offload_trian": True}}, "unknown key 'train.offload_trian': did you mean 'train.offload_train'? "),
+        (
+            {"container": {"runtime": "pyxis", "image": "x", "mount": []}},
+            "unknown key 'container.mount': did you mean 'container.mounts'? ",
+        ),
+    ],
+)
 def test_misspelt_key_names_the_closest_known_key(data, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict(data)

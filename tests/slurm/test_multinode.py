@@ -47,9 +47,17 @@ def node_disk(node: str) -> str:
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     """The multi-node partition of the local cluster, or a skip saying why it is not there."""
-    yield from local_cluster(os.path.join(CLUSTER, "multi"), "the local cluster has no namespaced nodes: `make test` "
-                             "starts them as root where network namespaces work (scripts/services.d/slurm.sh)",
-                             "-h", "-N", "-p", "multi", "-o", "%N %T")
+    yield from local_cluster(
+        os.path.join(CLUSTER, "multi"),
+        "the local cluster has no namespaced nodes: `make test` "
+        "starts them as root where network namespaces work (scripts/services.d/slurm.sh)",
+        "-h",
+        "-N",
+        "-p",
+        "multi",
+        "-o",
+        "%N %T",
+    )
 
 
 @pytest.fixture
@@ -66,8 +74,15 @@ def scratch():
 
 def multi_job(tmp_path, scratch: str, name: str, *, nodes: int = 2, iterations: int = ITERATIONS, **over) -> dict:
     """2 nodes x 1 torchrun task (partition multi), or the same 2 ranks on localhost."""
-    data = job_data(tmp_path, scratch, name, iterations=iterations, launcher="torchrun",
-                    torchrun=f"{sys.executable} -m torch.distributed.run", **over)
+    data = job_data(
+        tmp_path,
+        scratch,
+        name,
+        iterations=iterations,
+        launcher="torchrun",
+        torchrun=f"{sys.executable} -m torch.distributed.run",
+        **over,
+    )
     # torchrun sets OMP_NUM_THREADS=1 only where it starts more than one process per node:
     # the same intra-op thread count everywhere, or the sums inside a matmul differ.
     data.update(scratch_dir=scratch, nodes=nodes, tasks_per_node=2 // nodes, env={"OMP_NUM_THREADS": "1"})
@@ -97,13 +112,16 @@ def node_rank_dirs(scratch: str, node: str, job: str) -> list[str]:
 def wait_each_node_holds_a_rank(tmp_path, scratch: str, name: str, job: str, subdirs=("offload", "optim")):
     """Until node1 and node2 each hold one live rank dir on their own disk; returns
     {node: rank dir name}."""
+
     def holding(d: str) -> bool:
         return os.path.exists(os.path.join(d, "owner.json")) and all(
-            os.path.isdir(os.path.join(d, s)) and os.listdir(os.path.join(d, s)) for s in subdirs)
+            os.path.isdir(os.path.join(d, s)) and os.listdir(os.path.join(d, s)) for s in subdirs
+        )
 
     def ready() -> bool:
-        return all(len(node_rank_dirs(scratch, n, job)) == 1 and holding(node_rank_dirs(scratch, n, job)[0])
-                   for n in NODES)
+        return all(
+            len(node_rank_dirs(scratch, n, job)) == 1 and holding(node_rank_dirs(scratch, n, job)[0]) for n in NODES
+        )
 
     wait_for(f"job {job}'s rank dirs on {' and '.join(NODES)}", ready, explain=lambda: logs(tmp_path, name, job))
     return {n: os.path.basename(node_rank_dirs(scratch, n, job)[0]) for n in NODES}
@@ -147,8 +165,10 @@ def one_node_reference(tmp_path_factory):
 
 # -- 1. torchrun across two hosts ----------------------------------------------------------
 
+
 def test_torchrun_across_two_nodes_each_rank_on_its_own_disk_bit_identical_to_one_node(
-        tmp_path, scratch, one_node_reference):
+    tmp_path, scratch, one_node_reference
+):
     job = submit(tmp_path, multi_job(tmp_path, scratch, "mn"))
     held = wait_each_node_holds_a_rank(tmp_path, scratch, "mn", job)
     assert sorted(held.values()) == ["rank00000", "rank00001"]
@@ -166,6 +186,7 @@ def test_torchrun_across_two_nodes_each_rank_on_its_own_disk_bit_identical_to_on
 
 # -- 2. per-node reclaim ------------------------------------------------------------------
 
+
 def in_node(node: str, argv: list[str], **kwargs) -> subprocess.Popen:
     """Start ``argv`` on ``node``: in its slurmd's network, mount and UTS namespaces."""
     with open(os.path.join(CLUSTER, f"slurmd-{node}.pid"), encoding="ascii") as f:
@@ -177,9 +198,13 @@ def plant_dead_rank_dir(scratch: str, node: str, job: str, rank: int) -> str:
     """A rank dir on ``node``'s disk whose owner died: a real process on the node takes it,
     then is SIGKILLed (no cleanup runs). Returns its path as the node sees it."""
     root = os.path.join(scratch, f"greenroom_train_offload_{os.getuid()}")
-    holder = in_node(node, [sys.executable, os.path.join(REPO, "tests", "rank_holder.py"), root, job, "actor",
-                            str(rank)], stdout=subprocess.PIPE, text=True,
-                     env={**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")})
+    holder = in_node(
+        node,
+        [sys.executable, os.path.join(REPO, "tests", "rank_holder.py"), root, job, "actor", str(rank)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")},
+    )
     path = holder.stdout.readline().strip()
     holder.send_signal(signal.SIGKILL)  # nsenter execs the holder: this is the holder itself
     holder.wait()
@@ -189,19 +214,31 @@ def plant_dead_rank_dir(scratch: str, node: str, job: str, rank: int) -> str:
 
 def test_setup_step_reclaims_a_dead_rank_dir_on_node2_and_keeps_node1s_live_dirs(tmp_path, scratch):
     # Live: a one-node job running on node1 all along, its rank dir on node1's disk.
-    live_data = job_data(tmp_path, scratch, "live", iterations=FOREVER, streaming=False, nodes=1,
-                         tasks_per_node=1, partition="multi", sbatch_extra={"nodelist": "node1"})
+    live_data = job_data(
+        tmp_path,
+        scratch,
+        "live",
+        iterations=FOREVER,
+        streaming=False,
+        nodes=1,
+        tasks_per_node=1,
+        partition="multi",
+        sbatch_extra={"nodelist": "node1"},
+    )
     live_data["scratch_dir"] = scratch
     live = submit(tmp_path, live_data)
-    wait_for("the live job's rank dir on node1", lambda: any(
-        os.path.exists(os.path.join(d, "owner.json")) for d in node_rank_dirs(scratch, "node1", live)),
-        explain=lambda: logs(tmp_path, "live", live))
+    wait_for(
+        "the live job's rank dir on node1",
+        lambda: any(os.path.exists(os.path.join(d, "owner.json")) for d in node_rank_dirs(scratch, "node1", live)),
+        explain=lambda: logs(tmp_path, "live", live),
+    )
     live_dirs = node_rank_dirs(scratch, "node1", live)
 
     # Dead: rank 1 of an earlier job, killed on node2.
     dead = plant_dead_rank_dir(scratch, "node2", "4242", 1)
-    assert node_rank_dirs(scratch, "node2", "4242") == [os.path.join(job_root(scratch, "node2", "4242"),
-                                                                      "actor", "rank00001")]
+    assert node_rank_dirs(scratch, "node2", "4242") == [
+        os.path.join(job_root(scratch, "node2", "4242"), "actor", "rank00001")
+    ]
 
     job = submit(tmp_path, multi_job(tmp_path, scratch, "reclaim", iterations=2))
     text = assert_completed(tmp_path, "reclaim", job)
@@ -224,6 +261,7 @@ def test_setup_step_reclaims_a_dead_rank_dir_on_node2_and_keeps_node1s_live_dirs
 
 # -- 3. a lost node -----------------------------------------------------------------------
 
+
 def service(*args: str) -> None:
     subprocess.run(["bash", SERVICE, *args], check=True, capture_output=True, text=True)
 
@@ -239,7 +277,8 @@ def node_back(node: str) -> None:
 
 
 def test_lost_node_requeues_its_files_go_when_it_returns_and_the_job_resumes_bit_identically(
-        tmp_path, scratch, one_node_reference):
+    tmp_path, scratch, one_node_reference
+):
     # The last checkpoint: the same job, run to iteration 2.
     first = submit(tmp_path, multi_job(tmp_path, scratch, "lost", iterations=2, max_restarts=1))
     assert_completed(tmp_path, "lost", first)
@@ -252,8 +291,11 @@ def test_lost_node_requeues_its_files_go_when_it_returns_and_the_job_resumes_bit
         service("node-down", "node2")
         # max_restarts > 0 renders --requeue: Slurm requeues a job that loses a node once
         # it declares the node DOWN (SlurmdTimeout); the job waits for two nodes again.
-        wait_for(f"job {job} to be requeued", lambda: sbatch.job_info(job).get("Restarts") == "1",
-                 explain=lambda: logs(tmp_path, "lost", job))
+        wait_for(
+            f"job {job} to be requeued",
+            lambda: sbatch.job_info(job).get("Restarts") == "1",
+            explain=lambda: logs(tmp_path, "lost", job),
+        )
         assert node_state("node2").startswith("down"), node_state("node2")
         assert node_rank_dirs(scratch, "node2", job) == stale, "a crashed node cannot clean up"
     finally:
@@ -297,8 +339,10 @@ def test_lost_node_without_restarts_fails_the_job_and_the_next_job_reclaims_node
 
 # -- 4. submitit --------------------------------------------------------------------------
 
+
 def test_submitit_across_two_nodes_each_rank_on_its_own_disk_bit_identical_to_one_node(
-        tmp_path, scratch, one_node_reference):
+    tmp_path, scratch, one_node_reference
+):
     from greenroom.slurm.submitit_api import submit_train
 
     data = multi_job(tmp_path, scratch, "submitit")
@@ -357,7 +401,10 @@ def test_apptainer_multi_node_path_runs_reclaim_and_torchrun_through_the_runtime
         mine = [r for r in runs if r.startswith(f"{node} binds={scratch} cmd=")]
         # On each node: the setup reclaim, the trainer's torchrun, the exit reclaim.
         assert [("reclaim" in r, "torch.distributed.run" in r) for r in mine] == [
-            (True, False), (False, True), (True, False)], runs
+            (True, False),
+            (False, True),
+            (True, False),
+        ], runs
     for node in NODES:
         assert not os.path.exists(job_root(scratch, node, job)), f"{node}: the job's files left after it"
 

@@ -25,16 +25,42 @@ from tests.train.test_loop import REPO, env, streaming_available
 pytestmark = pytest.mark.skipif(not streaming_available(), reason="needs greenroom.optim.StreamingAdam")
 
 # bf16 params: every param streams (fp32 masters on disk), so the streamed step does I/O.
-FLAGS = ["--prompts", "8", "--group-size", "4", "--minibatches", "2", "--d-model", "32", "--no-progress",
-         "--dtype", "bf16", "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk"]
+FLAGS = [
+    "--prompts",
+    "8",
+    "--group-size",
+    "4",
+    "--minibatches",
+    "2",
+    "--d-model",
+    "32",
+    "--no-progress",
+    "--dtype",
+    "bf16",
+    "--offload-train",
+    "--offload-train-target",
+    "disk",
+    "--stream-optimizer-state-to-disk",
+]
 
 
 def run(args, *, root, metrics, kill_at=None, prefix=()):
     e = env()
     if kill_at:
         e["GREENROOM_TEST_KILL_AT"] = kill_at
-    cmd = [*prefix, sys.executable, "-m", "greenroom.cli.main", "train", *FLAGS, "--offload-train-disk-dir", root,
-           "--metrics", metrics, *args]
+    cmd = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "greenroom.cli.main",
+        "train",
+        *FLAGS,
+        "--offload-train-disk-dir",
+        root,
+        "--metrics",
+        metrics,
+        *args,
+    ]
     return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
@@ -102,15 +128,18 @@ def test_killed_during_the_loop_resumes_bit_identically(disk_dir, reference, poi
     assert "resuming at iteration 3" in resumed.stdout
 
 
-@pytest.mark.parametrize("point,said", [
-    ("instep-bucket", "an unfinished save"),  # the last step writing the streamed state into the staged save
-    ("instep-streamed", "an unfinished save"),
-    ("save-model", "an unfinished save"),
-    ("save-optim", "an unfinished save"),
-    ("save-manifest", "an unfinished save"),
-    ("save-meta", "an unfinished save"),
-    ("save-staged@2", "complete but not yet moved into place"),  # @1 is the optimizer's own
-])
+@pytest.mark.parametrize(
+    "point,said",
+    [
+        ("instep-bucket", "an unfinished save"),  # the last step writing the streamed state into the staged save
+        ("instep-streamed", "an unfinished save"),
+        ("save-model", "an unfinished save"),
+        ("save-optim", "an unfinished save"),
+        ("save-manifest", "an unfinished save"),
+        ("save-meta", "an unfinished save"),
+        ("save-staged@2", "complete but not yet moved into place"),  # @1 is the optimizer's own
+    ],
+)
 def test_killed_during_the_save_resumes_bit_identically_and_says_what_it_settled(disk_dir, reference, point, said):
     resumed = kill_and_resume(disk_dir, reference, point)
     assert said in resumed.stderr
@@ -124,8 +153,11 @@ def test_async_saves_every_iteration_end_bit_identical(disk_dir, reference):
     beside the next iteration; the last one equals the uninterrupted run's."""
     expected, _ = reference
     ckpt, root = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "offload")
-    done = run(["--iterations", "4", "--save", ckpt, "--save-interval", "1", "--async-save"], root=root,
-               metrics=os.path.join(disk_dir, "m.jsonl"))
+    done = run(
+        ["--iterations", "4", "--save", ckpt, "--save-interval", "1", "--async-save"],
+        root=root,
+        metrics=os.path.join(disk_dir, "m.jsonl"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for it in range(1, 5):
         assert f"saved iteration {it} to {ckpt}/iter_{it:07d} (published in the background)" in done.stdout
@@ -152,9 +184,13 @@ def test_killed_between_the_two_renames_without_rename_exchange(disk_dir, refere
     ckpt = os.path.join(disk_dir, "ckpt")
     shutil.copytree(half, ckpt)
     root, metrics = os.path.join(disk_dir, "offload"), os.path.join(disk_dir, "m.jsonl")
-    killed = run(["--iterations", "2", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics,
-                 kill_at="save-aside", prefix=[strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat2",
-                                               "-e", "inject=renameat2:error=EINVAL"])
+    killed = run(
+        ["--iterations", "2", "--load", ckpt, "--save", ckpt],
+        root=root,
+        metrics=metrics,
+        kill_at="save-aside",
+        prefix=[strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=renameat2", "-e", "inject=renameat2:error=EINVAL"],
+    )
     assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), (killed.returncode, killed.stderr[-2000:])
     assert sorted(os.listdir(ckpt)) == ["iter_0000002.new", "iter_0000002.old", rotation.POINTER]
     reclaim(root)
@@ -170,9 +206,22 @@ def test_killed_at_a_write_of_the_streamed_step(disk_dir, reference):
     iterations): mid-I/O of the sleep, the streamed step or the save, wherever it falls;
     the property must hold there too."""
     strace = require_tool("strace")
-    kill_and_resume(disk_dir, reference, None,
-                    prefix=[strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=pwrite64",
-                            "-e", "inject=pwrite64:signal=SIGKILL:when=6"])
+    kill_and_resume(
+        disk_dir,
+        reference,
+        None,
+        prefix=[
+            strace,
+            "-f",
+            "-qq",
+            "-o",
+            "/dev/null",
+            "-e",
+            "trace=pwrite64",
+            "-e",
+            "inject=pwrite64:signal=SIGKILL:when=6",
+        ],
+    )
 
 
 # -- damage and malformed files: one line naming the file ------------------------------
@@ -185,8 +234,20 @@ def damaged(disk_dir, reference, change, capsys):
     change(newest(ckpt))
     root = os.path.join(disk_dir, "offload")
     capsys.readouterr()
-    rc = cli.main(["train", *FLAGS, "--offload-train-disk-dir", root, "--metrics", os.path.join(disk_dir, "m.jsonl"),
-                   "--iterations", "4", "--load", ckpt])
+    rc = cli.main(
+        [
+            "train",
+            *FLAGS,
+            "--offload-train-disk-dir",
+            root,
+            "--metrics",
+            os.path.join(disk_dir, "m.jsonl"),
+            "--iterations",
+            "4",
+            "--load",
+            ckpt,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2, err
     [line] = [ln for ln in err.splitlines() if "error:" in ln]
@@ -219,23 +280,39 @@ DAMAGE = {
     "model.pt truncated": (lambda c: truncate(os.path.join(c, R, "model.pt")), f"{R}/model.pt: "),
     "model.pt missing": (lambda c: os.unlink(os.path.join(c, R, "model.pt")), f"{R}/model.pt is missing"),
     "bucket flipped": (lambda c: flip(os.path.join(c, R, "optim", "bucket-00000.bin")), "bucket-00000.bin: checksum"),
-    "bucket missing": (lambda c: os.unlink(os.path.join(c, R, "optim", "bucket-00000.bin")),
-                       "bucket-00000.bin is missing"),
+    "bucket missing": (
+        lambda c: os.unlink(os.path.join(c, R, "optim", "bucket-00000.bin")),
+        "bucket-00000.bin is missing",
+    ),
     "resident.pt flipped": (lambda c: flip(os.path.join(c, R, "optim", "resident.pt")), "resident.pt: checksum"),
-    "optim manifest flipped": (lambda c: flip(os.path.join(c, R, "optim", "manifest.json")),
-                               "optim/manifest.json: checksum"),
-    "rank manifest deleted": (lambda c: os.unlink(os.path.join(c, R, "manifest.json")),
-                              f"{R}/manifest.json is missing"),
-    "rank manifest without files": (lambda c: rewrite_json(os.path.join(c, R, "manifest.json"),
-                                                           lambda d: d.pop("files")), f"{R}/manifest.json: "),
-    "meta without iteration": (lambda c: rewrite_json(os.path.join(c, "meta.json"), lambda d: d.pop("iteration")),
-                               "meta.json: "),
-    "meta not json": (lambda c: open(os.path.join(c, "meta.json"), "w").write("{not json"),
-                      "meta.json: not valid JSON"),
-    "meta binary": (lambda c: open(os.path.join(c, "meta.json"), "wb").write(b"\xff\xfe\x00garbage"),
-                    "meta.json: not valid JSON"),
-    "meta iteration changed": (lambda c: rewrite_json(os.path.join(c, "meta.json"),
-                                                      lambda d: d.update(iteration=1)), "meta.json: checksum"),
+    "optim manifest flipped": (
+        lambda c: flip(os.path.join(c, R, "optim", "manifest.json")),
+        "optim/manifest.json: checksum",
+    ),
+    "rank manifest deleted": (
+        lambda c: os.unlink(os.path.join(c, R, "manifest.json")),
+        f"{R}/manifest.json is missing",
+    ),
+    "rank manifest without files": (
+        lambda c: rewrite_json(os.path.join(c, R, "manifest.json"), lambda d: d.pop("files")),
+        f"{R}/manifest.json: ",
+    ),
+    "meta without iteration": (
+        lambda c: rewrite_json(os.path.join(c, "meta.json"), lambda d: d.pop("iteration")),
+        "meta.json: ",
+    ),
+    "meta not json": (
+        lambda c: open(os.path.join(c, "meta.json"), "w").write("{not json"),
+        "meta.json: not valid JSON",
+    ),
+    "meta binary": (
+        lambda c: open(os.path.join(c, "meta.json"), "wb").write(b"\xff\xfe\x00garbage"),
+        "meta.json: not valid JSON",
+    ),
+    "meta iteration changed": (
+        lambda c: rewrite_json(os.path.join(c, "meta.json"), lambda d: d.update(iteration=1)),
+        "meta.json: checksum",
+    ),
     "meta deleted": (lambda c: os.unlink(os.path.join(c, "meta.json")), "meta.json is missing"),
     "generation deleted": (lambda c: os.unlink(os.path.join(c, "generation.json")), "generation.json"),
     "rank dir deleted": (lambda c: shutil.rmtree(os.path.join(c, R)), f"{R}/manifest.json is missing"),
@@ -263,8 +340,22 @@ def full_fs(tmp_path):
 
 def test_save_to_a_filesystem_without_room_is_refused_before_training(disk_dir, full_fs, capsys):
     root = os.path.join(disk_dir, "offload")
-    rc = cli.main(["train", *FLAGS, "--iterations", "1", "--d-model", "128", "--offload-train-disk-dir", root,
-                   "--metrics", os.path.join(disk_dir, "m.jsonl"), "--save", os.path.join(full_fs, "ckpt")])
+    rc = cli.main(
+        [
+            "train",
+            *FLAGS,
+            "--iterations",
+            "1",
+            "--d-model",
+            "128",
+            "--offload-train-disk-dir",
+            root,
+            "--metrics",
+            os.path.join(disk_dir, "m.jsonl"),
+            "--save",
+            os.path.join(full_fs, "ckpt"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "the checkpoint needs" in err and "free there" in err, err
     assert os.listdir(full_fs) == [] and not os.path.exists(os.path.join(disk_dir, "m.jsonl"))
@@ -282,15 +373,18 @@ def test_enospc_while_writing_names_the_file_and_leaves_no_partial_file(full_fs)
 
 def test_a_cleanup_error_is_added_to_the_original_never_replaces_it(disk_dir):
     from greenroom.config import OffloadConfig
+    from greenroom.train.config import TrainConfig
     from greenroom.train.model import ModelConfig
     from greenroom.train.task import VOCAB_SIZE, TaskConfig
-    from greenroom.train.config import TrainConfig
     from greenroom.train.trainer import Trainer
 
     task = TaskConfig()
-    trainer = Trainer(TrainConfig(iterations=1, metrics=os.path.join(disk_dir, "m.jsonl"), progress=False),
-                      offload=OffloadConfig(), task=task, model=ModelConfig(
-                          vocab_size=VOCAB_SIZE, d_model=16, n_layers=1, n_heads=2, max_seq_len=task.seq_len))
+    trainer = Trainer(
+        TrainConfig(iterations=1, metrics=os.path.join(disk_dir, "m.jsonl"), progress=False),
+        offload=OffloadConfig(),
+        task=task,
+        model=ModelConfig(vocab_size=VOCAB_SIZE, d_model=16, n_layers=1, n_heads=2, max_seq_len=task.seq_len),
+    )
 
     def failing_cleanup():
         raise OSError(5, "Input/output error", "offload/state.bin")
@@ -299,8 +393,9 @@ def test_a_cleanup_error_is_added_to_the_original_never_replaces_it(disk_dir):
         with trainer:
             trainer._stack.callback(failing_cleanup)
             raise RuntimeError("the original failure")
-    assert info.value.__notes__ == ["then, while cleaning up: OSError: [Errno 5] Input/output error: "
-                                    "'offload/state.bin'"]
+    assert info.value.__notes__ == [
+        "then, while cleaning up: OSError: [Errno 5] Input/output error: 'offload/state.bin'"
+    ]
 
 
 def test_enospc_while_copying_a_bucket_file_names_both_files(disk_dir, full_fs):

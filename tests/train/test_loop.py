@@ -17,8 +17,19 @@ import torch
 from greenroom.train import rotation
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = ["--iterations", "3", "--prompts", "8", "--group-size", "4", "--minibatches", "2", "--d-model", "32",
-         "--no-progress"]
+SMALL = [
+    "--iterations",
+    "3",
+    "--prompts",
+    "8",
+    "--group-size",
+    "4",
+    "--minibatches",
+    "2",
+    "--d-model",
+    "32",
+    "--no-progress",
+]
 
 
 def streaming_available() -> bool:
@@ -29,8 +40,9 @@ def streaming_available() -> bool:
     return True
 
 
-needs_streaming = pytest.mark.skipif(not streaming_available(),
-                                     reason="greenroom.optim.StreamingAdam (issue 3) is not in this checkout yet")
+needs_streaming = pytest.mark.skipif(
+    not streaming_available(), reason="greenroom.optim.StreamingAdam (issue 3) is not in this checkout yet"
+)
 
 
 def env():
@@ -41,8 +53,17 @@ def train(args, *, ranks=1, check=True):
     if ranks == 1:
         cmd = [sys.executable, "-m", "greenroom.cli.main", "train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "-m", "greenroom.cli.main", "train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(ranks),
+            "-m",
+            "greenroom.cli.main",
+            "train",
+            *args,
+        ]
     result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     if check:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -60,8 +81,14 @@ COMBINATIONS = {
     "offload-disk": ["--offload-train", "--offload-train-target", "disk"],
     "offload-disk+streaming": ["--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk"],
     "streaming-alone": ["--stream-optimizer-state-to-disk"],
-    "offload-disk+streaming-bf16": ["--offload-train", "--offload-train-target", "disk",
-                                    "--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16"],
+    "offload-disk+streaming-bf16": [
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--stream-optimizer-state-to-disk",
+        "--stream-optimizer-state-moment-dtype",
+        "bf16",
+    ],
 }
 
 
@@ -85,20 +112,33 @@ def test_every_allowed_combination_trains_and_reclaims_its_files(disk_dir, name)
 
 
 def test_a_rule_violation_exits_2_with_one_line(disk_dir):
-    result = train([*SMALL, "--offload-train", "--stream-optimizer-state-to-disk",
-                    "--offload-train-disk-dir", disk_dir], check=False)
+    result = train(
+        [*SMALL, "--offload-train", "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", disk_dir],
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "greenroom train: error: --stream-optimizer-state-to-disk under --offload-train requires "
         "--offload-train-target disk: a run that cannot hold its optimizer state on the GPU will not hold a "
-        "pinned host copy of the whole actor either"]
+        "pinned host copy of the whole actor either"
+    ]
 
 
 def test_default_run_learns(disk_dir):
     """The `make run` shape, shortened: reward rises well above chance (0.1)."""
     metrics = os.path.join(disk_dir, "m.jsonl")
-    flags = ["--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
-             os.path.join(disk_dir, "offload"), "--iterations", "40", "--no-progress", "--metrics", metrics]
+    flags = [
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        os.path.join(disk_dir, "offload"),
+        "--iterations",
+        "40",
+        "--no-progress",
+        "--metrics",
+        metrics,
+    ]
     if streaming_available():
         flags.append("--stream-optimizer-state-to-disk")
     result = train(flags)
@@ -117,8 +157,9 @@ def test_default_run_learns(disk_dir):
         for previous, r in zip([None, *rows], rows):
             # The sleep writes back the bucket the previous iteration's last step kept.
             assert r["stream_sleep_written_bytes"] == (previous["stream_kept_bytes"] if previous else 0)
-            assert r["stream_read_bytes"] - r["stream_kept_bytes"] == (r["stream_written_bytes"]
-                                                                       - r["stream_sleep_written_bytes"])
+            assert r["stream_read_bytes"] - r["stream_kept_bytes"] == (
+                r["stream_written_bytes"] - r["stream_sleep_written_bytes"]
+            )
             assert r["stream_kept_bytes"] > 0
             assert r["stream_disk_read_bytes"] > 0 and r["disk_stored_bytes"] > 0 and r["offloaded_bytes"] > 0
         assert all("streamed read" in line for line in result.stdout.splitlines() if line.startswith("iter "))
@@ -130,9 +171,21 @@ def test_the_lines_count_the_write_back_of_the_kept_bucket_at_sleep(disk_dir):
     sleeps (the bucket the last step kept on the device): the line and the record count it
     where the steps alone wrote nothing, and the header says when it happens."""
     metrics = os.path.join(disk_dir, "m.jsonl")
-    result = train([*SMALL, "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
-                    "--offload-train-disk-dir", os.path.join(disk_dir, "o"), "--offload-train-disk-compression",
-                    "none", "--metrics", metrics])
+    result = train(
+        [
+            *SMALL,
+            "--offload-train",
+            "--offload-train-target",
+            "disk",
+            "--stream-optimizer-state-to-disk",
+            "--offload-train-disk-dir",
+            os.path.join(disk_dir, "o"),
+            "--offload-train-disk-compression",
+            "none",
+            "--metrics",
+            metrics,
+        ]
+    )
     header, *lines = result.stdout.splitlines()
     assert "read and written back every optimizer step" not in header
     assert "is written back when the actor sleeps, the run saves or it ends" in header
@@ -148,16 +201,29 @@ def test_the_lines_count_the_write_back_of_the_kept_bucket_at_sleep(disk_dir):
         assert f"streamed read {shown} written {shown} ({shown} of it at sleep, steps " in line
     assert "0.00 GB/s" not in result.stdout
     # The last iteration's kept bucket is written back as the run closes, and said.
-    assert f"exit: {shown} of streamed optimizer state written back (the bucket the last step kept on the device)" \
+    assert (
+        f"exit: {shown} of streamed optimizer state written back (the bucket the last step kept on the device)"
         in result.stdout
+    )
 
 
 @needs_streaming
 def test_the_header_warns_when_nothing_streams(disk_dir):
     # fp32 params this small all stay resident under the small-param rule.
-    result = train([*SMALL[2:], "--iterations", "1", "--dtype", "fp32", "--stream-optimizer-state-to-disk",
-                    "--offload-train-disk-dir", os.path.join(disk_dir, "o"), "--metrics",
-                    os.path.join(disk_dir, "m.jsonl")])
+    result = train(
+        [
+            *SMALL[2:],
+            "--iterations",
+            "1",
+            "--dtype",
+            "fp32",
+            "--stream-optimizer-state-to-disk",
+            "--offload-train-disk-dir",
+            os.path.join(disk_dir, "o"),
+            "--metrics",
+            os.path.join(disk_dir, "m.jsonl"),
+        ]
+    )
     assert "0 params stream" in result.stdout and "WARNING: nothing streams" in result.stdout
     assert "no masters (fp32 params are their own)" in result.stdout  # not the flag's layout, which is for bf16
     assert records(os.path.join(disk_dir, "m.jsonl"))[0]["stream_read_bytes"] == 0
@@ -169,9 +235,20 @@ def test_the_master_layout_flag_reaches_the_optimizer(disk_dir):
     read = {}
     for layout in ("remainder", "fp32"):
         metrics = os.path.join(disk_dir, f"{layout}.jsonl")
-        result = train([*SMALL[2:], "--iterations", "1", "--stream-optimizer-state-to-disk",
-                        "--stream-optimizer-state-master-layout", layout,
-                        "--offload-train-disk-dir", os.path.join(disk_dir, layout), "--metrics", metrics])
+        result = train(
+            [
+                *SMALL[2:],
+                "--iterations",
+                "1",
+                "--stream-optimizer-state-to-disk",
+                "--stream-optimizer-state-master-layout",
+                layout,
+                "--offload-train-disk-dir",
+                os.path.join(disk_dir, layout),
+                "--metrics",
+                metrics,
+            ]
+        )
         words = {"remainder": "masters as remainders)", "fp32": "masters whole)"}[layout]
         assert words in result.stdout.splitlines()[0]
         read[layout] = records(metrics)[0]["stream_read_bytes"]
@@ -184,8 +261,19 @@ def test_two_ranks_under_torchrun_each_with_its_own_dir(disk_dir, parallel):
     flags = ["--offload-train", "--offload-train-target", "disk"]
     if streaming_available():
         flags.append("--stream-optimizer-state-to-disk")
-    result = train([*SMALL, *flags, "--offload-train-disk-dir", root, "--parallel", parallel,
-                    "--metrics", os.path.join(disk_dir, "m.jsonl")], ranks=2)
+    result = train(
+        [
+            *SMALL,
+            *flags,
+            "--offload-train-disk-dir",
+            root,
+            "--parallel",
+            parallel,
+            "--metrics",
+            os.path.join(disk_dir, "m.jsonl"),
+        ],
+        ranks=2,
+    )
     assert "2 rank(s)" in result.stdout
     assert "rank00000" in result.stdout
     assert records(os.path.join(disk_dir, "m.jsonl"))[-1]["world_size"] == 2
@@ -219,14 +307,26 @@ def local(t):
     return getattr(t, "_local_tensor", t)
 
 
-@pytest.mark.parametrize("flags", [
-    pytest.param(["--offload-train", "--offload-train-target", "disk"], id="offload-disk"),
-    pytest.param(["--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk"],
-                 id="offload-disk+streaming", marks=needs_streaming),
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(["--offload-train", "--offload-train-target", "disk"], id="offload-disk"),
+        pytest.param(
+            ["--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk"],
+            id="offload-disk+streaming",
+            marks=needs_streaming,
+        ),
+    ],
+)
 def test_resume_from_save_is_bit_exact(disk_dir, flags):
-    base = [*SMALL[2:], *flags, "--offload-train-disk-dir", os.path.join(disk_dir, "offload"),
-            "--metrics", os.path.join(disk_dir, "m.jsonl")]
+    base = [
+        *SMALL[2:],
+        *flags,
+        "--offload-train-disk-dir",
+        os.path.join(disk_dir, "offload"),
+        "--metrics",
+        os.path.join(disk_dir, "m.jsonl"),
+    ]
     straight, first, resumed = (os.path.join(disk_dir, n) for n in ("straight", "first", "resumed"))
     train([*base, "--iterations", "4", "--save", straight])
     train([*base, "--iterations", "2", "--save", first])
@@ -243,23 +343,40 @@ def test_resume_from_save_is_bit_exact(disk_dir, flags):
 
 
 # A greenroom whose StreamingAdam defaulted to buckets of 2e8 elements (before the twelfth session).
-OLD_DEFAULT = ("import sys; from greenroom.optim import StreamingAdam; "
-               "StreamingAdam.__init__.__kwdefaults__['bucket_numel'] = 200_000_000; "
-               "from greenroom.cli.main import main; sys.exit(main(sys.argv[1:]))")
+OLD_DEFAULT = (
+    "import sys; from greenroom.optim import StreamingAdam; "
+    "StreamingAdam.__init__.__kwdefaults__['bucket_numel'] = 200_000_000; "
+    "from greenroom.cli.main import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 @needs_streaming
 def test_a_checkpoint_saved_with_the_old_default_bucket_size_resumes_bit_exactly(disk_dir):
-    base = [*SMALL[2:], "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
-            "--offload-train-disk-dir", os.path.join(disk_dir, "offload"),
-            "--metrics", os.path.join(disk_dir, "m.jsonl")]
+    base = [
+        *SMALL[2:],
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        os.path.join(disk_dir, "offload"),
+        "--metrics",
+        os.path.join(disk_dir, "m.jsonl"),
+    ]
     straight, first, resumed = (os.path.join(disk_dir, n) for n in ("straight", "first", "resumed"))
     train([*base, "--iterations", "4", "--save", straight])
-    old = subprocess.run([sys.executable, "-c", OLD_DEFAULT, "train", *base, "--iterations", "2", "--save", first],
-                         env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    old = subprocess.run(
+        [sys.executable, "-c", OLD_DEFAULT, "train", *base, "--iterations", "2", "--save", first],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert old.returncode == 0, old.stderr[-3000:]
-    with open(os.path.join(rotation.candidates(first)[0], "rank00000", "optim", "manifest.json"),
-              encoding="utf-8") as f:
+    with open(
+        os.path.join(rotation.candidates(first)[0], "rank00000", "optim", "manifest.json"), encoding="utf-8"
+    ) as f:
         assert json.load(f)["layout"]["bucket_numel"] == 200_000_000
     result = train([*base, "--iterations", "4", "--load", first, "--save", resumed])
     assert "resuming at iteration 3" in result.stdout
@@ -269,9 +386,19 @@ def test_a_checkpoint_saved_with_the_old_default_bucket_size_resumes_bit_exactly
 @needs_streaming
 def test_host_cache_trains_and_resumes_bit_identically_to_streaming_without_it(disk_dir):
     # bf16 params: every param streams (fp32 ones this small would stay resident).
-    base = [*SMALL[2:], "--dtype", "bf16", "--offload-train", "--offload-train-target", "disk",
-            "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", os.path.join(disk_dir, "offload"),
-            "--metrics", os.path.join(disk_dir, "m.jsonl")]
+    base = [
+        *SMALL[2:],
+        "--dtype",
+        "bf16",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        os.path.join(disk_dir, "offload"),
+        "--metrics",
+        os.path.join(disk_dir, "m.jsonl"),
+    ]
     cache = ["--stream-optimizer-state-host-cache-gb", "1"]
     plain, first, resumed = (os.path.join(disk_dir, n) for n in ("plain", "first", "resumed"))
     train([*base, "--iterations", "4", "--save", plain])
@@ -300,8 +427,9 @@ def test_loading_with_another_world_size_is_refused(disk_dir):
     meta = read_checked_json(os.path.join(newest, "meta.json"), {})
     meta["world_size"] = 2  # as a 2-rank run would have written it, checksum and all
     write_checked_json(os.path.join(newest, "meta.json"), meta)
-    result = train([*SMALL, "--iterations", "4", "--load", save, "--metrics", os.path.join(disk_dir, "m.jsonl")],
-                   check=False)
+    result = train(
+        [*SMALL, "--iterations", "4", "--load", save, "--metrics", os.path.join(disk_dir, "m.jsonl")], check=False
+    )
     assert result.returncode == 2
     assert "saved with 2 ranks, this run has 1; resume is same-topology only" in result.stderr
 
@@ -322,8 +450,19 @@ def test_offload_does_not_change_the_result(disk_dir, ranks, parallel):
     common = [*SMALL, "--parallel", parallel, "--metrics", os.path.join(disk_dir, "m.jsonl")]
     resident, offloaded = os.path.join(disk_dir, "resident"), os.path.join(disk_dir, "offloaded")
     train([*common, "--save", resident], ranks=ranks)
-    train([*common, "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
-           os.path.join(disk_dir, "offload"), "--save", offloaded], ranks=ranks)
+    train(
+        [
+            *common,
+            "--offload-train",
+            "--offload-train-target",
+            "disk",
+            "--offload-train-disk-dir",
+            os.path.join(disk_dir, "offload"),
+            "--save",
+            offloaded,
+        ],
+        ranks=ranks,
+    )
     for rank in range(ranks):
         assert_same_state(load_state(resident, rank), load_state(offloaded, rank))
 
@@ -332,9 +471,22 @@ def test_sigterm_mid_run_reclaims_every_per_rank_file(disk_dir):
     import signal
 
     root = os.path.join(disk_dir, "offload")
-    cmd = [sys.executable, "-m", "greenroom.cli.main", "train", *SMALL, "--iterations", "100000", "--offload-train",
-           "--offload-train-target", "disk", "--offload-train-disk-dir", root,
-           "--metrics", os.path.join(disk_dir, "m.jsonl")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "greenroom.cli.main",
+        "train",
+        *SMALL,
+        "--iterations",
+        "100000",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        root,
+        "--metrics",
+        os.path.join(disk_dir, "m.jsonl"),
+    ]
     child = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     for line in child.stdout:
         if line.startswith("iter "):
@@ -349,8 +501,18 @@ def test_sigterm_mid_run_reclaims_every_per_rank_file(disk_dir):
 @needs_streaming
 def test_fp32_streaming_trains_bit_identically_to_resident_adamw(disk_dir):
     # fp32 params: AdamW on them is the reference the streamed fp32 state must equal.
-    common = [*SMALL, "--dtype", "fp32", "--metrics", os.path.join(disk_dir, "m.jsonl"), "--offload-train",
-              "--offload-train-target", "disk", "--offload-train-disk-dir", os.path.join(disk_dir, "offload")]
+    common = [
+        *SMALL,
+        "--dtype",
+        "fp32",
+        "--metrics",
+        os.path.join(disk_dir, "m.jsonl"),
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        os.path.join(disk_dir, "offload"),
+    ]
     resident, streamed = os.path.join(disk_dir, "resident"), os.path.join(disk_dir, "streamed")
     train([*common, "--save", resident])
     train([*common, "--stream-optimizer-state-to-disk", "--save", streamed])
@@ -362,19 +524,27 @@ def test_fp32_streaming_trains_bit_identically_to_resident_adamw(disk_dir):
     # the same model, equals resident AdamW's state entry by entry.
     import argparse
 
-    from greenroom.optim import StreamingAdam
     from greenroom.cli.train import VOCAB_SIZE, configure_parser
+    from greenroom.optim import StreamingAdam
     from greenroom.train.model import ModelConfig, Transformer
     from greenroom.train.task import TaskConfig
 
     parser = argparse.ArgumentParser()
     configure_parser(parser)
     args = parser.parse_args(SMALL)
-    model = Transformer(ModelConfig(vocab_size=VOCAB_SIZE, d_model=args.d_model, n_layers=args.n_layers,
-                                    n_heads=args.n_heads, max_seq_len=TaskConfig(digits=args.digits).seq_len))
+    model = Transformer(
+        ModelConfig(
+            vocab_size=VOCAB_SIZE,
+            d_model=args.d_model,
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            max_seq_len=TaskConfig(digits=args.digits).seq_len,
+        )
+    )
     model.load_state_dict(model_b)
-    opt = StreamingAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                        state_dir=os.path.join(disk_dir, "reader"))
+    opt = StreamingAdam(
+        model.parameters(), lr=args.lr, weight_decay=args.weight_decay, state_dir=os.path.join(disk_dir, "reader")
+    )
     try:
         opt.load_checkpoint(os.path.join(rotation.candidates(streamed)[0], "rank00000", "optim"))
         state_b = opt.state_dict()["state"]
@@ -393,16 +563,38 @@ def test_sigterm_with_save_checkpoints_first_and_the_rerun_resumes(disk_dir, ran
     import signal
 
     save = os.path.join(disk_dir, "ckpt")
-    args = [*SMALL, "--iterations", "100000", "--save", save, "--metrics", os.path.join(disk_dir, "m.jsonl"),
-            "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
-            os.path.join(disk_dir, "offload")]
+    args = [
+        *SMALL,
+        "--iterations",
+        "100000",
+        "--save",
+        save,
+        "--metrics",
+        os.path.join(disk_dir, "m.jsonl"),
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        os.path.join(disk_dir, "offload"),
+    ]
     if ranks == 1:
         cmd = [sys.executable, "-m", "greenroom.cli.main", "train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "greenroom.cli.main", "train", *args]
-    child = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                             start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "greenroom.cli.main",
+            "train",
+            *args,
+        ]
+    child = subprocess.Popen(
+        cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    )
     for line in child.stdout:
         if line.startswith("iter "):
             break
@@ -413,8 +605,18 @@ def test_sigterm_with_save_checkpoints_first_and_the_rerun_resumes(disk_dir, ran
         assert child.returncode == 128 + signal.SIGTERM
     meta = json.load(open(os.path.join(rotation.candidates(save)[0], "meta.json")))
     assert 0 < meta["iteration"] < 100000
-    resumed = train([*SMALL, "--iterations", str(meta["iteration"] + 1), "--load", save,
-                     "--metrics", os.path.join(disk_dir, "m2.jsonl")], ranks=ranks)
+    resumed = train(
+        [
+            *SMALL,
+            "--iterations",
+            str(meta["iteration"] + 1),
+            "--load",
+            save,
+            "--metrics",
+            os.path.join(disk_dir, "m2.jsonl"),
+        ],
+        ranks=ranks,
+    )
     assert [r["iteration"] for r in records(os.path.join(disk_dir, "m2.jsonl"))] == [meta["iteration"] + 1]
     assert resumed.returncode == 0
 
@@ -428,8 +630,20 @@ def test_reference_policy_moves_untracked_and_consumed_grads_are_not_written(dis
     resident = os.path.join(disk_dir, "resident")
     train([*common, "--metrics", os.path.join(disk_dir, "r.jsonl"), "--save", resident])
     offloaded = os.path.join(disk_dir, "offloaded")
-    result = train([*common, "--metrics", metrics, "--save", offloaded, "--offload-train", "--offload-train-target",
-                    "disk", "--offload-train-disk-dir", os.path.join(disk_dir, "offload")])
+    result = train(
+        [
+            *common,
+            "--metrics",
+            metrics,
+            "--save",
+            offloaded,
+            "--offload-train",
+            "--offload-train-target",
+            "disk",
+            "--offload-train-disk-dir",
+            os.path.join(disk_dir, "offload"),
+        ]
+    )
     assert "wrote " in result.stdout
     runs = records(metrics)
     # The first sleep has no grads (only all-zero biases are dropped); later ones drop
@@ -447,8 +661,17 @@ def test_resume_auto_starts_fresh_where_nothing_was_saved_and_resumes_after(disk
     --save DIR --load DIR --resume auto. Exact --load (the default, strict) stays strict,
     and under auto a dir that is there but is not a checkpoint is still refused."""
     ck = os.path.join(disk_dir, "ck")
-    base = [*SMALL[2:], "--offload-train-disk-dir", os.path.join(disk_dir, "offload"),
-            "--metrics", os.path.join(disk_dir, "m.jsonl"), "--save", ck, "--load", ck]
+    base = [
+        *SMALL[2:],
+        "--offload-train-disk-dir",
+        os.path.join(disk_dir, "offload"),
+        "--metrics",
+        os.path.join(disk_dir, "m.jsonl"),
+        "--save",
+        ck,
+        "--load",
+        ck,
+    ]
     strict = train([*base, "--iterations", "2"], check=False)
     assert strict.returncode == 2 and f"--load {ck}: no such checkpoint dir" in strict.stderr
     first = train([*base, "--iterations", "2", "--resume", "auto"])
@@ -473,8 +696,17 @@ def test_ctrl_c_in_the_loop_ends_in_one_line_with_130_and_leaves_no_files(disk_d
     root = os.path.join(disk_dir, "o")
     os.makedirs(root)
     open(os.path.join(root, "mine.txt"), "w").close()
-    proc = greenroom_stopped_at("rollout", "train", *SMALL, "--offload-train", "--offload-train-target", "disk",
-                                "--offload-train-disk-dir", root, sigint=True)
+    proc = greenroom_stopped_at(
+        "rollout",
+        "train",
+        *SMALL,
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        root,
+        sigint=True,
+    )
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=120)
@@ -499,7 +731,8 @@ def test_metrics_never_overwrites_a_file_greenroom_did_not_write(disk_dir):
             assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
             assert result.stderr.strip().splitlines() == [
                 f"greenroom train: error: --metrics {notes}: line 1 is not a greenroom train metrics record, so "
-                "greenroom did not write this file; refusing to overwrite it: give another path"]
+                "greenroom did not write this file; refusing to overwrite it: give another path"
+            ]
             with open(notes) as f:
                 assert f.read() == text
     with open(metrics, "a") as f:

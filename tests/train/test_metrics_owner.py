@@ -53,8 +53,9 @@ def test_a_second_run_given_the_same_metrics_is_refused_and_the_first_keeps_its_
     try:
         second = train("--iterations", "2", "--metrics", metrics, cwd=disk_dir)
         line = one_line_error(second)
-        assert re.search(rf"--metrics {re.escape(metrics)}: another run \(pid {first.pid} on \S+\) is writing it",
-                         line), line
+        assert re.search(
+            rf"--metrics {re.escape(metrics)}: another run \(pid {first.pid} on \S+\) is writing it", line
+        ), line
         assert "iter" not in second.stdout, "refused before training"
         assert iterations(metrics) == [1], "the first run's record is untouched"
     finally:
@@ -76,8 +77,9 @@ def test_two_runs_with_the_default_metrics_both_finish_with_their_own_complete_f
     [moved] = [name for name in os.listdir(os.path.join(disk_dir, ".run")) if name != "train-metrics.jsonl"]
     assert re.fullmatch(r"train-metrics-pid\d+\.jsonl", moved), moved
     own = os.path.join(".run", moved)
-    assert (f".run/train-metrics.jsonl is being written by another run (pid {first.pid} on "
-            in second.stderr), second.stderr
+    assert f".run/train-metrics.jsonl is being written by another run (pid {first.pid} on " in second.stderr, (
+        second.stderr
+    )
     assert f"plot with: greenroom report {own}" in second.stdout, second.stdout
     assert iterations(os.path.join(disk_dir, own)) == [1, 2]
 

@@ -10,15 +10,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def cli(*args):
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")}
-    return subprocess.run([sys.executable, "-m", "greenroom.cli.main", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "greenroom.cli.main", *args], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_report_draws_a_png_from_a_train_run(disk_dir):
     metrics = os.path.join(disk_dir, "m.jsonl")
-    run = cli("train", "--iterations", "2", "--prompts", "4", "--group-size", "2", "--minibatches", "1",
-              "--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
-              os.path.join(disk_dir, "o"), "--metrics", metrics, "--no-progress")
+    run = cli(
+        "train",
+        "--iterations",
+        "2",
+        "--prompts",
+        "4",
+        "--group-size",
+        "2",
+        "--minibatches",
+        "1",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        os.path.join(disk_dir, "o"),
+        "--metrics",
+        metrics,
+        "--no-progress",
+    )
     assert run.returncode == 0, run.stderr
     result = cli("report", metrics, "-o", os.path.join(disk_dir, "r.png"))
     assert result.returncode == 0, result.stderr
@@ -43,9 +60,25 @@ def test_a_resumed_run_continues_the_clock_and_marks_its_segments(disk_dir):
     from greenroom.cli import report
 
     metrics = os.path.join(disk_dir, "m.jsonl")
-    small = ["--prompts", "4", "--group-size", "2", "--minibatches", "1", "--d-model", "32", "--no-progress",
-             "--offload-train", "--offload-train-target", "disk", "--stream-optimizer-state-to-disk",
-             "--offload-train-disk-dir", os.path.join(disk_dir, "o"), "--metrics", metrics]
+    small = [
+        "--prompts",
+        "4",
+        "--group-size",
+        "2",
+        "--minibatches",
+        "1",
+        "--d-model",
+        "32",
+        "--no-progress",
+        "--offload-train",
+        "--offload-train-target",
+        "disk",
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        os.path.join(disk_dir, "o"),
+        "--metrics",
+        metrics,
+    ]
     save = os.path.join(disk_dir, "ckpt")
     assert cli("train", *small, "--iterations", "2", "--save", save).returncode == 0
     resumed = cli("train", *small, "--iterations", "4", "--load", save)
@@ -116,14 +149,20 @@ def test_what_is_not_one_runs_metrics_is_one_line_and_no_png(disk_dir):
     metrics = os.path.join(disk_dir, "m.jsonl")
     assert cli("train", *SMALL, "--iterations", "2", "--metrics", metrics).returncode == 0
     record = json.loads(lines_of(metrics)[0])
-    cases = {"adir": None, "binary.jsonl": b"\xff\xfe\x00\x01",
-             "no-events.jsonl": json.dumps(dict(record, events=[])).encode() + b"\n",
-             "no-device.jsonl": json.dumps({k: v for k, v in record.items() if k != "device"}).encode() + b"\n",
-             "two-runs.jsonl": b"".join(line.encode() for line in lines_of(metrics) * 2)}
-    expected = {"adir": "adir: cannot read it (Is a directory)", "binary.jsonl": "binary.jsonl: not a greenroom "
-                "train metrics file (not UTF-8 text)", "no-events.jsonl": "no-events.jsonl:1: not a greenroom train "
-                "metrics line", "no-device.jsonl": "no-device.jsonl:1: not a greenroom train metrics line",
-                "two-runs.jsonl": "two-runs.jsonl:3: a new run starts at iteration 1 after iteration 2 (line 2)"}
+    cases = {
+        "adir": None,
+        "binary.jsonl": b"\xff\xfe\x00\x01",
+        "no-events.jsonl": json.dumps(dict(record, events=[])).encode() + b"\n",
+        "no-device.jsonl": json.dumps({k: v for k, v in record.items() if k != "device"}).encode() + b"\n",
+        "two-runs.jsonl": b"".join(line.encode() for line in lines_of(metrics) * 2),
+    }
+    expected = {
+        "adir": "adir: cannot read it (Is a directory)",
+        "binary.jsonl": "binary.jsonl: not a greenroom train metrics file (not UTF-8 text)",
+        "no-events.jsonl": "no-events.jsonl:1: not a greenroom train metrics line",
+        "no-device.jsonl": "no-device.jsonl:1: not a greenroom train metrics line",
+        "two-runs.jsonl": "two-runs.jsonl:3: a new run starts at iteration 1 after iteration 2 (line 2)",
+    }
     for name, data in cases.items():
         path = os.path.join(disk_dir, name)
         if data is None:
@@ -148,11 +187,13 @@ def test_the_output_never_replaces_a_file_report_did_not_draw(disk_dir):
         f.write(b"\x89PNG\r\n\x1a\n a photo")
     os.makedirs(os.path.join(disk_dir, "adir"))
     kept = {p: open(p, "rb").read() for p in (metrics, mine)}
-    cases = {metrics: "greenroom report writes a PNG; give a path ending in .png",
-             mine: "exists and is not a plot greenroom report drew; refusing to overwrite it",
-             os.path.join(disk_dir, "adir"): "greenroom report writes a PNG",
-             os.path.join(disk_dir, "adir.png", "x.png"): "cannot write it (No such file or directory)",
-             "/proc/greenroom-report.png": "cannot write it"}
+    cases = {
+        metrics: "greenroom report writes a PNG; give a path ending in .png",
+        mine: "exists and is not a plot greenroom report drew; refusing to overwrite it",
+        os.path.join(disk_dir, "adir"): "greenroom report writes a PNG",
+        os.path.join(disk_dir, "adir.png", "x.png"): "cannot write it (No such file or directory)",
+        "/proc/greenroom-report.png": "cannot write it",
+    }
     for output, expected in cases.items():
         before = sorted(os.listdir(disk_dir))
         line = one_error_line(cli("report", metrics, "-o", output))

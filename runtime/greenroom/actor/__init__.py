@@ -15,19 +15,26 @@ import torch
 
 from greenroom.actor.launch import check_disk_support, hook_library, hooks_loaded, launch_env, relaunch_with
 from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOffloader
-from greenroom.io.compression import resolve as resolve_compression
 from greenroom.config import OffloadConfig
-from greenroom.errors import ConfigError
-from greenroom.log import get_logger
 from greenroom.dirs.statedir import claim_state_dir
+from greenroom.errors import ConfigError
+from greenroom.io.compression import resolve as resolve_compression
+from greenroom.log import get_logger
 
 BACKENDS = ("auto", "tms", "portable")
 log = get_logger(__name__)
 
 
-def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.device | str = "cpu",
-                    backend: str = "auto", mover: str | None = None, scope: str = "all",
-                    skip_clean: bool | None = None) -> Offloader:
+def build_offloader(
+    config: OffloadConfig,
+    rank_dir=None,
+    *,
+    device: torch.device | str = "cpu",
+    backend: str = "auto",
+    mover: str | None = None,
+    scope: str = "all",
+    skip_clean: bool | None = None,
+) -> Offloader:
     """The offloader these settings call for.
 
     Args:
@@ -55,12 +62,21 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
     if config.offload_to_disk:
         if rank_dir is None:
             raise ConfigError("build_offloader: the disk target needs rank_dir (an open RankDir, or a path)")
-        codec, _ = resolve_compression(config.offload_train_disk_compression, cuda=device.type == "cuda",
-                                       chunk_bytes=config.chunk_bytes)
+        codec, _ = resolve_compression(
+            config.offload_train_disk_compression, cuda=device.type == "cuda", chunk_bytes=config.chunk_bytes
+        )
     state_dir = claim_state_dir(rank_dir, name="offload", what="build_offloader") if config.offload_to_disk else None
     try:
-        offloader = _build(config, state_dir.path if state_dir else None, codec, device=device, backend=backend,
-                           mover=mover, scope=scope, skip_clean=skip_clean)
+        offloader = _build(
+            config,
+            state_dir.path if state_dir else None,
+            codec,
+            device=device,
+            backend=backend,
+            mover=mover,
+            scope=scope,
+            skip_clean=skip_clean,
+        )
     except BaseException:
         if state_dir is not None:
             state_dir.release()
@@ -69,22 +85,58 @@ def build_offloader(config: OffloadConfig, rank_dir=None, *, device: torch.devic
     return offloader
 
 
-def _build(config: OffloadConfig, offload_dir: str | None, codec, *, device: torch.device, backend: str,
-           mover: str | None, scope: str, skip_clean: bool | None) -> Offloader:
+def _build(
+    config: OffloadConfig,
+    offload_dir: str | None,
+    codec,
+    *,
+    device: torch.device,
+    backend: str,
+    mover: str | None,
+    scope: str,
+    skip_clean: bool | None,
+) -> Offloader:
     if backend == "auto":
         backend = "tms" if device.type == "cuda" and hooks_loaded() else "portable"
         if device.type == "cuda" and backend == "portable":
-            log.warning("torch_memory_saver's hook is not preloaded: using the portable backend "
-                        "(device addresses change across sleep; start with launch_env to keep them)")
+            log.warning(
+                "torch_memory_saver's hook is not preloaded: using the portable backend "
+                "(device addresses change across sleep; start with launch_env to keep them)"
+            )
     if backend == "tms":
         from greenroom.actor.tms import TmsOffloader
 
-        return TmsOffloader(target=config.offload_train_target, device=device, offload_dir=offload_dir,
-                            chunk_bytes=config.chunk_bytes, mover=mover, scope=scope, skip_clean=skip_clean,
-                            compression=codec)
-    return PortableOffloader(target=config.offload_train_target, device=device, offload_dir=offload_dir,
-                             chunk_bytes=config.chunk_bytes, scope=scope, skip_clean=skip_clean, compression=codec)
+        return TmsOffloader(
+            target=config.offload_train_target,
+            device=device,
+            offload_dir=offload_dir,
+            chunk_bytes=config.chunk_bytes,
+            mover=mover,
+            scope=scope,
+            skip_clean=skip_clean,
+            compression=codec,
+        )
+    return PortableOffloader(
+        target=config.offload_train_target,
+        device=device,
+        offload_dir=offload_dir,
+        chunk_bytes=config.chunk_bytes,
+        scope=scope,
+        skip_clean=skip_clean,
+        compression=codec,
+    )
 
 
-__all__ = ["BACKENDS", "SCOPES", "Offloader", "PhaseStats", "PortableOffloader", "build_offloader", "check_disk_support",
-           "hook_library", "hooks_loaded", "launch_env", "relaunch_with"]
+__all__ = [
+    "BACKENDS",
+    "SCOPES",
+    "Offloader",
+    "PhaseStats",
+    "PortableOffloader",
+    "build_offloader",
+    "check_disk_support",
+    "hook_library",
+    "hooks_loaded",
+    "launch_env",
+    "relaunch_with",
+]

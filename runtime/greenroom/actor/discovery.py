@@ -45,8 +45,9 @@ from greenroom.io.engine import StagingBuffers
 def _on(device: torch.device, storage_device: torch.device) -> bool:
     if storage_device.type != device.type:
         return False
-    return device.type != "cuda" or storage_device.index == (device.index if device.index is not None
-                                                              else torch.cuda.current_device())
+    return device.type != "cuda" or storage_device.index == (
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 class WeakStorages:
@@ -73,8 +74,9 @@ class WeakStorages:
 
     def nbytes_on(self, device: torch.device) -> int:
         """Bytes of the member storages on ``device``."""
-        return sum(s.nbytes() for ref in list(self._refs.values())
-                   if (s := ref()) is not None and _on(device, s.device))
+        return sum(
+            s.nbytes() for ref in list(self._refs.values()) if (s := ref()) is not None and _on(device, s.device)
+        )
 
     def __contains__(self, storage: torch.UntypedStorage) -> bool:
         ref = self._refs.get(storage._cdata)
@@ -122,8 +124,7 @@ def python_storages(device: torch.device, *, exclude: WeakStorages) -> list[Trac
         if storage is None or storage._cdata in seen:
             continue
         seen.add(storage._cdata)
-        if (storage.nbytes() == 0 or not _on(device, storage.device) or storage._cdata in own
-                or storage in exclude):
+        if storage.nbytes() == 0 or not _on(device, storage.device) or storage._cdata in own or storage in exclude:
             continue
         out.append(Tracked(storage=storage, nbytes=storage.nbytes(), key=storage_key(storage)))
     return out
@@ -142,8 +143,13 @@ def raw_device_bytes(address: int, nbytes: int, device: torch.device) -> torch.T
     """A uint8 tensor over ``nbytes`` at a device address, owning nothing."""
 
     class _Span:
-        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
-                                    "version": 2, "strides": None}
+        __cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 2,
+            "strides": None,
+        }
 
     with torch.cuda.device(device):
         return torch.as_tensor(_Span(), device=device)
@@ -151,8 +157,11 @@ def raw_device_bytes(address: int, nbytes: int, device: torch.device) -> torch.T
 
 def allocator_segments(device: torch.device, *, exclude_pools: set) -> list[dict]:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return [s for s in torch.cuda.memory_snapshot()
-            if s["device"] == index and tuple(s.get("segment_pool_id", (0, 0))) not in exclude_pools]
+    return [
+        s
+        for s in torch.cuda.memory_snapshot()
+        if s["device"] == index and tuple(s.get("segment_pool_id", (0, 0))) not in exclude_pools
+    ]
 
 
 # Blocks this large are units of their own, so that one that does not change (a frozen
@@ -169,8 +178,11 @@ def allocator_runs(device: torch.device, *, exclude_pools: set, dead_addresses: 
     def emit(start: int, end: int, dead: bool) -> None:
         if end > start:
             view = raw_device_bytes(start, end - start, device)
-            out.append(Tracked(storage=view.untyped_storage(), nbytes=end - start, key=("block", start, end - start),
-                               dead=dead))
+            out.append(
+                Tracked(
+                    storage=view.untyped_storage(), nbytes=end - start, key=("block", start, end - start), dead=dead
+                )
+            )
 
     for segment in allocator_segments(device, exclude_pools=exclude_pools):
         address = segment["address"]

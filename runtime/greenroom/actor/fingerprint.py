@@ -50,11 +50,11 @@ def fingerprint(data: torch.Tensor) -> tuple[int, int]:
     words = data[:whole].view(torch.int64)
     if whole < n:  # the tail, zero-padded to a word; the length below keeps it distinct
         tail = torch.zeros(8, dtype=torch.uint8, device=data.device)
-        tail[:n - whole] = data[whole:]
+        tail[: n - whole] = data[whole:]
         words = torch.cat([words, tail.view(torch.int64)])
     sums = torch.zeros(len(_LANES), dtype=torch.int64, device=data.device)
     for start in range(0, words.numel(), CHUNK_WORDS):
-        chunk = words[start:start + CHUNK_WORDS]
+        chunk = words[start : start + CHUNK_WORDS]
         for lane, keys in enumerate(_LANES):
             sums[lane] += _mix_sum(chunk, start, keys)
     lanes = sums.tolist()

@@ -16,8 +16,8 @@ import os
 import sys
 
 from greenroom.config import OffloadConfig
-from greenroom.errors import ConfigError, GreenroomError
 from greenroom.dirs.rankdir import job_id, rank_dir_path
+from greenroom.errors import ConfigError, GreenroomError
 
 PACKAGE = "torch_memory_saver"
 HOOK_STEM = "torch_memory_saver_hook_mode_preload"
@@ -33,14 +33,16 @@ def site_dir() -> str:
     """The directory torch_memory_saver is installed in (found without importing it)."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise GreenroomError("torch_memory_saver is not installed: pip install torch-memory-saver==0.0.10 "
-                             "(or run without CUDA, where the portable backend is used)")
+        raise GreenroomError(
+            "torch_memory_saver is not installed: pip install torch-memory-saver==0.0.10 "
+            "(or run without CUDA, where the portable backend is used)"
+        )
     return os.path.dirname(list(spec.submodule_search_locations)[0])
 
 
 def installed_version(site: str) -> str:
     found = sorted(glob.glob(os.path.join(site, f"{PACKAGE}-*.dist-info")))
-    return os.path.basename(found[-1])[len(PACKAGE) + 1:-len(".dist-info")] if found else "unknown"
+    return os.path.basename(found[-1])[len(PACKAGE) + 1 : -len(".dist-info")] if found else "unknown"
 
 
 def hook_library(cuda_major: int, site: str | None = None) -> str:
@@ -50,8 +52,10 @@ def hook_library(cuda_major: int, site: str | None = None) -> str:
     for candidate in (os.path.join(site, PACKAGE, name), os.path.join(site, name)):
         if os.path.isfile(candidate):
             return candidate
-    raise GreenroomError(f"torch_memory_saver {installed_version(site)} in {site} has no {name} for CUDA "
-                         f"{cuda_major}: install torch-memory-saver==0.0.10, which ships cu12 and cu13 hooks")
+    raise GreenroomError(
+        f"torch_memory_saver {installed_version(site)} in {site} has no {name} for CUDA "
+        f"{cuda_major}: install torch-memory-saver==0.0.10, which ships cu12 and cu13 hooks"
+    )
 
 
 def check_disk_support(hook: str) -> None:
@@ -65,7 +69,8 @@ def check_disk_support(hook: str) -> None:
         raise GreenroomError(
             f"torch_memory_saver {installed_version(site)} at {hook} does not support disk backup "
             f"(no {DISK_SUPPORT_MARKER.decode()}): it would ignore --offload-train-target disk and the run "
-            "would read garbage after the first wake; install torch-memory-saver==0.0.10")
+            "would read garbage after the first wake; install torch-memory-saver==0.0.10"
+        )
 
 
 def torch_cuda_major() -> int | None:
@@ -85,8 +90,16 @@ def offload_dir(config: OffloadConfig, rank: int, *, role: str, job: str) -> str
     return os.path.join(rank_dir_path(config.offload_train_disk_dir, job, role, rank), "offload")
 
 
-def launch_env(config: OffloadConfig, rank: int, *, role: str = "actor", job: str | None = None,
-               mover: str = "greenroom", cuda_major: int | None = None, site: str | None = None) -> dict[str, str]:
+def launch_env(
+    config: OffloadConfig,
+    rank: int,
+    *,
+    role: str = "actor",
+    job: str | None = None,
+    mover: str = "greenroom",
+    cuda_major: int | None = None,
+    site: str | None = None,
+) -> dict[str, str]:
     """The environment an actor process must start with.
 
     Empty when nothing needs torch_memory_saver (``--offload-train`` off, or a torch
@@ -136,8 +149,10 @@ def relaunch_with(env: dict[str, str]) -> None:
     if not env or all(os.environ.get(k) == v for k, v in env.items()):
         return
     if os.environ.get(RELAUNCHED):
-        raise GreenroomError(f"the actor was relaunched but its environment still differs from {sorted(env)}: "
-                             "something rewrites LD_PRELOAD or TMS_* between exec and start")
+        raise GreenroomError(
+            f"the actor was relaunched but its environment still differs from {sorted(env)}: "
+            "something rewrites LD_PRELOAD or TMS_* between exec and start"
+        )
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env, RELAUNCHED: "1"})

@@ -39,8 +39,9 @@ class _Record:
         if storage.nbytes() != self.nbytes:
             return False
         alive = [(t, version, start, end) for ref, version, start, end in self.views if (t := ref()) is not None]
-        if not alive or any(t._version != version or t.untyped_storage()._cdata != storage._cdata
-                            for t, version, _, _ in alive):
+        if not alive or any(
+            t._version != version or t.untyped_storage()._cdata != storage._cdata for t, version, _, _ in alive
+        ):
             return False
         covered = 0
         for _, _, start, end in sorted(self.views, key=lambda v: v[2]):  # views of dead refs still wrote nothing
@@ -93,9 +94,11 @@ class Liveness:
             storage = t.untyped_storage()
             span = _span(t)
             if span != (0, storage.nbytes()):
-                raise ConfigError("offloader.discard(): pass tensors that cover their whole storage "
-                                 f"(got a view of {span} of {storage.nbytes()} bytes); a part of a "
-                                 "storage cannot be dropped")
+                raise ConfigError(
+                    "offloader.discard(): pass tensors that cover their whole storage "
+                    f"(got a view of {span} of {storage.nbytes()} bytes); a part of a "
+                    "storage cannot be dropped"
+                )
             self._note(self._discarded, t)
 
     def dead(self, storage: torch.UntypedStorage) -> bool:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from greenroom.io import frames
 from greenroom.actor.fingerprint import fingerprint
 from greenroom.actor.tracking import Tracked
+from greenroom.io import frames
 from greenroom.io.engine import StateFile, TransferEngine, align_up
 
 STATE_FILE = "actor.state"
@@ -127,8 +127,7 @@ class DiskMover:
     with no step between).
     """
 
-    def __init__(self, directory: str, chunk_bytes: int, *, skip_clean: bool | None = None,
-                 compression=None) -> None:
+    def __init__(self, directory: str, chunk_bytes: int, *, skip_clean: bool | None = None, compression=None) -> None:
         self.path = os.path.join(directory, STATE_FILE)
         self.compression = compression
         # A sleep only writes and a wake only reads: the wake's reads have the disk alone.

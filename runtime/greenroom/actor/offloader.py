@@ -170,9 +170,11 @@ class Offloader:
         offloader stays asleep with its copies intact and ``wake()`` can be tried again."""
         if not self.is_asleep:
             if self._failed_sleep is not None:
-                raise GreenroomError(f"actor offload: wake() after a failed sleep: nothing to wake, the sleep was "
-                                     f"undone and every tensor is still on the device as it was (the sleep failed "
-                                     f"with: {self._failed_sleep})")
+                raise GreenroomError(
+                    f"actor offload: wake() after a failed sleep: nothing to wake, the sleep was "
+                    f"undone and every tensor is still on the device as it was (the sleep failed "
+                    f"with: {self._failed_sleep})"
+                )
             raise GreenroomError("actor offload: wake() while awake: call sleep() first")
         start = time.perf_counter()
         units = self._asleep
@@ -185,11 +187,16 @@ class Offloader:
         return self.last_wake
 
     @staticmethod
-    def _stats(start: float, units: list[tracking.Tracked], moved: Moved | None,
-               left_resident: int = 0) -> PhaseStats:
+    def _stats(start: float, units: list[tracking.Tracked], moved: Moved | None, left_resident: int = 0) -> PhaseStats:
         moved = moved or Moved()
-        return PhaseStats(seconds=time.perf_counter() - start, nbytes=sum(u.nbytes for u in units),
-                          copied=moved.copied, clean=moved.clean, dead=moved.dead, left_resident=left_resident)
+        return PhaseStats(
+            seconds=time.perf_counter() - start,
+            nbytes=sum(u.nbytes for u in units),
+            copied=moved.copied,
+            clean=moved.clean,
+            dead=moved.dead,
+            left_resident=left_resident,
+        )
 
     @contextlib.contextmanager
     def asleep(self):
@@ -269,9 +276,17 @@ class PortableOffloader(Offloader):
 
     backend = "portable"
 
-    def __init__(self, *, target: str, device: torch.device | str = "cpu", offload_dir: str | None = None,
-                 chunk_bytes: int = 256 << 20, scope: str = "all", skip_clean: bool | None = None,
-                 compression=None) -> None:
+    def __init__(
+        self,
+        *,
+        target: str,
+        device: torch.device | str = "cpu",
+        offload_dir: str | None = None,
+        chunk_bytes: int = 256 << 20,
+        scope: str = "all",
+        skip_clean: bool | None = None,
+        compression=None,
+    ) -> None:
         super().__init__(target=target, device=device, scope=scope)
         if target == "disk":
             assert offload_dir is not None, "the disk target needs the rank's offload dir"
@@ -315,10 +330,12 @@ class PortableOffloader(Offloader):
             what = f"{left} bytes of torch's device memory stay allocated while the actor sleeps"
         else:
             what = "memory only C++ holds stays where it is while the actor sleeps"
-        log.warning(f"actor offload (portable backend): {what} (tensors autograd saved for a pending "
-                    "backward, library workspaces, storages torch does not own or that are in shared "
-                    "memory, the rollout's): "
-                    "it is not moved and stays intact; the tms backend moves it")
+        log.warning(
+            f"actor offload (portable backend): {what} (tensors autograd saved for a pending "
+            "backward, library workspaces, storages torch does not own or that are in shared "
+            "memory, the rollout's): "
+            "it is not moved and stays intact; the tms backend moves it"
+        )
 
     def _wake(self, units: list[tracking.Tracked]) -> Moved:
         for u in units:
@@ -342,8 +359,9 @@ class PortableOffloader(Offloader):
             return
         # By identity, not address: a storage the block allocates where one it freed was
         # is new all the same.
-        before = discovery.WeakStorages(s for t in discovery.live_tensors()
-                                        if (s := tracking.storage_of(t)) is not None)
+        before = discovery.WeakStorages(
+            s for t in discovery.live_tensors() if (s := tracking.storage_of(t)) is not None
+        )
         try:
             yield
         finally:

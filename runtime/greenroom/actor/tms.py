@@ -77,24 +77,38 @@ def check_release(released: int, expected: int) -> None:
         raise GreenroomError(
             f"actor offload: the paused region held {foreign / (1 << 20):.0f} MiB that torch did not allocate "
             "(a library's own cudaMalloc, e.g. NCCL with NCCL_CUMEM_ENABLE=0 or CuPy) and the greenroom mover "
-            "cannot move it: allocate it inside offloader.outside_region(), or use --offload-mover tms")
+            "cannot move it: allocate it inside offloader.outside_region(), or use --offload-mover tms"
+        )
 
 
 class TmsOffloader(Offloader):
     backend = "tms"
 
-    def __init__(self, *, target: str, device: torch.device | str = "cuda", offload_dir: str | None = None,
-                 chunk_bytes: int = 256 << 20, mover: str | None = None, scope: str = "all",
-                 skip_clean: bool | None = None, compression=None) -> None:
+    def __init__(
+        self,
+        *,
+        target: str,
+        device: torch.device | str = "cuda",
+        offload_dir: str | None = None,
+        chunk_bytes: int = 256 << 20,
+        mover: str | None = None,
+        scope: str = "all",
+        skip_clean: bool | None = None,
+        compression=None,
+    ) -> None:
         super().__init__(target=target, device=device, scope=scope)
         if not launch.hooks_loaded():
-            raise GreenroomError("torch_memory_saver's hook is not preloaded: start the actor with "
-                                 "greenroom.actor.launch_env(config, rank) (greenroom train does)")
+            raise GreenroomError(
+                "torch_memory_saver's hook is not preloaded: start the actor with "
+                "greenroom.actor.launch_env(config, rank) (greenroom train does)"
+            )
         self.mover = mover or os.environ.get(launch.MOVER_VAR, "greenroom")
         expected_disk = "1" if (self.mover == "tms" and target == "disk") else "0"
         if os.environ.get("TMS_INIT_ENABLE_DISK_BACKUP", "0") != expected_disk:
-            raise GreenroomError(f"the actor was launched for another target or mover than {target}/{self.mover}: "
-                                 "relaunch it with launch_env for these settings")
+            raise GreenroomError(
+                f"the actor was launched for another target or mover than {target}/{self.mover}: "
+                "relaunch it with launch_env for these settings"
+            )
         from torch_memory_saver import torch_memory_saver  # CUDA only: needs libcuda
 
         self._tms = torch_memory_saver
@@ -155,8 +169,9 @@ class TmsOffloader(Offloader):
         # The mover holds every byte already, so a pause taken again loses nothing more.
         self._given_back = False
         try:
-            released = released_by_pause(self._pause, self._resume, lambda: torch.cuda.mem_get_info(self.device)[0],
-                                         expected)
+            released = released_by_pause(
+                self._pause, self._resume, lambda: torch.cuda.mem_get_info(self.device)[0], expected
+            )
             self.pause_seconds = time.perf_counter() - start
             self.last_release = (released, expected)
             check_release(released, expected)
@@ -169,8 +184,10 @@ class TmsOffloader(Offloader):
                 self._wake(units)  # put the actor back as it was (but for any foreign bytes)
             except BaseException as undo:
                 refused = str(failed) if isinstance(failed, GreenroomError) else one_line(failed)
-                raise LeftAsleep(f"{refused}; putting the actor back then failed ({one_line(undo)}): it is asleep "
-                                 "with its copies whole: call wake() to retry") from undo
+                raise LeftAsleep(
+                    f"{refused}; putting the actor back then failed ({one_line(undo)}): it is asleep "
+                    "with its copies whole: call wake() to retry"
+                ) from undo
             raise
         return moved
 

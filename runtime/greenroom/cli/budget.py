@@ -18,12 +18,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from greenroom.io.compression import expected_ratio
 from greenroom.config import OffloadFlags, moment_bytes_per_element
 from greenroom.errors import ConfigError
-from greenroom.optim.footprint import (GRAD_BYTES, MASTER_BYTES, PARAM_BYTES, REMAINDER_BYTES_PER_PARAM,
-                                       RESIDENT_MOMENT_BYTES, has_master, resident_optimizer_bytes_per_param,
-                                       streamed_bytes_per_param, streaming_device_bytes)
+from greenroom.io.compression import expected_ratio
+from greenroom.optim.footprint import (
+    GRAD_BYTES,
+    MASTER_BYTES,
+    PARAM_BYTES,
+    REMAINDER_BYTES_PER_PARAM,
+    RESIDENT_MOMENT_BYTES,
+    has_master,
+    resident_optimizer_bytes_per_param,
+    streamed_bytes_per_param,
+    streaming_device_bytes,
+)
 from greenroom.optim.store.layout import DEFAULT_BUCKET_NUMEL, DEVICE_BUFFERS
 from greenroom.ranks import MAX_LAUNCHER_NUMBER
 
@@ -48,14 +56,21 @@ class Layout:
     def __post_init__(self) -> None:
         if not 0 < self.params <= MAX_PARAMS:
             raise ConfigError(f"--params {_shown(self.params)}: expected 1 to {MAX_PARAMS:.0e} (a quintillion params)")
-        for flag, value in (("--world-size", self.world_size), ("--nproc-per-node", self.nproc_per_node),
-                            ("--data-parallel", self.data_parallel)):
+        for flag, value in (
+            ("--world-size", self.world_size),
+            ("--nproc-per-node", self.nproc_per_node),
+            ("--data-parallel", self.data_parallel),
+        ):
             if not 0 < value <= MAX_RANKS:
-                raise ConfigError(f"{flag} must be a positive integer of at most {MAX_RANKS} (as torch.distributed "
-                                  f"counts ranks), got {_shown(value)}")
+                raise ConfigError(
+                    f"{flag} must be a positive integer of at most {MAX_RANKS} (as torch.distributed "
+                    f"counts ranks), got {_shown(value)}"
+                )
         if self.world_size % self.data_parallel:
-            raise ConfigError(f"--data-parallel {self.data_parallel} must divide --world-size {self.world_size} "
-                              "(the model-parallel degree is world size / data parallel)")
+            raise ConfigError(
+                f"--data-parallel {self.data_parallel} must divide --world-size {self.world_size} "
+                "(the model-parallel degree is world size / data parallel)"
+            )
         if self.nproc_per_node > self.world_size or self.world_size % self.nproc_per_node:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must divide --world-size {self.world_size}")
         if self.sharding not in SHARDINGS:
@@ -103,15 +118,23 @@ def rank_budget(layout: Layout, config: OffloadFlags, codec: str | None) -> dict
     # StreamingAdam stores a bf16 param's master as its low 16 bits (the master layout
     # ``remainder``); an fp16 param's master, and every master under ``fp32``, whole.
     remainder = streaming and dtype == "bf16" and config.stream_optimizer_state_master_layout == "remainder"
-    optimizer = opt_params * (streamed_bytes_per_param(moments, master_on_disk=master, remainder=remainder)
-                              if streaming else resident_optimizer_bytes_per_param(dtype))
+    optimizer = opt_params * (
+        streamed_bytes_per_param(moments, master_on_disk=master, remainder=remainder)
+        if streaming
+        else resident_optimizer_bytes_per_param(dtype)
+    )
     each_moment = opt_params * (moment_bytes_per_element(moments) if streaming else RESIDENT_MOMENT_BYTES)
     # A remainder's low mantissa bits are counted incompressible (no measured ratio).
-    stored_master = (_stored(opt_params * REMAINDER_BYTES_PER_PARAM, None, "remainder") if remainder
-                     else _stored(opt_params * MASTER_BYTES, codec, "fp32 master"))
-    optimizer_stored = ((stored_master if master else 0.0)
-                        + _stored(each_moment, codec, f"{moments} exp_avg")
-                        + _stored(each_moment, codec, f"{moments} exp_avg_sq"))
+    stored_master = (
+        _stored(opt_params * REMAINDER_BYTES_PER_PARAM, None, "remainder")
+        if remainder
+        else _stored(opt_params * MASTER_BYTES, codec, "fp32 master")
+    )
+    optimizer_stored = (
+        (stored_master if master else 0.0)
+        + _stored(each_moment, codec, f"{moments} exp_avg")
+        + _stored(each_moment, codec, f"{moments} exp_avg_sq")
+    )
     bucket = min(DEFAULT_BUCKET_NUMEL, opt_params)
     buffers = min(DEVICE_BUFFERS, max(1, math.ceil(opt_params / DEFAULT_BUCKET_NUMEL)))
     gpu_resident = weights + grads + resident_optimizer
@@ -127,17 +150,27 @@ def rank_budget(layout: Layout, config: OffloadFlags, codec: str | None) -> dict
     disk_offload = actor if offload == "disk" else 0.0
     stored_streaming = optimizer_stored if streaming else 0.0
     return {
-        "model_params": model_params, "optimizer_params": opt_params,
-        "weights": weights, "grads": grads,
-        "optimizer_state": optimizer, "optimizer_state_stored": optimizer_stored,
+        "model_params": model_params,
+        "optimizer_params": opt_params,
+        "weights": weights,
+        "grads": grads,
+        "optimizer_state": optimizer,
+        "optimizer_state_stored": optimizer_stored,
         "gpu": {"without_streaming": gpu_resident, "with_streaming": gpu_streaming},
-        "paused_actor": actor, "paused_actor_stored": actor_stored,
-        "host": {"staging": float(config.staging_bytes_per_rank), "host_cache": host_cache,
-                 "pinned_actor_copy": pinned_copy,
-                 "total": config.staging_bytes_per_rank + host_cache + pinned_copy},
+        "paused_actor": actor,
+        "paused_actor_stored": actor_stored,
+        "host": {
+            "staging": float(config.staging_bytes_per_rank),
+            "host_cache": host_cache,
+            "pinned_actor_copy": pinned_copy,
+            "total": config.staging_bytes_per_rank + host_cache + pinned_copy,
+        },
         "disk": {"streaming": disk_streaming, "offload": disk_offload, "total": disk_streaming + disk_offload},
-        "stored": {"streaming": stored_streaming, "offload": actor_stored if offload == "disk" else 0.0,
-                   "total": stored_streaming + (actor_stored if offload == "disk" else 0.0)},
+        "stored": {
+            "streaming": stored_streaming,
+            "offload": actor_stored if offload == "disk" else 0.0,
+            "total": stored_streaming + (actor_stored if offload == "disk" else 0.0),
+        },
         # A step reads and writes back the buckets the host cache does not hold.
         "streamed_per_step": stored_streaming * (1 - host_cache / optimizer) if streaming and optimizer else 0.0,
     }
@@ -152,8 +185,15 @@ def asleep_device_bytes(rank: dict, config: OffloadFlags) -> float:
     return rank["gpu"]["with_streaming" if config.stream_optimizer_state_to_disk else "without_streaming"]
 
 
-def seconds(rank: dict, *, nproc_per_node: int, read_gbps: float | None, write_gbps: float | None,
-            offload_to_disk: bool, streaming: bool) -> dict:
+def seconds(
+    rank: dict,
+    *,
+    nproc_per_node: int,
+    read_gbps: float | None,
+    write_gbps: float | None,
+    offload_to_disk: bool,
+    streaming: bool,
+) -> dict:
     """Expected seconds from the node's disk figures, shared by the node's ranks: a
     streamed step reads and writes back its buckets (through the one disk, so the two
     add up; with ``streaming``), a sleep writes the paused actor, a wake reads it."""

@@ -17,12 +17,11 @@ import json
 import resource
 
 from greenroom.cli import flags as cliflags
-from greenroom.io import fs
 from greenroom.config import check_host_bytes
-from greenroom.units import MIB
-from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import RankDir, check_existing_root
-from greenroom.units import rate_text, size_text
+from greenroom.errors import ConfigError
+from greenroom.io import fs
+from greenroom.units import MIB, rate_text, size_text
 
 PROBE_BYTES = 256 * MIB
 MIN_PROBE_BYTES = MIB
@@ -34,8 +33,9 @@ def _limit(value: int) -> str:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.disk_dir(parser, positional=True, help="the dir to check (the run's --offload-train-disk-dir)")
-    cliflags.chunk_mb(parser, help="staging chunk per mechanism, to check against the memlock limit "
-                                   "(default %(default)s)")
+    cliflags.chunk_mb(
+        parser, help="staging chunk per mechanism, to check against the memlock limit (default %(default)s)"
+    )
     parser.add_argument("--no-probe", action="store_true", help="skip the bandwidth probe")
     cliflags.json_flag(parser)
 
@@ -58,8 +58,10 @@ def probe(directory: str):
     """The quick raw bandwidth probe (``greenroom.cli.bench.disk.raw_bandwidth``), sized to
     the free space, in a rank dir of its own under ``directory`` (never in it)."""
     if _probe_bytes(directory) < MIN_PROBE_BYTES:
-        raise ConfigError(f"{directory} has {size_text(fs.free_bytes(directory))} free: too little to probe its "
-                          "bandwidth (or hold offloaded state); free some space or use a larger disk")
+        raise ConfigError(
+            f"{directory} has {size_text(fs.free_bytes(directory))} free: too little to probe its "
+            "bandwidth (or hold offloaded state); free some space or use a larger disk"
+        )
     with RankDir(directory, role="doctor", allow_tmpfs=True) as rank_dir:
         return _raw_probe(rank_dir.path, directory)
 
@@ -75,19 +77,27 @@ def check(directory: str, *, chunk_mb: int, bandwidth: bool) -> dict:
         o_direct = fs.supports_o_direct(rank_dir.path)
         measured = _raw_probe(rank_dir.path, directory) if bandwidth and roomy else None
     result = {
-        "dir": directory, "filesystem": mount.fstype, "source": mount.source, "mount_point": mount.mount_point,
-        "free_bytes": fs.free_bytes(directory), "o_direct": o_direct,
-        "memlock_bytes": None if soft == resource.RLIM_INFINITY else soft, "staging_bytes": need,
+        "dir": directory,
+        "filesystem": mount.fstype,
+        "source": mount.source,
+        "mount_point": mount.mount_point,
+        "free_bytes": fs.free_bytes(directory),
+        "o_direct": o_direct,
+        "memlock_bytes": None if soft == resource.RLIM_INFINITY else soft,
+        "staging_bytes": need,
         # A warning, not a verdict: CUDA pins host memory through its driver, which this
         # limit does not bound, but some container runtimes enforce it there too.
         "memlock_low": soft != resource.RLIM_INFINITY and soft < need,
-        "read_gbps": None, "write_gbps": None, "problems": [],
+        "read_gbps": None,
+        "write_gbps": None,
+        "problems": [],
     }
     if mount.fstype in fs.MEMORY_FILESYSTEMS:
         result["problems"].append(f"{mount.fstype} keeps the data in RAM")
     if not roomy:
-        result["problems"].append(f"{size_text(result['free_bytes'])} free: too little to probe the bandwidth "
-                                  "or hold offloaded state")
+        result["problems"].append(
+            f"{size_text(result['free_bytes'])} free: too little to probe the bandwidth or hold offloaded state"
+        )
     if measured is not None:
         result.update(read_gbps=measured.read_bytes_per_s / 1e9, write_gbps=measured.write_bytes_per_s / 1e9)
     result["fit"] = not result["problems"]
@@ -97,8 +107,9 @@ def check(directory: str, *, chunk_mb: int, bandwidth: bool) -> dict:
 def run(args: argparse.Namespace) -> int:
     directory = cliflags.resolve_disk_dir(args, "doctor")
     if args.chunk_mb <= 0:
-        raise ConfigError("--offload-train-disk-chunk-mb must be a positive integer number of MiB, "
-                          f"got {args.chunk_mb}")
+        raise ConfigError(
+            f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {args.chunk_mb}"
+        )
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, 2 * args.chunk_mb * MIB)
     check_existing_root(directory, name="doctor: DIR")
     r = check(directory, chunk_mb=args.chunk_mb, bandwidth=not args.no_probe)
@@ -111,16 +122,20 @@ def run(args: argparse.Namespace) -> int:
     memlock = _limit(resource.RLIM_INFINITY if r["memlock_bytes"] is None else r["memlock_bytes"])
     print(f"memlock:    {memlock} (both mechanisms pin {size_text(r['staging_bytes'])} per rank)")
     if r["read_gbps"] is not None:
-        print(f"bandwidth:  write {rate_text(r['write_gbps'] * 1e9)}, read {rate_text(r['read_gbps'] * 1e9)} (quick "
-              f"probe; greenroom plan --disk-read-gbps {r['read_gbps']:.2f} --disk-write-gbps {r['write_gbps']:.2f})")
+        print(
+            f"bandwidth:  write {rate_text(r['write_gbps'] * 1e9)}, read {rate_text(r['read_gbps'] * 1e9)} (quick "
+            f"probe; greenroom plan --disk-read-gbps {r['read_gbps']:.2f} --disk-write-gbps {r['write_gbps']:.2f})"
+        )
     if r["problems"]:
         print("verdict:    NOT FIT: " + "; ".join(r["problems"]))
         return 1
     warnings = warning_costs(r)
     for line in warnings:
         print(f"warning:    {line}")
-    print("verdict:    OK for offload and streaming" + (f", at the cost the {len(warnings)} warning(s) above name"
-                                                         if warnings else ""))
+    print(
+        "verdict:    OK for offload and streaming"
+        + (f", at the cost the {len(warnings)} warning(s) above name" if warnings else "")
+    )
     return 0
 
 
@@ -128,11 +143,15 @@ def warning_costs(r: dict) -> list[str]:
     """Each warning of a dir that fits, with what it costs a run there."""
     out = []
     if r["memlock_low"]:
-        out.append(f"the memlock limit ({_limit(r['memlock_bytes'])}) is below the staging "
-                   f"({size_text(r['staging_bytes'])}): where the container runtime enforces it on CUDA's pinned "
-                   "memory, a run fails at start-up pinning its staging; raise it (ulimit -l, the container's "
-                   "memlock rlimit)")
+        out.append(
+            f"the memlock limit ({_limit(r['memlock_bytes'])}) is below the staging "
+            f"({size_text(r['staging_bytes'])}): where the container runtime enforces it on CUDA's pinned "
+            "memory, a run fails at start-up pinning its staging; raise it (ulimit -l, the container's "
+            "memlock rlimit)"
+        )
     if not r["o_direct"]:
-        out.append("no O_DIRECT: every byte passes through the page cache (written with fdatasync, then dropped), "
-                   "which costs host CPU and memory bandwidth and makes a read probe look faster than the disk")
+        out.append(
+            "no O_DIRECT: every byte passes through the page cache (written with fdatasync, then dropped), "
+            "which costs host CPU and memory bandwidth and makes a read probe look faster than the disk"
+        )
     return out

@@ -50,8 +50,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, (module_name, summary) in COMMANDS.items():
         # torchrun's arguments and the trainer's follow `greenroom torchrun`, a trainer's
         # --help among them: no -h of greenroom's own there (torchrun's --help answers).
-        command_parser = sub.add_parser(name, help=summary, description=summary, add_help=name != "torchrun",
-                                        formatter_class=DefaultsFormatter)
+        command_parser = sub.add_parser(
+            name, help=summary, description=summary, add_help=name != "torchrun", formatter_class=DefaultsFormatter
+        )
         if name == chosen:
             module = importlib.import_module(module_name)
             module.configure_parser(command_parser)

@@ -16,10 +16,10 @@ import contextlib
 import json
 import os
 
-from greenroom.units import GB
 from greenroom.errors import GreenroomError
 from greenroom.log import get_logger
 from greenroom.train.preflight import metrics_record
+from greenroom.units import GB
 
 log = get_logger(__name__)
 
@@ -31,8 +31,9 @@ PHASE_COLORS = {"sync": "#999999", "sleep": "#d62728", "rollout": "#1f77b4", "wa
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("metrics", metavar="METRICS.jsonl", help="written by greenroom train --metrics")
     parser.add_argument("-o", "--output", metavar="PNG", help="default: METRICS with .png")
-    parser.add_argument("--json", action="store_true",
-                        help="print what was drawn as one JSON object (output, iterations, run segments)")
+    parser.add_argument(
+        "--json", action="store_true", help="print what was drawn as one JSON object (output, iterations, run segments)"
+    )
 
 
 def read_records(path: str) -> list[dict]:
@@ -48,8 +49,9 @@ def read_records(path: str) -> list[dict]:
     except UnicodeDecodeError:
         raise GreenroomError(f"{path}: not a greenroom train metrics file (not UTF-8 text)") from None
     except OSError as e:
-        raise GreenroomError(f"{path}: cannot read it ({e.strerror}); give the file greenroom train --metrics "
-                             "wrote") from None
+        raise GreenroomError(
+            f"{path}: cannot read it ({e.strerror}); give the file greenroom train --metrics wrote"
+        ) from None
     lines = [(number, line) for number, line in lines if line.strip()]
     if lines and not lines[-1][1].endswith("\n") and lines[-1][1].startswith('{"iteration": '):
         try:
@@ -75,12 +77,18 @@ _PHASE_FIELDS = ("start", "end", "host_rss", "actor_resident")
 def _record(line: str) -> dict | None:
     """The record on ``line``, or None where it lacks what ``draw`` reads."""
     record = metrics_record(line)
-    if record is None or not (isinstance(record.get("reward"), (int, float))
-                              and {"device", "world_size", "backend"} <= set(record)):
+    if record is None or not (
+        isinstance(record.get("reward"), (int, float)) and {"device", "world_size", "backend"} <= set(record)
+    ):
         return None
     events = record["events"]
-    if not all(isinstance(e, dict) and all(isinstance(e.get(k), (int, float)) for k in _PHASE_FIELDS)
-               and "device_used" in e and isinstance(e["device_used"], (int, float, type(None))) for e in events):
+    if not all(
+        isinstance(e, dict)
+        and all(isinstance(e.get(k), (int, float)) for k in _PHASE_FIELDS)
+        and "device_used" in e
+        and isinstance(e["device_used"], (int, float, type(None)))
+        for e in events
+    ):
         return None
     return record if {e.get("phase") for e in events} >= set(PHASE_COLORS) else None
 
@@ -93,18 +101,23 @@ def _one_run(path: str, records: list[dict], numbers: list[int]) -> list[dict]:
     kept = []
     for i, (record, number) in enumerate(zip(records, numbers)):
         previous = records[i - 1] if i else None
-        new_segment = previous is not None and (record["events"][0]["start"] < previous["events"][-1]["end"]
-                                                or record["iteration"] <= previous["iteration"])
+        new_segment = previous is not None and (
+            record["events"][0]["start"] < previous["events"][-1]["end"] or record["iteration"] <= previous["iteration"]
+        )
         if new_segment and record["iteration"] == 1:
-            raise GreenroomError(f"{path}:{number}: a new run starts at iteration 1 after iteration "
-                                 f"{previous['iteration']} (line {numbers[i - 1]}): the file holds more than one "
-                                 "run; give one run's file")
+            raise GreenroomError(
+                f"{path}:{number}: a new run starts at iteration 1 after iteration "
+                f"{previous['iteration']} (line {numbers[i - 1]}): the file holds more than one "
+                "run; give one run's file"
+            )
         if new_segment:
             superseded = [r for r in kept if r["iteration"] >= record["iteration"]]
             if superseded:
-                log.warning(f"{path}:{number}: a resumed run trained iterations {superseded[0]['iteration']}-"
-                            f"{superseded[-1]['iteration']} again: drew its records, not the earlier ones")
-                kept = kept[:len(kept) - len(superseded)]
+                log.warning(
+                    f"{path}:{number}: a resumed run trained iterations {superseded[0]['iteration']}-"
+                    f"{superseded[-1]['iteration']} again: drew its records, not the earlier ones"
+                )
+                kept = kept[: len(kept) - len(superseded)]
         kept.append(record)
     return kept
 
@@ -141,8 +154,9 @@ def draw(records: list[dict], output: str) -> None:
 
     starts = segments(records)
     records = continued(records)
-    fig, (phases, memory, bandwidth, rewards) = plt.subplots(4, 1, figsize=(11, 10), sharex=True,
-                                                             gridspec_kw={"height_ratios": [1, 2, 2, 2]})
+    fig, (phases, memory, bandwidth, rewards) = plt.subplots(
+        4, 1, figsize=(11, 10), sharex=True, gridspec_kw={"height_ratios": [1, 2, 2, 2]}
+    )
     events = [e for r in records for e in r["events"]]
     for name, color in PHASE_COLORS.items():
         spans = [(e["start"], e["end"] - e["start"]) for e in events if e["phase"] == name]
@@ -150,8 +164,10 @@ def draw(records: list[dict], output: str) -> None:
     phases.set_yticks([])
     phases.legend(ncol=len(PHASE_COLORS), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     resumed = f", {len(starts)} run segments" if len(starts) > 1 else ""
-    fig.suptitle(f"greenroom train on {records[0]['device']}, {records[0]['world_size']} rank(s), "
-                 f"offload backend {records[0]['backend']}{resumed}")
+    fig.suptitle(
+        f"greenroom train on {records[0]['device']}, {records[0]['world_size']} rank(s), "
+        f"offload backend {records[0]['backend']}{resumed}"
+    )
     ends = [e["end"] for e in events]
     memory.step(ends, [e["host_rss"] / GB for e in events], where="post", label="host RSS")
     device = [e["device_used"] if e["device_used"] is not None else e["actor_resident"] for e in events]
@@ -160,11 +176,14 @@ def draw(records: list[dict], output: str) -> None:
     memory.set_ylabel("GB")
     memory.legend()
     for key, phase in (("sleep_gbps", "sleep"), ("wake_gbps", "wake"), ("stream_gbps", "train")):
-        points = [(next(e["end"] for e in r["events"] if e["phase"] == phase), r[key]) for r in records
-                  if r.get(key)]
+        points = [(next(e["end"] for e in r["events"] if e["phase"] == phase), r[key]) for r in records if r.get(key)]
         if points:
-            bandwidth.plot(*zip(*points), marker=".", color=PHASE_COLORS[phase],
-                           label={"train": "streamed optimizer steps"}.get(phase, phase))
+            bandwidth.plot(
+                *zip(*points),
+                marker=".",
+                color=PHASE_COLORS[phase],
+                label={"train": "streamed optimizer steps"}.get(phase, phase),
+            )
     bandwidth.set_ylabel("GB/s")
     if bandwidth.lines:
         bandwidth.legend()
@@ -176,8 +195,14 @@ def draw(records: list[dict], output: str) -> None:
         at = records[index]["events"][0]["start"]
         for axis in (phases, memory, bandwidth, rewards):
             axis.axvline(at, color="black", linestyle="--", linewidth=0.8)
-        rewards.annotate(f"resumed at iteration {records[index]['iteration']}", (at, 0.95), fontsize=8,
-                         xytext=(3, 0), textcoords="offset points", va="top")
+        rewards.annotate(
+            f"resumed at iteration {records[index]['iteration']}",
+            (at, 0.95),
+            fontsize=8,
+            xytext=(3, 0),
+            textcoords="offset points",
+            va="top",
+        )
     fig.tight_layout()
     # Written beside and moved into place: a failed write leaves no partial PNG, and an
     # earlier report stays whole until the new one is complete.
@@ -208,8 +233,10 @@ def check_output(output: str) -> None:
     except OSError as e:
         raise GreenroomError(f"-o {output}: cannot read what is there ({e.strerror})") from None
     if not head.startswith(b"\x89PNG\r\n\x1a\n") or b"tEXtSoftware\x00" + SOFTWARE.encode() not in head:
-        raise GreenroomError(f"-o {output} exists and is not a plot greenroom report drew; refusing to overwrite "
-                             "it: give another -o, or move the file away")
+        raise GreenroomError(
+            f"-o {output} exists and is not a plot greenroom report drew; refusing to overwrite "
+            "it: give another -o, or move the file away"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,10 +246,18 @@ def run(args: argparse.Namespace) -> int:
     draw(records, output)
     starts = segments(records)
     if args.json:
-        print(json.dumps({"output": output, "iterations": len(records),
-                          "segments": [{"first_iteration": records[i]["iteration"], "offset_s": offset}
-                                       for i, offset in starts]}, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "output": output,
+                    "iterations": len(records),
+                    "segments": [
+                        {"first_iteration": records[i]["iteration"], "offset_s": offset} for i, offset in starts
+                    ],
+                },
+                sort_keys=True,
+            )
+        )
         return 0
-    print(f"wrote {output} ({len(records)} iterations"
-          + (f", {len(starts)} run segments)" if len(starts) > 1 else ")"))
+    print(f"wrote {output} ({len(records)} iterations" + (f", {len(starts)} run segments)" if len(starts) > 1 else ")"))
     return 0

@@ -24,8 +24,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     render_parser.add_argument("-o", "--output", metavar="FILE", help="write the script here instead of stdout")
     submit_parser = sub.add_parser("submit", help="render the job config and sbatch it; prints the job id")
     submit_parser.add_argument("config", metavar="CONFIG.yaml")
-    submit_parser.add_argument("--test-only", action="store_true",
-                               help="only ask Slurm whether it would accept the job (sbatch --test-only)")
+    submit_parser.add_argument(
+        "--test-only", action="store_true", help="only ask Slurm whether it would accept the job (sbatch --test-only)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"greenroom torchrun: worker rank {rank} failed with exit code {code}", file=sys.stderr)
         return code or 1
     except SignalException as e:  # the agent stopped its workers on the way out
-        print(f"greenroom torchrun: stopped by signal {e.sigval.name}; the workers were stopped too",
-              file=sys.stderr)
+        print(f"greenroom torchrun: stopped by signal {e.sigval.name}; the workers were stopped too", file=sys.stderr)
         return 128 + int(e.sigval)
     return 0

@@ -59,11 +59,11 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from greenroom.io import fs
-from greenroom.errors import ConfigError
-from greenroom.log import get_logger
 from greenroom.dirs.rankdir import MADE_NAME, OWNER_NAME, remove_made_dir
 from greenroom.dirs.reclaim import Decision, ReclaimReport, check_interval, check_seconds, print_report, reclaim
+from greenroom.errors import ConfigError
+from greenroom.io import fs
+from greenroom.log import get_logger
 
 EVENT_REASON = "StaleOffloadReclaimed"
 COMPONENT = "greenroom-janitor"
@@ -119,8 +119,9 @@ class NoApiAccess(Exception):
 
 
 # Said wherever the janitor deletes nothing for want of API access.
-LOCK_RULE_HINT = ("pass --min-age SECONDS, longer than any container restart, to let the lock rule "
-                  "decide alone meanwhile")
+LOCK_RULE_HINT = (
+    "pass --min-age SECONDS, longer than any container restart, to let the lock rule decide alone meanwhile"
+)
 
 
 class Metrics:
@@ -129,15 +130,18 @@ class Metrics:
     def __init__(self, root: str) -> None:
         self.registry = CollectorRegistry()
         self.dirs = Counter("greenroom_reclaim_dirs", "Per-rank dirs reclaimed", registry=self.registry)
-        self.bytes = Counter("greenroom_reclaim_bytes", "Bytes freed by reclaiming per-rank dirs",
-                             registry=self.registry)
-        self.errors = Counter("greenroom_reclaim_errors", "Errors, by where they happened",
-                              ["kind"], registry=self.registry)
+        self.bytes = Counter(
+            "greenroom_reclaim_bytes", "Bytes freed by reclaiming per-rank dirs", registry=self.registry
+        )
+        self.errors = Counter(
+            "greenroom_reclaim_errors", "Errors, by where they happened", ["kind"], registry=self.registry
+        )
         for kind in ("reclaim", "api", "event"):
             self.errors.labels(kind)  # exported at 0 from the start, so rate() works
         self.passes = Counter("greenroom_reclaim_passes", "Reclaim passes completed", registry=self.registry)
-        self.free = Gauge("greenroom_reclaim_root_free_bytes", "Free bytes on the offload root's filesystem",
-                          registry=self.registry)
+        self.free = Gauge(
+            "greenroom_reclaim_root_free_bytes", "Free bytes on the offload root's filesystem", registry=self.registry
+        )
         self.free.set_function(lambda: fs.free_bytes(root))
 
     def record(self, report: ReclaimReport) -> None:
@@ -184,15 +188,15 @@ def api_errors(doing: str, needs: str):
 def list_node_pods(api: k8s.CoreV1Api, node_name: str) -> dict[str, PodInfo]:
     """Pods bound to ``node_name``, by UID."""
     with api_errors("listing pods", "the janitor's ServiceAccount needs the ClusterRole with list on pods"):
-        pods = api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}",
-                                               _request_timeout=REQUEST_TIMEOUT)
+        pods = api.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node_name}", _request_timeout=REQUEST_TIMEOUT
+        )
     found = {}
     for pod in pods.items or []:
         meta = pod.metadata
         labels = meta.labels or {}
         job = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name") or ""
-        found[meta.uid] = PodInfo(meta.name, meta.namespace, (pod.status.phase if pod.status else "") or "",
-                                  job)
+        found[meta.uid] = PodInfo(meta.name, meta.namespace, (pod.status.phase if pod.status else "") or "", job)
     return found
 
 
@@ -204,12 +208,16 @@ def check_listing(pods: dict[str, PodInfo], node_name: str, own_pod: str) -> Non
     another node's name before the listing."""
     if own_pod:
         if not any(f"{p.namespace}/{p.name}" == own_pod for p in pods.values()):
-            raise ConfigError(f"the pods the API lists on node {node_name!r} do not include this janitor's own "
-                              f"pod {own_pod}: --node-name is not the node it runs on (the chart passes "
-                              "$(NODE_NAME) from spec.nodeName); nothing deleted")
+            raise ConfigError(
+                f"the pods the API lists on node {node_name!r} do not include this janitor's own "
+                f"pod {own_pod}: --node-name is not the node it runs on (the chart passes "
+                "$(NODE_NAME) from spec.nodeName); nothing deleted"
+            )
     elif not pods:
-        raise ConfigError(f"the API lists no pod on node {node_name!r}: is --node-name right (kubectl get node "
-                          f"{node_name})? Every dir of a pod would have counted as gone; nothing deleted")
+        raise ConfigError(
+            f"the API lists no pod on node {node_name!r}: is --node-name right (kubectl get node "
+            f"{node_name})? Every dir of a pod would have counted as gone; nothing deleted"
+        )
 
 
 def names_host(names: list[str], host: str) -> bool:
@@ -246,9 +254,12 @@ def check_node_is_this_host(api: k8s.CoreV1Api, node_name: str) -> None:
     the Node ``node_name`` must be this host: its name or a Hostname address is this
     host's name, or an InternalIP/ExternalIP is assigned here. ConfigError if not;
     ApiUnavailable or NoApiAccess (needs get on nodes) if the Node cannot be read."""
-    with api_errors(f"reading node {node_name!r}", "outside a pod the janitor checks that --node-name is this "
-                    "host, which needs get on nodes (or run the janitor in its chart, where its own pod in the "
-                    "listing is the check)"):
+    with api_errors(
+        f"reading node {node_name!r}",
+        "outside a pod the janitor checks that --node-name is this "
+        "host, which needs get on nodes (or run the janitor in its chart, where its own pod in the "
+        "listing is the check)",
+    ):
         try:
             node = api.read_node(node_name, _request_timeout=REQUEST_TIMEOUT)
         except k8s.ApiException as e:
@@ -256,8 +267,9 @@ def check_node_is_this_host(api: k8s.CoreV1Api, node_name: str) -> None:
                 raise
             node = None
     if node is None:
-        raise ConfigError(f"the API has no node {node_name!r}: is --node-name right (kubectl get nodes)? "
-                          "Nothing deleted")
+        raise ConfigError(
+            f"the API has no node {node_name!r}: is --node-name right (kubectl get nodes)? Nothing deleted"
+        )
     addresses = [(a.type, a.address) for a in (node.status.addresses if node.status else None) or []]
     names = [node_name] + [address for kind, address in addresses if kind == "Hostname"]
     hostname = socket.gethostname()
@@ -266,10 +278,12 @@ def check_node_is_this_host(api: k8s.CoreV1Api, node_name: str) -> None:
     if names_host(names, hostname) or any(is_local_address(ip) for ip in ips) or names_host(names, socket.getfqdn()):
         return
     shown = ", ".join(f"{kind} {address}" for kind, address in addresses) or "no addresses"
-    raise ConfigError(f"--node-name {node_name!r} is not this host {hostname!r}: node {node_name!r} has "
-                      f"{shown}, none of them this host's names or addresses, and every dir of a pod here would "
-                      "have counted as gone; nothing deleted. Pass this node's name, or run the janitor in its "
-                      "chart (there its own pod in the listing is the check)")
+    raise ConfigError(
+        f"--node-name {node_name!r} is not this host {hostname!r}: node {node_name!r} has "
+        f"{shown}, none of them this host's names or addresses, and every dir of a pod here would "
+        "have counted as gone; nothing deleted. Pass this node's name, or run the janitor in its "
+        "chart (there its own pod in the listing is the check)"
+    )
 
 
 _POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -298,8 +312,11 @@ def remove_empty_pod_dirs(root: str, pods: dict[str, PodInfo], *, listed_at: flo
             # A second of slack: file times come from the kernel's coarse clock, which lags
             # time.time() by up to a tick, so a dir made just after the listing can carry
             # a time just before it.
-            if (not entry.is_dir(follow_symlinks=False) or st.st_dev != root_dev
-                    or st.st_mtime >= listed_at - MTIME_SLACK_S):
+            if (
+                not entry.is_dir(follow_symlinks=False)
+                or st.st_dev != root_dev
+                or st.st_mtime >= listed_at - MTIME_SLACK_S
+            ):
                 continue
             tree = list(os.walk(entry.path, topdown=False))
         except OSError:
@@ -330,8 +347,10 @@ class PodRule:
         # does not have: its rank, dead at once or between restarts, would pass for a gone
         # pod's. The next pass's listing has that pod.
         try:
-            if os.stat(os.path.join(path, OWNER_NAME), follow_symlinks=False).st_mtime >= \
-                    self.listed_at - MTIME_SLACK_S:
+            if (
+                os.stat(os.path.join(path, OWNER_NAME), follow_symlinks=False).st_mtime
+                >= self.listed_at - MTIME_SLACK_S
+            ):
                 return "keep"
         except FileNotFoundError:
             return "keep"  # rewritten or removed meanwhile: decided by the next pass
@@ -339,8 +358,7 @@ class PodRule:
         if not uid:
             # The chart mounts each pod's dir at <root>/<pod uid>/ (subPathExpr): a record
             # written without $GREENROOM_POD_UID still sits under its live pod's UID.
-            if any(part in self.pods and self.pods[part].phase not in TERMINAL_PHASES
-                   for part in path.split(os.sep)):
+            if any(part in self.pods and self.pods[part].phase not in TERMINAL_PHASES for part in path.split(os.sep)):
                 return "keep"
             return None
         pod = self.pods.get(uid)
@@ -359,16 +377,26 @@ def _event(node_name: str, decision: Decision, rule: PodRule | None) -> k8s.Core
     now = datetime.datetime.now(datetime.timezone.utc)
     belonged = rule.describe(decision.owner) if rule else f"job {decision.owner.get('job', 'unknown')}"
     return k8s.CoreV1Event(
-        metadata=k8s.V1ObjectMeta(name=f"{node_name}.greenroom-{uuid.uuid4().hex[:16]}",
-                                  namespace=EVENT_NAMESPACE,
-                                  annotations={"greenroom.dev/bytes-freed": str(decision.bytes),
-                                               "greenroom.dev/pod-uid": str(decision.owner.get("pod_uid", "")),
-                                               "greenroom.dev/job": str(decision.owner.get("job", ""))}),
+        metadata=k8s.V1ObjectMeta(
+            name=f"{node_name}.greenroom-{uuid.uuid4().hex[:16]}",
+            namespace=EVENT_NAMESPACE,
+            annotations={
+                "greenroom.dev/bytes-freed": str(decision.bytes),
+                "greenroom.dev/pod-uid": str(decision.owner.get("pod_uid", "")),
+                "greenroom.dev/job": str(decision.owner.get("job", "")),
+            },
+        ),
         involved_object=k8s.V1ObjectReference(api_version="v1", kind="Node", name=node_name),
-        reason=EVENT_REASON, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
+        reason=EVENT_REASON,
+        type="Normal",
+        count=1,
+        first_timestamp=now,
+        last_timestamp=now,
         message=f"reclaimed {decision.path}: {decision.bytes} bytes freed, {belonged}",
         source=k8s.V1EventSource(component=COMPONENT, host=node_name),
-        reporting_component=COMPONENT, reporting_instance=node_name)
+        reporting_component=COMPONENT,
+        reporting_instance=node_name,
+    )
 
 
 class Janitor:
@@ -395,12 +423,15 @@ class Janitor:
             # With an age of 0 the lock rule alone would remove the files of every pod
             # between container restarts: missing credentials are no reason to delete more.
             if not self.config.min_age:
-                raise ConfigError(f"no Kubernetes API access: {e}; without its node's pod listing the janitor "
-                                  f"cannot tell a restarting pod from a gone one and deletes nothing: "
-                                  f"{LOCK_RULE_HINT}") from None
+                raise ConfigError(
+                    f"no Kubernetes API access: {e}; without its node's pod listing the janitor "
+                    f"cannot tell a restarting pod from a gone one and deletes nothing: "
+                    f"{LOCK_RULE_HINT}"
+                ) from None
             self.lock_rule_only = True
-            log.warning(f"no Kubernetes API access: {e}; the lock rule alone, --min-age "
-                        f"{self.config.min_age:g}s on every dir")
+            log.warning(
+                f"no Kubernetes API access: {e}; the lock rule alone, --min-age {self.config.min_age:g}s on every dir"
+            )
 
     def one_pass(self) -> ReclaimReport:
         """Reclaim once. ApiUnavailable or NoApiAccess when the pod listing failed and
@@ -420,8 +451,7 @@ class Janitor:
                 # lets the lock rule decide where the operator gave it an age.
                 if isinstance(e, ApiUnavailable) or not self.config.min_age:
                     raise
-                log.warning(f"{e}; this pass uses the lock rule alone, --min-age {self.config.min_age:g}s "
-                            "on every dir")
+                log.warning(f"{e}; this pass uses the lock rule alone, --min-age {self.config.min_age:g}s on every dir")
             else:
                 check_listing(pods, self.config.node_name, self.config.pod)
                 # Names for the Events: this listing's pods and the last one's. A gone pod's
@@ -432,11 +462,13 @@ class Janitor:
                 self.last_listing = pods
                 rule = PodRule(pods, listed_at, self.seen)
         # A node where nothing ran yet has no root: an empty pass, not a crash loop.
-        report = reclaim(self.config.root, dry_run=self.config.dry_run, min_age=self.config.min_age,
-                         policy=rule, missing_ok=True)
+        report = reclaim(
+            self.config.root, dry_run=self.config.dry_run, min_age=self.config.min_age, policy=rule, missing_ok=True
+        )
         if rule is not None and os.path.isdir(self.config.root):
-            for path in remove_empty_pod_dirs(self.config.root, rule.pods, listed_at=listed_at,
-                                              dry_run=self.config.dry_run):
+            for path in remove_empty_pod_dirs(
+                self.config.root, rule.pods, listed_at=listed_at, dry_run=self.config.dry_run
+            ):
                 log.info(f"{'would remove' if self.config.dry_run else 'removed'} the empty dir of a gone pod: {path}")
         self.metrics.record(report)
         print_report(report, as_json=self.config.as_json, out=self.out)
@@ -448,13 +480,16 @@ class Janitor:
 
     def _emit(self, decision: Decision, rule: PodRule | None) -> None:
         try:
-            self.api.create_namespaced_event(EVENT_NAMESPACE, _event(self.config.node_name, decision, rule),
-                                             _request_timeout=REQUEST_TIMEOUT)
+            self.api.create_namespaced_event(
+                EVENT_NAMESPACE, _event(self.config.node_name, decision, rule), _request_timeout=REQUEST_TIMEOUT
+            )
         except (k8s.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
             # The files are gone either way; a lost Event is counted, never fatal.
             self.metrics.errors.labels("event").inc()
-            log.warning(f"could not post the {EVENT_REASON} event for {decision.path}: "
-                        f"{getattr(e, 'status', '')} {getattr(e, 'reason', e)}")
+            log.warning(
+                f"could not post the {EVENT_REASON} event for {decision.path}: "
+                f"{getattr(e, 'status', '')} {getattr(e, 'reason', e)}"
+            )
 
     def next_delay(self) -> float:
         interval = self.config.interval or 0.0
@@ -472,28 +507,35 @@ class Janitor:
             except (ApiUnavailable, NoApiAccess) as e:
                 self.failures += 1
                 delay = self.next_delay()
-                log.warning(f"{e}; skipping this pass (a pod between restarts cannot be "
-                            f"told from a gone one), retrying in {delay:.1f}s")
+                log.warning(
+                    f"{e}; skipping this pass (a pod between restarts cannot be "
+                    f"told from a gone one), retrying in {delay:.1f}s"
+                )
             self.stop.wait(self.next_delay())
         return 0
 
 
 def check_root(root: str) -> None:
     """One line per problem with the node root; ValueError (exit 2)."""
-    no_permission = (f"reclaim ROOT {root}: no permission to read and delete in it (uid {os.getuid()}); "
-                     "run the janitor as the trainers' uid or as root")
+    no_permission = (
+        f"reclaim ROOT {root}: no permission to read and delete in it (uid {os.getuid()}); "
+        "run the janitor as the trainers' uid or as root"
+    )
     try:
         os.stat(root)
     except PermissionError:
         raise ConfigError(no_permission) from None
     except FileNotFoundError:
-        raise ConfigError(f"reclaim ROOT {root} does not exist: mount the node's offload root there "
-                         "(the chart's hostPath)") from None
+        raise ConfigError(
+            f"reclaim ROOT {root} does not exist: mount the node's offload root there (the chart's hostPath)"
+        ) from None
     if not os.path.isdir(root):
         raise ConfigError(f"reclaim ROOT {root} is not a directory: pass the node's offload root")
     if fs.is_memory_backed(root):
-        raise ConfigError(f"reclaim ROOT {root} is on {fs.mount_of(root).fstype}: the node root must be on "
-                         "node-local disk (NVMe); point the janitor at the same hostPath the trainers use")
+        raise ConfigError(
+            f"reclaim ROOT {root} is on {fs.mount_of(root).fstype}: the node root must be on "
+            "node-local disk (NVMe); point the janitor at the same hostPath the trainers use"
+        )
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
         raise ConfigError(no_permission)
 
@@ -501,8 +543,10 @@ def check_root(root: str) -> None:
 def run_janitor(config: JanitorConfig) -> int:
     """``greenroom reclaim ROOT --kubernetes``: one pass, or a loop with ``interval``."""
     if not config.node_name:
-        raise ConfigError("--node-name is required with --kubernetes (the chart passes $(NODE_NAME) from "
-                         "the downward API spec.nodeName)")
+        raise ConfigError(
+            "--node-name is required with --kubernetes (the chart passes $(NODE_NAME) from "
+            "the downward API spec.nodeName)"
+        )
     check_seconds("--min-age", config.min_age)
     if config.interval is not None:
         check_interval(config.interval)
@@ -515,8 +559,10 @@ def run_janitor(config: JanitorConfig) -> int:
         try:
             report = janitor.one_pass()
         except ApiUnavailable as e:
-            raise ConfigError(f"{e} (is the API server reachable from this node? check the kubeconfig or "
-                             "the in-cluster service account)") from None
+            raise ConfigError(
+                f"{e} (is the API server reachable from this node? check the kubeconfig or "
+                "the in-cluster service account)"
+            ) from None
         except NoApiAccess as e:
             raise ConfigError(f"{e}; nothing deleted ({LOCK_RULE_HINT})") from None
         return 1 if report.errors else 0

@@ -92,10 +92,10 @@ import threading
 import time
 import uuid
 
-from greenroom.io import fs
 from greenroom.dirs import signals
 from greenroom.errors import ConfigError, StorageError
 from greenroom.faults import kill_point
+from greenroom.io import fs
 
 LOCK_NAME = ".lock"
 # What a rank dir is renamed to while it is deleted (Note [closing aside]); ``greenroom
@@ -151,9 +151,15 @@ def is_rank_dir_record(path: str, owner: dict) -> bool:
     name = os.path.basename(path)
     rank = owner.get("rank")
     role_dir = os.path.dirname(path)
-    return (name.startswith("rank") and name[4:].isdigit() and isinstance(rank, int) and not isinstance(rank, bool)
-            and name == f"rank{rank:05d}" and owner.get("role") == os.path.basename(role_dir)
-            and owner.get("job") == os.path.basename(os.path.dirname(role_dir)))
+    return (
+        name.startswith("rank")
+        and name[4:].isdigit()
+        and isinstance(rank, int)
+        and not isinstance(rank, bool)
+        and name == f"rank{rank:05d}"
+        and owner.get("role") == os.path.basename(role_dir)
+        and owner.get("job") == os.path.basename(os.path.dirname(role_dir))
+    )
 
 
 def is_dir_name(value) -> bool:
@@ -197,8 +203,9 @@ def check_root(root: str, *, name: str) -> None:
     """``root_problem`` as a ``ConfigError`` naming the flag or argument ``name``."""
     problem = root_problem(root)
     if problem is not None:
-        raise ConfigError(f"{name} {os.path.abspath(root)} {problem}; point it at a dir on node-local NVMe "
-                          "that you can write")
+        raise ConfigError(
+            f"{name} {os.path.abspath(root)} {problem}; point it at a dir on node-local NVMe that you can write"
+        )
 
 
 def check_existing_root(root: str, *, name: str) -> None:
@@ -280,8 +287,10 @@ def _make_rank_dir(root: str, path: str) -> None:
             return
         except FileNotFoundError:
             continue
-    raise StorageError(f"{path}: its parent dir was removed {PARENT_RETRIES} times while this rank created it "
-                       "(a reclaimer in a loop?); stop it and start again")
+    raise StorageError(
+        f"{path}: its parent dir was removed {PARENT_RETRIES} times while this rank created it "
+        "(a reclaimer in a loop?); stop it and start again"
+    )
 
 
 def write_json_atomic(path: str, payload: dict) -> None:
@@ -309,12 +318,15 @@ class RankDir:
     mechanism its own subdirectory (``offload/``, ``optim/``; Note [claims]).
     """
 
-    def __init__(self, root: str, *, role: str = "actor", rank: int = 0, job: str | None = None,
-                 allow_tmpfs: bool = False) -> None:
+    def __init__(
+        self, root: str, *, role: str = "actor", rank: int = 0, job: str | None = None, allow_tmpfs: bool = False
+    ) -> None:
         if root is None:  # what a config without the disk target or streaming resolves
-            raise ConfigError("RankDir: no root dir: pass --offload-train-disk-dir DIR on node-local NVMe (or set "
-                              "$GREENROOM_DISK_DIR); only a config with the disk target or streaming resolves one, "
-                              "so open a RankDir only where config.uses_disk")
+            raise ConfigError(
+                "RankDir: no root dir: pass --offload-train-disk-dir DIR on node-local NVMe (or set "
+                "$GREENROOM_DISK_DIR); only a config with the disk target or streaming resolves one, "
+                "so open a RankDir only where config.uses_disk"
+            )
         self.root = os.path.abspath(root)
         self.job = job or job_id()
         self.role = role
@@ -343,10 +355,15 @@ class RankDir:
                 # failing one: one line naming the path, never a traceback.
                 self.close()
                 name = errno.errorcode.get(e.errno, str(e.errno))
-                advice = ("free space there or point --offload-train-disk-dir at another disk"
-                          if e.errno in (errno.ENOSPC, errno.EDQUOT) else "check --offload-train-disk-dir")
-                raise StorageError(f"{e.filename or self.path}: setting up this rank's dir {self.path} failed: "
-                                   f"{e.strerror} ({name}); {advice}") from None
+                advice = (
+                    "free space there or point --offload-train-disk-dir at another disk"
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                    else "check --offload-train-disk-dir"
+                )
+                raise StorageError(
+                    f"{e.filename or self.path}: setting up this rank's dir {self.path} failed: "
+                    f"{e.strerror} ({name}); {advice}"
+                ) from None
         except BaseException:
             signals.put_back(found)
             signals.deliver(found, received)
@@ -365,8 +382,10 @@ class RankDir:
             try:
                 _make_rank_dir(self.root, self.path)
             except PermissionError as e:  # a <job> or <role> dir of another user
-                raise ConfigError(f"{self.path}: cannot create {e.filename}: permission denied; "
-                                  "use a root of your own or another job id") from None
+                raise ConfigError(
+                    f"{self.path}: cannot create {e.filename}: permission denied; "
+                    "use a root of your own or another job id"
+                ) from None
             try:
                 fd = os.open(os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             except FileNotFoundError:
@@ -376,9 +395,11 @@ class RankDir:
             except BlockingIOError:
                 os.close(fd)
                 if any(other.path == self.path for other in _OPEN):
-                    raise StorageError(f"{self.path} is held by this process (pid {os.getpid()} on "
-                                       f"{socket.gethostname()}): close its other owner first, or give this "
-                                       "one its own dir") from None
+                    raise StorageError(
+                        f"{self.path} is held by this process (pid {os.getpid()} on "
+                        f"{socket.gethostname()}): close its other owner first, or give this "
+                        "one its own dir"
+                    ) from None
                 if time.monotonic() < deadline:  # a reclaimer holds it only while deleting
                     time.sleep(0.1)
                     continue
@@ -460,12 +481,15 @@ class RankDir:
             raise ConfigError(f"{self.path}: open() the RankDir before handing it to an optimizer or offloader")
         whole = self._claim_overlapping(self.path)
         if whole is not None and os.path.realpath(whole) == os.path.realpath(self.path):
-            raise StorageError(f"{self.path} is itself the state dir of another owner in this process (pid "
-                               f"{os.getpid()} on {socket.gethostname()}): give that owner a dir inside it "
-                               "(or the RankDir), so each owner has its own")
+            raise StorageError(
+                f"{self.path} is itself the state dir of another owner in this process (pid "
+                f"{os.getpid()} on {socket.gethostname()}): give that owner a dir inside it "
+                "(or the RankDir), so each owner has its own"
+            )
         n = 1
-        while ((chosen := name if n == 1 else f"{name}-{n}") in self._claimed_ever
-               or self._claim_overlapping(os.path.join(self.path, chosen)) is not None):
+        while (chosen := name if n == 1 else f"{name}-{n}") in self._claimed_ever or self._claim_overlapping(
+            os.path.join(self.path, chosen)
+        ) is not None:
             n += 1
         self._claimed_ever.add(chosen)
         path = self.subdir(chosen)
@@ -478,9 +502,11 @@ class RankDir:
         other = self._claim_overlapping(path)
         if other is not None:
             where = "is" if os.path.realpath(other) == os.path.realpath(path) else "overlaps"
-            raise StorageError(f"{path} {where} the state dir of another owner in this process ({other}; pid "
-                               f"{os.getpid()} on {socket.gethostname()}): give each optimizer its own dir, "
-                               "or close the other")
+            raise StorageError(
+                f"{path} {where} the state dir of another owner in this process ({other}; pid "
+                f"{os.getpid()} on {socket.gethostname()}): give each optimizer its own dir, "
+                "or close the other"
+            )
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
         self._claims.add(path)
         return path
@@ -510,13 +536,22 @@ class RankDir:
         check_root(self.root, name="rank dir root")
         if not self.allow_tmpfs and fs.is_memory_backed(self.root):
             mount = fs.mount_of(self.root)
-            raise ConfigError(f"{self.root} is on {mount.fstype} ({mount.mount_point}), which keeps the data in RAM "
-                              "and defeats the purpose; point it at node-local NVMe")
+            raise ConfigError(
+                f"{self.root} is on {mount.fstype} ({mount.mount_point}), which keeps the data in RAM "
+                "and defeats the purpose; point it at node-local NVMe"
+            )
 
     def owner_record(self) -> dict:
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": boot_id(),
-                  "start_time": time.time(), "job": self.job, "role": self.role, "rank": self.rank,
-                  "uid": os.getuid()}
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "boot_id": boot_id(),
+            "start_time": time.time(),
+            "job": self.job,
+            "role": self.role,
+            "rank": self.rank,
+            "uid": os.getuid(),
+        }
         if os.environ.get("GREENROOM_POD_UID"):  # set by the Helm chart (downward API)
             record["pod_uid"] = os.environ["GREENROOM_POD_UID"]
         return record
@@ -532,12 +567,20 @@ class RankDir:
             owner, who = {}, "owner unknown"
         if not isinstance(owner, dict):
             owner, who = {}, "owner unknown"
-        if owner.get("host") == socket.gethostname() and owner.get("boot_id") == boot_id() \
-                and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
-            return (f"{self.path} is locked, but not by its recorded owner ({who}, which has exited): a "
-                    "`greenroom reclaim` is deleting what that run left; start again once it is done")
-        return (f"{self.path} is held by a live process ({who}), another run with the same job id, --role and "
-                "rank: give this run its own --role or job id ($GREENROOM_JOB_ID), or stop the other run")
+        if (
+            owner.get("host") == socket.gethostname()
+            and owner.get("boot_id") == boot_id()
+            and isinstance(owner.get("pid"), int)
+            and not _alive(owner["pid"])
+        ):
+            return (
+                f"{self.path} is locked, but not by its recorded owner ({who}, which has exited): a "
+                "`greenroom reclaim` is deleting what that run left; start again once it is done"
+            )
+        return (
+            f"{self.path} is held by a live process ({who}), another run with the same job id, --role and "
+            "rank: give this run its own --role or job id ($GREENROOM_JOB_ID), or stop the other run"
+        )
 
     def _install_exit_hooks(self) -> None:
         atexit.register(self.close)

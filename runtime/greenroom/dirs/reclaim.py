@@ -49,10 +49,10 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from greenroom.io import fs
+from greenroom.dirs.rankdir import LOCK_NAME, OWNER_NAME, TRASH_PREFIX, is_rank_dir_record, remove_made_dir
 from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
-from greenroom.dirs.rankdir import LOCK_NAME, OWNER_NAME, TRASH_PREFIX, is_rank_dir_record, remove_made_dir
+from greenroom.io import fs
 
 MAX_DEPTH = 6  # <root>/<job>/<role>/rank<NNNNN> is 3; leave room for site layouts above it
 
@@ -90,9 +90,14 @@ class ReclaimReport:
         return sum(d.bytes for d in self.reclaimed)
 
     def as_dict(self) -> dict:
-        return {"root": self.root, "dry_run": self.dry_run, "bytes_freed": self.bytes_freed,
-                "reclaimed": len(self.reclaimed), "errors": len(self.errors),
-                "decisions": [asdict(d) for d in self.decisions]}
+        return {
+            "root": self.root,
+            "dry_run": self.dry_run,
+            "bytes_freed": self.bytes_freed,
+            "reclaimed": len(self.reclaimed),
+            "errors": len(self.errors),
+            "decisions": [asdict(d) for d in self.decisions],
+        }
 
 
 def find_candidates(root: str) -> tuple[list[str], list[str]]:
@@ -238,8 +243,15 @@ def _delete_locked(dir_fd: int, dev: int, parent_fd: int, name: str) -> None:
         pass  # removed beside us (``_delete_contents``)
 
 
-def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: float,
-                        policy: OwnerPolicy | None = None, now: float | None = None) -> Decision | None:
+def inspect_and_reclaim(
+    path: str,
+    root_dev: int,
+    *,
+    dry_run: bool,
+    min_age: float,
+    policy: OwnerPolicy | None = None,
+    now: float | None = None,
+) -> Decision | None:
     """Decide one candidate dir and (unless ``dry_run``) remove it. None: it vanished.
 
     Every step after the first open goes through fds: the parent's, to open, rename
@@ -275,8 +287,12 @@ def inspect_and_reclaim(path: str, root_dev: int, *, dry_run: bool, min_age: flo
                 return None
         owner = _read_owner(dir_fd)
         if not is_rank_dir_record(path, owner):
-            return Decision(path, "kept", f"not a greenroom rank dir: its {OWNER_NAME} does not name this job, "
-                            "role and rank", owner=owner)
+            return Decision(
+                path,
+                "kept",
+                f"not a greenroom rank dir: its {OWNER_NAME} does not name this job, role and rank",
+                owner=owner,
+            )
         verdict = policy(path, owner) if policy else None
         if verdict == "keep":
             return Decision(path, "kept", "kept by policy (its owner still exists)", owner=owner)
@@ -356,8 +372,9 @@ MAX_INTERVAL_SECONDS = 86400.0
 def check_interval(value: float) -> None:
     """``--interval``: more than 0 and at most a day (``nan`` would loop without a pause)."""
     if not 0 < value <= MAX_INTERVAL_SECONDS:
-        raise ConfigError(f"--interval must be more than 0 and at most {MAX_INTERVAL_SECONDS:g} seconds (a day), "
-                          f"got {value}")
+        raise ConfigError(
+            f"--interval must be more than 0 and at most {MAX_INTERVAL_SECONDS:g} seconds (a day), got {value}"
+        )
 
 
 def check_seconds(flag: str, value: float) -> None:
@@ -366,8 +383,14 @@ def check_seconds(flag: str, value: float) -> None:
         raise ConfigError(f"{flag} must be a finite number of seconds >= 0, got {value}")
 
 
-def reclaim(root: str, *, dry_run: bool = False, min_age: float = 0.0, policy: OwnerPolicy | None = None,
-            missing_ok: bool = False) -> ReclaimReport:
+def reclaim(
+    root: str,
+    *,
+    dry_run: bool = False,
+    min_age: float = 0.0,
+    policy: OwnerPolicy | None = None,
+    missing_ok: bool = False,
+) -> ReclaimReport:
     """Reclaim stale per-rank dirs under ``root``; see the module docstring."""
     check_seconds("--min-age", min_age)
     root = os.path.realpath(root)
@@ -411,5 +434,8 @@ def print_report(report: ReclaimReport, *, as_json: bool, out=sys.stdout) -> Non
         size = f" {fs.human_bytes(d.bytes)}" if d.action != "kept" and d.action != "error" else ""
         print(f"{d.action}: {d.path}{size}{who}: {d.reason}", file=out)
     verb = "would free" if report.dry_run else "freed"
-    print(f"reclaim {report.root}: {len(report.reclaimed)} dir(s), {verb} {fs.human_bytes(report.bytes_freed)}, "
-          f"{len(report.errors)} error(s)", file=out)
+    print(
+        f"reclaim {report.root}: {len(report.reclaimed)} dir(s), {verb} {fs.human_bytes(report.bytes_freed)}, "
+        f"{len(report.errors)} error(s)",
+        file=out,
+    )

@@ -23,9 +23,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir
 from greenroom.errors import ConfigError
 from greenroom.ranks import process_rank
-from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir
 
 
 @dataclass

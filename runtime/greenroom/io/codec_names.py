@@ -19,5 +19,7 @@ def check_codec(codec: str, chunk_mb: int) -> None:
     if codec not in CODECS:
         raise ConfigError(f"--offload-train-disk-compression: expected one of {', '.join(CODECS)}, got {codec!r}")
     if codec not in ("auto", "none") and chunk_mb < MIN_COMPRESSED_CHUNK_MB:
-        raise ConfigError(f"--offload-train-disk-compression {codec} needs --offload-train-disk-chunk-mb "
-                          f"{MIN_COMPRESSED_CHUNK_MB} or more (one-MiB frames in each staging buffer), got {chunk_mb}")
+        raise ConfigError(
+            f"--offload-train-disk-compression {codec} needs --offload-train-disk-chunk-mb "
+            f"{MIN_COMPRESSED_CHUNK_MB} or more (one-MiB frames in each staging buffer), got {chunk_mb}"
+        )

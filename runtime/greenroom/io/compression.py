@@ -91,10 +91,10 @@ import threading
 import numpy as np
 import torch
 
-from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB, check_codec
-from greenroom.units import MIB
 from greenroom.errors import ConfigError, IntegrityError
+from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB, check_codec
 from greenroom.io.integrity import EXTENT
+from greenroom.units import MIB
 
 MIN_RATIO = 1.03
 """A frame is stored compressed only when it shrinks by at least this factor."""
@@ -134,11 +134,18 @@ def parse_header(header: bytes, *, raw_bytes: int, stored_bytes: int, where: str
     """The codec id and element size of a compressed frame's header, after checking it
     against what the file recorded for the frame (Note [frame checks])."""
     magic, codec_id, itemsize, raw, payload = _HEADER.unpack_from(header)
-    if (magic != MAGIC or raw != raw_bytes or HEADER_BYTES + payload != stored_bytes or itemsize not in (1, 2, 4, 8)
-            or raw % itemsize):
-        raise IntegrityError(f"{where}: the compressed frame's header does not match the file's record of it "
-                             "(a flipped bit, a failing disk or a stray write); stopped before using it: "
-                             "restart from the last checkpoint")
+    if (
+        magic != MAGIC
+        or raw != raw_bytes
+        or HEADER_BYTES + payload != stored_bytes
+        or itemsize not in (1, 2, 4, 8)
+        or raw % itemsize
+    ):
+        raise IntegrityError(
+            f"{where}: the compressed frame's header does not match the file's record of it "
+            "(a flipped bit, a failing disk or a stray write); stopped before using it: "
+            "restart from the last checkpoint"
+        )
     return codec_id, itemsize
 
 
@@ -158,8 +165,10 @@ class ZstdPlanes:
     def _contexts(self):
         ctx = getattr(self._local, "ctx", None)
         if ctx is None:
-            ctx = self._local.ctx = (self._zstd.ZstdCompressor(level=1, write_checksum=True),
-                                     self._zstd.ZstdDecompressor())
+            ctx = self._local.ctx = (
+                self._zstd.ZstdCompressor(level=1, write_checksum=True),
+                self._zstd.ZstdDecompressor(),
+            )
         return ctx
 
     def encode(self, frame: np.ndarray, itemsize: int) -> bytes:
@@ -169,12 +178,16 @@ class ZstdPlanes:
         try:
             planes = self._contexts()[1].decompress(payload, max_output_size=out.nbytes)
         except self._zstd.ZstdError as e:
-            raise IntegrityError(f"{where}: the compressed frame does not decode ({e}): a flipped bit, a failing "
-                                 "disk or a stray write; stopped before using it: restart from the last "
-                                 "checkpoint") from None
+            raise IntegrityError(
+                f"{where}: the compressed frame does not decode ({e}): a flipped bit, a failing "
+                "disk or a stray write; stopped before using it: restart from the last "
+                "checkpoint"
+            ) from None
         if len(planes) != out.nbytes:
-            raise IntegrityError(f"{where}: the compressed frame decodes to {len(planes)} bytes, expected "
-                                 f"{out.nbytes}; stopped before using it: restart from the last checkpoint")
+            raise IntegrityError(
+                f"{where}: the compressed frame decodes to {len(planes)} bytes, expected "
+                f"{out.nbytes}; stopped before using it: restart from the last checkpoint"
+            )
         plane_join(np.frombuffer(planes, dtype=np.uint8), out, itemsize)
 
 
@@ -212,8 +225,9 @@ class NvcompPlanes:
         options = {"data_type": "<f2"} if half else {}  # Note [16-bit frames]
         if encoding:  # a decoder takes them from the bitstream (Note [ANS chunks])
             options.update(ANS_CHUNKS)
-        return self._nvcomp.Codec(algorithm="ANS", device_id=stream.device.index, cuda_stream=stream.cuda_stream,
-                                  **options)
+        return self._nvcomp.Codec(
+            algorithm="ANS", device_id=stream.device.index, cuda_stream=stream.cuda_stream, **options
+        )
 
     @staticmethod
     def _offsets(sizes: list[int]) -> tuple[list[int], int]:
@@ -234,8 +248,9 @@ class NvcompPlanes:
     def _batch(self, flat: torch.Tensor, offsets: list[int], sizes: list[int], stream):
         return self._nvcomp.as_arrays(self._nvcomp.as_array(flat), offsets, sizes, stream.cuda_stream)
 
-    def encode(self, frames: list[torch.Tensor], itemsizes: list[int],
-               stream: torch.cuda.Stream) -> list[tuple[int, torch.Tensor]]:
+    def encode(
+        self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream
+    ) -> list[tuple[int, torch.Tensor]]:
         """The header codec id and payload (a flat uint8 device tensor) of each of the
         device ``frames``; a frame of 2-byte elements keeps the smaller of its two codings
         (Note [16-bit frames]). The stream is synchronized."""
@@ -248,8 +263,7 @@ class NvcompPlanes:
                 coded[k] = (NVCOMP_F16_ID, half) if two_byte and half.numel() <= planes.numel() else (self.id, planes)
         return coded
 
-    def _encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream,
-                half: bool) -> list:
+    def _encode(self, frames: list[torch.Tensor], itemsizes: list[int], stream: torch.cuda.Stream, half: bool) -> list:
         lengths = [frame.numel() for frame in frames]
         offsets, total = self._offsets(lengths)
         with self._lock, torch.cuda.stream(stream):  # nvCOMP's scratch comes from this stream's pool
@@ -257,7 +271,7 @@ class NvcompPlanes:
             for i, j in _runs(frames, itemsizes):  # one transpose kernel per run
                 n, size = lengths[i], itemsizes[i]
                 run = frames[i].as_strided((j - i, n), (n, 1))
-                dst = planes[offsets[i]:offsets[i] + (j - i) * n].view(j - i, n)
+                dst = planes[offsets[i] : offsets[i] + (j - i) * n].view(j - i, n)
                 if size == 1 or n % size or half:
                     dst.copy_(run)
                 else:
@@ -273,11 +287,18 @@ class NvcompPlanes:
             out = torch.zeros(size, dtype=torch.uint8, device=stream.device)
             stored = encoder.encode(batch, out=self._batch(out, at, capacities, stream)).buffer_sizes
             stream.synchronize()
-            return [out[start:start + n] for start, n in zip(at, stored)]
+            return [out[start : start + n] for start, n in zip(at, stored)]
 
-    def decode(self, packed: torch.Tensor, spans: list[tuple[int, int]], outs: list[torch.Tensor],
-               layouts: list[tuple[int, int]], stream: torch.cuda.Stream, where: list[str],
-               decoders: dict | None = None) -> None:
+    def decode(
+        self,
+        packed: torch.Tensor,
+        spans: list[tuple[int, int]],
+        outs: list[torch.Tensor],
+        layouts: list[tuple[int, int]],
+        stream: torch.cuda.Stream,
+        where: list[str],
+        decoders: dict | None = None,
+    ) -> None:
         """Decode the payloads at ``spans`` (``(offset, bytes)``, 16-byte aligned) of
         ``packed``, a chunk's stored bytes on the device, into ``outs`` (device, the
         frames' raw lengths); ``layouts`` are each frame's header codec id and element
@@ -287,8 +308,12 @@ class NvcompPlanes:
         makes its own (Note [batched decode])."""
         with self._lock, torch.cuda.stream(stream):
             for half, group in _by_flag([codec_id == NVCOMP_F16_ID for codec_id, _ in layouts]):
-                batch = self._nvcomp.as_arrays(self._nvcomp.as_array(packed), [spans[k][0] for k in group],
-                                               [spans[k][1] for k in group], stream.cuda_stream)
+                batch = self._nvcomp.as_arrays(
+                    self._nvcomp.as_array(packed),
+                    [spans[k][0] for k in group],
+                    [spans[k][1] for k in group],
+                    stream.cuda_stream,
+                )
                 targets = [outs[k] for k in group]
                 offsets, total = self._offsets([out.numel() for out in targets])
                 planes = torch.empty(total, dtype=torch.uint8, device=stream.device)
@@ -299,21 +324,26 @@ class NvcompPlanes:
                 else:
                     decoder = decoders[half] = self._codec(stream, half, encoding=False)
                 try:
-                    sizes = decoder.decode(batch, out=self._batch(planes, offsets, [out.numel() for out in targets],
-                                                                  stream)).buffer_sizes
+                    sizes = decoder.decode(
+                        batch, out=self._batch(planes, offsets, [out.numel() for out in targets], stream)
+                    ).buffer_sizes
                 except Exception as e:  # nvCOMP reports a stream it cannot parse as a RuntimeError or ValueError
-                    raise IntegrityError(f"{where[group[0]]}: a compressed frame does not decode ({e}): a flipped "
-                                         "bit, a failing disk or a stray write; stopped before using it: restart "
-                                         "from the last checkpoint") from None
+                    raise IntegrityError(
+                        f"{where[group[0]]}: a compressed frame does not decode ({e}): a flipped "
+                        "bit, a failing disk or a stray write; stopped before using it: restart "
+                        "from the last checkpoint"
+                    ) from None
                 for size, out, k in zip(sizes, targets, group):
                     if size != out.numel():
-                        raise IntegrityError(f"{where[k]}: the compressed frame decodes to {size} bytes, expected "
-                                             f"{out.numel()}; stopped before using it: restart from the last "
-                                             "checkpoint")
+                        raise IntegrityError(
+                            f"{where[k]}: the compressed frame decodes to {size} bytes, expected "
+                            f"{out.numel()}; stopped before using it: restart from the last "
+                            "checkpoint"
+                        )
                 itemsizes = [1 if half else layouts[k][1] for k in group]
                 for i, j in _runs(targets, itemsizes):  # one transpose kernel per run
                     n, size = targets[i].numel(), itemsizes[i]
-                    run = planes[offsets[i]:offsets[i] + (j - i) * n].view(j - i, n)
+                    run = planes[offsets[i] : offsets[i] + (j - i) * n].view(j - i, n)
                     dst = targets[i].as_strided((j - i, n), (n, 1))
                     if size == 1 or n % size:
                         dst.copy_(run)
@@ -330,9 +360,14 @@ def _runs(frames: list[torch.Tensor], itemsizes: list[int]):
     while i < len(frames):
         n, size, j = frames[i].numel(), itemsizes[i], i + 1
         storage = frames[i].untyped_storage().data_ptr()
-        while (j < len(frames) and n % _BATCH_ALIGN == 0 and frames[j].numel() == n and itemsizes[j] == size
-               and frames[j].data_ptr() == frames[j - 1].data_ptr() + n
-               and frames[j].untyped_storage().data_ptr() == storage):
+        while (
+            j < len(frames)
+            and n % _BATCH_ALIGN == 0
+            and frames[j].numel() == n
+            and itemsizes[j] == size
+            and frames[j].data_ptr() == frames[j - 1].data_ptr() + n
+            and frames[j].untyped_storage().data_ptr() == storage
+        ):
             j += 1
         yield i, j
         i = j
@@ -352,10 +387,22 @@ def _by_flag(flags: list[bool]) -> list[tuple[bool, list[int]]]:
 # docs/benchmarks.md, 'Actor offload'); zstd: a 2-layer MLP after 20 AdamW steps. Kinds
 # not measured count as incompressible.
 EXPECTED_RATIO = {
-    "nvcomp-ans": {"fp32 master": 1.16, "fp32 exp_avg": 1.30, "fp32 exp_avg_sq": 1.36, "bf16 weights": 1.49,
-                   "bf16 exp_avg": 1.60, "bf16 exp_avg_sq": 1.77},
-    "zstd": {"fp32 master": 1.20, "fp32 exp_avg": 1.19, "fp32 exp_avg_sq": 1.29, "bf16 weights": 1.49,
-             "bf16 exp_avg": 1.47, "bf16 exp_avg_sq": 1.47},
+    "nvcomp-ans": {
+        "fp32 master": 1.16,
+        "fp32 exp_avg": 1.30,
+        "fp32 exp_avg_sq": 1.36,
+        "bf16 weights": 1.49,
+        "bf16 exp_avg": 1.60,
+        "bf16 exp_avg_sq": 1.77,
+    },
+    "zstd": {
+        "fp32 master": 1.20,
+        "fp32 exp_avg": 1.19,
+        "fp32 exp_avg_sq": 1.29,
+        "bf16 weights": 1.49,
+        "bf16 exp_avg": 1.47,
+        "bf16 exp_avg_sq": 1.47,
+    },
 }
 
 
@@ -406,18 +453,23 @@ def codec_by_id(codec_id: int, where: str):
     """The codec a frame's header names (to read a file another run wrote)."""
     cls = _CODECS.get(codec_id)
     if cls is None:
-        raise IntegrityError(f"{where}: the frame names codec {codec_id}, which this greenroom does not know: "
-                             "a newer greenroom wrote it, or the bytes are damaged")
+        raise IntegrityError(
+            f"{where}: the frame names codec {codec_id}, which this greenroom does not know: "
+            "a newer greenroom wrote it, or the bytes are damaged"
+        )
     try:
         return _load(cls)
     except ImportError as e:
-        raise ConfigError(f"{where}: the frame was compressed with {cls.name}, which cannot load here ({e}); "
-                          f"{_INSTALL[cls.name]}") from None
+        raise ConfigError(
+            f"{where}: the frame was compressed with {cls.name}, which cannot load here ({e}); {_INSTALL[cls.name]}"
+        ) from None
 
 
-_INSTALL = {"zstd": "pip install zstandard",
-            "nvcomp-ans": "it needs CUDA and the nvCOMP wheel of torch's CUDA major (pip install nvidia-nvcomp-cu13 "
-                          "or nvidia-nvcomp-cu12)"}
+_INSTALL = {
+    "zstd": "pip install zstandard",
+    "nvcomp-ans": "it needs CUDA and the nvCOMP wheel of torch's CUDA major (pip install nvidia-nvcomp-cu13 "
+    "or nvidia-nvcomp-cu12)",
+}
 
 
 def resolve(choice: str, *, cuda: bool, chunk_bytes: int):
@@ -430,11 +482,15 @@ def resolve(choice: str, *, cuda: bool, chunk_bytes: int):
     small = chunk_bytes < MIN_COMPRESSED_CHUNK_MB * MIB
     if choice == "auto":
         if not cuda:
-            return None, ("compression: none (auto: no GPU for nvcomp-ans; the host codec zstd runs slower than an "
-                          "NVMe disk, pass --offload-train-disk-compression zstd to use it anyway)")
+            return None, (
+                "compression: none (auto: no GPU for nvcomp-ans; the host codec zstd runs slower than an "
+                "NVMe disk, pass --offload-train-disk-compression zstd to use it anyway)"
+            )
         if small:
-            return None, (f"compression: none (auto: --offload-train-disk-chunk-mb is under "
-                          f"{MIN_COMPRESSED_CHUNK_MB}, too small for one-MiB frames)")
+            return None, (
+                f"compression: none (auto: --offload-train-disk-chunk-mb is under "
+                f"{MIN_COMPRESSED_CHUNK_MB}, too small for one-MiB frames)"
+            )
         try:
             return _load(NvcompPlanes), "compression: nvcomp-ans (auto)"
         except (ImportError, OSError) as e:
@@ -445,6 +501,7 @@ def resolve(choice: str, *, cuda: bool, chunk_bytes: int):
     try:
         codec = _load(cls)
     except ImportError as e:
-        raise ConfigError(f"--offload-train-disk-compression {choice}: the codec does not load ({e}); "
-                          f"{_INSTALL[choice]}") from None
+        raise ConfigError(
+            f"--offload-train-disk-compression {choice}: the codec does not load ({e}); {_INSTALL[choice]}"
+        ) from None
     return codec, f"compression: {choice}"

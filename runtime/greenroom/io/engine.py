@@ -52,8 +52,8 @@ from typing import Callable
 
 import torch
 
-from greenroom.io import frames
 from greenroom.errors import IntegrityError
+from greenroom.io import frames
 from greenroom.io.frames import STORE_RAW, FrameTransfers, frame_chunks
 from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, extent_sums, page_sums, verify_default
 from greenroom.io.statefile import StateFile, aligned_host, check_sums, pread_all, pwrite_all, verify_mapped
@@ -97,7 +97,7 @@ class StagingBuffers:
         backing = _aligned_backing(each * depth, pin)
         skew = (-backing.data_ptr()) % ALIGNMENT
         self._backing = backing
-        self.buffers = [backing[skew + i * each: skew + (i + 1) * each] for i in range(depth)]
+        self.buffers = [backing[skew + i * each : skew + (i + 1) * each] for i in range(depth)]
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(depth):
             self._free.put(i)
@@ -150,14 +150,15 @@ class Transfer:
         if self.chunks == 0:
             self._complete()
 
-    def _chunk_finished(self, error: BaseException | None, sums: torch.Tensor | None = None,
-                        first_extent: int = 0, count: int = 1) -> None:
+    def _chunk_finished(
+        self, error: BaseException | None, sums: torch.Tensor | None = None, first_extent: int = 0, count: int = 1
+    ) -> None:
         """``count`` chunks are over (with ``error``, or adding ``sums`` from ``first_extent``)."""
         with self._lock:
             if error is not None and self._error is None:
                 self._error = error
             if sums is not None and self.sums is not None:
-                self.sums[first_extent:first_extent + sums.numel()] += sums
+                self.sums[first_extent : first_extent + sums.numel()] += sums
             self._remaining -= count
             last = self._remaining == 0
         if last:
@@ -241,8 +242,15 @@ class TransferEngine(FrameTransfers):
     bucket overlaps with the write-back of the previous one.
     """
 
-    def __init__(self, chunk_bytes: int, *, depth: int = DEFAULT_DEPTH, pin: bool | None = None,
-                 verify: bool | None = None, device_reads: frames.DeviceReads = frames.BESIDE_WRITES) -> None:
+    def __init__(
+        self,
+        chunk_bytes: int,
+        *,
+        depth: int = DEFAULT_DEPTH,
+        pin: bool | None = None,
+        verify: bool | None = None,
+        device_reads: frames.DeviceReads = frames.BESIDE_WRITES,
+    ) -> None:
         self.verify = verify_default() if verify is None else verify
         self.staging = StagingBuffers(chunk_bytes, depth, pin=pin)
         self._thread = threading.local()  # each I/O thread's CUDA stream
@@ -254,8 +262,9 @@ class TransferEngine(FrameTransfers):
         self._hashers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-hash")
         # The pieces of reads bound for the device (Note [copy while reading] of greenroom.io.frames).
         self.device_reads = device_reads
-        self._piece_reads = cf.ThreadPoolExecutor(max_workers=device_reads.in_flight,
-                                                  thread_name_prefix="greenroom-read")
+        self._piece_reads = cf.ThreadPoolExecutor(
+            max_workers=device_reads.in_flight, thread_name_prefix="greenroom-read"
+        )
         self._kept_decoders = frames.KeptDecoders()  # Note [kept decoders] of greenroom.io.frames
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: list[Transfer] = []
@@ -264,8 +273,15 @@ class TransferEngine(FrameTransfers):
         self._closed = False
 
     # -- public API ---------------------------------------------------------------
-    def write(self, src: torch.Tensor, file: StateFile, offset: int, *,
-              element_sizes: tuple[tuple[int, int], ...] | None = None, mirror: StateFile | None = None) -> Transfer:
+    def write(
+        self,
+        src: torch.Tensor,
+        file: StateFile,
+        offset: int,
+        *,
+        element_sizes: tuple[tuple[int, int], ...] | None = None,
+        mirror: StateFile | None = None,
+    ) -> Transfer:
         """Write ``src``'s bytes to ``file`` at ``offset`` (4 KiB aligned).
 
         ``element_sizes``: for a compressed file, ``(byte offset in src, element size)``
@@ -327,8 +343,15 @@ class TransferEngine(FrameTransfers):
         self.close()
 
     # -- machinery ----------------------------------------------------------------
-    def _submit(self, kind: str, tensor: torch.Tensor, file: StateFile, offset: int, element_sizes,
-                mirror: StateFile | None = None) -> Transfer:
+    def _submit(
+        self,
+        kind: str,
+        tensor: torch.Tensor,
+        file: StateFile,
+        offset: int,
+        element_sizes,
+        mirror: StateFile | None = None,
+    ) -> Transfer:
         assert not self._closed
         assert offset % ALIGNMENT == 0, "see Note [alignment]"
         data = _byte_view(tensor)
@@ -345,20 +368,44 @@ class TransferEngine(FrameTransfers):
         elif not nbytes:
             chunks = []
         elif kind == "write":
-            chunks = frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
-                                  buffers=len(self.staging.buffers))
+            chunks = frame_chunks(
+                offset,
+                nbytes,
+                step,
+                element_sizes or ((0, tensor.element_size()),),
+                file,
+                buffers=len(self.staging.buffers),
+            )
             stored = torch.zeros((sum(len(frames) for _, _, frames in chunks), 2), dtype=torch.int32)
             finish = self._seal
         else:
             expected, stored = file.recorded(offset, align_up(nbytes))
             if stored is None:
-                raise IntegrityError(f"{file.path}: no record of bytes [{offset}, {offset + nbytes}) of "
-                                     f"{file.label}: they were not written through greenroom's I/O engine "
-                                     "since the file was opened, so they cannot be read")
-            chunks = frame_chunks(offset, nbytes, step, element_sizes or ((0, tensor.element_size()),), file,
-                                  buffers=len(self.staging.buffers), stored=stored[:, 0].tolist())
-        transfer = Transfer(nbytes=nbytes, chunks=len(chunks), file=file, offset=offset, sums=sums, stored=stored,
-                            mirror=mirror, expected=expected, _finish=finish)
+                raise IntegrityError(
+                    f"{file.path}: no record of bytes [{offset}, {offset + nbytes}) of "
+                    f"{file.label}: they were not written through greenroom's I/O engine "
+                    "since the file was opened, so they cannot be read"
+                )
+            chunks = frame_chunks(
+                offset,
+                nbytes,
+                step,
+                element_sizes or ((0, tensor.element_size()),),
+                file,
+                buffers=len(self.staging.buffers),
+                stored=stored[:, 0].tolist(),
+            )
+        transfer = Transfer(
+            nbytes=nbytes,
+            chunks=len(chunks),
+            file=file,
+            offset=offset,
+            sums=sums,
+            stored=stored,
+            mirror=mirror,
+            expected=expected,
+            _finish=finish,
+        )
         ready = None
         if data.is_cuda:
             # Copies must see everything the caller's stream has queued on the tensor.
@@ -397,7 +444,7 @@ class TransferEngine(FrameTransfers):
         for start, n, frames in chunks:
             slot = self.staging.acquire()
             try:
-                piece = data[start:start + n]
+                piece = data[start : start + n]
                 done_copy = None
                 if kind == "write" and not on_device:
                     done_copy = self._stage_out(piece, slot, stream)  # a device codec reads the device bytes
@@ -406,8 +453,7 @@ class TransferEngine(FrameTransfers):
                     self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
                 else:
                     task = self._write_frames if kind == "write" else self._read_frames
-                    self._workers.submit(task, piece, slot, file, offset + start, frames, transfer, done_copy,
-                                         stream)
+                    self._workers.submit(task, piece, slot, file, offset + start, frames, transfer, done_copy, stream)
             except BaseException:
                 self.staging.release(slot)
                 raise
@@ -416,10 +462,10 @@ class TransferEngine(FrameTransfers):
     def _stage_out(self, piece: torch.Tensor, slot: int, stream) -> torch.cuda.Event | None:
         buf = self.staging.buffers[slot]
         if stream is None:
-            buf[:piece.numel()].copy_(piece)
+            buf[: piece.numel()].copy_(piece)
             return None
         with torch.cuda.stream(stream):
-            buf[:piece.numel()].copy_(piece, non_blocking=True)
+            buf[: piece.numel()].copy_(piece, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return event
@@ -448,8 +494,8 @@ class TransferEngine(FrameTransfers):
             buf = self.staging.buffers[slot]
             n = piece.numel()
             if n % ALIGNMENT:
-                buf[n:align_up(n)].zero_()  # deterministic padding in the file's slack
-            staged = buf[:align_up(n)]
+                buf[n : align_up(n)].zero_()  # deterministic padding in the file's slack
+            staged = buf[: align_up(n)]
             pending = self._hashers.submit(self._sums_of, staged, file_offset, transfer)
             try:
                 file.write(memoryview(staged.numpy()), file_offset)
@@ -469,7 +515,7 @@ class TransferEngine(FrameTransfers):
         try:
             buf = self.staging.buffers[slot]
             n = piece.numel()
-            staged = buf[:align_up(n)]
+            staged = buf[: align_up(n)]
             file.read(memoryview(staged.numpy()), file_offset)
             if stream is None:
                 piece.copy_(buf[:n])
@@ -491,6 +537,22 @@ class TransferEngine(FrameTransfers):
 
 
 # The layers below, importable from here as before the split.
-__all__ = ["ALIGNMENT", "DEFAULT_DEPTH", "EXTENT", "STORE_RAW", "StagingBuffers", "StateFile", "Transfer",
-           "TransferEngine", "aligned_host", "align_up", "check_sums", "extent_sums", "page_sums", "pread_all",
-           "pwrite_all", "verify_default", "verify_mapped"]
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_DEPTH",
+    "EXTENT",
+    "STORE_RAW",
+    "StagingBuffers",
+    "StateFile",
+    "Transfer",
+    "TransferEngine",
+    "aligned_host",
+    "align_up",
+    "check_sums",
+    "extent_sums",
+    "page_sums",
+    "pread_all",
+    "pwrite_all",
+    "verify_default",
+    "verify_mapped",
+]

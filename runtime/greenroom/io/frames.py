@@ -69,8 +69,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from greenroom.io import compression
 from greenroom.errors import ConfigError, IntegrityError
+from greenroom.io import compression
 from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, page_sums
 
 if TYPE_CHECKING:
@@ -165,21 +165,22 @@ class FrameTransfers:
             if codec.on_device and piece.is_cuda:
                 io_stream = self._io_stream(piece.device)
                 io_stream.wait_stream(stream)
-                views = [piece[pos:pos + raw] for pos, raw, _, _ in frames]
+                views = [piece[pos : pos + raw] for pos, raw, _, _ in frames]
                 coded = [k for k, (_, _, size, _) in enumerate(frames) if size != STORE_RAW]
                 payloads = [(None, None)] * len(frames)
                 if coded:
-                    for k, payload in zip(coded, codec.encode([views[k] for k in coded],
-                                                              [frames[k][2] for k in coded], io_stream)):
+                    for k, payload in zip(
+                        coded, codec.encode([views[k] for k in coded], [frames[k][2] for k in coded], io_stream)
+                    ):
                         payloads[k] = payload
                 with torch.cuda.stream(io_stream):
                     for (pos, raw, size, _), view, (codec_id, payload) in zip(frames, views, payloads):
                         if payload is not None and compression.pays(raw, payload.numel()):
                             _put_header(arr, at, codec_id, size, raw, payload.numel())
-                            buf[at + header:at + header + payload.numel()].copy_(payload, non_blocking=True)
+                            buf[at + header : at + header + payload.numel()].copy_(payload, non_blocking=True)
                             lengths.append(header + payload.numel())
                         else:
-                            buf[at:at + raw].copy_(view, non_blocking=True)
+                            buf[at : at + raw].copy_(view, non_blocking=True)
                             lengths.append(raw)
                         places.append(at)
                         at += align_up(lengths[-1])
@@ -192,23 +193,24 @@ class FrameTransfers:
                 # frame's raw bytes begin, so no frame is overwritten before it is encoded.
                 for pos, raw, size, _ in frames:
                     # A host tensor in a file of a device codec is stored as it is.
-                    payload = None if codec.on_device or size == STORE_RAW else codec.encode(arr[pos:pos + raw], size)
+                    payload = None if codec.on_device or size == STORE_RAW else codec.encode(arr[pos : pos + raw], size)
                     if payload is not None and compression.pays(raw, len(payload)):
                         _put_header(arr, at, codec.id, size, raw, len(payload))
-                        arr[at + header:at + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                        arr[at + header : at + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
                         lengths.append(header + len(payload))
                     else:
                         if at != pos:
-                            arr[at:at + raw] = arr[pos:pos + raw]  # numpy copies overlapping ranges safely
+                            arr[at : at + raw] = arr[pos : pos + raw]  # numpy copies overlapping ranges safely
                         lengths.append(raw)
                     places.append(at)
                     at += align_up(lengths[-1])
             for place, n in zip(places, lengths):
-                buf[place + n:place + align_up(n)].zero_()  # deterministic padding in the frame's own pages
+                buf[place + n : place + align_up(n)].zero_()  # deterministic padding in the frame's own pages
             base = transfer._place(first, len(frames), chunk_offset, at, span)
-            transfer.stored[first:first + len(frames)] = torch.tensor(
+            transfer.stored[first : first + len(frames)] = torch.tensor(
                 [[n, chunk_offset + pos - base - place] for (pos, _, _, _), n, place in zip(frames, lengths, places)],
-                dtype=torch.int32)
+                dtype=torch.int32,
+            )
             runs = [(0, at, base)]  # the frames' stored bytes, back to back
             pending = None if transfer.sums is None else self._hashers.submit(_frame_sums, buf, runs, lengths)
             try:
@@ -238,15 +240,21 @@ class FrameTransfers:
             arr = buf.numpy()
             header = compression.HEADER_BYTES
             lengths, places, runs = [], [], []  # runs: [start, stop in the buffer, file offset]
-            for (pos, raw, _, _), (n, shift) in zip(frames, transfer.stored[first:first + len(frames)].tolist()):
+            for (pos, raw, _, _), (n, shift) in zip(frames, transfer.stored[first : first + len(frames)].tolist()):
                 stored_at = chunk_offset + pos - shift
                 end = runs[-1][2] + runs[-1][1] - runs[-1][0] if runs else 0  # of the stored bytes so far, in the file
-                if not 0 < n <= raw or (n < raw and n <= header) or shift % ALIGNMENT or not end <= stored_at <= \
-                        chunk_offset + pos:
-                    raise IntegrityError(f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}: the "
-                                         f"file records {n} stored bytes at {shift} bytes before it for a frame of "
-                                         f"{raw}: the record is damaged; stopped before using it: restart from the "
-                                         "last checkpoint")
+                if (
+                    not 0 < n <= raw
+                    or (n < raw and n <= header)
+                    or shift % ALIGNMENT
+                    or not end <= stored_at <= chunk_offset + pos
+                ):
+                    raise IntegrityError(
+                        f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}: the "
+                        f"file records {n} stored bytes at {shift} bytes before it for a frame of "
+                        f"{raw}: the record is damaged; stopped before using it: restart from the "
+                        "last checkpoint"
+                    )
                 place = runs[-1][1] if runs else 0  # in the buffer: back to back, never after ``pos``
                 if runs and end == stored_at:
                     runs[-1][1] += align_up(n)
@@ -270,8 +278,11 @@ class FrameTransfers:
                 with torch.cuda.stream(io_stream):
                     packed = torch.empty(stored_bytes, dtype=torch.uint8, device=device)
                 step = self.device_reads.piece
-                pieces = [(at, min(stop, at + step), stored_at + at - start) for start, stop, stored_at in runs
-                          for at in range(start, stop, step)]
+                pieces = [
+                    (at, min(stop, at + step), stored_at + at - start)
+                    for start, stop, stored_at in runs
+                    for at in range(start, stop, step)
+                ]
                 reads = []
                 try:
                     for a, b, at in pieces:
@@ -293,13 +304,16 @@ class FrameTransfers:
                     on_host.append((pos, raw, place, n, None, 1, ""))
                     continue
                 where = f"{file.path}: frame at offset {chunk_offset + pos} of {file.label}"
-                codec_id, size = compression.parse_header(arr[place:place + header].tobytes(), raw_bytes=raw,
-                                                          stored_bytes=n, where=where)
+                codec_id, size = compression.parse_header(
+                    arr[place : place + header].tobytes(), raw_bytes=raw, stored_bytes=n, where=where
+                )
                 codec = compression.codec_by_id(codec_id, where)
                 if codec.on_device != file.compression.on_device:
-                    raise IntegrityError(f"{where}: the frame names codec {codec.name}, but the file was opened "
-                                         f"for {getattr(file.compression, 'name', 'none')}: the bytes are damaged "
-                                         "or another program wrote them; stopped before using them")
+                    raise IntegrityError(
+                        f"{where}: the frame names codec {codec.name}, but the file was opened "
+                        f"for {getattr(file.compression, 'name', 'none')}: the bytes are damaged "
+                        "or another program wrote them; stopped before using them"
+                    )
                 (on_device if codec.on_device else on_host).append((pos, raw, place, n, codec, size, where))
                 if codec.on_device:
                     device_layouts.append((codec_id, size))
@@ -312,9 +326,9 @@ class FrameTransfers:
                 # of the frames after it (already unpacked), never of the frames before it.
                 for pos, raw, place, n, codec, size, where in reversed(on_host):
                     if codec is not None:
-                        codec.decode(memoryview(arr[place + header:place + n]), arr[pos:pos + raw], size, where)
+                        codec.decode(memoryview(arr[place + header : place + n]), arr[pos : pos + raw], size, where)
                     elif place != pos:
-                        arr[pos:pos + raw] = arr[place:place + raw]
+                        arr[pos : pos + raw] = arr[place : place + raw]
                 copies = _merge([(pos, pos + raw, pos) for pos, raw, _, _, _, _, _ in on_host])
             else:
                 # A device codec's chunk holds stored bytes only (``frame_chunks``): its raw
@@ -323,11 +337,11 @@ class FrameTransfers:
             if io_stream is not None:
                 with torch.cuda.stream(io_stream):
                     for start, stop, source in copies:
-                        piece[start:stop].copy_(buf[source:source + stop - start], non_blocking=True)
+                        piece[start:stop].copy_(buf[source : source + stop - start], non_blocking=True)
                 io_stream.synchronize()  # the staging buffer is reused once released
             else:
                 for start, stop, source in copies:
-                    piece[start:stop].copy_(buf[source:source + stop - start])
+                    piece[start:stop].copy_(buf[source : source + stop - start])
             self.staging.release(slot)
             held = False
             if packed is not None:
@@ -336,22 +350,30 @@ class FrameTransfers:
                     with torch.cuda.stream(io_stream):
                         device_sums = _frame_sums(packed, runs, lengths)
                 with torch.cuda.stream(io_stream):
-                    outs = [piece[pos:pos + raw] if piece.is_cuda else torch.empty(raw, dtype=torch.uint8,
-                                                                                   device=io_stream.device)
-                            for pos, raw, _, _, _, _, _ in on_device]
+                    outs = [
+                        piece[pos : pos + raw]
+                        if piece.is_cuda
+                        else torch.empty(raw, dtype=torch.uint8, device=io_stream.device)
+                        for pos, raw, _, _, _, _, _ in on_device
+                    ]
                 if on_device:
                     decode_stream, decoders = self._kept_decoders.on(io_stream.device)  # Note [kept decoders]
                     decode_stream.wait_stream(io_stream)  # ``packed`` and ``outs`` were made there
-                    on_device[0][4].decode(packed, [(place + header, n - header)
-                                                    for _, _, place, n, _, _, _ in on_device],
-                                           outs, device_layouts, decode_stream, [job[6] for job in on_device],
-                                           decoders=decoders)
+                    on_device[0][4].decode(
+                        packed,
+                        [(place + header, n - header) for _, _, place, n, _, _, _ in on_device],
+                        outs,
+                        device_layouts,
+                        decode_stream,
+                        [job[6] for job in on_device],
+                        decoders=decoders,
+                    )
                 if device_sums is not None:
                     with torch.cuda.stream(io_stream):  # not the legacy default stream: it waits for the whole device
                         sums = device_sums.cpu()
                 if not piece.is_cuda:
                     for (pos, raw, _, _, _, _, _), out in zip(on_device, outs):
-                        piece[pos:pos + raw].copy_(out)
+                        piece[pos : pos + raw].copy_(out)
         except BaseException as e:
             error = e
         finally:
@@ -364,7 +386,7 @@ class FrameTransfers:
 def _put_header(arr: np.ndarray, pos: int, codec_id: int, itemsize: int, raw: int, payload: int) -> None:
     """The header of a compressed frame, at the start of its slot in the staging buffer."""
     header = compression.pack_header(codec_id, itemsize, raw, payload)
-    arr[pos:pos + compression.HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+    arr[pos : pos + compression.HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
 
 
 def _frame_sums(buf: torch.Tensor, runs: list, lengths: list[int]) -> torch.Tensor:
@@ -373,10 +395,12 @@ def _frame_sums(buf: torch.Tensor, runs: list, lengths: list[int]) -> torch.Tens
     chunk's buffer that moved in one I/O (the runs hold the frames' aligned stored bytes
     back to back, in order)."""
     pages = torch.cat([page_sums(buf[start:stop], stored_at) for start, stop, stored_at in runs])
-    frame_of_page = torch.repeat_interleave(torch.arange(len(lengths)),
-                                            torch.tensor([align_up(n) // ALIGNMENT for n in lengths]))
+    frame_of_page = torch.repeat_interleave(
+        torch.arange(len(lengths)), torch.tensor([align_up(n) // ALIGNMENT for n in lengths])
+    )
     return torch.zeros(len(lengths), dtype=torch.int64, device=buf.device).index_add_(
-        0, frame_of_page.to(buf.device, non_blocking=True), pages)
+        0, frame_of_page.to(buf.device, non_blocking=True), pages
+    )
 
 
 def _merge(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -390,8 +414,9 @@ def _merge(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return [(start, stop, source) for start, stop, source in merged]
 
 
-def frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: StateFile, *, buffers: int,
-                 stored=None) -> list:
+def frame_chunks(
+    offset: int, nbytes: int, step: int, element_sizes, file: StateFile, *, buffers: int, stored=None
+) -> list:
     """The chunks of a transfer of a compressed file: whole frames (one per ``EXTENT`` of
     the file that the transfer touches) that fit a ``step``-byte staging buffer. Each chunk
     is ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
@@ -401,8 +426,10 @@ def frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: State
     the codec decodes on the device (the raw bytes never enter the buffer), else at most
     ``step`` raw bytes, which a host codec unpacks in place (Note [packed frames])."""
     if step < EXTENT:
-        raise ConfigError(f"{file.path}: compression needs staging buffers of at least {EXTENT >> 20} MiB, got "
-                          f"{step} bytes: raise --offload-train-disk-chunk-mb to {buffers * EXTENT >> 20} or more")
+        raise ConfigError(
+            f"{file.path}: compression needs staging buffers of at least {EXTENT >> 20} MiB, got "
+            f"{step} bytes: raise --offload-train-disk-chunk-mb to {buffers * EXTENT >> 20} or more"
+        )
     frames, position, end = [], offset, offset + nbytes
     while position < end:
         stop = min(end, (position // EXTENT + 1) * EXTENT)
@@ -422,7 +449,12 @@ def frame_chunks(offset: int, nbytes: int, step: int, element_sizes, file: State
             j += 1
         chunk_start = frames[i][0]
         chunk_end = frames[j - 1][0] + frames[j - 1][1]
-        chunks.append((chunk_start, chunk_end - chunk_start,
-                       [(start - chunk_start, raw, size, k) for k, (start, raw, size) in enumerate(frames[i:j], i)]))
+        chunks.append(
+            (
+                chunk_start,
+                chunk_end - chunk_start,
+                [(start - chunk_start, raw, size, k) for k, (start, raw, size) in enumerate(frames[i:j], i)],
+            )
+        )
         i = j
     return chunks

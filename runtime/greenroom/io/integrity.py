@@ -62,8 +62,9 @@ def verify_default() -> bool:
     """Whether transfers are checksummed: ``GREENROOM_VERIFY`` (1, the default, or 0)."""
     value = os.environ.get("GREENROOM_VERIFY", "1")
     if value not in ("0", "1"):
-        raise ConfigError(f"GREENROOM_VERIFY={value!r}: expected 1 (verify every read, the default) or 0 "
-                         "(measurement only)")
+        raise ConfigError(
+            f"GREENROOM_VERIFY={value!r}: expected 1 (verify every read, the default) or 0 (measurement only)"
+        )
     return value == "1"
 
 
@@ -124,8 +125,9 @@ def page_sums(buf: torch.Tensor, file_offset: int) -> torch.Tensor:
     the host or (Note [sums on the device]) on a CUDA device."""
     assert buf.numel() % ALIGNMENT == 0 and file_offset % ALIGNMENT == 0
     words = buf.view(torch.int64).view(-1, _WORDS_PER_PAGE)
-    pages = torch.arange(file_offset // ALIGNMENT, file_offset // ALIGNMENT + words.shape[0], dtype=torch.int64,
-                         device=buf.device)
+    pages = torch.arange(
+        file_offset // ALIGNMENT, file_offset // ALIGNMENT + words.shape[0], dtype=torch.int64, device=buf.device
+    )
     lanes = _LANES if not buf.is_cuda else _LANES.to(buf.device, non_blocking=True)
     return lane_dot(words, lanes) * ((pages * _PAGE_A + _PAGE_B) | 1)
 
@@ -137,5 +139,3 @@ def extent_sums(buf: torch.Tensor, file_offset: int) -> torch.Tensor:
     first = file_offset // EXTENT
     index = (torch.arange(sums.numel(), dtype=torch.int64) * ALIGNMENT + file_offset) // EXTENT - first
     return torch.zeros(int(index[-1]) + 1 if sums.numel() else 0, dtype=torch.int64).index_add_(0, index, sums)
-
-

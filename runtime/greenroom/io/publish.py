@@ -123,8 +123,9 @@ def read_checked_json(path: str, required: dict[str, type]) -> dict:
         raise CheckpointError(f"{path}: no checksum field; not a file this greenroom wrote, or damaged")
     stored = data.pop("crc32")
     if _crc_of(data) != stored:
-        raise CheckpointError(f"{path}: checksum {_crc_of(data)} does not match its recorded {stored}; "
-                              "the file is damaged")
+        raise CheckpointError(
+            f"{path}: checksum {_crc_of(data)} does not match its recorded {stored}; the file is damaged"
+        )
     for key, kind in required.items():
         if not isinstance(data.get(key), kind) or (kind is int and isinstance(data.get(key), bool)):
             raise CheckpointError(f"{path}: field {key!r} is missing or not {kind.__name__}; the file is damaged")
@@ -256,11 +257,13 @@ def _acquire(path: str, reading: bool) -> int:
         if reading:
             raise CheckpointError(
                 f"{path}: another process ({e.holder}) holds {lock_path}: it saves there, and a load now could "
-                "read a checkpoint it is replacing: load it once that run is done, or load a copy") from None
+                "read a checkpoint it is replacing: load it once that run is done, or load a copy"
+            ) from None
         raise CheckpointError(
             f"{path}: another process ({e.holder}) holds {lock_path}: it is saving there (or resuming from "
             "it) now, and a second save would replace its checkpoint or be replaced by it: wait for it to "
-            "finish, or give this run another checkpoint dir") from None
+            "finish, or give this run another checkpoint dir"
+        ) from None
     except OSError as e:
         if reading and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             return -1
@@ -342,8 +345,10 @@ def _upgrade(path: str, why: str) -> None:
     """Turn this process's shared hold on ``path`` into an exclusive one, or refuse in
     one line when another reader holds it too."""
     held = _held[path]
-    refusal = CheckpointError(f"{path}: another process holds {path + LOCK_SUFFIX} while it reads the checkpoint, "
-                              f"and this process must {why}: retry once that process has loaded it")
+    refusal = CheckpointError(
+        f"{path}: another process holds {path + LOCK_SUFFIX} while it reads the checkpoint, "
+        f"and this process must {why}: retry once that process has loaded it"
+    )
     try:
         _flock_within_grace(held[0], fcntl.LOCK_EX)  # another reader may be letting go
     except BlockingIOError:
@@ -447,8 +452,10 @@ def check_replaceable(path: str) -> None:
     if os.path.islink(path) or not os.path.isdir(path):
         raise CheckpointError(f"{path} exists and is not a directory; choose another checkpoint path")
     if os.listdir(path) and generation(path) is None:
-        raise CheckpointError(f"{path} exists and is not a checkpoint this greenroom wrote (no valid {GENERATION}); "
-                              "refusing to replace it: move it away or choose another path")
+        raise CheckpointError(
+            f"{path} exists and is not a checkpoint this greenroom wrote (no valid {GENERATION}); "
+            "refusing to replace it: move it away or choose another path"
+        )
 
 
 def publish(path: str) -> None:
@@ -456,8 +463,9 @@ def publish(path: str) -> None:
     new = path + NEW_SUFFIX
     current = generation(path)
     fsync_tree(new)
-    write_checked_json(os.path.join(new, GENERATION),
-                       {"id": uuid.uuid4().hex, "previous": current["id"] if current else None})
+    write_checked_json(
+        os.path.join(new, GENERATION), {"id": uuid.uuid4().hex, "previous": current["id"] if current else None}
+    )
     fsync_dir(new)
     kill_point("save-staged")
     if not os.path.lexists(path):

@@ -45,8 +45,8 @@ import zlib
 
 import torch
 
-from greenroom.io import fs
 from greenroom.errors import ConfigError, IntegrityError, StorageError
+from greenroom.io import fs
 from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, engine_owned, extent_sums, record_mix, verify_default
 
 _SUM_BYTES = 8
@@ -57,18 +57,22 @@ _SUMMED = 1 << 30  # in a record's stored bytes: its extent's sum covers the rec
 def aligned_host(nbytes: int) -> torch.Tensor:
     backing = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
     skew = (-backing.data_ptr()) % ALIGNMENT
-    return backing[skew:skew + nbytes]
+    return backing[skew : skew + nbytes]
 
 
 def _os_error(path: str, label: str, op: str, nbytes: int, offset: int, e: OSError) -> StorageError:
     """One line naming the file, the operation and what to do about it."""
     name = errno.errorcode.get(e.errno, str(e.errno))
-    advice = {errno.ENOSPC: "the disk is full: free space or point --offload-train-disk-dir at a larger disk",
-              errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota",
-              errno.EIO: "the device reported an I/O error: check the disk (dmesg); the state in this file is lost",
-              errno.EROFS: "the filesystem went read-only (often after an I/O error): check the disk (dmesg)"}
-    return StorageError(f"{path}: {op} of {nbytes} bytes at offset {offset} of {label} failed: "
-                        f"{e.strerror or e} ({name}); " + advice.get(e.errno, "check the disk and the dir"))
+    advice = {
+        errno.ENOSPC: "the disk is full: free space or point --offload-train-disk-dir at a larger disk",
+        errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota",
+        errno.EIO: "the device reported an I/O error: check the disk (dmesg); the state in this file is lost",
+        errno.EROFS: "the filesystem went read-only (often after an I/O error): check the disk (dmesg)",
+    }
+    return StorageError(
+        f"{path}: {op} of {nbytes} bytes at offset {offset} of {label} failed: "
+        f"{e.strerror or e} ({name}); " + advice.get(e.errno, "check the disk and the dir")
+    )
 
 
 def pwrite_all(fd: int, buf: memoryview, offset: int, path: str) -> int:
@@ -89,8 +93,9 @@ def pread_all(fd: int, buf: memoryview, offset: int, path: str, *, error: type =
     while done < len(buf):
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n == 0:
-            raise error(f"{path}: file ended at offset {offset + done}, "
-                        f"expected {len(buf) - done} more bytes (truncated?)")
+            raise error(
+                f"{path}: file ended at offset {offset + done}, expected {len(buf) - done} more bytes (truncated?)"
+            )
         done += n
     return done
 
@@ -116,9 +121,17 @@ class StateFile:
     garbage later; a partially created file is removed.
     """
 
-    def __init__(self, path: str, size: int, *, create: bool = True, direct: bool | None = None,
-                 label: str = "a state file",
-                 checksums: str = "memory", compression=None) -> None:
+    def __init__(
+        self,
+        path: str,
+        size: int,
+        *,
+        create: bool = True,
+        direct: bool | None = None,
+        label: str = "a state file",
+        checksums: str = "memory",
+        compression=None,
+    ) -> None:
         assert checksums in ("memory", "file")
         self.path = path
         self.size = size
@@ -162,7 +175,8 @@ class StateFile:
                 if actual != self.allocated:
                     raise StorageError(
                         f"{path}: file is {actual} bytes, expected {self.allocated}: truncated, "
-                        "or written by a different layout; it cannot be read")
+                        "or written by a different layout; it cannot be read"
+                    )
         except BaseException:
             os.close(fd)
             self.fd = -1
@@ -196,7 +210,8 @@ class StateFile:
                     f"{self.path}: not enough space to preallocate {fs.human_bytes(self.allocated)} "
                     f"({fs.human_bytes(fs.free_bytes(os.path.dirname(self.path)))} free on "
                     f"{fs.mount_of(self.path).mount_point}); free space or point "
-                    "--offload-train-disk-dir at a larger disk") from None
+                    "--offload-train-disk-dir at a larger disk"
+                ) from None
             raise _os_error(self.path, self.label, "preallocation", self.allocated, 0, e) from None
 
     def grow(self, size: int) -> None:
@@ -219,10 +234,12 @@ class StateFile:
         self._check_range(len(buf), file_offset)
         try:
             if self.table_offset is not None and os.fstat(self.fd).st_nlink > 1:
-                raise StorageError(f"{self.path}: refusing to write {self.label} in place: its inode has "
-                                   f"{os.fstat(self.fd).st_nlink} links (a checkpoint or a hard-linked backup "
-                                   "shares it); greenroom writes such a bucket to a new file instead, so this is "
-                                   "a bug: report it")
+                raise StorageError(
+                    f"{self.path}: refusing to write {self.label} in place: its inode has "
+                    f"{os.fstat(self.fd).st_nlink} links (a checkpoint or a hard-linked backup "
+                    "shares it); greenroom writes such a bucket to a new file instead, so this is "
+                    "a bug: report it"
+                )
             done = pwrite_all(self.fd, buf, file_offset, self.path)
             with self._count_lock:
                 self.disk_bytes_written += done
@@ -248,8 +265,9 @@ class StateFile:
         return done
 
     # -- checksums (Note [integrity]) and stored frame sizes (compression) -----------
-    def record_sums(self, offset: int, nbytes: int, sums: torch.Tensor | None,
-                    stored: torch.Tensor | None = None) -> None:
+    def record_sums(
+        self, offset: int, nbytes: int, sums: torch.Tensor | None, stored: torch.Tensor | None = None
+    ) -> None:
         """Keep the extent sums of the range just written (``nbytes`` aligned), and for a
         compressed file each extent's frame's stored bytes and shift (Note [packed frames]),
         summed with them (Note [summed records])."""
@@ -272,9 +290,9 @@ class StateFile:
         table = aligned_host(self.table_bytes(self.size, compressed=self.compression is not None))
         table.zero_()
         if sums is not None:
-            table[:extents * _SUM_BYTES].view(torch.int64).copy_(sums)
+            table[: extents * _SUM_BYTES].view(torch.int64).copy_(sums)
         if stored is not None:
-            records = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2)
+            records = table[extents * _SUM_BYTES : extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2)
             records.copy_(stored)
             if sums is not None:
                 records[:, 0] |= _SUMMED
@@ -299,10 +317,10 @@ class StateFile:
                 sums = sums - record_mix(stored)
             return sums, stored
         table, extents = self._table(offset, nbytes)
-        sums = table[:extents * _SUM_BYTES].view(torch.int64).clone()
+        sums = table[: extents * _SUM_BYTES].view(torch.int64).clone()
         stored = None
         if self.compression is not None:
-            stored = table[extents * _SUM_BYTES:extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2)
+            stored = table[extents * _SUM_BYTES : extents * (_SUM_BYTES + _STORED_BYTES)].view(torch.int32).view(-1, 2)
             summed = (stored[:, 0] & _SUMMED) != 0
             stored[:, 0] &= ~_SUMMED
             sums -= torch.where(summed, record_mix(stored), 0)
@@ -312,11 +330,14 @@ class StateFile:
     def _check_range(self, length: int, file_offset: int) -> None:
         # Errors, not asserts: a caller's bad range must fail under ``python -O`` too.
         if file_offset < 0 or file_offset + length > self.allocated:
-            raise ConfigError(f"{self.path}: I/O [{file_offset}, {file_offset + length}) outside the file's "
-                             f"{self.allocated} bytes")
+            raise ConfigError(
+                f"{self.path}: I/O [{file_offset}, {file_offset + length}) outside the file's {self.allocated} bytes"
+            )
         if self.direct and (file_offset % ALIGNMENT or length % ALIGNMENT):
-            raise ConfigError(f"{self.path}: O_DIRECT I/O needs {ALIGNMENT}-byte aligned offsets and lengths, got "
-                             f"[{file_offset}, {file_offset + length}) (see Note [alignment])")
+            raise ConfigError(
+                f"{self.path}: O_DIRECT I/O needs {ALIGNMENT}-byte aligned offsets and lengths, got "
+                f"[{file_offset}, {file_offset + length}) (see Note [alignment])"
+            )
 
     def sync(self) -> None:
         """Make everything written durable and drop the file's cached pages."""
@@ -350,17 +371,20 @@ def verify_mapped(file: StateFile, data: torch.Tensor) -> None:
         check_sums(file, 0, data.numel(), extent_sums(data, 0))
 
 
-def check_sums(file: StateFile, offset: int, nbytes: int, sums: torch.Tensor,
-               expected: torch.Tensor | None = None) -> None:
+def check_sums(
+    file: StateFile, offset: int, nbytes: int, sums: torch.Tensor, expected: torch.Tensor | None = None
+) -> None:
     """Raise ``IntegrityError`` (one line: the file, the offset, what it holds) unless
     ``sums`` are the checksums recorded for bytes [offset, offset + nbytes) of ``file``
     (``expected``, when the caller already fetched them)."""
     if expected is None:
         expected = file.recorded(offset, nbytes)[0]
     if expected is None:
-        raise IntegrityError(f"{file.path}: no checksum for bytes [{offset}, {offset + nbytes}) of {file.label}: "
-                             "they were not written through greenroom's I/O engine since the file was opened, "
-                             "so they cannot be verified")
+        raise IntegrityError(
+            f"{file.path}: no checksum for bytes [{offset}, {offset + nbytes}) of {file.label}: "
+            "they were not written through greenroom's I/O engine since the file was opened, "
+            "so they cannot be verified"
+        )
     bad = (sums != expected).nonzero()
     if bad.numel():
         k = int(bad[0]) + offset // EXTENT
@@ -368,4 +392,5 @@ def check_sums(file: StateFile, offset: int, nbytes: int, sums: torch.Tensor,
         raise IntegrityError(
             f"{file.path}: checksum mismatch at offset {start} (bytes [{start}, {end}) of {file.label}): what "
             "was read back is not what greenroom wrote (a flipped bit, a failing disk or a stray write); "
-            "stopped before using it: restart from the last checkpoint")
+            "stopped before using it: restart from the last checkpoint"
+        )

@@ -10,8 +10,22 @@ The state lives in the bucket files of greenroom.optim's engine. See docs/megatr
 """
 
 from greenroom.megatron.checkpoint import load_checkpoint, save_checkpoint
-from greenroom.megatron.optimizer import (DEFAULT_BUCKET_NUMEL, StreamingDistributedOptimizer, StreamingSettings,
-                                          close, streaming, streaming_members)
+from greenroom.megatron.optimizer import (
+    DEFAULT_BUCKET_NUMEL,
+    StreamingDistributedOptimizer,
+    StreamingSettings,
+    close,
+    streaming,
+    streaming_members,
+)
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "StreamingDistributedOptimizer", "StreamingSettings", "close", "load_checkpoint",
-           "save_checkpoint", "streaming", "streaming_members"]
+__all__ = [
+    "DEFAULT_BUCKET_NUMEL",
+    "StreamingDistributedOptimizer",
+    "StreamingSettings",
+    "close",
+    "load_checkpoint",
+    "save_checkpoint",
+    "streaming",
+    "streaming_members",
+]

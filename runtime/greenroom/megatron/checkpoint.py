@@ -31,11 +31,11 @@ import glob
 import json
 import os
 
+from greenroom.dirs.rankdir import write_json_atomic
 from greenroom.errors import CheckpointError
 from greenroom.log import get_logger
 from greenroom.megatron.layout import ShardEntry, Topology
 from greenroom.optim.checkpoint import save_load as engine_checkpoint
-from greenroom.dirs.rankdir import write_json_atomic
 
 SUBDIR = "greenroom_optim"
 SIDECAR_FORMAT = "greenroom-megatron-shards"
@@ -48,41 +48,54 @@ def state_dir(checkpoint_dir: str, index: int, rank: int) -> str:
 
 
 def sidecar_record(topology: Topology, entries: list[ShardEntry]) -> dict:
-    return {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "topology": topology.record(),
-            "shards": [e.record() for e in entries]}
+    return {
+        "format": SIDECAR_FORMAT,
+        "version": SIDECAR_VERSION,
+        "topology": topology.record(),
+        "shards": [e.record() for e in entries],
+    }
 
 
 def verify_sidecar(path: str, saved: dict, topology: Topology, entries: list[ShardEntry]) -> None:
     """Raise ``CheckpointError`` naming how the saved parallel layout differs from this run's."""
     if saved.get("format") != SIDECAR_FORMAT or saved.get("version") != SIDECAR_VERSION:
-        raise CheckpointError(f"{path}: format {saved.get('format')!r} version {saved.get('version')!r}, this "
-                              f"greenroom reads {SIDECAR_FORMAT!r} version {SIDECAR_VERSION}")
+        raise CheckpointError(
+            f"{path}: format {saved.get('format')!r} version {saved.get('version')!r}, this "
+            f"greenroom reads {SIDECAR_FORMAT!r} version {SIDECAR_VERSION}"
+        )
     mismatch = topology.mismatch(Topology.from_record(saved["topology"]))
     if mismatch:
         raise CheckpointError(f"{path}: {mismatch}")
     ours = [e.record() for e in entries]
     if len(saved["shards"]) != len(ours):
-        raise CheckpointError(f"{path}: layout differs: {len(saved['shards'])} streamed param shards saved, this "
-                              f"run has {len(ours)} (a different model or parameter grouping)")
+        raise CheckpointError(
+            f"{path}: layout differs: {len(saved['shards'])} streamed param shards saved, this "
+            f"run has {len(ours)} (a different model or parameter grouping)"
+        )
     for a, b in zip(saved["shards"], ours):
         if a != b:
-            raise CheckpointError(f"{path}: layout differs at {a['name']}: saved shard {a}, this run has {b} "
-                                  "(a different model, parameter grouping or DDP bucketing)")
+            raise CheckpointError(
+                f"{path}: layout differs at {a['name']}: saved shard {a}, this run has {b} "
+                "(a different model, parameter grouping or DDP bucketing)"
+            )
 
 
 def locate(checkpoint_dir: str, index: int, rank: int, *, no_load_optim: bool) -> tuple[str, dict] | None:
     """The state dir and sidecar record of optimizer ``index`` on ``rank``; None (with a
     warning) when the checkpoint has no streamed state and ``no_load_optim`` is set."""
     if no_load_optim:
-        log.warning(f"no_load_optim: not loading the streamed optimizer state from {checkpoint_dir}; starting "
-                    "a fresh optimizer state (fp32 mains from the current weights, zero moments, step 0)")
+        log.warning(
+            f"no_load_optim: not loading the streamed optimizer state from {checkpoint_dir}; starting "
+            "a fresh optimizer state (fp32 mains from the current weights, zero moments, step 0)"
+        )
         return None
     root = os.path.join(checkpoint_dir, SUBDIR)
     if not os.path.isdir(root):
         raise CheckpointError(
             f"{checkpoint_dir}: no streamed optimizer state ({SUBDIR}/ missing: written before streaming was "
             "enabled, or without greenroom.megatron.save_checkpoint); pass no_load_optim=True (--no-load-optim) "
-            "to accept a fresh optimizer state")
+            "to accept a fresh optimizer state"
+        )
     path = state_dir(checkpoint_dir, index, rank)
     sidecar = path + ".megatron.json"
     if not os.path.isfile(sidecar):
@@ -92,8 +105,10 @@ def locate(checkpoint_dir: str, index: int, rank: int, *, no_load_optim: bool) -
             with open(others[0], encoding="utf-8") as f:
                 saved = Topology.from_record(json.load(f)["topology"])
             written += f" with tp {saved.tp}, pp {saved.pp}, dp {saved.dp}, ep {saved.ep}, cp {saved.cp}"
-        raise CheckpointError(f"{checkpoint_dir}: no streamed state for optimizer {index} of rank {rank}{written}; "
-                              "resume with the same TP/PP/DP/EP/CP sizes, or pass no_load_optim")
+        raise CheckpointError(
+            f"{checkpoint_dir}: no streamed state for optimizer {index} of rank {rank}{written}; "
+            "resume with the same TP/PP/DP/EP/CP sizes, or pass no_load_optim"
+        )
     try:
         with open(sidecar, encoding="utf-8") as f:
             return path, json.load(f)

@@ -62,28 +62,48 @@ def build_model(size: ModelSize, *, seed: int = 1234):
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    config = TransformerConfig(num_layers=size.layers, hidden_size=size.hidden,
-                               num_attention_heads=size.heads, bf16=True, params_dtype=torch.bfloat16,
-                               pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=size.layers,
+        hidden_size=size.hidden,
+        num_attention_heads=size.heads,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     with torch.device("cuda"):
-        gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                       vocab_size=size.vocab, max_sequence_length=size.seq)
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=size.vocab,
+            max_sequence_length=size.seq,
+        )
     # As megatron's training does: every param (the local spec's norms too) in bf16, and
     # the inputs and outputs cast at the model's edges.
     module = Float16Module(config, gpt)
     # A native-fp32 parameter, as a router's expert_bias or an SSM's A_log would be.
-    gpt.register_parameter("aux_fp32", torch.nn.Parameter(torch.full((40,), 0.5, dtype=torch.float32,
-                                                                      device="cuda")))
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-                                               overlap_grad_reduce=False)
+    gpt.register_parameter("aux_fp32", torch.nn.Parameter(torch.full((40,), 0.5, dtype=torch.float32, device="cuda")))
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+    )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
 
 
 def optimizer_config(**overrides):
     from megatron.core.optimizer import OptimizerConfig
 
-    settings = dict(optimizer="adam", lr=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
-                    adam_eps=1e-8, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
+    settings = dict(
+        optimizer="adam",
+        lr=1e-3,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        bf16=True,
+        use_distributed_optimizer=True,
+        clip_grad=1.0,
+    )
     settings.update(overrides)
     return OptimizerConfig(**settings)
 
@@ -93,8 +113,7 @@ def batch(size: ModelSize, step: int, *, seed: int = 1234) -> dict:
     tokens = torch.randint(0, size.vocab, (size.batch, size.seq + 1), generator=g).cuda()
     positions = torch.arange(size.seq, device="cuda").unsqueeze(0).expand(size.batch, -1)
     causal = torch.tril(torch.ones((1, 1, size.seq, size.seq), device="cuda")) < 0.5
-    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": positions,
-            "attention_mask": causal}
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": positions, "attention_mask": causal}
 
 
 def train_step(model, optimizer, size: ModelSize, step: int) -> float:

@@ -59,9 +59,16 @@ def plan_entries(gbuf_ranges, param_gbuf_map, opt_group_ranges, model_chunks) ->
                 continue  # native fp32: resident, not streamed
             gbuf_index, dtype, bucket_index = param_gbuf_map[model_param]
             shard = gbuf_ranges[gbuf_index][dtype][bucket_index]["param_map"][model_param]["param"]
-            entries.append(ShardEntry(name=names.get(model_param, f"group{group}.param{index}"), group=group,
-                                      index=index, shape=tuple(model_param.shape), start=shard.start,
-                                      numel=shard.size))
+            entries.append(
+                ShardEntry(
+                    name=names.get(model_param, f"group{group}.param{index}"),
+                    group=group,
+                    index=index,
+                    shape=tuple(model_param.shape),
+                    start=shard.start,
+                    numel=shard.size,
+                )
+            )
             index += 1
     return entries
 
@@ -118,13 +125,19 @@ class Topology:
 
     def mismatch(self, saved: "Topology") -> str | None:
         """One line naming what differs between ``saved`` and this run, or None."""
-        changed = [f"{name} {getattr(saved, name)} -> {getattr(self, name)}"
-                   for name in self.__dataclass_fields__ if getattr(saved, name) != getattr(self, name)]
+        changed = [
+            f"{name} {getattr(saved, name)} -> {getattr(self, name)}"
+            for name in self.__dataclass_fields__
+            if getattr(saved, name) != getattr(self, name)
+        ]
         if not changed:
             return None
-        return ("the streamed optimizer state was written with a different parallel layout ("
-                + ", ".join(changed) + "); resume with the same TP/PP/DP/EP/CP sizes and ranks, "
-                "or pass no_load_optim to start a fresh optimizer state")
+        return (
+            "the streamed optimizer state was written with a different parallel layout ("
+            + ", ".join(changed)
+            + "); resume with the same TP/PP/DP/EP/CP sizes and ranks, "
+            "or pass no_load_optim to start a fresh optimizer state"
+        )
 
 
 def current_topology(data_parallel_group=None) -> Topology:
@@ -147,5 +160,15 @@ def current_topology(data_parallel_group=None) -> Topology:
         dp, dp_rank = dist.get_world_size(data_parallel_group), dist.get_rank(data_parallel_group)
     else:
         dp, dp_rank = query("get_data_parallel_world_size", "get_data_parallel_rank")
-    return Topology(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
-                    ep_rank=ep_rank, cp_rank=cp_rank)
+    return Topology(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        ep=ep,
+        cp=cp,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        ep_rank=ep_rank,
+        cp_rank=cp_rank,
+    )

@@ -39,19 +39,18 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
-from greenroom.io.compression import resolve as resolve_compression
 from greenroom.config import OffloadConfig
+from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir
+from greenroom.dirs.statedir import StateDir, claim_state_dir, open_rank_dir
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError
+from greenroom.io.compression import resolve as resolve_compression
 from greenroom.megatron import checks
 from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
 from greenroom.optim import kernel
 from greenroom.optim.poison import FailedStepPoison
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
-from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir
-from greenroom.dirs.statedir import StateDir, claim_state_dir, open_rank_dir
 
 WHAT = "greenroom.megatron.streaming"  # how refusals name the caller
 # sharded_state_dict's marker for "param state lives in greenroom's files".
@@ -126,9 +125,15 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         settings = _SETTINGS.get()
         if settings is None:
             elsewhere = _swapping_thread not in (None, threading.get_ident())
-            raise GreenroomError("construct StreamingDistributedOptimizer through greenroom.megatron.streaming()" + (
-                ": another thread is inside a streaming() block, and until it ends megatron builds this class "
-                "in every thread; build a process's megatron optimizers from one thread" if elsewhere else ""))
+            raise GreenroomError(
+                "construct StreamingDistributedOptimizer through greenroom.megatron.streaming()"
+                + (
+                    ": another thread is inside a streaming() block, and until it ends megatron builds this class "
+                    "in every thread; build a process's megatron optimizers from one thread"
+                    if elsewhere
+                    else ""
+                )
+            )
         # By name, through megatron's own signature: its positional order has changed
         # between releases.
         given = inspect.signature(DistributedOptimizer.__init__).bind(self, *args, **kwargs).arguments
@@ -168,24 +173,30 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     def _build_model_and_main_param_groups(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
         building = _BUILDING.get()
         if building is None:
-            return super()._build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map, opt_group_ranges,
-                                                             config)
+            return super()._build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
         entries = plan_entries(gbuf_ranges, param_gbuf_map, opt_group_ranges, building.model_chunks)
         settings = building.settings
         device = torch.device("cuda", torch.cuda.current_device())
         building.entries = entries
-        codec, _ = resolve_compression(settings.config.offload_train_disk_compression, cuda=True,
-                                       chunk_bytes=settings.config.chunk_bytes)
+        codec, _ = resolve_compression(
+            settings.config.offload_train_disk_compression, cuda=True, chunk_bytes=settings.config.chunk_bytes
+        )
         # Each member of a chain (dense, expert) claims a dir of its own: optim/, optim-2/.
         building.state_dir = settings.claim()
-        building.store = BucketStore([Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
-                                     building.state_dir.path, bucket_numel=settings.bucket_numel,
-                                     moment_dtype=settings.config.stream_optimizer_state_moment_dtype,
-                                     device=device, chunk_bytes=settings.config.chunk_bytes, compression=codec,
-                                     host_cache_bytes=settings.config.host_cache_bytes)
+        building.store = BucketStore(
+            [Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
+            building.state_dir.path,
+            bucket_numel=settings.bucket_numel,
+            moment_dtype=settings.config.stream_optimizer_state_moment_dtype,
+            device=device,
+            chunk_bytes=settings.config.chunk_bytes,
+            compression=codec,
+            host_cache_bytes=settings.config.host_cache_bytes,
+        )
         result = tuple([[] for _ in opt_group_ranges] for _ in range(5))
-        mains = _one_at_a_time(super()._build_model_and_main_param_groups, gbuf_ranges, param_gbuf_map,
-                               opt_group_ranges, config, result)
+        mains = _one_at_a_time(
+            super()._build_model_and_main_param_groups, gbuf_ranges, param_gbuf_map, opt_group_ranges, config, result
+        )
         previous = []
 
         def next_main(i: int) -> torch.Tensor:
@@ -239,8 +250,16 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
             # main a grad each step); torch counts per param, so one counter each.
             steps = [kernel.new_step(state.master.device, fused=fused) + count for _ in members]
             masters = state.views(state.master)
-            kernel.bucket_adam_step(masters, grads, state.views(state.exp_avg), state.views(state.exp_avg_sq),
-                                    steps, group=group, fused=fused, foreach=foreach)
+            kernel.bucket_adam_step(
+                masters,
+                grads,
+                state.views(state.exp_avg),
+                state.views(state.exp_avg_sq),
+                steps,
+                group=group,
+                fused=fused,
+                foreach=foreach,
+            )
             for i, master in zip(members, masters):
                 entry = self.shard_entries[i]
                 self._model_shard_for(entry.group, entry.index).copy_(master)
@@ -268,8 +287,9 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         states = self._store.stream([bucket.index])
         state = next(states)
         k = bucket.entries.index(i)
-        entry_state = tuple(state.views(t)[k].detach().cpu().clone()
-                            for t in (state.master, state.exp_avg, state.exp_avg_sq))
+        entry_state = tuple(
+            state.views(t)[k].detach().cpu().clone() for t in (state.master, state.exp_avg, state.exp_avg_sq)
+        )
         states.close()  # nothing changed: closing before the write-back skips it
         return entry_state
 
@@ -282,7 +302,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         # which the all-gather then sends.
         world = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
         gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
-        return self.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world.start:world.end]
+        return self.buffers[gbuf_index].buckets[bucket_id].param_data.view(-1)[world.start : world.end]
 
     def _copy_main_params_to_model_params(self) -> None:
         # Streamed mains were cast into the param buffer bucket by bucket; only the
@@ -292,9 +312,11 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
                 self._param_buffer_slice(model_param).copy_(shard)
 
     def _copy_model_params_to_main_params(self, state_dict=None) -> None:
-        raise CheckpointError("the streamed DistributedOptimizer cannot re-initialise its fp32 mains from the "
-                              "model weights (reload_model_params): load the optimizer with "
-                              "greenroom.megatron.load_checkpoint, or build it again")
+        raise CheckpointError(
+            "the streamed DistributedOptimizer cannot re-initialise its fp32 mains from the "
+            "model weights (reload_model_params): load the optimizer with "
+            "greenroom.megatron.load_checkpoint, or build it again"
+        )
 
     # -- checkpoints (the non-streamed parts) ---------------------------------------
     def state_dict(self):
@@ -306,10 +328,14 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         groups = []
         for group in inner.param_groups:
             groups.append({k: v for k, v in group.items() if k != "params"})
-        state = {"optimizer": {"param_groups": groups},
-                 "greenroom": {"streamed": True, "steps": self.streamed_steps,
-                               "resident": (self.resident_optimizer.state_dict()
-                                            if self.resident_optimizer else None)}}
+        state = {
+            "optimizer": {"param_groups": groups},
+            "greenroom": {
+                "streamed": True,
+                "steps": self.streamed_steps,
+                "resident": (self.resident_optimizer.state_dict() if self.resident_optimizer else None),
+            },
+        }
         if self.grad_scaler:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
@@ -320,7 +346,8 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
             raise CheckpointError(
                 "this optimizer checkpoint was written without greenroom streaming: its Adam state cannot "
                 "be read into the streamed optimizer; resume with no_load_optim (fresh optimizer state), "
-                "or turn --stream-optimizer-state-to-disk off")
+                "or turn --stream-optimizer-state-to-disk off"
+            )
         for group, saved in zip(self.optimizer.param_groups, state_dict["optimizer"]["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         if self.resident_optimizer is not None and marker.get("resident") is not None:
@@ -328,8 +355,9 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         if self.grad_scaler and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
-    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
-                           sharding_type=None, metadata=None):
+    def sharded_state_dict(
+        self, model_sharded_state_dict=None, is_loading: bool = False, sharding_type=None, metadata=None
+    ):
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         if not is_loading:  # a load's template is how the poison is cured: never refused
@@ -337,11 +365,16 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         state = self._small_state()
         # Like megatron's own dp-dependent formats: one object per DP group, saved by
         # DP rank 0. The streamed tensors are not in it (see save_checkpoint).
-        sharded = {key: ShardedObject(f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx}.{key}",
-                                      value, (1,), (0,),
-                                      replica_id=(self.distributed_optimizer_instance_id, 0,
-                                                  self.data_parallel_group.rank()))
-                   for key, value in state.items()}
+        sharded = {
+            key: ShardedObject(
+                f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx}.{key}",
+                value,
+                (1,),
+                (0,),
+                replica_id=(self.distributed_optimizer_instance_id, 0, self.data_parallel_group.rank()),
+            )
+            for key, value in state.items()
+        }
         sharded["param_state_sharding_type"] = SHARDING_TYPE
         return sharded
 
@@ -378,8 +411,10 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     def load_resident_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         steps = {float(state[key]["step"]) for key in self._keyed_mains() if key in state}
         if len(steps) > 1:
-            raise CheckpointError(f"the streamed shards were saved at different steps {sorted(steps)}; the "
-                                  "checkpoint is not one a streaming DistributedOptimizer wrote")
+            raise CheckpointError(
+                f"the streamed shards were saved at different steps {sorted(steps)}; the "
+                "checkpoint is not one a streaming DistributedOptimizer wrote"
+            )
         self.streamed_steps = int(steps.pop()) if steps else 0
         if self.resident_optimizer is None:
             return
@@ -395,8 +430,9 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
 
     def hyperparameters(self) -> list[dict]:
         # megatron's groups also carry config objects, which stay out of the manifest.
-        return [{k: v for k, v in group.items() if k != "params" and _jsonable(v)}
-                for group in self.optimizer.param_groups]
+        return [
+            {k: v for k, v in group.items() if k != "params" and _jsonable(v)} for group in self.optimizer.param_groups
+        ]
 
     def load_hyperparameters(self, groups: list[dict]) -> None:
         for group, saved in zip(self.optimizer.param_groups, groups):
@@ -454,8 +490,13 @@ def _one_at_a_time(build, gbuf_ranges, param_gbuf_map, opt_group_ranges, config,
     ``result``; yields each 16-bit param's new fp32 main shard as soon as it exists."""
     for g, group_range in enumerate(opt_group_ranges):
         for model_param in group_range["params"]:
-            one = [{"params": [model_param], "orig_group": {"params": []},
-                    "orig_group_idx": group_range.get("orig_group_idx")}]
+            one = [
+                {
+                    "params": [model_param],
+                    "orig_group": {"params": []},
+                    "orig_group_idx": group_range.get("orig_group_idx"),
+                }
+            ]
             built = build(gbuf_ranges, param_gbuf_map, one, config)
             for acc, lists in zip(result, built):
                 acc[g].extend(lists[0])
@@ -473,8 +514,10 @@ def _implementation(inner, params) -> tuple[bool, bool]:
 
 def _resident_adam(inner, shard_fp32_groups):
     """A torch Adam of the inner optimizer's kind over the native-fp32 shards, or None."""
-    groups = [{"params": list(shards), **{k: v for k, v in group.items() if k != "params"}}
-              for shards, group in zip(shard_fp32_groups, inner.param_groups)]
+    groups = [
+        {"params": list(shards), **{k: v for k, v in group.items() if k != "params"}}
+        for shards, group in zip(shard_fp32_groups, inner.param_groups)
+    ]
     if not any(g["params"] for g in groups):
         return None
     accepted = inspect.signature(type(inner).__init__).parameters
@@ -532,8 +575,10 @@ def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BU
     """
     settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel)
     if not config.stream_optimizer_state_to_disk:
-        raise ConfigError("greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "
-                         "(OffloadConfig.stream_optimizer_state_to_disk=True)")
+        raise ConfigError(
+            "greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "
+            "(OffloadConfig.stream_optimizer_state_to_disk=True)"
+        )
     if rank_dir is not None and not isinstance(rank_dir, RankDir):
         check_root(os.fspath(rank_dir), name=f"{WHAT}: state_dir")  # refused at once, made when needed
     import megatron.core.optimizer as mcore_optimizer
@@ -565,8 +610,11 @@ def _swapped(settings: StreamingSettings, mcore_optimizer):
 
 def streaming_members(optimizer) -> list[StreamingDistributedOptimizer]:
     """The streaming DistributedOptimizers inside ``optimizer`` (a chain or a single one)."""
-    members = [m for m in getattr(optimizer, "chained_optimizers", [optimizer])
-               if isinstance(m, StreamingDistributedOptimizer) and m._store is not None]
+    members = [
+        m
+        for m in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(m, StreamingDistributedOptimizer) and m._store is not None
+    ]
     if not members:
         raise ConfigError("this optimizer does not stream: build it inside greenroom.megatron.streaming(...)")
     return members
@@ -579,5 +627,12 @@ def close(optimizer) -> None:
         member.close()
 
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "StreamingDistributedOptimizer", "StreamingSettings", "Topology", "close", "streaming",
-           "streaming_members"]
+__all__ = [
+    "DEFAULT_BUCKET_NUMEL",
+    "StreamingDistributedOptimizer",
+    "StreamingSettings",
+    "Topology",
+    "close",
+    "streaming",
+    "streaming_members",
+]

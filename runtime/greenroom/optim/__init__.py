@@ -23,5 +23,13 @@ from greenroom.optim.adam import RESIDENT_NUMEL, StreamingAdam
 from greenroom.optim.muon import StreamingMuon
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, Bucket, BucketState, BucketStore, Entry
 
-__all__ = ["Bucket", "BucketState", "BucketStore", "DEFAULT_BUCKET_NUMEL", "Entry", "RESIDENT_NUMEL",
-           "StreamingAdam", "StreamingMuon"]
+__all__ = [
+    "Bucket",
+    "BucketState",
+    "BucketStore",
+    "DEFAULT_BUCKET_NUMEL",
+    "Entry",
+    "RESIDENT_NUMEL",
+    "StreamingAdam",
+    "StreamingMuon",
+]

@@ -39,11 +39,11 @@ from typing import Callable, Iterable
 import torch
 
 from greenroom.config import MASTER_LAYOUTS, OffloadConfig
+from greenroom.dirs.rankdir import RankDir
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.optim.streamed import StreamedOptimizer, follow_param, listed_twice
-from greenroom.dirs.rankdir import RankDir
 from greenroom.tensors import local_tensor
 
 # fp32 params up to this many elements keep their Adam state on the device (256 KiB per
@@ -91,11 +91,25 @@ class StreamingAdam(StreamedOptimizer):
     fixed_group_keys = FIXED_GROUP_KEYS
     tensor_lr = False  # as AdamW with foreach, which refuses a tensor lr
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, state_dir: str | RankDir,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, moment_dtype: str = "fp32", chunk_mb: int = 256,
-                 host_cache_gb: float = 0.0, resident_numel: int = RESIDENT_NUMEL, fused: bool | None = None,
-                 foreach: bool | None = None, compression: str = "auto", master_layout: str = "remainder") -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        state_dir: str | RankDir,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        moment_dtype: str = "fp32",
+        chunk_mb: int = 256,
+        host_cache_gb: float = 0.0,
+        resident_numel: int = RESIDENT_NUMEL,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        compression: str = "auto",
+        master_layout: str = "remainder",
+    ) -> None:
         if isinstance(lr, torch.Tensor):
             raise ConfigError("StreamingAdam: lr as a tensor is not supported: give a float")
         if not 0.0 <= lr:
@@ -109,8 +123,9 @@ class StreamingAdam(StreamedOptimizer):
             raise ConfigError(f"StreamingAdam: invalid weight_decay {weight_decay!r}: must be >= 0")
         self._check_staging(chunk_mb, host_cache_gb)
         if master_layout not in MASTER_LAYOUTS:
-            raise ConfigError(f"StreamingAdam: master_layout must be one of {', '.join(MASTER_LAYOUTS)}, "
-                              f"got {master_layout!r}")
+            raise ConfigError(
+                f"StreamingAdam: master_layout must be one of {', '.join(MASTER_LAYOUTS)}, got {master_layout!r}"
+            )
         self._store: BucketStore | None = None
         self._failed: str | None = None  # optim.poison Note [a failed step poisons]
         self.master_layout = master_layout
@@ -119,19 +134,32 @@ class StreamingAdam(StreamedOptimizer):
         self.resident: list[torch.Tensor] = []
         self.frozen: set[int] = set()  # ids of params with requires_grad=False: no state
         self.empty: list[torch.Tensor] = []  # empty FSDP2 shards: a step counter only, as AdamW keeps
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
-                                      fused=fused, **FIXED_GROUP_KEYS))
+        super().__init__(
+            params,
+            dict(
+                lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, fused=fused, **FIXED_GROUP_KEYS
+            ),
+        )
         entries = self._classify(range(len(self.param_groups)))
         self._record_groups()
         devices = {local_tensor(p).device for p in self.streamed + self.resident}
         if len(devices) > 1:
-            raise ConfigError(f"StreamingAdam: params are on several devices ({sorted(map(str, devices))}); "
-                             "one optimizer streams for one device")
+            raise ConfigError(
+                f"StreamingAdam: params are on several devices ({sorted(map(str, devices))}); "
+                "one optimizer streams for one device"
+            )
         self.device = devices.pop() if devices else torch.device("cpu")
         self.fused, self.foreach = choose_implementation(self.device, fused=fused, foreach=foreach)
-        self._open_store(entries, state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype, chunk_mb=chunk_mb,
-                         host_cache_gb=host_cache_gb, compression=compression,
-                         params=lambda i: local_tensor(self.streamed[i]))
+        self._open_store(
+            entries,
+            state_dir,
+            bucket_numel=bucket_numel,
+            moment_dtype=moment_dtype,
+            chunk_mb=chunk_mb,
+            host_cache_gb=host_cache_gb,
+            compression=compression,
+            params=lambda i: local_tensor(self.streamed[i]),
+        )
         self.initialize_state()
 
     def _classify(self, group_indices: Iterable[int]) -> list[Entry]:
@@ -141,13 +169,16 @@ class StreamingAdam(StreamedOptimizer):
         for gi in group_indices:
             twice = listed_twice(self.param_groups[gi]["params"])
             if twice is not None:
-                raise ConfigError(f"StreamingAdam: param {gi}.{twice} is listed twice in its group (AdamW steps it "
-                                  "once, with one state); list it once")
+                raise ConfigError(
+                    f"StreamingAdam: param {gi}.{twice} is listed twice in its group (AdamW steps it "
+                    "once, with one state); list it once"
+                )
             for pi, p in enumerate(self.param_groups[gi]["params"]):
                 local = local_tensor(p)
                 if p.dtype not in _STREAMED_DTYPES:
-                    raise ConfigError(f"StreamingAdam: param {gi}.{pi} is {p.dtype}; streaming supports "
-                                     "fp32, bf16 and fp16 params")
+                    raise ConfigError(
+                        f"StreamingAdam: param {gi}.{pi} is {p.dtype}; streaming supports fp32, bf16 and fp16 params"
+                    )
                 if not p.requires_grad:
                     self.frozen.add(id(p))
                     continue
@@ -157,25 +188,35 @@ class StreamingAdam(StreamedOptimizer):
                 if p.dtype == torch.float32 and local.numel() <= self.resident_numel:
                     self.resident.append(p)
                     continue
-                entries.append(Entry(name=f"{gi}.{pi}", shape=tuple(local.shape), group=gi,
-                                     master=p.dtype != torch.float32,
-                                     remainder=p.dtype == torch.bfloat16 and self.master_layout == "remainder"))
+                entries.append(
+                    Entry(
+                        name=f"{gi}.{pi}",
+                        shape=tuple(local.shape),
+                        group=gi,
+                        master=p.dtype != torch.float32,
+                        remainder=p.dtype == torch.bfloat16 and self.master_layout == "remainder",
+                    )
+                )
                 self.streamed.append(p)
         return entries
 
     @classmethod
-    def from_config(cls, params: Iterable, config: OffloadConfig, rank_dir: str | RankDir,
-                    **kwargs) -> "StreamingAdam":
+    def from_config(cls, params: Iterable, config: OffloadConfig, rank_dir: str | RankDir, **kwargs) -> "StreamingAdam":
         """Build from the seed's flags: moment dtype, master layout, chunk size, codec and host
         cache from ``config``; ``kwargs`` are the AdamW hyperparameters (and ``bucket_numel``
         etc.)."""
         if not config.stream_optimizer_state_to_disk:
             raise ConfigError("StreamingAdam.from_config: the config does not set --stream-optimizer-state-to-disk")
-        return cls(params, state_dir=rank_dir, moment_dtype=config.stream_optimizer_state_moment_dtype,
-                   master_layout=config.stream_optimizer_state_master_layout,
-                   chunk_mb=config.offload_train_disk_chunk_mb,
-                   compression=config.offload_train_disk_compression,
-                   host_cache_gb=config.stream_optimizer_state_host_cache_gb, **kwargs)
+        return cls(
+            params,
+            state_dir=rank_dir,
+            moment_dtype=config.stream_optimizer_state_moment_dtype,
+            master_layout=config.stream_optimizer_state_master_layout,
+            chunk_mb=config.offload_train_disk_chunk_mb,
+            compression=config.offload_train_disk_compression,
+            host_cache_gb=config.stream_optimizer_state_host_cache_gb,
+            **kwargs,
+        )
 
     # -- state ------------------------------------------------------------------------
     def initialize_state(self) -> None:
@@ -190,19 +231,25 @@ class StreamingAdam(StreamedOptimizer):
         appended to the store (masters from the params, zero moments)."""
         for key, allowed in FIXED_GROUP_KEYS.items():
             if key in param_group and param_group[key] != allowed:
-                raise ConfigError(f"StreamingAdam: {key}={param_group[key]!r} is not supported "
-                                 f"(only {key}={allowed!r}); use torch.optim.AdamW for it")
+                raise ConfigError(
+                    f"StreamingAdam: {key}={param_group[key]!r} is not supported "
+                    f"(only {key}={allowed!r}); use torch.optim.AdamW for it"
+                )
         if self._store is not None:  # checked before the group joins, so a refusal changes nothing
             params = param_group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             param_group = {**param_group, "params": params}
             for p in params:
                 if p.dtype not in _STREAMED_DTYPES:
-                    raise ConfigError(f"StreamingAdam: a param of the new group is {p.dtype}; streaming supports "
-                                     "fp32, bf16 and fp16 params")
+                    raise ConfigError(
+                        f"StreamingAdam: a param of the new group is {p.dtype}; streaming supports "
+                        "fp32, bf16 and fp16 params"
+                    )
                 if p.requires_grad and local_tensor(p).device != self.device:
-                    raise ConfigError(f"StreamingAdam: a param of the new group is on {local_tensor(p).device}, "
-                                     f"the others on {self.device}; one optimizer streams for one device")
+                    raise ConfigError(
+                        f"StreamingAdam: a param of the new group is on {local_tensor(p).device}, "
+                        f"the others on {self.device}; one optimizer streams for one device"
+                    )
         super().add_param_group(param_group)
         if self._store is not None:  # else the constructor lays out every group at once
             self._add_group_buckets()
@@ -286,7 +333,8 @@ class StreamingAdam(StreamedOptimizer):
                     raise GreenroomError(
                         f"StreamingAdam: param {gi}.{pi} has a grad but had requires_grad=False when it was "
                         "added, so it has no optimizer state: to unfreeze it later, build the optimizer with it "
-                        "trainable (a param whose grad is None is not stepped, as in AdamW)")
+                        "trainable (a param whose grad is None is not stepped, as in AdamW)"
+                    )
 
     def param_state(self, p: torch.Tensor) -> dict:
         """``p``'s state dict, made with its step counter the first time it is asked for

@@ -16,11 +16,16 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from greenroom.errors import ConfigError
 
-
 # Group keys of torch.optim.AdamW that the streamed update does not implement, with the
 # only value it accepts: anything else is refused by name rather than ignored.
-FIXED_GROUP_KEYS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
-                    "decoupled_weight_decay": True}
+FIXED_GROUP_KEYS = {
+    "amsgrad": False,
+    "maximize": False,
+    "capturable": False,
+    "differentiable": False,
+    "decoupled_weight_decay": True,
+}
+
 
 def choose_implementation(device: torch.device, *, fused: bool | None, foreach: bool | None) -> tuple[bool, bool]:
     """``(fused, foreach)``: fused on CUDA and foreach elsewhere unless told otherwise."""
@@ -38,9 +43,17 @@ def new_step(device: torch.device, *, fused: bool) -> torch.Tensor:
     return torch.tensor(0.0, dtype=_get_scalar_dtype())
 
 
-def bucket_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                     exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
-                     steps: Sequence[torch.Tensor], *, group: dict, fused: bool, foreach: bool) -> None:
+def bucket_adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    group: dict,
+    fused: bool,
+    foreach: bool,
+) -> None:
     """One AdamW step (decoupled weight decay) of the given tensors, in place.
 
     ``params`` are the fp32 tensors updated (a bucket's master views, or fp32 params
@@ -51,8 +64,25 @@ def bucket_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     if not params:
         return
     beta1, beta2 = group["betas"]
-    adamw(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps),
-          foreach=foreach, capturable=False, differentiable=False, fused=fused,
-          grad_scale=None, found_inf=None, has_complex=False,
-          amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-          eps=group["eps"], maximize=False)
+    adamw(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        [],
+        list(steps),
+        foreach=foreach,
+        capturable=False,
+        differentiable=False,
+        fused=fused,
+        grad_scale=None,
+        found_inf=None,
+        has_complex=False,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import check_root
+from greenroom.errors import ConfigError
 
 
 class StreamingCheckpointIO(TorchCheckpointIO):
@@ -60,8 +60,10 @@ class StreamingCheckpointIO(TorchCheckpointIO):
 def _local(path) -> str:
     path = os.fspath(path)
     if "://" in path:
-        raise ConfigError(f"StreamingCheckpointIO: {path} is not a local path; it writes local files only "
-                         "(use Lightning's default CheckpointIO for remote storage)")
+        raise ConfigError(
+            f"StreamingCheckpointIO: {path} is not a local path; it writes local files only "
+            "(use Lightning's default CheckpointIO for remote storage)"
+        )
     return path
 
 

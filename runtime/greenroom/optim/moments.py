@@ -72,14 +72,14 @@ class MomentCodec:
     def view(self, raw: torch.Tensor, numel: int) -> torch.Tensor:
         """The fp32 working tensor that *is* ``raw`` (identity codec only)."""
         assert self.identity
-        return raw[:numel * 4].view(torch.float32)
+        return raw[: numel * 4].view(torch.float32)
 
     def encode(self, src: torch.Tensor, raw: torch.Tensor) -> None:
         """Store flat fp32 ``src`` into the uint8 segment ``raw`` (same device)."""
         numel = src.numel()
         values = src.sqrt() if self.sqrt else src
         if not self.fp8:
-            raw[:numel * self.dtype.itemsize].view(self.dtype).copy_(values)
+            raw[: numel * self.dtype.itemsize].view(self.dtype).copy_(values)
             return
         blocks = _blocks(numel)
         padded = torch.zeros(blocks * FP8_SCALE_BLOCK, dtype=torch.float32, device=src.device)
@@ -97,19 +97,19 @@ class MomentCodec:
         # exactly fmax / 2, halve the scale, as encoding the decoded block would.
         largest = (padded / scale[:, None]).to(self.dtype).to(torch.float32).abs().amax(dim=1)
         scale = torch.where((largest <= fmax / 2) & (largest > 0), scale / 2, scale)
-        data = raw[:blocks * FP8_SCALE_BLOCK].view(self.dtype).view(blocks, FP8_SCALE_BLOCK)
+        data = raw[: blocks * FP8_SCALE_BLOCK].view(self.dtype).view(blocks, FP8_SCALE_BLOCK)
         data.copy_(padded / scale[:, None])
-        raw[blocks * FP8_SCALE_BLOCK:blocks * (FP8_SCALE_BLOCK + 4)].view(torch.float32).copy_(scale)
+        raw[blocks * FP8_SCALE_BLOCK : blocks * (FP8_SCALE_BLOCK + 4)].view(torch.float32).copy_(scale)
 
     def decode(self, raw: torch.Tensor, dst: torch.Tensor) -> None:
         """Fill flat fp32 ``dst`` from the uint8 segment ``raw`` (same device)."""
         numel = dst.numel()
         if not self.fp8:
-            dst.copy_(raw[:numel * self.dtype.itemsize].view(self.dtype))
+            dst.copy_(raw[: numel * self.dtype.itemsize].view(self.dtype))
         else:
             blocks = _blocks(numel)
-            data = raw[:blocks * FP8_SCALE_BLOCK].view(self.dtype).view(blocks, FP8_SCALE_BLOCK)
-            scale = raw[blocks * FP8_SCALE_BLOCK:blocks * (FP8_SCALE_BLOCK + 4)].view(torch.float32)
+            data = raw[: blocks * FP8_SCALE_BLOCK].view(self.dtype).view(blocks, FP8_SCALE_BLOCK)
+            scale = raw[blocks * FP8_SCALE_BLOCK : blocks * (FP8_SCALE_BLOCK + 4)].view(torch.float32)
             dst.copy_((data.to(torch.float32) * scale[:, None]).view(-1)[:numel])
         if self.sqrt:
             dst.mul_(dst)  # squared in fp32: exact, so encoding it again gives the same bytes

@@ -31,11 +31,10 @@ from typing import Callable, Iterable
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, muon
 
-from greenroom.errors import ConfigError, GreenroomError
-from greenroom.optim.streamed import follow_param
-from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
-from greenroom.optim.streamed import StreamedOptimizer, listed_twice
 from greenroom.dirs.rankdir import RankDir
+from greenroom.errors import ConfigError, GreenroomError
+from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
+from greenroom.optim.streamed import StreamedOptimizer, follow_param, listed_twice
 
 _STREAMED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -57,11 +56,25 @@ class StreamingMuon(StreamedOptimizer):
 
     what = "StreamingMuon"
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
-                 eps: float = EPS, ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: str | None = None, *,
-                 state_dir: str | RankDir, bucket_numel: int = DEFAULT_BUCKET_NUMEL, moment_dtype: str = "fp32",
-                 chunk_mb: int = 256, host_cache_gb: float = 0.0, compression: str = "auto") -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+        eps: float = EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        state_dir: str | RankDir,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        moment_dtype: str = "fp32",
+        chunk_mb: int = 256,
+        host_cache_gb: float = 0.0,
+        compression: str = "auto",
+    ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ConfigError("StreamingMuon: a tensor lr must have one element")
         if not 0.0 <= lr:
@@ -71,25 +84,44 @@ class StreamingMuon(StreamedOptimizer):
         if not 0.0 <= weight_decay:
             raise ConfigError(f"StreamingMuon: invalid weight_decay {weight_decay!r}: must be >= 0")
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
-            raise ConfigError(f"StreamingMuon: adjust_lr_fn {adjust_lr_fn!r} is not supported "
-                             "(None, 'original' or 'match_rms_adamw')")
+            raise ConfigError(
+                f"StreamingMuon: adjust_lr_fn {adjust_lr_fn!r} is not supported (None, 'original' or 'match_rms_adamw')"
+            )
         self._check_staging(chunk_mb, host_cache_gb)
         self._store: BucketStore | None = None
         self._failed: str | None = None  # optim.poison Note [a failed step poisons]
         self.streamed: list[torch.Tensor] = []
         self.frozen: set[int] = set()
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
         super().__init__(params, defaults)
         entries = self._classify(range(len(self.param_groups)))
         self._record_groups()
         devices = {p.device for p in self.streamed}
         if len(devices) > 1:
-            raise ConfigError(f"StreamingMuon: params are on several devices ({sorted(map(str, devices))}); "
-                             "one optimizer streams for one device")
+            raise ConfigError(
+                f"StreamingMuon: params are on several devices ({sorted(map(str, devices))}); "
+                "one optimizer streams for one device"
+            )
         self.device = devices.pop() if devices else torch.device("cpu")
-        self._open_store(entries, state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype, chunk_mb=chunk_mb,
-                         host_cache_gb=host_cache_gb, compression=compression, moments=1)
+        self._open_store(
+            entries,
+            state_dir,
+            bucket_numel=bucket_numel,
+            moment_dtype=moment_dtype,
+            chunk_mb=chunk_mb,
+            host_cache_gb=host_cache_gb,
+            compression=compression,
+            moments=1,
+        )
         self.initialize_state()
 
     def _name(self, gi: int, pi: int) -> str:
@@ -101,26 +133,35 @@ class StreamingMuon(StreamedOptimizer):
         for gi in group_indices:
             twice = listed_twice(self.param_groups[gi]["params"])
             if twice is not None:
-                raise ConfigError(f"StreamingMuon: param {self._name(gi, twice)} is listed twice in its group "
-                                  "(torch.optim.Muon steps it once); list it once")
+                raise ConfigError(
+                    f"StreamingMuon: param {self._name(gi, twice)} is listed twice in its group "
+                    "(torch.optim.Muon steps it once); list it once"
+                )
             for pi, p in enumerate(self.param_groups[gi]["params"]):
                 if getattr(p, "device_mesh", None) is not None:
-                    raise ConfigError(f"StreamingMuon: param {self._name(gi, pi)} is a DTensor shard; Newton-Schulz "
-                                     "needs the whole matrix on one rank")
+                    raise ConfigError(
+                        f"StreamingMuon: param {self._name(gi, pi)} is a DTensor shard; Newton-Schulz "
+                        "needs the whole matrix on one rank"
+                    )
                 if p.ndim != 2:
-                    raise ConfigError(f"StreamingMuon: param {self._name(gi, pi)} has size {tuple(p.shape)}; Muon only "
-                                     "supports 2D parameters (as torch.optim.Muon): give biases, norms and "
-                                     "embeddings to AdamW or StreamingAdam")
+                    raise ConfigError(
+                        f"StreamingMuon: param {self._name(gi, pi)} has size {tuple(p.shape)}; Muon only "
+                        "supports 2D parameters (as torch.optim.Muon): give biases, norms and "
+                        "embeddings to AdamW or StreamingAdam"
+                    )
                 if p.dtype not in _STREAMED_DTYPES:
-                    raise ConfigError(f"StreamingMuon: param {self._name(gi, pi)} is {p.dtype}; streaming supports "
-                                     "fp32, bf16 and fp16 params")
+                    raise ConfigError(
+                        f"StreamingMuon: param {self._name(gi, pi)} is {p.dtype}; streaming supports "
+                        "fp32, bf16 and fp16 params"
+                    )
                 if not p.requires_grad:
                     self.frozen.add(id(p))
                     continue
                 if p.numel() == 0:
                     raise ConfigError(f"StreamingMuon: param {self._name(gi, pi)} has no elements")
-                entries.append(Entry(name=f"{gi}.{pi}", shape=tuple(p.shape), group=gi,
-                                     master=p.dtype != torch.float32))
+                entries.append(
+                    Entry(name=f"{gi}.{pi}", shape=tuple(p.shape), group=gi, master=p.dtype != torch.float32)
+                )
                 self.streamed.append(p)
         return entries
 
@@ -140,11 +181,15 @@ class StreamingMuon(StreamedOptimizer):
             param_group = {**param_group, "params": params}
             for p in params:
                 if p.ndim != 2:
-                    raise ConfigError(f"StreamingMuon: a param of the new group has size {tuple(p.shape)}; Muon only "
-                                     "supports 2D parameters")
+                    raise ConfigError(
+                        f"StreamingMuon: a param of the new group has size {tuple(p.shape)}; Muon only "
+                        "supports 2D parameters"
+                    )
                 if p.requires_grad and p.device != self.device:
-                    raise ConfigError(f"StreamingMuon: a param of the new group is on {p.device}, the others on "
-                                     f"{self.device}; one optimizer streams for one device")
+                    raise ConfigError(
+                        f"StreamingMuon: a param of the new group is on {p.device}, the others on "
+                        f"{self.device}; one optimizer streams for one device"
+                    )
         super().add_param_group(param_group)
         if self._store is not None:
             self._add_group_buckets()
@@ -193,10 +238,12 @@ class StreamingMuon(StreamedOptimizer):
                 if p.grad is None:
                     continue
                 if id(p) in self.frozen:
-                    raise GreenroomError(f"StreamingMuon: param {self._name(gi, pi)} has a grad but had "
-                                         "requires_grad=False when it was added, so it has no optimizer state: "
-                                         "to unfreeze it later, build the optimizer with it trainable (a param "
-                                         "whose grad is None is not stepped)")
+                    raise GreenroomError(
+                        f"StreamingMuon: param {self._name(gi, pi)} has a grad but had "
+                        "requires_grad=False when it was added, so it has no optimizer state: "
+                        "to unfreeze it later, build the optimizer with it trainable (a param "
+                        "whose grad is None is not stepped)"
+                    )
                 if torch.is_complex(p):
                     raise GreenroomError("StreamingMuon: Muon does not support complex parameters")
                 if p.grad.is_sparse:
@@ -228,10 +275,20 @@ class StreamingMuon(StreamedOptimizer):
             grads.append(grad)
             momenta.append(bufs[k])
         if params:
-            muon(params, grads, momenta, lr=group["lr"], weight_decay=group["weight_decay"],
-                 momentum=group["momentum"], nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
-                 eps=group["eps"], ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"],
-                 has_complex=False)
+            muon(
+                params,
+                grads,
+                momenta,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                ns_coefficients=group["ns_coefficients"],
+                eps=group["eps"],
+                ns_steps=group["ns_steps"],
+                adjust_lr_fn=group["adjust_lr_fn"],
+                has_complex=False,
+            )
         if masters is not None:
             for k, p in todo:
                 p.copy_(masters[k])

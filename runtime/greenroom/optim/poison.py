@@ -33,11 +33,13 @@ class FailedStepPoison:
         if self._failed is not None:
             raise GreenroomError(
                 f"{self.what}: {call} refused: an earlier {self._failed}; load a checkpoint ({self.reload_with}) "
-                "before stepping or saving again")
+                "before stepping or saving again"
+            )
 
     @contextlib.contextmanager
-    def _poisoned_if_it_fails(self, call: str = "step()",
-                              left: str = "partly updated (some buckets stepped, some not)"):
+    def _poisoned_if_it_fails(
+        self, call: str = "step()", left: str = "partly updated (some buckets stepped, some not)"
+    ):
         """Around the part of ``call`` that changes state: what raises out of it poisons."""
         try:
             yield

@@ -62,9 +62,9 @@ def _fixup_views(fixups: torch.Tensor, numel: int) -> tuple[torch.Tensor, ...]:
     nb, cap = blocks(numel), capacity(numel)
     at = 8 * nb
     fingerprints = fixups[:at].view(torch.int64)
-    count = fixups[at:at + 8].view(torch.int64)
-    indices = fixups[at + 8:at + 8 + 8 * cap].view(torch.int64)
-    bits = fixups[at + 8 + 8 * cap:at + 8 + 12 * cap].view(torch.int32)
+    count = fixups[at : at + 8].view(torch.int64)
+    indices = fixups[at + 8 : at + 8 + 8 * cap].view(torch.int64)
+    bits = fixups[at + 8 + 8 * cap : at + 8 + 12 * cap].view(torch.int32)
     return fingerprints, count, indices, bits
 
 
@@ -89,7 +89,7 @@ def _fingerprints(high: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if full:
         parts.append((high[:full].view(-1, FINGERPRINT_BLOCK) * w).sum(dim=1))  # int32 * int64: int64
     if full < n:
-        parts.append((high[full:] * w[:n - full]).sum().view(1))
+        parts.append((high[full:] * w[: n - full]).sum().view(1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -119,7 +119,7 @@ class _Work:
 
     def rebuild(self, high: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
         """``(high - (lo > 0x8000)) << 16 | lo``: the master the rule rebuilds."""
-        rebuilt = self.rebuilt[:lo.numel()]
+        rebuilt = self.rebuilt[: lo.numel()]
         torch.gt(lo, _ROUNDS_UP, out=rebuilt)  # 1 where the low half rounded the param up
         torch.sub(high, rebuilt, out=rebuilt)
         rebuilt.bitwise_left_shift_(16).bitwise_or_(lo)
@@ -139,20 +139,22 @@ def encode(master: torch.Tensor, low: torch.Tensor, fixups: torch.Tensor, *, lab
     for start, stop in _pieces(numel):
         bits = master[start:stop].view(torch.int32)
         lo, high = work.halves(bits)
-        cast = work.cast[:stop - start]
+        cast = work.cast[: stop - start]
         cast.copy_(master[start:stop])  # the bf16 param this master casts to
         high.copy_(cast.view(torch.int16)).bitwise_and_(0xFFFF)  # its pattern, sign-extended, then unsigned
-        fingerprints[start // FINGERPRINT_BLOCK:blocks(stop)].copy_(_fingerprints(high, work.weights))
-        wrong = torch.ne(work.rebuild(high, lo), bits, out=work.flag[:stop - start]).nonzero().view(-1)
+        fingerprints[start // FINGERPRINT_BLOCK : blocks(stop)].copy_(_fingerprints(high, work.weights))
+        wrong = torch.ne(work.rebuild(high, lo), bits, out=work.flag[: stop - start]).nonzero().view(-1)
         if wrong.numel():
             found_at.append(wrong + start)
             found_bits.append(bits[wrong])
     n = sum(t.numel() for t in found_at)
     if n > indices.numel():
-        raise GreenroomError(f"{label}: {n} fp32 masters are not the bf16 param plus a 16-bit remainder (ties that "
-                             f"rounded up, or non-finite masters), more than the {indices.numel()} the bucket "
-                             "holds: the masters have gone non-finite; build the optimizer with "
-                             "master_layout='fp32' to store them whole")
+        raise GreenroomError(
+            f"{label}: {n} fp32 masters are not the bf16 param plus a 16-bit remainder (ties that "
+            f"rounded up, or non-finite masters), more than the {indices.numel()} the bucket "
+            "holds: the masters have gone non-finite; build the optimizer with "
+            "master_layout='fp32' to store them whole"
+        )
     count.fill_(n)
     if n:
         indices[:n].copy_(torch.cat(found_at))
@@ -160,8 +162,9 @@ def encode(master: torch.Tensor, low: torch.Tensor, fixups: torch.Tensor, *, lab
     return n
 
 
-def decode(master: torch.Tensor, low: torch.Tensor, fixups: torch.Tensor,
-           params: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+def decode(
+    master: torch.Tensor, low: torch.Tensor, fixups: torch.Tensor, params: list[tuple[int, torch.Tensor]]
+) -> torch.Tensor:
     """Rebuild flat fp32 ``master`` from the bf16 ``params`` (``(first element, tensor)``
     of each, covering the bucket in order), the low halves ``low`` and the segment
     ``fixups``; blocks whose params changed since the encode are re-seeded from the
@@ -171,7 +174,7 @@ def decode(master: torch.Tensor, low: torch.Tensor, fixups: torch.Tensor,
     halves = master.view(torch.int16).view(-1, 2)
     halves[:, 0].copy_(low)
     for start, p in params:
-        halves[start:start + p.numel(), 1].copy_(p.detach().reshape(-1).view(torch.int16))
+        halves[start : start + p.numel(), 1].copy_(p.detach().reshape(-1).view(torch.int16))
     changed = torch.empty(blocks(numel), dtype=torch.bool, device=master.device)
     work = _Work(numel, master.device)
     for start, stop in _pieces(numel):
@@ -181,14 +184,16 @@ def decode(master: torch.Tensor, low: torch.Tensor, fixups: torch.Tensor,
         first, last = start // FINGERPRINT_BLOCK, blocks(stop)
         piece_changed = changed[first:last]
         torch.ne(_fingerprints(high, work.weights), fingerprints[first:last], out=piece_changed)
-        reseed = piece_changed.repeat_interleave(FINGERPRINT_BLOCK)[:stop - start]
+        reseed = piece_changed.repeat_interleave(FINGERPRINT_BLOCK)[: stop - start]
         rebuilt = work.rebuild(high, lo)
         param_value = torch.bitwise_and(bits, ~0xFFFF, out=lo)  # the param's value: its high half, low half 0
         torch.where(reseed, param_value, rebuilt, out=bits)
     n = int(count.item())
     if not 0 <= n <= indices.numel():
-        raise GreenroomError(f"the fixup list of a bucket records {n} exceptions, more than its {indices.numel()}: "
-                             "the state is damaged; restart from the last checkpoint")
+        raise GreenroomError(
+            f"the fixup list of a bucket records {n} exceptions, more than its {indices.numel()}: "
+            "the state is damaged; restart from the last checkpoint"
+        )
     if n:
         at = indices[:n]
         keep = ~changed[at // FINGERPRINT_BLOCK]

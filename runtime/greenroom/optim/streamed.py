@@ -12,15 +12,14 @@ from typing import Any, Callable
 
 import torch
 
-from greenroom.io.compression import resolve as resolve_compression
-from greenroom.units import GB, MIB
-from greenroom.errors import ConfigError
-from greenroom.optim.poison import FailedStepPoison
-from greenroom.optim.store.bucket_store import BucketStore, Entry
 from greenroom.dirs.rankdir import RankDir
 from greenroom.dirs.statedir import claim_state_dir
+from greenroom.errors import ConfigError
+from greenroom.io.compression import resolve as resolve_compression
+from greenroom.optim.poison import FailedStepPoison
+from greenroom.optim.store.bucket_store import BucketStore, Entry
 from greenroom.tensors import local_tensor
-from greenroom.units import MAX_GB
+from greenroom.units import GB, MAX_GB, MIB
 
 
 def listed_twice(params: list) -> int | None:
@@ -48,24 +47,48 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
     def _check_staging(self, chunk_mb: int, host_cache_gb: float) -> None:
         if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, int) or chunk_mb <= 0:
             raise ConfigError(f"{self.what}: chunk_mb must be a positive integer number of MiB, got {chunk_mb!r}")
-        if (isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, (int, float))
-                or not 0 <= host_cache_gb <= MAX_GB):
-            raise ConfigError(f"{self.what}: host_cache_gb must be a finite number of GB >= 0 and at most {MAX_GB:g} "
-                              f"(an exabyte), got {host_cache_gb!r}")
+        if (
+            isinstance(host_cache_gb, bool)
+            or not isinstance(host_cache_gb, (int, float))
+            or not 0 <= host_cache_gb <= MAX_GB
+        ):
+            raise ConfigError(
+                f"{self.what}: host_cache_gb must be a finite number of GB >= 0 and at most {MAX_GB:g} "
+                f"(an exabyte), got {host_cache_gb!r}"
+            )
 
-    def _open_store(self, entries: list[Entry], state_dir: str | RankDir, *, bucket_numel: int, moment_dtype: str,
-                    chunk_mb: int, host_cache_gb: float, compression: str, **store_options) -> None:
+    def _open_store(
+        self,
+        entries: list[Entry],
+        state_dir: str | RankDir,
+        *,
+        bucket_numel: int,
+        moment_dtype: str,
+        chunk_mb: int,
+        host_cache_gb: float,
+        compression: str,
+        **store_options,
+    ) -> None:
         """Resolve the codec, claim the state dir and lay out the bucket files of
         ``entries`` on ``self.device``."""
-        codec, self.compression_line = resolve_compression(compression, cuda=self.device.type == "cuda",
-                                                           chunk_bytes=chunk_mb * MIB)
+        codec, self.compression_line = resolve_compression(
+            compression, cuda=self.device.type == "cuda", chunk_bytes=chunk_mb * MIB
+        )
         # Claimed last, once nothing else can refuse: a refused optimizer leaves no dir.
         self._state_dir = claim_state_dir(state_dir, name="optim", what=self.what)
         self.state_dir = self._state_dir.path
         try:
-            self._store = BucketStore(entries, self.state_dir, bucket_numel=bucket_numel, moment_dtype=moment_dtype,
-                                      device=self.device, chunk_bytes=chunk_mb * MIB, compression=codec,
-                                      host_cache_bytes=int(host_cache_gb * GB), **store_options)
+            self._store = BucketStore(
+                entries,
+                self.state_dir,
+                bucket_numel=bucket_numel,
+                moment_dtype=moment_dtype,
+                device=self.device,
+                chunk_bytes=chunk_mb * MIB,
+                compression=codec,
+                host_cache_bytes=int(host_cache_gb * GB),
+                **store_options,
+            )
         except BaseException:
             self._state_dir.release()
             raise
@@ -104,18 +127,24 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         step does not implement, is a one-line error; stepping would leave the new params
         untrained (their state has no place in the files) or ignore the key, silently."""
         if len(self.param_groups) != len(self._laid_out):
-            raise ConfigError(f"{self.what}: param_groups has {len(self.param_groups)} groups, the state was laid out "
-                              f"for {len(self._laid_out)}: add groups with add_param_group only, or build a new "
-                              "optimizer")
+            raise ConfigError(
+                f"{self.what}: param_groups has {len(self.param_groups)} groups, the state was laid out "
+                f"for {len(self._laid_out)}: add groups with add_param_group only, or build a new "
+                "optimizer"
+            )
         for gi, (group, ids) in enumerate(zip(self.param_groups, self._laid_out)):
             if tuple(map(id, group["params"])) != ids:
-                raise ConfigError(f"{self.what}: param_groups[{gi}]['params'] changed since the state was laid out "
-                                  "(a param added, removed or replaced there): new params go in with "
-                                  "add_param_group, or build a new optimizer for the new params")
+                raise ConfigError(
+                    f"{self.what}: param_groups[{gi}]['params'] changed since the state was laid out "
+                    "(a param added, removed or replaced there): new params go in with "
+                    "add_param_group, or build a new optimizer for the new params"
+                )
             for key, allowed in self.fixed_group_keys.items():
                 if group.get(key, allowed) != allowed:
-                    raise ConfigError(f"{self.what}: param_groups[{gi}]['{key}'] is {group[key]!r}; only "
-                                      f"{key}={allowed!r} is supported: use torch.optim for it")
+                    raise ConfigError(
+                        f"{self.what}: param_groups[{gi}]['{key}'] is {group[key]!r}; only "
+                        f"{key}={allowed!r} is supported: use torch.optim for it"
+                    )
             if not self.tensor_lr and isinstance(group["lr"], torch.Tensor):
                 raise ConfigError(f"{self.what}: param_groups[{gi}]['lr'] is a tensor; give a float")
 
@@ -130,9 +159,11 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         frozen = set(self.frozen)
         try:
             if self._pending_checkpoint is not None:
-                raise ConfigError(f"{self.what}: add_param_group() between checkpoint_next_step() and step(): that "
-                                  "checkpoint has a file for each bucket there was; call it before "
-                                  "checkpoint_next_step()")
+                raise ConfigError(
+                    f"{self.what}: add_param_group() between checkpoint_next_step() and step(): that "
+                    "checkpoint has a file for each bucket there was; call it before "
+                    "checkpoint_next_step()"
+                )
             entries = self._classify([len(self.param_groups) - 1])
             new = self.store.extend(entries) if entries else []
         except BaseException:
@@ -148,11 +179,13 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
 
     def _fresh_fill(self):
         """A ``BucketStore.overwrite`` fill: masters from the params, moments zero."""
+
         def fill(state) -> None:
             if state.master is None:
                 return
             for i, view in zip(state.bucket.entries, state.views(state.master)):
                 view.copy_(local_tensor(self.streamed[i]).detach())
+
         return fill
 
     # -- state dicts and checkpoints ----------------------------------------------------
@@ -307,6 +340,6 @@ def follow_param(master: torch.Tensor, param: torch.Tensor) -> None:
     stay small next to an embedding of a billion elements."""
     flat_master, flat_param = master.view(-1), param.reshape(-1)
     for start in range(0, flat_master.numel(), _FOLLOW_PIECE):
-        m = flat_master[start:start + _FOLLOW_PIECE]
-        q = flat_param[start:start + _FOLLOW_PIECE]
+        m = flat_master[start : start + _FOLLOW_PIECE]
+        q = flat_param[start : start + _FOLLOW_PIECE]
         torch.where(q != m.to(q.dtype), q.to(m.dtype), m, out=m)

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from greenroom.io import fs
 from greenroom.config import MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
-from greenroom.io.codec_names import CODECS as COMPRESSIONS
-from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import is_dir_name
+from greenroom.errors import ConfigError
+from greenroom.io import fs
+from greenroom.io.codec_names import CODECS as COMPRESSIONS
 from greenroom.units import MAX_GB
 
 LAUNCHERS = ("srun", "torchrun")
@@ -40,8 +40,10 @@ DEFAULT_TEMPLATE = "sbatch.sh.j2"
 _SBATCH_WORD = re.compile(r"^[A-Za-z0-9_.,:=%@/+\-\[\]]+$")
 _MEMORY = re.compile(r"^[0-9]+[KMGT]?$")
 # Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-_TIME = re.compile(r"^(?:(?P<d>[0-9]+)-(?P<dh>[0-9]+)(?::(?P<dm>[0-9]+)(?::(?P<ds>[0-9]+))?)?"
-                   r"|(?P<a>[0-9]+)(?::(?P<b>[0-9]+)(?::(?P<c>[0-9]+))?)?)$")
+_TIME = re.compile(
+    r"^(?:(?P<d>[0-9]+)-(?P<dh>[0-9]+)(?::(?P<dm>[0-9]+)(?::(?P<ds>[0-9]+))?)?"
+    r"|(?P<a>[0-9]+)(?::(?P<b>[0-9]+)(?::(?P<c>[0-9]+))?)?)$"
+)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_SIGNAL_SECONDS = 65535  # sbatch --signal's upper bound
 
@@ -58,12 +60,25 @@ RESUME_MODES = ("auto", "strict")
 # sbatch options the config has a key for, or the script sets itself: an sbatch_extra
 # entry would silently replace them (a --signal of its own breaks the preemption path).
 _OWNED_OPTIONS = {
-    **{option: f"set by the config key {key}" for option, key in (
-        ("job-name", "job_name"), ("nodes", "nodes"), ("ntasks-per-node", "tasks_per_node"),
-        ("cpus-per-task", "cpus_per_task"), ("gpus-per-node", "gpus_per_node"), ("mem", "mem"), ("time", "time"),
-        ("partition", "partition"), ("account", "account"), ("qos", "qos"), ("exclusive", "exclusive"),
-        ("signal", "preempt_signal and preempt_signal_seconds"), ("requeue", "max_restarts"),
-        ("no-requeue", "max_restarts"))},
+    **{
+        option: f"set by the config key {key}"
+        for option, key in (
+            ("job-name", "job_name"),
+            ("nodes", "nodes"),
+            ("ntasks-per-node", "tasks_per_node"),
+            ("cpus-per-task", "cpus_per_task"),
+            ("gpus-per-node", "gpus_per_node"),
+            ("mem", "mem"),
+            ("time", "time"),
+            ("partition", "partition"),
+            ("account", "account"),
+            ("qos", "qos"),
+            ("exclusive", "exclusive"),
+            ("signal", "preempt_signal and preempt_signal_seconds"),
+            ("requeue", "max_restarts"),
+            ("no-requeue", "max_restarts"),
+        )
+    },
     "open-mode": "set by the script (append: a requeued job keeps one log)",
 }
 
@@ -96,8 +111,9 @@ class TrainArgs:
     stream_optimizer_state_master_layout: str = _FLAG_DEFAULTS.stream_optimizer_state_master_layout
     """``--stream-optimizer-state-master-layout``: remainder (the default, left out) or fp32."""
 
-    stream_optimizer_state_host_cache_gb: float = field(default=_FLAG_DEFAULTS.stream_optimizer_state_host_cache_gb,
-                                                        metadata=_unit("GB (10^9 bytes) per rank"))
+    stream_optimizer_state_host_cache_gb: float = field(
+        default=_FLAG_DEFAULTS.stream_optimizer_state_host_cache_gb, metadata=_unit("GB (10^9 bytes) per rank")
+    )
     """``--stream-optimizer-state-host-cache-gb``: host memory per rank (GB) for whole
     buckets kept off the disk; 0 (the default) leaves the flag out."""
 
@@ -127,14 +143,17 @@ class TrainArgs:
         with warnings.catch_warnings():
             # "target ignored without --offload-train": the rendered flags leave it out then.
             warnings.simplefilter("ignore")
-            return OffloadFlags(offload_train=self.offload_train, offload_train_target=self.offload_train_target,
-                                offload_train_disk_chunk_mb=self.offload_train_disk_chunk_mb,
-                                offload_train_disk_compression=self.offload_train_disk_compression,
-                                stream_optimizer_state_to_disk=self.stream_optimizer_state_to_disk,
-                                stream_optimizer_state_moment_dtype=self.stream_optimizer_state_moment_dtype,
-                                stream_optimizer_state_master_layout=self.stream_optimizer_state_master_layout,
-                                stream_optimizer_state_host_cache_gb=self.stream_optimizer_state_host_cache_gb,
-                                no_load_optim=self.no_load_optim)
+            return OffloadFlags(
+                offload_train=self.offload_train,
+                offload_train_target=self.offload_train_target,
+                offload_train_disk_chunk_mb=self.offload_train_disk_chunk_mb,
+                offload_train_disk_compression=self.offload_train_disk_compression,
+                stream_optimizer_state_to_disk=self.stream_optimizer_state_to_disk,
+                stream_optimizer_state_moment_dtype=self.stream_optimizer_state_moment_dtype,
+                stream_optimizer_state_master_layout=self.stream_optimizer_state_master_layout,
+                stream_optimizer_state_host_cache_gb=self.stream_optimizer_state_host_cache_gb,
+                no_load_optim=self.no_load_optim,
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -271,17 +290,21 @@ class SlurmJobConfig:
             self.tasks_per_node = self.gpus_per_node or 1
         _positive_int("tasks_per_node", self.tasks_per_node)
         if self.gpus_per_node and self.tasks_per_node > self.gpus_per_node:
-            raise ConfigError(f"tasks_per_node: {self.tasks_per_node} processes cannot each have a GPU of "
-                             f"gpus_per_node {self.gpus_per_node}; use at most one process per GPU")
+            raise ConfigError(
+                f"tasks_per_node: {self.tasks_per_node} processes cannot each have a GPU of "
+                f"gpus_per_node {self.gpus_per_node}; use at most one process per GPU"
+            )
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
         if self.cpus_per_task is None:
             self.cpus_per_task = self.tasks_per_node if self.launcher == "torchrun" else 1
         _positive_int("cpus_per_task", self.cpus_per_task)
         if self.launcher == "torchrun" and self.cpus_per_task < self.tasks_per_node:
-            raise ConfigError(f"cpus_per_task: {self.cpus_per_task} CPUs cannot give each of torchrun's "
-                              f"{self.tasks_per_node} processes one; with launcher torchrun it counts the CPUs of "
-                              f"the node's one task (all its processes): use at least {self.tasks_per_node}")
+            raise ConfigError(
+                f"cpus_per_task: {self.cpus_per_task} CPUs cannot give each of torchrun's "
+                f"{self.tasks_per_node} processes one; with launcher torchrun it counts the CPUs of "
+                f"the node's one task (all its processes): use at least {self.tasks_per_node}"
+            )
         if self.master_port is not None:
             _positive_int("master_port", self.master_port)
             if not 1024 <= self.master_port <= 65535:
@@ -298,12 +321,14 @@ class SlurmJobConfig:
         try:
             signal.Signals[f"SIG{self.preempt_signal}"]
         except (KeyError, TypeError):
-            raise ConfigError(f"preempt_signal: expected a signal name like USR1 (without SIG), "
-                             f"got {self.preempt_signal!r}") from None
+            raise ConfigError(
+                f"preempt_signal: expected a signal name like USR1 (without SIG), got {self.preempt_signal!r}"
+            ) from None
         _positive_int("preempt_signal_seconds", self.preempt_signal_seconds)
         if self.preempt_signal_seconds > MAX_SIGNAL_SECONDS:
-            raise ConfigError(f"preempt_signal_seconds must be at most {MAX_SIGNAL_SECONDS}, "
-                             f"got {self.preempt_signal_seconds}")
+            raise ConfigError(
+                f"preempt_signal_seconds must be at most {MAX_SIGNAL_SECONDS}, got {self.preempt_signal_seconds}"
+            )
         for name, value in self.env.items():
             if not isinstance(name, str) or not _ENV_NAME.match(name):
                 raise ConfigError(f"env: {name!r} is not a valid environment variable name")
@@ -314,16 +339,24 @@ class SlurmJobConfig:
             _sbatch_word("sbatch_extra key", str(key))
             # Neither has an #SBATCH form: str() would render --requeue=False or --nice=None.
             if value is False:
-                fix = ("leave the key out and set max_restarts: 0, which renders --no-requeue" if key == "requeue"
-                       else f"to not pass --{key}, leave the key out")
-                raise ConfigError(f"sbatch_extra.{key}: false is no sbatch value "
-                                  f"(it would render --{key}=False); {fix}")
+                fix = (
+                    "leave the key out and set max_restarts: 0, which renders --no-requeue"
+                    if key == "requeue"
+                    else f"to not pass --{key}, leave the key out"
+                )
+                raise ConfigError(
+                    f"sbatch_extra.{key}: false is no sbatch value (it would render --{key}=False); {fix}"
+                )
             if value is None:
-                raise ConfigError(f"sbatch_extra.{key}: null is no sbatch value (it would render --{key}=None); "
-                                  f"write {key}: VALUE, {key}: true for a bare --{key}, or leave the key out")
+                raise ConfigError(
+                    f"sbatch_extra.{key}: null is no sbatch value (it would render --{key}=None); "
+                    f"write {key}: VALUE, {key}: true for a bare --{key}, or leave the key out"
+                )
             if str(key) in _OWNED_OPTIONS:
-                raise ConfigError(f"sbatch_extra.{key}: --{key} is {_OWNED_OPTIONS[str(key)]}; an sbatch_extra "
-                                  "entry would replace it behind the config's back: leave it out")
+                raise ConfigError(
+                    f"sbatch_extra.{key}: --{key} is {_OWNED_OPTIONS[str(key)]}; an sbatch_extra "
+                    "entry would replace it behind the config's back: leave it out"
+                )
             if value is not True:
                 _sbatch_word(f"sbatch_extra.{key}", str(value))
         if self.command is not None:
@@ -337,8 +370,9 @@ class SlurmJobConfig:
                 raise ConfigError(f"command: expected a non-empty list of words (or one string), got {self.command!r}")
             self.command = words
         if self.greenroom_args not in GREENROOM_ARGS_MODES:
-            raise ConfigError(f"greenroom_args: expected one of {', '.join(GREENROOM_ARGS_MODES)}, "
-                              f"got {self.greenroom_args!r}")
+            raise ConfigError(
+                f"greenroom_args: expected one of {', '.join(GREENROOM_ARGS_MODES)}, got {self.greenroom_args!r}"
+            )
         for name in ("greenroom", "torchrun", "template"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
@@ -353,12 +387,16 @@ class SlurmJobConfig:
             t = self.train
             for name, unset in (("iterations", None), ("checkpoint_dir", None), ("extra_args", [])):
                 if getattr(t, name) != unset:
-                    raise ConfigError(f"train.{name} is a greenroom train argument, and command runs your own "
-                                      "trainer: put it in command (train holds only the seed flags then)")
+                    raise ConfigError(
+                        f"train.{name} is a greenroom train argument, and command runs your own "
+                        "trainer: put it in command (train holds only the seed flags then)"
+                    )
         if self.container is not None:
             if self.container.runtime not in CONTAINER_RUNTIMES:
-                raise ConfigError(f"container.runtime: expected one of {', '.join(CONTAINER_RUNTIMES)}, "
-                                 f"got {self.container.runtime!r}")
+                raise ConfigError(
+                    f"container.runtime: expected one of {', '.join(CONTAINER_RUNTIMES)}, "
+                    f"got {self.container.runtime!r}"
+                )
             if not isinstance(self.container.image, str) or not self.container.image:
                 raise ConfigError("container.image: expected an image reference or path")
             for mount in self.container.mounts:
@@ -382,36 +420,49 @@ def check_scratch_dir(path: str) -> None:
         raise ConfigError(f"scratch_dir: expected an absolute path on node-local NVMe, got {path!r}")
     if fs.is_memory_backed(path):
         mount = fs.mount_of(path)
-        raise ConfigError(f"scratch_dir: {path} is on {mount.fstype} ({mount.mount_point}), which keeps the "
-                         "offloaded data in RAM; point it at node-local NVMe")
+        raise ConfigError(
+            f"scratch_dir: {path} is on {mount.fstype} ({mount.mount_point}), which keeps the "
+            "offloaded data in RAM; point it at node-local NVMe"
+        )
 
 
 def _check_train(train: TrainArgs) -> None:
     if train.offload_train_target is not None and train.offload_train_target not in TARGETS:
-        raise ConfigError(f"train.offload_train_target: expected one of {', '.join(TARGETS)}, "
-                         f"got {train.offload_train_target!r}")
+        raise ConfigError(
+            f"train.offload_train_target: expected one of {', '.join(TARGETS)}, got {train.offload_train_target!r}"
+        )
     if train.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
-        raise ConfigError(f"train.stream_optimizer_state_moment_dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
-                         f"got {train.stream_optimizer_state_moment_dtype!r}")
+        raise ConfigError(
+            f"train.stream_optimizer_state_moment_dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
+            f"got {train.stream_optimizer_state_moment_dtype!r}"
+        )
     if train.stream_optimizer_state_master_layout not in MASTER_LAYOUTS:
-        raise ConfigError(f"train.stream_optimizer_state_master_layout: expected one of {', '.join(MASTER_LAYOUTS)}, "
-                         f"got {train.stream_optimizer_state_master_layout!r}")
+        raise ConfigError(
+            f"train.stream_optimizer_state_master_layout: expected one of {', '.join(MASTER_LAYOUTS)}, "
+            f"got {train.stream_optimizer_state_master_layout!r}"
+        )
     _positive_int("train.offload_train_disk_chunk_mb", train.offload_train_disk_chunk_mb)
     if train.offload_train_disk_compression not in COMPRESSIONS:
-        raise ConfigError(f"train.offload_train_disk_compression: expected one of {', '.join(COMPRESSIONS)}, "
-                         f"got {train.offload_train_disk_compression!r}")
+        raise ConfigError(
+            f"train.offload_train_disk_compression: expected one of {', '.join(COMPRESSIONS)}, "
+            f"got {train.offload_train_disk_compression!r}"
+        )
     cache = train.stream_optimizer_state_host_cache_gb
     if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= MAX_GB:
-        raise ConfigError(f"train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0 and at most "
-                          f"{MAX_GB:g} (an exabyte), got {cache!r}")
+        raise ConfigError(
+            f"train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0 and at most "
+            f"{MAX_GB:g} (an exabyte), got {cache!r}"
+        )
     if train.iterations is not None:
         _positive_int("train.iterations", train.iterations)
     if train.resume not in RESUME_MODES:
         raise ConfigError(f"train.resume: expected one of {', '.join(RESUME_MODES)}, got {train.resume!r}")
     # The trainer's own rule (greenroom.dirs.rankdir), so a bad role fails here, not after queueing.
     if not is_dir_name(train.role):
-        raise ConfigError(f"train.role: {train.role!r} is not a valid directory name; "
-                          "give a name without '/' that is not . or .. (e.g. actor)")
+        raise ConfigError(
+            f"train.role: {train.role!r} is not a valid directory name; "
+            "give a name without '/' that is not . or .. (e.g. actor)"
+        )
     if not isinstance(train.extra_args, list) or not all(isinstance(a, str) for a in train.extra_args):
         raise ConfigError(f"train.extra_args: expected a list of strings, got {train.extra_args!r}")
     # The trainer's own pairing rules, checked here so a bad pair fails before submission.
@@ -449,8 +500,9 @@ def _non_negative_int(name: str, value) -> None:
 
 def _sbatch_word(name: str, value) -> None:
     if not isinstance(value, str) or not _SBATCH_WORD.match(value):
-        raise ConfigError(f"{name}: {value!r} must be one word of letters, digits and _.,:=%@/+-[] "
-                         "(it goes on an #SBATCH line)")
+        raise ConfigError(
+            f"{name}: {value!r} must be one word of letters, digits and _.,:=%@/+-[] (it goes on an #SBATCH line)"
+        )
 
 
 def _build(cls, data, where: str):
@@ -471,8 +523,9 @@ def _build(cls, data, where: str):
             kwargs["container"] = _build(ContainerConfig, kwargs["container"], "container.")
     for name, kind in (("env", dict), ("sbatch_extra", dict), ("setup", list), ("mounts", list)):
         if name in kwargs and name in known and not isinstance(kwargs[name], kind):
-            raise ConfigError(f"{where}{name}: expected a {'mapping' if kind is dict else 'list'}, "
-                             f"got {kwargs[name]!r}")
+            raise ConfigError(
+                f"{where}{name}: expected a {'mapping' if kind is dict else 'list'}, got {kwargs[name]!r}"
+            )
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required key is missing
@@ -510,9 +563,15 @@ def _keep_text(loader: yaml.SafeLoader, node: yaml.Node, hint) -> yaml.Node:
         classes = [option for option in options if dataclasses.is_dataclass(option)]
         if classes:
             fields = typing.get_type_hints(classes[0])
-            node.value = [(key, _keep_text(loader, value, fields[key.value])
-                           if isinstance(key, yaml.ScalarNode) and key.value in fields else value)
-                          for key, value in node.value]
+            node.value = [
+                (
+                    key,
+                    _keep_text(loader, value, fields[key.value])
+                    if isinstance(key, yaml.ScalarNode) and key.value in fields
+                    else value,
+                )
+                for key, value in node.value
+            ]
         elif dict in origins:
             item = typing.get_args(origins[dict])[1]
             node.value = [(key, _keep_text(loader, value, item)) for key, value in node.value]

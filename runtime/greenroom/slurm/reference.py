@@ -20,13 +20,18 @@ SECTIONS = (("", config.SlurmJobConfig), ("train.", config.TrainArgs), ("contain
 def field_docs(cls) -> dict[str, str]:
     """The docstring under each field of ``cls`` (a string literal right after the
     annotated assignment, as the config classes write them)."""
-    (node,) = [n for n in ast.parse(inspect.getsource(config)).body
-               if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
+    (node,) = [
+        n for n in ast.parse(inspect.getsource(config)).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__
+    ]
     docs = {}
     for stmt, following in zip(node.body, node.body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             docs[stmt.target.id] = following.value.value
     return docs
 

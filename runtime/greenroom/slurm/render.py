@@ -59,8 +59,12 @@ def resource_options(config: SlurmJobConfig) -> dict[str, str | bool]:
     order. The one mapping from the config to Slurm: the script's ``#SBATCH`` lines and
     submitit's executor parameters are both made from it."""
     per_node = config.tasks_per_node if config.launcher == "srun" else 1
-    options: dict[str, str | bool] = {"job-name": config.job_name, "nodes": str(config.nodes),
-                                      "ntasks-per-node": str(per_node), "cpus-per-task": str(config.cpus_per_task)}
+    options: dict[str, str | bool] = {
+        "job-name": config.job_name,
+        "nodes": str(config.nodes),
+        "ntasks-per-node": str(per_node),
+        "cpus-per-task": str(config.cpus_per_task),
+    }
     if config.gpus_per_node:
         options["gpus-per-node"] = str(config.gpus_per_node)
     if config.mem is not None:
@@ -106,8 +110,10 @@ def _container_parts(config: SlurmJobConfig) -> tuple[str, str]:
     if c.runtime == "pyxis":
         # One named container per job and node: pyxis imports the image once, and every
         # step of the job (reclaim, trainer, exit reclaim) reuses it.
-        return (f'--container-image={shlex.quote(c.image)} --container-name=greenroom-"$SLURM_JOB_ID" '
-                f'--container-mounts="$GREENROOM_SCRATCH:$GREENROOM_SCRATCH"{extra} '), ""
+        return (
+            f'--container-image={shlex.quote(c.image)} --container-name=greenroom-"$SLURM_JOB_ID" '
+            f'--container-mounts="$GREENROOM_SCRATCH:$GREENROOM_SCRATCH"{extra} '
+        ), ""
     binds = "".join(f" --bind {shlex.quote(m)}" for m in c.mounts)
     nv = " --nv" if config.gpus_per_node else ""
     return "", f'apptainer exec{nv} --bind "$GREENROOM_SCRATCH"{binds} {shlex.quote(c.image)} '
@@ -145,17 +151,24 @@ def _environment(config: SlurmJobConfig) -> jinja2.Environment:
     if os.sep in config.template or config.template not in shipped_templates():
         # A user's own template may still include the shipped _setup.sh.j2.
         loaders.insert(0, jinja2.FileSystemLoader(os.path.dirname(os.path.abspath(config.template))))
-    return jinja2.Environment(loader=jinja2.ChoiceLoader(loaders), undefined=jinja2.StrictUndefined,
-                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-                              autoescape=False)
+    return jinja2.Environment(
+        loader=jinja2.ChoiceLoader(loaders),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
 
 
 def _get_template(config: SlurmJobConfig, name: str) -> jinja2.Template:
     try:
         return _environment(config).get_template(name)
     except jinja2.TemplateNotFound:
-        raise ConfigError(f"template: no template {config.template!r}; shipped templates: "
-                         f"{', '.join(shipped_templates())}, or give a path to your own .j2") from None
+        raise ConfigError(
+            f"template: no template {config.template!r}; shipped templates: "
+            f"{', '.join(shipped_templates())}, or give a path to your own .j2"
+        ) from None
     except jinja2.TemplateSyntaxError as e:
         raise ConfigError(f"template {config.template}: line {e.lineno}: {e.message}") from None
 

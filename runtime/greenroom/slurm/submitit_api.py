@@ -35,9 +35,16 @@ __all__ = ["TrainTask", "executor_for", "submit_train", "job_state"]
 
 # sbatch options that submitit takes as named parameters (it writes those lines itself);
 # the rest of ``render.resource_options`` goes through as additional parameters.
-_SUBMITIT_NAMES = {"job-name": "name", "nodes": "nodes", "ntasks-per-node": "tasks_per_node",
-                   "cpus-per-task": "cpus_per_task", "gpus-per-node": "gpus_per_node", "mem": "slurm_mem",
-                   "partition": "slurm_partition", "account": "slurm_account"}
+_SUBMITIT_NAMES = {
+    "job-name": "name",
+    "nodes": "nodes",
+    "ntasks-per-node": "tasks_per_node",
+    "cpus-per-task": "cpus_per_task",
+    "gpus-per-node": "gpus_per_node",
+    "mem": "slurm_mem",
+    "partition": "slurm_partition",
+    "account": "slurm_account",
+}
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,7 @@ class TrainTask:
 
     def __call__(self) -> int:
         env = submitit.JobEnvironment()
-        os.environ.update(RANK=str(env.global_rank), LOCAL_RANK=str(env.local_rank),
-                          WORLD_SIZE=str(env.num_tasks))
+        os.environ.update(RANK=str(env.global_rank), LOCAL_RANK=str(env.local_rank), WORLD_SIZE=str(env.num_tasks))
         # Exported by the setup lines on the node: the per-user root under the scratch dir.
         argv = ["train", *self.args, "--offload-train-disk-dir", os.environ["GREENROOM_OFFLOAD_ROOT"]]
         from greenroom.cli.main import main
@@ -67,8 +73,9 @@ def executor_for(config: SlurmJobConfig, folder: str) -> submitit.AutoExecutor:
     if config.container is not None:
         raise ConfigError("container: not supported through submitit; use `greenroom slurm submit`")
     if config.command is not None:
-        raise ConfigError("command: submitit runs greenroom train in-process; use `greenroom slurm submit` "
-                          "for your own trainer")
+        raise ConfigError(
+            "command: submitit runs greenroom train in-process; use `greenroom slurm submit` for your own trainer"
+        )
     if config.launcher != "srun":
         raise ConfigError("launcher: submitit starts one task per process itself; use launcher: srun")
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
@@ -78,8 +85,10 @@ def executor_for(config: SlurmJobConfig, folder: str) -> submitit.AutoExecutor:
         if key in named:
             named[key] = int(named[key])
     executor.update_parameters(
-        **named, timeout_min=time_minutes(options.pop("time")),
-        slurm_setup=setup_lines(config), slurm_srun_args=["--kill-on-bad-exit=1"],
+        **named,
+        timeout_min=time_minutes(options.pop("time")),
+        slurm_setup=setup_lines(config),
+        slurm_srun_args=["--kill-on-bad-exit=1"],
         slurm_signal_delay_s=config.preempt_signal_seconds,
         slurm_additional_parameters=options,
     )
@@ -88,6 +97,6 @@ def executor_for(config: SlurmJobConfig, folder: str) -> submitit.AutoExecutor:
 
 def submit_train(config: SlurmJobConfig, folder: str) -> submitit.Job:
     """Submit ``greenroom train`` for ``config``; the job's logs live under ``folder``."""
-    own = program(config)[len(shlex.split(config.greenroom)) + 1:]  # after `greenroom train`
+    own = program(config)[len(shlex.split(config.greenroom)) + 1 :]  # after `greenroom train`
     task = TrainTask(args=(*own, *seed_flags(config)))
     return executor_for(config, folder).submit(task)

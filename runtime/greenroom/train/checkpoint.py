@@ -34,12 +34,12 @@ import zlib
 
 import torch
 
-from greenroom.io import publish
 from greenroom.errors import CheckpointError, one_line
 from greenroom.faults import kill_point
+from greenroom.io import publish
 from greenroom.log import get_logger
-from greenroom.optim.checkpoint.save_load import read_manifest
 from greenroom.optim.checkpoint.filecopy import PIECE
+from greenroom.optim.checkpoint.save_load import read_manifest
 from greenroom.tensors import local_tensor
 from greenroom.train import rotation
 
@@ -105,8 +105,18 @@ def begin(directory: str, *, rank: int, barrier) -> str:
     return mine
 
 
-def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, rank: int, world_size: int,
-         barrier, verify: bool = False) -> None:
+def save(
+    directory: str,
+    *,
+    model,
+    optimizer,
+    streaming: bool,
+    iteration: int,
+    rank: int,
+    world_size: int,
+    barrier,
+    verify: bool = False,
+) -> None:
     """A whole save between steps: stage, write every part (the streamed state linked,
     cloned or copied, ``save_checkpoint``), publish; under the lock of the root the
     iteration dir ``directory`` is in (``publish`` Note [one writer per checkpoint dir];
@@ -119,9 +129,20 @@ def save(directory: str, *, model, optimizer, streaming: bool, iteration: int, r
         except BaseException as e:
             _discard(directory, rank, e)
             raise
-        finish(directory, model_state=model_state(model), model_config=model_config(model), optimizer=optimizer,
-               optim_state=None, streaming=streaming, optim_written=False, iteration=iteration, rank=rank,
-               world_size=world_size, barrier=barrier, verify=verify)
+        finish(
+            directory,
+            model_state=model_state(model),
+            model_config=model_config(model),
+            optimizer=optimizer,
+            optim_state=None,
+            streaming=streaming,
+            optim_written=False,
+            iteration=iteration,
+            rank=rank,
+            world_size=world_size,
+            barrier=barrier,
+            verify=verify,
+        )
 
 
 def model_config(model: torch.nn.Module) -> dict | None:
@@ -144,13 +165,26 @@ def optimizer_state(optimizer) -> dict:
     """A resident optimizer's state dict with every tensor copied to the host."""
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v,
-                    optimizer.state_dict())
+    return tree_map(
+        lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, optimizer.state_dict()
+    )
 
 
-def finish(directory: str, *, model_state: dict, model_config: dict | None, optimizer, optim_state: dict | None,
-           streaming: bool, optim_written: bool, iteration: int, rank: int, world_size: int, barrier=None,
-           verify: bool = False) -> None:
+def finish(
+    directory: str,
+    *,
+    model_state: dict,
+    model_config: dict | None,
+    optimizer,
+    optim_state: dict | None,
+    streaming: bool,
+    optim_written: bool,
+    iteration: int,
+    rank: int,
+    world_size: int,
+    barrier=None,
+    verify: bool = False,
+) -> None:
     """Write this rank's part of a begun save and publish it (rank 0, once every rank's
     part is there). ``optim_written``: the streamed state is already in ``optim/`` (the
     step wrote it); else it is saved here. ``barrier`` None (``--async-save``, off the
@@ -168,8 +202,9 @@ def finish(directory: str, *, model_state: dict, model_config: dict | None, opti
                 optimizer.save_checkpoint(os.path.join(mine, "optim"), verify=verify)
             names.append(os.path.join("optim", "manifest.json"))
         else:
-            publish.torch_save(optim_state if optim_state is not None else optimizer.state_dict(),
-                               os.path.join(mine, "optim.pt"))
+            publish.torch_save(
+                optim_state if optim_state is not None else optimizer.state_dict(), os.path.join(mine, "optim.pt")
+            )
             names.append("optim.pt")
         kill_point("save-optim")
         files = {}
@@ -183,8 +218,13 @@ def finish(directory: str, *, model_state: dict, model_config: dict | None, opti
         elif rank == 0:
             _wait_for_ranks(staged, world_size)
         if rank == 0:
-            meta = {"format": FORMAT, "iteration": iteration, "world_size": world_size, "streaming": streaming,
-                    "dtype": dtype_flag(model_state)}
+            meta = {
+                "format": FORMAT,
+                "iteration": iteration,
+                "world_size": world_size,
+                "streaming": streaming,
+                "dtype": dtype_flag(model_state),
+            }
             if model_config is not None:
                 meta["model"] = model_config
             publish.write_checked_json(os.path.join(staged, META), meta)
@@ -228,14 +268,18 @@ def _wait_for_ranks(staged: str, world_size: int) -> None:
             except FileNotFoundError:
                 time.sleep(0.05)
                 continue
-            raise CheckpointError(f"{staged}: rank {rank}'s part of the save failed ({why}); nothing was published, "
-                                  "the previous checkpoint stays")
+            raise CheckpointError(
+                f"{staged}: rank {rank}'s part of the save failed ({why}); nothing was published, "
+                "the previous checkpoint stays"
+            )
 
 
 # -- load ------------------------------------------------------------------------------
 def _dtype_refusal(directory: str, saved: str, ours: str) -> str:
-    return (f"--load {directory}: the weights were saved as {saved} (--dtype {saved}), this run has --dtype {ours}: "
-            f"resume with --dtype {saved} (casting them would change the model without a word)")
+    return (
+        f"--load {directory}: the weights were saved as {saved} (--dtype {saved}), this run has --dtype {ours}: "
+        f"resume with --dtype {saved} (casting them would change the model without a word)"
+    )
 
 
 def apply_run_hyperparameters(optimizer, directory: str, **flags: float) -> None:
@@ -245,8 +289,10 @@ def apply_run_hyperparameters(optimizer, directory: str, **flags: float) -> None
     for key, value in flags.items():
         saved = sorted({group[key] for group in optimizer.param_groups if group[key] != value})
         if saved:
-            log.warning(f"--{key.replace('_', '-')} {value:g}: replaces the {key.replace('_', ' ')} "
-                        f"{', '.join(f'{v:g}' for v in saved)} that {directory} was saved with")
+            log.warning(
+                f"--{key.replace('_', '-')} {value:g}: replaces the {key.replace('_', ' ')} "
+                f"{', '.join(f'{v:g}' for v in saved)} that {directory} was saved with"
+            )
         for group in optimizer.param_groups:
             group[key] = value
 
@@ -266,8 +312,17 @@ def settle(directory: str) -> None:
         log.warning(f"--load {directory}: {said}")
 
 
-def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, rank: int,
-           world_size: int, dtype: str | None = None, model: dict | None = None) -> dict:
+def verify(
+    directory: str,
+    *,
+    optimizer,
+    streaming: bool,
+    no_load_optim: bool,
+    rank: int,
+    world_size: int,
+    dtype: str | None = None,
+    model: dict | None = None,
+) -> dict:
     """Check the meta, this rank's manifest and every file it names (and the streamed
     state's own files) before anything is loaded; returns the meta. ``dtype``: this
     run's ``--dtype``, which must be the one the weights were saved in; ``model``: this
@@ -275,20 +330,25 @@ def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, r
     if not os.path.isdir(directory):
         raise CheckpointError(f"--load {directory}: no such checkpoint dir")
     if publish.generation(directory) is None:
-        raise CheckpointError(f"--load {directory}: no valid {publish.GENERATION} (not a greenroom train "
-                              "checkpoint, or its save did not finish)")
+        raise CheckpointError(
+            f"--load {directory}: no valid {publish.GENERATION} (not a greenroom train "
+            "checkpoint, or its save did not finish)"
+        )
     meta = read_meta(directory)
     if meta["world_size"] != world_size:
-        raise CheckpointError(f"--load {directory}: saved with {meta['world_size']} ranks, this run has "
-                              f"{world_size}; resume is same-topology only")
+        raise CheckpointError(
+            f"--load {directory}: saved with {meta['world_size']} ranks, this run has "
+            f"{world_size}; resume is same-topology only"
+        )
     if dtype is not None and meta.get("dtype", dtype) != dtype:
         raise CheckpointError(_dtype_refusal(directory, meta["dtype"], dtype))
     saved_model = meta.get("model")  # absent in checkpoints written before it was recorded
     if model is not None and isinstance(saved_model, dict) and saved_model != model:
         differs = [k for k in sorted(set(saved_model) | set(model)) if saved_model.get(k) != model.get(k)]
         said = ", ".join(f"--{k.replace('_', '-')} {saved_model.get(k)} (this run {model.get(k)})" for k in differs)
-        raise CheckpointError(f"--load {directory}: saved from another model: {said}; resume with the sizes it "
-                              "was saved with")
+        raise CheckpointError(
+            f"--load {directory}: saved from another model: {said}; resume with the sizes it was saved with"
+        )
     path = rank_path(directory, rank)
     manifest = publish.read_checked_json(os.path.join(path, MANIFEST), {"files": dict})
     files = manifest["files"]
@@ -296,15 +356,20 @@ def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, r
         if streaming and not meta["streaming"]:
             raise CheckpointError(
                 f"--load {directory}: the checkpoint has no streamed optimizer state (saved without "
-                "--stream-optimizer-state-to-disk); pass --no-load-optim to accept a fresh optimizer state")
+                "--stream-optimizer-state-to-disk); pass --no-load-optim to accept a fresh optimizer state"
+            )
         if meta["streaming"] and not streaming:
             raise CheckpointError(
                 f"--load {directory}: the optimizer state was streamed (saved with "
-                "--stream-optimizer-state-to-disk); add that flag to resume it, or pass --no-load-optim")
+                "--stream-optimizer-state-to-disk); add that flag to resume it, or pass --no-load-optim"
+            )
     for name, entry in files.items():
         file_path = os.path.join(path, name)
-        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
-                or not isinstance(entry.get("crc32"), str):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("bytes"), int)
+            or not isinstance(entry.get("crc32"), str)
+        ):
             raise CheckpointError(f"{os.path.join(path, MANIFEST)}: the entry for {name!r} is malformed")
         if not os.path.isfile(file_path):
             raise CheckpointError(f"{file_path} is missing; the checkpoint is incomplete")
@@ -312,8 +377,10 @@ def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, r
         if size != entry["bytes"]:
             raise CheckpointError(f"{file_path}: {size} bytes, the manifest says {entry['bytes']} (truncated?)")
         if crc != entry["crc32"]:
-            raise CheckpointError(f"{file_path}: checksum {crc} does not match the manifest's {entry['crc32']}; "
-                                  "the file is corrupt: restore it or load an older checkpoint")
+            raise CheckpointError(
+                f"{file_path}: checksum {crc} does not match the manifest's {entry['crc32']}; "
+                "the file is corrupt: restore it or load an older checkpoint"
+            )
     if "model.pt" not in files:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)}: lists no model.pt; the checkpoint is damaged")
     if streaming and not no_load_optim:
@@ -324,37 +391,67 @@ def verify(directory: str, *, optimizer, streaming: bool, no_load_optim: bool, r
     return meta
 
 
-def verify_for(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bool, rank: int,
-               world_size: int) -> dict:
+def verify_for(
+    directory: str, *, model, optimizer, streaming: bool, no_load_optim: bool, rank: int, world_size: int
+) -> dict:
     """``verify`` for this run's model (its dtype and sizes); returns the meta."""
-    return verify(directory, optimizer=optimizer, streaming=streaming, no_load_optim=no_load_optim, rank=rank,
-                  world_size=world_size, dtype=dtype_flag(model.state_dict()), model=model_config(model))
+    return verify(
+        directory,
+        optimizer=optimizer,
+        streaming=streaming,
+        no_load_optim=no_load_optim,
+        rank=rank,
+        world_size=world_size,
+        dtype=dtype_flag(model.state_dict()),
+        model=model_config(model),
+    )
 
 
-def load(directory: str, *, model, optimizer, streaming: bool, no_load_optim: bool, rank: int,
-         world_size: int, meta: dict | None = None) -> int:
+def load(
+    directory: str,
+    *,
+    model,
+    optimizer,
+    streaming: bool,
+    no_load_optim: bool,
+    rank: int,
+    world_size: int,
+    meta: dict | None = None,
+) -> int:
     """Restore this rank's state from a checkpoint ``verify`` passed (``meta``: what it
     returned; None: verified here first); returns the iteration to continue from."""
     weights = model.state_dict()
     ours = dtype_flag(weights)
     if meta is None:
-        meta = verify_for(directory, model=model, optimizer=optimizer, streaming=streaming,
-                          no_load_optim=no_load_optim, rank=rank, world_size=world_size)
+        meta = verify_for(
+            directory,
+            model=model,
+            optimizer=optimizer,
+            streaming=streaming,
+            no_load_optim=no_load_optim,
+            rank=rank,
+            world_size=world_size,
+        )
     path = rank_path(directory, rank)
     state = torch.load(os.path.join(path, "model.pt"), weights_only=True)
     extra = sorted(set(state) - set(weights))
     if extra:
-        raise CheckpointError(f"{os.path.join(path, 'model.pt')}: holds {extra[0]}"
-                              f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, which this model does "
-                              "not have; the checkpoint is of another model (check --n-layers etc.)")
+        raise CheckpointError(
+            f"{os.path.join(path, 'model.pt')}: holds {extra[0]}"
+            f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, which this model does "
+            "not have; the checkpoint is of another model (check --n-layers etc.)"
+        )
     with torch.no_grad():
         for name, t in weights.items():
             if name not in state or state[name].shape != local_tensor(t).shape:
-                raise CheckpointError(f"{os.path.join(path, 'model.pt')}: {name} is missing or has another "
-                                      "shape; the checkpoint is of another model (check --d-model etc.)")
+                raise CheckpointError(
+                    f"{os.path.join(path, 'model.pt')}: {name} is missing or has another "
+                    "shape; the checkpoint is of another model (check --d-model etc.)"
+                )
             if state[name].dtype != local_tensor(t).dtype:  # a checkpoint whose meta predates "dtype"
-                raise CheckpointError(_dtype_refusal(directory, _DTYPE_FLAGS.get(state[name].dtype,
-                                                                                 str(state[name].dtype)), ours))
+                raise CheckpointError(
+                    _dtype_refusal(directory, _DTYPE_FLAGS.get(state[name].dtype, str(state[name].dtype)), ours)
+                )
             local_tensor(t).copy_(state[name])
     if no_load_optim:
         log.warning(f"--no-load-optim: starting a fresh optimizer state instead of the one in {directory}")

@@ -97,11 +97,15 @@ class TrainConfig:
         if self.group_size < 2:
             # One completion is its own baseline: the advantage is 0/0, and the first step
             # turned every weight into NaN.
-            raise ConfigError(f"--group-size {self.group_size}: each prompt needs at least 2 completions (their "
-                              "mean reward is the baseline each one is compared with)")
+            raise ConfigError(
+                f"--group-size {self.group_size}: each prompt needs at least 2 completions (their "
+                "mean reward is the baseline each one is compared with)"
+            )
         if (self.prompts * self.group_size) % self.minibatches:
-            raise ConfigError(f"--minibatches {self.minibatches} must divide --prompts x --group-size "
-                             f"({self.prompts * self.group_size})")
+            raise ConfigError(
+                f"--minibatches {self.minibatches} must divide --prompts x --group-size "
+                f"({self.prompts * self.group_size})"
+            )
         # inf trained on NaN weights from the first step, as nan or a negative KL weight did.
         if not 0 < self.lr < math.inf:
             raise ConfigError(f"--lr must be positive and finite, got {self.lr}")

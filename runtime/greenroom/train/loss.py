@@ -7,12 +7,13 @@ import torch
 
 def _token_logp(model, prompts, completions, device) -> torch.Tensor:
     seq = torch.cat([prompts, completions], dim=1).to(device)
-    logits = model(seq[:, :-1])[:, prompts.shape[1] - 1:]
+    logits = model(seq[:, :-1])[:, prompts.shape[1] - 1 :]
     return torch.log_softmax(logits.float(), dim=-1).gather(2, completions.to(device).unsqueeze(-1)).squeeze(-1)
 
 
-def policy_loss(model, prompts, completions, old_logp, advantages, clip: float, *, reference=None,
-                kl_coef: float = 0.0) -> torch.Tensor:
+def policy_loss(
+    model, prompts, completions, old_logp, advantages, clip: float, *, reference=None, kl_coef: float = 0.0
+) -> torch.Tensor:
     """PPO's clipped surrogate over the completion tokens, plus ``kl_coef`` times the
     k3 estimate of KL(policy || reference) when a reference policy is given."""
     logp = _token_logp(model, prompts, completions, old_logp.device)

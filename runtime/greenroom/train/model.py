@@ -125,9 +125,9 @@ class Block(nn.Module):
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             start = cache.length
-            cache.k[layer, :, :, start:start + t] = k
-            cache.v[layer, :, :, start:start + t] = v
-            keys, values = cache.k[layer, :, :, :start + t], cache.v[layer, :, :, :start + t]
+            cache.k[layer, :, :, start : start + t] = k
+            cache.v[layer, :, :, start : start + t] = v
+            keys, values = cache.k[layer, :, :, : start + t], cache.v[layer, :, :, : start + t]
             # A prefill from position 0 is causal; a one-token decode sees everything.
             attn = F.scaled_dot_product_attention(q, keys, values, is_causal=(start == 0 and t > 1))
         x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))

@@ -13,13 +13,12 @@ import json
 import os
 import tempfile
 
-from greenroom.io import fs
-from greenroom.io import publish
 from greenroom.config import OffloadConfig
 from greenroom.devices import check_device_bytes
-from greenroom.errors import ConfigError
-from greenroom.log import get_logger
 from greenroom.dirs.rankdir import is_dir_name
+from greenroom.errors import ConfigError
+from greenroom.io import fs, publish
+from greenroom.log import get_logger
 from greenroom.train import rotation
 
 log = get_logger(__name__)
@@ -102,16 +101,20 @@ def _check_ours(flag: str, path: str) -> None:
         # A record's start: a line the user wrote without a newline is still theirs.
         torn = number == len(lines) and not line.endswith("\n") and line.startswith('{"iteration": ')
         if line.strip() and not torn and metrics_record(line) is None:
-            raise ConfigError(f"{flag} {path}: line {number} is not a greenroom train metrics record, so greenroom "
-                              "did not write this file; refusing to overwrite it: give another path")
+            raise ConfigError(
+                f"{flag} {path}: line {number} is not a greenroom train metrics record, so greenroom "
+                "did not write this file; refusing to overwrite it: give another path"
+            )
 
 
 def check_save_space(save: str, need: int) -> None:
     """The new checkpoint is written beside the previous one, so it needs its full size free."""
     free = fs.free_bytes(os.path.abspath(save))
     if free < need:
-        raise ConfigError(f"--save {save}: the checkpoint needs {fs.human_bytes(need)}, only {fs.human_bytes(free)} "
-                         "free there; free space or choose another dir")
+        raise ConfigError(
+            f"--save {save}: the checkpoint needs {fs.human_bytes(need)}, only {fs.human_bytes(free)} "
+            "free there; free space or choose another dir"
+        )
 
 
 DEFAULT_METRICS = ".run/train-metrics.jsonl"
@@ -125,8 +128,10 @@ def default_metrics() -> str:
     if not job:
         return DEFAULT_METRICS
     if not is_dir_name(job):
-        raise ConfigError(f"the job id (from $GREENROOM_JOB_ID or $SLURM_JOB_ID) {job!r} cannot be part of the "
-                          "default --metrics file name (it has a /, or is . or ..): fix it, or pass --metrics PATH")
+        raise ConfigError(
+            f"the job id (from $GREENROOM_JOB_ID or $SLURM_JOB_ID) {job!r} cannot be part of the "
+            "default --metrics file name (it has a /, or is . or ..): fix it, or pass --metrics PATH"
+        )
     return f".run/train-metrics-{job}.jsonl"
 
 
@@ -158,18 +163,24 @@ def open_metrics(path: str | None, *, append: bool, resume_at: int = 0):
             _hold(stack, path)
         except publish.LockHeld as e:
             if given:
-                raise ConfigError(f"--metrics {path}: another run ({e.holder}) is writing it (it holds "
-                                  f"{_lock_path(path)}): give this run another --metrics path, or start it once "
-                                  "that run has ended") from None
+                raise ConfigError(
+                    f"--metrics {path}: another run ({e.holder}) is writing it (it holds "
+                    f"{_lock_path(path)}): give this run another --metrics path, or start it once "
+                    "that run has ended"
+                ) from None
             taken, path = path, f"{os.path.splitext(path)[0]}-pid{os.getpid()}.jsonl"
             _check_ours("--metrics", os.path.abspath(path))
             try:
                 _hold(stack, path)
             except publish.LockHeld as again:
-                raise ConfigError(f"--metrics {path}: another run ({again.holder}) is writing it: pass this run "
-                                  "its own --metrics PATH") from None
-            log.warning(f"{taken} is being written by another run ({e.holder}), so this run's metrics go to "
-                        f"{path} (--metrics PATH chooses)")
+                raise ConfigError(
+                    f"--metrics {path}: another run ({again.holder}) is writing it: pass this run "
+                    "its own --metrics PATH"
+                ) from None
+            log.warning(
+                f"{taken} is being written by another run ({e.holder}), so this run's metrics go to "
+                f"{path} (--metrics PATH chooses)"
+            )
         real = os.path.realpath(path)
         try:
             if append and os.path.isfile(real):
@@ -222,8 +233,14 @@ def _drop_records_past(path: str, iteration: int) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    what = [f"{len(dropped)} record(s) of iterations past the checkpoint's {iteration} ({min(dropped)}-{max(dropped)}: "
-            "logged by a run that did not save them; they are trained again now)"] if dropped else []
+    what = (
+        [
+            f"{len(dropped)} record(s) of iterations past the checkpoint's {iteration} ({min(dropped)}-{max(dropped)}: "
+            "logged by a run that did not save them; they are trained again now)"
+        ]
+        if dropped
+        else []
+    )
     what += [f"{torn} torn line(s)"] if torn else []
     log.warning(f"--metrics {path}: dropped {' and '.join(what)}")
 
@@ -235,7 +252,15 @@ def check_fits(config, model, device) -> None:
     every token of the batch in every layer."""
     tokens = config.prompts * config.group_size * model.max_seq_len
     nbytes = 4 * model.num_params() + 4 * tokens * model.d_model * model.n_layers
-    given = (f"--d-model {model.d_model} --n-layers {model.n_layers} --prompts {config.prompts} "
-             f"--group-size {config.group_size} (sequences of {model.max_seq_len} tokens)")
-    check_device_bytes("train", given, nbytes, device, default=None,
-                       counted="the weights, their grads and one rollout's keys and values, at least")
+    given = (
+        f"--d-model {model.d_model} --n-layers {model.n_layers} --prompts {config.prompts} "
+        f"--group-size {config.group_size} (sequences of {model.max_seq_len} tokens)"
+    )
+    check_device_bytes(
+        "train",
+        given,
+        nbytes,
+        device,
+        default=None,
+        counted="the weights, their grads and one rollout's keys and values, at least",
+    )

@@ -44,8 +44,7 @@ class RolloutEngine:
         ``generator`` on the host, so a run is reproducible on any device.
         """
         b, p = prompts.shape
-        cache = KVCache(self.model.config, b, p + new_tokens, device=self.device,
-                        dtype=self.model.embed.weight.dtype)
+        cache = KVCache(self.model.config, b, p + new_tokens, device=self.device, dtype=self.model.embed.weight.dtype)
         self.last_cache_bytes = cache.nbytes
         logits = self.model(prompts.to(self.device), cache)[:, -1]
         tokens, logprobs = [], []

@@ -32,10 +32,9 @@ import re
 import threading
 from collections.abc import Callable
 
-from greenroom.io import fs
-from greenroom.io import publish
 from greenroom.errors import CheckpointError, ConfigError, one_line
 from greenroom.faults import kill_point
+from greenroom.io import fs, publish
 from greenroom.log import get_logger
 
 POINTER = "latest_checkpointed_iteration.txt"
@@ -51,7 +50,7 @@ def iteration_dir(root: str, iteration: int) -> str:
 def _iteration_of(name: str) -> int | None:
     for suffix in (publish.NEW_SUFFIX, publish.OLD_SUFFIX, ""):
         if name.endswith(suffix):
-            match = _ITER.fullmatch(name[:len(name) - len(suffix)] if suffix else name)
+            match = _ITER.fullmatch(name[: len(name) - len(suffix)] if suffix else name)
             if match:
                 return int(match.group(1))
     return None
@@ -91,8 +90,9 @@ def has_checkpoint(path: str) -> bool:
     path = os.path.realpath(path)
     if publish.has_checkpoint(path):
         return True
-    return any(os.path.exists(os.path.join(path, n, publish.GENERATION))
-               for n in _names(path) if _iteration_of(n) is not None)
+    return any(
+        os.path.exists(os.path.join(path, n, publish.GENERATION)) for n in _names(path) if _iteration_of(n) is not None
+    )
 
 
 def read_pointer(root: str) -> int | None:
@@ -138,8 +138,10 @@ def candidates(load: str) -> list[str]:
         return [load]
     found = [iteration_dir(load, i) for i in iterations(load)]
     if not found:
-        raise CheckpointError(f"--load {load}: no complete iteration dir there (iter_NNNNNNN/ with a valid "
-                              f"{publish.GENERATION}): nothing to resume from")
+        raise CheckpointError(
+            f"--load {load}: no complete iteration dir there (iter_NNNNNNN/ with a valid "
+            f"{publish.GENERATION}): nothing to resume from"
+        )
     return found
 
 
@@ -152,8 +154,10 @@ def check_root(save: str) -> None:
         raise ConfigError(f"--save {save} exists and is not a directory; choose another checkpoint dir")
     if not _names(save) or is_root(save) or publish.generation(save) is not None:
         return
-    raise ConfigError(f"--save {save} holds files that are not greenroom checkpoints (no iter_NNNNNNN/ dirs, no "
-                      f"{POINTER}); refusing to write there: move them away or choose another dir")
+    raise ConfigError(
+        f"--save {save} holds files that are not greenroom checkpoints (no iter_NNNNNNN/ dirs, no "
+        f"{POINTER}); refusing to write there: move them away or choose another dir"
+    )
 
 
 def check_room(root: str, need: int) -> None:
@@ -162,9 +166,11 @@ def check_room(root: str, need: int) -> None:
     free = fs.free_bytes(root if os.path.isdir(root) else os.path.dirname(root))
     if free < need:
         kept = ", ".join(os.path.basename(iteration_dir(root, i)) for i in iterations(root)) or "none"
-        raise CheckpointError(f"--save {root}: this checkpoint needs {fs.human_bytes(need)} beside the ones kept "
-                              f"({kept}), only {fs.human_bytes(free)} is free: free space, lower --keep-last, or "
-                              "choose another dir; the kept checkpoints are untouched")
+        raise CheckpointError(
+            f"--save {root}: this checkpoint needs {fs.human_bytes(need)} beside the ones kept "
+            f"({kept}), only {fs.human_bytes(free)} is free: free space, lower --keep-last, or "
+            "choose another dir; the kept checkpoints are untouched"
+        )
 
 
 def promote(root: str, iteration: int, keep_last: int) -> list[int]:
@@ -174,10 +180,11 @@ def promote(root: str, iteration: int, keep_last: int) -> list[int]:
     them. Returns the iterations removed."""
     write_pointer(root, iteration)
     older = [i for i in iterations(root) if i < iteration]
-    removed = older[keep_last - 1:]
+    removed = older[keep_last - 1 :]
     # An older dir without its generation record is one a killed retention left half deleted.
-    removed += [i for i in {_iteration_of(n) for n in _names(root) if _ITER.fullmatch(n)}
-                if i < iteration and i not in older]
+    removed += [
+        i for i in {_iteration_of(n) for n in _names(root) if _ITER.fullmatch(n)} if i < iteration and i not in older
+    ]
     for it in removed:
         kill_point("retire")
         publish.discard(iteration_dir(root, it))
@@ -192,8 +199,11 @@ def drop(root: str, iteration: int, why: str) -> None:
     publish.discard(path)
     publish.fsync_dir(root)
     left = [i for i in iterations(root)]
-    stays = f"{os.path.basename(iteration_dir(root, left[0]))} is the newest checkpoint" if left else \
-        "no checkpoint is left there"
+    stays = (
+        f"{os.path.basename(iteration_dir(root, left[0]))} is the newest checkpoint"
+        if left
+        else "no checkpoint is left there"
+    )
     log.warning(f"--save {root}: dropped {os.path.basename(path)}: {why}; {stays}")
 
 

@@ -18,17 +18,16 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from greenroom import actor
-from greenroom.devices import resolve_device
-from greenroom.io import publish
 from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.config import OffloadConfig
-from greenroom.units import GB
-from greenroom.errors import CheckpointError, ConfigError, GreenroomError, one_line
-from greenroom.faults import kill_point
-from greenroom.io.fs import stored_bytes
-from greenroom.log import get_logger
+from greenroom.devices import resolve_device
 from greenroom.dirs.rankdir import RankDir
 from greenroom.dirs.signals import signals_held
+from greenroom.errors import CheckpointError, ConfigError, GreenroomError, one_line
+from greenroom.faults import kill_point
+from greenroom.io import publish
+from greenroom.io.fs import stored_bytes
+from greenroom.log import get_logger
 from greenroom.ranks import launcher_number
 from greenroom.tensors import local_tensor
 from greenroom.train import checkpoint, preflight, rotation, summary
@@ -37,7 +36,7 @@ from greenroom.train.loss import policy_loss
 from greenroom.train.model import ModelConfig, Transformer, set_precision
 from greenroom.train.rollout import RolloutEngine
 from greenroom.train.task import TaskConfig, reward, sample_prompts
-from greenroom.units import size_text
+from greenroom.units import GB, size_text
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 log = get_logger(__name__)
@@ -47,12 +46,15 @@ class Trainer:
     """One rank of the job. Use as a context manager: ``__exit__`` closes the
     offloader, the optimizer's files and the per-rank dir, whatever happened."""
 
-    def __init__(self, config: TrainConfig, *, offload: OffloadConfig, model: ModelConfig, task: TaskConfig,
-                 rank: int = 0) -> None:
+    def __init__(
+        self, config: TrainConfig, *, offload: OffloadConfig, model: ModelConfig, task: TaskConfig, rank: int = 0
+    ) -> None:
         # A symlinked --save/--load is resolved once: a killed save is left beside the
         # target, and every step (settling it, the lock, the swap) must look there.
-        config = dataclasses.replace(config, **{name: os.path.realpath(getattr(config, name))
-                                                for name in ("save", "load") if getattr(config, name)})
+        config = dataclasses.replace(
+            config,
+            **{name: os.path.realpath(getattr(config, name)) for name in ("save", "load") if getattr(config, name)},
+        )
         self.config, self.offload, self.model_config, self.task = config, offload, model, task
         self.rank = rank
         self.world_size = launcher_number("WORLD_SIZE", 1, minimum=1)
@@ -113,13 +115,15 @@ class Trainer:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
             self._stack.callback(dist.destroy_process_group)
         if offload.uses_disk:
-            self.rank_dir = RankDir(offload.offload_train_disk_dir, role=c.role, rank=self.rank,
-                                    allow_tmpfs=offload.allow_tmpfs).open()
+            self.rank_dir = RankDir(
+                offload.offload_train_disk_dir, role=c.role, rank=self.rank, allow_tmpfs=offload.allow_tmpfs
+            ).open()
             self._stack.callback(self.rank_dir.close)
         self.memory = RssSampler()
         self._stack.callback(self.memory.close)
-        self.offloader = actor.build_offloader(offload, self.rank_dir, device=self.device,
-                                               backend=c.offload_backend, mover=c.offload_mover)
+        self.offloader = actor.build_offloader(
+            offload, self.rank_dir, device=self.device, backend=c.offload_backend, mover=c.offload_mover
+        )
         self._stack.callback(self.offloader.close)
         torch.manual_seed(c.seed)
         with self.device:  # built in place: a multi-billion model never exists on the host
@@ -135,15 +139,18 @@ class Trainer:
         # Loaded before the metrics file is opened: a refused checkpoint leaves no file behind.
         self.start_iteration = self._load() if c.load else 0
         if self.start_iteration > c.iterations:
-            raise ConfigError(f"--iterations {c.iterations} is below the iteration of --load {c.load} "
-                              f"({self.start_iteration}): a resumed run trains up to --iterations in all, so "
-                              f"give --iterations {self.start_iteration} or more")
+            raise ConfigError(
+                f"--iterations {c.iterations} is below the iteration of --load {c.load} "
+                f"({self.start_iteration}): a resumed run trains up to --iterations in all, so "
+                f"give --iterations {self.start_iteration} or more"
+            )
         if self.rank == 0 and c.save:
             preflight.check_save_space(c.save, self._checkpoint_bytes() * self.world_size)
         self.metrics_path, self.metrics_file = None, None
         if self.rank == 0 and c.metrics != "":
             self.metrics_path, self.metrics_file = self._stack.enter_context(
-                preflight.open_metrics(c.metrics, append=bool(c.load), resume_at=self.start_iteration))
+                preflight.open_metrics(c.metrics, append=bool(c.load), resume_at=self.start_iteration)
+            )
         self.start_time = time.perf_counter()
 
     def _load(self) -> int:
@@ -158,8 +165,9 @@ class Trainer:
                 start = self._load_newest_good(dropping=lock == self.config.save)
             finally:
                 self._barrier()
-        checkpoint.apply_run_hyperparameters(self.optimizer, self.config.load, lr=self.config.lr,
-                                             weight_decay=self.config.weight_decay)
+        checkpoint.apply_run_hyperparameters(
+            self.optimizer, self.config.load, lr=self.config.lr, weight_decay=self.config.weight_decay
+        )
         return start
 
     def _load_newest_good(self, *, dropping: bool) -> int:
@@ -167,8 +175,14 @@ class Trainer:
         rank verifies; one damaged is skipped with one line (and dropped where this run
         saves there, holding the root's lock), the last one's error raised."""
         c = self.config
-        kwargs = dict(model=self.model, optimizer=self.optimizer, streaming=self.offload.stream_optimizer_state_to_disk,
-                      no_load_optim=self.offload.no_load_optim, rank=self.rank, world_size=self.world_size)
+        kwargs = dict(
+            model=self.model,
+            optimizer=self.optimizer,
+            streaming=self.offload.stream_optimizer_state_to_disk,
+            no_load_optim=self.offload.no_load_optim,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         candidates = rotation.candidates(c.load)
         for k, path in enumerate(candidates):
             error = None
@@ -181,15 +195,19 @@ class Trainer:
                 return checkpoint.load(path, meta=meta, **kwargs)
             last = k + 1 == len(candidates)
             if last:
-                raise error or CheckpointError(f"--load {c.load}: another rank found {path} damaged (its line says "
-                                               "why), and no older checkpoint is there")
+                raise error or CheckpointError(
+                    f"--load {c.load}: another rank found {path} damaged (its line says "
+                    "why), and no older checkpoint is there"
+                )
             if error is not None:
                 log.warning(f"--load {c.load}: {os.path.basename(path)} is damaged, skipped: {one_line(error)}")
             if self.rank == 0:
                 if dropping:
                     publish.discard(path)
-                log.warning(f"--load {c.load}: {'dropped' if dropping else 'skipped'} {os.path.basename(path)}, "
-                            f"loading the newest good one before it, {os.path.basename(candidates[k + 1])}")
+                log.warning(
+                    f"--load {c.load}: {'dropped' if dropping else 'skipped'} {os.path.basename(path)}, "
+                    f"loading the newest good one before it, {os.path.basename(candidates[k + 1])}"
+                )
         raise AssertionError("unreachable: the last candidate returns or raises")
 
     def _checkpoint_bytes(self) -> int:
@@ -218,8 +236,9 @@ class Trainer:
         from torch.nn.parallel import DistributedDataParallel
 
         # Bucket views: the grads the offloader moves are the DDP buckets themselves.
-        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                       gradient_as_bucket_view=True)
+        return DistributedDataParallel(
+            model, device_ids=[self.device.index] if self.device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         params = list(self.model.parameters())
@@ -227,28 +246,32 @@ class Trainer:
             try:
                 from greenroom.optim import StreamingAdam
             except ImportError:
-                raise GreenroomError("--stream-optimizer-state-to-disk needs greenroom.optim.StreamingAdam, "
-                                     "which this install lacks") from None
+                raise GreenroomError(
+                    "--stream-optimizer-state-to-disk needs greenroom.optim.StreamingAdam, which this install lacks"
+                ) from None
             layout = {}
             if self.config.load and not self.offload.no_load_optim:
                 try:
                     found = rotation.candidates(self.config.load)
                 except CheckpointError:
                     found = []  # the load says what is wrong
-                saved = next((n for n in (checkpoint.saved_bucket_numel(p, self.rank) for p in found)
-                              if n is not None), None)
+                saved = next(
+                    (n for n in (checkpoint.saved_bucket_numel(p, self.rank) for p in found) if n is not None), None
+                )
                 if saved is not None:
                     layout["bucket_numel"] = saved
-            optimizer = StreamingAdam.from_config(params, self.offload, self.rank_dir, lr=self.config.lr,
-                                                  weight_decay=self.config.weight_decay, **layout)
+            optimizer = StreamingAdam.from_config(
+                params, self.offload, self.rank_dir, lr=self.config.lr, weight_decay=self.config.weight_decay, **layout
+            )
             if hasattr(optimizer, "close"):
                 self._stack.callback(self._close_optimizer, optimizer)
             return optimizer
         # The same implementation StreamingAdam uses (fused on CUDA, foreach elsewhere), so
         # fp32 streaming on or off trains bit-identically.
         cuda = self.device.type == "cuda"
-        return torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay, fused=cuda,
-                                 foreach=not cuda)
+        return torch.optim.AdamW(
+            params, lr=self.config.lr, weight_decay=self.config.weight_decay, fused=cuda, foreach=not cuda
+        )
 
     # -- the loop -------------------------------------------------------------------
     def train(self) -> None:
@@ -282,8 +305,9 @@ class Trainer:
     def _saves_after(self, iteration: int) -> bool:
         """Whether ``--save`` writes a checkpoint at the end of ``iteration``."""
         c = self.config
-        return bool(c.save) and (iteration == c.iterations
-                                 or bool(c.save_interval) and iteration % c.save_interval == 0)
+        return bool(c.save) and (
+            iteration == c.iterations or bool(c.save_interval) and iteration % c.save_interval == 0
+        )
 
     def iteration(self, it: int, *, save: bool = False) -> dict:
         c = self.config
@@ -296,9 +320,16 @@ class Trainer:
             used = device_used_bytes(self.device)
             resident = self.offloader.resident_bytes()
             peaks["device"] = max(peaks["device"], used if used is not None else resident)
-            events.append({"phase": phase, "start": began - self.start_time,
-                           "end": time.perf_counter() - self.start_time, "host_rss": self.memory.rss(),
-                           "device_used": used, "actor_resident": resident})
+            events.append(
+                {
+                    "phase": phase,
+                    "start": began - self.start_time,
+                    "end": time.perf_counter() - self.start_time,
+                    "host_rss": self.memory.rss(),
+                    "device_used": used,
+                    "actor_resident": resident,
+                }
+            )
 
         # The streamed state's bytes over the whole iteration: the sleep writes back the
         # bucket the previous step kept on the device (optim.held_buckets Note [the last
@@ -339,13 +370,25 @@ class Trainer:
         reward_mean, loss_mean = self._mean_over_ranks(rewards.mean().item(), loss_sum / c.minibatches)
         phase = {e["phase"]: e["end"] - e["start"] for e in events}
         return {
-            "iteration": it + 1, "iterations": c.iterations, "reward": reward_mean, "loss": loss_mean,
-            "train_s": phase["train"], "rollout_s": phase["rollout"], "sync_s": phase["sync"],
-            "sleep_s": slept.seconds, "sleep_bytes": slept.nbytes, "sleep_gbps": slept.bytes_per_s / GB,
-            "sleep_written": slept.copied, "sleep_clean": slept.clean, "sleep_dead": slept.dead,
-            "wake_s": woke.seconds, "wake_bytes": woke.nbytes, "wake_gbps": woke.bytes_per_s / GB,
+            "iteration": it + 1,
+            "iterations": c.iterations,
+            "reward": reward_mean,
+            "loss": loss_mean,
+            "train_s": phase["train"],
+            "rollout_s": phase["rollout"],
+            "sync_s": phase["sync"],
+            "sleep_s": slept.seconds,
+            "sleep_bytes": slept.nbytes,
+            "sleep_gbps": slept.bytes_per_s / GB,
+            "sleep_written": slept.copied,
+            "sleep_clean": slept.clean,
+            "sleep_dead": slept.dead,
+            "wake_s": woke.seconds,
+            "wake_bytes": woke.nbytes,
+            "wake_gbps": woke.bytes_per_s / GB,
             "offloaded_bytes": slept.nbytes,
-            **streamed, "stream_s": step_s,
+            **streamed,
+            "stream_s": step_s,
             # Of stream_written_bytes, what this iteration's sleep wrote back: the bucket the
             # previous iteration's last step kept on the device.
             "stream_sleep_written_bytes": sleep_written,
@@ -354,11 +397,16 @@ class Trainer:
             "stream_kept_bytes": getattr(getattr(self.optimizer, "store", None), "kept_bytes", 0),
             # The steps' own bytes over the steps' seconds (the sleep's write-back is timed in sleep_s).
             "stream_gbps": (stepped["stream_read_bytes"] + stepped["stream_written_bytes"]) / step_s / GB
-            if step_s and stepped["stream_read_bytes"] else 0.0,
+            if step_s and stepped["stream_read_bytes"]
+            else 0.0,
             "disk_stored_bytes": stored_bytes(self.rank_dir.path) if self.rank_dir is not None else 0,
-            "kv_cache_bytes": self.engine.last_cache_bytes, "peak_device_bytes": peaks["device"],
-            "peak_host_rss": self.memory.peak, "device": str(self.device), "world_size": self.world_size,
-            "backend": self.offloader.backend, "events": events,
+            "kv_cache_bytes": self.engine.last_cache_bytes,
+            "peak_device_bytes": peaks["device"],
+            "peak_host_rss": self.memory.peak,
+            "device": str(self.device),
+            "world_size": self.world_size,
+            "backend": self.offloader.backend,
+            "events": events,
         }
 
     def _train_step(self, prompts, completions, old_logp, rewards, gen, *, save: bool = False) -> tuple[float, float]:
@@ -370,12 +418,19 @@ class Trainer:
         loss_sum, step_s = 0.0, 0.0
         bar = self._bar(c.minibatches, "train")
         for i in range(c.minibatches):
-            idx = order[i * size:(i + 1) * size]
+            idx = order[i * size : (i + 1) * size]
             # Zeroed in place, not dropped: the grads stay part of what the actor holds.
             self.optimizer.zero_grad(set_to_none=False)
-            loss = policy_loss(self.policy, prompts[idx], completions[idx], old_logp[idx].to(self.device),
-                               advantages[idx].to(self.device), c.clip, reference=self.reference,
-                               kl_coef=c.kl_coef)
+            loss = policy_loss(
+                self.policy,
+                prompts[idx],
+                completions[idx],
+                old_logp[idx].to(self.device),
+                advantages[idx].to(self.device),
+                c.clip,
+                reference=self.reference,
+                kl_coef=c.kl_coef,
+            )
             loss.backward()
             if save and i == c.minibatches - 1:
                 self._begin_save()
@@ -393,25 +448,41 @@ class Trainer:
         the disk's (less what compression saved)."""
         store = getattr(self.optimizer, "store", None)
         if store is None:
-            return dict.fromkeys(("stream_read_bytes", "stream_written_bytes", "stream_disk_read_bytes",
-                                  "stream_disk_written_bytes"), 0)
-        return {"stream_read_bytes": store.bytes_read, "stream_written_bytes": store.bytes_written,
-                "stream_disk_read_bytes": store.disk_bytes("read"),
-                "stream_disk_written_bytes": store.disk_bytes("written")}
+            return dict.fromkeys(
+                ("stream_read_bytes", "stream_written_bytes", "stream_disk_read_bytes", "stream_disk_written_bytes"), 0
+            )
+        return {
+            "stream_read_bytes": store.bytes_read,
+            "stream_written_bytes": store.bytes_written,
+            "stream_disk_read_bytes": store.disk_bytes("read"),
+            "stream_disk_written_bytes": store.disk_bytes("written"),
+        }
 
     # -- reporting ------------------------------------------------------------------
     def _bar(self, total: int, desc: str):
         # Bars only on a terminal: piped to a file (CI, kubectl logs, a Slurm .out) they
         # would bury the one summary line per iteration.
-        return tqdm(total=total, desc=f"  {desc}", leave=False, dynamic_ncols=True,
-                    disable=not self.config.progress or self.rank != 0 or not sys.stderr.isatty(),
-                    file=sys.stderr)
+        return tqdm(
+            total=total,
+            desc=f"  {desc}",
+            leave=False,
+            dynamic_ncols=True,
+            disable=not self.config.progress or self.rank != 0 or not sys.stderr.isatty(),
+            file=sys.stderr,
+        )
 
     def _header(self, start: int) -> str:
-        return summary.header(self.offload, params=self.model_config.num_params(), dtype=self.config.dtype,
-                              device=self.device, world_size=self.world_size, backend=self.offloader.backend,
-                              optimizer=self.optimizer, start=start,
-                              rank_dir_path=self.rank_dir.path if self.rank_dir is not None else None)
+        return summary.header(
+            self.offload,
+            params=self.model_config.num_params(),
+            dtype=self.config.dtype,
+            device=self.device,
+            world_size=self.world_size,
+            backend=self.offloader.backend,
+            optimizer=self.optimizer,
+            start=start,
+            rank_dir_path=self.rank_dir.path if self.rank_dir is not None else None,
+        )
 
     def _log(self, record: dict) -> None:
         if self.rank != 0:
@@ -433,8 +504,10 @@ class Trainer:
         optimizer.close()
         written = (store.bytes_written - before) if store is not None else 0
         if written:
-            self._say(f"exit: {size_text(written)} of streamed optimizer state written back (the bucket the "
-                      "last step kept on the device)")
+            self._say(
+                f"exit: {size_text(written)} of streamed optimizer state written back (the bucket the "
+                "last step kept on the device)"
+            )
 
     def _say(self, line: str) -> None:
         if self.rank == 0:
@@ -460,9 +533,17 @@ class Trainer:
         # Replacing that iteration's dir (a resume with nothing left to train) discards the
         # one there at the publish: so what it links is read back before, not after.
         replacing = os.path.isdir(path)
-        checkpoint.save(path, model=self.model, optimizer=self.optimizer,
-                        streaming=self.offload.stream_optimizer_state_to_disk, iteration=iteration,
-                        rank=self.rank, world_size=self.world_size, barrier=self._barrier, verify=replacing)
+        checkpoint.save(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            streaming=self.offload.stream_optimizer_state_to_disk,
+            iteration=iteration,
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier=self._barrier,
+            verify=replacing,
+        )
         self._say(f"saved iteration {iteration} to {path}")
         self._verify_in_background(iteration, linked=not replacing)
 
@@ -476,8 +557,9 @@ class Trainer:
         checkpoint is verified before it counts]); ``linked`` False: nothing to read."""
         work = None
         if linked and self.offload.stream_optimizer_state_to_disk:
-            optim_dir = os.path.join(checkpoint.rank_path(rotation.iteration_dir(self.config.save, iteration),
-                                                          self.rank), "optim")
+            optim_dir = os.path.join(
+                checkpoint.rank_path(rotation.iteration_dir(self.config.save, iteration), self.rank), "optim"
+            )
             work = lambda: self.optimizer.verify_linked(optim_dir)  # noqa: E731
         self._unverified = (iteration, rotation.Verification(work))
 
@@ -501,10 +583,15 @@ class Trainer:
         self._barrier()
         if not good and final:
             left = rotation.iterations(self.config.save)
-            raise CheckpointError(f"--save {self.config.save}: the checkpoint of iteration {iteration} failed its "
-                                  "verification and was dropped; "
-                                  + (f"resume from iteration {left[0]} (--load {self.config.save})" if left
-                                     else "no checkpoint is left there"))
+            raise CheckpointError(
+                f"--save {self.config.save}: the checkpoint of iteration {iteration} failed its "
+                "verification and was dropped; "
+                + (
+                    f"resume from iteration {left[0]} (--load {self.config.save})"
+                    if left
+                    else "no checkpoint is left there"
+                )
+            )
 
     def _begin_save(self) -> None:
         """Before the iteration's last optimizer step: stage the save, and have a
@@ -525,13 +612,18 @@ class Trainer:
         path = rotation.iteration_dir(c.save, iteration)
         # Written twice from the step's buffers (no links) or by a resident optimizer: nothing shared to read back.
         linked = streaming and getattr(self.optimizer.last_checkpoint, "mode", "link") == "link"
-        kwargs = dict(model_state=checkpoint.model_state(self.model), model_config=checkpoint.model_config(self.model),
-                      optimizer=self.optimizer,
-                      # A resident optimizer's state, copied only for a publish beside the next step.
-                      optim_state=checkpoint.optimizer_state(self.optimizer) if c.async_save and not streaming
-                      else None,
-                      streaming=streaming, optim_written=streaming, iteration=iteration, rank=self.rank,
-                      world_size=self.world_size)
+        kwargs = dict(
+            model_state=checkpoint.model_state(self.model),
+            model_config=checkpoint.model_config(self.model),
+            optimizer=self.optimizer,
+            # A resident optimizer's state, copied only for a publish beside the next step.
+            optim_state=checkpoint.optimizer_state(self.optimizer) if c.async_save and not streaming else None,
+            streaming=streaming,
+            optim_written=streaming,
+            iteration=iteration,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         if not c.async_save:
             checkpoint.finish(path, barrier=self._barrier, **kwargs)
             self._say(f"saved iteration {iteration} to {path}")
@@ -561,8 +653,10 @@ class Trainer:
         self._save_thread = None
         if self._save_error is not None:
             raise self._save_error
-        self._say(f"saved iteration {self._saved_iteration} to "
-                  f"{rotation.iteration_dir(self.config.save, self._saved_iteration)} (published in the background)")
+        self._say(
+            f"saved iteration {self._saved_iteration} to "
+            f"{rotation.iteration_dir(self.config.save, self._saved_iteration)} (published in the background)"
+        )
 
     def _wait_for_publish(self) -> None:
         """Until the publish ends (it finishes or fails), or a second SIGTERM or SIGINT

@@ -17,16 +17,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from greenroom.cli import flags as cliflags
-from greenroom.io import fs
 from greenroom.cli.bench.disk import MAX_DEPTH, RAW_BLOCK, raw_bandwidth
 from greenroom.config import check_disk_bytes
 from greenroom.devices import check_device_bytes
-from greenroom.io.codec_names import CODECS as COMPRESSIONS
-from greenroom.units import GB, MIB
-from greenroom.io.engine import align_up
-from greenroom.errors import ConfigError
 from greenroom.dirs.rankdir import RankDir, check_existing_root
-from greenroom.units import parse_bytes, rate_text, size_text
+from greenroom.errors import ConfigError
+from greenroom.io import fs
+from greenroom.io.codec_names import CODECS as COMPRESSIONS
+from greenroom.io.engine import align_up
+from greenroom.units import MIB, parse_bytes, rate_text, size_text
 
 CHUNK = 64 * MIB  # one staging buffer of the default 256 MiB chunk
 FRAME = MIB
@@ -34,14 +33,27 @@ MAX_THREADS = 2 * MAX_DEPTH
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    cliflags.compression(parser, default=None, choices=[c for c in COMPRESSIONS if c not in ("auto", "none")],
-                         required=True, help="the codec to time")
-    parser.add_argument("--size", type=parse_bytes, default=1 << 30,
-                        help="bytes of state, in whole 64 MiB chunks: rounded down, at least one (default 1GiB; the "
-                             "report gives the size timed)")
-    parser.add_argument("--state", choices=("trained", "random"), default="trained",
-                        help="trained: fp32 masters of a transformer trained 50 steps (greenroom.cli.bench.trained); "
-                             "random: random bytes (nothing compresses)")
+    cliflags.compression(
+        parser,
+        default=None,
+        choices=[c for c in COMPRESSIONS if c not in ("auto", "none")],
+        required=True,
+        help="the codec to time",
+    )
+    parser.add_argument(
+        "--size",
+        type=parse_bytes,
+        default=1 << 30,
+        help="bytes of state, in whole 64 MiB chunks: rounded down, at least one (default 1GiB; the "
+        "report gives the size timed)",
+    )
+    parser.add_argument(
+        "--state",
+        choices=("trained", "random"),
+        default="trained",
+        help="trained: fp32 masters of a transformer trained 50 steps (greenroom.cli.bench.trained); "
+        "random: random bytes (nothing compresses)",
+    )
     parser.add_argument("--threads", type=int, default=4, help="threads calling the codec at once (default 4)")
     cliflags.disk_dir(parser, positional=True, help="also probe the raw disk here, for the ratio to it")
     cliflags.json_flag(parser)
@@ -59,11 +71,22 @@ def measure(args: argparse.Namespace) -> dict:
     n = args.size // CHUNK * CHUNK or CHUNK
     # The state, its stored chunks (at most as large: a frame that does not shrink is kept
     # raw) and each thread's decoded chunk.
-    check_device_bytes("bench codec --size", fs.human_bytes(args.size), 2 * n + args.threads * CHUNK, device,
-                       default="1GiB", counted="the state, its coded frames and the decoded chunks")
+    check_device_bytes(
+        "bench codec --size",
+        fs.human_bytes(args.size),
+        2 * n + args.threads * CHUNK,
+        device,
+        default="1GiB",
+        counted="the state, its coded frames and the decoded chunks",
+    )
     if args.dir:
-        check_disk_bytes("bench codec --size", fs.human_bytes(args.size), align_up(min(n, 1 << 30), RAW_BLOCK),
-                         args.dir, counted="the raw probe's file")
+        check_disk_bytes(
+            "bench codec --size",
+            fs.human_bytes(args.size),
+            align_up(min(n, 1 << 30), RAW_BLOCK),
+            args.dir,
+            counted="the raw probe's file",
+        )
     if args.state == "trained":
         from greenroom.cli.bench.trained import train
 
@@ -91,22 +114,30 @@ def measure(args: argparse.Namespace) -> dict:
             at += -(-payload.numel() // 256) * 256
         packed = torch.empty(at, dtype=torch.uint8, device=device)
         for (start, size), (_, payload) in zip(spans, coded):
-            packed[start:start + size].copy_(payload)
+            packed[start : start + size].copy_(payload)
         stored[k] = (packed, spans, [(codec_id, 4) for codec_id, _ in coded])
 
     def decode(worker: int, k: int, state) -> None:
         out, decoders = state
         if codec.on_device:
             packed, spans, layouts = stored[k]
-            codec.decode(packed, spans, list(out.view(-1, FRAME)), layouts, streams[worker],
-                         ["bench"] * len(spans), decoders=decoders)
+            codec.decode(
+                packed,
+                spans,
+                list(out.view(-1, FRAME)),
+                layouts,
+                streams[worker],
+                ["bench"] * len(spans),
+                decoders=decoders,
+            )
         else:
             for payload, frame_out in zip(stored[k], out.reshape(-1, FRAME)):
                 codec.decode(memoryview(payload), frame_out, 4, "bench")
 
     def new_state(kept: bool):
-        out = (torch.empty(CHUNK, dtype=torch.uint8, device=device) if codec.on_device
-               else np.empty(CHUNK, dtype=np.uint8))
+        out = (
+            torch.empty(CHUNK, dtype=torch.uint8, device=device) if codec.on_device else np.empty(CHUNK, dtype=np.uint8)
+        )
         return out, ({} if kept else None)
 
     def timed(work, states=None, chunk_list=None) -> float:
@@ -117,7 +148,7 @@ def measure(args: argparse.Namespace) -> dict:
 
         def thread(worker: int) -> None:
             state = new_state(False) if states is None else states[worker]
-            for k in todo[worker::args.threads]:
+            for k in todo[worker :: args.threads]:
                 work(worker, k, state)
 
         start = time.perf_counter()
@@ -138,9 +169,16 @@ def measure(args: argparse.Namespace) -> dict:
     warm_up = range(min(args.threads, chunks.shape[0]))
     timed(decode, chunk_list=warm_up)  # warm-up of the decode path
     decode_s = timed(decode)
-    result = {"compression": args.compression, "state": args.state, "bytes": n, "threads": args.threads,
-              "device": str(device), "ratio": n / max(stored_bytes, 1),
-              "encode_bytes_per_s": n / encode_s, "decode_bytes_per_s": n / decode_s}
+    result = {
+        "compression": args.compression,
+        "state": args.state,
+        "bytes": n,
+        "threads": args.threads,
+        "device": str(device),
+        "ratio": n / max(stored_bytes, 1),
+        "encode_bytes_per_s": n / encode_s,
+        "decode_bytes_per_s": n / decode_s,
+    }
     if codec.on_device:
         # The same chunks with each thread's nvCOMP decoders kept from chunk to chunk, as the
         # engine keeps them (Note [kept decoders] of greenroom.io.frames), made in a warm-up
@@ -153,9 +191,12 @@ def measure(args: argparse.Namespace) -> dict:
     if args.dir:
         with RankDir(args.dir, role="bench-codec", allow_tmpfs=True) as rank_dir:
             raw = raw_bandwidth(rank_dir.path, min(n, 1 << 30))
-        result.update(raw_write_bytes_per_s=raw.write_bytes_per_s, raw_read_bytes_per_s=raw.read_bytes_per_s,
-                      encode_vs_disk=result["encode_bytes_per_s"] / raw.write_bytes_per_s,
-                      decode_vs_disk=result["decode_bytes_per_s"] / raw.read_bytes_per_s)
+        result.update(
+            raw_write_bytes_per_s=raw.write_bytes_per_s,
+            raw_read_bytes_per_s=raw.read_bytes_per_s,
+            encode_vs_disk=result["encode_bytes_per_s"] / raw.write_bytes_per_s,
+            decode_vs_disk=result["decode_bytes_per_s"] / raw.read_bytes_per_s,
+        )
     return result
 
 
@@ -174,21 +215,27 @@ def _round_trips(chunks, stored, decode, new_state) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.threads <= MAX_THREADS:
-        raise ConfigError(f"bench codec --threads: expected 1 to {MAX_THREADS} (the engine runs 2 per staging "
-                          f"buffer), got {args.threads}")
+        raise ConfigError(
+            f"bench codec --threads: expected 1 to {MAX_THREADS} (the engine runs 2 per staging "
+            f"buffer), got {args.threads}"
+        )
     if cliflags.resolve_disk_dir(args, "bench codec", required=False):
         check_existing_root(args.dir, name="bench codec --dir")
     r = measure(args)
     if args.json:
         print(json.dumps(r, sort_keys=True))
         return 0 if r["bit_exact"] else 1
-    print(f"bench codec {r['compression']} on {r['device']}, {size_text(r['bytes'])} of {r['state']} state in "
-          f"1 MiB frames, {r['threads']} thread(s): ratio {r['ratio']:.3f}, bit-exact: {r['bit_exact']}")
+    print(
+        f"bench codec {r['compression']} on {r['device']}, {size_text(r['bytes'])} of {r['state']} state in "
+        f"1 MiB frames, {r['threads']} thread(s): ratio {r['ratio']:.3f}, bit-exact: {r['bit_exact']}"
+    )
     line = f"encode {rate_text(r['encode_bytes_per_s'])}, decode {rate_text(r['decode_bytes_per_s'])}"
     if "decode_kept_bytes_per_s" in r:
         line += f" ({rate_text(r['decode_kept_bytes_per_s'])} with decoders kept)"
     if "raw_write_bytes_per_s" in r:
-        line += (f"; raw disk write {rate_text(r['raw_write_bytes_per_s'])} ({r['encode_vs_disk']:.2f}x), "
-                 f"read {rate_text(r['raw_read_bytes_per_s'])} ({r['decode_vs_disk']:.2f}x)")
+        line += (
+            f"; raw disk write {rate_text(r['raw_write_bytes_per_s'])} ({r['encode_vs_disk']:.2f}x), "
+            f"read {rate_text(r['raw_read_bytes_per_s'])} ({r['decode_vs_disk']:.2f}x)"
+        )
     print(line)
     return 0 if r["bit_exact"] else 1

@@ -73,12 +73,22 @@ def measure(params: int, directory: str, steps: int, param_numel: int) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4,
-                                  "fast_init": False},
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "pin_memory": True,
+                "buffer_count": 4,
+                "fast_init": False,
+            },
             "sub_group_size": 100_000_000,
         },
-        "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 1, "single_submit": False,
-                "overlap_events": True},
+        "aio": {
+            "block_size": 1 << 20,
+            "queue_depth": 16,
+            "intra_op_parallelism": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        },
         "steps_per_print": 1 << 30,
     }
     with RssSampler(0.02) as init_host:
@@ -101,14 +111,27 @@ def measure(params: int, directory: str, steps: int, param_numel: int) -> dict:
             start, cpu_start = time.perf_counter(), time.process_time()
             engine.step()
             torch.cuda.synchronize(device)
-            rows.append({"step_seconds": time.perf_counter() - start, "forward_backward_seconds": backward,
-                         "cpu_seconds": time.process_time() - cpu_start,  # its CPU Adam's threads included
-                         "peak_device_bytes": torch.cuda.max_memory_allocated(device)})
+            rows.append(
+                {
+                    "step_seconds": time.perf_counter() - start,
+                    "forward_backward_seconds": backward,
+                    "cpu_seconds": time.process_time() - cpu_start,  # its CPU Adam's threads included
+                    "peak_device_bytes": torch.cuda.max_memory_allocated(device),
+                }
+            )
     nvme_bytes = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(nvme) for f in files)
-    return {"deepspeed": deepspeed.__version__, "params": sum(sizes), "param_dtype": "bf16", "dir": nvme,
-            "init_seconds": init_seconds, "steps": rows, "step_seconds": rows[-1]["step_seconds"],
-            "host_rss_peak_bytes": max(host.peak, init_host.peak),
-            "peak_device_bytes": max(r["peak_device_bytes"] for r in rows), "nvme_file_bytes": nvme_bytes}
+    return {
+        "deepspeed": deepspeed.__version__,
+        "params": sum(sizes),
+        "param_dtype": "bf16",
+        "dir": nvme,
+        "init_seconds": init_seconds,
+        "steps": rows,
+        "step_seconds": rows[-1]["step_seconds"],
+        "host_rss_peak_bytes": max(host.peak, init_host.peak),
+        "peak_device_bytes": max(r["peak_device_bytes"] for r in rows),
+        "nvme_file_bytes": nvme_bytes,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

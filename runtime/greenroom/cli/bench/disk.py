@@ -21,16 +21,14 @@ import time
 from dataclasses import asdict, dataclass
 
 from greenroom.cli import flags as cliflags
-from greenroom.devices import resolve_device
+from greenroom.config import check_disk_bytes, check_host_bytes
+from greenroom.devices import check_device_bytes, resolve_device
+from greenroom.dirs.rankdir import RankDir, check_existing_root
+from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.compression import resolve as resolve_compression
-from greenroom.config import check_disk_bytes, check_host_bytes
-from greenroom.devices import check_device_bytes
-from greenroom.units import MIB
 from greenroom.io.engine import ALIGNMENT, DEFAULT_DEPTH, StateFile, TransferEngine, align_up
-from greenroom.errors import ConfigError
-from greenroom.dirs.rankdir import RankDir, check_existing_root
-from greenroom.units import parse_bytes, positive_int
+from greenroom.units import MIB, parse_bytes, positive_int
 
 RAW_BLOCK = 64 * MIB
 # --depth past this measures thread scheduling more than the disk (2 I/O threads per buffer).
@@ -59,8 +57,9 @@ def raw_block(size: int) -> int:
     return min(RAW_BLOCK, align_up(size, ALIGNMENT))
 
 
-def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, block: int | None = None,
-                  mixed: bool = False) -> Bandwidth:
+def raw_bandwidth(
+    directory: str, size: int, *, threads: int = RAW_THREADS, block: int | None = None, mixed: bool = False
+) -> Bandwidth:
     """Plain positional I/O of ``size`` bytes into a scratch file in ``directory``, in
     ``block``-sized requests (default ``raw_block(size)``); with ``mixed`` (and two blocks
     or more), then reads and writes at once (``Bandwidth``)."""
@@ -81,8 +80,9 @@ def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, bloc
 
         def run(op, offsets=offsets, buffers=buffers) -> float:
             def worker(i: int) -> None:
-                for off in offsets[i::len(buffers)]:
+                for off in offsets[i :: len(buffers)]:
                     op(buffers[i], off)
+
             start = time.perf_counter()
             with cf.ThreadPoolExecutor(len(buffers)) as pool:
                 list(pool.map(worker, range(len(buffers))))
@@ -112,8 +112,9 @@ def raw_bandwidth(directory: str, size: int, *, threads: int = RAW_THREADS, bloc
         os.unlink(path)
 
 
-def engine_bandwidth(directory: str, size: int, *, chunk_bytes: int, depth: int, device: str,
-                     compression: str = "none") -> Bandwidth:
+def engine_bandwidth(
+    directory: str, size: int, *, chunk_bytes: int, depth: int, device: str, compression: str = "none"
+) -> Bandwidth:
     """A ``size``-byte tensor on ``device`` written and read back through the I/O layer.
     Its bytes are random: with a ``compression`` codec nothing compresses, so this
     measures what the codec costs where it does not pay."""
@@ -146,10 +147,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.chunk_mb(parser, help="staging budget, MiB (default %(default)s)")
     parser.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="staging buffers / I/O threads")
     cliflags.device(parser)
-    cliflags.compression(parser, help="also time the engine with this codec on the same random bytes (it cannot "
-                                      "pay: the cost of trying); auto resolves as train does, none skips it")
-    parser.add_argument("--repeat", type=positive_int, default=3,
-                        help="passes, each measuring raw and engine (default %(default)s); min/median/max reported")
+    cliflags.compression(
+        parser,
+        help="also time the engine with this codec on the same random bytes (it cannot "
+        "pay: the cost of trying); auto resolves as train does, none skips it",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=3,
+        help="passes, each measuring raw and engine (default %(default)s); min/median/max reported",
+    )
     cliflags.json_flag(parser)
 
 
@@ -158,23 +166,31 @@ def spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: str,
-            compression: str = "none") -> dict:
+def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: str, compression: str = "none") -> dict:
     # The scratch files live in a rank dir of their own (locked, reclaimable after a crash).
     with RankDir(directory, role="bench-disk", allow_tmpfs=True) as rank_dir:
         raw = raw_bandwidth(rank_dir.path, size)
         ours = engine_bandwidth(rank_dir.path, size, chunk_bytes=chunk_bytes, depth=depth, device=device)
         coded = None
         if compression != "none":
-            coded = asdict(engine_bandwidth(rank_dir.path, size, chunk_bytes=chunk_bytes, depth=depth, device=device,
-                                            compression=compression))
+            coded = asdict(
+                engine_bandwidth(
+                    rank_dir.path, size, chunk_bytes=chunk_bytes, depth=depth, device=device, compression=compression
+                )
+            )
             coded["write_vs_plain"] = coded["write_bytes_per_s"] / ours.write_bytes_per_s
             coded["read_vs_plain"] = coded["read_bytes_per_s"] / ours.read_bytes_per_s
     return {
-        "compression": compression, "engine_compressed": coded,
-        "dir": directory, "filesystem": fs.mount_of(directory).fstype, "size_bytes": size, "device": device,
-        "chunk_bytes": chunk_bytes, "depth": depth,
-        "raw": asdict(raw), "engine": asdict(ours),
+        "compression": compression,
+        "engine_compressed": coded,
+        "dir": directory,
+        "filesystem": fs.mount_of(directory).fstype,
+        "size_bytes": size,
+        "device": device,
+        "chunk_bytes": chunk_bytes,
+        "depth": depth,
+        "raw": asdict(raw),
+        "engine": asdict(ours),
         "write_ratio": ours.write_bytes_per_s / raw.write_bytes_per_s,
         "read_ratio": ours.read_bytes_per_s / raw.read_bytes_per_s,
     }
@@ -183,15 +199,19 @@ def measure(directory: str, size: int, *, chunk_bytes: int, depth: int, device: 
 def measure_repeated(directory: str, size: int, *, repeat: int, **kwargs) -> dict:
     """``measure`` ``repeat`` times: every pass, and the spread of each figure."""
     passes = [measure(directory, size, **kwargs) for _ in range(repeat)]
-    figures = {f"{side}_{way}_bytes_per_s": [p[side][f"{way}_bytes_per_s"] for p in passes]
-               for side in ("raw", "engine") for way in ("write", "read")}
+    figures = {
+        f"{side}_{way}_bytes_per_s": [p[side][f"{way}_bytes_per_s"] for p in passes]
+        for side in ("raw", "engine")
+        for way in ("write", "read")
+    }
     figures.update({f"{way}_ratio": [p[f"{way}_ratio"] for p in passes] for way in ("write", "read")})
     result = dict(passes[-1])
     result.update(repeat=repeat, passes=passes, spread={k: spread(v) for k, v in figures.items()})
     # The headline figures are the medians (``raw``, ``engine``, the ratios).
     for side in ("raw", "engine"):
-        medians = {f"{way}_bytes_per_s": result["spread"][f"{side}_{way}_bytes_per_s"]["median"]
-                   for way in ("write", "read")}
+        medians = {
+            f"{way}_bytes_per_s": result["spread"][f"{side}_{way}_bytes_per_s"]["median"] for way in ("write", "read")
+        }
         result[side] = dict(result[side], **medians)
     for way in ("write", "read"):
         result[f"{way}_ratio"] = result["spread"][f"{way}_ratio"]["median"]
@@ -213,24 +233,36 @@ def run(args: argparse.Namespace) -> int:
     smallest, what = (MIB, "a compressed frame, 1 MiB,") if args.compression != "none" else (ALIGNMENT, "4 KiB")
     most = min(args.chunk_mb * MIB // smallest, MAX_DEPTH)
     if args.depth > most:
-        raise ConfigError(f"bench disk --depth {args.depth}: use at most {most} (default {DEFAULT_DEPTH}): each buffer "
-                          f"holds at least {what} of the {args.chunk_mb} MiB of staging "
-                          f"(--offload-train-disk-chunk-mb), and past {MAX_DEPTH} buffers (2 I/O threads each) the "
-                          "bench measures threads more than the disk")
+        raise ConfigError(
+            f"bench disk --depth {args.depth}: use at most {most} (default {DEFAULT_DEPTH}): each buffer "
+            f"holds at least {what} of the {args.chunk_mb} MiB of staging "
+            f"(--offload-train-disk-chunk-mb), and past {MAX_DEPTH} buffers (2 I/O threads each) the "
+            "bench measures threads more than the disk"
+        )
     check_host_bytes("--offload-train-disk-chunk-mb", args.chunk_mb, args.chunk_mb * MIB)
     # One scratch file at a time (the raw probe's, then the engine's), and the tensor.
-    check_disk_bytes("bench disk --size", fs.human_bytes(args.size), align_up(args.size, raw_block(args.size)),
-                     directory)
+    check_disk_bytes(
+        "bench disk --size", fs.human_bytes(args.size), align_up(args.size, raw_block(args.size)), directory
+    )
     check_device_bytes("bench disk --size", fs.human_bytes(args.size), args.size, device, default="1GiB")
-    result = measure_repeated(directory, args.size, repeat=args.repeat, chunk_bytes=args.chunk_mb * MIB,
-                              depth=args.depth, device=device, compression=args.compression)
+    result = measure_repeated(
+        directory,
+        args.size,
+        repeat=args.repeat,
+        chunk_bytes=args.chunk_mb * MIB,
+        depth=args.depth,
+        device=device,
+        compression=args.compression,
+    )
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
     gb = 1e9
-    print(f"bench disk {directory} ({result['filesystem']}), {args.size / gb:.2f} GB each way, "
-          f"tensor on {device}, staging {args.chunk_mb} MiB in {args.depth} buffers, {args.repeat} pass(es): "
-          "min / median / max")
+    print(
+        f"bench disk {directory} ({result['filesystem']}), {args.size / gb:.2f} GB each way, "
+        f"tensor on {device}, staging {args.chunk_mb} MiB in {args.depth} buffers, {args.repeat} pass(es): "
+        "min / median / max"
+    )
     print(f"{'':8}{'raw O_DIRECT GB/s':>24}{'greenroom GB/s':>24}{'ratio':>20}")
     spreads = result["spread"]
 
@@ -239,11 +271,15 @@ def run(args: argparse.Namespace) -> int:
         return f"{s['min'] / scale:.2f} / {s['median'] / scale:.2f} / {s['max'] / scale:.2f}"
 
     for way in ("write", "read"):
-        print(f"{way:8}{three(f'raw_{way}_bytes_per_s', gb):>24}{three(f'engine_{way}_bytes_per_s', gb):>24}"
-              f"{three(f'{way}_ratio', 1):>20}")
+        print(
+            f"{way:8}{three(f'raw_{way}_bytes_per_s', gb):>24}{three(f'engine_{way}_bytes_per_s', gb):>24}"
+            f"{three(f'{way}_ratio', 1):>20}"
+        )
     if result["engine_compressed"] is not None:
         c = result["engine_compressed"]
-        print(f"with --offload-train-disk-compression {args.compression} on incompressible bytes (last pass): write "
-              f"{c['write_bytes_per_s'] / gb:.2f} GB/s ({c['write_vs_plain']:.2f} of plain), read "
-              f"{c['read_bytes_per_s'] / gb:.2f} GB/s ({c['read_vs_plain']:.2f} of plain)")
+        print(
+            f"with --offload-train-disk-compression {args.compression} on incompressible bytes (last pass): write "
+            f"{c['write_bytes_per_s'] / gb:.2f} GB/s ({c['write_vs_plain']:.2f} of plain), read "
+            f"{c['read_bytes_per_s'] / gb:.2f} GB/s ({c['read_vs_plain']:.2f} of plain)"
+        )
     return 0

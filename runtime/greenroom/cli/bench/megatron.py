@@ -19,11 +19,10 @@ import time
 
 import torch
 
-from greenroom.cli import flags as cliflags
 from greenroom import config as gconfig
-from greenroom.units import GIB
+from greenroom.cli import flags as cliflags
 from greenroom.megatron import demo
-
+from greenroom.units import GIB
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -47,16 +46,20 @@ def _gib(n: int) -> float:
 def run(args) -> int:
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from greenroom.megatron import close, streaming, streaming_members
     from greenroom.dirs.rankdir import RankDir
+    from greenroom.megatron import close, streaming, streaming_members
 
     demo.init_single_gpu()
-    size = demo.ModelSize(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
-                          seq=args.seq, batch=1)
-    offload = gconfig.OffloadConfig(offload_train=args.offload, offload_train_target="disk" if args.offload else None,
-                                    offload_train_disk_dir=args.dir,
-                                    stream_optimizer_state_to_disk=args.mode == "stream",
-                                    stream_optimizer_state_moment_dtype=args.moment_dtype)
+    size = demo.ModelSize(
+        hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq, batch=1
+    )
+    offload = gconfig.OffloadConfig(
+        offload_train=args.offload,
+        offload_train_target="disk" if args.offload else None,
+        offload_train_disk_dir=args.dir,
+        stream_optimizer_state_to_disk=args.mode == "stream",
+        stream_optimizer_state_moment_dtype=args.moment_dtype,
+    )
     with RankDir(args.dir, role=f"bench-{args.mode}") as rank_dir:
         model = demo.build_model(size)
         params = sum(p.numel() for p in model.parameters())
@@ -71,10 +74,14 @@ def run(args) -> int:
             optimizer = get_megatron_optimizer(demo.optimizer_config(), [model])
         torch.cuda.synchronize()
         init_seconds = time.perf_counter() - t0
-        result = {"mode": args.mode, "params": params, "moment_dtype": args.moment_dtype,
-                  "init_seconds": round(init_seconds, 3),
-                  "init_peak_above_model_gib": _gib(torch.cuda.max_memory_allocated() - before_init),
-                  "after_init_above_model_gib": _gib(torch.cuda.memory_allocated() - before_init)}
+        result = {
+            "mode": args.mode,
+            "params": params,
+            "moment_dtype": args.moment_dtype,
+            "init_seconds": round(init_seconds, 3),
+            "init_peak_above_model_gib": _gib(torch.cuda.max_memory_allocated() - before_init),
+            "after_init_above_model_gib": _gib(torch.cuda.memory_allocated() - before_init),
+        }
         if args.mode == "stream":
             member = streaming_members(optimizer)[0]
             result["largest_shard_fp32_gib"] = _gib(4 * max(e.numel for e in member.shard_entries))
@@ -142,8 +149,12 @@ def _sleep_wake(offload, rank_dir, model, optimizer, mode) -> dict:
     asleep_allocated = torch.cuda.memory_allocated()
     wake = offloader.wake()
     offloader.close()
-    return {"offload_bytes_gib": _gib(tracked_bytes), "sleep_seconds": round(sleep.seconds, 3),
-            "wake_seconds": round(wake.seconds, 3), "allocated_asleep_gib": _gib(asleep_allocated)}
+    return {
+        "offload_bytes_gib": _gib(tracked_bytes),
+        "sleep_seconds": round(sleep.seconds, 3),
+        "wake_seconds": round(wake.seconds, 3),
+        "allocated_asleep_gib": _gib(asleep_allocated),
+    }
 
 
 def main(argv=None) -> int:

@@ -28,33 +28,44 @@ import os
 import time
 
 from greenroom.cli import flags as cliflags
-from greenroom.devices import resolve_device
+from greenroom.config import OffloadConfig, check_disk_bytes, check_host_bytes
+from greenroom.devices import check_device_bytes, resolve_device
+from greenroom.dirs.rankdir import check_existing_root
+from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.compression import resolve as resolve_compression
-from greenroom.config import OffloadConfig, check_disk_bytes, check_host_bytes
-from greenroom.devices import check_device_bytes
-from greenroom.units import GB, GIB, MIB
-from greenroom.errors import ConfigError
-from greenroom.dirs.rankdir import check_existing_root
-from greenroom.units import bytes_or_zero, parse_bytes, positive_int, rate_text, size_text
+from greenroom.units import GIB, MIB, bytes_or_zero, parse_bytes, positive_int, rate_text, size_text
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=parse_bytes, default=4 << 30, help="bytes of actor memory (default 4GiB)")
-    parser.add_argument("--untracked-size", type=bytes_or_zero, default=0,
-                        help="bytes more that the offloader is not told about (default 0)")
+    parser.add_argument(
+        "--untracked-size",
+        type=bytes_or_zero,
+        default=0,
+        help="bytes more that the offloader is not told about (default 0)",
+    )
     cliflags.target(parser)
-    cliflags.disk_dir(parser, positional=True, help="disk dir for the per-rank files (node-local NVMe; needed for disk)")
+    cliflags.disk_dir(
+        parser, positional=True, help="disk dir for the per-rank files (node-local NVMe; needed for disk)"
+    )
     cliflags.chunk_mb(parser)
     parser.add_argument("--cycles", type=positive_int, default=2, help="sleep/wake cycles (default %(default)s)")
     cliflags.compression(parser, help="codec of the offload file")
-    parser.add_argument("--state", choices=("random", "trained"), default="random",
-                        help="random: random bytes (nothing compresses); trained: a trained transformer's bf16 "
-                             "weights, tiled (greenroom.cli.bench.trained)")
+    parser.add_argument(
+        "--state",
+        choices=("random", "trained"),
+        default="random",
+        help="random: random bytes (nothing compresses); trained: a trained transformer's bf16 "
+        "weights, tiled (greenroom.cli.bench.trained)",
+    )
     cliflags.backend_and_mover(parser)
     cliflags.device(parser)
-    parser.add_argument("--no-verify", action="store_true",
-                        help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only",
+    )
     cliflags.json_flag(parser)
 
 
@@ -77,8 +88,8 @@ def _pinned_copy_bandwidth(tensors, torch) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    out_s = timed(lambda t: buf[:t.numel()].copy_(t, non_blocking=cuda))
-    in_s = timed(lambda t: scratch[:t.numel()].copy_(buf[:t.numel()], non_blocking=cuda))
+    out_s = timed(lambda t: buf[: t.numel()].copy_(t, non_blocking=cuda))
+    in_s = timed(lambda t: scratch[: t.numel()].copy_(buf[: t.numel()], non_blocking=cuda))
     return {"out_bytes_per_s": total / out_s, "in_bytes_per_s": total / in_s}
 
 
@@ -88,18 +99,29 @@ def _check_fits(args: argparse.Namespace, config: OffloadConfig, device) -> None
     from greenroom.cli.bench.disk import RAW_BLOCK
 
     actor_bytes = args.size + args.untracked_size
-    given = fs.human_bytes(args.size) + (f" (+ --untracked-size {fs.human_bytes(args.untracked_size)})"
-                                         if args.untracked_size else "")
+    given = fs.human_bytes(args.size) + (
+        f" (+ --untracked-size {fs.human_bytes(args.untracked_size)})" if args.untracked_size else ""
+    )
     if config.offload_to_disk:
         # The offload file and the raw probe's scratch file of the same bytes, side by side.
-        check_disk_bytes("bench offload --size", given, 2 * actor_bytes + RAW_BLOCK, config.offload_train_disk_dir,
-                         counted="the offload file and the raw probe's")
+        check_disk_bytes(
+            "bench offload --size",
+            given,
+            2 * actor_bytes + RAW_BLOCK,
+            config.offload_train_disk_dir,
+            counted="the offload file and the raw probe's",
+        )
     if device.type == "cuda":
         check_device_bytes("bench offload --size", given, actor_bytes, device, default="4GiB")
     copies = int(device.type == "cpu") + int(not config.offload_to_disk)  # the actor itself, its pinned host copy
     if copies:
-        check_host_bytes("bench offload --size", given, copies * actor_bytes, default="4GiB",
-                         counted="the actor and its host copy" if copies == 2 else "")
+        check_host_bytes(
+            "bench offload --size",
+            given,
+            copies * actor_bytes,
+            default="4GiB",
+            counted="the actor and its host copy" if copies == 2 else "",
+        )
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -108,13 +130,17 @@ def measure(args: argparse.Namespace) -> dict:
     from greenroom import actor
     from greenroom.actor.memory import RssSampler
     from greenroom.cli.bench.disk import raw_bandwidth
-    from greenroom.io.engine import verify_default
     from greenroom.dirs.rankdir import RankDir
+    from greenroom.io.engine import verify_default
 
     device = torch.device(args.device)
-    config = OffloadConfig(offload_train=True, offload_train_target=args.target, offload_train_disk_dir=args.dir,
-                           offload_train_disk_chunk_mb=args.chunk_mb,
-                           offload_train_disk_compression=args.compression)
+    config = OffloadConfig(
+        offload_train=True,
+        offload_train_target=args.target,
+        offload_train_disk_dir=args.dir,
+        offload_train_disk_chunk_mb=args.chunk_mb,
+        offload_train_disk_compression=args.compression,
+    )
     if device.type == "cuda" and args.backend != "portable":
         actor.relaunch_with(actor.launch_env(config, 0, role="bench", mover=args.mover))
     size, untracked_size = args.size, args.untracked_size
@@ -138,10 +164,14 @@ def measure(args: argparse.Namespace) -> dict:
 
             def pieces(total: int) -> list:
                 if trained is not None:  # bf16 weights: what a sleeping actor mostly holds
-                    return [trained.tiled("master", min(GIB, total - start) // 2, torch.bfloat16)
-                            for start in range(0, total, GIB)]
-                return [torch.randint(0, 256, (min(GIB, total - start),), dtype=torch.uint8, device=device)
-                        for start in range(0, total, GIB)]
+                    return [
+                        trained.tiled("master", min(GIB, total - start) // 2, torch.bfloat16)
+                        for start in range(0, total, GIB)
+                    ]
+                return [
+                    torch.randint(0, 256, (min(GIB, total - start),), dtype=torch.uint8, device=device)
+                    for start in range(0, total, GIB)
+                ]
 
             tracked = pieces(size)
             offloader.track(tracked)
@@ -152,8 +182,11 @@ def measure(args: argparse.Namespace) -> dict:
                 if not config.offload_to_disk:
                     return _pinned_copy_bandwidth(tensors, torch)
                 raw = raw_bandwidth(rank_dir.subdir("raw"), size + untracked_size)
-                return {"write_bytes_per_s": raw.write_bytes_per_s, "read_bytes_per_s": raw.read_bytes_per_s,
-                        "o_direct": raw.o_direct}
+                return {
+                    "write_bytes_per_s": raw.write_bytes_per_s,
+                    "read_bytes_per_s": raw.read_bytes_per_s,
+                    "o_direct": raw.o_direct,
+                }
 
             # The copy kept for the check lives where the offloader never looks (the
             # rollout region).
@@ -179,34 +212,47 @@ def measure(args: argparse.Namespace) -> dict:
                 sleep_rate, wake_rate = slept.copied / slept.seconds, woke.copied / woke.seconds
                 disk_written = offloader.disk_bytes("written") - written_before
                 disk_read = offloader.disk_bytes("read") - read_before
-                cycles.append({"sleep_s": slept.seconds, "wake_s": woke.seconds,
-                               "sleep_bytes_per_s": sleep_rate, "wake_bytes_per_s": wake_rate,
-                               "sleep_copied": slept.copied, "sleep_covered": slept.nbytes,
-                               # CPU seconds of the whole process (every thread) in each phase:
-                               # over the phase's seconds, the cores it kept busy, spinning
-                               # waits on the device included.
-                               "sleep_cpu_s": cpu_slept - cpu_start, "wake_cpu_s": cpu_woke - cpu_slept,
-                               "disk_bytes_written": disk_written, "disk_bytes_read": disk_read,
-                               # The rate the stored bytes moved at over the raw probe's: 1 is
-                               # the disk's own speed, less is time lost on greenroom's path
-                               # (what the codec saves is not in it).
-                               "stored_write_ratio": (disk_written / slept.seconds / cycle_bound[out_key]
-                                                      if config.offload_to_disk else None),
-                               "stored_read_ratio": (disk_read / woke.seconds / cycle_bound[in_key]
-                                                     if config.offload_to_disk else None),
-                               "bound": cycle_bound,
-                               "sleep_ratio": sleep_rate / cycle_bound[out_key],
-                               "wake_ratio": wake_rate / cycle_bound[in_key],
-                               "peak_host_rss": sampler.reset_peak(), "asleep_host_rss": asleep_rss,
-                               "tms_pause_s": getattr(offloader, "pause_seconds", None),
-                               "tms_resume_s": getattr(offloader, "resume_seconds", None)})
+                cycles.append(
+                    {
+                        "sleep_s": slept.seconds,
+                        "wake_s": woke.seconds,
+                        "sleep_bytes_per_s": sleep_rate,
+                        "wake_bytes_per_s": wake_rate,
+                        "sleep_copied": slept.copied,
+                        "sleep_covered": slept.nbytes,
+                        # CPU seconds of the whole process (every thread) in each phase:
+                        # over the phase's seconds, the cores it kept busy, spinning
+                        # waits on the device included.
+                        "sleep_cpu_s": cpu_slept - cpu_start,
+                        "wake_cpu_s": cpu_woke - cpu_slept,
+                        "disk_bytes_written": disk_written,
+                        "disk_bytes_read": disk_read,
+                        # The rate the stored bytes moved at over the raw probe's: 1 is
+                        # the disk's own speed, less is time lost on greenroom's path
+                        # (what the codec saves is not in it).
+                        "stored_write_ratio": (
+                            disk_written / slept.seconds / cycle_bound[out_key] if config.offload_to_disk else None
+                        ),
+                        "stored_read_ratio": (
+                            disk_read / woke.seconds / cycle_bound[in_key] if config.offload_to_disk else None
+                        ),
+                        "bound": cycle_bound,
+                        "sleep_ratio": sleep_rate / cycle_bound[out_key],
+                        "wake_ratio": wake_rate / cycle_bound[in_key],
+                        "peak_host_rss": sampler.reset_peak(),
+                        "asleep_host_rss": asleep_rss,
+                        "tms_pause_s": getattr(offloader, "pause_seconds", None),
+                        "tms_resume_s": getattr(offloader, "resume_seconds", None),
+                    }
+                )
             # One more probe after the last cycle: each cycle then has one on either side
             # (the next cycle's is its after), and is also judged against their mean.
             _bracket(cycles, bound(), (out_key, in_key))
             bit_exact = all(torch.equal(t, r) for t, r in zip(tensors, reference))
             backend = offloader.backend
-            compression_line = resolve_compression(args.compression, cuda=device.type == "cuda",
-                                                   chunk_bytes=config.chunk_bytes)[1]
+            compression_line = resolve_compression(
+                args.compression, cuda=device.type == "cuda", chunk_bytes=config.chunk_bytes
+            )[1]
             mover = getattr(offloader, "mover", "greenroom")
     finally:
         sampler.close()
@@ -216,10 +262,21 @@ def measure(args: argparse.Namespace) -> dict:
     # per run; the headline is the worst of the cycles after it.
     steady = cycles[1:] or cycles
     return {
-        "tracked_bytes": size, "untracked_bytes": untracked_size, "bytes": size + untracked_size,
-        "target": args.target, "device": str(device), "backend": backend, "mover": mover, "chunk_mb": args.chunk_mb,
-        "verify": verify_default(), "dir": config.offload_train_disk_dir, "cycles": cycles,
-        "bound": cycles[0]["bound"], "bit_exact": bit_exact, "state": args.state, "compression": compression_line,
+        "tracked_bytes": size,
+        "untracked_bytes": untracked_size,
+        "bytes": size + untracked_size,
+        "target": args.target,
+        "device": str(device),
+        "backend": backend,
+        "mover": mover,
+        "chunk_mb": args.chunk_mb,
+        "verify": verify_default(),
+        "dir": config.offload_train_disk_dir,
+        "cycles": cycles,
+        "bound": cycles[0]["bound"],
+        "bit_exact": bit_exact,
+        "state": args.state,
+        "compression": compression_line,
         "sleep_ratio": min(c["sleep_ratio"] for c in steady),
         "wake_ratio": min(c["wake_ratio"] for c in steady),
         # Seconds over the raw disk's seconds for the same (uncompressed) bytes: under 1
@@ -229,7 +286,8 @@ def measure(args: argparse.Namespace) -> dict:
         # The worst of the same cycles, each against the mean of its probes before and after.
         "sleep_time_ratio_bracketed": _worst(c["sleep_time_ratio_bracketed"] for c in steady),
         "wake_time_ratio_bracketed": _worst(c["wake_time_ratio_bracketed"] for c in steady),
-        "host_rss_before": rss_before, "peak_host_rss": max(c["peak_host_rss"] for c in cycles),
+        "host_rss_before": rss_before,
+        "peak_host_rss": max(c["peak_host_rss"] for c in cycles),
         # The disk target's promise: host memory within the staging chunk plus 1 GiB.
         "host_rss_budget": (rss_before + args.chunk_mb * MIB + GIB) if args.target == "disk" else None,
     }
@@ -268,8 +326,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_verify:
         os.environ["GREENROOM_VERIFY"] = "0"  # inherited by the relaunch under torch_memory_saver
     if args.target == "disk" and not (args.dir or os.environ.get("SCRATCH")):
-        raise ConfigError("bench offload --offload-train-target disk needs --offload-train-disk-dir DIR on node-local "
-                          "NVMe (or $SCRATCH)")
+        raise ConfigError(
+            "bench offload --offload-train-target disk needs --offload-train-disk-dir DIR on node-local "
+            "NVMe (or $SCRATCH)"
+        )
     if args.target == "disk" and args.dir:
         check_existing_root(args.dir, name="bench offload --offload-train-disk-dir")
     result = measure(args)
@@ -277,35 +337,47 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=True))
         return 0 if result["bit_exact"] else 1
     r = result
-    print(f"bench offload: {size_text(r['tracked_bytes'])} tracked + {size_text(r['untracked_bytes'])} untracked "
-          f"on {r['device']}, "
-          f"target {r['target']}, backend {r['backend']} (mover {r['mover']}), chunk {r['chunk_mb']} MiB"
-          + (f", checksums {'verified' if r['verify'] else 'OFF (--no-verify)'}" if r["target"] == "disk" else ""))
+    print(
+        f"bench offload: {size_text(r['tracked_bytes'])} tracked + {size_text(r['untracked_bytes'])} untracked "
+        f"on {r['device']}, "
+        f"target {r['target']}, backend {r['backend']} (mover {r['mover']}), chunk {r['chunk_mb']} MiB"
+        + (f", checksums {'verified' if r['verify'] else 'OFF (--no-verify)'}" if r["target"] == "disk" else "")
+    )
     unit = ("write", "read") if r["target"] == "disk" else ("out", "in")
     if r["target"] == "disk":
-        print(f"  bound: raw disk ({'O_DIRECT' if r['bound']['o_direct'] else 'buffered'}, random bytes, "
-              "probed before each cycle)")
+        print(
+            f"  bound: raw disk ({'O_DIRECT' if r['bound']['o_direct'] else 'buffered'}, random bytes, "
+            "probed before each cycle)"
+        )
     else:
         print("  bound: a plain pinned copy of the same bytes, probed before each cycle")
     for i, c in enumerate(r["cycles"], 1):
         b = c["bound"]
-        print(f"  cycle {i}: sleep {c['sleep_s']:.2f}s ({rate_text(c['sleep_bytes_per_s'])}, "
-              f"{c['sleep_ratio']:.2f} of {unit[0]} {rate_text(b[unit[0] + '_bytes_per_s'])})  "
-              f"wake {c['wake_s']:.2f}s ({rate_text(c['wake_bytes_per_s'])}, "
-              f"{c['wake_ratio']:.2f} of {unit[1]} {rate_text(b[unit[1] + '_bytes_per_s'])})  "
-              f"moved {size_text(c['sleep_copied'])} of {size_text(c['sleep_covered'])} "
-              f"({size_text(c['disk_bytes_written'])} on disk)  "
-              f"CPU: sleep {c['sleep_cpu_s']:.2f}s, wake {c['wake_cpu_s']:.2f}s  "
-              f"peak host RSS {size_text(c['peak_host_rss'])}")
+        print(
+            f"  cycle {i}: sleep {c['sleep_s']:.2f}s ({rate_text(c['sleep_bytes_per_s'])}, "
+            f"{c['sleep_ratio']:.2f} of {unit[0]} {rate_text(b[unit[0] + '_bytes_per_s'])})  "
+            f"wake {c['wake_s']:.2f}s ({rate_text(c['wake_bytes_per_s'])}, "
+            f"{c['wake_ratio']:.2f} of {unit[1]} {rate_text(b[unit[1] + '_bytes_per_s'])})  "
+            f"moved {size_text(c['sleep_copied'])} of {size_text(c['sleep_covered'])} "
+            f"({size_text(c['disk_bytes_written'])} on disk)  "
+            f"CPU: sleep {c['sleep_cpu_s']:.2f}s, wake {c['wake_cpu_s']:.2f}s  "
+            f"peak host RSS {size_text(c['peak_host_rss'])}"
+        )
     which = "cycles 2.." if len(r["cycles"]) > 1 else "the cycle"
-    print(f"  worst of {which} vs its bound: sleep {r['sleep_ratio']:.2f}, wake {r['wake_ratio']:.2f}; "
-          f"bit-exact: {r['bit_exact']}; {r['compression']} ({r['state']} state)")
+    print(
+        f"  worst of {which} vs its bound: sleep {r['sleep_ratio']:.2f}, wake {r['wake_ratio']:.2f}; "
+        f"bit-exact: {r['bit_exact']}; {r['compression']} ({r['state']} state)"
+    )
     if r["sleep_time_ratio_bracketed"] is not None and r["wake_time_ratio_bracketed"] is not None:
-        print(f"  seconds over the raw seconds, worst of {which}, against the mean of the probes before and after "
-              f"each (one more probe after the last): sleep {r['sleep_time_ratio_bracketed']:.2f}, "
-              f"wake {r['wake_time_ratio_bracketed']:.2f}")
+        print(
+            f"  seconds over the raw seconds, worst of {which}, against the mean of the probes before and after "
+            f"each (one more probe after the last): sleep {r['sleep_time_ratio_bracketed']:.2f}, "
+            f"wake {r['wake_time_ratio_bracketed']:.2f}"
+        )
     if r["host_rss_budget"] is not None:
         verdict = "within" if r["peak_host_rss"] <= r["host_rss_budget"] else "OVER"
-        print(f"  peak host RSS {size_text(r['peak_host_rss'])}, {verdict} the budget "
-              f"{size_text(r['host_rss_budget'])} (start + chunk + 1.1 GB)")
+        print(
+            f"  peak host RSS {size_text(r['peak_host_rss'])}, {verdict} the budget "
+            f"{size_text(r['host_rss_budget'])} (start + chunk + 1.1 GB)"
+        )
     return 0 if r["bit_exact"] else 1

@@ -61,61 +61,92 @@ import warnings
 
 import psutil
 
-from greenroom.cli import flags as cliflags
-from greenroom.devices import resolve_device
-from greenroom.io import fs
 from greenroom.actor.memory import RssSampler
+from greenroom.cli import flags as cliflags
 from greenroom.config import check_disk_bytes, check_host_bytes
-from greenroom.devices import check_device_bytes
-from greenroom.units import GB, MIB
+from greenroom.devices import check_device_bytes, resolve_device
+from greenroom.dirs.rankdir import check_existing_root
 from greenroom.errors import ConfigError, GreenroomError
+from greenroom.io import fs
 from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL
-from greenroom.dirs.rankdir import check_existing_root
-from greenroom.units import parse_bytes, parse_count, rate_text, size_text
+from greenroom.units import GB, MIB, parse_bytes, parse_count, rate_text, size_text
 
 PARAM_NUMEL = 50_000_000
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=parse_count, required=True, metavar="N",
-                        help="parameters to optimize (1B, 2e9, 500000000, ...)")
+    parser.add_argument(
+        "--params",
+        type=parse_count,
+        required=True,
+        metavar="N",
+        help="parameters to optimize (1B, 2e9, 500000000, ...)",
+    )
     cliflags.disk_dir(parser, required=True, positional=True, help="a dir on node-local NVMe for the bucket files")
     cliflags.moment_dtype(parser)
-    parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
-                        help="bf16: master and moments stream, 10.014 B/param stored with fp32 moments in the default "
-                             "master layout (remainder; 12 with --master-layout fp32); fp32: moments only (8 B/param)")
+    parser.add_argument(
+        "--param-dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="bf16: master and moments stream, 10.014 B/param stored with fp32 moments in the default "
+        "master layout (remainder; 12 with --master-layout fp32); fp32: moments only (8 B/param)",
+    )
     cliflags.master_layout(parser)
     parser.add_argument("--steps", type=int, default=2, help="timed steps (default %(default)s)")
     parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="elements per bucket")
     parser.add_argument("--param-numel", type=int, default=PARAM_NUMEL, help="elements per param tensor")
     cliflags.chunk_mb(parser)
     cliflags.host_cache_gb(parser)
-    parser.add_argument("--raw-size", type=parse_bytes, default=2 << 30,
-                        help="bytes the raw disk probe moves each way (default 2GiB)")
+    parser.add_argument(
+        "--raw-size", type=parse_bytes, default=2 << 30, help="bytes the raw disk probe moves each way (default 2GiB)"
+    )
     cliflags.compression(parser, help="codec of the bucket files")
-    parser.add_argument("--state", choices=("normal", "trained"), default="normal",
-                        help="normal: N(0,1) params and grads, zero moments; trained: a trained transformer's "
-                             "state, tiled")
+    parser.add_argument(
+        "--state",
+        choices=("normal", "trained"),
+        default="normal",
+        help="normal: N(0,1) params and grads, zero moments; trained: a trained transformer's state, tiled",
+    )
     cliflags.device(parser)
-    parser.add_argument("--checkpoint", action="store_true",
-                        help="also time a step that writes a checkpoint in its own pass and the read-back of "
-                             "what it links, save_checkpoint between steps (without and with verify=True), and "
-                             "load_checkpoint (dirs beside the bucket files)")
-    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                        help="with --checkpoint: where the in-step checkpoint goes (a rank dir of the bench's under "
-                             "DIR, removed after); default beside the bucket files")
-    parser.add_argument("--io-only", action="store_true",
-                        help="skip the optimizer arithmetic: each step streams every bucket back unchanged (its disk "
-                             "I/O and checksums alone)")
-    parser.add_argument("--state-dict", action="store_true",
-                        help="also time torch.save(opt.state_dict()) / load_state_dict, and the same through DCP")
+    parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="also time a step that writes a checkpoint in its own pass and the read-back of "
+        "what it links, save_checkpoint between steps (without and with verify=True), and "
+        "load_checkpoint (dirs beside the bucket files)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="with --checkpoint: where the in-step checkpoint goes (a rank dir of the bench's under "
+        "DIR, removed after); default beside the bucket files",
+    )
+    parser.add_argument(
+        "--io-only",
+        action="store_true",
+        help="skip the optimizer arithmetic: each step streams every bucket back unchanged (its disk "
+        "I/O and checksums alone)",
+    )
+    parser.add_argument(
+        "--state-dict",
+        action="store_true",
+        help="also time torch.save(opt.state_dict()) / load_state_dict, and the same through DCP",
+    )
     parser.add_argument("--allow-tmpfs", action="store_true", help="accept a memory-backed dir (tests only)")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only")
-    parser.add_argument("--against", choices=("deepspeed",), default=None,
-                        help="then run DeepSpeed ZeRO-Infinity (NVMe optimizer offload) on the same params, dtype and "
-                             "dir in a child process, and report both (needs CUDA and the deepspeed extra)")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the checksums of the live files (GREENROOM_VERIFY=0): to measure their cost only",
+    )
+    parser.add_argument(
+        "--against",
+        choices=("deepspeed",),
+        default=None,
+        help="then run DeepSpeed ZeRO-Infinity (NVMe optimizer offload) on the same params, dtype and "
+        "dir in a child process, and report both (needs CUDA and the deepspeed extra)",
+    )
     cliflags.json_flag(parser)
 
 
@@ -129,13 +160,24 @@ def _check_fits(args: argparse.Namespace) -> None:
     param_bytes = 2 if args.param_dtype == "bf16" else 4
     # Params and grads; a trained state is tiled first and cloned, so twice that for a moment.
     tensors = n * param_bytes * (4 if args.state == "trained" else 2)
-    check_device_bytes("bench stream --params", n, tensors, args.device, default=None,
-                       counted=f"{param_bytes} B per param and per grad")
-    state = n * streamed_bytes_per_param(args.moment_dtype, master_on_disk=args.param_dtype == "bf16",
-                                         remainder=args.master_layout == "remainder")
-    check_disk_bytes("bench stream --params", f"{n} (+ --raw-size {fs.human_bytes(args.raw_size)})",
-                     int(state) + align_up(args.raw_size, RAW_BLOCK), args.dir,
-                     counted="the bucket files and the raw probe's")
+    check_device_bytes(
+        "bench stream --params",
+        n,
+        tensors,
+        args.device,
+        default=None,
+        counted=f"{param_bytes} B per param and per grad",
+    )
+    state = n * streamed_bytes_per_param(
+        args.moment_dtype, master_on_disk=args.param_dtype == "bf16", remainder=args.master_layout == "remainder"
+    )
+    check_disk_bytes(
+        "bench stream --params",
+        f"{n} (+ --raw-size {fs.human_bytes(args.raw_size)})",
+        int(state) + align_up(args.raw_size, RAW_BLOCK),
+        args.dir,
+        counted="the bucket files and the raw probe's",
+    )
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -150,8 +192,13 @@ def _validate(args: argparse.Namespace) -> None:
     if not 0 <= cache < math.inf:
         raise ConfigError(f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0, got {cache!r}")
     if cache:
-        check_host_bytes("--stream-optimizer-state-host-cache-gb", f"{cache:g}", int(cache * GB) + args.chunk_mb * MIB,
-                         default=0, counted="the host cache plus the pinned staging")
+        check_host_bytes(
+            "--stream-optimizer-state-host-cache-gb",
+            f"{cache:g}",
+            int(cache * GB) + args.chunk_mb * MIB,
+            default=0,
+            counted="the host cache plus the pinned staging",
+        )
     check_existing_root(args.dir, name="--offload-train-disk-dir")
     if args.checkpoint_dir is not None:
         if not args.checkpoint:
@@ -163,16 +210,18 @@ def _validate(args: argparse.Namespace) -> None:
         peer.check_deepspeed(args)
     _check_fits(args)
     if fs.is_memory_backed(args.dir) and not args.allow_tmpfs:
-        raise ConfigError(f"--offload-train-disk-dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps "
-                          "the data in RAM; point it at node-local NVMe (or pass --allow-tmpfs for a test)")
+        raise ConfigError(
+            f"--offload-train-disk-dir {args.dir} is on {fs.mount_of(args.dir).fstype}, which keeps "
+            "the data in RAM; point it at node-local NVMe (or pass --allow-tmpfs for a test)"
+        )
 
 
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from greenroom.cli.bench.disk import raw_bandwidth
-    from greenroom.optim import StreamingAdam
     from greenroom.dirs.rankdir import RankDir
+    from greenroom.optim import StreamingAdam
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -214,11 +263,19 @@ def measure(args: argparse.Namespace) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         with RssSampler(0.02, page_cache=True) as init_host:
             start = time.perf_counter()
-            opt = StreamingAdam(params, lr=1e-4, weight_decay=0.01, state_dir=rank_dir,
-                                bucket_numel=args.bucket_numel, moment_dtype=args.moment_dtype,
-                                chunk_mb=args.chunk_mb, resident_numel=0, compression=args.compression,
-                                host_cache_gb=args.stream_optimizer_state_host_cache_gb,
-                                master_layout=args.master_layout)
+            opt = StreamingAdam(
+                params,
+                lr=1e-4,
+                weight_decay=0.01,
+                state_dir=rank_dir,
+                bucket_numel=args.bucket_numel,
+                moment_dtype=args.moment_dtype,
+                chunk_mb=args.chunk_mb,
+                resident_numel=0,
+                compression=args.compression,
+                host_cache_gb=args.stream_optimizer_state_host_cache_gb,
+                master_layout=args.master_layout,
+            )
             allocated()
             init_seconds = time.perf_counter() - start
         rss_phases["optimizer"] = _rss_now()  # + the store: its staging, files' records, (on a CPU device) buffers
@@ -241,20 +298,27 @@ def measure(args: argparse.Namespace) -> dict:
                     opt.step()
                     allocated()
                     seconds = time.perf_counter() - start
-                    steps.append({"seconds": seconds,
-                                  # The process's CPU seconds (every thread's, spinning waits on the
-                                  # device included): over ``seconds``, the cores the step kept busy.
-                                  "cpu_seconds": time.process_time() - cpu_start,
-                                  "bytes_read": opt.store.bytes_read - read0,
-                                  "bytes_written": opt.store.bytes_written - written0,
-                                  "disk_bytes_read": opt.store.disk_bytes("read") - disk_read0,
-                                  "disk_bytes_written": opt.store.disk_bytes("written") - disk_written0,
-                                  "disk_bytes": (opt.store.disk_bytes("read") - disk_read0
-                                                 + opt.store.disk_bytes("written") - disk_written0),
-                                  "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before
-                                                        if cuda else None),
-                                  # All the process holds, params and grads too: what a peer reports.
-                                  "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None})
+                    steps.append(
+                        {
+                            "seconds": seconds,
+                            # The process's CPU seconds (every thread's, spinning waits on the
+                            # device included): over ``seconds``, the cores the step kept busy.
+                            "cpu_seconds": time.process_time() - cpu_start,
+                            "bytes_read": opt.store.bytes_read - read0,
+                            "bytes_written": opt.store.bytes_written - written0,
+                            "disk_bytes_read": opt.store.disk_bytes("read") - disk_read0,
+                            "disk_bytes_written": opt.store.disk_bytes("written") - disk_written0,
+                            "disk_bytes": (
+                                opt.store.disk_bytes("read")
+                                - disk_read0
+                                + opt.store.disk_bytes("written")
+                                - disk_written0
+                            ),
+                            "peak_device_bytes": (torch.cuda.max_memory_allocated(device) - before if cuda else None),
+                            # All the process holds, params and grads too: what a peer reports.
+                            "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+                        }
+                    )
             rss_phases["steps"] = _rss_now()
             kept_bytes = opt.store.kept_bytes  # before a checkpoint or state dict writes it back
             # This disk's speed drifts from one probe to the next: a second probe right
@@ -263,10 +327,10 @@ def measure(args: argparse.Namespace) -> dict:
             pinned = _pinned_host_stats() if cuda else None
             checkpoint = None
             if args.checkpoint and args.checkpoint_dir is not None:
-                with RankDir(args.checkpoint_dir, role="bench-stream-checkpoint",
-                             allow_tmpfs=True) as checkpoint_dir:
-                    checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint"), allocated,
-                                                  in_step_dir=checkpoint_dir.subdir("in-step"))
+                with RankDir(args.checkpoint_dir, role="bench-stream-checkpoint", allow_tmpfs=True) as checkpoint_dir:
+                    checkpoint = _time_checkpoint(
+                        opt, rank_dir.subdir("checkpoint"), allocated, in_step_dir=checkpoint_dir.subdir("in-step")
+                    )
             elif args.checkpoint:
                 checkpoint = _time_checkpoint(opt, rank_dir.subdir("checkpoint"), allocated)
             state_dict = _time_state_dict(opt, rank_dir.subdir("state-dict")) if args.state_dict else None
@@ -286,38 +350,60 @@ def measure(args: argparse.Namespace) -> dict:
     # What the whole-fp32-master layout moves without a codec (12 B/param with fp32
     # moments): the bound the issue's targets are stated against.
     # What a step whose reads and write-backs overlap fully could reach on this disk.
-    overlapped = (max(last["disk_bytes_read"] / raw.mixed_read_bytes_per_s,
-                      last["disk_bytes_written"] / raw.mixed_write_bytes_per_s)
-                  if raw.mixed_read_bytes_per_s else None)
+    overlapped = (
+        max(
+            last["disk_bytes_read"] / raw.mixed_read_bytes_per_s,
+            last["disk_bytes_written"] / raw.mixed_write_bytes_per_s,
+        )
+        if raw.mixed_read_bytes_per_s
+        else None
+    )
     full_bytes = n * streamed_bytes_per_param(args.moment_dtype, master_on_disk=args.param_dtype == "bf16")
     full_bound = full_bytes / raw.read_bytes_per_s + full_bytes / raw.write_bytes_per_s
     full_bound_after = full_bytes / raw_after.read_bytes_per_s + full_bytes / raw_after.write_bytes_per_s
     staging = args.chunk_mb * MIB
     return {
-        "params": n, "param_dtype": args.param_dtype, "moment_dtype": args.moment_dtype, "device": str(device),
-        "dir": os.path.abspath(args.dir), "filesystem": fs.mount_of(args.dir).fstype, "o_direct": direct,
-        "bucket_numel": args.bucket_numel, "param_numel": args.param_numel, "buckets": buckets, "largest_bucket_bytes": largest_bucket,
+        "params": n,
+        "param_dtype": args.param_dtype,
+        "moment_dtype": args.moment_dtype,
+        "device": str(device),
+        "dir": os.path.abspath(args.dir),
+        "filesystem": fs.mount_of(args.dir).fstype,
+        "o_direct": direct,
+        "bucket_numel": args.bucket_numel,
+        "param_numel": args.param_numel,
+        "buckets": buckets,
+        "largest_bucket_bytes": largest_bucket,
         "largest_bucket_numel": largest_bucket_numel,
-        "state_bytes": state_bytes, "chunk_bytes": staging,
+        "state_bytes": state_bytes,
+        "chunk_bytes": staging,
         # The bucket the last step left on the device (optim.held_buckets Note [the last bucket
         # stays]): a step after another one neither reads it nor writes it back.
         "kept_bucket_bytes": kept_bytes,
         "host_cache_budget_bytes": int(args.stream_optimizer_state_host_cache_gb * GB),
-        "host_cache_bytes": host_cache_bytes, "cached_buckets": cached_buckets,
-        "raw_read_bytes_per_s": raw.read_bytes_per_s, "raw_write_bytes_per_s": raw.write_bytes_per_s,
-        "init_seconds": init_seconds, "init_peak_device_bytes": init_peak,
-        "step_seconds": last["seconds"], "steps": steps,
-        "bytes_read": last["bytes_read"], "bytes_written": last["bytes_written"],
-        "disk_bytes_read": last["disk_bytes_read"], "disk_bytes_written": last["disk_bytes_written"],
+        "host_cache_bytes": host_cache_bytes,
+        "cached_buckets": cached_buckets,
+        "raw_read_bytes_per_s": raw.read_bytes_per_s,
+        "raw_write_bytes_per_s": raw.write_bytes_per_s,
+        "init_seconds": init_seconds,
+        "init_peak_device_bytes": init_peak,
+        "step_seconds": last["seconds"],
+        "steps": steps,
+        "bytes_read": last["bytes_read"],
+        "bytes_written": last["bytes_written"],
+        "disk_bytes_read": last["disk_bytes_read"],
+        "disk_bytes_written": last["disk_bytes_written"],
         "disk_bytes": last["disk_bytes_read"] + last["disk_bytes_written"],
         "disk_bytes_written_per_1000_steps": 1000 * last["disk_bytes_written"],
         # None where nothing went to disk (every bucket cached): no ratio, not 0x.
-        "stored_ratio": (last["bytes_written"] / last["disk_bytes_written"] if last["disk_bytes_written"]
-                         else None),
-        "compression": compression_line, "state": args.state, "io_only": args.io_only,
+        "stored_ratio": (last["bytes_written"] / last["disk_bytes_written"] if last["disk_bytes_written"] else None),
+        "compression": compression_line,
+        "state": args.state,
+        "io_only": args.io_only,
         "achieved_bytes_per_s": (last["bytes_read"] + last["bytes_written"]) / last["seconds"],
         # All cached: no disk I/O in the step, so no disk bound to compare with.
-        "disk_bound_seconds": bound, "ratio": last["seconds"] / bound if bound else None,
+        "disk_bound_seconds": bound,
+        "ratio": last["seconds"] / bound if bound else None,
         "raw_mixed_read_bytes_per_s": raw.mixed_read_bytes_per_s,
         "raw_mixed_write_bytes_per_s": raw.mixed_write_bytes_per_s,
         "overlapped_bound_seconds": overlapped,
@@ -325,7 +411,8 @@ def measure(args: argparse.Namespace) -> dict:
         "master_layout": args.master_layout,
         # The first step reads every bucket: the whole state as stored.
         "disk_bytes_per_param": steps[0]["disk_bytes_read"] / n,
-        "full_master_bytes": full_bytes, "full_master_bound_seconds": full_bound,
+        "full_master_bytes": full_bytes,
+        "full_master_bound_seconds": full_bound,
         "full_master_ratio": last["seconds"] / full_bound,
         "raw_after_read_bytes_per_s": raw_after.read_bytes_per_s,
         "raw_after_write_bytes_per_s": raw_after.write_bytes_per_s,
@@ -333,16 +420,20 @@ def measure(args: argparse.Namespace) -> dict:
         "full_master_ratio_bracketed": last["seconds"] / ((full_bound + full_bound_after) / 2),
         "peak_device_step_bytes": max((s["peak_device_bytes"] for s in steps), default=None) if cuda else None,
         "peak_device_total_bytes": max((s["peak_device_total_bytes"] for s in steps), default=None) if cuda else None,
-        "host_rss_before_bytes": rss_before, "host_rss_peak_bytes": host.peak,
+        "host_rss_before_bytes": rss_before,
+        "host_rss_peak_bytes": host.peak,
         "init_host_rss_peak_bytes": init_host.peak,  # the optimizer's construction (and its first writes)
         # Where the host memory went: RSS and its anonymous part after each phase, and
         # torch's pinned host allocator (which rounds a block up to a power of two).
-        "host_rss_phases": rss_phases, "pinned_host": pinned,
+        "host_rss_phases": rss_phases,
+        "pinned_host": pinned,
         # rss_before already holds the host cache (filled at init): the step adds staging at most.
         "host_rss_budget_bytes": rss_before + staging + (1 << 30),
         "page_cache_growth_bytes": host.cached_peak - host.cached_before,
         "init_page_cache_growth_bytes": init_host.cached_peak - init_host.cached_before,
-        "checkpoint": checkpoint, "state_dict": state_dict, "verify": verify,
+        "checkpoint": checkpoint,
+        "state_dict": state_dict,
+        "verify": verify,
     }
 
 
@@ -352,8 +443,10 @@ def _buckets_words(r: dict) -> str:
     count = f"{r['buckets']} bucket{'s' if r['buckets'] != 1 else ''}"
     largest = f"largest {r['largest_bucket_numel']:,} elements ({size_text(r['largest_bucket_bytes'])})"
     if r["largest_bucket_numel"] > r["bucket_numel"]:
-        return (f"{count}, {largest}: a param over --bucket-numel {r['bucket_numel']:,} gets a bucket of its own "
-                f"(--param-numel {r['param_numel']:,})")
+        return (
+            f"{count}, {largest}: a param over --bucket-numel {r['bucket_numel']:,} gets a bucket of its own "
+            f"(--param-numel {r['param_numel']:,})"
+        )
     return f"{count} of up to --bucket-numel {r['bucket_numel']:,} elements, {largest}"
 
 
@@ -362,8 +455,11 @@ def _why_no_io(r: dict) -> str:
     device, the host cache's buckets, or both, hold all of the state."""
     reasons = []
     if r["kept_bucket_bytes"]:
-        reasons.append("the one bucket stayed on the device between steps" if r["buckets"] == 1
-                       else "the bucket kept on the device between steps")
+        reasons.append(
+            "the one bucket stayed on the device between steps"
+            if r["buckets"] == 1
+            else "the bucket kept on the device between steps"
+        )
     if r["cached_buckets"]:
         reasons.append(f"{r['cached_buckets']} of {r['buckets']} buckets in the host cache")
     return " and ".join(reasons) or "nothing streams"
@@ -408,6 +504,7 @@ def _time_checkpoint(opt, directory: str, synchronize, in_step_dir: str | None =
     """A plain step, a step that writes a checkpoint in its own pass (into
     ``in_step_dir``, default beside the rest), a plain step; then a save between steps
     and a verified load of the whole state."""
+
     def timed(fn) -> float:
         start = time.perf_counter()
         fn()
@@ -428,13 +525,22 @@ def _time_checkpoint(opt, directory: str, synchronize, in_step_dir: str | None =
         verify_read = opt.verify_linked(in_step_path)
         verify = time.perf_counter() - start
         plain = (before + after) / 2
-        in_step = {"mode": written.mode, "step_seconds": checkpointed, "plain_step_seconds": [before, after],
-                   "extra_seconds": checkpointed - plain, "ratio": checkpointed / plain,
-                   "ratio_to_step_before": checkpointed / before, "step_after_ratio": after / before,
-                   "extra_bytes_read": written.extra_bytes_read, "extra_bytes_written": written.extra_bytes_written,
-                   "step_disk_bytes_read": step_read, "step_disk_bytes_written": step_written,
-                   "publish_seconds": written.publish_seconds, "verify_seconds": verify,
-                   "verify_bytes_read": verify_read}
+        in_step = {
+            "mode": written.mode,
+            "step_seconds": checkpointed,
+            "plain_step_seconds": [before, after],
+            "extra_seconds": checkpointed - plain,
+            "ratio": checkpointed / plain,
+            "ratio_to_step_before": checkpointed / before,
+            "step_after_ratio": after / before,
+            "extra_bytes_read": written.extra_bytes_read,
+            "extra_bytes_written": written.extra_bytes_written,
+            "step_disk_bytes_read": step_read,
+            "step_disk_bytes_written": step_written,
+            "publish_seconds": written.publish_seconds,
+            "verify_seconds": verify,
+            "verify_bytes_read": verify_read,
+        }
         shutil.rmtree(in_step_path)  # the disk holds the live state and one checkpoint at a time
         path = os.path.join(directory, "optim")
         start = time.perf_counter()
@@ -446,11 +552,18 @@ def _time_checkpoint(opt, directory: str, synchronize, in_step_dir: str | None =
         start = time.perf_counter()
         opt.load_checkpoint(path)
         load = time.perf_counter() - start
-    return {"in_step": in_step, "save_kind": moved["kind"], "save_seconds": save,
-            "save_bytes_read": moved["bytes_read"], "save_bytes_written": moved["bytes_written"],
-            "save_verify_seconds": save_verify, "save_verify_bytes_read": verified["bytes_read"],
-            "load_seconds": load, "bytes": opt.store.state_bytes,
-            "page_cache_growth_bytes": host.cached_peak - host.cached_before}
+    return {
+        "in_step": in_step,
+        "save_kind": moved["kind"],
+        "save_seconds": save,
+        "save_bytes_read": moved["bytes_read"],
+        "save_bytes_written": moved["bytes_written"],
+        "save_verify_seconds": save_verify,
+        "save_verify_bytes_read": verified["bytes_read"],
+        "load_seconds": load,
+        "bytes": opt.store.state_bytes,
+        "page_cache_growth_bytes": host.cached_peak - host.cached_before,
+    }
 
 
 def _time_state_dict(opt, directory: str) -> dict:
@@ -466,14 +579,18 @@ def _time_state_dict(opt, directory: str) -> dict:
             start = time.perf_counter()
             fn()
             seconds = time.perf_counter() - start
-        return {"seconds": seconds, "rss_growth_bytes": host.peak - info.rss,
-                "anon_growth_bytes": host.anon_peak - (info.rss - info.shared),
-                "page_cache_growth_bytes": host.cached_peak - host.cached_before}
+        return {
+            "seconds": seconds,
+            "rss_growth_bytes": host.peak - info.rss,
+            "anon_growth_bytes": host.anon_peak - (info.rss - info.shared),
+            "page_cache_growth_bytes": host.cached_peak - host.cached_before,
+        }
 
     def fsynced(fn):
         def wrapped() -> None:
             fn()
             os.sync()  # the seconds include getting the bytes to the disk, as the bucket writes do
+
         return wrapped
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process on purpose
@@ -519,75 +636,110 @@ def run(args: argparse.Namespace) -> int:
             raise peer_failed
         return 0
     r = result
-    print(f"bench stream: {r['params']:,} {r['param_dtype']} params, {r['moment_dtype']} moments, on {r['device']}; "
-          f"{_buckets_words(r)}, state {size_text(r['state_bytes'])} "
-          f"in {r['dir']} ({r['filesystem']}, O_DIRECT {'on' if r['o_direct'] else 'off'}, "
-          f"checksums {'verified' if r['verify'] else 'OFF (--no-verify)'})")
+    print(
+        f"bench stream: {r['params']:,} {r['param_dtype']} params, {r['moment_dtype']} moments, on {r['device']}; "
+        f"{_buckets_words(r)}, state {size_text(r['state_bytes'])} "
+        f"in {r['dir']} ({r['filesystem']}, O_DIRECT {'on' if r['o_direct'] else 'off'}, "
+        f"checksums {'verified' if r['verify'] else 'OFF (--no-verify)'})"
+    )
     if r["host_cache_budget_bytes"]:
-        print(f"host cache: {r['cached_buckets']} of {r['buckets']} buckets, {size_text(r['host_cache_bytes'])} of "
-              f"{size_text(r['host_cache_budget_bytes'])} ({'pinned' if r['device'].startswith('cuda') else 'plain'} "
-              "host memory); the rest streams")
-    print(f"raw disk (same run): read {rate_text(r['raw_read_bytes_per_s'])}, "
-          f"write {rate_text(r['raw_write_bytes_per_s'])}")
+        print(
+            f"host cache: {r['cached_buckets']} of {r['buckets']} buckets, {size_text(r['host_cache_bytes'])} of "
+            f"{size_text(r['host_cache_budget_bytes'])} ({'pinned' if r['device'].startswith('cuda') else 'plain'} "
+            "host memory); the rest streams"
+        )
+    print(
+        f"raw disk (same run): read {rate_text(r['raw_read_bytes_per_s'])}, "
+        f"write {rate_text(r['raw_write_bytes_per_s'])}"
+    )
     init_device = r["init_peak_device_bytes"]
-    print(f"init: {r['init_seconds']:.2f} s"
-          + (f", peak device {size_text(init_device)}" if init_device is not None else ""))
+    print(
+        f"init: {r['init_seconds']:.2f} s"
+        + (f", peak device {size_text(init_device)}" if init_device is not None else "")
+    )
     for i, s in enumerate(r["steps"], 1):
-        moved = (f"on disk {size_text(s['disk_bytes'])}, {rate_text(s['disk_bytes'] / s['seconds'])}" if s["disk_bytes"]
-                 else f"no disk I/O, no bandwidth measured ({_why_no_io(r)})")
-        print(f"step {i}: {s['seconds']:.2f} s, state read {size_text(s['bytes_read'])} + written "
-              f"{size_text(s['bytes_written'])}, {moved}, CPU {s['cpu_seconds']:.2f} s"
-              + (f", peak device +{size_text(s['peak_device_bytes'])}" if s["peak_device_bytes"] is not None else ""))
+        moved = (
+            f"on disk {size_text(s['disk_bytes'])}, {rate_text(s['disk_bytes'] / s['seconds'])}"
+            if s["disk_bytes"]
+            else f"no disk I/O, no bandwidth measured ({_why_no_io(r)})"
+        )
+        print(
+            f"step {i}: {s['seconds']:.2f} s, state read {size_text(s['bytes_read'])} + written "
+            f"{size_text(s['bytes_written'])}, {moved}, CPU {s['cpu_seconds']:.2f} s"
+            + (f", peak device +{size_text(s['peak_device_bytes'])}" if s["peak_device_bytes"] is not None else "")
+        )
     if r["kept_bucket_bytes"]:
-        print(f"between steps one bucket ({size_text(r['kept_bucket_bytes'])}) stays on the device: a step after "
-              "another reads and writes that much less")
+        print(
+            f"between steps one bucket ({size_text(r['kept_bucket_bytes'])}) stays on the device: a step after "
+            "another reads and writes that much less"
+        )
     if r["ratio"] is None:
         print(f"disk bound 0 s: the last step moved nothing through the disk ({_why_no_io(r)}); no step/bound ratio")
     else:
         print(f"disk bound {r['disk_bound_seconds']:.2f} s, step/bound {r['ratio']:.2f}")
     if r["overlapped_ratio"] is not None:
-        print(f"reads and writes at once (same run): read {rate_text(r['raw_mixed_read_bytes_per_s'])}, write "
-              f"{rate_text(r['raw_mixed_write_bytes_per_s'])}; a fully overlapped step's bound "
-              f"{r['overlapped_bound_seconds']:.2f} s, step / it {r['overlapped_ratio']:.2f}")
+        print(
+            f"reads and writes at once (same run): read {rate_text(r['raw_mixed_read_bytes_per_s'])}, write "
+            f"{rate_text(r['raw_mixed_write_bytes_per_s'])}; a fully overlapped step's bound "
+            f"{r['overlapped_bound_seconds']:.2f} s, step / it {r['overlapped_ratio']:.2f}"
+        )
     masters = f"masters {r['master_layout']}: {r['disk_bytes_per_param']:.3f} disk bytes/param stored"
     if r["ratio"] is None:  # a step that moved nothing is not compared with a bound that moves everything
         print(masters)
     else:
-        print(f"{masters}; step / bound of the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} "
-              f"B/param ({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}; with a probe after "
-              f"the steps too (read {rate_text(r['raw_after_read_bytes_per_s'])}, write "
-              f"{rate_text(r['raw_after_write_bytes_per_s'])}), against the mean of both bounds "
-              f"{r['full_master_ratio_bracketed']:.2f}")
-    print(f"{r['compression']}; {r['state']} state: on disk read {size_text(r['disk_bytes_read'])}, written "
-          f"{size_text(r['disk_bytes_written'])} in the last step ("
-          + (f"{r['stored_ratio']:.2f}x smaller than the state" if r["stored_ratio"] is not None
-             else f"it wrote nothing: {_why_no_io(r)}; the files hold what init and earlier steps wrote") + "); "
-          f"1000 such steps write {size_text(r['disk_bytes_written_per_1000_steps'])}")
+        print(
+            f"{masters}; step / bound of the uncompressed whole-master {r['full_master_bytes'] / r['params']:g} "
+            f"B/param ({r['full_master_bound_seconds']:.2f} s) {r['full_master_ratio']:.2f}; with a probe after "
+            f"the steps too (read {rate_text(r['raw_after_read_bytes_per_s'])}, write "
+            f"{rate_text(r['raw_after_write_bytes_per_s'])}), against the mean of both bounds "
+            f"{r['full_master_ratio_bracketed']:.2f}"
+        )
+    print(
+        f"{r['compression']}; {r['state']} state: on disk read {size_text(r['disk_bytes_read'])}, written "
+        f"{size_text(r['disk_bytes_written'])} in the last step ("
+        + (
+            f"{r['stored_ratio']:.2f}x smaller than the state"
+            if r["stored_ratio"] is not None
+            else f"it wrote nothing: {_why_no_io(r)}; the files hold what init and earlier steps wrote"
+        )
+        + "); "
+        f"1000 such steps write {size_text(r['disk_bytes_written_per_1000_steps'])}"
+    )
     if r["checkpoint"] is not None:
         c = r["checkpoint"]
         i = c["in_step"]
-        print(f"checkpoint in the step by {i['mode']}: {i['step_seconds']:.2f} s against plain steps "
-              f"{i['plain_step_seconds'][0]:.2f} / {i['plain_step_seconds'][1]:.2f} s ({i['ratio']:.2f}x, "
-              f"{i['extra_seconds']:+.2f} s, of it publish {i['publish_seconds']:.2f} s); extra read "
-              f"{size_text(i['extra_bytes_read'])}, extra written {size_text(i['extra_bytes_written'])}; "
-              f"the step after it {i['step_after_ratio']:.2f}x the one before; its read-back "
-              f"{size_text(i['verify_bytes_read'])} in {i['verify_seconds']:.2f} s")
-        print(f"checkpoint between steps ({c['save_kind']}) of {size_text(c['bytes'])}: {c['save_seconds']:.2f} s, "
-              f"read {size_text(c['save_bytes_read'])}, written {size_text(c['save_bytes_written'])}; "
-              f"with verify=True {c['save_verify_seconds']:.2f} s, read {size_text(c['save_verify_bytes_read'])}; "
-              f"verified load {c['load_seconds']:.2f} s")
+        print(
+            f"checkpoint in the step by {i['mode']}: {i['step_seconds']:.2f} s against plain steps "
+            f"{i['plain_step_seconds'][0]:.2f} / {i['plain_step_seconds'][1]:.2f} s ({i['ratio']:.2f}x, "
+            f"{i['extra_seconds']:+.2f} s, of it publish {i['publish_seconds']:.2f} s); extra read "
+            f"{size_text(i['extra_bytes_read'])}, extra written {size_text(i['extra_bytes_written'])}; "
+            f"the step after it {i['step_after_ratio']:.2f}x the one before; its read-back "
+            f"{size_text(i['verify_bytes_read'])} in {i['verify_seconds']:.2f} s"
+        )
+        print(
+            f"checkpoint between steps ({c['save_kind']}) of {size_text(c['bytes'])}: {c['save_seconds']:.2f} s, "
+            f"read {size_text(c['save_bytes_read'])}, written {size_text(c['save_bytes_written'])}; "
+            f"with verify=True {c['save_verify_seconds']:.2f} s, read {size_text(c['save_verify_bytes_read'])}; "
+            f"verified load {c['load_seconds']:.2f} s"
+        )
     if r["state_dict"] is not None:
         for name, d in r["state_dict"].items():
-            print(f"{name.replace('_', ' ')}: {d['seconds']:.2f} s, {size_text(d['bytes'])}, "
-                  f"{rate_text(d['bytes'] / d['seconds'])}; host RSS +{size_text(d['rss_growth_bytes'])} "
-                  f"(anonymous +{size_text(d['anon_growth_bytes'])}, budget staging + 1.1 GB = "
-                  f"{size_text((r['chunk_bytes'] + (1 << 30)))}), "
-                  f"page cache +{size_text(d['page_cache_growth_bytes'])}")
-    print(f"host RSS peak {size_text(r['host_rss_peak_bytes'])} (budget {size_text(r['host_rss_budget_bytes'])}: "
-          f"before + staging + 1.1 GB; at init {size_text(r['init_host_rss_peak_bytes'])}), "
-          f"page cache growth {size_text(r['page_cache_growth_bytes'])}")
-    print("host RSS (anonymous) after: " + ", ".join(f"{name} {p['rss'] / GB:.2f} ({p['anon'] / GB:.2f}) GB"
-                                                     for name, p in r["host_rss_phases"].items()))
+            print(
+                f"{name.replace('_', ' ')}: {d['seconds']:.2f} s, {size_text(d['bytes'])}, "
+                f"{rate_text(d['bytes'] / d['seconds'])}; host RSS +{size_text(d['rss_growth_bytes'])} "
+                f"(anonymous +{size_text(d['anon_growth_bytes'])}, budget staging + 1.1 GB = "
+                f"{size_text((r['chunk_bytes'] + (1 << 30)))}), "
+                f"page cache +{size_text(d['page_cache_growth_bytes'])}"
+            )
+    print(
+        f"host RSS peak {size_text(r['host_rss_peak_bytes'])} (budget {size_text(r['host_rss_budget_bytes'])}: "
+        f"before + staging + 1.1 GB; at init {size_text(r['init_host_rss_peak_bytes'])}), "
+        f"page cache growth {size_text(r['page_cache_growth_bytes'])}"
+    )
+    print(
+        "host RSS (anonymous) after: "
+        + ", ".join(f"{name} {p['rss'] / GB:.2f} ({p['anon'] / GB:.2f}) GB" for name, p in r["host_rss_phases"].items())
+    )
     if peer_failed is not None:
         raise peer_failed
     if r.get("against") is not None:

@@ -50,8 +50,9 @@ class TrainedState:
         return flat.repeat(reps)[:numel].to(dtype)
 
 
-def train(device: torch.device, *, steps: int = 50, config: ModelConfig = BENCH_MODEL, batch: int = 16,
-          seed: int = 0) -> TrainedState:
+def train(
+    device: torch.device, *, steps: int = 50, config: ModelConfig = BENCH_MODEL, batch: int = 16, seed: int = 0
+) -> TrainedState:
     """Train ``config`` for ``steps`` AdamW steps on ``device``; its state, flattened."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(seed)
@@ -62,8 +63,9 @@ def train(device: torch.device, *, steps: int = 50, config: ModelConfig = BENCH_
         # bf16 autocast on CUDA: the grads and moments of mixed-precision training.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, config.vocab_size),
-                                                 tokens[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, config.vocab_size), tokens[:, 1:].reshape(-1)
+        )
         opt.zero_grad(set_to_none=False)
         loss.backward()
         opt.step()
@@ -72,9 +74,13 @@ def train(device: torch.device, *, steps: int = 50, config: ModelConfig = BENCH_
     def flat(get) -> torch.Tensor:
         return torch.cat([get(p).detach().reshape(-1).float() for p in params])
 
-    return TrainedState(master=flat(lambda p: p), exp_avg=flat(lambda p: opt.state[p]["exp_avg"]),
-                        exp_avg_sq=flat(lambda p: opt.state[p]["exp_avg_sq"]), grad=flat(lambda p: p.grad),
-                        steps=steps)
+    return TrainedState(
+        master=flat(lambda p: p),
+        exp_avg=flat(lambda p: opt.state[p]["exp_avg"]),
+        exp_avg_sq=flat(lambda p: opt.state[p]["exp_avg_sq"]),
+        grad=flat(lambda p: p.grad),
+        steps=steps,
+    )
 
 
 def train_apart(device: torch.device, *, steps: int = 50) -> TrainedState:
@@ -91,8 +97,9 @@ def train_apart(device: torch.device, *, steps: int = 50) -> TrainedState:
     proc = subprocess.run(command, capture_output=True, check=False)
     if proc.returncode != 0:
         tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise GreenroomError(f"--state trained: training the bench's model in a child process failed "
-                             f"(exit {proc.returncode}): {tail[0]}")
+        raise GreenroomError(
+            f"--state trained: training the bench's model in a child process failed (exit {proc.returncode}): {tail[0]}"
+        )
     return TrainedState(**torch.load(io.BytesIO(proc.stdout), map_location=device, weights_only=True))
 
 

@@ -17,8 +17,8 @@ import zlib
 
 import torch
 
-from greenroom.io.engine import ALIGNMENT, EXTENT, StateFile, align_up, page_sums, pread_all, pwrite_all
 from greenroom.errors import CheckpointError, IntegrityError, StorageError
+from greenroom.io.engine import ALIGNMENT, EXTENT, StateFile, align_up, page_sums, pread_all, pwrite_all
 
 PIECE = 64 << 20
 
@@ -47,13 +47,15 @@ class FileSums:
         if file.compression is None:
             self.owner = torch.arange(pages, dtype=torch.int64) * ALIGNMENT // EXTENT
         elif self.stored is None:
-            raise IntegrityError(f"{file.path}: no record of what the frames of {file.label} stored: the file "
-                                 "was not written whole through greenroom's I/O engine, so it cannot be copied")
+            raise IntegrityError(
+                f"{file.path}: no record of what the frames of {file.label} stored: the file "
+                "was not written whole through greenroom's I/O engine, so it cannot be copied"
+            )
         else:
             self.owner = torch.full((pages,), -1, dtype=torch.int64)
             for k, (nbytes, shift) in enumerate(self.stored.tolist()):
                 first = (k * EXTENT - shift) // ALIGNMENT
-                self.owner[first:first + align_up(nbytes) // ALIGNMENT] = k
+                self.owner[first : first + align_up(nbytes) // ALIGNMENT] = k
         self.sums = torch.zeros((file.data_bytes + EXTENT - 1) // EXTENT, dtype=torch.int64)
 
     def add(self, piece: memoryview, offset: int) -> None:
@@ -62,7 +64,7 @@ class FileSums:
         if n <= 0:
             return
         sums = page_sums(torch.frombuffer(piece[:n], dtype=torch.uint8), offset)
-        owner = self.owner[offset // ALIGNMENT:offset // ALIGNMENT + sums.numel()]
+        owner = self.owner[offset // ALIGNMENT : offset // ALIGNMENT + sums.numel()]
         mine = owner >= 0
         self.sums.index_add_(0, owner[mine], sums[mine])
 
@@ -75,7 +77,8 @@ class FileSums:
                 f"{self.file.path}: checksum mismatch at offset {start} (bytes [{start}, {end}) of "
                 f"{self.file.label}) while saving a checkpoint: the live file is not what greenroom wrote (a "
                 "flipped bit, a failing disk or a stray write); nothing was published, the previous checkpoint "
-                "stays: restart from it")
+                "stays: restart from it"
+            )
 
     def record(self) -> None:
         """Write the sums into the file's table, as a write through the engine would."""
@@ -146,7 +149,7 @@ def read_pieces(path: str, size: int, fn) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for off in range(0, size, PIECE):
-            view = memoryview(buf)[:min(PIECE, size - off)]
+            view = memoryview(buf)[: min(PIECE, size - off)]
             pread_all(fd, view, off, path, error=CheckpointError)
             fn(view, off)
             os.posix_fadvise(fd, off, len(view), os.POSIX_FADV_DONTNEED)

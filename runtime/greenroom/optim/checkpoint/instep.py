@@ -43,13 +43,13 @@ from __future__ import annotations
 import os
 import time
 
-from greenroom.io import publish
-from greenroom.io.engine import StateFile, verify_default
 from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
+from greenroom.io import publish
+from greenroom.io.engine import StateFile, verify_default
 from greenroom.log import get_logger
-from greenroom.optim.checkpoint.save_load import finish_checkpoint, table_crc32
 from greenroom.optim.checkpoint.filecopy import copy_file
+from greenroom.optim.checkpoint.save_load import finish_checkpoint, table_crc32
 from greenroom.optim.store.hardlink import link_over, links_work
 
 log = get_logger(__name__)
@@ -61,8 +61,10 @@ class InStepCheckpoint:
 
     def __init__(self, opt, path: str) -> None:
         if not verify_default():
-            raise ConfigError("an in-step checkpoint records the bucket files' checksum tables, which "
-                              "GREENROOM_VERIFY=0 leaves empty: checkpoint with verification on")
+            raise ConfigError(
+                "an in-step checkpoint records the bucket files' checksum tables, which "
+                "GREENROOM_VERIFY=0 leaves empty: checkpoint with verification on"
+            )
         self.opt = opt
         self.path = os.path.abspath(path)
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
@@ -95,10 +97,12 @@ class InStepCheckpoint:
         key = (os.stat(self.opt.store.directory).st_dev, os.stat(self.tmp).st_dev)
         if key not in _said_copies:
             _said_copies.add(key)
-            log.warning(f"{self.path}: the checkpoint dir cannot hold hard links to the bucket files in "
-                        f"{self.opt.store.directory} (another filesystem, or links refused), so a step that "
-                        "checkpoints writes every bucket twice; put the checkpoint on the state dir's "
-                        "filesystem to checkpoint by links, at no extra I/O")
+            log.warning(
+                f"{self.path}: the checkpoint dir cannot hold hard links to the bucket files in "
+                f"{self.opt.store.directory} (another filesystem, or links refused), so a step that "
+                "checkpoints writes every bucket twice; put the checkpoint on the state dir's "
+                "filesystem to checkpoint by links, at no extra I/O"
+            )
 
     def _file_path(self, index: int) -> str:
         return os.path.join(self.tmp, os.path.basename(self.opt.store.path(index)))
@@ -125,8 +129,9 @@ class InStepCheckpoint:
     def extra_bytes_written(self) -> int:
         """Bytes written to the checkpoint's bucket files (after compression) beyond what
         the step writes anyway: a linked bucket's file is the step's own write."""
-        return self._written + sum(f.disk_bytes_written for i, f in enumerate(self.files)
-                                   if not (self.links and i in self.mirrored))
+        return self._written + sum(
+            f.disk_bytes_written for i, f in enumerate(self.files) if not (self.links and i in self.mirrored)
+        )
 
     def publish(self) -> None:
         """After the step that wrote it: the rest of the checkpoint and its publish, or,
@@ -156,16 +161,20 @@ class InStepCheckpoint:
             name = os.path.basename(f.path)
             f.close()
             if bucket.index in self.mirrored or bucket.index in store.host_cache:
-                files[name] = {"bytes": bucket.file_bytes,
-                               "table_crc32": self._tables.get(bucket.index) or f.table_crc32}
+                files[name] = {
+                    "bytes": bucket.file_bytes,
+                    "table_crc32": self._tables.get(bucket.index) or f.table_crc32,
+                }
             elif self.links:  # not streamed this step: its live file is the state, linked
                 os.unlink(f.path)
                 os.link(store.path(bucket.index), f.path)
                 files[name] = {"bytes": bucket.file_bytes, "table_crc32": table_crc32(store, bucket.index, f.path)}
                 self.extra_bytes_read += bucket.file_bytes - bucket.data_bytes  # the table only
             else:  # not streamed, no links: copied (the only read)
-                files[name] = {"bytes": bucket.file_bytes,
-                               "crc32": copy_file(store.path(bucket.index), f.path, bucket.file_bytes)}
+                files[name] = {
+                    "bytes": bucket.file_bytes,
+                    "crc32": copy_file(store.path(bucket.index), f.path, bucket.file_bytes),
+                }
                 self.extra_bytes_read += bucket.file_bytes
                 written += bucket.file_bytes
         self._written = written

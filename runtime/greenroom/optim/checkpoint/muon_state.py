@@ -21,8 +21,15 @@ from typing import Any
 
 import torch
 
-from greenroom.optim.checkpoint.state_dict import (as_param_like, bucket_segments, param_list, view_dtype, check_groups,
-                                        check_tensor, refusal)
+from greenroom.optim.checkpoint.state_dict import (
+    as_param_like,
+    bucket_segments,
+    check_groups,
+    check_tensor,
+    param_list,
+    refusal,
+    view_dtype,
+)
 
 _KEYS = ("momentum_buffer", "master")
 
@@ -79,8 +86,11 @@ def import_state_dict(opt, state_dict: Any) -> None:
         if not isinstance(pstate, dict) or "momentum_buffer" not in pstate or set(pstate) - set(_KEYS):
             _fail(f"param {n}'s state must be a dict of momentum_buffer (and master for 16-bit params)")
         widen = p.dtype if recorded[n] is None and moment_dtype == torch.float32 else None
-        got = {"momentum_buffer": check_tensor(_fail, f"param {n}'s momentum_buffer", pstate["momentum_buffer"],
-                                               p.shape, moment_dtype, widen)}
+        got = {
+            "momentum_buffer": check_tensor(
+                _fail, f"param {n}'s momentum_buffer", pstate["momentum_buffer"], p.shape, moment_dtype, widen
+            )
+        }
         if "master" in pstate:
             if p.dtype == torch.float32:
                 _fail(f"param {n} is fp32 (its own master) but the state dict has a master for it")

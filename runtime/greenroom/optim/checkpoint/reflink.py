@@ -22,9 +22,9 @@ import errno
 import fcntl
 import os
 
+from greenroom.errors import StorageError
 from greenroom.io import fs
 from greenroom.io.engine import verify_default
-from greenroom.errors import StorageError
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 _UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM)

@@ -76,16 +76,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from greenroom.io import fs
-from greenroom.io import publish
-from greenroom.io.engine import ALIGNMENT, EXTENT, StateFile, aligned_host, page_sums
+from greenroom.dirs.rankdir import write_json_atomic
 from greenroom.errors import CheckpointError, IntegrityError, StorageError
 from greenroom.faults import kill_point
+from greenroom.io import fs, publish
+from greenroom.io.engine import ALIGNMENT, EXTENT, StateFile, aligned_host, page_sums
 from greenroom.log import get_logger
 from greenroom.optim.checkpoint import reflink
-from greenroom.optim.checkpoint.filecopy import PIECE, FileSums, read_pieces, copy_file, file_crc32
+from greenroom.optim.checkpoint.filecopy import PIECE, FileSums, copy_file, file_crc32, read_pieces
 from greenroom.optim.store.hardlink import NEW_SUFFIX, link_new, links_work
-from greenroom.dirs.rankdir import write_json_atomic
 from greenroom.tensors import local_tensor
 
 if TYPE_CHECKING:
@@ -146,10 +145,17 @@ def topology(opt: StreamedState) -> dict:
     for key, p in opt.keyed_params().items():
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None:
-            shards[key] = {"global_shape": list(p.shape), "placements": [str(pl) for pl in p.placements],
-                           "mesh": mesh.mesh.flatten().tolist(), "coordinate": list(mesh.get_coordinate() or ())}
-    return {"world_size": dist.get_world_size() if initialized else 1,
-            "rank": dist.get_rank() if initialized else 0, "shards": shards}
+            shards[key] = {
+                "global_shape": list(p.shape),
+                "placements": [str(pl) for pl in p.placements],
+                "mesh": mesh.mesh.flatten().tolist(),
+                "coordinate": list(mesh.get_coordinate() or ()),
+            }
+    return {
+        "world_size": dist.get_world_size() if initialized else 1,
+        "rank": dist.get_rank() if initialized else 0,
+        "shards": shards,
+    }
 
 
 def _hyperparameters(opt: StreamedState) -> list[dict]:
@@ -161,8 +167,10 @@ def _resident_state(opt: StreamedState) -> dict:
     for key, state in opt.resident_state().items():
         steps[key] = state["step"].detach().cpu()
         if "exp_avg" in state:
-            moments[key] = {"exp_avg": state["exp_avg"].detach().cpu(),
-                            "exp_avg_sq": state["exp_avg_sq"].detach().cpu()}
+            moments[key] = {
+                "exp_avg": state["exp_avg"].detach().cpu(),
+                "exp_avg_sq": state["exp_avg_sq"].detach().cpu(),
+            }
     return {"steps": steps, "moments": moments}
 
 
@@ -221,16 +229,21 @@ def _save_checkpoint(opt: StreamedState, path: str, verify: bool) -> dict:
                 # save verifies what it copies]); without them (GREENROOM_VERIFY=0) the
                 # manifest says so.
                 live = FileSums(store.files[bucket.index], expect=True) if store.engine.verify else None
-                files[name] = {"bytes": bucket.file_bytes,
-                               "crc32": copy_file(src, dst, bucket.file_bytes, check=live.add if live else None)}
+                files[name] = {
+                    "bytes": bucket.file_bytes,
+                    "crc32": copy_file(src, dst, bucket.file_bytes, check=live.add if live else None),
+                }
                 if live is not None:
                     live.verify()
                 moved["bytes_read"] += bucket.file_bytes
                 moved["bytes_written"] += bucket.file_bytes
             kill_point("save-bucket")
         finish_checkpoint(opt, path, tmp, files)
-        return {"kind": next((k for k in ("copy", "clone", "link") if k in ways), "link"), **moved,
-                "verify": not verify and bool(ways & {"link", "clone"})}
+        return {
+            "kind": next((k for k in ("copy", "clone", "link") if k in ways), "link"),
+            **moved,
+            "verify": not verify and bool(ways & {"link", "clone"}),
+        }
     except BaseException:
         if os.path.isdir(tmp):
             publish.discard(tmp)
@@ -246,8 +259,10 @@ def _check_live(path: str) -> None:
 
 
 def _unreadable(path: str, e: OSError) -> CheckpointError:
-    return CheckpointError(f"{path}: cannot save this live bucket file ({e.strerror or e}): it was deleted or made "
-                           "unreadable since the step wrote it; nothing was published, the previous checkpoint stays")
+    return CheckpointError(
+        f"{path}: cannot save this live bucket file ({e.strerror or e}): it was deleted or made "
+        "unreadable since the step wrote it; nothing was published, the previous checkpoint stays"
+    )
 
 
 def verify_linked(opt: StreamedState, path: str) -> int:
@@ -284,10 +299,18 @@ def finish_checkpoint(opt: StreamedState, path: str, tmp: str, files: dict) -> N
     publish.torch_save(resident, os.path.join(tmp, RESIDENT))
     size = os.path.getsize(os.path.join(tmp, RESIDENT))
     files = {**files, RESIDENT: {"bytes": size, "crc32": file_crc32(os.path.join(tmp, RESIDENT), size)}}
-    manifest = {"format": FORMAT, "version": VERSION, "master_dtype": "fp32",
-                "moment_dtype": store.moment_dtype, "layout": store.layout(), "topology": topology(opt),
-                "param_groups": _hyperparameters(opt), "checksums": store.engine.verify,
-                "steps": {k: float(v) for k, v in resident["steps"].items()}, "files": files}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "master_dtype": "fp32",
+        "moment_dtype": store.moment_dtype,
+        "layout": store.layout(),
+        "topology": topology(opt),
+        "param_groups": _hyperparameters(opt),
+        "checksums": store.engine.verify,
+        "steps": {k: float(v) for k, v in resident["steps"].items()},
+        "files": files,
+    }
     write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
     publish.publish(path)
 
@@ -317,7 +340,7 @@ def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
     buf = aligned_host(min(piece_bytes, f.data_bytes))
     pages = []
     for offset in range(0, f.data_bytes, piece_bytes):
-        view = buf[:min(piece_bytes, f.data_bytes - offset)]
+        view = buf[: min(piece_bytes, f.data_bytes - offset)]
         f.read(memoryview(view.numpy()), offset)
         pages.append(page_sums(view, offset))
     pages = torch.cat(pages)
@@ -329,27 +352,33 @@ def verify_against_table(f: StateFile, piece_bytes: int = PIECE) -> None:
         first = (torch.arange(extents, dtype=torch.int64) * EXTENT - stored[:, 1].to(torch.int64)) // ALIGNMENT
         owner = torch.repeat_interleave(torch.arange(extents, dtype=torch.int64), counts)
         within = torch.arange(owner.numel(), dtype=torch.int64) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts)
+            torch.cumsum(counts, 0) - counts, counts
+        )
         index = first[owner] + within
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= pages.numel()):
-            raise IntegrityError(f"{f.path}: the frame records of {f.label} point outside its data; "
-                                 "the table is damaged")
+            raise IntegrityError(
+                f"{f.path}: the frame records of {f.label} point outside its data; the table is damaged"
+            )
         pages = pages[index]
     got = torch.zeros(extents, dtype=torch.int64).index_add_(0, owner, pages)
     bad = (got != sums).nonzero()
     if bad.numel():
         k = int(bad[0])
-        raise IntegrityError(f"{f.path}: checksum mismatch in extent {k} (bytes [{k * EXTENT}, "
-                             f"{min((k + 1) * EXTENT, f.data_bytes)}) of {f.label}): the file is corrupt: "
-                             "restore it or load an older checkpoint")
+        raise IntegrityError(
+            f"{f.path}: checksum mismatch in extent {k} (bytes [{k * EXTENT}, "
+            f"{min((k + 1) * EXTENT, f.data_bytes)}) of {f.label}): the file is corrupt: "
+            "restore it or load an older checkpoint"
+        )
 
 
 # -- load ------------------------------------------------------------------------------
 def load_checkpoint(opt: StreamedState, path: str, *, no_load_optim: bool = False) -> None:
     """Restore ``opt`` from ``path`` after verifying it matches; see the module docstring."""
     if no_load_optim:
-        log.warning(f"no_load_optim: not loading the optimizer state from {path}; starting a fresh "
-                    "optimizer state (masters from the current params, zero moments, step 0)")
+        log.warning(
+            f"no_load_optim: not loading the optimizer state from {path}; starting a fresh "
+            "optimizer state (masters from the current params, zero moments, step 0)"
+        )
         opt.initialize_state()
         return
     path = os.path.realpath(path)
@@ -378,23 +407,28 @@ def _verified_resident(opt: StreamedState, path: str) -> dict:
         resident = torch.load(file_path, weights_only=True)
         steps, moments = resident["steps"], resident["moments"]
     except Exception as e:  # a file that passed its CRC but is not what a save writes
-        raise CheckpointError(f"{file_path}: not a resident state greenroom wrote ({type(e).__name__}); the "
-                              "checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{file_path}: not a resident state greenroom wrote ({type(e).__name__}); the checkpoint is damaged"
+        ) from None
     params = opt.resident_params()
     for key in sorted(set(steps) | set(moments)):
         if key not in params:
-            raise CheckpointError(f"{file_path}: holds state for param {key}, which this optimizer does not "
-                                  "have: resume with the model and param groups it was saved with (or pass "
-                                  "--no-load-optim)")
+            raise CheckpointError(
+                f"{file_path}: holds state for param {key}, which this optimizer does not "
+                "have: resume with the model and param groups it was saved with (or pass "
+                "--no-load-optim)"
+            )
     for key, saved in sorted(moments.items()):
         ours = local_tensor(params[key])
         for name in ("exp_avg", "exp_avg_sq"):
             t = saved.get(name)
             if not isinstance(t, torch.Tensor) or t.shape != ours.shape or t.dtype != ours.dtype:
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else "nothing"
-                raise CheckpointError(f"{file_path}: param {key}'s {name} is {got}, the param here is "
-                                      f"{ours.dtype} {tuple(ours.shape)}: resume with the model it was saved "
-                                      "with (or pass --no-load-optim)")
+                raise CheckpointError(
+                    f"{file_path}: param {key}'s {name} is {got}, the param here is "
+                    f"{ours.dtype} {tuple(ours.shape)}: resume with the model it was saved "
+                    "with (or pass --no-load-optim)"
+                )
     return resident
 
 
@@ -403,8 +437,10 @@ def _replace_state(opt: StreamedState, path: str, manifest: dict, resident: dict
     store.discard_kept()  # every bucket is replaced: the kept one's bytes must not go over the loaded file
     unsummed = manifest.get("checksums", True) is False and store.engine.verify
     if unsummed:
-        log.warning(f"{path}: saved with GREENROOM_VERIFY=0, so its bucket files carry no checksums; their bytes "
-                    "passed the checkpoint's CRC-32, and this run checksums them from here on")
+        log.warning(
+            f"{path}: saved with GREENROOM_VERIFY=0, so its bucket files carry no checksums; their bytes "
+            "passed the checkpoint's CRC-32, and this run checksums them from here on"
+        )
     # Note [a load never writes a checkpoint's inode]
     link = not unsummed and bool(store.buckets) and links_work(os.path.join(path, _name(store, 0)), store.directory)
     clone = not link and reflink.usable(path, store.directory, store.state_bytes)
@@ -419,10 +455,12 @@ def _replace_state(opt: StreamedState, path: str, manifest: dict, resident: dict
             read_pieces(store.path(bucket.index), bucket.data_bytes, sums.add)
             sums.record()
     store.refill_host_cache()
-    opt.load_resident_state({key: {"step": step, **resident["moments"].get(key, {})}
-                             for key, step in resident["steps"].items()})
-    opt.load_hyperparameters([{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()}
-                              for saved in manifest["param_groups"]])
+    opt.load_resident_state(
+        {key: {"step": step, **resident["moments"].get(key, {})} for key, step in resident["steps"].items()}
+    )
+    opt.load_hyperparameters(
+        [{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()} for saved in manifest["param_groups"]]
+    )
 
 
 def _name(store: BucketStore, index: int) -> str:
@@ -460,7 +498,8 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(
             f"{path}: no streamed optimizer state ({MANIFEST} missing: written before streaming was enabled, "
             "or not a StreamingAdam checkpoint); pass no_load_optim=True (--no-load-optim) to accept a fresh "
-            "optimizer state")
+            "optimizer state"
+        )
     try:
         with open(manifest_path, encoding="utf-8") as f:
             manifest = json.load(f)
@@ -471,23 +510,38 @@ def read_manifest(path: str) -> dict:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{manifest_path}: not a JSON object; the checkpoint is damaged")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r} version "
-                              f"{manifest.get('version')!r}, this greenroom reads {FORMAT!r} version {VERSION}")
+        raise CheckpointError(
+            f"{manifest_path}: format {manifest.get('format')!r} version "
+            f"{manifest.get('version')!r}, this greenroom reads {FORMAT!r} version {VERSION}"
+        )
     for key, kind in _MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
-            raise CheckpointError(f"{manifest_path}: field {key!r} is missing or not {kind.__name__}; "
-                                  "the checkpoint is damaged")
+            raise CheckpointError(
+                f"{manifest_path}: field {key!r} is missing or not {kind.__name__}; the checkpoint is damaged"
+            )
     for name, meta in manifest["files"].items():
-        if (not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int)
-                or not isinstance(meta.get("crc32", meta.get("table_crc32")), str)
-                or os.sep in name or name in (".", "..")):
-            raise CheckpointError(f"{manifest_path}: the entry for {name!r} in 'files' is malformed; "
-                                  "the checkpoint is damaged")
+        if (
+            not isinstance(meta, dict)
+            or not isinstance(meta.get("bytes"), int)
+            or not isinstance(meta.get("crc32", meta.get("table_crc32")), str)
+            or os.sep in name
+            or name in (".", "..")
+        ):
+            raise CheckpointError(
+                f"{manifest_path}: the entry for {name!r} in 'files' is malformed; the checkpoint is damaged"
+            )
     return manifest
 
 
-_MANIFEST_FIELDS = {"master_dtype": str, "moment_dtype": str, "layout": dict, "topology": dict,
-                    "param_groups": list, "steps": dict, "files": dict}
+_MANIFEST_FIELDS = {
+    "master_dtype": str,
+    "moment_dtype": str,
+    "layout": dict,
+    "topology": dict,
+    "param_groups": list,
+    "steps": dict,
+    "files": dict,
+}
 
 
 def verify(opt: StreamedState, path: str, manifest: dict) -> None:
@@ -498,18 +552,22 @@ def verify(opt: StreamedState, path: str, manifest: dict) -> None:
             raise CheckpointError(
                 f"{path}: written with {key.replace('_', ' ')} {manifest[key]}, this run uses {ours}; bytes "
                 f"written as {manifest[key]} cannot be read as {ours}: resume with "
-                f"--stream-optimizer-state-moment-dtype {manifest[key]} (or pass --no-load-optim)")
+                f"--stream-optimizer-state-moment-dtype {manifest[key]} (or pass --no-load-optim)"
+            )
     try:
         _verify_topology(path, manifest["topology"], topology(opt))
         _verify_layout(path, manifest["layout"], store.layout())
     except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: malformed topology or layout ({e!r}); "
-                              "the checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{os.path.join(path, MANIFEST)}: malformed topology or layout ({e!r}); the checkpoint is damaged"
+        ) from None
     listed = manifest["files"]
     missing = [name for name in (_name(store, b.index) for b in store.buckets) if name not in listed]
     if missing:
-        raise CheckpointError(f"{path}: the manifest lists no {missing[0]} of its layout's buckets; the checkpoint is "
-                              "incomplete: restore it or load an older checkpoint")
+        raise CheckpointError(
+            f"{path}: the manifest lists no {missing[0]} of its layout's buckets; the checkpoint is "
+            "incomplete: restore it or load an older checkpoint"
+        )
     for name, meta in manifest["files"].items():
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):
@@ -522,20 +580,25 @@ def verify(opt: StreamedState, path: str, manifest: dict) -> None:
             continue
         crc = file_crc32(file_path, meta["bytes"])
         if crc != meta["crc32"]:
-            raise CheckpointError(f"{file_path}: checksum {crc} does not match the manifest's {meta['crc32']}; "
-                                  "the file is corrupt: restore it or load an older checkpoint")
+            raise CheckpointError(
+                f"{file_path}: checksum {crc} does not match the manifest's {meta['crc32']}; "
+                "the file is corrupt: restore it or load an older checkpoint"
+            )
 
 
 def _verify_topology(path: str, saved: dict, ours: dict) -> None:
     for key in ("world_size", "rank"):
         if saved[key] != ours[key]:
-            raise CheckpointError(f"{path}: saved with {key.replace('_', ' ')} {saved[key]}, this run has "
-                                  f"{ours[key]}; resume is same-topology only (the files hold one rank's shard)")
+            raise CheckpointError(
+                f"{path}: saved with {key.replace('_', ' ')} {saved[key]}, this run has "
+                f"{ours[key]}; resume is same-topology only (the files hold one rank's shard)"
+            )
     for name in sorted(set(saved["shards"]) | set(ours["shards"])):
         a, b = saved["shards"].get(name), ours["shards"].get(name)
         if a != b:
-            raise CheckpointError(f"{path}: param {name} was sharded as {a}, this run shards it as {b}; resume is "
-                                  "same-topology only")
+            raise CheckpointError(
+                f"{path}: param {name} was sharded as {a}, this run shards it as {b}; resume is same-topology only"
+            )
 
 
 def _verify_against_table(store: BucketStore, file_path: str, name: str, recorded: str) -> None:
@@ -548,8 +611,10 @@ def _verify_against_table(store: BucketStore, file_path: str, name: str, recorde
         with store.open_existing(index, file_path) as f:
             crc = _table_crc32_on_disk(f)
             if crc != recorded:
-                raise CheckpointError(f"{file_path}: checksum table CRC-32 {crc} does not match the manifest's "
-                                      f"{recorded}; the file is corrupt: restore it or load an older checkpoint")
+                raise CheckpointError(
+                    f"{file_path}: checksum table CRC-32 {crc} does not match the manifest's "
+                    f"{recorded}; the file is corrupt: restore it or load an older checkpoint"
+                )
             verify_against_table(f)
     except (StorageError, IntegrityError) as e:
         raise CheckpointError(f"{e}") from None
@@ -558,28 +623,41 @@ def _verify_against_table(store: BucketStore, file_path: str, name: str, recorde
 def _verify_layout(path: str, saved: dict, ours: dict) -> None:
     saved_masters, our_masters = saved.get("master_layout", "fp32"), ours["master_layout"]
     if saved_masters != our_masters:
-        raise CheckpointError(f"{path}: the state files store the fp32 masters as {saved_masters}, this run as "
-                              f"{our_masters}: resume with master_layout={saved_masters!r} (or pass --no-load-optim)")
+        raise CheckpointError(
+            f"{path}: the state files store the fp32 masters as {saved_masters}, this run as "
+            f"{our_masters}: resume with master_layout={saved_masters!r} (or pass --no-load-optim)"
+        )
     saved_moments = saved.get("moments", 2)
     if saved_moments != ours["moments"]:
         kinds = {1: "a momentum buffer (StreamingMuon)", 2: "two Adam moments (StreamingAdam)"}
-        raise CheckpointError(f"{path}: the state was saved with {kinds.get(saved_moments, saved_moments)} per "
-                              f"param, this optimizer keeps {kinds[ours['moments']]}; load it with that optimizer")
+        raise CheckpointError(
+            f"{path}: the state was saved with {kinds.get(saved_moments, saved_moments)} per "
+            f"param, this optimizer keeps {kinds[ours['moments']]}; load it with that optimizer"
+        )
     saved_codec, our_codec = saved.get("compression", "none"), ours["compression"]
     if saved_codec != our_codec:
-        raise CheckpointError(f"{path}: the state files were written with --offload-train-disk-compression "
-                              f"{saved_codec}, this run stores {our_codec}: resume with "
-                              f"--offload-train-disk-compression {saved_codec}")
+        raise CheckpointError(
+            f"{path}: the state files were written with --offload-train-disk-compression "
+            f"{saved_codec}, this run stores {our_codec}: resume with "
+            f"--offload-train-disk-compression {saved_codec}"
+        )
     if saved["bucket_numel"] != ours["bucket_numel"]:
-        raise CheckpointError(f"{path}: layout differs: saved with bucket_numel {saved['bucket_numel']}, this run "
-                              f"has {ours['bucket_numel']}; build the optimizer with "
-                              f"bucket_numel={saved['bucket_numel']} (greenroom train does so itself)")
+        raise CheckpointError(
+            f"{path}: layout differs: saved with bucket_numel {saved['bucket_numel']}, this run "
+            f"has {ours['bucket_numel']}; build the optimizer with "
+            f"bucket_numel={saved['bucket_numel']} (greenroom train does so itself)"
+        )
     # Checkpoints written before masters could be remainders record no such field: whole masters.
-    saved = {**saved, "entries": [{"remainder": False, **e} for e in saved["entries"]],
-             "buckets": [{**b, "segments": {"fixups": None, **b["segments"]}} for b in saved["buckets"]]}
+    saved = {
+        **saved,
+        "entries": [{"remainder": False, **e} for e in saved["entries"]],
+        "buckets": [{**b, "segments": {"fixups": None, **b["segments"]}} for b in saved["buckets"]],
+    }
     if len(saved["entries"]) != len(ours["entries"]):
-        raise CheckpointError(f"{path}: layout differs: {len(saved['entries'])} streamed params saved, this run "
-                              f"has {len(ours['entries'])}")
+        raise CheckpointError(
+            f"{path}: layout differs: {len(saved['entries'])} streamed params saved, this run "
+            f"has {len(ours['entries'])}"
+        )
     for a, b in zip(saved["entries"], ours["entries"]):
         if a != b:
             raise CheckpointError(f"{path}: layout differs at param {a['name']}: saved {a}, this run has {b}")

@@ -47,8 +47,8 @@ from typing import Any, Callable, NoReturn
 
 import torch
 
-from greenroom.io.engine import verify_mapped
 from greenroom.errors import GreenroomError
+from greenroom.io.engine import verify_mapped
 from greenroom.optim import remainder
 from greenroom.optim.kernel import FIXED_GROUP_KEYS
 from greenroom.tensors import local_tensor
@@ -60,8 +60,10 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 def view_dtype(opt: torch.optim.Optimizer, what: str) -> torch.dtype:
     dtype = _VIEW_DTYPES.get(opt.moment_dtype)
     if dtype is None:
-        raise GreenroomError(f"StreamingAdam.{what}: moment dtype {opt.moment_dtype} is stored encoded and has no "
-                             "torch state dict; use save_checkpoint/load_checkpoint, or moment_dtype fp32 or bf16")
+        raise GreenroomError(
+            f"StreamingAdam.{what}: moment dtype {opt.moment_dtype} is stored encoded and has no "
+            "torch state dict; use save_checkpoint/load_checkpoint, or moment_dtype fp32 or bf16"
+        )
     return dtype
 
 
@@ -96,8 +98,11 @@ def bucket_segments(store, bucket, moment_dtype: torch.dtype, streamed: list[tor
     torch.save refuses one storage viewed as two dtypes. ``streamed``: the param of each
     store entry, which a remainder bucket's masters are rebuilt from."""
     dtypes = {"master": torch.float32, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype}
-    segments = {key: seg for key, seg in (("master", bucket.master), ("exp_avg", bucket.exp_avg),
-                                          ("exp_avg_sq", bucket.exp_avg_sq)) if seg is not None}
+    segments = {
+        key: seg
+        for key, seg in (("master", bucket.master), ("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq))
+        if seg is not None
+    }
     if bucket.remainder:
         segments.pop("master")
     if store.compression is not None:
@@ -105,24 +110,28 @@ def bucket_segments(store, bucket, moment_dtype: torch.dtype, streamed: list[tor
         # (the bound of Note [state dict views] does not hold for compressed state).
         data = torch.empty(bucket.data_bytes, dtype=torch.uint8)
         store.engine.read(data, store.files[bucket.index], 0).wait()
-        decoded = {key: data[seg.offset:seg.offset + seg.nbytes].clone().view(dtypes[key])
-                   for key, seg in segments.items()}
+        decoded = {
+            key: data[seg.offset : seg.offset + seg.nbytes].clone().view(dtypes[key]) for key, seg in segments.items()
+        }
         if bucket.remainder:
             decoded["master"] = _rebuilt_masters(streamed, bucket, data)
-        return {key: (lambda first, count, t=t: t[first:first + count]) for key, t in decoded.items()}
+        return {key: (lambda first, count, t=t: t[first : first + count]) for key, t in decoded.items()}
     mapped = _map(store.path(bucket.index), bucket.file_bytes)
     # The views are read around the I/O engine: check them against the file's checksums
     # now, or a flipped bit would go into the saved state unseen.
     verify_mapped(store.files[bucket.index], torch.frombuffer(mapped, dtype=torch.uint8, count=bucket.data_bytes))
 
     def view(seg, dtype):
-        return lambda first, count: torch.frombuffer(mapped, dtype=dtype, count=count,
-                                                     offset=seg.offset + first * dtype.itemsize)
+        return lambda first, count: torch.frombuffer(
+            mapped, dtype=dtype, count=count, offset=seg.offset + first * dtype.itemsize
+        )
+
     out = {key: view(seg, dtypes[key]) for key, seg in segments.items()}
     if bucket.remainder:
-        master = _rebuilt_masters(streamed, bucket,
-                                  torch.frombuffer(mapped, dtype=torch.uint8, count=bucket.data_bytes))
-        out["master"] = lambda first, count: master[first:first + count]
+        master = _rebuilt_masters(
+            streamed, bucket, torch.frombuffer(mapped, dtype=torch.uint8, count=bucket.data_bytes)
+        )
+        out["master"] = lambda first, count: master[first : first + count]
     return out
 
 
@@ -132,8 +141,8 @@ def _rebuilt_masters(streamed: list[torch.Tensor], bucket, data: torch.Tensor) -
     file, so its state dict holds them once, 4 B/param of host memory."""
     master = torch.empty(bucket.numel, dtype=torch.float32)
     params = [(start, local_tensor(streamed[i]).detach().cpu()) for i, start in zip(bucket.entries, bucket.offsets)]
-    low = data[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.int16)
-    remainder.decode(master, low, data[bucket.fixups.offset:bucket.fixups.offset + bucket.fixups.nbytes], params)
+    low = data[bucket.master.offset : bucket.master.offset + bucket.master.nbytes].view(torch.int16)
+    remainder.decode(master, low, data[bucket.fixups.offset : bucket.fixups.offset + bucket.fixups.nbytes], params)
     return master
 
 
@@ -188,16 +197,19 @@ def export_state_dict(opt: torch.optim.Optimizer) -> dict:
 # -- import (these checks are StreamingMuon's too: greenroom.optim.checkpoint.muon_state) ----------
 def refusal(what: str) -> Callable[[str], NoReturn]:
     """How a load refuses: one line, ``what: msg; nothing was changed``."""
+
     def fail(msg: str) -> NoReturn:
         raise GreenroomError(f"{what}: {msg}; nothing was changed")
+
     return fail
 
 
 _fail = refusal("StreamingAdam.load_state_dict")
 
 
-def check_tensor(fail, name: str, value: Any, shape: torch.Size, dtype: torch.dtype,
-                 widen: torch.dtype | None = None) -> torch.Tensor:
+def check_tensor(
+    fail, name: str, value: Any, shape: torch.Size, dtype: torch.dtype, widen: torch.dtype | None = None
+) -> torch.Tensor:
     """``value``'s local tensor, of ``shape`` and ``dtype`` (or ``widen``, which converts
     to ``dtype`` exactly); else ``fail``."""
     if not isinstance(value, torch.Tensor):
@@ -235,8 +247,10 @@ def check_groups(opt, state_dict: Any, fail, check_group: Callable[[int, dict], 
 def _check_adam_group(opt: torch.optim.Optimizer, gi: int, saved: dict) -> None:
     recorded = saved.get("moment_dtype")
     if recorded is not None and recorded != opt.moment_dtype:
-        _fail(f"its moments are {recorded}, this optimizer stores {opt.moment_dtype} "
-              f"(build it with moment_dtype={recorded!r})")
+        _fail(
+            f"its moments are {recorded}, this optimizer stores {opt.moment_dtype} "
+            f"(build it with moment_dtype={recorded!r})"
+        )
     for key, allowed in FIXED_GROUP_KEYS.items():
         if key in saved and saved[key] != allowed:
             _fail(f"param group {gi} has {key}={saved[key]!r}, which StreamingAdam does not implement")
@@ -244,8 +258,9 @@ def _check_adam_group(opt: torch.optim.Optimizer, gi: int, saved: dict) -> None:
 
 def _verify(opt: torch.optim.Optimizer, state_dict: Any, moment_dtype: torch.dtype) -> dict[int, dict]:
     """Every check, before anything changes; returns ``{param index: local tensors}``."""
-    position, recorded_by_group = check_groups(opt, state_dict, _fail,
-                                               lambda gi, saved: _check_adam_group(opt, gi, saved))
+    position, recorded_by_group = check_groups(
+        opt, state_dict, _fail, lambda gi, saved: _check_adam_group(opt, gi, saved)
+    )
     params = param_list(opt)
     resident = {id(p) for p in opt.resident}
     checked = {}
@@ -273,13 +288,15 @@ def _verify(opt: torch.optim.Optimizer, state_dict: Any, moment_dtype: torch.dty
         # torch.optim.AdamW keeps a 16-bit param's moments in the param's dtype; widening
         # them to fp32 storage is exact, so such a state dict (no moment dtype recorded) loads.
         widen = p.dtype if recorded_by_group[n] is None and want == torch.float32 else None
-        tensors = {key: check_tensor(_fail, f"param {n}'s {key}", pstate[key], local.shape, want, widen)
-                   for key in _MOMENTS if key in pstate}
+        tensors = {
+            key: check_tensor(_fail, f"param {n}'s {key}", pstate[key], local.shape, want, widen)
+            for key in _MOMENTS
+            if key in pstate
+        }
         if "master" in pstate:
             if p.dtype == torch.float32:
                 _fail(f"param {n} is fp32 (its own master) but the state dict has a master for it")
-            tensors["master"] = check_tensor(_fail, f"param {n}'s master", pstate["master"], local.shape,
-                                             torch.float32)
+            tensors["master"] = check_tensor(_fail, f"param {n}'s master", pstate["master"], local.shape, torch.float32)
         checked[n] = {"step": float(step), **tensors}
     return checked
 
@@ -325,8 +342,11 @@ def import_state_dict(opt: torch.optim.Optimizer, state_dict: Any) -> None:
             if id(p) in resident:
                 local = local_tensor(p)
                 for key in _MOMENTS:
-                    state[key] = (got[key].to(local.device, copy=True) if key in got
-                                  else torch.zeros_like(local, memory_format=torch.preserve_format))
+                    state[key] = (
+                        got[key].to(local.device, copy=True)
+                        if key in got
+                        else torch.zeros_like(local, memory_format=torch.preserve_format)
+                    )
         for g, saved in zip(opt.param_groups, state_dict["param_groups"]):
             for key, value in saved.items():
                 # Which kernel runs is this optimizer's choice (fused, foreach); the rest follows torch.

@@ -52,15 +52,23 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from greenroom.io.engine import STORE_RAW, StateFile, TransferEngine
 from greenroom.errors import ConfigError
+from greenroom.io.engine import STORE_RAW, StateFile, TransferEngine
 from greenroom.optim import remainder
-from greenroom.optim.store.files import DeviceBuffer, Replacement
 from greenroom.optim.moments import moment_codecs
+from greenroom.optim.store.files import DeviceBuffer, Replacement
 from greenroom.optim.store.held import HeldBuckets, Kept
 from greenroom.optim.store.hostcache import HostCopy, unpin
-from greenroom.optim.store.layout import (DEFAULT_BUCKET_NUMEL, DEVICE_BUFFERS, FILE_PATTERN, Bucket, BucketState, Entry,
-                                    Segment, build_buckets)
+from greenroom.optim.store.layout import (
+    DEFAULT_BUCKET_NUMEL,
+    DEVICE_BUFFERS,
+    FILE_PATTERN,
+    Bucket,
+    BucketState,
+    Entry,
+    Segment,
+    build_buckets,
+)
 
 
 class StepCheckpoint(Protocol):
@@ -109,10 +117,20 @@ class BucketStore(HeldBuckets):
             the ``exp_avg`` segment; ``exp_avg_sq`` is None).
     """
 
-    def __init__(self, entries: Sequence[Entry], directory: str, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                 moment_dtype: str = "fp32", device: torch.device | str = "cpu", chunk_bytes: int = 256 << 20,
-                 compression=None, host_cache_bytes: int = 0, moments: int = 2,
-                 params: Callable[[int], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        entries: Sequence[Entry],
+        directory: str,
+        *,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        moment_dtype: str = "fp32",
+        device: torch.device | str = "cpu",
+        chunk_bytes: int = 256 << 20,
+        compression=None,
+        host_cache_bytes: int = 0,
+        moments: int = 2,
+        params: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
         if isinstance(host_cache_bytes, bool) or not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
             raise ConfigError(f"host_cache_bytes must be a non-negative integer, got {host_cache_bytes!r}")
         self.entries = list(entries)
@@ -127,8 +145,9 @@ class BucketStore(HeldBuckets):
         self.avg_codec, self.sq_codec = moment_codecs(moment_dtype)
         self.compression = compression
         self.moments = moments
-        self.buckets = build_buckets(self.entries, bucket_numel, moment_dtype, compressed=compression is not None,
-                                     moments=moments)
+        self.buckets = build_buckets(
+            self.entries, bucket_numel, moment_dtype, compressed=compression is not None, moments=moments
+        )
         self._buffers: list[DeviceBuffer] = []
         self._kept: Kept | None = None  # optim.held_buckets Note [the last bucket stays]
         self._scratch: dict[str, torch.Tensor] = {}
@@ -155,13 +174,18 @@ class BucketStore(HeldBuckets):
                 _remove_created(self.files)
             raise
 
-    def _write(self, raw: torch.Tensor, bucket: Bucket, *, file: StateFile | None = None,
-               mirror: StateFile | None = None):
+    def _write(
+        self, raw: torch.Tensor, bucket: Bucket, *, file: StateFile | None = None, mirror: StateFile | None = None
+    ):
         """Write a bucket's bytes to its file (or ``file``), and to ``mirror`` too (an
         in-step checkpoint's copy), telling a codec each segment's element size."""
         # A master's low halves are noise to a codec (Note [remainder]): stored raw, untried.
-        segments = ((bucket.master, STORE_RAW if bucket.remainder else 4), (bucket.fixups, 8),
-                    (bucket.exp_avg, self.avg_codec.dtype.itemsize), (bucket.exp_avg_sq, self.sq_codec.dtype.itemsize))
+        segments = (
+            (bucket.master, STORE_RAW if bucket.remainder else 4),
+            (bucket.fixups, 8),
+            (bucket.exp_avg, self.avg_codec.dtype.itemsize),
+            (bucket.exp_avg_sq, self.sq_codec.dtype.itemsize),
+        )
         sizes = [(seg.offset, size) for seg, size in segments if seg is not None]
         return self.engine.write(raw, file or self.files[bucket.index], 0, element_sizes=tuple(sizes), mirror=mirror)
 
@@ -185,14 +209,28 @@ class BucketStore(HeldBuckets):
             "master_layout": self.master_layout,
             "moments": self.moments,
             "compression": self.compression.name if self.compression is not None else "none",
-            "entries": [{"name": e.name, "shape": list(e.shape), "group": e.group, "master": e.master,
-                         "remainder": e.remainder} for e in self.entries],
-            "buckets": [{"file": FILE_PATTERN.format(b.index), "entries": list(b.entries), "numel": b.numel,
-                         "file_bytes": b.file_bytes,
-                         "segments": {name: None if seg is None else [seg.offset, seg.nbytes]
-                                      for name, seg in (("master", b.master), ("fixups", b.fixups),
-                                                        ("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq))}}
-                        for b in self.buckets],
+            "entries": [
+                {"name": e.name, "shape": list(e.shape), "group": e.group, "master": e.master, "remainder": e.remainder}
+                for e in self.entries
+            ],
+            "buckets": [
+                {
+                    "file": FILE_PATTERN.format(b.index),
+                    "entries": list(b.entries),
+                    "numel": b.numel,
+                    "file_bytes": b.file_bytes,
+                    "segments": {
+                        name: None if seg is None else [seg.offset, seg.nbytes]
+                        for name, seg in (
+                            ("master", b.master),
+                            ("fixups", b.fixups),
+                            ("exp_avg", b.exp_avg),
+                            ("exp_avg_sq", b.exp_avg_sq),
+                        )
+                    },
+                }
+                for b in self.buckets
+            ],
         }
 
     @property
@@ -210,14 +248,17 @@ class BucketStore(HeldBuckets):
         self._write_back_kept()
         buffer = self._buffer(0)
         for bucket, file in zip(self.buckets, self.files):
-            raw = buffer.raw[:bucket.data_bytes]
+            raw = buffer.raw[: bucket.data_bytes]
             raw.zero_()  # zero bytes decode to zero moments in every codec
             if bucket.master is not None:
-                master = (self._scratch_tensor("master")[:bucket.numel] if bucket.remainder
-                          else self._master_view(raw, bucket))
+                master = (
+                    self._scratch_tensor("master")[: bucket.numel]
+                    if bucket.remainder
+                    else self._master_view(raw, bucket)
+                )
                 for i, start in zip(bucket.entries, bucket.offsets):
                     n = self.entries[i].numel
-                    master[start:start + n].copy_(get(i).detach().reshape(-1))
+                    master[start : start + n].copy_(get(i).detach().reshape(-1))
                 if bucket.remainder:
                     self._encode_remainder(bucket, master, raw)
             self._store_bucket(bucket.index, raw)
@@ -233,7 +274,7 @@ class BucketStore(HeldBuckets):
         buffer = self._buffer(0)
         for index in order:
             bucket = self.buckets[index]
-            raw = buffer.raw[:bucket.data_bytes]
+            raw = buffer.raw[: bucket.data_bytes]
             raw.zero_()  # zero bytes decode to zero moments in every codec
             state = self._decode(index, buffer)
             fill(state)
@@ -247,10 +288,16 @@ class BucketStore(HeldBuckets):
         # Before any new file: a failed write-back of the kept bucket then leaves none behind.
         self._write_back_kept()
         first_entry, first_bucket = len(self.entries), len(self.buckets)
-        added = [dataclasses.replace(b, index=first_bucket + b.index,
-                                     entries=tuple(first_entry + i for i in b.entries))
-                 for b in build_buckets(entries, self.bucket_numel, self.moment_dtype,
-                                       compressed=self.compression is not None, moments=self.moments)]
+        added = [
+            dataclasses.replace(b, index=first_bucket + b.index, entries=tuple(first_entry + i for i in b.entries))
+            for b in build_buckets(
+                entries,
+                self.bucket_numel,
+                self.moment_dtype,
+                compressed=self.compression is not None,
+                moments=self.moments,
+            )
+        ]
         files = []
         try:
             for bucket in added:
@@ -268,8 +315,9 @@ class BucketStore(HeldBuckets):
         return [b.index for b in added]
 
     # -- the step -------------------------------------------------------------------
-    def stream(self, indices: Sequence[int] | None = None, *,
-               checkpoint: StepCheckpoint | None = None) -> Iterator[BucketState]:
+    def stream(
+        self, indices: Sequence[int] | None = None, *, checkpoint: StepCheckpoint | None = None
+    ) -> Iterator[BucketState]:
         """Yield the buckets ``indices`` (default all) on the device, reading ahead one and
         writing back behind: the bucket the last stream kept first, unread, and last the
         one this stream keeps, unwritten (``optim.held_buckets`` Note [the last bucket
@@ -358,19 +406,20 @@ class BucketStore(HeldBuckets):
 
     def _submit_read(self, index: int, buffer: DeviceBuffer):
         bucket = self.buckets[index]
-        raw = buffer.raw[:bucket.data_bytes]
+        raw = buffer.raw[: bucket.data_bytes]
         if index in self.host_cache:
             return self._host_copy(raw, self.host_cache[index], to_device=True)
         self.bytes_read += bucket.file_bytes
         return self.engine.read(raw, self.files[index], 0)
 
-    def _submit_write(self, index: int, buffer: DeviceBuffer, checkpoint: StepCheckpoint | None,
-                      fresh: dict[int, StateFile]) -> None:
+    def _submit_write(
+        self, index: int, buffer: DeviceBuffer, checkpoint: StepCheckpoint | None, fresh: dict[int, StateFile]
+    ) -> None:
         """Start the write-back of bucket ``index`` from ``buffer``: to its cache, to a new
         file (the checkpoint's, or ``fresh``'s for a shared file), or in place; with a
         mirror file of the checkpoint's too where it writes twice."""
         bucket = self.buckets[index]
-        raw = buffer.raw[:bucket.data_bytes]
+        raw = buffer.raw[: bucket.data_bytes]
         target = checkpoint.bucket_file(index) if checkpoint is not None else None
         if index in self.host_cache:
             self._stale.add(index)
@@ -394,23 +443,25 @@ class BucketStore(HeldBuckets):
         bucket = self.buckets[index]
         raw = buffer.raw
         if bucket.remainder:
-            master = self._scratch_tensor("master")[:bucket.numel]
+            master = self._scratch_tensor("master")[: bucket.numel]
             params = [(start, self.params(i)) for i, start in zip(bucket.entries, bucket.offsets)]
             reseeded = remainder.decode(master, self._low_view(raw, bucket), self._fixups_view(raw, bucket), params)
             self.reseeded_blocks = reseeded + self.reseeded_blocks
         else:
             master = self._master_view(raw, bucket) if bucket.master is not None else None
         moments = []
-        for codec, seg, key in ((self.avg_codec, bucket.exp_avg, "exp_avg"),
-                                (self.sq_codec, bucket.exp_avg_sq, "exp_avg_sq")):
+        for codec, seg, key in (
+            (self.avg_codec, bucket.exp_avg, "exp_avg"),
+            (self.sq_codec, bucket.exp_avg_sq, "exp_avg_sq"),
+        ):
             if seg is None:
                 moments.append(None)
                 continue
-            seg_raw = raw[seg.offset:seg.offset + seg.nbytes]
+            seg_raw = raw[seg.offset : seg.offset + seg.nbytes]
             if codec.identity:
                 moments.append(codec.view(seg_raw, bucket.numel))
             else:
-                work = self._scratch_tensor(key)[:bucket.numel]
+                work = self._scratch_tensor(key)[: bucket.numel]
                 codec.decode(seg_raw, work)
                 moments.append(work)
         shapes = [self.entries[i].shape for i in bucket.entries]
@@ -420,27 +471,33 @@ class BucketStore(HeldBuckets):
         bucket = state.bucket
         if bucket.remainder:
             self._encode_remainder(bucket, state.master, buffer.raw)
-        for codec, seg, work in ((self.avg_codec, bucket.exp_avg, state.exp_avg),
-                                 (self.sq_codec, bucket.exp_avg_sq, state.exp_avg_sq)):
+        for codec, seg, work in (
+            (self.avg_codec, bucket.exp_avg, state.exp_avg),
+            (self.sq_codec, bucket.exp_avg_sq, state.exp_avg_sq),
+        ):
             if seg is not None and not codec.identity:
-                codec.encode(work, buffer.raw[seg.offset:seg.offset + seg.nbytes])
+                codec.encode(work, buffer.raw[seg.offset : seg.offset + seg.nbytes])
 
     def _encode_remainder(self, bucket: Bucket, master: torch.Tensor, raw: torch.Tensor) -> None:
-        remainder.encode(master, self._low_view(raw, bucket), self._fixups_view(raw, bucket),
-                         label=f"{self.path(bucket.index)}: bucket {bucket.index} of the optimizer state")
+        remainder.encode(
+            master,
+            self._low_view(raw, bucket),
+            self._fixups_view(raw, bucket),
+            label=f"{self.path(bucket.index)}: bucket {bucket.index} of the optimizer state",
+        )
 
     # -- buffers --------------------------------------------------------------------
     @staticmethod
     def _low_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        return raw[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.int16)
+        return raw[bucket.master.offset : bucket.master.offset + bucket.master.nbytes].view(torch.int16)
 
     @staticmethod
     def _fixups_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        return raw[bucket.fixups.offset:bucket.fixups.offset + bucket.fixups.nbytes]
+        return raw[bucket.fixups.offset : bucket.fixups.offset + bucket.fixups.nbytes]
 
     @staticmethod
     def _master_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        return raw[bucket.master.offset:bucket.master.offset + bucket.master.nbytes].view(torch.float32)
+        return raw[bucket.master.offset : bucket.master.offset + bucket.master.nbytes].view(torch.float32)
 
     def _buffer(self, i: int) -> DeviceBuffer:
         while len(self._buffers) <= i:
@@ -503,5 +560,13 @@ class BucketStore(HeldBuckets):
             self._stale.clear()
 
 
-__all__ = ["Bucket", "BucketState", "BucketStore", "DEFAULT_BUCKET_NUMEL", "Entry", "FILE_PATTERN", "Segment",
-           "build_buckets"]
+__all__ = [
+    "Bucket",
+    "BucketState",
+    "BucketStore",
+    "DEFAULT_BUCKET_NUMEL",
+    "Entry",
+    "FILE_PATTERN",
+    "Segment",
+    "build_buckets",
+]

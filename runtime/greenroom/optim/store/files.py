@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import torch
 from typing import Sequence
 
-from greenroom.io.engine import StateFile
+import torch
+
 from greenroom.faults import kill_point
+from greenroom.io.engine import StateFile
 from greenroom.optim.store.hardlink import NEW_SUFFIX, link_over
 from greenroom.optim.store.layout import FILE_PATTERN, Bucket
 
@@ -70,22 +70,38 @@ class BucketFiles:
     _retired_bytes_written: int = 0
 
     def _open_file(self, bucket: Bucket) -> StateFile:
-        return StateFile(self.path(bucket.index), bucket.data_bytes, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of the optimizer state")
+        return StateFile(
+            self.path(bucket.index),
+            bucket.data_bytes,
+            checksums="file",
+            compression=self.compression,
+            label=f"bucket {bucket.index} of the optimizer state",
+        )
 
     def open_copy(self, index: int, path: str) -> StateFile:
         """A preallocated file at ``path`` of bucket ``index``'s layout, to mirror its
         writes into (``stream(mirror=...)``) or write a cached bucket to."""
         bucket = self.buckets[index]
-        return StateFile(path, bucket.data_bytes, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of a checkpoint of the optimizer state")
+        return StateFile(
+            path,
+            bucket.data_bytes,
+            checksums="file",
+            compression=self.compression,
+            label=f"bucket {bucket.index} of a checkpoint of the optimizer state",
+        )
 
     def open_existing(self, index: int, path: str) -> StateFile:
         """Bucket ``index``'s layout over an existing file at ``path`` (a checkpoint's copy),
         its length checked, to read its table or verify it."""
         bucket = self.buckets[index]
-        return StateFile(path, bucket.data_bytes, create=False, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of a checkpoint of the optimizer state")
+        return StateFile(
+            path,
+            bucket.data_bytes,
+            create=False,
+            checksums="file",
+            compression=self.compression,
+            label=f"bucket {bucket.index} of a checkpoint of the optimizer state",
+        )
 
     def disk_bytes(self, way: str) -> int:
         """Bytes ``read`` from or ``written`` to the bucket files since they were opened:
@@ -118,8 +134,13 @@ class BucketFiles:
         bucket = self.buckets[index]
         if os.path.lexists(path):
             os.unlink(path)  # a .new of ours left by a write that failed
-        return StateFile(path, bucket.data_bytes, checksums="file", compression=self.compression,
-                         label=f"bucket {bucket.index} of the optimizer state")
+        return StateFile(
+            path,
+            bucket.data_bytes,
+            checksums="file",
+            compression=self.compression,
+            label=f"bucket {bucket.index} of the optimizer state",
+        )
 
     def _install(self, replacing: Replacement) -> None:
         """Give a fully written new file bucket ``replacing.index``'s live name (atomic:
@@ -141,8 +162,14 @@ class BucketFiles:
     def _reopen(self, index: int) -> StateFile:
         """The live file of bucket ``index`` opened again (after its name got a new inode)."""
         bucket = self.buckets[index]
-        return StateFile(self.path(index), bucket.data_bytes, create=False, checksums="file",
-                         compression=self.compression, label=f"bucket {bucket.index} of the optimizer state")
+        return StateFile(
+            self.path(index),
+            bucket.data_bytes,
+            create=False,
+            checksums="file",
+            compression=self.compression,
+            label=f"bucket {bucket.index} of the optimizer state",
+        )
 
     def replace_file(self, index: int, path: str) -> None:
         """Make the live name of bucket ``index`` name the file at ``path`` (a new inode

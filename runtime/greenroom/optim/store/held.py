@@ -194,7 +194,7 @@ class HeldBuckets(BucketFiles):
         kept = self._kept
         if kept is None:
             return
-        raw = kept.buffer.raw[:self.buckets[kept.index].data_bytes]
+        raw = kept.buffer.raw[: self.buckets[kept.index].data_bytes]
         if kept.new_file is None:
             self._store_file(kept.index, raw)
         else:

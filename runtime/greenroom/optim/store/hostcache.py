@@ -48,8 +48,10 @@ def host_memory(nbytes: int, pin: bool) -> torch.Tensor:
     if pin:
         code = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
         if code != 0:
-            raise StorageError(f"--stream-optimizer-state-host-cache-gb: pinning {human_bytes(nbytes)} of host memory "
-                               f"failed (CUDA error {code}); use a smaller host cache")
+            raise StorageError(
+                f"--stream-optimizer-state-host-cache-gb: pinning {human_bytes(nbytes)} of host memory "
+                f"failed (CUDA error {code}); use a smaller host cache"
+            )
     return tensor
 
 

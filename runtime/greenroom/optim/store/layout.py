@@ -16,8 +16,8 @@ from typing import Sequence
 
 import torch
 
-from greenroom.io.engine import StateFile, align_up
 from greenroom.errors import ConfigError
+from greenroom.io.engine import StateFile, align_up
 from greenroom.optim import remainder
 from greenroom.optim.moments import moment_codecs
 
@@ -124,12 +124,13 @@ class BucketState:
         out = []
         for start, shape in zip(self.bucket.offsets, self._shapes):
             n = math.prod(shape)
-            out.append(flat[start:start + n].view(shape))
+            out.append(flat[start : start + n].view(shape))
         return out
 
 
-def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str, *,
-                  compressed: bool = False, moments: int = 2) -> list[Bucket]:
+def build_buckets(
+    entries: Sequence[Entry], bucket_numel: int, moment_dtype: str, *, compressed: bool = False, moments: int = 2
+) -> list[Bucket]:
     """Group consecutive entries (same group and master kind) into buckets of at most
     ``bucket_numel`` elements; an entry larger than the cap gets a bucket of its own.
     ``compressed``: the files' table also records the bytes each frame stored.
@@ -179,12 +180,30 @@ def build_buckets(entries: Sequence[Entry], bucket_numel: int, moment_dtype: str
         if moments == 2:
             exp_avg_sq = Segment(offset=cursor, nbytes=sq_codec.nbytes(numel))
             cursor = align_up(cursor + exp_avg_sq.nbytes)
-        buckets.append(Bucket(index=index, entries=tuple(members), numel=numel, master=master,
-                              exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, data_bytes=cursor,
-                              file_bytes=StateFile.file_bytes(cursor, checksums="file", compressed=compressed),
-                              offsets=tuple(offsets), fixups=fixups))
+        buckets.append(
+            Bucket(
+                index=index,
+                entries=tuple(members),
+                numel=numel,
+                master=master,
+                exp_avg=exp_avg,
+                exp_avg_sq=exp_avg_sq,
+                data_bytes=cursor,
+                file_bytes=StateFile.file_bytes(cursor, checksums="file", compressed=compressed),
+                offsets=tuple(offsets),
+                fixups=fixups,
+            )
+        )
     return buckets
 
 
-__all__ = ["Bucket", "BucketState", "DEFAULT_BUCKET_NUMEL", "DEVICE_BUFFERS", "Entry", "FILE_PATTERN", "Segment",
-           "build_buckets"]
+__all__ = [
+    "Bucket",
+    "BucketState",
+    "DEFAULT_BUCKET_NUMEL",
+    "DEVICE_BUFFERS",
+    "Entry",
+    "FILE_PATTERN",
+    "Segment",
+    "build_buckets",
+]
