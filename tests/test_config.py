@@ -155,7 +155,8 @@ def test_host_cache_needs_streaming_and_counts_with_the_staging(disk_dir):
         ),
         (
             ["--stream-optimizer-state-master-layout", "fp32"],
-            "--stream-optimizer-state-master-layout fp32 lays out streamed masters and needs --stream-optimizer-state-to-disk",
+            "--stream-optimizer-state-master-layout fp32 lays out streamed masters and needs "
+            "--stream-optimizer-state-to-disk",
         ),
     ],
 )

@@ -99,19 +99,20 @@ def test_the_readme_plan_example_prints_what_the_readme_says(tmp_path):
     ], said
 
 
-# The docs a user reads, and the record of faults; docs/benchmarks.md is a lab notebook
-# that also names tests of branches that were never merged.
-CITING = [p for p in DOCS if not p.endswith("benchmarks.md")] + sorted(
+# The docs a user reads, the record of faults and the benchmarks, and the deploy READMEs.
+CITING = DOCS + sorted(
     glob.glob(os.path.join(REPO, "deploy", "*", "README.md"))
     + glob.glob(os.path.join(REPO, "deploy", "helm", "*", "README.md"))
 )
 
 
 def _test_names():
+    """Each test module's path under tests/ (``optim/test_exact.py``), with its tests."""
     names = {}
-    for path in glob.glob(os.path.join(REPO, "tests", "*.py")):
+    tests = os.path.join(REPO, "tests")
+    for path in glob.glob(os.path.join(tests, "**", "test_*.py"), recursive=True):
         with open(path, encoding="utf-8") as f:
-            names[os.path.basename(path)] = set(re.findall(r"^\s*(?:async )?def (test_\w+)", f.read(), re.M))
+            names[os.path.relpath(path, tests)] = set(re.findall(r"^\s*(?:async )?def (test_\w+)", f.read(), re.M))
     return names
 
 
@@ -122,19 +123,26 @@ def test_every_test_the_docs_cite_exists():
     for path in CITING:
         text = open(path, encoding="utf-8").read()
         where = os.path.relpath(path, REPO)
-        # `file.py::test_name[...]`, `tests/file.py::test_name`, and `::test_name` after one of them.
-        for m in re.finditer(r"(?:tests/)?(test_\w+\.py)::(\w+)", text):
+        # `tests/dir/file.py::test_name[...]`, `tests/dir/file.py`, and `::test_name` after one of them.
+        for m in re.finditer(r"tests/((?:\w+/)*test_\w+\.py)::(\w+)", text):
             if m.group(1) not in names:
                 missing.append(f"{where}: {m.group(1)}")
             elif m.group(2) not in names[m.group(1)]:
                 missing.append(f"{where}: {m.group(1)}::{m.group(2)}")
-        for m in re.finditer(r"(?<![\w/.])(tests/)?(test_\w+\.py)\b", text):
-            if m.group(2) not in names:
+        for m in re.finditer(r"(?<![\w/.])tests/((?:\w+/)*test_\w+\.py)\b", text):
+            if m.group(1) not in names:
                 missing.append(f"{where}: {m.group(0)}")
+        # A test file named without its folder is not a path a reader can open.
+        for m in re.finditer(r"(?<![\w/.])(test_\w+\.py)\b", text):
+            missing.append(f"{where}: {m.group(0)} (name it as tests/<folder>/{m.group(1)})")
         # A bare test name; one cut short with `...` names the tests that start with it.
-        for m in re.finditer(r"(?<![\w:])(test_\w+)(\.\.\.)?(?![\w.*])", text):
+        for m in re.finditer(r"(?<![\w:])(test_\w+)(\.\.\.)?(?![\w.*/])", text):
             name, prefix = m.group(1), m.group(2)
-            if not (any(n.startswith(name) for n in every) if prefix else name in every or f"{name}.py" in names):
+            if not (
+                any(n.startswith(name) for n in every)
+                if prefix
+                else name in every or any(os.path.basename(k) == f"{name}.py" for k in names)
+            ):
                 missing.append(f"{where}: {name}")
     assert not missing, missing
 

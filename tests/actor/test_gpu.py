@@ -60,7 +60,8 @@ from greenroom.train.model import ModelConfig, Transformer
 
 CHILD = (
     IMPORTS
-    + """config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
+    + """config = OffloadConfig(offload_train=True, offload_train_target={target!r},
+                       offload_train_disk_dir={disk_dir!r},
                        offload_train_disk_chunk_mb=16)
 with RankDir({disk_dir!r}, role="actor") as rd, actor.build_offloader(config, rd, device="cuda",
                                                                         backend="tms") as off:
@@ -159,7 +160,8 @@ def _env(backend: str, target: str, disk_dir: str, job: str) -> dict:
 
 PREAMBLE = (
     IMPORTS
-    + """config = OffloadConfig(offload_train=True, offload_train_target={target!r}, offload_train_disk_dir={disk_dir!r},
+    + """config = OffloadConfig(offload_train=True, offload_train_target={target!r},
+                       offload_train_disk_dir={disk_dir!r},
                        offload_train_disk_chunk_mb=64)
 rd = RankDir({disk_dir!r}, role="actor").open()
 off = actor.build_offloader(config, rd, device="cuda", backend={backend!r})

@@ -433,7 +433,7 @@ def test_plan_reports_the_hbm_the_rollout_engine_gets_while_the_actor_sleeps():
         "80",
         check_rc=0,
     ).stdout
-    [line] = [l for l in out.splitlines() if l.startswith("rollout:")]
+    [line] = [text for text in out.splitlines() if text.startswith("rollout:")]
     assert line.startswith("rollout:    78.5 GB of 80.0 GB HBM free while the actor sleeps; the actor keeps none")
     assert "the CUDA context 0.5 GB and NCCL's buffers 1.0 GB stay (assumed: --cuda-context-gb, --nccl-gb" in line
     full = greenroom(

@@ -24,10 +24,10 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.optimizer import get_megatron_optimizer
 
-from greenroom.config import OffloadConfig
-from greenroom.dirs.rankdir import RankDir
-from greenroom.errors import CheckpointError
-from greenroom.megatron import close, demo, load_checkpoint, save_checkpoint, streaming, streaming_members
+from greenroom.config import OffloadConfig  # noqa: E402 (after the skips: megatron-core may be missing)
+from greenroom.dirs.rankdir import RankDir  # noqa: E402 (after the skips: megatron-core may be missing)
+from greenroom.errors import CheckpointError  # noqa: E402 (after the skips: megatron-core may be missing)
+from greenroom.megatron import close, demo, load_checkpoint, save_checkpoint, streaming, streaming_members  # noqa: E402 (after the skips: megatron-core may be missing)
 
 SIZE = demo.ModelSize(hidden=256, layers=2, heads=4, vocab=1024, seq=64, batch=2)
 # Smaller than the word embedding's shard (1024 x 256): that one is a bucket of its own,

@@ -119,6 +119,7 @@ def test_a_step_does_not_touch_a_cached_buckets_file_and_moves_only_the_rest(dis
     cached = sorted(opt.store.host_cache)
     assert cached and len(cached) < len(opt.store.buckets)
     before = _files(opt)
+    kept = 0  # no bucket is kept on the device before the first step
     for step in range(3):
         set_grads(ours, plain_params, step=step)
         read, written = opt.store.bytes_read, opt.store.bytes_written
@@ -126,7 +127,7 @@ def test_a_step_does_not_touch_a_cached_buckets_file_and_moves_only_the_rest(dis
         plain.step()
         # Every uncached bucket but the one kept on the device between steps (optim.held_buckets
         # Note [the last bucket stays]): a step does not write it back, and the next does not read it.
-        kept_before, kept = kept if step else 0, opt.store.kept_bytes
+        kept_before, kept = kept, opt.store.kept_bytes
         assert opt.store.bytes_read - read == opt.store.disk_bytes_per_step - kept_before
         assert opt.store.bytes_written - written == opt.store.disk_bytes_per_step - kept > 0
     after = _files(opt)

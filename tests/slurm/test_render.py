@@ -491,7 +491,8 @@ BAD_VALUES = [
     ),
     (
         {"train": {"stream_optimizer_state_master_layout": "fp32"}},
-        "--stream-optimizer-state-master-layout fp32 lays out streamed masters and needs --stream-optimizer-state-to-disk",
+        "--stream-optimizer-state-master-layout fp32 lays out streamed masters and needs "
+        "--stream-optimizer-state-to-disk",
     ),
     ({"train": {"stream_optimizer_state_host_cache_gb": -1}}, f"{CACHE_GB}, got -1"),
     ({"train": {"stream_optimizer_state_host_cache_gb": float("nan")}}, f"{CACHE_GB}, got nan"),

@@ -441,19 +441,21 @@ class TransferEngine(FrameTransfers):
             stream = copy_streams.setdefault(data.device, torch.cuda.Stream(data.device))
             stream.wait_event(ready)
         on_device = file.compression is not None and file.compression.on_device and data.is_cuda
-        for start, n, frames in chunks:
+        for start, n, chunk_frames in chunks:
             slot = self.staging.acquire()
             try:
                 piece = data[start : start + n]
                 done_copy = None
                 if kind == "write" and not on_device:
                     done_copy = self._stage_out(piece, slot, stream)  # a device codec reads the device bytes
-                if frames is None:
+                if chunk_frames is None:
                     task = self._write_chunk if kind == "write" else self._read_chunk
                     self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
                 else:
                     task = self._write_frames if kind == "write" else self._read_frames
-                    self._workers.submit(task, piece, slot, file, offset + start, frames, transfer, done_copy, stream)
+                    self._workers.submit(
+                        task, piece, slot, file, offset + start, chunk_frames, transfer, done_copy, stream
+                    )
             except BaseException:
                 self.staging.release(slot)
                 raise

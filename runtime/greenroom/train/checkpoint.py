@@ -15,13 +15,15 @@ checkpoint dir ``DIR``::
 The whole checkpoint, every rank's model and optimizer state and the meta, becomes
 visible in one rename (``greenroom.io.publish``, the protocol the optimizer's checkpoint
 uses too): rank 0 stages ``DIR.new``, every rank writes its part there, and rank 0
-writes the meta and renames it into place once all are done. A save at the end of an iteration (``--save``, ``--save-interval``)
-stages before the iteration's last optimizer step, which writes the streamed state
-into ``optim/`` from its own pass (``greenroom.optim.checkpoint.instep``); the weights, manifests,
-meta and publish follow the step, in the background with ``--async-save``. ``load`` first settles what a killed save left (and says what it
-did), then checks every file's size and checksum before it loads a byte; each damaged or
-missing file, and each malformed manifest or meta, is one ``CheckpointError`` line naming
-the file. Resume is same-topology only, as for the streamed state.
+writes the meta and renames it into place once all are done. A save at the end of an
+iteration (``--save``, ``--save-interval``) stages before the iteration's last optimizer
+step, which writes the streamed state into ``optim/`` from its own pass
+(``greenroom.optim.checkpoint.instep``); the weights, manifests, meta and publish follow
+the step, in the background with ``--async-save``. ``load`` first settles what a killed
+save left (and says what it did), then checks every file's size and checksum before it
+loads a byte; each damaged or missing file, and each malformed manifest or meta, is one
+``CheckpointError`` line naming the file. Resume is same-topology only, as for the
+streamed state.
 """
 
 from __future__ import annotations

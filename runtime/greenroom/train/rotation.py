@@ -15,9 +15,9 @@ starts unverified; its linked files are read back against their checksum tables
 only once every rank has passed does the pointer name it (``promote``) and retention
 remove what it replaces. A checkpoint that fails is dropped (``drop``) with one line;
 the older ones stay. So once one checkpoint is verified, a kill or a flipped byte
-anywhere leaves at least one verified checkpoint on disk, and ``--load DIR`` (``candidates``) tries the complete iteration
-dirs newest first, each verified byte for byte by the load, falling back past a bad one
-with one line.
+anywhere leaves at least one verified checkpoint on disk, and ``--load DIR``
+(``candidates``) tries the complete iteration dirs newest first, each verified byte for
+byte by the load, falling back past a bad one with one line.
 
 A ``DIR`` holding a single checkpoint (``generation.json`` at its top, the layout of one
 replaced-in-place dir) loads as that checkpoint; ``--load DIR/iter_N`` loads that one.
