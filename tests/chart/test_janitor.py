@@ -69,7 +69,7 @@ def test_janitor_has_least_privilege_and_a_metrics_service():
 
 def test_janitor_rbac_grants_only_the_two_calls_it_makes():
     """It lists pods (every namespace, its node) and creates Events in "default"
-    (k8s_janitor.EVENT_NAMESPACE). Was: get and watch on pods, never called, and create on
+    (greenroom.dirs.janitor.EVENT_NAMESPACE). Was: get and watch on pods, never called, and create on
     events in every namespace of the cluster."""
     from greenroom.dirs.janitor import EVENT_NAMESPACE
 
@@ -149,7 +149,7 @@ def test_the_longest_interval_renders_and_parses():
 
 
 def test_the_janitor_is_told_its_node_and_its_own_pod():
-    """Its own pod must be in every listing of its node (k8s_janitor.check_listing): a wrong
+    """Its own pod must be in every listing of its node (greenroom.dirs.janitor.check_listing): a wrong
     node name made every pod's dir look gone. Was: POD_NAME not set, so nothing to check."""
     (ds,) = by_kind(manifests(chart=JANITOR_CHART), "DaemonSet")
     (c,) = ds["spec"]["template"]["spec"]["containers"]

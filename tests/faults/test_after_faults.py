@@ -119,7 +119,7 @@ def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(
 
         _grads(params, 2)
         # Saved by links (one filesystem), the live file is shared: the step writes bucket
-        # 3 to a new inode beside it (optim.bucket_files Note [new inodes]); that write fails.
+        # 3 to a new inode beside it (optim.store.files Note [new inodes]); that write fails.
         shared = opt.store.shared(3)
         fail_a_write_of(opt.store.path(3) + (".new" if shared else ""))
         name = r"bucket-00003\.bin\.new" if shared else r"bucket-00003\.bin"

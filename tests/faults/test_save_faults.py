@@ -64,10 +64,10 @@ def test_a_byte_flipped_in_a_live_bucket_before_the_saving_step_is_refused_and_t
 ):
     """Issue 30 case 4: the save used to copy the flipped bucket, report "saved iteration
     4" and replace the good checkpoint with one no resume accepts. The trainer's save now
-    comes from the last step's own pass (``optim.instep``), whose reads are verified: a
+    comes from the last step's own pass (``optim.checkpoint.instep``), whose reads are verified: a
     flip before that step stops it, and nothing is published. The flip goes in after
     iteration 4's sleep wrote the bucket back: between two steps its one bucket stays on
-    the device (``optim.held_buckets`` Note [the last bucket stays]), and a flip in its file
+    the device (``optim.store.held`` Note [the last bucket stays]), and a flip in its file
     then is overwritten unread."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
@@ -120,7 +120,7 @@ def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
         before = {n: open(os.path.join(ckpt, n), "rb").read() for n in os.listdir(ckpt)}
         opt.step()
         # Bucket 1 stays on the device after the step, and the save writes it out first
-        # (optim.held_buckets Note [the last bucket stays]): the flip goes in bucket 0.
+        # (optim.store.held Note [the last bucket stays]): the flip goes in bucket 0.
         assert opt.store._kept.index == 1
         with open(opt.store.path(0), "r+b") as f:
             f.seek(4096 * 3 + 1)

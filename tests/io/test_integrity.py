@@ -1,4 +1,4 @@
-"""Every byte read back is verified (diskio Note [integrity]) and every engine error reaches
+"""Every byte read back is verified (io.engine Note [integrity]) and every engine error reaches
 the caller (Note [failing fast]): the hash itself, flipped bytes in a live bucket file and
 in the actor's offload file (pages dropped, O_DIRECT where the filesystem has it), a
 checkpoint round trip that carries the checksums, and errors injected into the driver
@@ -139,7 +139,7 @@ def test_a_flipped_byte_in_a_bucket_file_stops_the_step_before_the_bucket_is_use
         extent = flipped // EXTENT * EXTENT  # the checksummed extent that holds the flipped byte
         assert message.startswith(f"{opt.store.path(2)}: checksum mismatch at offset {extent} (bytes [{extent}, ")
         assert "of bucket 2 of the optimizer state)" in message
-        # Bucket 3, which the first step kept on the device (optim.held_buckets Note [the last
+        # Bucket 3, which the first step kept on the device (optim.store.held Note [the last
         # bucket stays]), and buckets 0 and 1 were stepped; bucket 2's params never saw the bad moment.
         assert torch.equal(params[2], before[2])
         assert not any(torch.equal(params[i], before[i]) for i in (0, 1, 3))

@@ -52,7 +52,7 @@ def test_bench_stream_json_reports_the_step_beside_its_disk_bound(disk_dir):
     ):
         assert key in r
     # The first step reads every bucket and keeps the largest on the device; the second
-    # starts on it unread and keeps another (optim.held_buckets Note [the last bucket stays]).
+    # starts on it unread and keeps another (optim.store.held Note [the last bucket stays]).
     first, second = r["steps"]
     assert r["buckets"] == 5 and first["bytes_read"] == r["state_bytes"]
     assert first["bytes_written"] == second["bytes_read"] == second["bytes_written"] == r["bytes_read"]
@@ -99,7 +99,7 @@ def test_bench_stream_checkpoint_json_reports_the_in_step_checkpoint_reading_not
     assert i["extra_bytes_read"] == 0  # every bucket streamed: the checkpoint came from the step's own pass
     assert i["extra_bytes_written"] == 0  # no second write: its files are the step's
     # The step wrote the state once: as a plain step does, and the bucket a plain step keeps
-    # on the device (optim.held_buckets Note [the last bucket stays]) too, as the checkpoint needs it.
+    # on the device (optim.store.held Note [the last bucket stays]) too, as the checkpoint needs it.
     assert r["kept_bucket_bytes"] > 0 and r["compression"].startswith("compression: none")
     assert i["step_disk_bytes_written"] == r["disk_bytes_written"] + r["kept_bucket_bytes"]
     assert i["step_seconds"] > 0 and len(i["plain_step_seconds"]) == 2 and i["ratio"] > 0
@@ -277,7 +277,7 @@ def test_bench_stream_bf16_params_without_a_codec_move_ten_bytes_per_param(disk_
     )
     assert r["moment_dtype"] == "fp32" and r["master_layout"] == "remainder"
     assert 10 <= r["disk_bytes_per_param"] <= 10.05
-    # One bucket, read by the one step and kept on the device after it (optim.held_buckets Note
+    # One bucket, read by the one step and kept on the device after it (optim.store.held Note
     # [the last bucket stays]): a later step would move none of it.
     assert r["buckets"] == 1 and r["disk_bytes_read"] == r["kept_bucket_bytes"] and r["disk_bytes_written"] == 0
     assert r["full_master_bytes"] == 12 * 4_000_000

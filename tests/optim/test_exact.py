@@ -171,7 +171,7 @@ def test_initialization_holds_one_bucket(disk_dir):
 
 
 def test_a_step_holds_three_buffers_and_reads_ahead_past_the_last_write_back(disk_dir):
-    # Three bucket buffers (optim.layout.DEVICE_BUFFERS): the read of bucket k waits for
+    # Three bucket buffers (optim.store.layout.DEVICE_BUFFERS): the read of bucket k waits for
     # the write-back of bucket k-3 only, never for that of k-2 (which may still be draining).
     params = [torch.nn.Parameter(torch.randn(10_000)) for _ in range(5)]
     opt = StreamingAdam(params, state_dir=disk_dir, bucket_numel=10_000, resident_numel=0)

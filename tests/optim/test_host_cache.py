@@ -103,7 +103,7 @@ def test_fp32_bit_identical_to_uncached_and_adamw_across_a_checkpoint(disk_dir, 
         assert_state_equal(opt, ref, ours, ref_params)
         assert_state_equal(plain, ref, plain_params, ref_params)
     opt.store.flush()
-    # The bucket each keeps on the device goes to its file (optim.held_buckets Note [the last bucket stays]).
+    # The bucket each keeps on the device goes to its file (optim.store.held Note [the last bucket stays]).
     plain.store.flush()
     assert _files(opt) == _files(plain)  # after a flush, the files hold exactly the uncached run's bytes
     opt.close()
@@ -125,7 +125,7 @@ def test_a_step_does_not_touch_a_cached_buckets_file_and_moves_only_the_rest(dis
         read, written = opt.store.bytes_read, opt.store.bytes_written
         opt.step()
         plain.step()
-        # Every uncached bucket but the one kept on the device between steps (optim.held_buckets
+        # Every uncached bucket but the one kept on the device between steps (optim.store.held
         # Note [the last bucket stays]): a step does not write it back, and the next does not read it.
         kept_before, kept = kept, opt.store.kept_bytes
         assert opt.store.bytes_read - read == opt.store.disk_bytes_per_step - kept_before
@@ -170,7 +170,7 @@ def test_state_dict_equals_the_uncached_one_and_its_load_refills_the_cache(disk_
         for p, q in zip(ours, plain_params):
             assert torch.equal(p, q)
     opt.store.flush()
-    plain.store.flush()  # its last bucket is on the device until then (optim.held_buckets Note [the last bucket stays])
+    plain.store.flush()  # its last bucket is on the device until then (optim.store.held Note [the last bucket stays])
     assert _files(opt) == _files(plain)
     opt.close()
     plain.close()
@@ -254,7 +254,7 @@ def test_cuda_pinned_cache_is_bit_identical_to_uncached_and_fused_adamw(disk_dir
     if moment_dtype == "fp32":
         assert_state_equal(opt, ref, ours, ref_params)
     opt.store.flush()
-    plain.store.flush()  # its kept bucket too (optim.held_buckets Note [the last bucket stays])
+    plain.store.flush()  # its kept bucket too (optim.store.held Note [the last bucket stays])
     if opt.store.compression is None:
         assert _files(opt) == _files(plain)
     else:  # the cached buckets go out from host memory, stored raw by

@@ -523,7 +523,7 @@ def test_a_copying_load_into_shared_live_files_leaves_the_other_names_alone(disk
 
 
 def test_a_write_in_place_into_a_shared_bucket_file_is_refused_in_one_line(disk_dir):
-    """The last line of the rule (``diskio`` Note [shared inodes]): the engine's file
+    """The last line of the rule (``io.engine`` Note [shared inodes]): the engine's file
     refuses the write itself, whatever the caller forgot."""
     params, _ = twins(SHAPES)
     opt = _optimizer(params, os.path.join(disk_dir, "live"))

@@ -1,5 +1,5 @@
 """The last bucket a step updates stays on the device until something needs its file
-(``optim.held_buckets`` Note [the last bucket stays]).
+(``optim.store.held`` Note [the last bucket stays]).
 
 Back-to-back steps skip its read and its write-back and stay bit-identical to AdamW;
 whatever reads the files, reuses the buffers or replaces the state first writes it

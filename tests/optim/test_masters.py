@@ -43,7 +43,7 @@ def test_params_changed_between_steps_reseed_only_the_changed_elements(disk_dir,
     monkeypatch.setattr("greenroom.optim.adam._FOLLOW_PIECE", 100)  # several pieces per param
     ours, _ = twins(ODD_SHAPES, dtype=torch.bfloat16)
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
-    # Whole fp32 masters: the per-element rule (remainders re-seed per block, test_optim_remainder).
+    # Whole fp32 masters: the per-element rule (remainders re-seed per block, tests/optim/test_remainder.py).
     opt = StreamingAdam(ours, lr=1e-2, weight_decay=0.1, state_dir=disk_dir, bucket_numel=3000, master_layout="fp32")
     ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=True)
     gen = torch.Generator().manual_seed(7)

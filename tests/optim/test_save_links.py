@@ -48,7 +48,7 @@ def test_a_save_beside_the_state_links_the_files_and_loads_bit_identically(disk_
     moved = opt.save_checkpoint(path)
     assert moved == {"kind": "link", "bytes_read": _tables(opt), "bytes_written": 0, "verify": True}
     # The stale files were written out (flush), then linked: the cached buckets', and the
-    # one the last step kept on the device (optim.held_buckets Note [the last bucket stays]).
+    # one the last step kept on the device (optim.store.held Note [the last bucket stays]).
     assert kept > 0 and opt.store.bytes_written - written_before == kept + sum(
         opt.store.buckets[i].file_bytes for i in opt.store.host_cache
     )
@@ -98,7 +98,7 @@ def test_saving_twice_without_a_step_shares_the_inodes_and_leaves_one_link_per_c
     set_grads(params, step=1)
     opt.step()
     assert _files(path) == saved
-    # The bucket the step kept on the device (optim.held_buckets Note [the last bucket stays])
+    # The bucket the step kept on the device (optim.store.held Note [the last bucket stays])
     # still has its old inode, and its new file is made: written back, it takes the name.
     kept = os.path.basename(opt.store.path(opt.store._kept.index))
     assert [n for n in os.listdir(opt.store.directory) if n.endswith(".new")] == [kept + ".new"]

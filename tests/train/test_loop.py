@@ -150,7 +150,7 @@ def test_default_run_learns(disk_dir):
         # Both mechanisms move real bytes every iteration: the bf16 matrices' fp32 masters
         # and moments stream (4 optimizer steps, the first reading the whole state; each
         # leaves its last bucket on the device for the next, and the sleep writes the last
-        # one back: optim.held_buckets Note [the last bucket stays]), the sleeping actor goes to
+        # one back: optim.store.held Note [the last bucket stays]), the sleeping actor goes to
         # disk, and the rank dir holds the files.
         header = result.stdout.splitlines()[0]
         assert "params stream (" in header and "stay resident" in header and "WARNING" not in header

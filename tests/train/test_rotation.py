@@ -57,7 +57,7 @@ def test_keep_last_one_leaves_only_the_newest(disk_dir, reference):
 def test_a_byte_flipped_in_a_linked_live_file_before_the_publish_never_loses_the_previous_checkpoint(
     disk_dir, reference
 ):
-    """The save hard-links the live bucket file the step just wrote (optim.instep); a byte
+    """The save hard-links the live bucket file the step just wrote (optim.checkpoint.instep); a byte
     flipped in it then is in the checkpoint too. The run's last checkpoint must not
     replace the previous good one on trust: its read-back finds the flip, drops it in one
     line and the run ends with an error naming the iteration to resume from; the resume

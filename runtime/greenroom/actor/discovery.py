@@ -22,7 +22,7 @@ greenroom's internals apart by where they are referenced from would also take th
 actor's state that greenroom holds for the trainer (a streaming optimizer's resident
 moments), which must move. So greenroom keeps no torch-owned tensor beyond a call in a
 module or class: small constants are made per call; what must stay put while the actor
-sleeps is memory torch does not own (``diskio``'s checksum tables, numpy-backed: not
+sleeps is memory torch does not own (``io.engine``'s checksum tables, numpy-backed: not
 resizable, so never moved) or is found by type (the I/O layer's ``StagingBuffers`` and
 every ``HostMover``'s copies are skipped) or named (the rollout's storages, held in
 ``WeakStorages``).

@@ -1,8 +1,8 @@
 """Lossless frame codecs of the I/O engine: fewer bytes to the disk than the state holds.
 
 The disk is the limit of both mechanisms (docs/benchmarks.md), so the only way past it is
-to move fewer bytes. ``diskio.TransferEngine`` cuts every transfer of a compressed
-``StateFile`` into *frames*, one per ``diskio.EXTENT`` of the file, and hands each frame
+to move fewer bytes. ``io.engine.TransferEngine`` cuts every transfer of a compressed
+``StateFile`` into *frames*, one per ``io.engine.EXTENT`` of the file, and hands each frame
 to a codec here. A frame that shrinks is stored as a header and the payload; one that
 does not pay (less than ``MIN_RATIO``) is stored raw; a chunk's frames are packed back
 to back (Note [packed frames] of ``greenroom.io.frames``). The file stays preallocated at the raw

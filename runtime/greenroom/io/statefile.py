@@ -12,7 +12,7 @@ at aligned addresses, and a chunk's tail is padded to the next 4 KiB (the paddin
 in the file's own rounding slack, never in a neighbouring segment).
 
 Note [shared inodes]: a bucket file's inode may have more than one name: a checkpoint
-written in the step links the new bucket files into its dir (``optim.instep``), a load
+written in the step links the new bucket files into its dir (``optim.checkpoint.instep``), a load
 links a checkpoint's files in, and a user may keep a ``cp -l`` backup. Bytes written in
 place would land in every name, so a file with its checksums in it is never written
 while ``fstat`` counts more than one link (the writer, ``optim.store``, gives such a
@@ -297,7 +297,7 @@ class StateFile:
             if sums is not None:
                 records[:, 0] |= _SUMMED
         self.write(memoryview(table.numpy()), self.table_offset)
-        # What a checkpoint's manifest records of a file it did not read (optim.instep).
+        # What a checkpoint's manifest records of a file it did not read (optim.checkpoint.instep).
         self.table_crc32 = f"{zlib.crc32(memoryview(table.numpy())):08x}"
 
     def _table(self, offset: int, nbytes: int) -> tuple[torch.Tensor, int]:

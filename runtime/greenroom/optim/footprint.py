@@ -48,6 +48,6 @@ def resident_optimizer_bytes_per_param(param_dtype: str) -> float:
 
 def streaming_device_bytes(bucket_numel: int, moment_dtype: str, *, buffers: int, master_on_disk: bool = True) -> float:
     """Device memory streaming holds during a step: ``buffers`` bucket buffers (one
-    updating, one reading ahead, one still writing back: ``optim.layout.DEVICE_BUFFERS``,
+    updating, one reading ahead, one still writing back: ``optim.store.layout.DEVICE_BUFFERS``,
     fewer where there are fewer buckets) and the fp32 grad scratch of one bucket."""
     return bucket_numel * (buffers * streamed_bytes_per_param(moment_dtype, master_on_disk=master_on_disk) + 4.0)

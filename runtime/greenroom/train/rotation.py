@@ -8,7 +8,7 @@ Layout of a checkpoint root ``DIR`` (Megatron's convention, so its tools find th
 
 Each iteration dir is published whole by ``greenroom.io.publish`` (``iter_N.new`` renamed
 into place). Note [a checkpoint is verified before it counts]: a save that hard-links
-the live bucket files (``optim.instep``) publishes bytes it did not read: a byte flipped
+the live bucket files (``optim.checkpoint.instep``) publishes bytes it did not read: a byte flipped
 in a live file after the step wrote it is in the checkpoint too. So a new checkpoint
 starts unverified; its linked files are read back against their checksum tables
 (``optim.checkpoint.verify_linked``) on a background thread at idle I/O priority, and

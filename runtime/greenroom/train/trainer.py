@@ -332,7 +332,7 @@ class Trainer:
             )
 
         # The streamed state's bytes over the whole iteration: the sleep writes back the
-        # bucket the previous step kept on the device (optim.held_buckets Note [the last
+        # bucket the previous step kept on the device (optim.store.held Note [the last
         # bucket stays]), the steps read and write the rest.
         stream_start = self._stream_counters()
         t = time.perf_counter()

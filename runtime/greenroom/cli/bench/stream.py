@@ -377,7 +377,7 @@ def measure(args: argparse.Namespace) -> dict:
         "largest_bucket_numel": largest_bucket_numel,
         "state_bytes": state_bytes,
         "chunk_bytes": staging,
-        # The bucket the last step left on the device (optim.held_buckets Note [the last bucket
+        # The bucket the last step left on the device (optim.store.held Note [the last bucket
         # stays]): a step after another one neither reads it nor writes it back.
         "kept_bucket_bytes": kept_bytes,
         "host_cache_budget_bytes": int(args.stream_optimizer_state_host_cache_gb * GB),

@@ -35,7 +35,7 @@ class FileSums:
     only at the resume. So the copy sums every page it reads as the engine does, and a
     save whose sums differ from the file's table raises before anything is published
     (no extra read: ``verify_against_table`` is the reading form). A state written in
-    the step (``optim.instep``) was verified by the step's own reads; a link or a
+    the step (``optim.checkpoint.instep``) was verified by the step's own reads; a link or a
     clone (``checkpoint`` Note [a save by links]) reads nothing and is not checked here.
     """
 

@@ -12,7 +12,7 @@ reaches its checkpoint file one of two ways:
   to the live file (``link_live``). Where the live inode is shared (the previous
   checkpoint was one step ago, or a user's ``cp -l`` backup), the step writes the
   bucket to the checkpoint's new file instead and the live name is made a link to it
-  (``optim.bucket_files`` Note [new inodes]). The checkpoint costs no byte read or
+  (``optim.store.files`` Note [new inodes]). The checkpoint costs no byte read or
   written; the next step writes those buckets to new inodes, never into the checkpoint's.
 - by a second write (links refused: another filesystem, EXDEV; a filesystem or policy
   that forbids them, EPERM): from the engine's staging buffer, on its way to the live

@@ -31,7 +31,7 @@ consistent: the step's writes are drained, and the host cache's buckets are writ
 out first (``flush``; a cached bucket's file is stale until then). So the staged
 checkpoint can take each live file's inode under a second name, table and frame
 records included (they live at the file's end). From then on the live file is shared,
-and the store never writes a shared inode in place (``optim.bucket_files`` Note [new
+and the store never writes a shared inode in place (``optim.store.files`` Note [new
 inodes]): the next step writes each bucket to a new file renamed over the live name,
 and the checkpoint keeps the bytes it saved. Those new files take the state's size
 again, so links are used only where the filesystem has that room free (else the save
@@ -58,7 +58,7 @@ every byte against it). Only then do the live files take the checkpoint's bytes.
 Note [a load never writes a checkpoint's inode]: where the state dir takes hard links
 to the checkpoint's files (one filesystem), each live name becomes a link to the
 checkpoint's file: no byte moves, and the next write of that bucket goes to a new inode
-(``optim.bucket_files`` Note [new inodes]), so the resumed run never writes the checkpoint.
+(``optim.store.files`` Note [new inodes]), so the resumed run never writes the checkpoint.
 Elsewhere the bytes are cloned or copied: in place into a live file whose inode has no
 other name, else into a new file renamed over the live name. A checkpoint saved without
 checksums is copied (its tables are written after the copy, into the live file only).
@@ -293,7 +293,7 @@ def _links_usable(store: BucketStore, tmp: str) -> bool:
 def finish_checkpoint(opt: StreamedState, path: str, tmp: str, files: dict) -> None:
     """Write ``resident.pt`` and the manifest (``files``: the bucket files' entries) into
     the staged ``tmp`` and publish it at ``path``: the end of every save, copied, cloned
-    or written in the step (``optim.instep``)."""
+    or written in the step (``optim.checkpoint.instep``)."""
     store = opt.store
     resident = _resident_state(opt)
     publish.torch_save(resident, os.path.join(tmp, RESIDENT))

@@ -159,7 +159,7 @@ def export_state_dict(opt: torch.optim.Optimizer) -> dict:
     maps: dict[int, dict] = {}
     state: dict[int, dict] = {}
     # In param order, as torch's: ``opt.state`` gains its entries in stream order, which
-    # the kept bucket (optim.held_buckets Note [the last bucket stays]) changes from step
+    # the kept bucket (optim.store.held Note [the last bucket stays]) changes from step
     # to step, so two optimizers of one state listed their params in different orders.
     for p in param_list(opt):
         pstate = opt.state.get(p)

@@ -37,11 +37,11 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
   written to its final file, synced and its pages dropped before the next one starts;
   no copy of the whole state ever exists on the device or the host.
 - Between steps the last bucket a step updated stays in its device buffer, and the next
-  step starts on it: ``optim.held_buckets`` Note [the last bucket stays].
-- ``host_cache_bytes`` (``--stream-optimizer-state-host-cache-gb``): ``optim.held_buckets``
+  step starts on it: ``optim.store.held`` Note [the last bucket stays].
+- ``host_cache_bytes`` (``--stream-optimizer-state-host-cache-gb``): ``optim.store.held``
   Note [host cache].
 - A bucket file with another name (a checkpoint's link, a backup) is never written in
-  place: ``optim.bucket_files`` Note [new inodes].
+  place: ``optim.store.files`` Note [new inodes].
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from greenroom.optim.store.layout import (
 
 
 class StepCheckpoint(Protocol):
-    """What ``BucketStore.stream`` asks of the checkpoint a step writes (``optim.instep``)."""
+    """What ``BucketStore.stream`` asks of the checkpoint a step writes (``optim.checkpoint.instep``)."""
 
     links: bool
     """True: the checkpoint takes each bucket's file by a link (the live file once written
@@ -149,7 +149,7 @@ class BucketStore(HeldBuckets):
             self.entries, bucket_numel, moment_dtype, compressed=compression is not None, moments=moments
         )
         self._buffers: list[DeviceBuffer] = []
-        self._kept: Kept | None = None  # optim.held_buckets Note [the last bucket stays]
+        self._kept: Kept | None = None  # optim.store.held Note [the last bucket stays]
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -320,10 +320,10 @@ class BucketStore(HeldBuckets):
     ) -> Iterator[BucketState]:
         """Yield the buckets ``indices`` (default all) on the device, reading ahead one and
         writing back behind: the bucket the last stream kept first, unread, and last the
-        one this stream keeps, unwritten (``optim.held_buckets`` Note [the last bucket
+        one this stream keeps, unwritten (``optim.store.held`` Note [the last bucket
         stays]); the other writes are drained when it finishes, and every bucket written
-        to a new file has its live name (``optim.bucket_files`` Note [new inodes]).
-        ``checkpoint``: an in-step checkpoint (``optim.instep``) that each written-back
+        to a new file has its live name (``optim.store.files`` Note [new inodes]).
+        ``checkpoint``: an in-step checkpoint (``optim.checkpoint.instep``) that each written-back
         bucket also goes to: by a link (to the live file once written in place, or, for
         a shared one, to the new file the checkpoint hands out), or by a second write
         from the same staging."""

@@ -12,7 +12,7 @@ shared is written to a new file beside it (``bucket-NNNNN.bin.new``, preallocate
 of a step's new files are made before its first write, so running out of space fails
 before any bucket changed), which is renamed over the live name once written; the
 other names keep the old inode, untouched. A step that writes a checkpoint by links
-(``optim.instep``) hands each bucket a new file in the checkpoint's staging dir
+(``optim.checkpoint.instep``) hands each bucket a new file in the checkpoint's staging dir
 instead: once written, the live name becomes a link to it (``.new`` then rename), so the
 checkpoint holds the step's result at the price of no extra byte, and the next step
 writes those buckets to new inodes again. Either way a live name always names a whole
@@ -47,7 +47,7 @@ class Replacement:
 
 class DeviceBuffer:
     """A device buffer holding one bucket file's bytes, the write still reading it, and
-    the new file that write fills, to be installed once it is over (``optim.bucket_files`` Note [new inodes])."""
+    the new file that write fills, to be installed once it is over (``optim.store.files`` Note [new inodes])."""
 
     __slots__ = ("raw", "write", "replacing", "link_out")
 

@@ -2,9 +2,9 @@
 
 A hard link is a second name of the same inode: making one reads and writes no byte,
 and works on every filesystem that keeps the two names (ext4 included, unlike extent
-clones, ``optim.reflink``). What it cannot do is copy on write: a write in place through
+clones, ``optim.checkpoint.reflink``). What it cannot do is copy on write: a write in place through
 either name changes both. So the store never writes in place into an inode with more
-than one name (``optim.bucket_files`` Note [new inodes]), and where links are refused, between
+than one name (``optim.store.files`` Note [new inodes]), and where links are refused, between
 filesystems (EXDEV) or by policy (EPERM), the callers write the bytes instead.
 """
 

@@ -2,7 +2,7 @@
 cache's, and the bucket the last step kept on the device.
 
 ``HeldBuckets`` is the part of ``BucketStore`` that keeps them (a base class, as
-``optim.bucket_files.BucketFiles`` is): which buckets the host cache holds, the order a
+``optim.store.files.BucketFiles`` is): which buckets the host cache holds, the order a
 stream takes so that it starts on the kept bucket, and the write-backs that make the
 files whole again (``flush``) before anything reads them around the stream.
 
@@ -36,7 +36,7 @@ So every path that reads the files, reuses the buffers or replaces the state wri
 back first: ``flush`` (and through it checkpoints, state dicts and ``close``),
 ``release_device_buffers`` (before the actor sleeps), ``initialize``, ``overwrite``, and
 a stream that does not take it. A load that replaces the whole state drops it instead
-(``discard_kept``). Where its file is shared (``optim.bucket_files`` Note [new
+(``discard_kept``). Where its file is shared (``optim.store.files`` Note [new
 inodes]) the new file the step made for it is kept with it, so running out of space
 still fails at the step, not at a later write-back. A step that writes an in-step
 checkpoint writes back every bucket it streams, and a cached bucket is never kept (its
@@ -61,7 +61,7 @@ from greenroom.optim.store.hostcache import HostCopy, host_memory
 @dataclass(eq=False, slots=True)
 class Kept:
     """The bucket a step left in a device buffer (Note [the last bucket stays]), and the
-    new file made for it where its live file is shared (``optim.bucket_files`` Note
+    new file made for it where its live file is shared (``optim.store.files`` Note
     [new inodes])."""
 
     index: int
@@ -173,7 +173,7 @@ class HeldBuckets(BucketFiles):
 
     def _store_file(self, index: int, raw: torch.Tensor) -> None:
         """Write a whole bucket's bytes to its file, synced, its pages dropped; to a new
-        inode when the file is shared (``optim.bucket_files`` Note [new inodes])."""
+        inode when the file is shared (``optim.store.files`` Note [new inodes])."""
         fresh = self._new_files([index])
         replacing = Replacement(index, fresh[index], False) if fresh else None
         file = replacing.file if replacing is not None else self.files[index]

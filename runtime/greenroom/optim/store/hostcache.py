@@ -1,4 +1,4 @@
-"""Host memory for the buckets of the host cache (``optim.held_buckets`` Note [host cache]).
+"""Host memory for the buckets of the host cache (``optim.store.held`` Note [host cache]).
 
 ``host_memory`` hands out page-aligned anonymous memory, pinned for CUDA when asked;
 ``HostCopy`` is what ``BucketStore.stream`` waits on for a copy between a device buffer
