@@ -48,7 +48,7 @@ FP8_SCALE_BLOCK = 128
 _MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8e4m3": 1.0 + 4 / FP8_SCALE_BLOCK,
                  "fp8e5m2": 1.0 + 4 / FP8_SCALE_BLOCK}
 DEFAULT_CHUNK_MB = 256
-# --offload-train-disk-compression (greenroom.compression); auto stores the bytes as they are for now.
+# --offload-train-disk-compression (greenroom.compression); auto stores the bytes as they are.
 COMPRESSIONS = ("auto", "none", "nvcomp-ans", "zstd")
 # A compressed frame is one MiB and each of the engine's 4 staging buffers holds whole frames.
 MIN_COMPRESSED_CHUNK_MB = 4

@@ -49,11 +49,11 @@ came do what it would have done then: the rank dir's handler raises SystemExit(1
 or KeyboardInterrupt, after the dir is gone. The delete takes as long as unlinking the
 files (well inside Slurm's KillWait and a pod's grace period). ``open`` holds them the
 same way from its first ``mkdir`` until its exit hooks are in place: there, at their
-default, the two signals killed the process outright and left the job/role parents and a
-half-made rank dir for reclaim; now they come after, through the rank dir's handler, and
-the open dir is closed on the way out. That hold lasts at most ``LOCK_WAIT_SECONDS`` (the
+default, the two signals would kill the process outright and leave the job/role parents
+and a half-made rank dir for reclaim; held, they come after, through the rank dir's
+handler, and the open dir is closed on the way out. That hold lasts at most ``LOCK_WAIT_SECONDS`` (the
 wait for a reclaimer's lock) beyond the mkdirs. Off the main thread no handler can be
-set, and an open or close there is as before. The holding is ``greenroom.signals``'s, whose
+set, and an open or close there runs without the hold. The holding is ``greenroom.signals``'s, whose
 ``signals_held`` lends the same hold to the trainer's waits for an ``--async-save``
 publish (``Trainer._wait_for_publish``).
 
