@@ -58,8 +58,8 @@ def S(sandbox, *parts):
 CASES = {
     # train
     "train --iterations -1": (lambda s: ["train", *SMALL, "--iterations", "-1"], {}, "--iterations must be a positive"),
-    # A model or batch past the RAM (was a C++ allocation dump, or building layers until the OOM killer came).
-    # The launcher's variables (int() said only "invalid literal"; a negative rank made a dir rank-0001).
+    # A model or batch past the RAM (not a C++ allocation dump, nor building layers until the OOM killer comes).
+    # The launcher's variables (not int()'s bare "invalid literal"; a negative rank must not make a dir rank-0001).
     "$RANK=-1": (lambda s: ["train", *SMALL], {"RANK": "-1"}, "$RANK='-1' is not a whole number from 0"),
     "$RANK=abc": (lambda s: ["train", *SMALL], {"RANK": "abc"}, "$RANK='abc' is not a whole number from 0"),
     "$WORLD_SIZE=0": (lambda s: ["train", *SMALL], {"WORLD_SIZE": "0"}, "$WORLD_SIZE='0' is not a whole number from 1"),
@@ -205,7 +205,7 @@ CASES = {
     "reclaim --min-age nan": (lambda s: ["reclaim", s, "--min-age", "nan"], {}, "finite number of seconds"),
     "reclaim --min-age -1": (lambda s: ["reclaim", s, "--min-age=-1"], {}, "finite number of seconds"),
     "reclaim --min-age abc": (lambda s: ["reclaim", s, "--min-age", "abc"], {}, "--min-age: invalid float value"),
-    # a nan interval was a loop without a pause, inf or 1e300 an OverflowError traceback
+    # a nan interval would be a loop without a pause, inf or 1e300 an OverflowError traceback
     "reclaim --kubernetes --interval nan": (lambda s: ["reclaim", s, "--kubernetes", "--node-name", "n1",
                                                        "--interval", "nan"], {}, "--interval must be more than 0"),
     "reclaim --kubernetes --interval 1e300": (lambda s: ["reclaim", s, "--kubernetes", "--node-name", "n1",

@@ -37,7 +37,7 @@ def test_a_save_replaces_the_checkpoint_and_chains_generations(disk_dir):
 
 
 def test_only_copy_under_old_is_restored(disk_dir):
-    """Issue 15: the swap without RENAME_EXCHANGE killed after DIR -> DIR.old and with the
+    """The swap without RENAME_EXCHANGE killed after DIR -> DIR.old and with the
     new copy lost: the only good copy sits under the temporary name; recovery restores it."""
     path = os.path.join(disk_dir, "ck")
     make(path, "one")

@@ -242,7 +242,7 @@ def test_resume_from_save_is_bit_exact(disk_dir, flags):
         assert refused.returncode == 2 and "--no-load-optim" in refused.stderr
 
 
-# A greenroom whose StreamingAdam defaulted to buckets of 2e8 elements (before the twelfth session).
+# A greenroom whose StreamingAdam defaults to buckets of 2e8 elements, not DEFAULT_BUCKET_NUMEL.
 OLD_DEFAULT = ("import sys; from greenroom.optim import StreamingAdam; "
                "StreamingAdam.__init__.__kwdefaults__['bucket_numel'] = 200_000_000; "
                "from greenroom.cli import main; sys.exit(main(sys.argv[1:]))")
