@@ -75,8 +75,8 @@ CASES = {
                                           "--async-save needs --save DIR"),
     "train --iterations abc": (lambda s: ["train", "--iterations", "abc"], {}, "--iterations: invalid int value"),
     "train --lr -1": (lambda s: ["train", *SMALL, "--lr", "-1"], {}, "--lr must be positive"),
-    # these trained: on NaN weights after the first step (--group-size 1 then failed in a
-    # traceback from torch.multinomial), or a loss of nan; a 20-digit --seed was torch's
+    # unchecked, these train: on NaN weights after the first step (--group-size 1 then fails
+    # in a traceback from torch.multinomial), or a loss of nan; a 20-digit --seed is torch's
     # "Overflow when unpacking long long"
     "train --lr inf": (lambda s: ["train", *SMALL, "--lr", "inf"], {}, "--lr must be positive and finite, got inf"),
     "train --group-size 1": (lambda s: ["train", *SMALL, "--group-size", "1"], {},
@@ -122,7 +122,7 @@ CASES = {
     "train --metrics is a dir": (lambda s: ["train", *SMALL, "--metrics", S(s, "adir")], {}, "is a directory"),
     "train --metrics under a file": (lambda s: ["train", *SMALL, "--metrics", S(s, "afile", "m.jsonl")], {},
                                      "is not a directory"),
-    # a fresh run truncated it (and a resumed one dropped every line that was not JSON)
+    # not truncated by a fresh run (nor every line that is not JSON dropped by a resumed one)
     "train --metrics a user's file": (lambda s: ["train", *SMALL, "--metrics", S(s, "afile")], {},
                                       "line 1 is not a greenroom train metrics record, so greenroom did not write"),
     "train --metrics another tool's JSON lines": (lambda s: ["train", *SMALL, "--metrics", S(s, "list.yaml")], {},
@@ -134,7 +134,7 @@ CASES = {
     "plan --world-size 0": (lambda s: ["plan", "--params", "7B", "--world-size", "0"], {},
                             "--world-size: must be a positive integer"),
     "plan --params -5": (lambda s: ["plan", "--params", "-5"], {}, "--params: '-5': must be a positive count"),
-    # was "'1e400': must be a positive count", of a number past a float's range
+    # a number past a float's range is too large, not "must be a positive count"
     "plan --params 1e400": (lambda s: ["plan", "--params", "1e400"], {},
                             "--params: '1e400' is too large to be a count (e.g. 7B"),
     "bench disk --size 1e308TiB": (lambda s: ["bench", "disk", s, "--size", "1e308TiB"], {},
@@ -151,7 +151,7 @@ CASES = {
     "plan --sharding zero9": (lambda s: ["plan", "--params", "7B", "--sharding", "zero9"], {}, "invalid choice"),
     "plan read GB/s alone": (lambda s: ["plan", "--params", "7B", "--disk-read-gbps", "3"], {},
                              "--disk-read-gbps and --disk-write-gbps go together"),
-    # the seconds were inf (printed "inf s", and Infinity in --json, which is not JSON)
+    # the seconds would be inf (printed "inf s", and Infinity in --json, which is not JSON)
     "plan --disk-read-gbps 5e-324": (lambda s: ["plan", *PLAN_STREAM(s), "--disk-read-gbps", "5e-324",
                                                 "--disk-write-gbps", "1", "--json"], {},
                                      "--disk-read-gbps: 5e-324 GB/s: expected 1e-06 (1 KB/s) to 1e+06 (1 PB/s)"),
@@ -169,7 +169,7 @@ CASES = {
                            "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"),
     "plan host cache nan": (lambda s: ["plan", *PLAN_STREAM(s), "--stream-optimizer-state-host-cache-gb", "nan"],
                             {}, "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0"),
-    # huge finite sizes were OverflowError tracebacks (GB times 1e9 is inf)
+    # huge finite sizes, not OverflowError tracebacks (GB times 1e9 is inf)
     "plan --gpu-memory-gb 1e308": (lambda s: ["plan", *PLAN, "--gpu-memory-gb", "1e308"], {},
                                    "--gpu-memory-gb: 1e308 GB is more than an exabyte"),
     "plan --host-memory-gb 1e308": (lambda s: ["plan", *PLAN, "--host-memory-gb", "1e308"], {},
@@ -258,7 +258,7 @@ CASES = {
                                        {}, "bench codec --threads: expected 1 to 128"),
     "bench stream --raw-size past the disk": (lambda s: ["bench", "stream", "--params", "1000", "--dir", s,
                                                          "--raw-size", "1000000TiB"], {}, "(+ --raw-size 976.6 PiB)"),
-    # a missing --dir was made (parents too) and left behind after the bench
+    # a missing --dir is not made (parents too) and left behind after the bench
     "bench offload --dir missing": (lambda s: ["bench", "offload", "--size", "1MiB", "--dir", S(s, "nope", "sub")],
                                     {}, "bench offload --offload-train-disk-dir"),
     "bench codec --dir missing": (lambda s: ["bench", "codec", "--compression", "zstd", "--size", "1",

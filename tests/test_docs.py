@@ -75,8 +75,8 @@ def test_the_readme_plan_example_prints_what_the_readme_says(tmp_path):
                     round(rank["gpu"]["with_streaming"] / 1e9, 1)], said
 
 
-# The docs a user reads, and the record of faults; docs/benchmarks.md is a lab notebook
-# that also names tests of branches that were never merged.
+# The docs a user reads, and the record of faults; docs/benchmarks.md, the record of
+# measurements, is not checked here.
 CITING = [p for p in DOCS if not p.endswith("benchmarks.md")] + sorted(
     glob.glob(os.path.join(REPO, "deploy", "*", "README.md")) + glob.glob(os.path.join(REPO, "deploy", "helm", "*",
                                                                                         "README.md")))

@@ -224,7 +224,7 @@ def _record_at(f: StateFile, extent: int) -> int:
 
 @pytest.mark.parametrize("where", ["table", "table, the field's other bits kept", "memory"])
 def test_a_record_rewritten_to_stored_raw_over_a_zero_tail_is_caught(tmp_path, zstd, where):
-    # The case of docs/reliability.md section 6 that the sums did not cover: the last
+    # The case of docs/reliability.md section 6 that range and header checks miss: the last
     # frame's record says "stored raw" (exactly its raw length), and the pages after its
     # stored bytes are the zeros of a fresh file, which add nothing to a sum of pages.
     # The header would then be read back as data; the record is summed with its extent

@@ -196,9 +196,9 @@ os.close(fd)
 @pytest.mark.parametrize("reading", [True, False], ids=["load", "save"])
 def test_a_reader_releasing_the_lock_as_another_process_takes_it_refuses_nobody(disk_dir, reading):
     """The last reader to let go takes the lock exclusively for an instant, to learn it is
-    the last, and removes the file: a load or a save that opened the file in that instant
-    found it taken and was refused, though nobody held the checkpoint (seen as a failed
-    rank of tests/test_optim_fsdp.py: both ranks load each other's checkpoints at once)."""
+    the last, and removes the file: a load or a save that opens the file in that instant
+    finds it taken, and must not be refused, since nobody holds the checkpoint (as in
+    tests/test_optim_fsdp.py, whose two ranks load each other's checkpoints at once)."""
     import subprocess
     import sys
 

@@ -111,11 +111,10 @@ def test_reclaim_removing_the_parent_a_starting_trainer_is_populating_never_brea
 
 
 def test_entries_removed_by_someone_else_mid_delete_are_no_error(disk_dir):
-    """A rank removing its dir with rmtree (every close did before its lock file went last;
-    a close that falls back to it still does), through fds, while a reclaimer that found the
-    dir without its lock file deletes the same entries: whichever of the two comes second
-    found them gone, and reclaim said
-    "error: No such file or directory" and exited 1 (a Slurm epilog logged a failure). Both
+    """A rank removing its dir with rmtree (a close that falls back to it does), through
+    fds, while a reclaimer that found the dir without its lock file deletes the same
+    entries: whichever of the two comes second finds them gone, and reclaim must not say
+    "error: No such file or directory" and exit 1 (a Slurm epilog would log a failure). Both
     want the dir gone: an entry that is gone already is not an error."""
     dead = dead_owner(disk_dir, job="job")
     for name in ("a", "b", "c"):  # three subdirs: whichever the listing meets first, more follows it

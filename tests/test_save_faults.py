@@ -204,7 +204,7 @@ def test_a_dtype_other_than_the_checkpoints_is_refused_in_one_line(disk_dir, ref
 
 def test_a_model_of_other_sizes_is_refused_in_one_line(disk_dir, reference):
     """--n-heads 2 instead of 4 leaves every tensor its shape (the heads split the same
-    weights another way), and was resumed without a word; the meta records the sizes."""
+    weights another way), and must not resume without a word; the meta records the sizes."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     proc = run(["--iterations", "3", "--load", ckpt, "--n-heads", "2"], root=root, metrics=metrics)
@@ -213,7 +213,7 @@ def test_a_model_of_other_sizes_is_refused_in_one_line(disk_dir, reference):
 
 def test_weights_this_model_lacks_are_refused_where_the_meta_predates_the_sizes(disk_dir, reference):
     """A checkpoint whose meta has no sizes (written before they were recorded) of a
-    2-block model, resumed with --n-layers 1: block 1's weights were dropped silently."""
+    2-block model, resumed with --n-layers 1: block 1's weights are not dropped silently."""
     from greenroom import publish
     from greenroom.train.checkpoint import META
 

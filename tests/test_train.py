@@ -484,9 +484,9 @@ def test_ctrl_c_in_the_loop_ends_in_one_line_with_130_and_leaves_no_files(disk_d
 
 
 def test_metrics_never_overwrites_a_file_greenroom_did_not_write(disk_dir):
-    """A fresh run truncated whatever --metrics named, and a resumed one rewrote it without
-    its lines that were not JSON (a user's notes lost all but nothing, with a warning about
-    "torn lines"). A file of greenroom's own, with a torn last line, is still taken."""
+    """A fresh run must not truncate whatever --metrics names, nor a resumed one rewrite it
+    without its lines that are not JSON (a user's notes would lose all but nothing, with a
+    warning about "torn lines"). A file of greenroom's own, with a torn last line, is taken."""
     ck = os.path.join(disk_dir, "ck")
     metrics = os.path.join(disk_dir, "m.jsonl")
     train([*SMALL, "--iterations", "2", "--save", ck, "--metrics", metrics])
