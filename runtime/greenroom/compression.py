@@ -76,9 +76,9 @@ the engine's position-weighted sums of the stored bytes and of the file's record
 frame (a flipped bit on the disk, a damaged record: Note [summed records] of
 ``greenroom.statefile``), the header (magic, codec, element size, raw and stored lengths
 must all agree with the file's record) and, for ``zstd``, Zstandard's own checksum of the raw bytes, which also
-catches a codec that decodes to the wrong bytes. nvCOMP's checksum policy was tried
-and not relied on: with nvCOMP 6.0's Python API a payload with a flipped bit decoded
-silently under ``COMPUTE_AND_VERIFY``, so on the GPU the engine's sums of the stored
+catches a codec that decodes to the wrong bytes. nvCOMP's checksum policy is not relied
+on: with nvCOMP 6.0's Python API a payload with a flipped bit decodes silently under
+``COMPUTE_AND_VERIFY``, so on the GPU the engine's sums of the stored
 bytes are the check (which is why ``GREENROOM_VERIFY=0`` is for measurement only). Each
 failure is one ``IntegrityError`` naming the file and offset.
 """
