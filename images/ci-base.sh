@@ -19,9 +19,9 @@ if [ ! -s "$cache" ]; then
   # --one-file-system: a debootstrap cut short can leave the host's /proc or /sys mounted
   # in the rootfs; the removal must stop at them, not descend into the host's.
   trap 'rm -rf --one-file-system "$rootfs"' EXIT
-  # The tarball's "./" carries this dir's mode into the image's /: mktemp's 0700 left /
-  # closed to every user but root (the image's uid 1000 could not exec anything). Images
-  # of that base were tagged bookworm; bookworm-2 is the fixed one.
+  # The tarball's "./" carries this dir's mode into the image's /: mktemp's 0700 would leave
+  # / closed to every user but root (the image's uid 1000 could not exec anything). The tag
+  # is bookworm-2, so an image tagged bookworm that lacks this mode is never taken.
   chmod 0755 "$rootfs"
   echo "ci-base: debootstrap bookworm from $mirror"
   debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,ca-certificates \

@@ -40,6 +40,6 @@ if ! "${ctr[@]}" images ls -q "name==$image" | grep -q .; then
     xargs -r "${ctr[@]}" content rm >/dev/null ||
     echo "image.sh: $image is imported, but its layers' blobs could not be dropped (they stay in containerd)" >&2
 fi
-# localhost/greenroom:k8s-: the tags this script made before images/ci-image.sh.
+# localhost/greenroom:k8s-: the prefix of images built without images/ci-image.sh, pruned where they remain.
 scripts/k8s/prune-images.sh "$socket" "$image" localhost/greenroom:ci- localhost/greenroom:k8s-
 echo "$image"

@@ -6,10 +6,10 @@ process; used by tests/actor/test_failed_wake.py.
     python failed_wake_worker.py DIR
 
 Prints ``identical: True`` when the steps after the failed wake give the same bits as
-the steps before it. A greenroom module that cached a torch tensor across calls (the
-fingerprint weights of ``greenroom.optim.remainder`` once did) had that tensor moved out
-by the sleep and freed by the failed wake: the second run then reads freed memory, a
-segfault (the worker dies by SIGSEGV) or wrong bits.
+the steps before it. A greenroom module that cached a torch tensor across calls (such as
+module-level fingerprint weights in ``greenroom.optim.remainder``) would have that tensor
+moved out by the sleep and freed by the failed wake: the second run would then read freed
+memory, a segfault (the worker dies by SIGSEGV) or wrong bits.
 
 What the references are kept in matters: a torch tensor the worker holds during the
 sleep is the actor's too and is freed with it, so they are numpy arrays (not tensors:

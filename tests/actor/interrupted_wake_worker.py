@@ -8,9 +8,9 @@ again; used by tests/actor/test_interrupted_waits.py.
 read fails to submit while the first is in flight. Either way the first read is held at
 a gate until well after the wake has raised.
 
-The failed wake gives the actor's storages back (resizes them to zero). Before the fix,
-it did so while the held read was still to copy into one of them: the worker thread
-then wrote through a null pointer, and this process died by SIGSEGV. Prints
+The failed wake gives the actor's storages back (resizes them to zero) only after the
+held read has landed: done while it was still to copy into one of them, the worker
+thread would write through a null pointer, and this process would die by SIGSEGV. Prints
 ``identical: True`` when the second wake brings every param back bit for bit.
 """
 
@@ -95,7 +95,7 @@ def main() -> int:
             StateFile.read, TransferEngine.read = real_state_read, real_engine_read
         print(f"read done when the wake raised: {gate.is_set()}")
         gate.wait()
-        time.sleep(0.5)  # the held read's time to land, in freed memory before the fix
+        time.sleep(0.5)  # the held read's time to land (in freed memory, were the storages given back early)
         assert offloader.is_asleep
         offloader.wake()
         got = [p.detach().numpy() for p in model.parameters()]

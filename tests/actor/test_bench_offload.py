@@ -70,7 +70,7 @@ def test_bench_reports_cycles_beside_its_bound_and_is_bit_exact(disk_dir, target
 
 @pytest.mark.parametrize("zero", ["0", "0B", "0GiB", "0.0"])
 def test_untracked_size_takes_zero_in_any_unit(zero):
-    # Only a bare "0" was taken: "0GiB" was refused as "must be a positive size", the default being 0.
+    # Any zero, not only a bare "0": "0GiB" is no "must be a positive size", the default being 0.
     parser = argparse.ArgumentParser()
     offload.configure_parser(parser)
     assert parser.parse_args(["--untracked-size", zero]).untracked_size == 0

@@ -155,7 +155,7 @@ def test_storages_in_shared_memory_stay_resident_intact_and_are_reported(disk_di
 
 def test_two_cpu_target_offloaders_in_one_process_leave_each_others_host_copies_alone():
     """B's sleep scans every CPU storage; A's host copies (A's sleeping actor) must not
-    be among them. In a process of its own: the old failure was a segfault at A.wake()."""
+    be among them. In a process of its own: a failure here is a segfault at A.wake()."""
     child = subprocess.run(
         [
             sys.executable,
@@ -511,8 +511,8 @@ def test_a_tracked_streaming_optimizer_gives_back_its_buffers_before_the_sleep(d
 
 def test_a_sleep_whose_undo_failed_leaves_the_actor_asleep_and_wake_restores_it(disk_dir):
     """The tms backend undoes a refused pause with a wake; when that wake failed too (an
-    I/O error restoring), the offloader said the actor was awake "as it was" with its
-    tensors partly restored. Now the backend raises ``LeftAsleep``: the offloader is
+    I/O error restoring), the offloader must not say the actor is awake "as it was" with
+    its tensors partly restored: the backend raises ``LeftAsleep``, the offloader is
     asleep and ``wake()`` brings every byte back. The refusal is stood in for on the
     portable backend (the tms backend needs CUDA): the real sleep runs, then it raises."""
     from greenroom.actor.offloader import LeftAsleep

@@ -27,7 +27,7 @@ WORKER = os.path.join(REPO, "tests", "actor", "failed_wake_worker.py")
 
 def test_streamed_steps_after_an_abandoned_failed_wake_are_bit_identical(disk_dir):
     """In a process of its own: a regression dies by SIGSEGV, which must fail this test
-    rather than the test runner (it did, with the cached remainder weights put back)."""
+    rather than the test runner."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "runtime"), REPO]))
     proc = subprocess.run([sys.executable, WORKER, disk_dir], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, f"rc {proc.returncode} (-11: a segfault)\n{proc.stdout}\n{proc.stderr}"

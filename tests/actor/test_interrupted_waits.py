@@ -2,10 +2,10 @@
 I/O is raised only once no engine thread uses the transfer's memory any more (Note
 [interrupted waits] of greenroom.io.engine).
 
-Found under Slurm: ``scancel`` of a training job now and then killed the rank by
-SIGSEGV instead of SIGTERM, leaving its rank dir behind. The SIGTERM had landed in the
-wake's wait; the failed wake gave the actor's storages back while a worker thread was
-still copying a chunk into one of them.
+What it guards against: a SIGTERM (``scancel`` under Slurm) landing in the wake's wait,
+and the failed wake giving the actor's storages back while a worker thread still copies
+a chunk into one of them, so that the rank dies by SIGSEGV instead of SIGTERM and leaves
+its rank dir behind.
 """
 
 import os
@@ -98,7 +98,7 @@ def test_a_wake_cut_short_frees_the_actor_only_after_its_reads_and_wakes_again_b
     proc = subprocess.run(
         [sys.executable, WORKER, disk_dir, mode], capture_output=True, text=True, env=env, timeout=300
     )
-    # Before the fix: rc -11 (SIGSEGV), a worker thread's copy into a freed storage.
+    # rc -11 (SIGSEGV) would be a worker thread's copy into a freed storage.
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
     assert "read done when the wake raised: True" in proc.stdout, proc.stdout
     assert "identical: True" in proc.stdout, proc.stdout

@@ -108,9 +108,9 @@ def test_the_rendered_trainer_container_runs_the_script_as_two_ranks(tmp_path):
 )
 def test_the_script_runs_where_no_mechanism_writes_to_disk(tmp_path, greenroom_args):
     """The chart's default offload.target is cpu, and a user may set no seed flags: the
-    script opened a RankDir on the unresolved disk dir (None) and died with a TypeError.
-    It now opens one only where config.uses_disk, and a RankDir without a root is one
-    line naming the flag."""
+    script must not open a RankDir on the unresolved disk dir (None) and die with a
+    TypeError. It opens one only where config.uses_disk, and a RankDir without a root is
+    one line naming the flag."""
     env = {
         **os.environ,
         "PYTHONPATH": os.path.join(REPO, "runtime"),

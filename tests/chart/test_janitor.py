@@ -69,8 +69,8 @@ def test_janitor_has_least_privilege_and_a_metrics_service():
 
 def test_janitor_rbac_grants_only_the_two_calls_it_makes():
     """It lists pods (every namespace, its node) and creates Events in "default"
-    (greenroom.dirs.janitor.EVENT_NAMESPACE). Was: get and watch on pods, never called, and create on
-    events in every namespace of the cluster."""
+    (k8s_janitor.EVENT_NAMESPACE): no get or watch on pods, which it never calls, and no
+    create on events in every namespace of the cluster."""
     from greenroom.dirs.janitor import EVENT_NAMESPACE
 
     docs = manifests(chart=JANITOR_CHART)
@@ -149,8 +149,8 @@ def test_the_longest_interval_renders_and_parses():
 
 
 def test_the_janitor_is_told_its_node_and_its_own_pod():
-    """Its own pod must be in every listing of its node (greenroom.dirs.janitor.check_listing): a wrong
-    node name made every pod's dir look gone. Was: POD_NAME not set, so nothing to check."""
+    """Its own pod must be in every listing of its node (k8s_janitor.check_listing): a wrong
+    node name makes every pod's dir look gone. The chart sets POD_NAME so there is a pod to check."""
     (ds,) = by_kind(manifests(chart=JANITOR_CHART), "DaemonSet")
     (c,) = ds["spec"]["template"]["spec"]["containers"]
     assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]} == {
@@ -209,7 +209,7 @@ def chart_in_namespace(tmp_path, namespace: dict) -> str:
     ],
 )
 def test_a_namespace_whose_pod_security_refuses_the_janitor_is_refused_in_one_line(tmp_path, labels, run_as_user):
-    """Was: the DaemonSet was created and admission refused every janitor pod. Its hostPath
+    """Refused, not a DaemonSet created with every janitor pod refused by admission. Its hostPath
     volume needs privileged whatever its uid and the level's version."""
     chart = chart_in_namespace(tmp_path, {"metadata": {"name": "ops", "labels": labels}})
     out = helm("template", "jan", chart, "--namespace", "ops", "--set", f"runAsUser={run_as_user}")

@@ -74,8 +74,8 @@ def S(sandbox, *parts):
 CASES = {
     # train
     "train --iterations -1": (lambda s: ["train", *SMALL, "--iterations", "-1"], {}, "--iterations must be a positive"),
-    # A model or batch past the RAM (was a C++ allocation dump, or building layers until the OOM killer came).
-    # The launcher's variables (int() said only "invalid literal"; a negative rank made a dir rank-0001).
+    # A model or batch past the RAM (not a C++ allocation dump, nor building layers until the OOM killer comes).
+    # The launcher's variables (not int()'s bare "invalid literal"; a negative rank must not make a dir rank-0001).
     "$RANK=-1": (lambda s: ["train", *SMALL], {"RANK": "-1"}, "$RANK='-1' is not a whole number from 0"),
     "$RANK=abc": (lambda s: ["train", *SMALL], {"RANK": "abc"}, "$RANK='abc' is not a whole number from 0"),
     "$WORLD_SIZE=0": (lambda s: ["train", *SMALL], {"WORLD_SIZE": "0"}, "$WORLD_SIZE='0' is not a whole number from 1"),
@@ -106,8 +106,8 @@ CASES = {
     ),
     "train --iterations abc": (lambda s: ["train", "--iterations", "abc"], {}, "--iterations: invalid int value"),
     "train --lr -1": (lambda s: ["train", *SMALL, "--lr", "-1"], {}, "--lr must be positive"),
-    # these trained: on NaN weights after the first step (--group-size 1 then failed in a
-    # traceback from torch.multinomial), or a loss of nan; a 20-digit --seed was torch's
+    # unchecked, these train: on NaN weights after the first step (--group-size 1 then fails
+    # in a traceback from torch.multinomial), or a loss of nan; a 20-digit --seed is torch's
     # "Overflow when unpacking long long"
     "train --lr inf": (lambda s: ["train", *SMALL, "--lr", "inf"], {}, "--lr must be positive and finite, got inf"),
     "train --group-size 1": (
@@ -232,7 +232,7 @@ CASES = {
         {},
         "is not a directory",
     ),
-    # a fresh run truncated it (and a resumed one dropped every line that was not JSON)
+    # not truncated by a fresh run (nor every line that is not JSON dropped by a resumed one)
     "train --metrics a user's file": (
         lambda s: ["train", *SMALL, "--metrics", S(s, "afile")],
         {},
@@ -255,7 +255,7 @@ CASES = {
         "--world-size: must be a positive integer",
     ),
     "plan --params -5": (lambda s: ["plan", "--params", "-5"], {}, "--params: '-5': must be a positive count"),
-    # was "'1e400': must be a positive count", of a number past a float's range
+    # a number past a float's range is too large, not "must be a positive count"
     "plan --params 1e400": (
         lambda s: ["plan", "--params", "1e400"],
         {},
@@ -290,7 +290,7 @@ CASES = {
         {},
         "--disk-read-gbps and --disk-write-gbps go together",
     ),
-    # the seconds were inf (printed "inf s", and Infinity in --json, which is not JSON)
+    # the seconds would be inf (printed "inf s", and Infinity in --json, which is not JSON)
     "plan --disk-read-gbps 5e-324": (
         lambda s: ["plan", *PLAN_STREAM(s), "--disk-read-gbps", "5e-324", "--disk-write-gbps", "1", "--json"],
         {},
@@ -326,7 +326,7 @@ CASES = {
         {},
         "--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0",
     ),
-    # huge finite sizes were OverflowError tracebacks (GB times 1e9 is inf)
+    # huge finite sizes, not OverflowError tracebacks (GB times 1e9 is inf)
     "plan --gpu-memory-gb 1e308": (
         lambda s: ["plan", *PLAN, "--gpu-memory-gb", "1e308"],
         {},
@@ -397,7 +397,7 @@ CASES = {
     "reclaim --min-age nan": (lambda s: ["reclaim", s, "--min-age", "nan"], {}, "finite number of seconds"),
     "reclaim --min-age -1": (lambda s: ["reclaim", s, "--min-age=-1"], {}, "finite number of seconds"),
     "reclaim --min-age abc": (lambda s: ["reclaim", s, "--min-age", "abc"], {}, "--min-age: invalid float value"),
-    # a nan interval was a loop without a pause, inf or 1e300 an OverflowError traceback
+    # a nan interval would be a loop without a pause, inf or 1e300 an OverflowError traceback
     "reclaim --kubernetes --interval nan": (
         lambda s: ["reclaim", s, "--kubernetes", "--node-name", "n1", "--interval", "nan"],
         {},
@@ -509,7 +509,7 @@ CASES = {
         {},
         "(+ --raw-size 976.6 PiB)",
     ),
-    # a missing --dir was made (parents too) and left behind after the bench
+    # a missing --dir is not made (parents too) and left behind after the bench
     "bench offload --dir missing": (
         lambda s: ["bench", "offload", "--size", "1MiB", "--dir", S(s, "nope", "sub")],
         {},

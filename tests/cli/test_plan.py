@@ -262,7 +262,7 @@ def test_plan_measures_the_disk_when_asked(disk_dir):
 
 
 def test_a_plan_without_streaming_gives_no_streamed_step_time():
-    # Was "streamed step 0.0 s" (and streamed_step 0.0 in --json) for a run that streams nothing.
+    # No "streamed step 0.0 s" (nor streamed_step 0.0 in --json) for a run that streams nothing.
     disk = plan({"offload_train": True, "offload_train_target": "disk"}, **SEVENTY_B, disk_gbps=(16.0, 8.0))
     assert "streamed_step" not in disk["seconds"] and "sleep" in disk["seconds"]
     out = greenroom("plan", "--params", "1e6", "--disk-read-gbps", "2", "--disk-write-gbps", "1", check_rc=0).stdout

@@ -176,8 +176,8 @@ def test_doctor_flags_tmpfs():
 
 
 def test_doctor_probes_a_disk_with_less_free_than_a_raw_block_and_says_when_it_has_no_room(tmp_path):
-    """A 16 MiB filesystem (a tmpfs of its own, root only): the probe's file was rounded up to
-    a 64 MiB block, and doctor died with ENOSPC's traceback."""
+    """A 16 MiB filesystem (a tmpfs of its own, root only): the probe's file fits the free
+    space, not rounded up to a 64 MiB block that would end doctor in ENOSPC's traceback."""
     small = str(tmp_path / "small")
     os.makedirs(small)
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", small], capture_output=True).returncode:
@@ -228,7 +228,7 @@ def test_bench_disk_json_has_raw_and_engine_figures(disk_dir):
 
 
 def test_bench_disk_raw_probe_moves_the_bytes_the_engine_does(disk_dir):
-    # A --size under 64 MiB was set beside a raw probe of one 64 MiB block: each ratio was a
+    # A --size under 64 MiB beside a raw probe of one 64 MiB block would make each ratio a
     # 4 MiB transfer's rate over a 64 MiB one's.
     result = json.loads(
         greenroom(

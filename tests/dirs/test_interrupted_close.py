@@ -2,11 +2,11 @@
 closes has its effect once the dir is gone (``greenroom.dirs.rankdir`` Note [an interrupted
 close]).
 
-Found by reading ``RankDir.close`` during a SIGTERM stress of ``greenroom train`` (the
-twentieth session; its random kills never landed there): a signal raised at once in
-the middle of the close's delete, and the run ended 143 with its aside
-dir (``.greenroom-reclaim-*``, holding whatever the delete had not reached: at worst the
-whole streamed state) and its job/role parents left until the next ``greenroom reclaim``.
+What it guards against: a signal raised at once in the middle of the close's delete
+would end the run 143 with its aside dir (``.greenroom-reclaim-*``, holding whatever the
+delete had not reached: at worst the whole streamed state) and its job/role parents
+left until the next ``greenroom reclaim``. Random kills of a SIGTERM stress rarely land
+there, so each case is stopped at a named point.
 """
 
 import errno
@@ -283,12 +283,12 @@ def test_signals_while_the_trainer_waits_for_an_async_save_let_it_end_then_clean
     """Ctrl-C ends a ``--async-save`` run while a publish is in flight, landing in the
     loop's wait for it (``the-loops-wait``) or in the next iteration (``an-iteration``,
     stopped at ``sync@2``, whence the close waits for the publish, where SIGTERM or a
-    second Ctrl-C follows). Raised in a wait, a signal's exception made Python's
-    ``Thread.join`` take the publishing thread for stopped, so the close went on at once,
-    closing the files under it, and the process exited, killing it mid-publish; raised
-    in the close's wait, it also skipped the close's cleanups (left to atexit and the
-    garbage collector, which a one-rank run cannot tell apart). Now the signal in a wait
-    waits for the publish to end (a second one in the same wait would end it: the next
+    second Ctrl-C follows). Raised in a wait, a signal's exception would make Python's
+    ``Thread.join`` take the publishing thread for stopped, so the close would go on at
+    once, closing the files under it, and the process would exit, killing it mid-publish;
+    raised in the close's wait, it would also skip the close's cleanups (left to atexit
+    and the garbage collector, which a one-rank run cannot tell apart). The signal in a
+    wait waits for the publish to end (a second one in the same wait would end it: the next
     test), the close then runs in full, and the Ctrl-C that ended the run is what the
     user sees: exit 130, nothing left. The publish is held by ``async_save_run``'s FIFO."""
     proc, root, gate = async_save_run(

@@ -113,7 +113,7 @@ def test_the_last_rank_to_leave_removes_the_parents_greenroom_made_and_only_thos
     """Two ranks of each of two jobs; one job's ``<job>`` (or ``<job>/<role>``) the user made
     beforehand, empty (their prolog's ``ROOT/$SLURM_JOB_ID``). Whichever rank closes first,
     the last one removes the dirs greenroom made and leaves the user's, empty and as they
-    were; close used to ``rmdir`` every empty parent, the user's too."""
+    were: close does not ``rmdir`` every empty parent, the user's too."""
     os.makedirs(os.path.join(disk_dir, users))
     ranks = {job: [RankDir(disk_dir, job=job, rank=r).open() for r in (0, 1)] for job in ("job", "ours")}
     # Nothing of greenroom's (no marker) in the user's dir beside what it made there.

@@ -145,8 +145,8 @@ def test_cli_missing_root_is_an_error_unless_missing_ok_and_a_file_root_is_an_er
 def test_a_users_empty_job_and_role_dirs_survive_reclaim(disk_dir):
     """A dead rank in a ``<job>`` the user made beforehand (their prolog's
     ``ROOT/$SLURM_JOB_ID``), and one in a ``<job>/<role>`` they made: reclaim removes the
-    rank dirs and what greenroom made above them, never the user's dirs. It used to
-    ``rmdir`` every empty dir above a reclaimed one, up to ROOT."""
+    rank dirs and what greenroom made above them, never the user's dirs: not every empty
+    dir above a reclaimed one, up to ROOT."""
     os.makedirs(os.path.join(disk_dir, "theirs"))
     os.makedirs(os.path.join(disk_dir, "their-role", "actor"))
     dead = [dead_owner(disk_dir, job=job) for job in ("theirs", "their-role", "ours")]
@@ -161,8 +161,8 @@ def test_a_users_empty_job_and_role_dirs_survive_reclaim(disk_dir):
 def test_the_parents_a_rank_killed_mid_close_left_are_removed_by_reclaim(disk_dir):
     """A rank SIGKILLed in its close (its dir renamed aside, its files deleted) leaves the
     aside dir in ``<job>/<role>``, which greenroom made. The next reclaim finishes the aside
-    dir and then removes those parents, holding only their markers now; it used to leave
-    them, empty, for good."""
+    dir and then removes those parents, holding only their markers by then, rather than
+    leave them, empty, for good."""
     holder = subprocess.Popen(
         [sys.executable, HOLDER, disk_dir, "job", "actor", "0"],
         stdout=subprocess.PIPE,

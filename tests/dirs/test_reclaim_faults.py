@@ -90,10 +90,10 @@ def test_min_age_must_be_finite_and_not_negative(disk_dir, age):
 
 
 def test_reclaim_removing_the_parent_a_starting_trainer_is_populating_never_breaks_it(disk_dir, tmp_path_factory):
-    """Issue 30 case 6 (the chart starts init containers and trainers together): the
-    trainer stops between making ``<job>/<role>`` and its rank dir in it; reclaim then
-    removes a dead sibling rank's dir and the now empty parents. The trainer used to die
-    with a FileNotFoundError traceback; it makes the path again and runs."""
+    """The chart starts init containers and trainers together: the trainer stops between
+    making ``<job>/<role>`` and its rank dir in it; reclaim then removes a dead sibling
+    rank's dir and the then empty parents. The trainer does not die with a
+    FileNotFoundError traceback: it makes the path again and runs."""
     dead = dead_owner(disk_dir, job="job", rank=1)
     trainer = greenroom_stopped_at(  # it made <job>/<role>, not yet its rank dir
         "rankdir-parents",
@@ -129,11 +129,10 @@ def test_reclaim_removing_the_parent_a_starting_trainer_is_populating_never_brea
 
 
 def test_entries_removed_by_someone_else_mid_delete_are_no_error(disk_dir):
-    """A rank removing its dir with rmtree (every close did before its lock file went last;
-    a close that falls back to it still does), through fds, while a reclaimer that found the
-    dir without its lock file deletes the same entries: whichever of the two comes second
-    found them gone, and reclaim said
-    "error: No such file or directory" and exited 1 (a Slurm epilog logged a failure). Both
+    """A rank removing its dir with rmtree (a close that falls back to it does), through
+    fds, while a reclaimer that found the dir without its lock file deletes the same
+    entries: whichever of the two comes second finds them gone, and reclaim must not say
+    "error: No such file or directory" and exit 1 (a Slurm epilog would log a failure). Both
     want the dir gone: an entry that is gone already is not an error."""
     dead = dead_owner(disk_dir, job="job")
     for name in ("a", "b", "c"):  # three subdirs: whichever the listing meets first, more follows it
@@ -173,8 +172,8 @@ def _holder_stopped_in_close(disk_dir):
 def test_a_rank_closing_its_dir_keeps_it_locked_to_the_end(disk_dir):
     """A rank's close renames its dir aside and deletes its lock file last (as a
     reclaimer does): stopped after its files are gone, the aside dir is still locked and a
-    reclaim leaves it alone. Its rmtree used to unlink the lock file at any point, and a
-    reclaimer that came then found an unlocked dir with an owner record and deleted beside it."""
+    reclaim leaves it alone. An rmtree that unlinked the lock file at any point would let a
+    reclaimer that came then find an unlocked dir with an owner record and delete beside it."""
     holder, path = _holder_stopped_in_close(disk_dir)
     try:
         [aside] = aside_entries(disk_dir)

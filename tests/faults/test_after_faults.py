@@ -1,4 +1,4 @@
-"""What comes after a fault (issue 30): a failed wake, a failed sleep and a failed
+"""What comes after a fault: a failed wake, a failed sleep and a failed
 optimizer step leave no silent state behind.
 
 The actor cases run tests/faults/fault_worker.py under strace, which fails the third ``preadv2``
@@ -37,8 +37,8 @@ def _under_strace(syscall: str, *args: str):
 
 
 def test_a_wake_whose_read_fails_raises_stays_asleep_and_the_retry_is_bit_identical(disk_dir):
-    """Issue 30 case 1: a transfer that failed before the wake's last read was submitted
-    used to be dropped unseen, and wake() returned with some tensors never read."""
+    """A transfer that fails before the wake's last read is submitted is not dropped
+    unseen: wake() raises, the actor stays asleep, and the retry is bit-identical."""
     said = _under_strace("preadv2", "wake-retry", disk_dir, "none")
     assert re.fullmatch("raised: " + EIO_LINE, said["first"]), said["first"]
     assert said["asleep"] == "True"
@@ -47,7 +47,7 @@ def test_a_wake_whose_read_fails_raises_stays_asleep_and_the_retry_is_bit_identi
 
 
 def test_a_sleep_whose_write_fails_is_undone_and_a_wake_is_refused_in_one_line(disk_dir):
-    """Issue 30 case 2: the device copy is given back only after every byte is written,
+    """The device copy is given back only after every byte is written,
     so a failed sleep leaves the actor awake and unchanged; wake() then has nothing to
     hand back and says so, and the next sleep/wake round trip is bit-identical."""
     said = _under_strace("pwrite64", "sleep-retry", disk_dir, "none")
@@ -105,11 +105,10 @@ def _assert_same_params(pairs):
 
 @pytest.mark.parametrize("kind", [StreamingAdam, StreamingMuon], ids=lambda k: k.__name__)
 def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(disk_dir, fail_a_write_of, kind):
-    """Issue 30 case 3: bucket 3's write-back fails in step 2. Stepping on used to train
-    silently from a half-updated state; now every later step(), state_dict() and
-    save_checkpoint() names the first failure, and a checkpoint load makes the run
-    bit-identical again to a twin that never saw the fault. StreamingMuon through the
-    same code (``greenroom.optim.streamed``): it stepped on silently before."""
+    """Bucket 3's write-back fails in step 2. Nothing trains on from the half-updated
+    state: every later step(), state_dict() and save_checkpoint() names the first failure,
+    and a checkpoint load makes the run bit-identical again to a twin that never saw the
+    fault. StreamingMuon goes through the same code (``greenroom.optim.streamed``)."""
     with _twins(disk_dir, kind) as pairs:
         (params, opt), (twin_params, twin) = pairs
         _step(pairs, 1)
@@ -159,8 +158,8 @@ def test_after_a_failed_step_the_optimizer_refuses_until_a_checkpoint_is_loaded(
 
 def test_a_load_that_fails_after_replacing_a_bucket_refuses_until_a_load_succeeds(disk_dir, monkeypatch):
     """A load that fails part way (the copy of bucket 2 fails with EIO, after buckets 0 and 1
-    hold the checkpoint's bytes) used to leave an optimizer that stepped on from the mix
-    without a word; now it refuses like a failed step, and a load that completes makes it
+    hold the checkpoint's bytes) leaves an optimizer that refuses like a failed step rather
+    than step on from the mix, and a load that completes makes it
     bit-identical to a twin that never saw the fault. The copy stands in for a checkpoint
     on another filesystem (links and clones turned off): this machine has one."""
     with _twins(disk_dir, StreamingAdam) as pairs:
@@ -201,7 +200,7 @@ def test_a_load_that_fails_after_replacing_a_bucket_refuses_until_a_load_succeed
 def test_a_state_dict_load_whose_bucket_write_fails_refuses_until_a_load_succeeds(disk_dir, fail_a_write_of, kind):
     """load_state_dict verifies the whole dict, then writes bucket by bucket: a write that
     fails there (bucket 2, EIO) leaves some buckets loaded and some not, and the optimizer
-    now refuses like a failed step until a load completes."""
+    refuses like a failed step until a load completes."""
     with _twins(disk_dir, kind) as pairs:
         (params, opt), (twin_params, twin) = pairs
         _step(pairs, 0)

@@ -1,7 +1,7 @@
-"""Messages after a fault that used to mislead (issue 30 case 9): each now says what
-happened and what to do. Real processes and files; the full disk is a small tmpfs
-(root only), the reclaimer a real ``greenroom reclaim`` stopped at a named point
-(``GREENROOM_TEST_STOP_AT``) while it holds the dead run's lock.
+"""Messages after a fault: each says what happened and what to do. Real processes and
+files; the full disk is a small tmpfs (root only), the reclaimer a real ``greenroom
+reclaim`` stopped at a named point (``GREENROOM_TEST_STOP_AT``) while it holds the dead
+run's lock.
 
 The chunk-size message is in tests/io/test_compression.py (its reader/writer test), the
 metrics of a killed and resumed run in tests/faults/test_save_faults.py.
@@ -42,7 +42,7 @@ TRAIN = [
 
 
 def test_a_disk_dir_on_a_full_filesystem_is_one_line_naming_the_path(full_fs, tmp_path):  # noqa: F811
-    """It was a raw OSError traceback from setting up the rank dir."""
+    """Setting up the rank dir on a full filesystem fails in one line, not an OSError traceback."""
     with open(os.path.join(full_fs, "fill"), "wb") as f:
         try:
             while True:
@@ -97,8 +97,8 @@ def test_a_rank_dir_a_reclaimer_is_deleting_is_not_blamed_on_its_dead_owner(disk
 
 
 def test_a_checkpoint_saved_without_verification_loads_with_it_and_says_so(disk_dir, monkeypatch, caplog):
-    """Its bucket files carry no checksums; the first read used to blame "a flipped bit,
-    a failing disk". The load now sums the bytes its CRC-32 passed, and verification
+    """Its bucket files carry no checksums, and the first read must not blame "a flipped
+    bit, a failing disk": the load sums the bytes its CRC-32 passed, and verification
     works from there on (a later flip is caught)."""
 
     def optimizer(name):

@@ -1,4 +1,4 @@
-"""``greenroom train --save/--load`` after and around faults (issue 30): a save that
+"""``greenroom train --save/--load`` after and around faults: a save that
 verifies what it copies, one writer per checkpoint dir, a symlinked ``--load``, and
 resume flags that would change a checkpoint's meaning.
 
@@ -62,9 +62,9 @@ def copy_of(half, disk_dir):
 def test_a_byte_flipped_in_a_live_bucket_before_the_saving_step_is_refused_and_the_previous_checkpoint_kept(
     disk_dir, reference
 ):
-    """Issue 30 case 4: the save used to copy the flipped bucket, report "saved iteration
-    4" and replace the good checkpoint with one no resume accepts. The trainer's save now
-    comes from the last step's own pass (``optim.checkpoint.instep``), whose reads are verified: a
+    """A save must not copy the flipped bucket, report "saved iteration 4" and replace the
+    good checkpoint with one no resume accepts. The trainer's save comes from the last
+    step's own pass (``optim.checkpoint.instep``), whose reads are verified: a
     flip before that step stops it, and nothing is published. The flip goes in after
     iteration 4's sleep wrote the bucket back: between two steps its one bucket stays on
     the device (``optim.store.held`` Note [the last bucket stays]), and a flip in its file
@@ -93,7 +93,7 @@ def test_a_byte_flipped_in_a_live_bucket_before_the_saving_step_is_refused_and_t
 
 
 def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
-    """Issue 30 case 4, the copy path of ``save_checkpoint`` (between steps, where the
+    """The copy path of ``save_checkpoint`` (between steps, where the
     filesystem cannot clone): a flipped live byte is refused before anything is published,
     and the previous checkpoint stays byte for byte."""
     import torch
@@ -141,9 +141,9 @@ def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
 
 
 def test_a_second_trainer_saving_to_the_same_dir_is_refused_in_one_line_before_it_trains(disk_dir, reference):
-    """Issue 30 case 5: two trainers with one --save used to both print "saved iteration
-    3" while the dir held one of them. A run that only loads it is refused too (it could
-    read a checkpoint the first run's save is swapping out)."""
+    """Two trainers with one --save must not both print "saved iteration 3" while the dir
+    holds one of them: the second is refused. A run that only loads it is refused too (it
+    could read a checkpoint the first run's save is swapping out)."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     first = start(
@@ -177,8 +177,8 @@ def test_a_second_trainer_saving_to_the_same_dir_is_refused_in_one_line_before_i
 
 
 def test_a_symlinked_load_finishes_a_killed_save_like_the_real_path(disk_dir, reference):
-    """Issue 30 case 8: through a symlink the complete DIR.new beside the target was not
-    seen, and the resume silently started from the older checkpoint."""
+    """Through a symlink the complete DIR.new beside the target is found, and the resume
+    starts from it, not silently from the older checkpoint."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     killed = run(
@@ -195,9 +195,9 @@ def test_a_symlinked_load_finishes_a_killed_save_like_the_real_path(disk_dir, re
     assert sorted(os.listdir(disk_dir)) == ["ckpt", "link", "m.jsonl", "offload"]
 
 
-# -- resume flags that would change what the checkpoint means (issue 30 case 7) ------------
+# -- resume flags that would change what the checkpoint means ---------------------------
 def test_iterations_below_the_checkpoints_is_refused_in_one_line_and_nothing_is_saved(disk_dir, reference):
-    """It used to exit 0 with "saved iteration 1" over iteration-2 weights."""
+    """Not an exit 0 with "saved iteration 1" over iteration-2 weights."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     before = state_of(ckpt)
@@ -212,7 +212,7 @@ def test_iterations_below_the_checkpoints_is_refused_in_one_line_and_nothing_is_
 
 
 def test_lr_on_resume_is_applied_and_said(disk_dir, reference):
-    """It used to be ignored without a word (the groups came from the checkpoint)."""
+    """Not ignored without a word (the groups come from the checkpoint otherwise)."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     proc = run(["--iterations", "3", "--load", ckpt, "--save", ckpt, "--lr", "0.01"], root=root, metrics=metrics)
@@ -225,7 +225,7 @@ def test_lr_on_resume_is_applied_and_said(disk_dir, reference):
 
 
 def test_a_dtype_other_than_the_checkpoints_is_refused_in_one_line(disk_dir, reference):
-    """A bf16 checkpoint resumed with --dtype fp32 used to be cast without a word."""
+    """A bf16 checkpoint resumed with --dtype fp32 is refused, not cast without a word."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     proc = run(["--iterations", "3", "--load", ckpt, "--dtype", "fp32"], root=root, metrics=metrics)
@@ -238,7 +238,7 @@ def test_a_dtype_other_than_the_checkpoints_is_refused_in_one_line(disk_dir, ref
 
 def test_a_model_of_other_sizes_is_refused_in_one_line(disk_dir, reference):
     """--n-heads 2 instead of 4 leaves every tensor its shape (the heads split the same
-    weights another way), and was resumed without a word; the meta records the sizes."""
+    weights another way), and must not resume without a word; the meta records the sizes."""
     _, half = reference
     ckpt, root, metrics = copy_of(half, disk_dir)
     proc = run(["--iterations", "3", "--load", ckpt, "--n-heads", "2"], root=root, metrics=metrics)
@@ -247,8 +247,8 @@ def test_a_model_of_other_sizes_is_refused_in_one_line(disk_dir, reference):
 
 def test_weights_this_model_lacks_are_refused_where_the_meta_predates_the_sizes(disk_dir, reference):
     """A checkpoint whose meta has no sizes (written before they were recorded) of a
-    2-block model, resumed with --n-layers 1: block 1's weights were dropped silently."""
-    from greenroom.io import publish
+    2-block model, resumed with --n-layers 1: block 1's weights are not dropped silently."""
+    from greenroom import publish
     from greenroom.train.checkpoint import META
 
     _, half = reference
@@ -260,10 +260,10 @@ def test_weights_this_model_lacks_are_refused_where_the_meta_predates_the_sizes(
     one_line(proc, r"model\.pt: holds \S*1\.\S+ and \d+ more, which this model does not have")
 
 
-# -- the metrics of a killed and resumed run (issue 30 case 9) -------------------------------
+# -- the metrics of a killed and resumed run -------------------------------------------------
 def test_a_killed_and_resumed_run_logs_each_iteration_once(disk_dir, reference):
     """The killed run logged iteration 3 after the checkpoint at 2; the resume trains it
-    again, and its record used to sit twice in the file (``report`` plotted both)."""
+    again, and its record sits once in the file (twice, ``report`` would plot both)."""
     from tests.train.test_faults import kill_and_resume
 
     resumed = kill_and_resume(disk_dir, reference, "sleep@2")
@@ -274,8 +274,8 @@ def test_a_killed_and_resumed_run_logs_each_iteration_once(disk_dir, reference):
 
 def test_an_async_save_whose_other_rank_fails_stops_rank_0_with_its_reason(disk_dir):
     """``--async-save`` on two ranks: rank 0 waits for the other's manifest file with no
-    collective, and when rank 1's part failed it waited forever (its thread, and the
-    run at its next save or exit). Rank 1 now leaves its reason, and rank 0 raises it;
+    collective; were rank 1's failure silent it would wait forever (its thread, and the
+    run at its next save or exit). Rank 1 leaves its reason, and rank 0 raises it;
     nothing is published. Both ranks run here in one process, as the two threads of the
     save would on two hosts: the protocol is files in the checkpoint dir."""
     import threading

@@ -156,7 +156,7 @@ def test_build_script_refuses_bad_input_in_one_line(argv, message):
 
 
 def test_build_script_refuses_a_wheel_dir_without_wheels_in_one_line(tmp_path):
-    # Was: `cp: cannot stat '.../*.whl'`, exit 1, after the build context was made.
+    # Not `cp: cannot stat '.../*.whl'`, exit 1, after the build context is made.
     env = dict(os.environ, GREENROOM_BUILD_ENGINE="kaniko", GREENROOM_IMAGE_WHEELS=str(tmp_path))
     out = subprocess.run(["scripts/build-image.sh", "x:1", "base"], cwd=REPO, capture_output=True, text=True, env=env)
     assert out.returncode == 2
@@ -250,7 +250,7 @@ def test_staging_refuses_a_missing_distribution_in_one_line():
 
 def test_the_dockerfile_installs_pinned_versions_only():
     """Every package the image build names is pinned with ==, at the version the test extra
-    pins (was: megatron-core>=0.16.1, whatever the index had on the day of the build)."""
+    pins, not a range (megatron-core>=0.16.1 takes whatever the index has on the day)."""
     import re
 
     import tomllib

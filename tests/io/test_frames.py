@@ -110,8 +110,8 @@ def test_a_transfers_frames_are_packed_from_its_start_and_each_chunk_moves_in_on
 def test_a_reader_with_smaller_or_larger_staging_than_the_writer_reads_every_byte(tmp_path, zstd):
     """Written with an 8 MiB chunk, read with 16 and 4: a read places its chunks' stored
     bytes back to back in its own buffers (Note [packed frames]), so any staging of at least
-    one frame per buffer reads the file (it used to refuse a smaller one in one line; issue
-    30 case 9). Under one frame per buffer it is still refused in one line."""
+    one frame per buffer reads the file, one smaller than the writer's chunk too. Under one
+    frame per buffer it is refused in one line."""
     t = compressible(torch.float32, 4 * EXTENT // 4)
     path = str(tmp_path / "bucket")
     with StateFile(path, t.numel() * 4, checksums="file", compression=zstd) as f:
@@ -233,7 +233,7 @@ def _record_at(f: StateFile, extent: int) -> int:
 
 @pytest.mark.parametrize("where", ["table", "table, the field's other bits kept", "memory"])
 def test_a_record_rewritten_to_stored_raw_over_a_zero_tail_is_caught(tmp_path, zstd, where):
-    # The case of docs/reliability.md section 6 that the sums did not cover: the last
+    # The case of docs/reliability.md section 6 that range and header checks miss: the last
     # frame's record says "stored raw" (exactly its raw length), and the pages after its
     # stored bytes are the zeros of a fresh file, which add nothing to a sum of pages.
     # The header would then be read back as data; the record is summed with its extent
@@ -267,8 +267,9 @@ def test_a_record_rewritten_to_stored_raw_over_a_zero_tail_is_caught(tmp_path, z
 def test_a_flipped_bit_in_a_record_is_caught_by_reads_and_by_checks_of_the_sums_alone(tmp_path, zstd):
     # Every bit of a compressed frame's record and of a raw frame's, flipped in turn. A
     # read refuses each (the record's range, the header, or the sum). The checks that
-    # compare sums alone (a checkpoint's load and save: ``verify_against_table``) used to
-    # pass a stored length that still covers the same pages; the sum now covers it.
+    # compare sums alone (a checkpoint's load and save: ``verify_against_table``) refuse it
+    # too: the sum covers the stored length, so a length that still covers the same pages
+    # does not pass.
     from greenroom.optim.checkpoint.save_load import verify_against_table
 
     g = torch.Generator().manual_seed(7)

@@ -37,7 +37,7 @@ def test_a_save_replaces_the_checkpoint_and_chains_generations(disk_dir):
 
 
 def test_only_copy_under_old_is_restored(disk_dir):
-    """Issue 15: the swap without RENAME_EXCHANGE killed after DIR -> DIR.old and with the
+    """The swap without RENAME_EXCHANGE killed after DIR -> DIR.old and with the
     new copy lost: the only good copy sits under the temporary name; recovery restores it."""
     path = os.path.join(disk_dir, "ck")
     make(path, "one")
@@ -204,9 +204,9 @@ os.close(fd)
 @pytest.mark.parametrize("reading", [True, False], ids=["load", "save"])
 def test_a_reader_releasing_the_lock_as_another_process_takes_it_refuses_nobody(disk_dir, reading):
     """The last reader to let go takes the lock exclusively for an instant, to learn it is
-    the last, and removes the file: a load or a save that opened the file in that instant
-    found it taken and was refused, though nobody held the checkpoint (seen as a failed
-    rank of tests/optim/test_fsdp.py: both ranks load each other's checkpoints at once)."""
+    the last, and removes the file: a load or a save that opens the file in that instant
+    finds it taken, and must not be refused, since nobody holds the checkpoint (as in
+    tests/optim/test_fsdp.py, whose two ranks load each other's checkpoints at once)."""
     import subprocess
     import sys
 

@@ -162,7 +162,7 @@ def refused_in_one_line(out, ns: str, level: str) -> None:
 
 
 def test_the_janitor_is_refused_in_one_line_where_pod_security_would_refuse_its_pods(namespace):
-    """Was: installed, its DaemonSet created, and each of its pods refused by admission."""
+    """Refused at install, not installed with its DaemonSet created and each of its pods refused by admission."""
     ns = namespace("baseline")
     refused_in_one_line(janitor_install("jan", ns, check=False), ns, "baseline")
     assert janitor_objects(ns) == []

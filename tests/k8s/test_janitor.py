@@ -369,7 +369,7 @@ def test_loop_survives_api_errors_with_backoff_then_reclaims_and_serves_metrics(
 
 def test_without_api_access_the_lock_rule_decides_alone_only_with_a_min_age(disk_dir, tmp_path):
     """No credentials at all: the lock rule, with an age of 0, would remove the files of a
-    pod between container restarts. Was: it did, saying so as a warning."""
+    pod between container restarts; a warning saying so is not enough."""
     env = {"KUBECONFIG": str(tmp_path / "absent"), "KUBERNETES_SERVICE_HOST": ""}
     gone = dead(disk_dir, "uid-gone", "grpo")  # its owner record is 10 s old
     line = one_line_error(greenroom("reclaim", disk_dir, "--kubernetes", "--node-name", NODE, env=env))
@@ -417,8 +417,8 @@ def test_forbidden_listing_with_a_min_age_uses_the_lock_rule_for_that_pass(api, 
 
 
 def test_the_loop_waits_out_a_forbidden_listing_and_picks_up_when_rbac_is_fixed(api, disk_dir):
-    """Was: the first 403 turned the pod rule off for the life of the process (and, with
-    the chart's age of 0, removed a restarting pod's files)."""
+    """A 403 must not turn the pod rule off for the life of the process (with the chart's
+    age of 0, that would remove a restarting pod's files)."""
     api.fail_next, api.fail_status = 3, 403  # the ClusterRole is granted after three tries
     api.add_pod("uid-restarting", "grpo-0")
     restarting = dead(disk_dir, "uid-restarting", "grpo")
@@ -441,8 +441,8 @@ def test_the_loop_waits_out_a_forbidden_listing_and_picks_up_when_rbac_is_fixed(
 # Outside a pod, a misspelt name is no Node; another node's name: test_outside_a_pod_another_nodes_name_deletes_nothing.
 @pytest.mark.parametrize("node, in_pod", [("gpu-node-77", True), ("other-node", True), ("gpu-node-77", False)])
 def test_a_wrong_node_name_deletes_nothing(api, disk_dir, node, in_pod):
-    """A misspelt --node-name lists no pod (another node's name, that node's): every dir of
-    a pod here counted as gone, the running ones' too once their lock was free."""
+    """A misspelt --node-name lists no pod (another node's name, that node's): taken as is,
+    every dir of a pod here would count as gone, the running ones' too once their lock is free."""
     api.add_pod("uid-restarting", "grpo-0")
     api.add_pod("uid-there", "grpo-9", node="other-node")
     restarting = dead(disk_dir, "uid-restarting", "grpo")
@@ -457,9 +457,9 @@ def test_a_wrong_node_name_deletes_nothing(api, disk_dir, node, in_pod):
 
 @pytest.mark.parametrize("interval", [None, "0.05"])
 def test_outside_a_pod_another_nodes_name_deletes_nothing(api, disk_dir, interval):
-    """Outside a pod, the listing of another real node is not empty, so it passed for this
-    node's: a pod here between container restarts (its lock free) counted as gone and its
-    rank dir was removed. In loop mode too the janitor stops at once (the name will not
+    """Outside a pod, the listing of another real node is not empty, so it could pass for
+    this node's: a pod here between container restarts (its lock free) would count as gone
+    and its rank dir be removed. In loop mode too the janitor stops at once (the name will not
     get any better by waiting)."""
     api.add_pod("uid-restarting", "grpo-0")
     api.add_pod("uid-there", "grpo-9", node="other-node")
@@ -703,8 +703,8 @@ def test_empty_dirs_greenroom_did_not_make_survive_the_sweep(api, disk_dir):
 
 def test_a_pod_started_after_the_listing_keeps_its_dir_until_a_listing_has_it(api, disk_dir, monkeypatch):
     """A pod that starts between the pod listing and the walk is not in the listing: its
-    rank, dead at once (lock free, the container restarting), was taken for a gone pod's
-    and removed with the pod's own dir, while the pod lived."""
+    rank, dead at once (lock free, the container restarting), must not be taken for a gone
+    pod's and removed with the pod's own dir while the pod lives."""
     root = os.path.join(disk_dir, "root")
     os.makedirs(root)
     new = str(uuid.uuid4())

@@ -158,7 +158,7 @@ def test_a_param_group_with_no_room_for_its_files_is_taken_back_out(full_fs):  #
 
 def test_a_muon_param_group_refused_after_torch_appended_it_is_taken_back_out(disk_dir):
     """StreamingMuon checks a new group's params after torch's ``add_param_group`` appends
-    it (an empty matrix): the refusal used to leave the group in, half classified."""
+    it (an empty matrix): the refusal takes the group back out rather than leave it in, half classified."""
     w = torch.nn.Parameter(torch.randn(64, 64))
     opt = StreamingMuon([w], lr=0.02, state_dir=disk_dir)
     with pytest.raises(ConfigError, match="has no elements"):
@@ -192,7 +192,7 @@ def test_a_group_key_set_after_construction_that_the_step_does_not_implement_is_
 
 def test_params_added_removed_or_replaced_in_a_group_are_refused_at_the_step(disk_dir):
     """AdamW trains params put into ``param_groups[i]['params']``; the streamed state is
-    laid out once, and the step trained the old list silently."""
+    laid out once, so the step would train the old list silently: it refuses instead."""
     ours, _ = twins(ODD_SHAPES)
     opt = StreamingAdam(ours, lr=1e-2, state_dir=disk_dir, bucket_numel=3000)
     params = opt.param_groups[0]["params"]

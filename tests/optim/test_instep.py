@@ -281,10 +281,10 @@ def _assert_live_buckets_whole(base, opt, *, torn_refused=False):
 
 def test_a_publish_that_fails_after_a_whole_step_raises_without_poisoning(disk_dir, monkeypatch):
     """The checkpoint's last part (resident.pt, the manifest, the publish) fails with
-    ENOSPC after every bucket stepped: that raised inside the step's poison, which then
-    said "partly updated" of a whole step and refused every save. Now the error is
-    raised, nothing of the checkpoint is left, and the run goes on like AdamW."""
-    from greenroom.optim.checkpoint import instep
+    ENOSPC after every bucket stepped: raised inside the step's poison, it would say
+    "partly updated" of a whole step and refuse every save. The error is raised outside
+    it, nothing of the checkpoint is left, and the run goes on like AdamW."""
+    from greenroom.optim import instep
 
     ours, theirs = twins(SHAPES)
     opt = _optimizer(ours, os.path.join(disk_dir, "live"))

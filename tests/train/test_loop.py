@@ -342,7 +342,7 @@ def test_resume_from_save_is_bit_exact(disk_dir, flags):
         assert refused.returncode == 2 and "--no-load-optim" in refused.stderr
 
 
-# A greenroom whose StreamingAdam defaulted to buckets of 2e8 elements (before the twelfth session).
+# A greenroom whose StreamingAdam defaults to buckets of 2e8 elements, not DEFAULT_BUCKET_NUMEL.
 OLD_DEFAULT = (
     "import sys; from greenroom.optim import StreamingAdam; "
     "StreamingAdam.__init__.__kwdefaults__['bucket_numel'] = 200_000_000; "
@@ -716,9 +716,9 @@ def test_ctrl_c_in_the_loop_ends_in_one_line_with_130_and_leaves_no_files(disk_d
 
 
 def test_metrics_never_overwrites_a_file_greenroom_did_not_write(disk_dir):
-    """A fresh run truncated whatever --metrics named, and a resumed one rewrote it without
-    its lines that were not JSON (a user's notes lost all but nothing, with a warning about
-    "torn lines"). A file of greenroom's own, with a torn last line, is still taken."""
+    """A fresh run must not truncate whatever --metrics names, nor a resumed one rewrite it
+    without its lines that are not JSON (a user's notes would lose all but nothing, with a
+    warning about "torn lines"). A file of greenroom's own, with a torn last line, is taken."""
     ck = os.path.join(disk_dir, "ck")
     metrics = os.path.join(disk_dir, "m.jsonl")
     train([*SMALL, "--iterations", "2", "--save", ck, "--metrics", metrics])

@@ -1,9 +1,10 @@
 """One writer per ``greenroom train`` metrics file (``greenroom.train.preflight`` Note
 [one writer per metrics file]): real processes started from one dir at once.
 
-Two runs writing one file used to interleave their records, or the second truncated the
-first's, without a word. A run is stopped at a kill point (``sync@2``: iteration 1's
-record written, iteration 2 begun) while a second one starts; then it is let go.
+Two runs writing one file would interleave their records, or the second truncate the
+first's, without a word: the second is refused. A run is stopped at a kill point
+(``sync@2``: iteration 1's record written, iteration 2 begun) while a second one
+starts; then it is let go.
 """
 
 import json

@@ -112,9 +112,9 @@ def one_error_line(result):
 
 
 def test_a_torn_last_line_is_left_out_and_a_resume_replaces_the_iterations_it_trained_again(disk_dir):
-    """A killed run's file (its last line torn) was refused whole; a file of a run resumed
-    from an earlier checkpoint than its last record (written before train dropped those,
-    or by hand) drew iteration 3 twice and counted 4 iterations."""
+    """A killed run's file (its last line torn) is drawn without that line, not refused
+    whole; a file of a run resumed from an earlier checkpoint than its last record (written
+    by a train that kept those, or by hand) draws iteration 3 once and counts 3 iterations."""
     first, second = os.path.join(disk_dir, "a.jsonl"), os.path.join(disk_dir, "b.jsonl")
     ck = os.path.join(disk_dir, "ck")
     assert cli("train", *SMALL, "--iterations", "2", "--save", ck, "--metrics", first).returncode == 0
@@ -177,9 +177,9 @@ def test_what_is_not_one_runs_metrics_is_one_line_and_no_png(disk_dir):
 
 
 def test_the_output_never_replaces_a_file_report_did_not_draw(disk_dir):
-    """-o was written whatever it named: the metrics file itself, a user's file (or, for a
-    name matplotlib has no format for, a traceback), a path it could not write (a
-    FileNotFoundError traceback), a dir (wrote DIR.png and said "wrote DIR")."""
+    """-o is not written whatever it names: the metrics file itself, a user's file (or, for
+    a name matplotlib has no format for, a traceback), a path it cannot write (a
+    FileNotFoundError traceback), a dir (writing DIR.png and saying "wrote DIR")."""
     metrics = os.path.join(disk_dir, "m.jsonl")
     assert cli("train", *SMALL, "--iterations", "1", "--metrics", metrics).returncode == 0
     mine = os.path.join(disk_dir, "mine.png")

@@ -17,7 +17,7 @@ Note [greenroom's own tensors]: ``python_storages`` sees storages, not who holds
 so a torch tensor greenroom kept in a module global or a class attribute (a cache)
 would be the actor's too: moved out by every sleep, and freed for good by a wake that
 failed and was not retried, after which the next use in the process reads freed memory
-(``greenroom.optim.remainder`` cached its fingerprint weights so: a segfault). Telling
+(a segfault, for a cache such as fingerprint weights of ``greenroom.optim.remainder``). Telling
 greenroom's internals apart by where they are referenced from would also take the
 actor's state that greenroom holds for the trainer (a streaming optimizer's resident
 moments), which must move. So greenroom keeps no torch-owned tensor beyond a call in a

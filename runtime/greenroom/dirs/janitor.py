@@ -300,7 +300,7 @@ def remove_empty_pod_dirs(root: str, pods: dict[str, PodInfo], *, listed_at: flo
     meanwhile keeps its dir."""
     removed = []
     # A ROOT given as a symlink: the dev of the dir it names, as ``reclaim`` resolves it (the
-    # link's own, on another filesystem, matched no pod dir and none was ever removed).
+    # link's own, on another filesystem, would match no pod dir, and none would ever go).
     root = os.path.realpath(root)
     root_dev = os.lstat(root).st_dev
     for entry in os.scandir(root):

@@ -31,17 +31,18 @@ that the path still names the inode it locked and starts over if not.
 Note [closing aside]: a closing rank renames its dir aside (``TRASH_PREFIX``, beside it)
 while it still holds the lock, then deletes it there, the lock file last, as a reclaimer
 does. A successor of the same job, role and rank that starts meanwhile (an elastic
-restart) finds no dir at the path and makes its own. Deleted in place, the dir had a gap
-between the lock file's unlink and the ``rmdir``: a successor that opened the path then
-made a fresh lock file and wrote its files, the ``rmdir`` failed on them, and the
-fallback ``rmtree`` deleted the successor's lock and files while it ran, leaving the
-path to a third owner. A rank killed mid-close leaves an aside dir that the next
+restart) finds no dir at the path and makes its own. Deleted in place, the dir would
+have a gap between the lock file's unlink and the ``rmdir``: a successor that opened the
+path then would make a fresh lock file and write its files, the ``rmdir`` would fail on
+them, and the fallback ``rmtree`` would delete the successor's lock and files while it
+ran, leaving the path to a third owner. A rank killed mid-close leaves an aside dir that the next
 ``greenroom reclaim`` pass finishes (its lock goes last, so a live one is seen locked).
 
 Note [an interrupted close]: SIGTERM (made a SystemExit here) or Ctrl-C that lands in
-``close`` raised at once, in the middle of the delete: the rank ended 143 with its aside
-dir (and whatever of its files the delete had not reached yet: the whole streamed state)
-and its job/role parents left on disk until the next ``greenroom reclaim``. A run that
+``close``, raised at once, would stop the delete midway: the rank would end 143 with its
+aside dir (and whatever of its files the delete had not reached: at worst the whole
+streamed state) and its job/role parents left on disk until the next ``greenroom
+reclaim``. A run that
 ends by a signal is meant to leave nothing (a scheduler's SIGTERM at a job's end lands
 in its close as readily as anywhere). So ``close`` holds the two signals (their handlers
 only record them) while it deletes, then puts the handlers back and has each signal that
@@ -49,11 +50,11 @@ came do what it would have done then: the rank dir's handler raises SystemExit(1
 or KeyboardInterrupt, after the dir is gone. The delete takes as long as unlinking the
 files (well inside Slurm's KillWait and a pod's grace period). ``open`` holds them the
 same way from its first ``mkdir`` until its exit hooks are in place: there, at their
-default, the two signals killed the process outright and left the job/role parents and a
-half-made rank dir for reclaim; now they come after, through the rank dir's handler, and
-the open dir is closed on the way out. That hold lasts at most ``LOCK_WAIT_SECONDS`` (the
+default, the two signals would kill the process outright and leave the job/role parents
+and a half-made rank dir for reclaim; held, they come after, through the rank dir's
+handler, and the open dir is closed on the way out. That hold lasts at most ``LOCK_WAIT_SECONDS`` (the
 wait for a reclaimer's lock) beyond the mkdirs. Off the main thread no handler can be
-set, and an open or close there is as before. The holding is ``greenroom.dirs.signals``'s, whose
+set, and an open or close there runs without the hold. The holding is ``greenroom.dirs.signals``'s, whose
 ``signals_held`` lends the same hold to the trainer's waits for an ``--async-save``
 publish (``Trainer._wait_for_publish``).
 

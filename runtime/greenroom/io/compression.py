@@ -62,10 +62,10 @@ bytes without an error (files written before these options must still read).
 Note [batched decode]: a chunk's frames decode in one nvCOMP call per coding, into one
 scratch buffer at the frames' own offsets (``out=``: nvCOMP allocates no output), and each
 run of back-to-back frames of one length and element size is joined from its planes in
-one kernel, as the encoder splits them. The kernels are fast; what cost the decoder
-half the encoder's rate at one thread was the per-frame work around them, 64 times per
-64 MiB chunk: an output allocation called back into Python, a tensor made from each
-nvCOMP array and one transpose launch per frame. The encoder does the same: its payloads
+one kernel, as the encoder splits them. The kernels are fast; the cost lies in the
+per-frame work around them, 64 times per 64 MiB chunk: an output allocation calling back
+into Python, a tensor made from each nvCOMP array and one transpose launch per frame,
+which at one thread halve the decoder's rate. The encoder does the same: its payloads
 go into one buffer with nvCOMP's worst-case room for each, and are views of it. Batched,
 both run well faster than frame by frame (docs/benchmarks.md, 'Design measurements').
 Every payload is decoded from its offset in the chunk's one device copy, never copied
@@ -76,9 +76,9 @@ the engine's position-weighted sums of the stored bytes and of the file's record
 frame (a flipped bit on the disk, a damaged record: Note [summed records] of
 ``greenroom.io.statefile``), the header (magic, codec, element size, raw and stored lengths
 must all agree with the file's record) and, for ``zstd``, Zstandard's own checksum of the raw bytes, which also
-catches a codec that decodes to the wrong bytes. nvCOMP's checksum policy was tried
-and not relied on: with nvCOMP 6.0's Python API a payload with a flipped bit decoded
-silently under ``COMPUTE_AND_VERIFY``, so on the GPU the engine's sums of the stored
+catches a codec that decodes to the wrong bytes. nvCOMP's checksum policy is not relied
+on: with nvCOMP 6.0's Python API a payload with a flipped bit decodes silently under
+``COMPUTE_AND_VERIFY``, so on the GPU the engine's sums of the stored
 bytes are the check (which is why ``GREENROOM_VERIFY=0`` is for measurement only). Each
 failure is one ``IntegrityError`` naming the file and offset.
 """

@@ -2,8 +2,8 @@
 
 Note [packed frames]: a compressed file (``greenroom.io.compression``) is cut into frames,
 one per ``EXTENT``; a chunk's frames are stored back to back, each at a page boundary,
-and move in one I/O of their stored size (stored at their own places, 1 MiB frames went
-out as ~0.9 MB I/Os and ran slower than the raw chunk). Each frame's record holds its
+and move in one I/O of their stored size (stored at their own places, 1 MiB frames would
+go out as ~0.9 MB I/Os and run slower than the raw chunk). Each frame's record holds its
 stored bytes and its *shift*, how far before its own place they start. A read places
 its chunk's stored bytes back to back in its staging buffer, wherever they lie in the
 file, so a frame's bytes there never start after its own place in the chunk: a host
@@ -28,8 +28,8 @@ requests that large (Note [copy while reading]).
 
 Note [decode after the slot]: a read's device frames decode from their one device copy,
 after the chunk's staging buffer has gone back to the engine, so the next read into that
-buffer runs while they decode. Holding it through the decode kept the disk waiting: a
-wake had well under its 4 reads in flight while the I/O threads queued for the codec
+buffer runs while they decode. Holding it through the decode would keep the disk waiting: a
+wake would have well under its 4 reads in flight while the I/O threads queue for the codec
 (docs/benchmarks.md, 'Design measurements'). The engine keeps twice as many I/O threads
 as buffers, so a thread that decodes does not hold back one that reads.
 

@@ -320,11 +320,11 @@ def _flock_within_grace(fd: int, mode: int) -> None:
 
     Note [the last reader's instant]: a reader that lets go takes the lock exclusively
     for an instant, to learn whether it is the last one (then it removes the file). A
-    load or a save that opened the file just then found it taken and was refused, though
-    nobody held the checkpoint (two FSDP ranks loading each other's checkpoints at once
-    hit it). A real holder keeps the lock for a whole load or save, so half a second of
-    retries tells the two apart; a file removed meanwhile is caught by the caller's inode
-    check, which starts over."""
+    load or a save that opens the file just then finds it taken, though nobody holds the
+    checkpoint (as when two FSDP ranks load each other's checkpoints at once). A real
+    holder keeps the lock for a whole load or save, so half a second of retries tells
+    the two apart; a file removed meanwhile is caught by the caller's inode check, which
+    starts over."""
     deadline = time.monotonic() + LOCK_GRACE_S
     while True:
         try:

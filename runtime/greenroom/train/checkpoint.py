@@ -72,8 +72,8 @@ def rank_path(directory: str, rank: int) -> str:
 
 def saved_bucket_numel(directory: str, rank: int) -> int | None:
     """The ``bucket_numel`` this rank's streamed state was saved with, so that a resumed run
-    builds the same layout even where the default changed since (2e8 before the twelfth
-    session, 1e8 now); None where it cannot be read, and the load then says what is wrong."""
+    builds the same layout even where it differs from ``DEFAULT_BUCKET_NUMEL`` (a state saved
+    with buckets of 2e8 elements); None where it cannot be read, and the load then says what is wrong."""
     try:
         numel = read_manifest(os.path.join(rank_path(directory, rank), "optim"))["layout"].get("bucket_numel")
     except CheckpointError:

@@ -106,7 +106,7 @@ class TrainConfig:
                 f"--minibatches {self.minibatches} must divide --prompts x --group-size "
                 f"({self.prompts * self.group_size})"
             )
-        # inf trained on NaN weights from the first step, as nan or a negative KL weight did.
+        # inf would train on NaN weights from the first step, as nan or a negative KL weight would.
         if not 0 < self.lr < math.inf:
             raise ConfigError(f"--lr must be positive and finite, got {self.lr}")
         for name in ("weight_decay", "kl_coef"):

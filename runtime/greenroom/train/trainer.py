@@ -661,11 +661,11 @@ class Trainer:
     def _wait_for_publish(self) -> None:
         """Until the publish ends (it finishes or fails), or a second SIGTERM or SIGINT
         comes. One such signal meanwhile has its effect then (Note [an interrupted close]
-        of greenroom.dirs.rankdir). Raised in the join, its exception made Python 3.11's
+        of greenroom.dirs.rankdir). Raised in the join, its exception would make Python 3.11's
         ``Thread.join`` take the thread, still writing the checkpoint, for stopped: no later
-        join waited for it, so the close went on to close the files under it and the
-        process exited mid-publish; raised in the close's own join, it also left the
-        close's cleanups to atexit and the garbage collector.
+        join would wait for it, so the close would go on to close the files under it and the
+        process would exit mid-publish; raised in the close's own join, it would also leave
+        the close's cleanups to atexit and the garbage collector.
 
         A second signal is the way out of a publish that never ends (rank 0's waits
         without a deadline for the manifest of a rank killed mid-save): both then have
@@ -673,7 +673,7 @@ class Trainer:
         daemon thread, it dies with the process), and the staged ``DIR.new`` stays for the
         next run's settle to discard, as after a forced exit. Signals whose handlers do
         not raise (SIGTERM in the loop, recorded for the preemption save; an ignored one)
-        leave the wait going on, as they did before it held them."""
+        leave the wait going on."""
         thread = self._save_thread
         try:
             while thread.is_alive():

@@ -182,8 +182,8 @@ def measure(args: argparse.Namespace) -> dict:
     if codec.on_device:
         # The same chunks with each thread's nvCOMP decoders kept from chunk to chunk, as the
         # engine keeps them (Note [kept decoders] of greenroom.io.frames), made in a warm-up
-        # first: a decoder's construction timed in the pass cost the eighteenth session's
-        # one-thread figure half its rate.
+        # first: a decoder's construction timed in the pass would cost the one-thread
+        # figure half its rate.
         kept = [new_state(True) for _ in range(args.threads)]
         timed(decode, states=kept, chunk_list=warm_up)
         result["decode_kept_bytes_per_s"] = n / timed(decode, states=kept)

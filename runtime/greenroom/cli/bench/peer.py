@@ -43,7 +43,7 @@ def beside_deepspeed(args: argparse.Namespace, ours: dict) -> dict:
     env = dict(os.environ)
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's op builder cannot parse torch's "9.0a"
     # The peer's files go in a rank dir of the bench's, removed after: --dir is the user's,
-    # and a "deepspeed-nvme" of theirs there was deleted along with the peer's.
+    # and a "deepspeed-nvme" of theirs there must not go with the peer's.
     with RankDir(args.dir, role="bench-stream-deepspeed", allow_tmpfs=args.allow_tmpfs) as rank_dir:
         command = [
             sys.executable,
