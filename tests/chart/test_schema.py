@@ -149,7 +149,7 @@ def _chart_refuses(*sets: str) -> str | None:
 @pytest.mark.parametrize("compression", ["auto", "none", "nvcomp-ans", "zstd"])
 @pytest.mark.parametrize("below", [3, 1, 0, -1])
 def test_a_chunk_too_small_for_the_codec_is_refused_exactly_where_greenroom_train_refuses_it(compression, below):
-    # Before: zstd with diskChunkMb 2 rendered, and every trainer exited 2 at start.
+    # Refused at install: rendered, every trainer would exit 2 at start.
     from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB
 
     chunk = MIN_COMPRESSED_CHUNK_MB - below
@@ -167,7 +167,7 @@ def test_a_chunk_too_small_for_the_codec_is_refused_exactly_where_greenroom_trai
 @pytest.mark.parametrize("target", ["cpu", "disk"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_offload_target_is_refused_exactly_where_greenroom_train_refuses_it(train, target, stream):
-    # Before: offload.target disk without offload.train rendered, its flag silently left out.
+    # Refused at install: rendered, the target's flag would be silently left out.
     err = _chart_refuses(
         f"offload.train={str(train).lower()}",
         f"offload.target={target}",
@@ -184,7 +184,7 @@ def test_an_offload_target_is_refused_exactly_where_greenroom_train_refuses_it(t
 
 
 def test_args_without_a_command_are_refused_not_left_out():
-    # Before: `args` rendered nowhere without `command` (greenroom train ran without them).
+    # Refused at install: `args` without `command` would render nowhere (greenroom train would run without them).
     err = reject("args={--output-dir,/ckpt}")
     assert "args are the arguments of command and need it" in err and "train.extraArgs" in err
     assert "missing property 'command'" in reject("args={--x}", "command=null")  # as every null is
@@ -193,7 +193,7 @@ def test_args_without_a_command_are_refused_not_left_out():
 
 
 def test_torchrun_args_without_torchrun_are_refused_not_left_out():
-    # Before: torchrun.extraArgs rendered nowhere with torchrun.enabled=false.
+    # Refused at install: torchrun.extraArgs would render nowhere with torchrun.enabled=false.
     err = reject("torchrun.enabled=false", "torchrun.extraArgs={--max-restarts=3}")
     assert "torchrun.extraArgs are arguments of torchrun and need torchrun.enabled true" in err
     assert _chart_refuses("torchrun.extraArgs={--max-restarts=3}") is None
@@ -211,8 +211,8 @@ def test_greenroom_train_values_beside_a_command_are_refused_not_left_out(value)
 @pytest.mark.parametrize("key", ["podLabels", "jobLabels"])
 @pytest.mark.parametrize("label", ["app.kubernetes.io/name", "app.kubernetes.io/component", "helm.sh/chart"])
 def test_labels_that_clash_with_the_charts_own_are_refused_naming_the_key(key, label):
-    # Before: rendered a second key; podLabels' component (or name) won on the pods, so the
-    # rendezvous Service and onePodPerNode's anti-affinity no longer selected them.
+    # Refused at install: rendered, a second key's value would win on the pods, and the
+    # rendezvous Service and onePodPerNode's anti-affinity would not select them.
     err = reject(f"{key}.{label.replace('.', chr(92) + '.')}=mine")
     assert f"{key}: {label} is a label the chart sets (helm.sh/chart, app.kubernetes.io/name" in err
     assert _chart_refuses(f"{key}.team=rl", f"{key}.kueue\\.x-k8s\\.io/queue-name=a") is None

@@ -21,7 +21,7 @@ from tests.cli_support import greenroom_stopped_at
 from tests.train.test_faults import FLAGS, assert_same, newest, reference, run, state_of  # noqa: F401 (a fixture)
 from tests.train.test_loop import env
 
-JOB = "issue30"
+JOB = "ckpt-faults"
 
 
 def start(args, *, root, metrics, stop_at):

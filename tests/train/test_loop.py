@@ -41,7 +41,7 @@ def streaming_available() -> bool:
 
 
 needs_streaming = pytest.mark.skipif(
-    not streaming_available(), reason="greenroom.optim.StreamingAdam (issue 3) is not in this checkout yet"
+    not streaming_available(), reason="greenroom.optim.StreamingAdam does not import here"
 )
 
 
@@ -96,7 +96,7 @@ COMBINATIONS = {
 def test_every_allowed_combination_trains_and_reclaims_its_files(disk_dir, name):
     flags = COMBINATIONS[name]
     if "--stream-optimizer-state-to-disk" in flags and not streaming_available():
-        pytest.skip("greenroom.optim.StreamingAdam (issue 3) is not in this checkout yet")
+        pytest.skip("greenroom.optim.StreamingAdam does not import here")
     root = os.path.join(disk_dir, "offload")
     metrics = os.path.join(disk_dir, "m.jsonl")
     result = train([*SMALL, *flags, "--offload-train-disk-dir", root, "--metrics", metrics])

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from greenroom.train import rotation
-from tests.faults.test_save_faults import copy_of, one_line, resume, start
+from tests.faults.test_save_faults import JOB, copy_of, one_line, resume, start
 from tests.train.test_faults import assert_same, reference, run, state_of  # noqa: F401 (a fixture)
 
 
@@ -67,7 +67,7 @@ def test_a_byte_flipped_in_a_linked_live_file_before_the_publish_never_loses_the
     proc = start(
         ["--iterations", "4", "--load", ckpt, "--save", ckpt], root=root, metrics=metrics, stop_at="bucket-linked"
     )
-    live = os.path.join(root, "issue30", "actor", "rank00000", "optim", "bucket-00000.bin")
+    live = os.path.join(root, JOB, "actor", "rank00000", "optim", "bucket-00000.bin")
     assert os.stat(live).st_nlink == 2, "the checkpoint's file is a link to the live one"
     with open(live, "r+b") as f:
         f.seek(5000)
