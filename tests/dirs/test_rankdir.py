@@ -12,7 +12,7 @@ import pytest
 from greenroom.dirs.rankdir import RankDir, rank_dir_path
 from greenroom.errors import StorageError
 
-HOLDER = os.path.join(os.path.dirname(__file__), "rank_holder.py")
+HOLDER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "rank_holder.py")
 
 
 def start_holder(root, job="job1", role="actor", rank=0):

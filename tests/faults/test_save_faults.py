@@ -248,7 +248,7 @@ def test_a_model_of_other_sizes_is_refused_in_one_line(disk_dir, reference):
 def test_weights_this_model_lacks_are_refused_where_the_meta_predates_the_sizes(disk_dir, reference):
     """A checkpoint whose meta has no sizes (written before they were recorded) of a
     2-block model, resumed with --n-layers 1: block 1's weights are not dropped silently."""
-    from greenroom import publish
+    from greenroom.io import publish
     from greenroom.train.checkpoint import META
 
     _, half = reference

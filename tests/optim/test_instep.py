@@ -284,7 +284,7 @@ def test_a_publish_that_fails_after_a_whole_step_raises_without_poisoning(disk_d
     ENOSPC after every bucket stepped: raised inside the step's poison, it would say
     "partly updated" of a whole step and refuse every save. The error is raised outside
     it, nothing of the checkpoint is left, and the run goes on like AdamW."""
-    from greenroom.optim import instep
+    from greenroom.optim.checkpoint import instep
 
     ours, theirs = twins(SHAPES)
     opt = _optimizer(ours, os.path.join(disk_dir, "live"))

@@ -40,7 +40,7 @@ def test_bf16_weights_loaded_after_construction_are_the_ones_trained(disk_dir):
 
 
 def test_params_changed_between_steps_reseed_only_the_changed_elements(disk_dir, monkeypatch):
-    monkeypatch.setattr("greenroom.optim.adam._FOLLOW_PIECE", 100)  # several pieces per param
+    monkeypatch.setattr("greenroom.optim.streamed._FOLLOW_PIECE", 100)  # several pieces per param
     ours, _ = twins(ODD_SHAPES, dtype=torch.bfloat16)
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
     # Whole fp32 masters: the per-element rule (remainders re-seed per block, tests/optim/test_remainder.py).

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from dataclasses import replace
 
 from greenroom.cli.budget import SHARDINGS, Layout, asleep_device_bytes, rank_budget, seconds
@@ -163,7 +164,10 @@ def _alternatives(plan: dict, config: OffloadFlags, layout: Layout, codec: str |
 
     def variant(name: str, layout_changes: dict | None = None, **flag_changes) -> None:
         try:
-            other = OffloadFlags(**{**flags, **flag_changes})
+            # A variant is a what-if: the rule warnings of the user's own flags printed once.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                other = OffloadFlags(**{**flags, **flag_changes})
         except ConfigError:
             return
         out[name] = rank_budget(replace(layout, **(layout_changes or {})), other, codec)
