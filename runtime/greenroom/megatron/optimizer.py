@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.optim.optimizer import _default_to_fused_or_foreach  # noqa: PLC2701 (torch.optim's own choice of kernel, as AdamW makes it)
 
 from greenroom.config import OffloadConfig
 from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 from torch.optim.adamw import adamw
-from torch.optim.optimizer import _get_scalar_dtype
+from torch.optim.optimizer import _get_scalar_dtype  # noqa: PLC2701 (the step dtype torch.optim.AdamW uses)
 
 from greenroom.errors import ConfigError
 

@@ -29,7 +29,14 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, muon
+from torch.optim._muon import (  # noqa: PLC2701 (torch.optim.Muon's functional, no public name)
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    DEFAULT_NS_STEPS,
+    EPS,
+    muon,
+)
 
 from greenroom.dirs.rankdir import RankDir
 from greenroom.errors import ConfigError, GreenroomError

@@ -165,7 +165,7 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def optimizer_state(optimizer) -> dict:
     """A resident optimizer's state dict with every tensor copied to the host."""
-    from torch.utils._pytree import tree_map
+    from torch.utils._pytree import tree_map  # noqa: PLC2701 (torch's own tree map, no public name)
 
     return tree_map(
         lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, optimizer.state_dict()

@@ -56,7 +56,7 @@ from greenroom.errors import ConfigError
 from greenroom.io.engine import STORE_RAW, StateFile, TransferEngine
 from greenroom.optim import remainder
 from greenroom.optim.moments import moment_codecs
-from greenroom.optim.store.files import DeviceBuffer, Replacement
+from greenroom.optim.store.files import BucketFiles, DeviceBuffer, Replacement
 from greenroom.optim.store.held import HeldBuckets, Kept
 from greenroom.optim.store.hostcache import HostCopy, unpin
 from greenroom.optim.store.layout import (
@@ -153,18 +153,16 @@ class BucketStore(HeldBuckets):
         self._scratch: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
         self.bytes_written = 0
-        self._retired_bytes_read = 0  # disk bytes of the files that new inodes replaced
-        self._retired_bytes_written = 0
         self.host_cache_budget = host_cache_bytes
         self.host_cache: dict[int, torch.Tensor] = {}  # bucket index -> its bytes (Note [host cache])
         self._stale: set[int] = set()  # cached buckets whose file lags behind the cache
         self._pinned = self.device.type == "cuda"
         self._copy_stream = None
         self.engine = TransferEngine(chunk_bytes)
-        self.files: list[StateFile] = []
+        self.bucket_files = BucketFiles(self.buckets, directory, compression)
         try:
             for bucket in self.buckets:
-                self.files.append(self._open_file(bucket))
+                self.files.append(self.bucket_files.open_file(bucket))
             self._cache_buckets(range(len(self.buckets)))
         except BaseException:
             # A failed setup (no space for bucket 7, say) leaves no file it created.
@@ -173,6 +171,34 @@ class BucketStore(HeldBuckets):
             finally:
                 _remove_created(self.files)
             raise
+
+    # The bucket files are an object of their own (``files.BucketFiles``); these are its
+    # public face on the store, which callers (checkpoints, state dicts, benches) use.
+    @property
+    def files(self) -> list[StateFile]:
+        """Each bucket's live file, by bucket index."""
+        return self.bucket_files.files
+
+    def path(self, index: int) -> str:
+        return self.bucket_files.path(index)
+
+    def shared(self, index: int) -> bool:
+        return self.bucket_files.shared(index)
+
+    def open_copy(self, index: int, path: str) -> StateFile:
+        return self.bucket_files.open_copy(index, path)
+
+    def open_existing(self, index: int, path: str) -> StateFile:
+        return self.bucket_files.open_existing(index, path)
+
+    def disk_bytes(self, way: str) -> int:
+        return self.bucket_files.disk_bytes(way)
+
+    def replace_file(self, index: int, path: str) -> None:
+        self.bucket_files.replace_file(index, path)
+
+    def link_file(self, index: int, source: str) -> None:
+        self.bucket_files.link_file(index, source)
 
     def _write(
         self, raw: torch.Tensor, bucket: Bucket, *, file: StateFile | None = None, mirror: StateFile | None = None
@@ -301,7 +327,7 @@ class BucketStore(HeldBuckets):
         files = []
         try:
             for bucket in added:
-                files.append(self._open_file(bucket))
+                files.append(self.bucket_files.open_file(bucket))
         except BaseException:
             for f in files:
                 f.close()
@@ -335,12 +361,12 @@ class BucketStore(HeldBuckets):
             self._write_back_kept()
         kept, self._kept = self._kept, None
         if kept is not None and linked and kept.new_file is not None:  # the checkpoint brings a new file
-            self._drop(Replacement(kept.index, kept.new_file, False))
+            self.bucket_files.drop(Replacement(kept.index, kept.new_file, False))
             kept.new_file = None
         order = self._order(order, kept.index if kept is not None else None)
         try:
             unkept = [i for i in order if i not in self.host_cache and (kept is None or i != kept.index)]
-            fresh = {} if linked else self._new_files(unkept)
+            fresh = {} if linked else self.bucket_files.new_files(unkept)
         except BaseException:
             self._kept = kept
             raise
@@ -383,11 +409,11 @@ class BucketStore(HeldBuckets):
                     if failed:
                         replacing, buffer.replacing, buffer.link_out = buffer.replacing, None, None
                         if replacing is not None:
-                            self._drop(replacing)
+                            self.bucket_files.drop(replacing)
                     else:
                         self._finish_write(buffer, checkpoint)
                 for index, f in fresh.items():  # made for a bucket the stream never wrote
-                    self._drop(Replacement(index, f, False))
+                    self.bucket_files.drop(Replacement(index, f, False))
                 if last is not None:  # updated, even where another bucket's write-back failed
                     self._kept = last
 
@@ -399,7 +425,7 @@ class BucketStore(HeldBuckets):
             write.wait()
         replacing, buffer.replacing = buffer.replacing, None
         if replacing is not None:
-            self._install(replacing)
+            self.bucket_files.install(replacing)
         link_out, buffer.link_out = buffer.link_out, None
         if link_out is not None:
             checkpoint.link_live(link_out)

@@ -59,17 +59,22 @@ class DeviceBuffer:
 
 
 class BucketFiles:
-    """The files side of ``BucketStore`` (a base class: it uses the store's ``buckets``,
-    ``directory``, ``compression`` and ``files``)."""
+    """The bucket files of a ``BucketStore``, which owns one: each bucket's live file
+    (``files``, opened by the store through ``open_file``), its name, and the moves that
+    give a name a new inode (Note [new inodes]).
 
-    buckets: list[Bucket]
-    directory: str
-    compression: object
-    files: list[StateFile]
-    _retired_bytes_read: int = 0  # disk bytes of the files that new inodes replaced
-    _retired_bytes_written: int = 0
+    ``buckets`` is the store's own list: the buckets the store adds are this object's too."""
 
-    def _open_file(self, bucket: Bucket) -> StateFile:
+    def __init__(self, buckets: list[Bucket], directory: str, compression) -> None:
+        self.buckets = buckets
+        self.directory = directory
+        self.compression = compression
+        self.files: list[StateFile] = []
+        self._retired_bytes_read = 0  # disk bytes of the files that new inodes replaced
+        self._retired_bytes_written = 0
+
+    def open_file(self, bucket: Bucket) -> StateFile:
+        """The live file of ``bucket``, preallocated (created where it is missing)."""
         return StateFile(
             self.path(bucket.index),
             bucket.data_bytes,
@@ -116,7 +121,7 @@ class BucketFiles:
         """Whether bucket ``index``'s live file has another name (a checkpoint, a backup)."""
         return os.fstat(self.files[index].fd).st_nlink > 1
 
-    def _new_files(self, indices: Sequence[int]) -> dict[int, StateFile]:
+    def new_files(self, indices: Sequence[int]) -> dict[int, StateFile]:
         """A preallocated new file beside the live one for each of the buckets ``indices``
         whose live file is shared: all made before any is written."""
         made: dict[int, StateFile] = {}
@@ -126,7 +131,7 @@ class BucketFiles:
                     made[index] = self._open_at(index, self.path(index) + NEW_SUFFIX)
         except BaseException:
             for index, f in made.items():
-                self._drop(Replacement(index, f, False))
+                self.drop(Replacement(index, f, False))
             raise
         return made
 
@@ -142,7 +147,7 @@ class BucketFiles:
             label=f"bucket {bucket.index} of the optimizer state",
         )
 
-    def _install(self, replacing: Replacement) -> None:
+    def install(self, replacing: Replacement) -> None:
         """Give a fully written new file bucket ``replacing.index``'s live name (atomic:
         the name names the old bucket or the new one, never a part of either)."""
         index, live = replacing.index, self.path(replacing.index)
@@ -192,7 +197,7 @@ class BucketFiles:
         self._retired_bytes_written += old.disk_bytes_written
         old.close()
 
-    def _drop(self, replacing: Replacement) -> None:
+    def drop(self, replacing: Replacement) -> None:
         """Forget a new file that will not be installed: closed, and removed if it is ours."""
         replacing.file.close()
         if not replacing.linked and os.path.lexists(replacing.file.path):

@@ -1,8 +1,8 @@
 """The buckets whose newest bytes are held off their files between steps: the host
 cache's, and the bucket the last step kept on the device.
 
-``HeldBuckets`` is the part of ``BucketStore`` that keeps them (a base class, as
-``optim.store.files.BucketFiles`` is): which buckets the host cache holds, the order a
+``HeldBuckets`` is the part of ``BucketStore`` that keeps them (a base class of the store;
+the files themselves are the store's ``optim.store.files.BucketFiles``): which buckets the host cache holds, the order a
 stream takes so that it starts on the kept bucket, and the write-backs that make the
 files whole again (``flush``) before anything reads them around the stream.
 
@@ -54,7 +54,7 @@ from typing import Sequence
 import torch
 
 from greenroom.io.engine import StateFile, TransferEngine
-from greenroom.optim.store.files import BucketFiles, DeviceBuffer, Replacement
+from greenroom.optim.store.files import DeviceBuffer, Replacement
 from greenroom.optim.store.hostcache import HostCopy, host_memory
 
 
@@ -69,7 +69,7 @@ class Kept:
     new_file: StateFile | None
 
 
-class HeldBuckets(BucketFiles):
+class HeldBuckets:
     """The host cache and the kept bucket of a ``BucketStore`` (a base class: it uses the
     store's ``engine``, ``device``, ``bytes_read``/``bytes_written`` and ``_write``)."""
 
@@ -174,7 +174,7 @@ class HeldBuckets(BucketFiles):
     def _store_file(self, index: int, raw: torch.Tensor) -> None:
         """Write a whole bucket's bytes to its file, synced, its pages dropped; to a new
         inode when the file is shared (``optim.store.files`` Note [new inodes])."""
-        fresh = self._new_files([index])
+        fresh = self.bucket_files.new_files([index])
         replacing = Replacement(index, fresh[index], False) if fresh else None
         file = replacing.file if replacing is not None else self.files[index]
         try:
@@ -182,10 +182,10 @@ class HeldBuckets(BucketFiles):
             file.sync()
         except BaseException:
             if replacing is not None:
-                self._drop(replacing)
+                self.bucket_files.drop(replacing)
             raise
         if replacing is not None:
-            self._install(replacing)
+            self.bucket_files.install(replacing)
         self.bytes_written += self.buckets[index].file_bytes
 
     def _write_back_kept(self) -> None:
@@ -200,7 +200,7 @@ class HeldBuckets(BucketFiles):
         else:
             self._write(raw, self.buckets[kept.index], file=kept.new_file).wait()
             kept.new_file.sync()
-            self._install(Replacement(kept.index, kept.new_file, False))
+            self.bucket_files.install(Replacement(kept.index, kept.new_file, False))
             self.bytes_written += self.buckets[kept.index].file_bytes
         self._kept = None
 
@@ -210,7 +210,7 @@ class HeldBuckets(BucketFiles):
         would overwrite its bucket."""
         kept, self._kept = self._kept, None
         if kept is not None and kept.new_file is not None:
-            self._drop(Replacement(kept.index, kept.new_file, False))
+            self.bucket_files.drop(Replacement(kept.index, kept.new_file, False))
 
     def refill_host_cache(self) -> None:
         """Read the cached buckets back from their files (verified against the files'
