@@ -448,7 +448,7 @@ def test_the_engine_keeps_decoders_while_it_reads_and_drops_them_after(tmp_path,
             back = torch.empty_like(state)
             engine.read(back, f, 0).wait()
             assert torch.equal(back, state)
-            assert engine._kept_decoders.held() == 0
+            assert engine.frame_io.kept_decoders.held() == 0
     # At most one decoder per coding on each decode stream, whatever the I/O threads: the
     # bound on kept scratch. (On the H100: 4 decoders for the two reads' 26 chunks.)
     streams = {s.cuda_stream for s in made}

@@ -173,7 +173,7 @@ def test_a_chunk_is_stored_at_its_own_place_where_its_shift_would_pass_max_shift
 def test_a_failed_chunk_fails_the_transfer_and_the_chunks_after_it_are_still_placed(
     tmp_path, zstd, monkeypatch, failing
 ):
-    # Each chunk is placed after the one before it (Transfer._place); a chunk that fails
+    # Each chunk is placed after the one before it (frames.Placement); a chunk that fails
     # before it is placed (its encode) or after (its write) still hands the place on, so
     # the transfer fails with its error instead of hanging, and the engine writes and
     # reads on.

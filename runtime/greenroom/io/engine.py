@@ -14,14 +14,16 @@ Two layers, in the spirit of kvikio's ``CuFile``:
     set of aligned staging buffers whose total is the chunk size (pinned when CUDA is
     up). A driver thread splits each transfer into chunks, one per free buffer; worker
     threads do the disk I/O, so reads run ahead and writes run behind while the caller
-    computes.
+    computes. A compressed file's chunks run on them through the engine's ``FrameIO``
+    (``greenroom.io.frames``).
 
 Every transfer is checksummed on its way through the staging buffers and verified
 when read back (``greenroom.io.integrity`` Note [integrity]); a compressed file's chunks
 are packed frames (``greenroom.io.frames`` Note [packed frames]); every error of any engine
 thread reaches the caller of ``wait``/``drain``/``close`` (Note [failing fast]).
-``StateFile`` lives in ``greenroom.io.statefile`` (Notes [alignment], [shared inodes]);
-everything is importable from here.
+``StateFile`` lives in ``greenroom.io.statefile`` (Notes [alignment], [shared inodes]), the
+staging buffers in ``greenroom.io.staging`` and ``Transfer``, the future of one transfer, in
+``greenroom.io.transfer``; everything is importable from here.
 
 Note [failing fast]: a driver or worker thread never dies with a transfer unfinished.
 An exception while splitting a transfer fails the chunks not yet handed out; one in a
@@ -47,18 +49,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import queue
 import threading
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from greenroom.errors import IntegrityError
 from greenroom.io import frames
-from greenroom.io.frames import STORE_RAW, FrameTransfers, frame_chunks
+from greenroom.io.frames import STORE_RAW, FrameIO, Placement, frame_chunks
 from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, extent_sums, page_sums, verify_default
+from greenroom.io.staging import DEFAULT_DEPTH, StagingBuffers
 from greenroom.io.statefile import StateFile, aligned_host, check_sums, pread_all, pwrite_all, verify_mapped
-
-DEFAULT_DEPTH = 4
+from greenroom.io.transfer import Transfer
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -66,165 +66,7 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _aligned_backing(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` of host memory with room to start at an ``ALIGNMENT`` boundary.
-
-    Pinned, the exact size first: torch's pinned allocator rounds each block up to a power
-    of two, so the 4 KiB of slack a misaligned start would need made a 256 MiB staging pin
-    512 MiB (``pinned_host`` in ``bench stream``; docs/benchmarks.md, 'Design
-    measurements'). Its blocks of a power-of-two size start on a page; the slack is only
-    added where one did not."""
-    if pin:
-        exact = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        if exact.data_ptr() % ALIGNMENT == 0:
-            return exact
-        del exact
-    return torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
-
-
-class StagingBuffers:
-    """``depth`` aligned host buffers whose sizes add up to at most ``total_bytes``.
-
-    Pinned when CUDA is available, so device copies are true DMA and can overlap.
-    """
-
-    def __init__(self, total_bytes: int, depth: int = DEFAULT_DEPTH, *, pin: bool | None = None) -> None:
-        if pin is None:
-            pin = torch.cuda.is_available()
-        each = max(ALIGNMENT, total_bytes // depth // ALIGNMENT * ALIGNMENT)
-        self.buffer_bytes = each
-        self.pinned = pin
-        backing = _aligned_backing(each * depth, pin)
-        skew = (-backing.data_ptr()) % ALIGNMENT
-        self._backing = backing
-        self.buffers = [backing[skew + i * each : skew + (i + 1) * each] for i in range(depth)]
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(depth):
-            self._free.put(i)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.buffer_bytes * len(self.buffers)
-
-    def acquire(self) -> int:
-        return self._free.get()
-
-    def release(self, index: int) -> None:
-        self._free.put(index)
-
-
-@dataclass(eq=False)
-class Transfer:
-    """The future of one tensor transfer; ``wait()`` returns the bytes moved."""
-
-    nbytes: int
-    chunks: int
-    file: "StateFile | None" = None
-    offset: int = 0
-    sums: torch.Tensor | None = None
-    """Extent sums accumulated chunk by chunk (Note [integrity]); None when not verifying."""
-    stored: torch.Tensor | None = None
-    """Of a compressed file, per extent: its frame's stored bytes and how far before its
-    own place they were stored (int32 pairs, Note [packed frames]; filled by a write,
-    recorded before a read)."""
-    expected: torch.Tensor | None = None
-    """Of a read: the recorded extent sums, when fetched with ``stored`` (one table read)."""
-    mirror: "StateFile | None" = None
-    """Of a write: a second file that gets the same stored bytes and table (an in-step
-    checkpoint's copy, ``greenroom.optim.checkpoint.instep``)."""
-    _finish: Callable[["Transfer"], None] | None = None
-    _next_frame: int = 0
-    """Of a compressed write: the first frame of the chunk to be placed next (Note
-    [compact transfers] of ``greenroom.io.frames``)."""
-    _cursor: int | None = None
-    """Of a compressed write: where the next chunk's stored bytes may start."""
-    _placing: threading.Condition = field(default_factory=threading.Condition)
-    _remaining: int = 0
-    _error: BaseException | None = None
-    _reported: bool = False
-    _done: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self._remaining = self.chunks
-        if self.chunks == 0:
-            self._complete()
-
-    def _chunk_finished(
-        self, error: BaseException | None, sums: torch.Tensor | None = None, first_extent: int = 0, count: int = 1
-    ) -> None:
-        """``count`` chunks are over (with ``error``, or adding ``sums`` from ``first_extent``)."""
-        with self._lock:
-            if error is not None and self._error is None:
-                self._error = error
-            if sums is not None and self.sums is not None:
-                self.sums[first_extent : first_extent + sums.numel()] += sums
-            self._remaining -= count
-            last = self._remaining == 0
-        if last:
-            self._complete()
-
-    def _place(self, first_frame: int, count: int, own_place: int, stored_bytes: int, span: int) -> int:
-        """The file offset of the stored bytes of a written chunk of ``count`` frames from
-        ``first_frame``: right after those of the chunk before it (Note [compact transfers]
-        of ``greenroom.io.frames``), once that one is placed; at ``own_place`` for the first
-        chunk, or where a frame's shift could pass ``frames.MAX_SHIFT``. ``span`` is the
-        chunk's raw bytes, aligned."""
-        with self._placing:
-            self._placing.wait_for(lambda: self._next_frame == first_frame)
-            base = self._cursor
-            if base is None or own_place + span - base > frames.MAX_SHIFT:
-                base = own_place
-            self._cursor = base + stored_bytes
-            self._next_frame = first_frame + count
-            self._placing.notify_all()
-        return base
-
-    def _complete(self) -> None:
-        # The last chunk's thread records or checks the sums before anyone may use the
-        # bytes: a read's wait() raises IntegrityError instead of returning.
-        try:
-            if self._error is None and self._finish is not None:
-                self._finish(self)
-        except BaseException as e:
-            self._error = e
-        finally:
-            self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> int:
-        self._wait_done()
-        if self._error is not None:
-            self._reported = True
-            raise self._error
-        return self.nbytes
-
-    def unreported_error(self) -> bool:
-        """Whether the transfer failed and nobody has seen its error yet."""
-        return self._error is not None and not self._reported
-
-    def _wait_unreported(self) -> None:
-        """Like wait(), but an error some caller already saw is not raised twice."""
-        self._wait_done()
-        if self._error is not None and not self._reported:
-            self.wait()
-
-    def _wait_done(self) -> None:
-        """Until every chunk is over, even when a signal's exception interrupts the wait:
-        it is raised then (Note [interrupted waits])."""
-        interrupted = None
-        while not self._done.is_set():
-            try:
-                self._done.wait()
-            except BaseException as e:
-                interrupted = interrupted or e
-        if interrupted is not None:
-            raise interrupted
-
-
-class TransferEngine(FrameTransfers):
+class TransferEngine:
     """Tensor <-> ``StateFile`` transfers through bounded staging, overlapped.
 
     Args:
@@ -253,19 +95,15 @@ class TransferEngine(FrameTransfers):
     ) -> None:
         self.verify = verify_default() if verify is None else verify
         self.staging = StagingBuffers(chunk_bytes, depth, pin=pin)
-        self._thread = threading.local()  # each I/O thread's CUDA stream
         # Twice the buffers: a read's worker decodes after its buffer went back
         # (Note [decode after the slot] of greenroom.io.frames), while the next read runs.
         self._workers = cf.ThreadPoolExecutor(max_workers=2 * depth, thread_name_prefix="greenroom-io")
         # A write's sums are taken on one of these while its worker writes the same buffer
         # out: both only read it, and the worker's next chunk starts a hash sooner.
         self._hashers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-hash")
-        # The pieces of reads bound for the device (Note [copy while reading] of greenroom.io.frames).
-        self.device_reads = device_reads
-        self._piece_reads = cf.ThreadPoolExecutor(
-            max_workers=device_reads.in_flight, thread_name_prefix="greenroom-read"
-        )
-        self._kept_decoders = frames.KeptDecoders()  # Note [kept decoders] of greenroom.io.frames
+        # The chunks of compressed files, with the pool of their reads bound for the device
+        # (Note [copy while reading] of greenroom.io.frames) and their kept decoders.
+        self.frame_io = FrameIO(self.staging, self._hashers, device_reads)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: list[Transfer] = []
         self._driver = threading.Thread(target=self._drive, name="greenroom-io-driver", daemon=True)
@@ -307,7 +145,7 @@ class TransferEngine(FrameTransfers):
         first = None
         for t in pending:
             try:
-                t._wait_unreported()
+                t.wait_unreported()
             except BaseException as e:
                 first = first or e
         if first is not None:
@@ -334,7 +172,7 @@ class TransferEngine(FrameTransfers):
             self._driver.join()
             self._workers.shutdown(wait=True)
             self._hashers.shutdown(wait=True)
-            self._piece_reads.shutdown(wait=True)
+            self.frame_io.close()
 
     def __enter__(self) -> "TransferEngine":
         return self
@@ -358,7 +196,7 @@ class TransferEngine(FrameTransfers):
         nbytes = data.numel()
         assert offset + nbytes <= file.data_bytes, f"{file.path}: transfer past the end of the file's data"
         step = self.staging.buffer_bytes
-        sums = stored = expected = finish = None
+        sums = stored = expected = finish = placement = None
         if self.verify and nbytes:
             end = offset + align_up(nbytes)
             sums = torch.zeros((end - 1) // EXTENT - offset // EXTENT + 1, dtype=torch.int64)
@@ -377,6 +215,7 @@ class TransferEngine(FrameTransfers):
                 buffers=len(self.staging.buffers),
             )
             stored = torch.zeros((sum(len(frames) for _, _, frames in chunks), 2), dtype=torch.int32)
+            placement = Placement()
             finish = self._seal
         else:
             expected, stored = file.recorded(offset, align_up(nbytes))
@@ -404,7 +243,8 @@ class TransferEngine(FrameTransfers):
             stored=stored,
             mirror=mirror,
             expected=expected,
-            _finish=finish,
+            finish=finish,
+            placement=placement,
         )
         ready = None
         if data.is_cuda:
@@ -432,7 +272,7 @@ class TransferEngine(FrameTransfers):
                 self._split_into_chunks(*job, copy_streams, handed_out)
             except BaseException as e:  # Note [failing fast]
                 if handed_out[0] < transfer.chunks:
-                    transfer._chunk_finished(e, count=transfer.chunks - handed_out[0])
+                    transfer.chunk_finished(e, count=transfer.chunks - handed_out[0])
             del job, transfer
 
     def _split_into_chunks(self, kind, data, file, offset, transfer, ready, chunks, copy_streams, handed_out) -> None:
@@ -452,7 +292,7 @@ class TransferEngine(FrameTransfers):
                     task = self._write_chunk if kind == "write" else self._read_chunk
                     self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
                 else:
-                    task = self._write_frames if kind == "write" else self._read_frames
+                    task = self.frame_io.write if kind == "write" else self.frame_io.read
                     self._workers.submit(
                         task, piece, slot, file, offset + start, chunk_frames, transfer, done_copy, stream
                     )
@@ -509,7 +349,7 @@ class TransferEngine(FrameTransfers):
             error = e
         finally:
             self.staging.release(slot)
-            transfer._chunk_finished(error, sums, first)
+            transfer.chunk_finished(error, sums, first)
 
     def _read_chunk(self, piece, slot, file, file_offset, transfer, done_copy, stream) -> None:
         error = sums = None
@@ -535,10 +375,10 @@ class TransferEngine(FrameTransfers):
             error = e
         finally:
             self.staging.release(slot)
-            transfer._chunk_finished(error, sums, first)
+            transfer.chunk_finished(error, sums, first)
 
 
-# The layers below, importable from here as before the split.
+# The layers below, importable from here.
 __all__ = [
     "ALIGNMENT",
     "DEFAULT_DEPTH",

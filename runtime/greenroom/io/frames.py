@@ -13,7 +13,7 @@ writer's or not. Every frame's checksum covers its stored bytes at the offsets t
 were stored at, and its record (Note [summed records] of ``greenroom.io.statefile``).
 
 Note [compact transfers]: a write stores each chunk's frames right after the previous
-chunk's (``Transfer._place``), not at the chunk's own place, so a transfer's stored
+chunk's (``Placement``), not at the chunk's own place, so a transfer's stored
 bytes are one run from its start: an 8 GiB bf16 actor that stores 5.7 GB reads back as
 5.7 GB of contiguous file, where stored at each chunk's own place it left a 20 MiB gap
 after every 44 MB. Every chunk's stored bytes still lie inside the transfer's own raw
@@ -74,6 +74,7 @@ from greenroom.io import compression
 from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, page_sums
 
 if TYPE_CHECKING:
+    from greenroom.io.staging import StagingBuffers
     from greenroom.io.statefile import StateFile
 
 
@@ -135,10 +136,55 @@ class KeptDecoders:
             return len(self._by_device)
 
 
-class FrameTransfers:
-    """The compressed chunks of ``TransferEngine`` (a base class: it uses the engine's
-    ``staging``, per-thread ``_thread``, ``_hashers``, ``_piece_reads``, ``device_reads`` and
-    ``_kept_decoders``)."""
+class Placement:
+    """Where the chunks of one compressed write store their frames (Note [compact transfers])."""
+
+    def __init__(self) -> None:
+        self._placing = threading.Condition()
+        self._next_frame = 0  # the first frame of the chunk to be placed next
+        self._cursor: int | None = None  # where the next chunk's stored bytes may start
+
+    def place(self, first_frame: int, count: int, own_place: int, stored_bytes: int, span: int) -> int:
+        """The file offset of the stored bytes of a written chunk of ``count`` frames from
+        ``first_frame``: right after those of the chunk before it, once that one is placed;
+        at ``own_place`` for the first chunk, or where a frame's shift could pass
+        ``MAX_SHIFT``. ``span`` is the chunk's raw bytes, aligned."""
+        with self._placing:
+            self._placing.wait_for(lambda: self._next_frame == first_frame)
+            base = self._cursor
+            if base is None or own_place + span - base > MAX_SHIFT:
+                base = own_place
+            self._cursor = base + stored_bytes
+            self._next_frame = first_frame + count
+            self._placing.notify_all()
+        return base
+
+
+class FrameIO:
+    """The chunks of a compressed file's transfers, run on the engine's I/O threads: frames
+    packed into the chunk's staging buffer and written (``write``), or read back, checked
+    and decoded (``read``). Each releases the chunk's buffer to ``staging`` and then tells
+    its transfer the chunk is over.
+
+    ``hashers`` is the engine's pool that takes a write's sums while its buffer is written
+    out; ``device_reads`` says how a chunk bound for the device is read, on a pool of readers
+    this object owns (Note [copy while reading]), as it owns each I/O thread's CUDA streams
+    and the kept decoders (Note [kept decoders]).
+    """
+
+    def __init__(self, staging: StagingBuffers, hashers: cf.Executor, device_reads: DeviceReads) -> None:
+        self.staging = staging
+        self.device_reads = device_reads
+        self._hashers = hashers
+        self._piece_reads = cf.ThreadPoolExecutor(
+            max_workers=device_reads.in_flight, thread_name_prefix="greenroom-read"
+        )
+        self.kept_decoders = KeptDecoders()
+        self._thread = threading.local()  # each I/O thread's CUDA streams
+
+    def close(self) -> None:
+        """Shut the pool of piece reads down, waiting for its threads."""
+        self._piece_reads.shutdown(wait=True)
 
     def _io_stream(self, device: torch.device) -> torch.cuda.Stream:
         """This I/O thread's own stream on ``device``: codec kernels of concurrent chunks
@@ -150,7 +196,7 @@ class FrameTransfers:
             streams[device] = torch.cuda.Stream(device)
         return streams[device]
 
-    def _write_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
+    def write(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
         """Compress the chunk's frames and write them packed (Note [packed frames]): each a
         header and the payload, or the raw bytes where compression does not pay."""
         error = sums = base = None
@@ -206,7 +252,7 @@ class FrameTransfers:
                     at += align_up(lengths[-1])
             for place, n in zip(places, lengths):
                 buf[place + n : place + align_up(n)].zero_()  # deterministic padding in the frame's own pages
-            base = transfer._place(first, len(frames), chunk_offset, at, span)
+            base = transfer.placement.place(first, len(frames), chunk_offset, at, span)
             transfer.stored[first : first + len(frames)] = torch.tensor(
                 [[n, chunk_offset + pos - base - place] for (pos, _, _, _), n, place in zip(frames, lengths, places)],
                 dtype=torch.int32,
@@ -222,12 +268,12 @@ class FrameTransfers:
         except BaseException as e:  # reported through Transfer.wait()
             error = e
             if base is None:  # the chunks after this one are placed after its raw bytes
-                transfer._place(first, len(frames), chunk_offset, span, span)
+                transfer.placement.place(first, len(frames), chunk_offset, span, span)
         finally:
             self.staging.release(slot)
-            transfer._chunk_finished(error, sums, first)
+            transfer.chunk_finished(error, sums, first)
 
-    def _read_frames(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
+    def read(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
         """Read the chunk's stored bytes (Note [packed frames]) back to back into its staging
         buffer, check them, decode, and fill ``piece``; the staging slot goes back before the
         device frames decode (Note [decode after the slot])."""
@@ -271,7 +317,7 @@ class FrameTransfers:
                 if stream is not None:
                     io_stream.wait_stream(stream)  # the caller's work on ``piece`` comes first
             if to_device:
-                decoding.enter_context(self._kept_decoders.reading())
+                decoding.enter_context(self.kept_decoders.reading())
                 # The chunk's stored bytes go to the device as they arrive (Note [copy while
                 # reading]); each payload decodes from its offset there, and the sums are
                 # taken there (Note [sums on the device]).
@@ -357,7 +403,7 @@ class FrameTransfers:
                         for pos, raw, _, _, _, _, _ in on_device
                     ]
                 if on_device:
-                    decode_stream, decoders = self._kept_decoders.on(io_stream.device)  # Note [kept decoders]
+                    decode_stream, decoders = self.kept_decoders.on(io_stream.device)  # Note [kept decoders]
                     decode_stream.wait_stream(io_stream)  # ``packed`` and ``outs`` were made there
                     on_device[0][4].decode(
                         packed,
@@ -380,7 +426,7 @@ class FrameTransfers:
             if held:
                 self.staging.release(slot)
             decoding.close()  # before the transfer completes: none is kept once it is waited for
-            transfer._chunk_finished(error, sums, first)
+            transfer.chunk_finished(error, sums, first)
 
 
 def _put_header(arr: np.ndarray, pos: int, codec_id: int, itemsize: int, raw: int, payload: int) -> None:
