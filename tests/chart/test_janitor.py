@@ -149,7 +149,7 @@ def test_the_longest_interval_renders_and_parses():
 
 
 def test_the_janitor_is_told_its_node_and_its_own_pod():
-    """Its own pod must be in every listing of its node (k8s_janitor.check_listing): a wrong
+    """Its own pod must be in every listing of its node (greenroom.dirs.k8s_api.check_listing): a wrong
     node name makes every pod's dir look gone. The chart sets POD_NAME so there is a pod to check."""
     (ds,) = by_kind(manifests(chart=JANITOR_CHART), "DaemonSet")
     (c,) = ds["spec"]["template"]["spec"]["containers"]

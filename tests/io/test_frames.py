@@ -270,7 +270,7 @@ def test_a_flipped_bit_in_a_record_is_caught_by_reads_and_by_checks_of_the_sums_
     # compare sums alone (a checkpoint's load and save: ``verify_against_table``) refuse it
     # too: the sum covers the stored length, so a length that still covers the same pages
     # does not pass.
-    from greenroom.optim.checkpoint.save_load import verify_against_table
+    from greenroom.optim.checkpoint.checks import verify_against_table
 
     g = torch.Generator().manual_seed(7)
     t = torch.cat(
@@ -306,7 +306,7 @@ def test_a_file_of_the_earlier_table_still_reads_bit_exact(tmp_path, zstd):
     # file's bytes, so it does not depend on the code that writes the current table; the
     # file and every checkpoint of such files must still read, and verify, as they are.
     from greenroom.io.integrity import page_sums
-    from greenroom.optim.checkpoint.save_load import verify_against_table
+    from greenroom.optim.checkpoint.checks import verify_against_table
 
     g = torch.Generator().manual_seed(8)
     t = torch.cat(

@@ -521,7 +521,7 @@ def test_outside_a_pod_a_node_that_cannot_be_read_deletes_nothing(api, disk_dir,
 
 
 def test_names_and_addresses_of_this_host():
-    from greenroom.dirs.janitor import is_local_address, names_host
+    from greenroom.dirs.k8s_api import is_local_address, names_host
 
     assert names_host(["gpu-7"], "GPU-7.cluster.local") and names_host(["gpu-7.cluster.local."], "gpu-7")
     assert not names_host(["gpu-7.a"], "gpu-7.b") and not names_host(["gpu-70"], "gpu-7")
@@ -635,7 +635,7 @@ def test_unreachable_api_is_one_line_in_a_single_pass(disk_dir, tmp_path):
 
 
 def test_an_unreadable_listing_skips_the_pass_and_counts_an_api_error(api, disk_dir):
-    from greenroom.dirs.janitor import ApiUnavailable
+    from greenroom.dirs.k8s_api import ApiUnavailable
 
     gone = dead(disk_dir, "uid-gone", "grpo")
     api.add_pod("uid-other", "broken")

@@ -11,6 +11,7 @@ import torch
 from greenroom.errors import CheckpointError
 from greenroom.optim import StreamingAdam
 from greenroom.optim.checkpoint import save_load as ckpt
+from greenroom.optim.checkpoint.manifest import MANIFEST
 from tests.optim.support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 SHAPES = ODD_SHAPES + [(100,)]  # the last one stays resident (tiny fp32)
@@ -59,7 +60,7 @@ def test_round_trip_in_the_middle_stays_bit_exact(disk_dir):
         ref_sched.step()
     path = os.path.join(disk_dir, "ckpt")
     opt.save_checkpoint(path)
-    manifest = json.load(open(os.path.join(path, ckpt.MANIFEST)))
+    manifest = json.load(open(os.path.join(path, MANIFEST)))
     assert manifest["moment_dtype"] == "fp32" and manifest["master_dtype"] == "fp32"
     assert manifest["topology"] == {"world_size": 1, "rank": 0, "shards": {}}
     assert set(manifest["files"]) == {f"bucket-{i:05d}.bin" for i in range(len(opt.store.buckets))} | {"resident.pt"}
@@ -88,7 +89,7 @@ def test_saving_again_replaces_the_checkpoint_atomically(saved):
     opt, params, path = saved
     _train(opt, params, 1, start=3)
     opt.save_checkpoint(path)
-    assert json.load(open(os.path.join(path, ckpt.MANIFEST)))["steps"]["0.0"] == 4.0
+    assert json.load(open(os.path.join(path, MANIFEST)))["steps"]["0.0"] == 4.0
     assert [n for n in os.listdir(os.path.dirname(path)) if n.startswith("ckpt")] == ["ckpt"]
 
 
@@ -178,7 +179,7 @@ def test_refuses_a_resident_state_that_does_not_fit_before_touching_the_state(sa
 
 def test_refuses_other_topology(saved, disk_dir):
     _, params, path = saved
-    manifest_path = os.path.join(path, ckpt.MANIFEST)
+    manifest_path = os.path.join(path, MANIFEST)
     manifest = json.load(open(manifest_path))
     manifest["topology"]["world_size"] = 4  # as if rank 0 of a 4-rank run wrote it
     json.dump(manifest, open(manifest_path, "w"))

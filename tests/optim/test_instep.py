@@ -261,7 +261,7 @@ def _assert_live_buckets_whole(base, opt, *, torn_refused=False):
     one before it, each verified against its own checksum table (never a torn mix).
     ``torn_refused``: a bucket the kill caught mid-write in place (its inode had no other
     name) may be torn; then reading it is refused in one line, never used."""
-    from greenroom.optim.checkpoint.save_load import verify_against_table
+    from greenroom.optim.checkpoint.checks import verify_against_table
 
     live = [
         os.path.join(d, n)
@@ -364,7 +364,7 @@ def test_killed_during_the_in_step_save_leaves_a_loadable_checkpoint(
 @pytest.mark.parametrize(
     "point,published,previous,mode",
     [
-        # By links (checkpoint Note [a save by links]), the previous checkpoint saved a step before.
+        # By links (save_load Note [a save by links]), the previous checkpoint saved a step before.
         ("save-bucket@1", False, "saved", "link"),  # one bucket file linked into the staged dir
         ("save-bucket@3", False, "saved", "link"),  # all of them, before resident.pt and the manifest
         ("save-staged", False, "saved", "link"),  # complete and recorded, not yet swapped in

@@ -1,7 +1,7 @@
 """Checkpoints between steps on a loop-mounted XFS with reflink: by hard links, and by
 extent clones (FICLONE) where links are refused.
 
-Beside the state a save links (``checkpoint`` Note [a save by links]). In an XFS project
+Beside the state a save links (``save_load`` Note [a save by links]). In an XFS project
 tree of another project (``xfs_io chproj`` + ``chattr +P``: the way a site gives a
 checkpoint dir its own quota) link() gives EXDEV while FICLONE still works: there the
 save clones. Either moves no data: the filesystem's free space does not drop by the

@@ -1,4 +1,4 @@
-"""``save_checkpoint`` between steps by hard links (``checkpoint`` Note [a save by links]).
+"""``save_checkpoint`` between steps by hard links (``save_load`` Note [a save by links]).
 
 Beside the state (one ext4), the save links every live bucket file into the checkpoint:
 no byte of the state read or written (the checksum tables only, read), the same bucket

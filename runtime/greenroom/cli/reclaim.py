@@ -1,8 +1,9 @@
 """``greenroom reclaim``: the command line of the stale-file janitor.
 
 The pass itself is ``greenroom.dirs.reclaim`` (lock rule, no torch); with ``--kubernetes`` the
-command runs ``greenroom.dirs.janitor`` (the pod rule) on top of it. Wiring the two here
-keeps the layers looking down: the janitor uses reclaim, reclaim knows nothing of it.
+command runs ``greenroom.dirs.janitor`` (the pod rule, ``greenroom.dirs.pod_rule``) on top of
+it. Wiring the two here keeps the layers looking down: the janitor uses reclaim, reclaim
+knows nothing of it.
 """
 
 from __future__ import annotations

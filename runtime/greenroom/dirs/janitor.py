@@ -1,30 +1,10 @@
 """``greenroom reclaim ROOT --kubernetes``: the janitor that knows which pods still exist.
 
-The lock rule (``greenroom.dirs.reclaim``) only knows that no process holds a dir. On a
-Kubernetes node we know more, through the pods bound to this node (field selector
-``spec.nodeName``, the node name from the downward API):
-
-- a dir whose owner record names a pod UID (``pod_uid``, written by ``RankDir`` from
-  ``$GREENROOM_POD_UID``, which the chart sets from ``metadata.uid``) that no longer
-  exists is stale at once, without waiting for ``--min-age``;
-- a dir of a pod that still exists and has not finished is never touched, even with its
-  lock free: the pod is between container restarts and will come back to its files;
-- a dir without a pod UID, or of a pod that has finished (Succeeded/Failed, it cannot
-  restart), is left to the lock rule and ``--min-age``.
-- a dir whose owner record was written after the listing is kept for that pass: its pod
-  may have started since, and the listing cannot say.
-
-The per-pod dirs themselves (``<root>/<pod uid>/``, made by the chart's init container)
-go too once they are empty and their pod is gone or finished: a pod that never wrote a
-rank dir (cpu target, an early failure) or whose ranks cleaned up after themselves would
-otherwise leave one empty dir per pod on the node forever. Only trees greenroom made
-(each dir holding its marker, ``greenroom.dirs.rankdir`` Note [made parents]): a dir named
-like a pod UID that the init container did not make (the kubelet's, with the init
-container turned off; one of an older chart; a user's) stays.
-
-A ``--node-name`` that is not this node would make every pod here look gone, so it is
-refused before anything is deleted: in a pod the listing must hold the janitor's own pod,
-outside one the Node must be this host, by name or address.
+Each pass lists the pods bound to this node (``k8s_api``: field selector
+``spec.nodeName``, the node name from the downward API, checked to be this node's) and
+runs ``greenroom.dirs.reclaim`` with the pod rule (``pod_rule``): a gone pod's dirs are
+stale at once, a live pod's are kept even with their locks free, the rest are left to the
+lock rule and ``--min-age``; then the empty dirs of gone pods go.
 
 Every reclaim becomes a Kubernetes Event on the Node (reason ``StaleOffloadReclaimed``,
 bytes freed, the pod and job it belonged to) and moves Prometheus counters served on
@@ -41,25 +21,29 @@ Imports no torch: the janitor image runs only this.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import ipaddress
 import os
-import re
 import signal
-import socket
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import urllib3
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from greenroom.dirs.rankdir import MADE_NAME, OWNER_NAME, remove_made_dir
+from greenroom.dirs.k8s_api import (
+    REQUEST_TIMEOUT,
+    ApiUnavailable,
+    NoApiAccess,
+    check_listing,
+    check_node_is_this_host,
+    list_node_pods,
+    load_api,
+)
+from greenroom.dirs.pod_rule import PodInfo, PodRule, remove_empty_pod_dirs
 from greenroom.dirs.reclaim import Decision, ReclaimReport, check_interval, check_seconds, print_report, reclaim
 from greenroom.errors import ConfigError
 from greenroom.io import fs
@@ -69,9 +53,7 @@ EVENT_REASON = "StaleOffloadReclaimed"
 COMPONENT = "greenroom-janitor"
 # Events about cluster-scoped objects (a Node) live in "default", as the kubelet's do.
 EVENT_NAMESPACE = "default"
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 MAX_BACKOFF_SECONDS = 300.0
-REQUEST_TIMEOUT = (5, 30)  # connect, read: a hung API server must not hang the janitor
 log = get_logger(__name__)
 
 
@@ -100,22 +82,6 @@ class JanitorConfig:
     """Decide and report, remove nothing, emit no Events."""
     as_json: bool = False
     """Print each pass's report as one JSON object."""
-
-
-@dataclass(slots=True)
-class PodInfo:
-    name: str
-    namespace: str
-    phase: str
-    job: str = ""
-
-
-class ApiUnavailable(Exception):
-    """The pod listing failed in a way that may pass (unreachable, 5xx, 429)."""
-
-
-class NoApiAccess(Exception):
-    """No credentials, or the API refuses this identity (401/403)."""
 
 
 # Said wherever the janitor deletes nothing for want of API access.
@@ -151,226 +117,6 @@ class Metrics:
         self.bytes.inc(report.bytes_freed)
         self.errors.labels("reclaim").inc(len(report.errors))
         self.passes.inc()
-
-
-def load_api() -> k8s.CoreV1Api:
-    """The in-cluster service account's API, else the kubeconfig's; NoApiAccess if neither."""
-    try:
-        k8s_config.load_incluster_config()
-    except k8s_config.ConfigException:
-        try:
-            # $KUBECONFIG read now, not when the client was imported.
-            k8s_config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
-        except (k8s_config.ConfigException, OSError) as e:
-            raise NoApiAccess(f"no in-cluster service account and no usable kubeconfig ({e})") from None
-    configuration = k8s.Configuration.get_default_copy()
-    configuration.retries = 0  # our loop backs off; urllib3's own retries would only delay that
-    return k8s.CoreV1Api(k8s.ApiClient(configuration))
-
-
-@contextlib.contextmanager
-def api_errors(doing: str, needs: str):
-    """The client's failures while ``doing`` (``"listing pods"``): NoApiAccess for a
-    401/403, with ``needs`` naming the access it takes; ApiUnavailable for the rest, which
-    may pass."""
-    try:
-        yield
-    except k8s.ApiException as e:
-        if e.status in (401, 403):
-            raise NoApiAccess(f"{doing} was refused (HTTP {e.status} {e.reason}): {needs}") from None
-        raise ApiUnavailable(f"{doing} failed: HTTP {e.status} {e.reason}") from None
-    except (urllib3.exceptions.HTTPError, OSError) as e:
-        raise ApiUnavailable(f"{doing} failed: {type(e).__name__}: {e}") from None
-    except ValueError as e:  # a reply the client's models reject (a proxy's error page, ...)
-        raise ApiUnavailable(f"{doing} failed: unreadable reply ({str(e).splitlines()[0]})") from None
-
-
-def list_node_pods(api: k8s.CoreV1Api, node_name: str) -> dict[str, PodInfo]:
-    """Pods bound to ``node_name``, by UID."""
-    with api_errors("listing pods", "the janitor's ServiceAccount needs the ClusterRole with list on pods"):
-        pods = api.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node_name}", _request_timeout=REQUEST_TIMEOUT
-        )
-    found = {}
-    for pod in pods.items or []:
-        meta = pod.metadata
-        labels = meta.labels or {}
-        job = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name") or ""
-        found[meta.uid] = PodInfo(meta.name, meta.namespace, (pod.status.phase if pod.status else "") or "", job)
-    return found
-
-
-def check_listing(pods: dict[str, PodInfo], node_name: str, own_pod: str) -> None:
-    """A listing that cannot be this node's is a ConfigError: a misspelt ``--node-name``
-    lists no pod, another node's name that node's, and either way every dir of a pod here
-    would count as gone. In a pod, the janitor's own pod must be listed; outside one, a node
-    runs at least one pod (its DaemonSets'), and ``check_node_is_this_host`` has refused
-    another node's name before the listing."""
-    if own_pod:
-        if not any(f"{p.namespace}/{p.name}" == own_pod for p in pods.values()):
-            raise ConfigError(
-                f"the pods the API lists on node {node_name!r} do not include this janitor's own "
-                f"pod {own_pod}: --node-name is not the node it runs on (the chart passes "
-                "$(NODE_NAME) from spec.nodeName); nothing deleted"
-            )
-    elif not pods:
-        raise ConfigError(
-            f"the API lists no pod on node {node_name!r}: is --node-name right (kubectl get node "
-            f"{node_name})? Every dir of a pod would have counted as gone; nothing deleted"
-        )
-
-
-def names_host(names: list[str], host: str) -> bool:
-    """Whether one of ``names`` is ``host``, case-insensitively, a short name matching the
-    first label of a dotted one (``gpu-7`` is ``gpu-7.cluster.local``; ``gpu-7.a`` is not
-    ``gpu-7.b``). Never for ``localhost``: every host is that, so it says nothing."""
-    host = host.lower().rstrip(".")
-    short_host = host.split(".")[0]
-    if short_host == "localhost":
-        return False
-    for name in (name.lower().rstrip(".") for name in names):
-        if name in (host, short_host) or name.split(".")[0] == host:
-            return True
-    return False
-
-
-def is_local_address(address: str) -> bool:
-    """Whether ``address`` is assigned to this host. A connected UDP socket sends nothing,
-    and the kernel gives it the destination itself as its source address only when that
-    address is local. (A bind test passes any address where ``ip_nonlocal_bind`` is on, as
-    on hosts that move a virtual IP, and passes 0.0.0.0 everywhere.)"""
-    try:
-        ip = ipaddress.ip_address(address)
-        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((address, 9))
-            return ipaddress.ip_address(s.getsockname()[0]) == ip
-    except (ValueError, OSError):  # not an address, no route to it (fe80:: without a scope): not here
-        return False
-
-
-def check_node_is_this_host(api: k8s.CoreV1Api, node_name: str) -> None:
-    """Outside a pod, ``check_listing`` cannot tell another real node's listing from this
-    one's (it is not empty), and with it every dir of a pod here would count as gone. So
-    the Node ``node_name`` must be this host: its name or a Hostname address is this
-    host's name, or an InternalIP/ExternalIP is assigned here. ConfigError if not;
-    ApiUnavailable or NoApiAccess (needs get on nodes) if the Node cannot be read."""
-    with api_errors(
-        f"reading node {node_name!r}",
-        "outside a pod the janitor checks that --node-name is this "
-        "host, which needs get on nodes (or run the janitor in its chart, where its own pod in the "
-        "listing is the check)",
-    ):
-        try:
-            node = api.read_node(node_name, _request_timeout=REQUEST_TIMEOUT)
-        except k8s.ApiException as e:
-            if e.status != 404:
-                raise
-            node = None
-    if node is None:
-        raise ConfigError(
-            f"the API has no node {node_name!r}: is --node-name right (kubectl get nodes)? Nothing deleted"
-        )
-    addresses = [(a.type, a.address) for a in (node.status.addresses if node.status else None) or []]
-    names = [node_name] + [address for kind, address in addresses if kind == "Hostname"]
-    hostname = socket.gethostname()
-    ips = [address for kind, address in addresses if kind in ("InternalIP", "ExternalIP")]
-    # The FQDN last: it may ask DNS.
-    if names_host(names, hostname) or any(is_local_address(ip) for ip in ips) or names_host(names, socket.getfqdn()):
-        return
-    shown = ", ".join(f"{kind} {address}" for kind, address in addresses) or "no addresses"
-    raise ConfigError(
-        f"--node-name {node_name!r} is not this host {hostname!r}: node {node_name!r} has "
-        f"{shown}, none of them this host's names or addresses, and every dir of a pod here would "
-        "have counted as gone; nothing deleted. Pass this node's name, or run the janitor in its "
-        "chart (there its own pod in the listing is the check)"
-    )
-
-
-_POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-
-
-MTIME_SLACK_S = 1.0
-
-
-def remove_empty_pod_dirs(root: str, pods: dict[str, PodInfo], *, listed_at: float, dry_run: bool) -> list[str]:
-    """Remove ``<root>/<pod uid>/`` trees of dirs greenroom made that hold nothing but their
-    markers, of pods that are not on the node any more (or finished). Only dirs already
-    there when the pod listing was taken (``listed_at``): a pod started since is not in it,
-    and its init container may have just made its dir. ``rmdir`` only, so a file written
-    meanwhile keeps its dir."""
-    removed = []
-    # A ROOT given as a symlink: the dev of the dir it names, as ``reclaim`` resolves it (the
-    # link's own, on another filesystem, would match no pod dir, and none would ever go).
-    root = os.path.realpath(root)
-    root_dev = os.lstat(root).st_dev
-    for entry in os.scandir(root):
-        pod = pods.get(entry.name)
-        if not _POD_UID.match(entry.name) or (pod is not None and pod.phase not in TERMINAL_PHASES):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-            # A second of slack: file times come from the kernel's coarse clock, which lags
-            # time.time() by up to a tick, so a dir made just after the listing can carry
-            # a time just before it.
-            if (
-                not entry.is_dir(follow_symlinks=False)
-                or st.st_dev != root_dev
-                or st.st_mtime >= listed_at - MTIME_SLACK_S
-            ):
-                continue
-            tree = list(os.walk(entry.path, topdown=False))
-        except OSError:
-            continue
-        if any(files != [MADE_NAME] for _, _, files in tree):
-            continue  # a file of its own, or a dir greenroom did not make (no marker)
-        # Deepest first (a bottom-up walk); something that appeared meanwhile, or a dir
-        # gone, stops it and leaves the rest.
-        if not dry_run and not all(remove_made_dir(path) for path, _, _ in tree):
-            continue
-        removed.append(entry.path)
-    return removed
-
-
-@dataclass
-class PodRule:
-    """The owner policy for ``greenroom.dirs.reclaim``: decides by the pod named in the record."""
-
-    pods: dict[str, PodInfo]
-    listed_at: float
-    """When the pod listing was asked for (``time.time()``)."""
-    # The pods of this listing and the last one (``Janitor.seen``), so an Event can name a
-    # pod just gone.
-    seen: dict[str, PodInfo] = field(default_factory=dict)
-
-    def __call__(self, path: str, owner: dict) -> str | None:
-        # A record written after the listing may be a pod started since, which the listing
-        # does not have: its rank, dead at once or between restarts, would pass for a gone
-        # pod's. The next pass's listing has that pod.
-        try:
-            if (
-                os.stat(os.path.join(path, OWNER_NAME), follow_symlinks=False).st_mtime
-                >= self.listed_at - MTIME_SLACK_S
-            ):
-                return "keep"
-        except FileNotFoundError:
-            return "keep"  # rewritten or removed meanwhile: decided by the next pass
-        uid = owner.get("pod_uid")
-        if not uid:
-            # The chart mounts each pod's dir at <root>/<pod uid>/ (subPathExpr): a record
-            # written without $GREENROOM_POD_UID still sits under its live pod's UID.
-            if any(part in self.pods and self.pods[part].phase not in TERMINAL_PHASES for part in path.split(os.sep)):
-                return "keep"
-            return None
-        pod = self.pods.get(uid)
-        if pod is None:
-            return "stale"
-        return None if pod.phase in TERMINAL_PHASES else "keep"
-
-    def describe(self, owner: dict) -> str:
-        uid = owner.get("pod_uid")
-        pod = self.seen.get(uid) if uid else None
-        who = f"pod {pod.namespace}/{pod.name} (uid {uid})" if pod else (f"pod uid {uid}" if uid else "no pod")
-        return f"{who}, job {owner.get('job', 'unknown')}"
 
 
 def _event(node_name: str, decision: Decision, rule: PodRule | None) -> k8s.CoreV1Event:

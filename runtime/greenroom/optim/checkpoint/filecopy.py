@@ -36,7 +36,7 @@ class FileSums:
     save whose sums differ from the file's table raises before anything is published
     (no extra read: ``verify_against_table`` is the reading form). A state written in
     the step (``optim.checkpoint.instep``) was verified by the step's own reads; a link or a
-    clone (``checkpoint`` Note [a save by links]) reads nothing and is not checked here.
+    clone (``save_load`` Note [a save by links]) reads nothing and is not checked here.
     """
 
     def __init__(self, file: StateFile, *, expect: bool) -> None:

@@ -24,7 +24,7 @@ After the step's pass: a bucket the step did not stream (no grads) is linked fro
 live file where links work, else copied (the only reads, counted in
 ``extra_bytes_read``); a bucket in the host cache is written from host memory; then
 ``resident.pt``, the manifest and the publish, as ``save_checkpoint`` ends
-(``checkpoint.finish_checkpoint``). The manifest records each bucket file's size and
+(``manifest.finish_checkpoint``). The manifest records each bucket file's size and
 the CRC-32 of its checksum table; a load verifies the table against that and every
 byte against the table, before it reads a byte of state.
 
@@ -48,8 +48,9 @@ from greenroom.faults import kill_point
 from greenroom.io import publish
 from greenroom.io.engine import StateFile, verify_default
 from greenroom.log import get_logger
+from greenroom.optim.checkpoint.checks import table_crc32
 from greenroom.optim.checkpoint.filecopy import copy_file
-from greenroom.optim.checkpoint.save_load import finish_checkpoint, table_crc32
+from greenroom.optim.checkpoint.manifest import finish_checkpoint
 from greenroom.optim.store.hardlink import link_over, links_work
 
 log = get_logger(__name__)
