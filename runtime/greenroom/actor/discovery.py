@@ -97,8 +97,7 @@ def _scan() -> tuple[list[torch.Tensor], set[int]]:
     tensors = [o for o in objects if type(o) in tensor_types]
     own: set[int] = set()
     for o in [o for o in objects if type(o) in own_types] if own_types else []:
-        held = [o._backing] if issubclass(type(o), StagingBuffers) else o.owned()
-        own.update(t.untyped_storage()._cdata for t in held)
+        own.update(t.untyped_storage()._cdata for t in o.owned())
     return tensors, own
 
 

@@ -52,6 +52,11 @@ class StagingBuffers:
     def total_bytes(self) -> int:
         return self.buffer_bytes * len(self.buffers)
 
+    def owned(self) -> list[torch.Tensor]:
+        """The host memory these buffers hold (``HostMover.owned``'s counterpart): what a
+        scan for the actor's tensors must leave alone."""
+        return [self._backing]
+
     def acquire(self) -> int:
         return self._free.get()
 
