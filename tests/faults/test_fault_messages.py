@@ -136,7 +136,7 @@ def test_a_checkpoint_saved_without_verification_loads_with_it_and_says_so(disk_
             assert torch.equal(a, b)
         # Bucket 1 stays on the device for the next step, which reads bucket 0 from its
         # file (optim.store.held Note [the last bucket stays]).
-        assert resumed.store._kept.index == 1
+        assert resumed.store.held.kept.index == 1
         with open(resumed.store.path(0), "r+b") as f:
             f.seek(4096 + 7)
             byte = f.read(1)

@@ -121,7 +121,7 @@ def test_a_copying_save_checks_every_byte_against_the_live_checksums(disk_dir):
         opt.step()
         # Bucket 1 stays on the device after the step, and the save writes it out first
         # (optim.store.held Note [the last bucket stays]): the flip goes in bucket 0.
-        assert opt.store._kept.index == 1
+        assert opt.store.held.kept.index == 1
         with open(opt.store.path(0), "r+b") as f:
             f.seek(4096 * 3 + 1)
             byte = f.read(1)

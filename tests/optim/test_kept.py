@@ -81,7 +81,7 @@ def test_everything_that_reads_the_files_gets_the_kept_buckets_newest_bytes(disk
         set_grads(ours, twin, step=step)
         opt.step()
         other.step()
-    kept = opt.store._kept.index
+    kept = opt.store.held.kept.index
     stale = _file_bytes(opt, kept)
     state = opt.state_dict()  # through flush: the bucket written back, then mapped
     assert opt.store.kept_bytes == 0 and _file_bytes(opt, kept) != stale
@@ -146,7 +146,7 @@ def test_a_failed_write_back_keeps_the_bucket_and_a_retry_writes_it(disk_dir, fa
     set_grads(ours, twin, step=0)
     opt.step()
     other.step()
-    kept = opt.store._kept.index
+    kept = opt.store.held.kept.index
     fail_a_write_of(opt.store.path(kept))
     with pytest.raises(StorageError, match=r"bucket-\d+\.bin: write of .* Input/output error"):
         opt.release_device_memory()

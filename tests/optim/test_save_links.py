@@ -100,7 +100,7 @@ def test_saving_twice_without_a_step_shares_the_inodes_and_leaves_one_link_per_c
     assert _files(path) == saved
     # The bucket the step kept on the device (optim.store.held Note [the last bucket stays])
     # still has its old inode, and its new file is made: written back, it takes the name.
-    kept = os.path.basename(opt.store.path(opt.store._kept.index))
+    kept = os.path.basename(opt.store.path(opt.store.held.kept.index))
     assert [n for n in os.listdir(opt.store.directory) if n.endswith(".new")] == [kept + ".new"]
     opt.store.flush()
     assert not set(_inodes(path).values()) & set(_inodes(opt.store.directory).values())

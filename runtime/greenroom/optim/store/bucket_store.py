@@ -47,18 +47,17 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from greenroom.errors import ConfigError
 from greenroom.io.engine import STORE_RAW, StateFile, TransferEngine
-from greenroom.optim import remainder
 from greenroom.optim.moments import moment_codecs
-from greenroom.optim.store.files import BucketFiles, DeviceBuffer, Replacement
+from greenroom.optim.store.buffers import DeviceBuffer, DeviceBuffers
+from greenroom.optim.store.files import BucketFiles, Replacement, remove_created
 from greenroom.optim.store.held import HeldBuckets, Kept
-from greenroom.optim.store.hostcache import HostCopy, unpin
+from greenroom.optim.store.hostcache import HostCache, HostCopy
 from greenroom.optim.store.layout import (
     DEFAULT_BUCKET_NUMEL,
     DEVICE_BUFFERS,
@@ -68,7 +67,10 @@ from greenroom.optim.store.layout import (
     Entry,
     Segment,
     build_buckets,
+    describe,
+    master_layout,
 )
+from greenroom.optim.store.views import StateViews
 
 
 class StepCheckpoint(Protocol):
@@ -87,15 +89,7 @@ class StepCheckpoint(Protocol):
         """Bucket ``index``'s live file now holds the step's result: link it in."""
 
 
-def _remove_created(files: list[StateFile]) -> None:
-    """Unlink the files of ``files`` that their opening created: a failed setup or
-    extension leaves no file it made."""
-    for f in files:
-        if f.created and os.path.exists(f.path):
-            os.unlink(f.path)
-
-
-class BucketStore(HeldBuckets):
+class BucketStore:
     """Per-bucket state files for ``entries`` in ``directory``, streamed to ``device``.
 
     Args:
@@ -136,8 +130,6 @@ class BucketStore(HeldBuckets):
         self.entries = list(entries)
         if params is None and any(e.remainder for e in self.entries):
             raise ConfigError("BucketStore: entries store their master as a remainder but no params were given")
-        self.params = params
-        self.reseeded_blocks = 0  # fingerprint blocks re-seeded from changed params (a device tensor once any ran)
         self.directory = directory
         self.bucket_numel = bucket_numel
         self.moment_dtype = moment_dtype
@@ -148,28 +140,25 @@ class BucketStore(HeldBuckets):
         self.buckets = build_buckets(
             self.entries, bucket_numel, moment_dtype, compressed=compression is not None, moments=moments
         )
-        self._buffers: list[DeviceBuffer] = []
-        self._kept: Kept | None = None  # optim.store.held Note [the last bucket stays]
-        self._scratch: dict[str, torch.Tensor] = {}
-        self.bytes_read = 0
-        self.bytes_written = 0
-        self.host_cache_budget = host_cache_bytes
-        self.host_cache: dict[int, torch.Tensor] = {}  # bucket index -> its bytes (Note [host cache])
-        self._stale: set[int] = set()  # cached buckets whose file lags behind the cache
-        self._pinned = self.device.type == "cuda"
-        self._copy_stream = None
+        self.buffers = DeviceBuffers(lambda: self.max_bucket_bytes, self.device)
+        self._bytes_read = 0  # the stream's; the held buckets' write-backs count their own
+        self._bytes_written = 0
+        self.cache = HostCache(host_cache_bytes, self.device)  # optim.store.held Note [host cache]
         self.engine = TransferEngine(chunk_bytes)
         self.bucket_files = BucketFiles(self.buckets, directory, compression)
+        self.held = HeldBuckets(self.buckets, self.bucket_files, self.engine, self.cache, self._write)
+        codecs = (self.avg_codec, self.sq_codec)
+        self.views = StateViews(self.entries, self.buckets, params, codecs, self.device, self.bucket_files.path)
         try:
             for bucket in self.buckets:
                 self.files.append(self.bucket_files.open_file(bucket))
-            self._cache_buckets(range(len(self.buckets)))
+            self.cache.take(self.buckets)
         except BaseException:
             # A failed setup (no space for bucket 7, say) leaves no file it created.
             try:
                 self.close()
             finally:
-                _remove_created(self.files)
+                remove_created(self.files)
             raise
 
     # The bucket files are an object of their own (``files.BucketFiles``); these are its
@@ -200,6 +189,52 @@ class BucketStore(HeldBuckets):
     def link_file(self, index: int, source: str) -> None:
         self.bucket_files.link_file(index, source)
 
+    # The host cache and the kept bucket are objects of their own too (``hostcache.HostCache``,
+    # ``held.HeldBuckets``, Notes [host cache] and [the last bucket stays]); their public face:
+    @property
+    def host_cache(self) -> dict[int, torch.Tensor]:
+        """Bucket index -> its bytes, for the cached buckets."""
+        return self.cache.tensors
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
+    def disk_bytes_per_step(self) -> int:
+        return self.held.disk_bytes_per_step
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.held.kept_bytes
+
+    @property
+    def reseeded_blocks(self):
+        """Fingerprint blocks re-seeded from changed params (Note [remainder]; a device tensor once any ran)."""
+        return self.views.reseeded_blocks
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of bucket files read (``file_bytes`` each; ``disk_bytes``: what reached the disk)."""
+        return self._bytes_read + self.held.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of bucket files written (``file_bytes`` each; ``disk_bytes``: what reached the disk)."""
+        return self._bytes_written + self.held.bytes_written
+
+    def write_cached(self, index: int, file: StateFile):
+        return self.held.write_cached(index, file)
+
+    def flush(self) -> None:
+        self.held.flush()
+
+    def discard_kept(self) -> None:
+        self.held.discard_kept()
+
+    def refill_host_cache(self) -> None:
+        self.held.refill()
+
     def _write(
         self, raw: torch.Tensor, bucket: Bucket, *, file: StateFile | None = None, mirror: StateFile | None = None
     ):
@@ -228,41 +263,19 @@ class BucketStore(HeldBuckets):
 
     def layout(self) -> dict:
         """The layout as JSON: what a checkpoint must match to be read back."""
-        return {
-            "bucket_numel": self.bucket_numel,
-            "moment_dtype": self.moment_dtype,
-            "master_dtype": "fp32",
-            "master_layout": self.master_layout,
-            "moments": self.moments,
-            "compression": self.compression.name if self.compression is not None else "none",
-            "entries": [
-                {"name": e.name, "shape": list(e.shape), "group": e.group, "master": e.master, "remainder": e.remainder}
-                for e in self.entries
-            ],
-            "buckets": [
-                {
-                    "file": FILE_PATTERN.format(b.index),
-                    "entries": list(b.entries),
-                    "numel": b.numel,
-                    "file_bytes": b.file_bytes,
-                    "segments": {
-                        name: None if seg is None else [seg.offset, seg.nbytes]
-                        for name, seg in (
-                            ("master", b.master),
-                            ("fixups", b.fixups),
-                            ("exp_avg", b.exp_avg),
-                            ("exp_avg_sq", b.exp_avg_sq),
-                        )
-                    },
-                }
-                for b in self.buckets
-            ],
-        }
+        return describe(
+            self.entries,
+            self.buckets,
+            bucket_numel=self.bucket_numel,
+            moment_dtype=self.moment_dtype,
+            moments=self.moments,
+            compression=self.compression.name if self.compression is not None else "none",
+        )
 
     @property
     def master_layout(self) -> str:
         """``remainder`` when any master is stored as a remainder (Note [remainder]), else ``fp32``."""
-        return "remainder" if any(e.remainder for e in self.entries) else "fp32"
+        return master_layout(self.entries)
 
     # -- initialization -------------------------------------------------------------
     def initialize(self, source: Callable[[int], torch.Tensor] | Sequence[torch.Tensor]) -> None:
@@ -271,23 +284,13 @@ class BucketStore(HeldBuckets):
         bucket at a time on the device, each file synced and its pages dropped (a cached
         bucket goes to its host memory instead, Note [host cache])."""
         get = source if callable(source) else source.__getitem__
-        self._write_back_kept()
-        buffer = self._buffer(0)
+        self.held.write_back_kept()
+        buffer = self.buffers.get(0)
         for bucket, file in zip(self.buckets, self.files):
             raw = buffer.raw[: bucket.data_bytes]
             raw.zero_()  # zero bytes decode to zero moments in every codec
-            if bucket.master is not None:
-                master = (
-                    self._scratch_tensor("master")[: bucket.numel]
-                    if bucket.remainder
-                    else self._master_view(raw, bucket)
-                )
-                for i, start in zip(bucket.entries, bucket.offsets):
-                    n = self.entries[i].numel
-                    master[start : start + n].copy_(get(i).detach().reshape(-1))
-                if bucket.remainder:
-                    self._encode_remainder(bucket, master, raw)
-            self._store_bucket(bucket.index, raw)
+            self.views.fill_masters(bucket, raw, get)
+            self.held.store_bucket(bucket.index, raw)
 
     def overwrite(self, fill: Callable[[BucketState], None], indices: Sequence[int] | None = None) -> None:
         """Replace the contents of the buckets ``indices`` (default all), bounded like
@@ -296,23 +299,23 @@ class BucketStore(HeldBuckets):
         bucket is encoded, written to its file (or its host memory, Note [host cache]),
         synced and its pages dropped before the next one starts."""
         order = range(len(self.buckets)) if indices is None else indices
-        self._write_back_kept()
-        buffer = self._buffer(0)
+        self.held.write_back_kept()
+        buffer = self.buffers.get(0)
         for index in order:
             bucket = self.buckets[index]
             raw = buffer.raw[: bucket.data_bytes]
             raw.zero_()  # zero bytes decode to zero moments in every codec
-            state = self._decode(index, buffer)
+            state = self.views.decode(index, buffer.raw)
             fill(state)
-            self._encode(state, buffer)
-            self._store_bucket(index, raw)
+            self.views.encode(state, buffer.raw)
+            self.held.store_bucket(index, raw)
 
     def extend(self, entries: Sequence[Entry]) -> list[int]:
         """Append ``entries`` in new buckets of their own (``add_param_group``); returns
         the new buckets' indices. Their files are created but not filled: ``overwrite``
         them before streaming."""
         # Before any new file: a failed write-back of the kept bucket then leaves none behind.
-        self._write_back_kept()
+        self.held.write_back_kept()
         first_entry, first_bucket = len(self.entries), len(self.buckets)
         added = [
             dataclasses.replace(b, index=first_bucket + b.index, entries=tuple(first_entry + i for i in b.entries))
@@ -331,13 +334,13 @@ class BucketStore(HeldBuckets):
         except BaseException:
             for f in files:
                 f.close()
-            _remove_created(files)  # as a failed setup does
+            remove_created(files)  # as a failed setup does
             raise
         self.release_device_buffers()  # the buffers are sized for the largest bucket
         self.entries.extend(entries)
         self.buckets.extend(added)
         self.files.extend(files)
-        self._cache_buckets([b.index for b in added])  # what budget is left, by the same rule
+        self.cache.take(added)  # what budget is left, by the same rule
         return [b.index for b in added]
 
     # -- the step -------------------------------------------------------------------
@@ -357,22 +360,22 @@ class BucketStore(HeldBuckets):
         if not order:
             return
         linked = checkpoint is not None and checkpoint.links
-        if self._kept is not None and self._kept.index not in order:
-            self._write_back_kept()
-        kept, self._kept = self._kept, None
+        if self.held.kept is not None and self.held.kept.index not in order:
+            self.held.write_back_kept()
+        kept = self.held.take_kept()
         if kept is not None and linked and kept.new_file is not None:  # the checkpoint brings a new file
             self.bucket_files.drop(Replacement(kept.index, kept.new_file, False))
             kept.new_file = None
-        order = self._order(order, kept.index if kept is not None else None)
+        order = self.held.order(order, kept.index if kept is not None else None)
         try:
-            unkept = [i for i in order if i not in self.host_cache and (kept is None or i != kept.index)]
+            unkept = [i for i in order if i not in self.cache and (kept is None or i != kept.index)]
             fresh = {} if linked else self.bucket_files.new_files(unkept)
         except BaseException:
-            self._kept = kept
+            self.held.keep(kept)
             raise
         if kept is not None and kept.new_file is not None:
             fresh[kept.index] = kept.new_file
-        buffers = self._ring(min(DEVICE_BUFFERS, len(order)), kept.buffer if kept is not None else None)
+        buffers = self.buffers.ring(min(DEVICE_BUFFERS, len(order)), kept.buffer if kept is not None else None)
         pending = HostCopy() if kept is not None else self._submit_read(order[0], buffers[0])
         last = None  # the bucket to keep on the device when the stream ends
         failed = True
@@ -384,10 +387,10 @@ class BucketStore(HeldBuckets):
                     ahead = buffers[(k + 1) % len(buffers)]
                     self._finish_write(ahead, checkpoint)  # its last bucket leaves that buffer before k+1 comes in
                     pending = self._submit_read(order[k + 1], ahead)
-                state = self._decode(index, buffer)
+                state = self.views.decode(index, buffer.raw)
                 yield state
-                self._encode(state, buffer)
-                if k + 1 == len(order) and checkpoint is None and index not in self.host_cache:
+                self.views.encode(state, buffer.raw)
+                if k + 1 == len(order) and checkpoint is None and index not in self.cache:
                     last = Kept(index, buffer, fresh.pop(index, None))
                 else:
                     self._submit_write(index, buffer, checkpoint, fresh)
@@ -395,7 +398,7 @@ class BucketStore(HeldBuckets):
             failed = False
         finally:
             if kept is not None:  # failed or closed before its write-back began: its file never had them
-                self._kept = kept
+                self.held.keep(kept)
                 fresh.pop(kept.index, None)
             try:
                 self.engine.drain()
@@ -403,7 +406,7 @@ class BucketStore(HeldBuckets):
                 failed = True
                 raise
             finally:
-                self._sync_host_copies()
+                self.cache.sync()
                 for buffer in buffers:
                     buffer.write = None
                     if failed:
@@ -415,7 +418,7 @@ class BucketStore(HeldBuckets):
                 for index, f in fresh.items():  # made for a bucket the stream never wrote
                     self.bucket_files.drop(Replacement(index, f, False))
                 if last is not None:  # updated, even where another bucket's write-back failed
-                    self._kept = last
+                    self.held.keep(last)
 
     def _finish_write(self, buffer: DeviceBuffer, checkpoint: StepCheckpoint | None) -> None:
         """Wait for the write still reading ``buffer``; give its new file the live name, or
@@ -433,9 +436,9 @@ class BucketStore(HeldBuckets):
     def _submit_read(self, index: int, buffer: DeviceBuffer):
         bucket = self.buckets[index]
         raw = buffer.raw[: bucket.data_bytes]
-        if index in self.host_cache:
-            return self._host_copy(raw, self.host_cache[index], to_device=True)
-        self.bytes_read += bucket.file_bytes
+        if index in self.cache:
+            return self.cache.read(index, raw)
+        self._bytes_read += bucket.file_bytes
         return self.engine.read(raw, self.files[index], 0)
 
     def _submit_write(
@@ -447,11 +450,10 @@ class BucketStore(HeldBuckets):
         bucket = self.buckets[index]
         raw = buffer.raw[: bucket.data_bytes]
         target = checkpoint.bucket_file(index) if checkpoint is not None else None
-        if index in self.host_cache:
-            self._stale.add(index)
-            buffer.write = self._host_copy(self.host_cache[index], raw, to_device=False)
+        if index in self.cache:
+            buffer.write = self.cache.write(index, raw)
             return
-        self.bytes_written += bucket.file_bytes
+        self._bytes_written += bucket.file_bytes
         mirror = None
         if target is not None and checkpoint.links and self.shared(index):
             buffer.replacing = Replacement(index, target, True)
@@ -465,102 +467,22 @@ class BucketStore(HeldBuckets):
         file = buffer.replacing.file if buffer.replacing is not None else None
         buffer.write = self._write(raw, bucket, file=file, mirror=mirror)
 
-    def _decode(self, index: int, buffer: DeviceBuffer) -> BucketState:
-        bucket = self.buckets[index]
-        raw = buffer.raw
-        if bucket.remainder:
-            master = self._scratch_tensor("master")[: bucket.numel]
-            params = [(start, self.params(i)) for i, start in zip(bucket.entries, bucket.offsets)]
-            reseeded = remainder.decode(master, self._low_view(raw, bucket), self._fixups_view(raw, bucket), params)
-            self.reseeded_blocks = reseeded + self.reseeded_blocks
-        else:
-            master = self._master_view(raw, bucket) if bucket.master is not None else None
-        moments = []
-        for codec, seg, key in (
-            (self.avg_codec, bucket.exp_avg, "exp_avg"),
-            (self.sq_codec, bucket.exp_avg_sq, "exp_avg_sq"),
-        ):
-            if seg is None:
-                moments.append(None)
-                continue
-            seg_raw = raw[seg.offset : seg.offset + seg.nbytes]
-            if codec.identity:
-                moments.append(codec.view(seg_raw, bucket.numel))
-            else:
-                work = self._scratch_tensor(key)[: bucket.numel]
-                codec.decode(seg_raw, work)
-                moments.append(work)
-        shapes = [self.entries[i].shape for i in bucket.entries]
-        return BucketState(bucket=bucket, master=master, exp_avg=moments[0], exp_avg_sq=moments[1], _shapes=shapes)
-
-    def _encode(self, state: BucketState, buffer: DeviceBuffer) -> None:
-        bucket = state.bucket
-        if bucket.remainder:
-            self._encode_remainder(bucket, state.master, buffer.raw)
-        for codec, seg, work in (
-            (self.avg_codec, bucket.exp_avg, state.exp_avg),
-            (self.sq_codec, bucket.exp_avg_sq, state.exp_avg_sq),
-        ):
-            if seg is not None and not codec.identity:
-                codec.encode(work, buffer.raw[seg.offset : seg.offset + seg.nbytes])
-
-    def _encode_remainder(self, bucket: Bucket, master: torch.Tensor, raw: torch.Tensor) -> None:
-        remainder.encode(
-            master,
-            self._low_view(raw, bucket),
-            self._fixups_view(raw, bucket),
-            label=f"{self.path(bucket.index)}: bucket {bucket.index} of the optimizer state",
-        )
-
     # -- buffers --------------------------------------------------------------------
-    @staticmethod
-    def _low_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        return raw[bucket.master.offset : bucket.master.offset + bucket.master.nbytes].view(torch.int16)
-
-    @staticmethod
-    def _fixups_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        return raw[bucket.fixups.offset : bucket.fixups.offset + bucket.fixups.nbytes]
-
-    @staticmethod
-    def _master_view(raw: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        return raw[bucket.master.offset : bucket.master.offset + bucket.master.nbytes].view(torch.float32)
-
-    def _buffer(self, i: int) -> DeviceBuffer:
-        while len(self._buffers) <= i:
-            self._buffers.append(DeviceBuffer(self.max_bucket_bytes, self.device))
-        return self._buffers[i]
-
-    def _ring(self, count: int, first: DeviceBuffer | None) -> list[DeviceBuffer]:
-        """``count`` distinct device buffers for a stream, ``first`` (the kept bucket's) leading."""
-        ring = [] if first is None else [first]
-        i = 0
-        while len(ring) < count:
-            if self._buffer(i) is not first:
-                ring.append(self._buffer(i))
-            i += 1
-        return ring
-
-    def _scratch_tensor(self, key: str) -> torch.Tensor:
-        if key not in self._scratch:
-            numel = max(b.numel for b in self.buckets)
-            self._scratch[key] = torch.empty(numel, dtype=torch.float32, device=self.device)
-        return self._scratch[key]
-
     def device_bytes(self) -> int:
         """Device memory the store holds now (bucket buffers and scratch)."""
-        return sum(s.raw.numel() for s in self._buffers) + sum(t.numel() * 4 for t in self._scratch.values())
+        return self.buffers.nbytes + self.views.scratch_bytes
 
     def release_device_buffers(self) -> None:
         """Write the kept bucket back, drain I/O and give the device buffers and scratch
         back (before the actor sleeps, say): then they hold nothing the files lack, and
         ``stream`` and ``initialize`` make them again when next needed."""
-        self._write_back_kept()  # not under the finally: if it fails, its buffer is the state
+        self.held.write_back_kept()  # not under the finally: if it fails, its buffer is the state
         try:
             self.engine.drain()
         finally:
-            self._sync_host_copies()
-            self._buffers.clear()
-            self._scratch.clear()
+            self.cache.sync()
+            self.buffers.release()
+            self.views.release()
 
     def close(self, *, write_back: bool = True) -> None:
         """Flush the host cache and the kept bucket, drain I/O, close the files (they stay
@@ -568,8 +490,7 @@ class BucketStore(HeldBuckets):
         ``write_back`` False the files keep what they hold and nothing new is written: for
         a store dropped unclosed, whose files no one reads again (see ``StreamedOptimizer.__del__``)."""
         if not write_back:
-            self._stale.clear()
-            self.discard_kept()
+            self.held.discard()
         try:
             try:
                 self.flush()
@@ -579,11 +500,7 @@ class BucketStore(HeldBuckets):
             self.engine.close()
             for f in self.files:
                 f.close()
-            if self._pinned:
-                for host in self.host_cache.values():
-                    unpin(host)
-            self.host_cache.clear()
-            self._stale.clear()
+            self.cache.free()
 
 
 __all__ = [

@@ -3,7 +3,7 @@
 ``BucketFiles`` is the part of ``BucketStore`` that knows the files as files: where each
 bucket's live file is (``path``), its open ``StateFile`` (``files``), the files of a
 checkpoint's copy (``open_copy``, ``open_existing``), the disk bytes moved, and the
-rule below.
+rule below; ``remove_created`` unlinks what a failed opening made.
 
 Note [new inodes]: a bucket is written in place only while its file's inode has one
 name (``fstat``'s ``st_nlink``, checked on the open fd: a checkpoint's link and a user's
@@ -26,8 +26,6 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
 from greenroom.faults import kill_point
 from greenroom.io.engine import StateFile
 from greenroom.optim.store.hardlink import NEW_SUFFIX, link_over
@@ -43,19 +41,6 @@ class Replacement:
     index: int
     file: StateFile
     linked: bool
-
-
-class DeviceBuffer:
-    """A device buffer holding one bucket file's bytes, the write still reading it, and
-    the new file that write fills, to be installed once it is over (``optim.store.files`` Note [new inodes])."""
-
-    __slots__ = ("raw", "write", "replacing", "link_out")
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.write = None
-        self.replacing: Replacement | None = None
-        self.link_out: int | None = None  # a bucket written in place, for the checkpoint to link once written
 
 
 class BucketFiles:
@@ -202,3 +187,11 @@ class BucketFiles:
         replacing.file.close()
         if not replacing.linked and os.path.lexists(replacing.file.path):
             os.unlink(replacing.file.path)
+
+
+def remove_created(files: list[StateFile]) -> None:
+    """Unlink the files of ``files`` that their opening created: a failed setup or
+    extension leaves no file it made."""
+    for f in files:
+        if f.created and os.path.exists(f.path):
+            os.unlink(f.path)

@@ -1,10 +1,11 @@
 """The buckets whose newest bytes are held off their files between steps: the host
 cache's, and the bucket the last step kept on the device.
 
-``HeldBuckets`` is the part of ``BucketStore`` that keeps them (a base class of the store;
-the files themselves are the store's ``optim.store.files.BucketFiles``): which buckets the host cache holds, the order a
-stream takes so that it starts on the kept bucket, and the write-backs that make the
-files whole again (``flush``) before anything reads them around the stream.
+``HeldBuckets`` is the part of ``BucketStore`` that keeps them (the store owns one, beside
+the ``optim.store.hostcache.HostCache`` it hands it and the ``optim.store.files.BucketFiles``
+of the files themselves): the kept bucket, the order a stream takes so that it starts on
+it, and the write-backs that make the files whole again (``flush``) before anything
+reads them around the stream.
 
 Note [host cache]: whole buckets, as many as fit in ``host_cache_bytes``, live in host
 memory (pinned when the store's device is CUDA) instead of going to the disk each step.
@@ -49,13 +50,15 @@ run (the rank dir removes them), and resumes come from checkpoints.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol
 
 import torch
 
 from greenroom.io.engine import StateFile, TransferEngine
-from greenroom.optim.store.files import DeviceBuffer, Replacement
-from greenroom.optim.store.hostcache import HostCopy, host_memory
+from greenroom.optim.store.buffers import DeviceBuffer
+from greenroom.optim.store.files import BucketFiles, Replacement
+from greenroom.optim.store.hostcache import HostCache
+from greenroom.optim.store.layout import Bucket
 
 
 @dataclass(eq=False, slots=True)
@@ -69,116 +72,104 @@ class Kept:
     new_file: StateFile | None
 
 
-class HeldBuckets:
-    """The host cache and the kept bucket of a ``BucketStore`` (a base class: it uses the
-    store's ``engine``, ``device``, ``bytes_read``/``bytes_written`` and ``_write``)."""
+class WriteBucket(Protocol):
+    """How the store writes a bucket's bytes through the engine (``BucketStore`` tells a
+    codec each segment's element size): to ``file``, and the ``Transfer`` to wait on."""
 
-    engine: TransferEngine
-    device: torch.device
-    host_cache_budget: int
-    host_cache: dict[int, torch.Tensor]  # bucket index -> its bytes (Note [host cache])
-    _stale: set[int]  # cached buckets whose file lags behind the cache
-    _kept: Kept | None  # Note [the last bucket stays]
-    _pinned: bool
-    _copy_stream: torch.cuda.Stream | None
-    bytes_read: int
-    bytes_written: int
+    def __call__(self, raw: torch.Tensor, bucket: Bucket, *, file: StateFile): ...
+
+
+class HeldBuckets:
+    """The kept bucket of a ``BucketStore`` and the write-backs of what it and the host
+    cache hold (Notes [host cache], [the last bucket stays]). The store owns one and
+    hands it its own ``buckets`` list (the buckets it adds are this object's too), its
+    files, engine and host cache, and ``write``, its way of writing a bucket.
+
+    ``bytes_read``/``bytes_written``: the file bytes this object moved (the store adds
+    them to its stream's)."""
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        bucket_files: BucketFiles,
+        engine: TransferEngine,
+        cache: HostCache,
+        write: WriteBucket,
+    ) -> None:
+        self.buckets = buckets
+        self.bucket_files = bucket_files
+        self.engine = engine
+        self.cache = cache
+        self.write = write
+        self.kept: Kept | None = None  # Note [the last bucket stays]
+        self.bytes_read = 0
+        self.bytes_written = 0
 
     def write_cached(self, index: int, file: StateFile):
         """Write cached bucket ``index``'s host bytes to ``file`` (no read: the cache is the state)."""
-        return self._write(self.host_cache[index], self.buckets[index], file=file)
-
-    @property
-    def host_cache_bytes(self) -> int:
-        """Host memory the cached buckets take (at most ``host_cache_budget``)."""
-        return sum(t.numel() for t in self.host_cache.values())
+        return self.write(self.cache.tensors[index], self.buckets[index], file=file)
 
     @property
     def disk_bytes_per_step(self) -> int:
         """Bytes of the files a step reads (and writes back) when no bucket is kept: the
         uncached buckets'."""
-        return sum(b.file_bytes for b in self.buckets if b.index not in self.host_cache)
+        return sum(b.file_bytes for b in self.buckets if b.index not in self.cache)
 
     @property
     def kept_bytes(self) -> int:
         """File bytes of the bucket kept on the device since the last step (Note [the last
         bucket stays]): what the next step neither reads nor, until it ends, writes."""
-        return self.buckets[self._kept.index].file_bytes if self._kept is not None else 0
+        return self.buckets[self.kept.index].file_bytes if self.kept is not None else 0
 
-    def _store_bucket(self, index: int, raw: torch.Tensor) -> None:
+    def take_kept(self) -> Kept | None:
+        """The kept bucket, which a stream takes over: none is kept after."""
+        kept, self.kept = self.kept, None
+        return kept
+
+    def keep(self, kept: Kept | None) -> None:
+        """Keep ``kept`` on the device until the next stream (None: keep none)."""
+        self.kept = kept
+
+    def store_bucket(self, index: int, raw: torch.Tensor) -> None:
         """Put a whole bucket's bytes where it lives: its cache (the file goes stale), or
         its file (written, synced, its pages dropped)."""
-        host = self.host_cache.get(index)
-        if host is not None:
-            host.copy_(raw)
-            self._stale.add(index)
+        if index in self.cache:
+            self.cache.put(index, raw)
             return
-        self._store_file(index, raw)
+        self.store_file(index, raw)
 
-    def _cache_buckets(self, indices: Sequence[int]) -> None:
-        """Give the buckets ``indices`` host memory while the budget lasts (Note [host cache])."""
-        left = self.host_cache_budget - self.host_cache_bytes
-        for index in indices:
-            nbytes = self.buckets[index].data_bytes
-            if nbytes <= left:
-                self.host_cache[index] = host_memory(nbytes, self._pinned)
-                left -= nbytes
-
-    def _order(self, order: list[int], kept: int | None) -> list[int]:
+    def order(self, order: list[int], kept: int | None) -> list[int]:
         """A stream's order (Note [the last bucket stays]): the kept bucket first, read from
         no file, and last the largest bucket outside the host cache, which the stream keeps
         (the largest saves the most)."""
         rest = [i for i in order if i != kept]
-        uncached = [i for i in rest if i not in self.host_cache]
+        uncached = [i for i in rest if i not in self.cache]
         if uncached:
             last = max(reversed(uncached), key=lambda i: self.buckets[i].file_bytes)  # the latest of equals
             rest.remove(last)
             rest.append(last)
         return rest if kept is None else [kept, *rest]
 
-    def _host_copy(self, dst: torch.Tensor, src: torch.Tensor, *, to_device: bool) -> HostCopy:
-        """Copy between a device buffer and the host cache: on the CPU at once; on CUDA on
-        the store's copy stream, after what the caller's stream has queued, so it runs
-        beside the caller's update of the other buffer."""
-        if not (dst.is_cuda or src.is_cuda):
-            dst.copy_(src)
-            return HostCopy()
-        current = torch.cuda.current_stream(self.device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        self._copy_stream.wait_stream(current)
-        with torch.cuda.stream(self._copy_stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._copy_stream)
-        # The caller's stream waits for a read on the device; a write-back's buffer is
-        # reused by the engine, which only orders after the caller's stream: the host waits.
-        return HostCopy(done, current if to_device else None)
-
-    def _sync_host_copies(self) -> None:
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
-
     def flush(self) -> None:
         """Make every bucket file hold the live state: drain I/O, then write the cached
         buckets whose files are stale out through the engine (checksummed) and sync
         them. Call it before reading the files around the stream."""
         self.engine.drain()
-        self._sync_host_copies()
-        self._write_back_kept()
-        stale = sorted(self._stale)
+        self.cache.sync()
+        self.write_back_kept()
+        stale = sorted(self.cache.stale)
         for index in stale:
-            self._store_file(index, self.host_cache[index])
-            self._stale.discard(index)
+            self.store_file(index, self.cache.tensors[index])
+            self.cache.stale.discard(index)
 
-    def _store_file(self, index: int, raw: torch.Tensor) -> None:
+    def store_file(self, index: int, raw: torch.Tensor) -> None:
         """Write a whole bucket's bytes to its file, synced, its pages dropped; to a new
         inode when the file is shared (``optim.store.files`` Note [new inodes])."""
         fresh = self.bucket_files.new_files([index])
         replacing = Replacement(index, fresh[index], False) if fresh else None
-        file = replacing.file if replacing is not None else self.files[index]
+        file = replacing.file if replacing is not None else self.bucket_files.files[index]
         try:
-            self._write(raw, self.buckets[index], file=file).wait()
+            self.write(raw, self.buckets[index], file=file).wait()
             file.sync()
         except BaseException:
             if replacing is not None:
@@ -188,37 +179,43 @@ class HeldBuckets:
             self.bucket_files.install(replacing)
         self.bytes_written += self.buckets[index].file_bytes
 
-    def _write_back_kept(self) -> None:
+    def write_back_kept(self) -> None:
         """Write the kept bucket to its file (Note [the last bucket stays]). If that fails
         it stays kept: its buffer holds the only copy of its state."""
-        kept = self._kept
+        kept = self.kept
         if kept is None:
             return
         raw = kept.buffer.raw[: self.buckets[kept.index].data_bytes]
         if kept.new_file is None:
-            self._store_file(kept.index, raw)
+            self.store_file(kept.index, raw)
         else:
-            self._write(raw, self.buckets[kept.index], file=kept.new_file).wait()
+            self.write(raw, self.buckets[kept.index], file=kept.new_file).wait()
             kept.new_file.sync()
             self.bucket_files.install(Replacement(kept.index, kept.new_file, False))
             self.bytes_written += self.buckets[kept.index].file_bytes
-        self._kept = None
+        self.kept = None
 
     def discard_kept(self) -> None:
         """Drop the kept bucket's bytes unwritten (and the new file made for it): the whole
         state is about to be replaced around the engine (a checkpoint's load), and they
         would overwrite its bucket."""
-        kept, self._kept = self._kept, None
+        kept, self.kept = self.kept, None
         if kept is not None and kept.new_file is not None:
             self.bucket_files.drop(Replacement(kept.index, kept.new_file, False))
 
-    def refill_host_cache(self) -> None:
+    def discard(self) -> None:
+        """Forget what the files lack, unwritten: the stale cached buckets and the kept
+        bucket (a store dropped unclosed, whose files no one reads again)."""
+        self.cache.stale.clear()
+        self.discard_kept()
+
+    def refill(self) -> None:
         """Read the cached buckets back from their files (verified against the files'
         checksums): after the files were replaced around the engine (a checkpoint's load)."""
         self.engine.drain()
-        self._sync_host_copies()
-        for index, host in self.host_cache.items():
-            self.engine.read(host, self.files[index], 0)
+        self.cache.sync()
+        for index, host in self.cache.tensors.items():
+            self.engine.read(host, self.bucket_files.files[index], 0)
             self.bytes_read += self.buckets[index].file_bytes
         self.engine.drain()
-        self._stale.clear()
+        self.cache.stale.clear()

@@ -5,7 +5,7 @@
 - ``Bucket``: consecutive entries of one kind in one file of 4 KiB-aligned ``Segment`` ranges,
   ``[master | exp_avg | exp_avg_sq]`` (``optim.store`` describes the file).
 - ``build_buckets``: the grouping rule; ``BucketState``: one bucket on the device, as
-  ``BucketStore.stream`` yields it.
+  ``BucketStore.stream`` yields it; ``describe``: the layout as JSON.
 """
 
 from __future__ import annotations
@@ -207,3 +207,50 @@ __all__ = [
     "Segment",
     "build_buckets",
 ]
+
+
+def master_layout(entries: Sequence[Entry]) -> str:
+    """``remainder`` when any master is stored as a remainder (Note [remainder]), else ``fp32``."""
+    return "remainder" if any(e.remainder for e in entries) else "fp32"
+
+
+def describe(
+    entries: Sequence[Entry],
+    buckets: Sequence[Bucket],
+    *,
+    bucket_numel: int,
+    moment_dtype: str,
+    moments: int,
+    compression: str,
+) -> dict:
+    """The layout as JSON (``BucketStore.layout``): what a checkpoint must match to be read back."""
+    return {
+        "bucket_numel": bucket_numel,
+        "moment_dtype": moment_dtype,
+        "master_dtype": "fp32",
+        "master_layout": master_layout(entries),
+        "moments": moments,
+        "compression": compression,
+        "entries": [
+            {"name": e.name, "shape": list(e.shape), "group": e.group, "master": e.master, "remainder": e.remainder}
+            for e in entries
+        ],
+        "buckets": [
+            {
+                "file": FILE_PATTERN.format(b.index),
+                "entries": list(b.entries),
+                "numel": b.numel,
+                "file_bytes": b.file_bytes,
+                "segments": {
+                    name: None if seg is None else [seg.offset, seg.nbytes]
+                    for name, seg in (
+                        ("master", b.master),
+                        ("fixups", b.fixups),
+                        ("exp_avg", b.exp_avg),
+                        ("exp_avg_sq", b.exp_avg_sq),
+                    )
+                },
+            }
+            for b in buckets
+        ],
+    }
