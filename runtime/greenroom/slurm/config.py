@@ -30,7 +30,7 @@ from greenroom.config import MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlag
 from greenroom.dirs.rankdir import is_dir_name
 from greenroom.errors import ConfigError
 from greenroom.io import fs
-from greenroom.io.codec_names import CODECS as COMPRESSIONS
+from greenroom.io.codec_names import check_codec_name
 from greenroom.units import MAX_GB
 
 LAUNCHERS = ("srun", "torchrun")
@@ -442,11 +442,7 @@ def _check_train(train: TrainArgs) -> None:
             f"got {train.stream_optimizer_state_master_layout!r}"
         )
     _positive_int("train.offload_train_disk_chunk_mb", train.offload_train_disk_chunk_mb)
-    if train.offload_train_disk_compression not in COMPRESSIONS:
-        raise ConfigError(
-            f"train.offload_train_disk_compression: expected one of {', '.join(COMPRESSIONS)}, "
-            f"got {train.offload_train_disk_compression!r}"
-        )
+    check_codec_name(train.offload_train_disk_compression, name="train.offload_train_disk_compression")
     cache = train.stream_optimizer_state_host_cache_gb
     if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= MAX_GB:
         raise ConfigError(
