@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace) -> dict:
     from greenroom.io import compression
 
     cuda = torch.cuda.is_available()
-    codec, _ = compression.resolve(args.compression, cuda=cuda, chunk_bytes=4 * CHUNK)
+    codec = compression.resolve(args.compression, cuda=cuda, chunk_bytes=4 * CHUNK).codec
     device = torch.device("cuda" if codec.on_device else "cpu")
     n = args.size // CHUNK * CHUNK or CHUNK
     # The state, its stored chunks (at most as large: a frame that does not shrink is kept

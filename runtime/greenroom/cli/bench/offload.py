@@ -252,7 +252,7 @@ def measure(args: argparse.Namespace) -> dict:
             backend = offloader.backend
             compression_line = resolve_compression(
                 args.compression, cuda=device.type == "cuda", chunk_bytes=config.chunk_bytes
-            )[1]
+            ).line
             mover = getattr(offloader, "mover", "greenroom")
     finally:
         sampler.close()
