@@ -32,7 +32,7 @@ import shlex
 import warnings
 from dataclasses import dataclass, field
 
-from greenroom.dirs.rankdir import check_root
+from greenroom.dirs.rankdir import check_root, memory_problem
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.codec_names import CODECS, check_codec
@@ -341,13 +341,9 @@ class OffloadConfig(OffloadFlags):
                 default=0,
                 counted="the host cache plus the pinned staging",
             )
-        mount = fs.mount_of(self.offload_train_disk_dir)
-        if mount.fstype in fs.MEMORY_FILESYSTEMS:
-            message = (
-                f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "
-                f"({mount.mount_point}), which keeps the data in RAM and defeats the purpose; "
-                "point it at node-local NVMe"
-            )
+        problem = memory_problem(self.offload_train_disk_dir)
+        if problem is not None:
+            message = f"--offload-train-disk-dir {self.offload_train_disk_dir} {problem}"
             if not self.allow_tmpfs:
                 raise ConfigError(message + " (or pass --allow-tmpfs for a test)")
             warnings.warn(message + "; continuing because of --allow-tmpfs", stacklevel=3)

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from greenroom.actor.launch import check_disk_support, hook_library, hooks_loaded, launch_env, relaunch_with
+from greenroom.actor.launch import (
+    OFFLOAD_NAME,
+    check_disk_support,
+    hook_library,
+    hooks_loaded,
+    launch_env,
+    relaunch_with,
+)
 from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOffloader
 from greenroom.config import OffloadConfig
 from greenroom.dirs.statedir import claim_state_dir
@@ -72,7 +79,7 @@ def build_offloader(
             chunk_bytes=config.chunk_bytes,
             what="build_offloader",
         ).codec
-    state_dir = claim_state_dir(rank_dir, name="offload", what="build_offloader") if config.offload_to_disk else None
+    state_dir = claim_state_dir(rank_dir, name=OFFLOAD_NAME, what="build_offloader") if config.offload_to_disk else None
     try:
         offloader = _build(
             config,

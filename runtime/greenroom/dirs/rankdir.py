@@ -157,7 +157,7 @@ def is_rank_dir_record(path: str, owner: dict) -> bool:
         and name[4:].isdigit()
         and isinstance(rank, int)
         and not isinstance(rank, bool)
-        and name == f"rank{rank:05d}"
+        and name == rank_dir_name(rank)
         and owner.get("role") == os.path.basename(role_dir)
         and owner.get("job") == os.path.basename(os.path.dirname(role_dir))
     )
@@ -169,11 +169,34 @@ def is_dir_name(value) -> bool:
     return isinstance(value, str) and bool(value) and "/" not in value and value not in (".", "..")
 
 
+def rank_dir_name(rank: int) -> str:
+    """The last level of a rank dir's path: ``rank<NNNNN>``."""
+    return f"rank{rank:05d}"
+
+
+def claim_name(name: str, n: int) -> str:
+    """The subdir the ``n``-th claim of ``name`` in one rank dir gets: ``name`` itself for
+    the first, then ``name-2``, ``name-3``... (Note [claims])."""
+    return name if n == 1 else f"{name}-{n}"
+
+
+def memory_problem(root: str) -> str | None:
+    """Why ``root`` defeats the purpose of a disk dir (it is on a memory-backed
+    filesystem), or None; the caller names the path first."""
+    if not fs.is_memory_backed(root):
+        return None
+    mount = fs.mount_of(root)
+    return (
+        f"is on {mount.fstype} ({mount.mount_point}), which keeps the data in RAM and defeats the purpose; "
+        "point it at node-local NVMe"
+    )
+
+
 def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
     for name, value in (("the job id (from $GREENROOM_JOB_ID, $SLURM_JOB_ID or torchrun)", job), ("--role", role)):
         if not is_dir_name(value):
             raise ConfigError(f"{name}: {value!r} is not a valid directory name")
-    return os.path.join(root, job, role, f"rank{rank:05d}")
+    return os.path.join(root, job, role, rank_dir_name(rank))
 
 
 def root_problem(root: str) -> str | None:
@@ -488,7 +511,7 @@ class RankDir:
                 "(or the RankDir), so each owner has its own"
             )
         n = 1
-        while (chosen := name if n == 1 else f"{name}-{n}") in self._claimed_ever or self._claim_overlapping(
+        while (chosen := claim_name(name, n)) in self._claimed_ever or self._claim_overlapping(
             os.path.join(self.path, chosen)
         ) is not None:
             n += 1
@@ -535,12 +558,9 @@ class RankDir:
     # -- internals ----------------------------------------------------------------
     def _check_root(self) -> None:
         check_root(self.root, name="rank dir root")
-        if not self.allow_tmpfs and fs.is_memory_backed(self.root):
-            mount = fs.mount_of(self.root)
-            raise ConfigError(
-                f"{self.root} is on {mount.fstype} ({mount.mount_point}), which keeps the data in RAM "
-                "and defeats the purpose; point it at node-local NVMe"
-            )
+        problem = None if self.allow_tmpfs else memory_problem(self.root)
+        if problem is not None:
+            raise ConfigError(f"{self.root} {problem}")
 
     def owner_record(self) -> dict:
         record = {

@@ -103,7 +103,7 @@ class Trainer:
     def _open(self) -> None:
         c, offload = self.config, self.offload
         if self.rank == 0:
-            preflight.check_paths(c, offload)
+            preflight.check_paths(c)
             if c.save:  # held for the run: a second trainer saving here is refused now, not at its end
                 self._stack.enter_context(publish.locked(c.save))
         if self.device.type == "cuda" and offload.offload_train and c.offload_backend != "portable":
