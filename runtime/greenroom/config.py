@@ -32,7 +32,7 @@ import shlex
 import warnings
 from dataclasses import dataclass, field
 
-from greenroom.dirs.rankdir import check_root, memory_problem
+from greenroom.dirs.roots import check_root, memory_problem
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.codec_names import CODECS, check_codec
@@ -330,7 +330,7 @@ class OffloadConfig(OffloadFlags):
         if not self.offload_train_disk_dir:
             raise ConfigError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, or set $SCRATCH")
         self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
-        # Before any work: a root this user cannot make a rank dir in (greenroom.dirs.rankdir).
+        # Before any work: a root this user cannot make a rank dir in (greenroom.dirs.roots).
         check_root(self.offload_train_disk_dir, name="--offload-train-disk-dir")
         check_host_bytes("--offload-train-disk-chunk-mb", self.offload_train_disk_chunk_mb, self.staging_bytes_per_rank)
         if self.host_cache_bytes:

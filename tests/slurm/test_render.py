@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from greenroom.dirs.rankdir import rank_dir_path
+from greenroom.dirs.names import rank_dir_path
 from greenroom.errors import ConfigError
 from greenroom.slurm.config import config_from_dict, load_config, time_minutes
 from greenroom.slurm.render import TEMPLATE_DIR, program, render, seed_flags, setup_lines, shipped_templates

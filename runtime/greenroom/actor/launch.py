@@ -16,7 +16,7 @@ import os
 import sys
 
 from greenroom.config import OffloadConfig
-from greenroom.dirs.rankdir import claim_name, job_id, rank_dir_path
+from greenroom.dirs.names import claim_name, job_id, rank_dir_path
 from greenroom.errors import ConfigError, GreenroomError
 
 PACKAGE = "torch_memory_saver"

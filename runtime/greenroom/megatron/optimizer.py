@@ -42,7 +42,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.optim.optimizer import _default_to_fused_or_foreach  # noqa: PLC2701 (torch.optim's own choice of kernel, as AdamW makes it)
 
 from greenroom.config import OffloadConfig
-from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir
+from greenroom.dirs.rankdir import RankDir, held_rank_dir
+from greenroom.dirs.roots import check_root
 from greenroom.dirs.statedir import StateDir, claim_state_dir, open_rank_dir
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError
 from greenroom.io.compression import ResolvedCodec, resolved

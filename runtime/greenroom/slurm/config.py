@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from greenroom.config import MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
-from greenroom.dirs.rankdir import is_dir_name
+from greenroom.dirs.names import is_dir_name
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.codec_names import check_codec_name
@@ -453,7 +453,7 @@ def _check_train(train: TrainArgs) -> None:
         _positive_int("train.iterations", train.iterations)
     if train.resume not in RESUME_MODES:
         raise ConfigError(f"train.resume: expected one of {', '.join(RESUME_MODES)}, got {train.resume!r}")
-    # The trainer's own rule (greenroom.dirs.rankdir), so a bad role fails here, not after queueing.
+    # The trainer's own rule (greenroom.dirs.names), so a bad role fails here, not after queueing.
     if not is_dir_name(train.role):
         raise ConfigError(
             f"train.role: {train.role!r} is not a valid directory name; "

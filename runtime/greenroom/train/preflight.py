@@ -14,7 +14,7 @@ import os
 import tempfile
 
 from greenroom.devices import check_device_bytes
-from greenroom.dirs.rankdir import is_dir_name
+from greenroom.dirs.names import is_dir_name
 from greenroom.errors import ConfigError
 from greenroom.io import fs, publish
 from greenroom.log import get_logger
@@ -50,7 +50,7 @@ def _check_creatable_dir(flag: str, path: str) -> None:
 
 def check_paths(config) -> None:
     """Kinds and writability of ``--save``, ``--load`` and ``--metrics`` (the disk dir's
-    root is checked where ``OffloadConfig`` resolves it, ``greenroom.dirs.rankdir.check_root``)."""
+    root is checked where ``OffloadConfig`` resolves it, ``greenroom.dirs.roots.check_root``)."""
     if config.save:
         save = os.path.abspath(config.save)
         _check_creatable_dir("--save", os.path.dirname(save))

@@ -20,7 +20,8 @@ from greenroom.cli import flags as cliflags
 from greenroom.cli.bench.disk import MAX_DEPTH, RAW_BLOCK, raw_bandwidth
 from greenroom.config import check_disk_bytes
 from greenroom.devices import check_device_bytes
-from greenroom.dirs.rankdir import RankDir, check_existing_root
+from greenroom.dirs.rankdir import RankDir
+from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.codec_names import CODECS as COMPRESSIONS

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from greenroom.cli import flags as cliflags
 from greenroom.config import check_disk_bytes, check_host_bytes
 from greenroom.devices import check_device_bytes, resolve_device
-from greenroom.dirs.rankdir import RankDir, check_existing_root
+from greenroom.dirs.rankdir import RankDir
+from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.compression import resolve as resolve_compression
