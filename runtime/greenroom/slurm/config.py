@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from greenroom.config import MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
+from greenroom.config import (
+    MASTER_LAYOUTS,
+    MOMENT_DTYPES,
+    TARGETS,
+    OffloadFlags,
+    check_host_cache_gb,
+    check_one_of,
+)
 from greenroom.dirs.names import is_dir_name
 from greenroom.errors import ConfigError
 from greenroom.io.codec_names import check_codec_name
@@ -35,7 +42,6 @@ from greenroom.slurm.values import (
     unit,
 )
 from greenroom.slurm.yamlread import read_yaml
-from greenroom.units import MAX_GB
 
 LAUNCHERS = ("srun", "torchrun")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
@@ -404,28 +410,16 @@ class SlurmJobConfig:
 
 
 def _check_train(train: TrainArgs) -> None:
-    if train.offload_train_target is not None and train.offload_train_target not in TARGETS:
-        raise ConfigError(
-            f"train.offload_train_target: expected one of {', '.join(TARGETS)}, got {train.offload_train_target!r}"
-        )
-    if train.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
-        raise ConfigError(
-            f"train.stream_optimizer_state_moment_dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
-            f"got {train.stream_optimizer_state_moment_dtype!r}"
-        )
-    if train.stream_optimizer_state_master_layout not in MASTER_LAYOUTS:
-        raise ConfigError(
-            f"train.stream_optimizer_state_master_layout: expected one of {', '.join(MASTER_LAYOUTS)}, "
-            f"got {train.stream_optimizer_state_master_layout!r}"
-        )
+    # OffloadFlags' own rules, each naming the train.* key.
+    if train.offload_train_target is not None:
+        check_one_of("train.offload_train_target", train.offload_train_target, TARGETS)
+    check_one_of("train.stream_optimizer_state_moment_dtype", train.stream_optimizer_state_moment_dtype, MOMENT_DTYPES)
+    check_one_of(
+        "train.stream_optimizer_state_master_layout", train.stream_optimizer_state_master_layout, MASTER_LAYOUTS
+    )
     positive_int("train.offload_train_disk_chunk_mb", train.offload_train_disk_chunk_mb)
     check_codec_name(train.offload_train_disk_compression, name="train.offload_train_disk_compression")
-    cache = train.stream_optimizer_state_host_cache_gb
-    if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= MAX_GB:
-        raise ConfigError(
-            f"train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0 and at most "
-            f"{MAX_GB:g} (an exabyte), got {cache!r}"
-        )
+    check_host_cache_gb(train.stream_optimizer_state_host_cache_gb, name="train.stream_optimizer_state_host_cache_gb")
     if train.iterations is not None:
         positive_int("train.iterations", train.iterations)
     if train.resume not in RESUME_MODES:
