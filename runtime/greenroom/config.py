@@ -32,7 +32,7 @@ import shlex
 import warnings
 from dataclasses import dataclass, field
 
-from greenroom.dirs.rankdir import check_root
+from greenroom.dirs.roots import check_root, memory_problem
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.codec_names import CODECS, check_codec
@@ -58,6 +58,21 @@ DEFAULT_CHUNK_MB = 256
 
 def moment_bytes_per_element(moment_dtype: str) -> float:
     return _MOMENT_BYTES[moment_dtype]
+
+
+def check_one_of(name: str, value, choices: tuple[str, ...]) -> None:
+    """The rule for a flag that takes one of ``choices`` (the target, the moment dtype, the
+    master layout), in one line naming the flag or key ``name``."""
+    if value not in choices:
+        raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+
+
+def check_host_cache_gb(cache, *, name: str = "--stream-optimizer-state-host-cache-gb") -> None:
+    """The rule for the host cache's GB, in one line naming the flag or key ``name``."""
+    if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= MAX_GB:
+        raise ConfigError(
+            f"{name} must be a finite number of GB >= 0 and at most {MAX_GB:g} (an exabyte), got {cache!r}"
+        )
 
 
 def check_host_bytes(flag: str, value, nbytes: int, *, default=DEFAULT_CHUNK_MB, counted: str = "") -> None:
@@ -162,35 +177,23 @@ class OffloadFlags:
     def __post_init__(self) -> None:
         self._target_given = self.offload_train_target is not None
         target = self.offload_train_target or "cpu"
-        if target not in TARGETS:
-            raise ConfigError(f"--offload-train-target: expected one of {', '.join(TARGETS)}, got {target!r}")
+        check_one_of("--offload-train-target", target, TARGETS)
         self.offload_train_target = target
         chunk = self.offload_train_disk_chunk_mb
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
             raise ConfigError(f"--offload-train-disk-chunk-mb must be a positive integer number of MiB, got {chunk!r}")
         compression = self.offload_train_disk_compression
         check_codec(compression, chunk)
-        if self.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
-            raise ConfigError(
-                f"--stream-optimizer-state-moment-dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
-                f"got {self.stream_optimizer_state_moment_dtype!r}"
-            )
+        check_one_of("--stream-optimizer-state-moment-dtype", self.stream_optimizer_state_moment_dtype, MOMENT_DTYPES)
         layout = self.stream_optimizer_state_master_layout
-        if layout not in MASTER_LAYOUTS:
-            raise ConfigError(
-                f"--stream-optimizer-state-master-layout: expected one of {', '.join(MASTER_LAYOUTS)}, got {layout!r}"
-            )
+        check_one_of("--stream-optimizer-state-master-layout", layout, MASTER_LAYOUTS)
         if layout != "remainder" and not self.stream_optimizer_state_to_disk:
             raise ConfigError(
                 f"--stream-optimizer-state-master-layout {layout} lays out streamed masters and needs "
                 "--stream-optimizer-state-to-disk: add it (or drop the master layout)"
             )
         cache = self.stream_optimizer_state_host_cache_gb
-        if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= MAX_GB:
-            raise ConfigError(
-                f"--stream-optimizer-state-host-cache-gb must be a finite number of GB >= 0 and at "
-                f"most {MAX_GB:g} (an exabyte), got {cache!r}"
-            )
+        check_host_cache_gb(cache)
         self.stream_optimizer_state_host_cache_gb = cache = float(cache)
         if cache and not self.stream_optimizer_state_to_disk:
             raise ConfigError(
@@ -330,7 +333,7 @@ class OffloadConfig(OffloadFlags):
         if not self.offload_train_disk_dir:
             raise ConfigError("no disk dir: pass --offload-train-disk-dir DIR on node-local NVMe, or set $SCRATCH")
         self.offload_train_disk_dir = os.path.abspath(self.offload_train_disk_dir)
-        # Before any work: a root this user cannot make a rank dir in (greenroom.dirs.rankdir).
+        # Before any work: a root this user cannot make a rank dir in (greenroom.dirs.roots).
         check_root(self.offload_train_disk_dir, name="--offload-train-disk-dir")
         check_host_bytes("--offload-train-disk-chunk-mb", self.offload_train_disk_chunk_mb, self.staging_bytes_per_rank)
         if self.host_cache_bytes:
@@ -341,13 +344,9 @@ class OffloadConfig(OffloadFlags):
                 default=0,
                 counted="the host cache plus the pinned staging",
             )
-        mount = fs.mount_of(self.offload_train_disk_dir)
-        if mount.fstype in fs.MEMORY_FILESYSTEMS:
-            message = (
-                f"--offload-train-disk-dir {self.offload_train_disk_dir} is on {mount.fstype} "
-                f"({mount.mount_point}), which keeps the data in RAM and defeats the purpose; "
-                "point it at node-local NVMe"
-            )
+        problem = memory_problem(self.offload_train_disk_dir)
+        if problem is not None:
+            message = f"--offload-train-disk-dir {self.offload_train_disk_dir} {problem}"
             if not self.allow_tmpfs:
                 raise ConfigError(message + " (or pass --allow-tmpfs for a test)")
             warnings.warn(message + "; continuing because of --allow-tmpfs", stacklevel=3)

@@ -1,9 +1,10 @@
-"""The device a command runs on, and whether tensors of a size fit there before the
-first allocation. torch is imported when these are called, never at import."""
+"""The device a command runs on, the codec the flags run there, and whether tensors of
+a size fit there before the first allocation. torch is imported when these are called,
+never at import."""
 
 from __future__ import annotations
 
-from greenroom.config import check_host_bytes
+from greenroom.config import OffloadConfig, check_host_bytes
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 
@@ -21,6 +22,22 @@ def resolve_device(wanted: str, command: str | None = None) -> str:
             f"{f'{command}: ' if command else ''}--device cuda: no CUDA device is available; use --device cpu (or auto)"
         )
     return wanted
+
+
+def resolve_codec(config: OffloadConfig, device):
+    """The ``greenroom.io.compression.ResolvedCodec`` of ``--offload-train-disk-compression``
+    on ``device`` with the config's chunk, or None where nothing goes to disk: resolved once
+    per run and handed to the offloader, the streaming optimizer and the run's header, so
+    all three name the codec that runs. Call it after CUDA is set up (``auto`` loads nvCOMP)."""
+    import torch
+
+    from greenroom.io.compression import resolve
+
+    if not config.uses_disk:
+        return None
+    return resolve(
+        config.offload_train_disk_compression, cuda=torch.device(device).type == "cuda", chunk_bytes=config.chunk_bytes
+    )
 
 
 def check_device_bytes(flag: str, value, nbytes: int, device, *, default, counted: str = "") -> None:

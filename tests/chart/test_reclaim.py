@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from greenroom.dirs.rankdir import MADE_NAME
+from greenroom.dirs.names import MADE_NAME
 from tests.chart.support import container, manifests, pod_spec
 
 pytestmark = pytest.mark.helm

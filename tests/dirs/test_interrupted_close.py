@@ -55,13 +55,13 @@ def test_a_signal_in_the_close_is_raised_once_the_dir_is_gone(disk_dir, monkeypa
     if gate == "rankdir-close":
         monkeypatch.setattr(rankdir, "kill_point", lambda name: deliver() if name == "rankdir-close" else None)
     else:
-        real_wipe = rankdir._wipe_contents
+        real_wipe = rankdir.wipe_contents
 
         def wipe(path):
             deliver()
             real_wipe(path)
 
-        monkeypatch.setattr(rankdir, "_wipe_contents", wipe)
+        monkeypatch.setattr(rankdir, "wipe_contents", wipe)
     with pytest.raises(raised) as caught:
         rank_dir.close()
     if raised is SystemExit:

@@ -135,7 +135,8 @@ def test_a_rank_starting_in_the_parent_a_closing_rank_removes_keeps_it_and_the_l
 ):
     """A rank opens its dir in ``<job>/<role>`` at the instant a closing sibling has taken
     the dir's marker away and not yet removed it: the ``rmdir`` fails on the new rank dir,
-    the marker goes back, and the new rank's close removes both parents (Note [made parents])."""
+    the marker goes back, and the new rank's close removes both parents (``greenroom.dirs.tree``
+    Note [made parents])."""
     from greenroom.dirs import rankdir
 
     first = RankDir(disk_dir, job="job", rank=0).open()

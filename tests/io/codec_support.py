@@ -11,7 +11,7 @@ CHUNK = 8 << 20  # 2 MiB staging buffers: transfers span several chunks and fram
 
 @pytest.fixture(scope="module")
 def zstd():
-    return compression.resolve("zstd", cuda=False, chunk_bytes=CHUNK)[0]
+    return compression.resolve("zstd", cuda=False, chunk_bytes=CHUNK).codec
 
 
 def compressible(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:

@@ -160,17 +160,20 @@ def test_none_stores_the_bytes_exactly_as_before(tmp_path):
 
 
 def test_flags_resolve_in_one_line_each():
-    assert compression.resolve("none", cuda=False, chunk_bytes=CHUNK)[0] is None
-    codec, line = compression.resolve("auto", cuda=False, chunk_bytes=CHUNK)
+    assert compression.resolve("none", cuda=False, chunk_bytes=CHUNK).codec is None
+    r = compression.resolve("auto", cuda=False, chunk_bytes=CHUNK)
+    codec, line = r.codec, r.line
     assert codec is None and "zstd" in line and "\n" not in line  # auto never picks the slow host codec
-    codec, line = compression.resolve("auto", cuda=True, chunk_bytes=CHUNK)
+    r = compression.resolve("auto", cuda=True, chunk_bytes=CHUNK)
+    codec, line = r.codec, r.line
     try:
         from nvidia import nvcomp  # noqa: F401
     except ImportError:  # the CI: auto says why none runs, and what to install
         assert codec is None and "nvCOMP does not load" in line and "nvidia-nvcomp-cu13" in line
     else:
         assert codec.name == "nvcomp-ans" and line == "compression: nvcomp-ans (auto)"
-    codec, line = compression.resolve("auto", cuda=True, chunk_bytes=2 << 20)
+    r = compression.resolve("auto", cuda=True, chunk_bytes=2 << 20)
+    codec, line = r.codec, r.line
     assert codec is None and "--offload-train-disk-chunk-mb is under 4" in line
     with pytest.raises(ConfigError, match="needs CUDA"):
         compression.resolve("nvcomp-ans", cuda=False, chunk_bytes=CHUNK)
@@ -322,7 +325,7 @@ def _nvcomp_or_skip():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (runs on the GPU machine)")
     try:
-        return compression.resolve("nvcomp-ans", cuda=True, chunk_bytes=CHUNK)[0]
+        return compression.resolve("nvcomp-ans", cuda=True, chunk_bytes=CHUNK).codec
     except ConfigError as e:
         pytest.skip(f"nvCOMP does not load here: {e}")
 
@@ -700,3 +703,10 @@ def test_nvcomp_decode_refuses_a_payload_of_another_length_or_cut_short_in_one_l
         codec.decode(noise, [(0, noise.numel())], [out[: EXTENT // 2]], [(codec_id, 4)], stream, ["frame"])
     codec.decode(packed, [(0, packed.numel())], [out[: EXTENT // 2]], [(codec_id, 4)], stream, ["frame"])
     assert torch.equal(out[: EXTENT // 2], frame[: EXTENT // 2])
+
+
+def test_a_resolved_codec_is_taken_as_it_is_only_for_its_device_and_chunk():
+    once = compression.resolve("zstd", cuda=False, chunk_bytes=CHUNK)
+    assert compression.resolved(once, cuda=False, chunk_bytes=CHUNK, what="StreamingAdam") is once
+    with pytest.raises(ConfigError, match="^StreamingAdam: compression 'zstd' was resolved for the host with a 8 MiB"):
+        compression.resolved(once, cuda=False, chunk_bytes=CHUNK // 2, what="StreamingAdam")

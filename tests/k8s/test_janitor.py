@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("kubernetes", reason="the kubernetes client is not installed (pip install kubernetes)")
 
 from greenroom.dirs import janitor as k8s_janitor
-from greenroom.dirs import rankdir  # noqa: E402
+from greenroom.dirs import names  # noqa: E402
 from greenroom.dirs.janitor import Janitor, JanitorConfig  # noqa: E402
 from tests.cli_support import REPO, greenroom, one_line_error
 
@@ -171,13 +171,13 @@ def api(tmp_path, monkeypatch):
 
 def made_dirs(root: str, *parts: str) -> str:
     """Dirs below ``root`` as greenroom makes them (the chart's init container the ``<pod
-    uid>`` dir, ``RankDir`` the ``<job>/<role>`` ones), each with its marker (``rankdir``
+    uid>`` dir, ``RankDir`` the ``<job>/<role>`` ones), each with its marker (``tree``
     Note [made parents])."""
     path = root
     for part in parts:
         path = os.path.join(path, part)
         os.makedirs(path, exist_ok=True)
-        open(os.path.join(path, rankdir.MADE_NAME), "w").close()
+        open(os.path.join(path, names.MADE_NAME), "w").close()
     return path
 
 

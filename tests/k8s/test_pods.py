@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from greenroom.dirs.rankdir import MADE_NAME
+from greenroom.dirs.names import MADE_NAME
 from tests.conftest import REPO
 from tests.k8s.support import (
     CLUSTER_DIR,
@@ -132,7 +132,7 @@ def test_two_pods_train_with_disk_offload_and_streaming_over_gloo(namespace, nod
     assert {p["spec"]["nodeName"] for p in pods(ns, "app.kubernetes.io/instance=dp2")} == {"greenroom-node"}
 
     # helm uninstall leaves no file on the node path but the init containers' markers of the
-    # empty pod dirs they made (Note [made parents] of greenroom.dirs.rankdir), which the janitor
+    # empty pod dirs they made (Note [made parents] of greenroom.dirs.tree), which the janitor
     # removes: the ranks removed their own.
     helm("-n", ns, "uninstall", "dp2", "--wait")
     wait_until("the trainer pods gone", lambda: not pods(ns, "app.kubernetes.io/instance=dp2"), ns=ns)

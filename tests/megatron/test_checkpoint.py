@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e .[megatron])")
 
-from greenroom.dirs.rankdir import write_json_atomic
+from greenroom.dirs.tree import write_json_atomic
 from greenroom.errors import CheckpointError
 from greenroom.megatron import load_checkpoint, save_checkpoint
 from greenroom.megatron.checkpoint import SUBDIR, locate, sidecar_record, state_dir, verify_sidecar

@@ -14,10 +14,11 @@ import sys
 import pytest
 import yaml
 
-from greenroom.dirs.rankdir import rank_dir_path
+from greenroom.dirs.names import rank_dir_path
 from greenroom.errors import ConfigError
-from greenroom.slurm.config import config_from_dict, load_config, time_minutes
+from greenroom.slurm.config import config_from_dict, load_config
 from greenroom.slurm.render import TEMPLATE_DIR, program, render, seed_flags, setup_lines, shipped_templates
+from greenroom.slurm.values import time_minutes
 from tests.cli_support import REPO, greenroom, one_line_error
 from tests.conftest import require_tool
 

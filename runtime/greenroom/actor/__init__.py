@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from greenroom.actor.launch import check_disk_support, hook_library, hooks_loaded, launch_env, relaunch_with
+from greenroom.actor.launch import (
+    OFFLOAD_NAME,
+    check_disk_support,
+    hook_library,
+    hooks_loaded,
+    launch_env,
+    relaunch_with,
+)
 from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOffloader
 from greenroom.config import OffloadConfig
 from greenroom.dirs.statedir import claim_state_dir
 from greenroom.errors import ConfigError
-from greenroom.io.compression import resolve as resolve_compression
+from greenroom.io.compression import ResolvedCodec, resolved
 from greenroom.log import get_logger
 
 BACKENDS = ("auto", "tms", "portable")
@@ -34,6 +41,7 @@ def build_offloader(
     mover: str | None = None,
     scope: str = "all",
     skip_clean: bool | None = None,
+    compression: ResolvedCodec | None = None,
 ) -> Offloader:
     """The offloader these settings call for.
 
@@ -52,6 +60,9 @@ def build_offloader(
             ``tracked``: only what ``track()`` named (opt-in, see docs/offload.md).
         skip_clean: disk target: do not rewrite a unit whose bytes the file already
             holds (checked by a device-side fingerprint); default on for CUDA units.
+        compression: the codec a run resolved once for ``device`` and the config's chunk
+            (``greenroom.io.compression.resolve``); None: resolved here from
+            ``config.offload_train_disk_compression``.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"--offload-backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -62,10 +73,13 @@ def build_offloader(
     if config.offload_to_disk:
         if rank_dir is None:
             raise ConfigError("build_offloader: the disk target needs rank_dir (an open RankDir, or a path)")
-        codec, _ = resolve_compression(
-            config.offload_train_disk_compression, cuda=device.type == "cuda", chunk_bytes=config.chunk_bytes
-        )
-    state_dir = claim_state_dir(rank_dir, name="offload", what="build_offloader") if config.offload_to_disk else None
+        codec = resolved(
+            compression or config.offload_train_disk_compression,
+            cuda=device.type == "cuda",
+            chunk_bytes=config.chunk_bytes,
+            what="build_offloader",
+        ).codec
+    state_dir = claim_state_dir(rank_dir, name=OFFLOAD_NAME, what="build_offloader") if config.offload_to_disk else None
     try:
         offloader = _build(
             config,

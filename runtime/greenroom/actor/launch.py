@@ -16,7 +16,7 @@ import os
 import sys
 
 from greenroom.config import OffloadConfig
-from greenroom.dirs.rankdir import job_id, rank_dir_path
+from greenroom.dirs.names import claim_name, job_id, rank_dir_path
 from greenroom.errors import ConfigError, GreenroomError
 
 PACKAGE = "torch_memory_saver"
@@ -84,10 +84,13 @@ def torch_cuda_major() -> int | None:
     return int(torch.version.cuda.split(".")[0])
 
 
+OFFLOAD_NAME = "offload"  # the subdir the offloader claims in its rank dir
+
+
 def offload_dir(config: OffloadConfig, rank: int, *, role: str, job: str) -> str:
     """The rank's ``offload/`` dir: the path ``build_offloader`` claims in ``RankDir(...)``
     (the first claim of a name gets the name itself)."""
-    return os.path.join(rank_dir_path(config.offload_train_disk_dir, job, role, rank), "offload")
+    return os.path.join(rank_dir_path(config.offload_train_disk_dir, job, role, rank), claim_name(OFFLOAD_NAME, 1))
 
 
 def launch_env(

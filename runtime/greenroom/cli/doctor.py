@@ -5,7 +5,7 @@ support, the memlock limit (pinned staging needs it) and a quick bandwidth probe
 prints one verdict line (or, with ``--json``, one object whose ``read_gbps`` and
 ``write_gbps`` are what ``greenroom plan --disk-read-gbps/--disk-write-gbps`` take).
 Exit 0 when fit, 1 when not, 2 when DIR is unusable: not a dir, or one this user cannot
-make a rank dir in (``greenroom.dirs.rankdir.root_problem``, the check ``train`` and ``plan``
+make a rank dir in (``greenroom.dirs.roots.root_problem``, the check ``train`` and ``plan``
 make). The probes run in a rank dir of their own, removed after (and reclaimable, should
 doctor be killed); DIR itself is never changed.
 """
@@ -18,7 +18,8 @@ import resource
 
 from greenroom.cli import flags as cliflags
 from greenroom.config import check_host_bytes
-from greenroom.dirs.rankdir import RankDir, check_existing_root
+from greenroom.dirs.rankdir import RankDir
+from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.units import MIB, rate_text, size_text

@@ -10,7 +10,7 @@ Note [what greenroom creates]: the root is the user's (a shared 1777 scratch, a 
 another user owns, a mount point). Opening a rank dir never changes its mode, owner or
 sticky bit; a root that does not exist is made with the default mode (umask), and only
 the dirs greenroom makes below it (``<job>``, ``<role>``, ``rank<N>`` and the rank's
-subdirs) get mode 0700, and only dirs it made are ever removed (Note [made parents]). A
+subdirs) get mode 0700, and only dirs it made are ever removed (``greenroom.dirs.tree`` Note [made parents]). A
 root this user cannot create a subdir in (not writable, a read-only filesystem, a file)
 is refused in one line before anything is created (``root_problem``, which ``doctor``,
 ``plan`` and the config rules ask too).
@@ -58,19 +58,6 @@ set, and an open or close there runs without the hold. The holding is ``greenroo
 ``signals_held`` lends the same hold to the trainer's waits for an ``--async-save``
 publish (``Trainer._wait_for_publish``).
 
-Note [made parents]: a ``<job>`` or ``<role>`` dir that greenroom makes (its ``mkdir``
-succeeds) gets an empty marker file, ``MADE_NAME``, at once; one it finds (a user's own
-``ROOT/$SLURM_JOB_ID`` from their prolog) gets none. A remover (``close``, ``greenroom
-reclaim``, the Kubernetes janitor's sweep of ``<pod uid>`` trees, whose top dir the
-chart's init container marks the same way) takes a dir away only while it holds the
-marker and nothing else, so a dir greenroom did not make is never removed, empty or not
-(``remove_made_dir``). It unlinks the marker, then ``rmdir``s; a rank that made its dir
-in between makes the ``rmdir`` fail, and the marker is put back into the same dir
-(through its fd), which is still greenroom's. Trees made before markers existed keep
-their empty parents (nothing tells them from a user's). A rank killed between its
-``mkdir`` and the marker leaves an unmarked dir: an empty dir leaked, never a user's
-dir removed.
-
 Note [vanishing parents]: ``greenroom reclaim`` (and a sibling rank's ``close``) removes
 a ``<job>/<role>`` parent that holds only its marker, which can land between a starting
 rank's creating that parent and creating its rank dir in it (every multi-pod node under
@@ -94,45 +81,39 @@ import time
 import uuid
 
 from greenroom.dirs import signals
+from greenroom.dirs.names import (
+    DIR_MODE,
+    LOCK_NAME,
+    MADE_NAME,
+    OWNER_NAME,
+    TRASH_PREFIX,
+    boot_id,
+    claim_name,
+    job_id,
+    rank_dir_path,
+)
+from greenroom.dirs.roots import check_existing_root, check_root, memory_problem
+from greenroom.dirs.tree import make_rank_path, mkdir_own, remove_made_dir, wipe_contents, write_json_atomic
 from greenroom.errors import ConfigError, StorageError
 from greenroom.faults import kill_point
-from greenroom.io import fs
 
-LOCK_NAME = ".lock"
-# What a rank dir is renamed to while it is deleted (Note [closing aside]); ``greenroom
-# reclaim`` finishes one whose deleter was killed.
-TRASH_PREFIX = ".greenroom-reclaim-"
-OWNER_NAME = "owner.json"
-# In each <job> and <role> dir greenroom made itself (Note [made parents]).
-MADE_NAME = ".greenroom-made"
-DIR_MODE = 0o700
 LOCK_WAIT_SECONDS = 3.0
 PARENT_RETRIES = 100  # Note [vanishing parents]: each retry needs another rmdir to land in the gap
 
-
-# Without a scheduler each process is its own job, the same one for all of its rank dirs
-# (so two owners of one path in one process meet at the lock).
-_LOCAL_JOB = f"local-{uuid.uuid4().hex[:12]}"
 _OPEN: "set[RankDir]" = set()  # the rank dirs this process holds
 
-
-def job_id() -> str:
-    """The id that groups one job's ranks: the scheduler's where there is one."""
-    for var in ("GREENROOM_JOB_ID", "SLURM_JOB_ID"):
-        if os.environ.get(var):
-            return os.environ[var]
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run and run != "none":
-        return f"torchrun-{run}"
-    return _LOCAL_JOB
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
+# The rank dir's API also answers here for the names its tree's modules hold.
+__all__ = [
+    "MADE_NAME",
+    "OWNER_NAME",
+    "RankDir",
+    "check_existing_root",
+    "check_root",
+    "held_rank_dir",
+    "rank_dir_path",
+    "remove_made_dir",
+    "write_json_atomic",
+]
 
 
 def held_rank_dir(path: str) -> "RankDir | None":
@@ -145,146 +126,13 @@ def held_rank_dir(path: str) -> "RankDir | None":
     return None
 
 
-def is_rank_dir_record(path: str, owner: dict) -> bool:
-    """Whether ``owner``, read from ``path``'s owner record, is one ``RankDir`` wrote for
-    that path: ``<job>/<role>/rank<N>`` named in it (``greenroom reclaim`` deletes no
-    other dir that happens to hold an ``owner.json``)."""
-    name = os.path.basename(path)
-    rank = owner.get("rank")
-    role_dir = os.path.dirname(path)
-    return (
-        name.startswith("rank")
-        and name[4:].isdigit()
-        and isinstance(rank, int)
-        and not isinstance(rank, bool)
-        and name == f"rank{rank:05d}"
-        and owner.get("role") == os.path.basename(role_dir)
-        and owner.get("job") == os.path.basename(os.path.dirname(role_dir))
-    )
-
-
-def is_dir_name(value) -> bool:
-    """Whether ``value`` names one new directory level: not empty, no ``/``, and not
-    ``.`` or ``..`` (they name a dir that exists already, so two roles or jobs would share)."""
-    return isinstance(value, str) and bool(value) and "/" not in value and value not in (".", "..")
-
-
-def rank_dir_path(root: str, job: str, role: str, rank: int) -> str:
-    for name, value in (("the job id (from $GREENROOM_JOB_ID, $SLURM_JOB_ID or torchrun)", job), ("--role", role)):
-        if not is_dir_name(value):
-            raise ConfigError(f"{name}: {value!r} is not a valid directory name")
-    return os.path.join(root, job, role, f"rank{rank:05d}")
-
-
-def root_problem(root: str) -> str | None:
-    """Why this user can make no rank dir under ``root``, or None when it can.
-
-    A root that does not exist yet must be creatable in its nearest existing parent.
-    Tried with a probe dir (made and removed at once), not read from mode bits: those say
-    nothing for root, ACLs, /proc or a read-only mount.
-    """
-    root = os.path.abspath(root)
-    existing = fs.nearest_existing(root)
-    own = existing == os.path.realpath(root)
-    if not os.path.isdir(existing):
-        return "is a file, not a directory" if own else f"cannot be made: {existing} is a file, not a directory"
-    probe = os.path.join(existing, f".greenroom-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.mkdir(probe, DIR_MODE)
-    except OSError as e:
-        reason = "read-only filesystem" if e.errno == errno.EROFS else e.strerror
-        if own:
-            return f"is not writable by uid {os.geteuid()}: it takes no new directory ({reason})"
-        return f"cannot be made by uid {os.geteuid()}: {existing} takes no new directory ({reason})"
-    os.rmdir(probe)
-    return None
-
-
-def check_root(root: str, *, name: str) -> None:
-    """``root_problem`` as a ``ConfigError`` naming the flag or argument ``name``."""
-    problem = root_problem(root)
-    if problem is not None:
-        raise ConfigError(
-            f"{name} {os.path.abspath(root)} {problem}; point it at a dir on node-local NVMe that you can write"
-        )
-
-
-def check_existing_root(root: str, *, name: str) -> None:
-    """``check_root`` for a root that must exist already: a bench's or ``doctor``'s, whose
-    rank dir would otherwise make it (and its parents) and leave it behind."""
-    if not os.path.isdir(root):
-        raise ConfigError(f"{name} {root} is not a directory (create it on node-local NVMe first)")
-    check_root(root, name=name)
-
-
-def _mkdir_own(path: str) -> bool:
-    """Make ``path`` with mode 0700 unless it exists; an existing dir keeps its mode
-    (Note [what greenroom creates]). True when this call made it."""
-    try:
-        os.mkdir(path, DIR_MODE)
-    except FileExistsError:
-        return False
-    os.chmod(path, DIR_MODE)  # our own new dir: the umask must not narrow it further
-    return True
-
-
-def _mark_made(dir_fd: int) -> None:
-    """Put the marker (Note [made parents]) into the dir open as ``dir_fd``; an empty
-    file, so creating it is the whole write."""
-    os.close(os.open(MADE_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd))
-
-
-def _make_rank_path(root: str, path: str) -> None:
-    """Make the root (default mode) if missing, then each dir below it up to ``path``
-    (mode 0700 and the marker, only those this call creates)."""
-    os.makedirs(root, exist_ok=True)
-    relative = os.path.relpath(path, root).split(os.sep)
-    for i in range(1, len(relative) + 1):
-        parent = os.path.join(root, *relative[:i])
-        if _mkdir_own(parent):
-            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                _mark_made(fd)
-            finally:
-                os.close(fd)
-
-
-def remove_made_dir(path: str) -> bool:
-    """Remove ``path`` if it holds nothing but greenroom's marker (Note [made parents]);
-    True when it is gone. ``rmdir`` only: whatever else is in it keeps it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False  # gone, or not a dir
-    try:
-        if os.listdir(fd) != [MADE_NAME]:
-            return False  # not made by greenroom, or not empty
-        try:
-            os.unlink(MADE_NAME, dir_fd=fd)
-        except FileNotFoundError:
-            return False  # another remover took it first and removes the dir
-        try:
-            os.rmdir(path)
-        except OSError:
-            # A rank made its dir in it since the listing: still greenroom's dir, so
-            # its marker goes back, into the inode it was taken from.
-            try:
-                _mark_made(fd)
-            except OSError:
-                pass  # removed meanwhile after all
-            return False
-        return True
-    finally:
-        os.close(fd)
-
-
 def _make_rank_dir(root: str, path: str) -> None:
     """Create ``path`` and its parents below ``root``; see Note [vanishing parents]."""
     for _ in range(PARENT_RETRIES):
         try:
-            _make_rank_path(root, os.path.dirname(path))
+            make_rank_path(root, os.path.dirname(path))
             kill_point("rankdir-parents")
-            _mkdir_own(path)  # the rank dir alone: a parent removed meanwhile is ENOENT here
+            mkdir_own(path)  # the rank dir alone: a parent removed meanwhile is ENOENT here
             return
         except FileNotFoundError:
             continue
@@ -292,17 +140,6 @@ def _make_rank_dir(root: str, path: str) -> None:
         f"{path}: its parent dir was removed {PARENT_RETRIES} times while this rank created it "
         "(a reclaimer in a loop?); stop it and start again"
     )
-
-
-def write_json_atomic(path: str, payload: dict) -> None:
-    """Write ``payload`` so readers see the old file or the new one, never half."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class RankDir:
@@ -414,7 +251,7 @@ class RankDir:
             os.close(fd)  # see Note [lock inode]
         self._lock_fd = fd
         _OPEN.add(self)
-        _wipe_contents(self.path)
+        wipe_contents(self.path)
         write_json_atomic(os.path.join(self.path, OWNER_NAME), self.owner_record())
 
     def close(self) -> None:
@@ -451,7 +288,7 @@ class RankDir:
         except OSError:
             aside = self.path  # not renamable here: delete in place, and never by rmtree
         try:
-            _wipe_contents(aside)
+            wipe_contents(aside)
             kill_point("rankdir-close")
             os.unlink(os.path.join(aside, LOCK_NAME))
             os.rmdir(aside)
@@ -472,7 +309,7 @@ class RankDir:
     def subdir(self, name: str) -> str:
         assert self.is_open, "open() the rank dir first"
         path = os.path.join(self.path, name)
-        _mkdir_own(path)
+        mkdir_own(path)
         return path
 
     def claim(self, name: str) -> str:
@@ -488,7 +325,7 @@ class RankDir:
                 "(or the RankDir), so each owner has its own"
             )
         n = 1
-        while (chosen := name if n == 1 else f"{name}-{n}") in self._claimed_ever or self._claim_overlapping(
+        while (chosen := claim_name(name, n)) in self._claimed_ever or self._claim_overlapping(
             os.path.join(self.path, chosen)
         ) is not None:
             n += 1
@@ -535,12 +372,9 @@ class RankDir:
     # -- internals ----------------------------------------------------------------
     def _check_root(self) -> None:
         check_root(self.root, name="rank dir root")
-        if not self.allow_tmpfs and fs.is_memory_backed(self.root):
-            mount = fs.mount_of(self.root)
-            raise ConfigError(
-                f"{self.root} is on {mount.fstype} ({mount.mount_point}), which keeps the data in RAM "
-                "and defeats the purpose; point it at node-local NVMe"
-            )
+        problem = None if self.allow_tmpfs else memory_problem(self.root)
+        if problem is not None:
+            raise ConfigError(f"{self.root} {problem}")
 
     def owner_record(self) -> dict:
         record = {
@@ -601,18 +435,6 @@ class RankDir:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
         self._previous_handlers.clear()
-
-
-def _wipe_contents(path: str) -> None:
-    """Delete everything in the rank dir ``path`` but its lock file."""
-    with os.scandir(path) as entries:
-        for entry in entries:
-            if entry.name == LOCK_NAME:
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
 
 
 def _alive(pid: int) -> bool:

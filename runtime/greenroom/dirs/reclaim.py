@@ -15,7 +15,7 @@ Safety rules, each enforced below:
   ``RankDir`` writes it (``is_rank_dir_record``); any other dir that holds an
   ``owner.json`` is kept and reported (the dirs above a reclaimed rank dir or a finished
   aside dir go, up to ROOT, while they hold nothing but the marker of a dir greenroom
-  made: ``greenroom.dirs.rankdir`` Note [made parents]; a user's empty dir stays);
+  made: ``greenroom.dirs.tree`` Note [made parents]; a user's empty dir stays);
 - what is deleted is what was checked: after the first open everything goes through fds
   (the parent's to rename aside and remove by name, the dir's own to lock, check and
   delete its contents), and a rename aside that caught another inode is undone;
@@ -49,7 +49,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from greenroom.dirs.rankdir import LOCK_NAME, OWNER_NAME, TRASH_PREFIX, is_rank_dir_record, remove_made_dir
+from greenroom.dirs.names import LOCK_NAME, OWNER_NAME, TRASH_PREFIX, is_rank_dir_record
+from greenroom.dirs.tree import remove_made_dir
 from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
 from greenroom.io import fs

@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir
+from greenroom.dirs.rankdir import RankDir, held_rank_dir
+from greenroom.dirs.roots import check_root
 from greenroom.errors import ConfigError
 from greenroom.ranks import process_rank
 

@@ -87,12 +87,13 @@ from __future__ import annotations
 
 import struct
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from greenroom.errors import ConfigError, IntegrityError
-from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB, check_codec
+from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB, check_codec, frames_fit
 from greenroom.io.integrity import EXTENT
 from greenroom.units import MIB
 
@@ -472,21 +473,61 @@ _INSTALL = {
 }
 
 
-def resolve(choice: str, *, cuda: bool, chunk_bytes: int):
-    """The codec ``--offload-train-disk-compression CHOICE`` runs (None: none), and one line
-    saying which and why. ``auto`` is ``nvcomp-ans`` where CUDA is up and nvCOMP loads,
-    else none (never the host codec: ``zstd`` runs slower than an NVMe disk)."""
+@dataclass(frozen=True, slots=True)
+class ResolvedCodec:
+    """What ``--offload-train-disk-compression CHOICE`` runs on one device with one staging
+    chunk: resolved once per run (``resolve``) and handed to every mechanism that writes,
+    so the line a run prints names the codec its files get."""
+
+    choice: str
+    """The name the user gave (``auto``, ``none``, ``nvcomp-ans``, ``zstd``)."""
+    codec: object | None
+    """The frame codec that runs; None: none."""
+    line: str
+    """One line saying which codec runs and why."""
+    cuda: bool
+    """Resolved for a CUDA device (True) or the host."""
+    chunk_bytes: int
+    """Resolved for this staging chunk."""
+
+
+def resolve(choice: str, *, cuda: bool, chunk_bytes: int) -> ResolvedCodec:
+    """The codec ``--offload-train-disk-compression CHOICE`` runs, and one line saying
+    which and why. ``auto`` is ``nvcomp-ans`` where CUDA is up and nvCOMP loads, else none
+    (never the host codec: ``zstd`` runs slower than an NVMe disk)."""
+    codec, line = _resolve(choice, cuda=cuda, chunk_bytes=chunk_bytes)
+    return ResolvedCodec(choice=choice, codec=codec, line=line, cuda=cuda, chunk_bytes=chunk_bytes)
+
+
+def resolved(given: str | ResolvedCodec, *, cuda: bool, chunk_bytes: int, what: str) -> ResolvedCodec:
+    """``given`` as the codec that runs: a choice (``auto``...) is resolved here, a
+    ``ResolvedCodec`` (what a run resolved once) is taken as it is, after checking it was
+    resolved for this device and chunk; ``what`` names the caller in that refusal."""
+    if not isinstance(given, ResolvedCodec):
+        return resolve(given, cuda=cuda, chunk_bytes=chunk_bytes)
+    if (given.cuda, given.chunk_bytes) != (cuda, chunk_bytes):
+        raise ConfigError(
+            f"{what}: compression {given.choice!r} was resolved for {_for(given.cuda, given.chunk_bytes)}, "
+            f"this runs on {_for(cuda, chunk_bytes)}; pass the name ({given.choice!r}) to resolve it here"
+        )
+    return given
+
+
+def _for(cuda: bool, chunk_bytes: int) -> str:
+    return f"{'CUDA' if cuda else 'the host'} with a {chunk_bytes / MIB:g} MiB chunk"
+
+
+def _resolve(choice: str, *, cuda: bool, chunk_bytes: int):
     check_codec(choice, chunk_bytes // MIB)
     if choice == "none":
         return None, "compression: none (--offload-train-disk-compression none)"
-    small = chunk_bytes < MIN_COMPRESSED_CHUNK_MB * MIB
     if choice == "auto":
         if not cuda:
             return None, (
                 "compression: none (auto: no GPU for nvcomp-ans; the host codec zstd runs slower than an "
                 "NVMe disk, pass --offload-train-disk-compression zstd to use it anyway)"
             )
-        if small:
+        if not frames_fit(chunk_bytes // MIB):
             return None, (
                 f"compression: none (auto: --offload-train-disk-chunk-mb is under "
                 f"{MIN_COMPRESSED_CHUNK_MB}, too small for one-MiB frames)"

@@ -31,7 +31,7 @@ import glob
 import json
 import os
 
-from greenroom.dirs.rankdir import write_json_atomic
+from greenroom.dirs.tree import write_json_atomic
 from greenroom.errors import CheckpointError
 from greenroom.log import get_logger
 from greenroom.megatron.layout import ShardEntry, Topology

@@ -42,10 +42,11 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.optim.optimizer import _default_to_fused_or_foreach  # noqa: PLC2701 (torch.optim's own choice of kernel, as AdamW makes it)
 
 from greenroom.config import OffloadConfig
-from greenroom.dirs.rankdir import RankDir, check_root, held_rank_dir
+from greenroom.dirs.rankdir import RankDir, held_rank_dir
+from greenroom.dirs.roots import check_root
 from greenroom.dirs.statedir import StateDir, claim_state_dir, open_rank_dir
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError
-from greenroom.io.compression import resolve as resolve_compression
+from greenroom.io.compression import ResolvedCodec, resolved
 from greenroom.megatron import checks
 from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
 from greenroom.optim import kernel
@@ -75,9 +76,23 @@ class StreamingSettings:
     opened: RankDir | None = None
     """The rank dir the block made under a plain path, if it made one."""
 
+    compression: str | ResolvedCodec | None = None
+    """The codec the run resolved for the config (None: the config's choice), resolved
+    once for the block by its first optimizer (``codec``)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.bucket_numel, bool) or not isinstance(self.bucket_numel, int) or self.bucket_numel <= 0:
             raise ConfigError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
+
+    def codec(self) -> ResolvedCodec:
+        """The block's codec, resolved once (on CUDA): every optimizer of a chain writes with it."""
+        self.compression = resolved(
+            self.compression or self.config.offload_train_disk_compression,
+            cuda=True,
+            chunk_bytes=self.config.chunk_bytes,
+            what=WHAT,
+        )
+        return self.compression
 
     def claim(self) -> StateDir:
         """A dir for one more optimizer of the block (made when the first needs it, so a
@@ -178,9 +193,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         settings = building.settings
         device = torch.device("cuda", torch.cuda.current_device())
         building.entries = entries
-        codec, _ = resolve_compression(
-            settings.config.offload_train_disk_compression, cuda=True, chunk_bytes=settings.config.chunk_bytes
-        )
+        codec = settings.codec().codec
         # Each member of a chain (dense, expert) claims a dir of its own: optim/, optim-2/.
         building.state_dir = settings.claim()
         building.store = BucketStore(
@@ -559,7 +572,13 @@ _swapping_thread: int | None = None  # the thread inside a streaming() block, if
 
 
 @contextlib.contextmanager
-def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+def streaming(
+    config: OffloadConfig,
+    rank_dir,
+    *,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    compression: ResolvedCodec | None = None,
+):
     """Every DistributedOptimizer megatron-core builds inside this block streams its state.
 
         with greenroom.megatron.streaming(config, rank_dir):
@@ -572,8 +591,11 @@ def streaming(config: OffloadConfig, rank_dir, *, bucket_numel: int = DEFAULT_BU
     ``rank_dir`` is this rank's open ``RankDir``, or a plain path: then this rank's own
     rank dir is made under it (``greenroom.dirs.statedir``) and removed when the last of the
     block's optimizers is ``close()``d (or at exit).
+
+    ``compression``: the codec the run resolved for ``config`` on CUDA
+    (``greenroom.io.compression.resolve``); None: the block resolves the config's choice once.
     """
-    settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel)
+    settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel, compression=compression)
     if not config.stream_optimizer_state_to_disk:
         raise ConfigError(
             "greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "

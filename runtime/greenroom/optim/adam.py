@@ -41,6 +41,7 @@ import torch
 from greenroom.config import MASTER_LAYOUTS, OffloadConfig
 from greenroom.dirs.rankdir import RankDir
 from greenroom.errors import ConfigError, GreenroomError
+from greenroom.io.compression import ResolvedCodec
 from greenroom.optim.kernel import FIXED_GROUP_KEYS, bucket_adam_step, choose_implementation, new_step
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.optim.streamed import StreamedOptimizer, follow_param, listed_twice
@@ -77,7 +78,9 @@ class StreamingAdam(StreamedOptimizer):
             ``torch.optim.AdamW`` with the same choice. Recorded in the groups as given.
         compression: the lossless codec of the bucket files (``--offload-train-disk-compression``):
             ``auto`` (``nvcomp-ans`` where CUDA is up and nvCOMP loads, else none), ``none``,
-            ``nvcomp-ans`` or ``zstd``; ``compression_line`` says which runs and why.
+            ``nvcomp-ans`` or ``zstd``; or the ``greenroom.io.compression.ResolvedCodec`` a run
+            resolved once for this device and chunk. ``compression`` is what runs, and
+            ``compression_line`` says which and why.
         master_layout: ``remainder`` (default): a bf16 param's fp32 master is stored as
             its low 16 bits beside the param, exactly (Note [remainder]); ``fp32``: the
             whole master. fp16 params always store the whole master.
@@ -107,7 +110,7 @@ class StreamingAdam(StreamedOptimizer):
         resident_numel: int = RESIDENT_NUMEL,
         fused: bool | None = None,
         foreach: bool | None = None,
-        compression: str = "auto",
+        compression: str | ResolvedCodec = "auto",
         master_layout: str = "remainder",
     ) -> None:
         if isinstance(lr, torch.Tensor):
@@ -204,7 +207,8 @@ class StreamingAdam(StreamedOptimizer):
     def from_config(cls, params: Iterable, config: OffloadConfig, rank_dir: str | RankDir, **kwargs) -> "StreamingAdam":
         """Build from the seed's flags: moment dtype, master layout, chunk size, codec and host
         cache from ``config``; ``kwargs`` are the AdamW hyperparameters (and ``bucket_numel``
-        etc.)."""
+        etc.), and ``compression``: the codec the run resolved for the config (default: the
+        config's choice, resolved here)."""
         if not config.stream_optimizer_state_to_disk:
             raise ConfigError("StreamingAdam.from_config: the config does not set --stream-optimizer-state-to-disk")
         return cls(
@@ -213,9 +217,8 @@ class StreamingAdam(StreamedOptimizer):
             moment_dtype=config.stream_optimizer_state_moment_dtype,
             master_layout=config.stream_optimizer_state_master_layout,
             chunk_mb=config.offload_train_disk_chunk_mb,
-            compression=config.offload_train_disk_compression,
             host_cache_gb=config.stream_optimizer_state_host_cache_gb,
-            **kwargs,
+            **{"compression": config.offload_train_disk_compression, **kwargs},
         )
 
     # -- state ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from greenroom.dirs.rankdir import check_root
+from greenroom.dirs.roots import check_root
 from greenroom.errors import ConfigError
 
 

@@ -40,6 +40,7 @@ from torch.optim._muon import (  # noqa: PLC2701 (torch.optim.Muon's functional,
 
 from greenroom.dirs.rankdir import RankDir
 from greenroom.errors import ConfigError, GreenroomError
+from greenroom.io.compression import ResolvedCodec
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 from greenroom.optim.streamed import StreamedOptimizer, follow_param, listed_twice
 
@@ -80,7 +81,7 @@ class StreamingMuon(StreamedOptimizer):
         moment_dtype: str = "fp32",
         chunk_mb: int = 256,
         host_cache_gb: float = 0.0,
-        compression: str = "auto",
+        compression: str | ResolvedCodec = "auto",
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ConfigError("StreamingMuon: a tensor lr must have one element")

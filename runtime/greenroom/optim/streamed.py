@@ -15,7 +15,7 @@ import torch
 from greenroom.dirs.rankdir import RankDir
 from greenroom.dirs.statedir import claim_state_dir
 from greenroom.errors import ConfigError
-from greenroom.io.compression import resolve as resolve_compression
+from greenroom.io.compression import ResolvedCodec, resolved
 from greenroom.optim.poison import FailedStepPoison
 from greenroom.optim.store.bucket_store import BucketStore, Entry
 from greenroom.tensors import local_tensor
@@ -66,14 +66,15 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
         moment_dtype: str,
         chunk_mb: int,
         host_cache_gb: float,
-        compression: str,
+        compression: str | ResolvedCodec,
         **store_options,
     ) -> None:
-        """Resolve the codec, claim the state dir and lay out the bucket files of
-        ``entries`` on ``self.device``."""
-        codec, self.compression_line = resolve_compression(
-            compression, cuda=self.device.type == "cuda", chunk_bytes=chunk_mb * MIB
+        """Resolve the codec (unless the run resolved it: a ``ResolvedCodec``), claim the
+        state dir and lay out the bucket files of ``entries`` on ``self.device``."""
+        self.compression = resolved(
+            compression, cuda=self.device.type == "cuda", chunk_bytes=chunk_mb * MIB, what=self.what
         )
+        self.compression_line = self.compression.line
         # Claimed last, once nothing else can refuse: a refused optimizer leaves no dir.
         self._state_dir = claim_state_dir(state_dir, name="optim", what=self.what)
         self.state_dir = self._state_dir.path
@@ -85,7 +86,7 @@ class StreamedOptimizer(FailedStepPoison, torch.optim.Optimizer):
                 moment_dtype=moment_dtype,
                 device=self.device,
                 chunk_bytes=chunk_mb * MIB,
-                compression=codec,
+                compression=self.compression.codec,
                 host_cache_bytes=int(host_cache_gb * GB),
                 **store_options,
             )

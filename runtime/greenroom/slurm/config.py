@@ -5,53 +5,48 @@ optional ``ContainerConfig`` nested in it). Every mistake is a ``ValueError`` wh
 line names the file, the key, the bad value and the fix, so ``greenroom slurm`` exits 2
 before ``sbatch`` ever sees the script.
 
-Values that end up on ``#SBATCH`` lines are checked to be single shell-safe words:
-``sbatch`` parses those lines itself, not through a shell, so quoting cannot save a
-value with spaces there. Values that end up in shell commands are quoted with
-``shlex.quote`` by ``greenroom.slurm.render``.
+The shape of each single value is ``greenroom.slurm.values``'s to check; reading the YAML
+with the text a user wrote kept as text is ``greenroom.slurm.yamlread``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
-import re
 import shlex
 import signal
-import types
-import typing
 import warnings
 from dataclasses import dataclass, field
 
 import yaml
 
-from greenroom.config import MASTER_LAYOUTS, MOMENT_DTYPES, TARGETS, OffloadFlags
-from greenroom.dirs.rankdir import is_dir_name
+from greenroom.config import (
+    MASTER_LAYOUTS,
+    MOMENT_DTYPES,
+    TARGETS,
+    OffloadFlags,
+    check_host_cache_gb,
+    check_one_of,
+)
+from greenroom.dirs.names import is_dir_name
 from greenroom.errors import ConfigError
-from greenroom.io import fs
-from greenroom.io.codec_names import CODECS as COMPRESSIONS
-from greenroom.units import MAX_GB
+from greenroom.io.codec_names import check_codec_name
+from greenroom.slurm.values import (
+    ENV_NAME,
+    MEMORY,
+    check_scratch_dir,
+    non_negative_int,
+    positive_int,
+    sbatch_word,
+    time_minutes,
+    unit,
+)
+from greenroom.slurm.yamlread import read_yaml
 
 LAUNCHERS = ("srun", "torchrun")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
-# One #SBATCH word: what partition, account, QoS, job and node names are made of.
-_SBATCH_WORD = re.compile(r"^[A-Za-z0-9_.,:=%@/+\-\[\]]+$")
-_MEMORY = re.compile(r"^[0-9]+[KMGT]?$")
-# Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-_TIME = re.compile(
-    r"^(?:(?P<d>[0-9]+)-(?P<dh>[0-9]+)(?::(?P<dm>[0-9]+)(?::(?P<ds>[0-9]+))?)?"
-    r"|(?P<a>[0-9]+)(?::(?P<b>[0-9]+)(?::(?P<c>[0-9]+))?)?)$"
-)
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_SIGNAL_SECONDS = 65535  # sbatch --signal's upper bound
-
-
-def _unit(unit: str) -> dict:
-    """A field's unit, for the config reference in docs/slurm.md (greenroom.slurm.reference)."""
-    return {"unit": unit}
-
 
 # Seed-flag defaults are OffloadFlags' own (one source: a test compares them).
 _FLAG_DEFAULTS = OffloadFlags()
@@ -96,7 +91,7 @@ class TrainArgs:
     offload_train_target: str | None = None
     """``--offload-train-target`` (cpu or disk; null: not given, which means cpu)."""
 
-    offload_train_disk_chunk_mb: int = field(default=_FLAG_DEFAULTS.offload_train_disk_chunk_mb, metadata=_unit("MiB"))
+    offload_train_disk_chunk_mb: int = field(default=_FLAG_DEFAULTS.offload_train_disk_chunk_mb, metadata=unit("MiB"))
     """``--offload-train-disk-chunk-mb``: pinned staging buffer per mechanism and rank."""
 
     offload_train_disk_compression: str = _FLAG_DEFAULTS.offload_train_disk_compression
@@ -112,7 +107,7 @@ class TrainArgs:
     """``--stream-optimizer-state-master-layout``: remainder (the default, left out) or fp32."""
 
     stream_optimizer_state_host_cache_gb: float = field(
-        default=_FLAG_DEFAULTS.stream_optimizer_state_host_cache_gb, metadata=_unit("GB (10^9 bytes) per rank")
+        default=_FLAG_DEFAULTS.stream_optimizer_state_host_cache_gb, metadata=unit("GB (10^9 bytes) per rank")
     )
     """``--stream-optimizer-state-host-cache-gb``: host memory per rank (GB) for whole
     buckets kept off the disk; 0 (the default) leaves the flag out."""
@@ -120,7 +115,7 @@ class TrainArgs:
     no_load_optim: bool = _FLAG_DEFAULTS.no_load_optim
     """``--no-load-optim``: on resume accept a fresh optimizer state."""
 
-    iterations: int | None = field(default=None, metadata=_unit("iterations"))
+    iterations: int | None = field(default=None, metadata=unit("iterations"))
     """``--iterations`` (null: the trainer's default)."""
 
     role: str = "actor"
@@ -178,26 +173,26 @@ class SlurmJobConfig:
     job_name: str = "greenroom"
     """``--job-name``; also names the log files."""
 
-    nodes: int = field(default=1, metadata=_unit("nodes"))
+    nodes: int = field(default=1, metadata=unit("nodes"))
     """``--nodes``."""
 
-    gpus_per_node: int = field(default=0, metadata=_unit("GPUs per node"))
+    gpus_per_node: int = field(default=0, metadata=unit("GPUs per node"))
     """``--gpus-per-node`` (0: a CPU job, no GPU request)."""
 
-    tasks_per_node: int | None = field(default=None, metadata=_unit("processes per node"))
+    tasks_per_node: int | None = field(default=None, metadata=unit("processes per node"))
     """Trainer processes per node (default: ``gpus_per_node``, or 1 on a CPU job). With the
     srun launcher they are Slurm tasks; with torchrun, torchrun's ``--nproc-per-node``."""
 
-    cpus_per_task: int | None = field(default=None, metadata=_unit("CPUs per Slurm task"))
+    cpus_per_task: int | None = field(default=None, metadata=unit("CPUs per Slurm task"))
     """``--cpus-per-task`` as Slurm means it: the CPUs of one Slurm task. With the srun
     launcher a task is one trainer process; with torchrun it is the node's one torchrun,
     which shares them among its ``tasks_per_node`` processes, so it needs at least one
     each. null: 1 with srun, ``tasks_per_node`` with torchrun."""
 
-    mem: str | None = field(default=None, metadata=_unit("MiB per node, or with a K, M, G or T suffix"))
+    mem: str | None = field(default=None, metadata=unit("MiB per node, or with a K, M, G or T suffix"))
     """``--mem`` per node, e.g. ``64G`` (null: the partition's default; ``0``: all)."""
 
-    time: str = field(default="01:00:00", metadata=_unit("minutes, or [D-]HH:MM:SS"))
+    time: str = field(default="01:00:00", metadata=unit("minutes, or [D-]HH:MM:SS"))
     """``--time`` in any Slurm form (``MM``, ``HH:MM:SS``, ``D-HH:MM:SS`` ...), as written:
     an unquoted ``4:00:00`` stays that, not YAML 1.1's base-60 int."""
 
@@ -218,17 +213,17 @@ class SlurmJobConfig:
     SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; ``torchrun``: one torchrun per node, rendezvous at the
     job's first node."""
 
-    master_port: int | None = field(default=None, metadata=_unit("TCP port"))
+    master_port: int | None = field(default=None, metadata=unit("TCP port"))
     """Rendezvous port (default: 20000 + job id % 20000, so jobs sharing a node differ)."""
 
     preempt_signal: str = "USR1"
     """Signal Slurm sends the batch script before the time limit or a preemption
     (``--signal=B:<sig>@<seconds>``); the script then stops the trainer and requeues."""
 
-    preempt_signal_seconds: int = field(default=120, metadata=_unit("seconds"))
+    preempt_signal_seconds: int = field(default=120, metadata=unit("seconds"))
     """How long before the end the signal comes."""
 
-    max_restarts: int = field(default=3, metadata=_unit("requeues"))
+    max_restarts: int = field(default=3, metadata=unit("requeues"))
     """Requeues after the preemption signal, counted by SLURM_RESTART_COUNT. Above 0 the
     job is also ``--requeue``: Slurm requeues it when it loses a node (a node failure's
     requeue counts too, and Slurm's MaxBatchRequeue caps those). 0: never, ``--no-requeue``."""
@@ -283,12 +278,12 @@ class SlurmJobConfig:
     """The trainer's flags."""
 
     def __post_init__(self) -> None:
-        _positive_int("nodes", self.nodes)
-        _non_negative_int("gpus_per_node", self.gpus_per_node)
-        _non_negative_int("max_restarts", self.max_restarts)
+        positive_int("nodes", self.nodes)
+        non_negative_int("gpus_per_node", self.gpus_per_node)
+        non_negative_int("max_restarts", self.max_restarts)
         if self.tasks_per_node is None:
             self.tasks_per_node = self.gpus_per_node or 1
-        _positive_int("tasks_per_node", self.tasks_per_node)
+        positive_int("tasks_per_node", self.tasks_per_node)
         if self.gpus_per_node and self.tasks_per_node > self.gpus_per_node:
             raise ConfigError(
                 f"tasks_per_node: {self.tasks_per_node} processes cannot each have a GPU of "
@@ -298,7 +293,7 @@ class SlurmJobConfig:
             raise ConfigError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
         if self.cpus_per_task is None:
             self.cpus_per_task = self.tasks_per_node if self.launcher == "torchrun" else 1
-        _positive_int("cpus_per_task", self.cpus_per_task)
+        positive_int("cpus_per_task", self.cpus_per_task)
         if self.launcher == "torchrun" and self.cpus_per_task < self.tasks_per_node:
             raise ConfigError(
                 f"cpus_per_task: {self.cpus_per_task} CPUs cannot give each of torchrun's "
@@ -306,16 +301,16 @@ class SlurmJobConfig:
                 f"the node's one task (all its processes): use at least {self.tasks_per_node}"
             )
         if self.master_port is not None:
-            _positive_int("master_port", self.master_port)
+            positive_int("master_port", self.master_port)
             if not 1024 <= self.master_port <= 65535:
                 raise ConfigError(f"master_port must be in 1024..65535, got {self.master_port}")
         for name in ("job_name", "partition", "account", "qos"):
             value = getattr(self, name)
             if value is not None:
-                _sbatch_word(name, value)
+                sbatch_word(name, value)
         if self.mem is not None:
             self.mem = str(self.mem)
-            if not _MEMORY.match(self.mem):
+            if not MEMORY.match(self.mem):
                 raise ConfigError(f"mem: expected a size like 64G or 65536 (MiB), got {self.mem!r}")
         time_minutes(self.time)
         try:
@@ -324,19 +319,19 @@ class SlurmJobConfig:
             raise ConfigError(
                 f"preempt_signal: expected a signal name like USR1 (without SIG), got {self.preempt_signal!r}"
             ) from None
-        _positive_int("preempt_signal_seconds", self.preempt_signal_seconds)
+        positive_int("preempt_signal_seconds", self.preempt_signal_seconds)
         if self.preempt_signal_seconds > MAX_SIGNAL_SECONDS:
             raise ConfigError(
                 f"preempt_signal_seconds must be at most {MAX_SIGNAL_SECONDS}, got {self.preempt_signal_seconds}"
             )
         for name, value in self.env.items():
-            if not isinstance(name, str) or not _ENV_NAME.match(name):
+            if not isinstance(name, str) or not ENV_NAME.match(name):
                 raise ConfigError(f"env: {name!r} is not a valid environment variable name")
             if not isinstance(value, (str, int, float)) or isinstance(value, bool):
                 raise ConfigError(f"env.{name}: expected a string, got {value!r}; put the value in quotes")
             self.env[name] = str(value)
         for key, value in self.sbatch_extra.items():
-            _sbatch_word("sbatch_extra key", str(key))
+            sbatch_word("sbatch_extra key", str(key))
             # Neither has an #SBATCH form: str() would render --requeue=False or --nice=None.
             if value is False:
                 fix = (
@@ -358,7 +353,7 @@ class SlurmJobConfig:
                     "entry would replace it behind the config's back: leave it out"
                 )
             if value is not True:
-                _sbatch_word(f"sbatch_extra.{key}", str(value))
+                sbatch_word(f"sbatch_extra.{key}", str(value))
         if self.command is not None:
             words = self.command if isinstance(self.command, list) else None
             if isinstance(self.command, str) and self.command.strip():
@@ -377,7 +372,7 @@ class SlurmJobConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"{name}: expected a non-empty string, got {value!r}")
-        _sbatch_word("log_dir", self.log_dir)
+        sbatch_word("log_dir", self.log_dir)
         if not all(isinstance(line, str) for line in self.setup):
             raise ConfigError(f"setup: expected a list of shell lines, got {self.setup!r}")
         if self.scratch_dir is not None:
@@ -414,50 +409,22 @@ class SlurmJobConfig:
         return self.nodes * self.tasks_per_node
 
 
-def check_scratch_dir(path: str) -> None:
-    """Refuse a relative or memory-backed scratch dir (tmpfs keeps the data in RAM)."""
-    if not isinstance(path, str) or not os.path.isabs(path):
-        raise ConfigError(f"scratch_dir: expected an absolute path on node-local NVMe, got {path!r}")
-    if fs.is_memory_backed(path):
-        mount = fs.mount_of(path)
-        raise ConfigError(
-            f"scratch_dir: {path} is on {mount.fstype} ({mount.mount_point}), which keeps the "
-            "offloaded data in RAM; point it at node-local NVMe"
-        )
-
-
 def _check_train(train: TrainArgs) -> None:
-    if train.offload_train_target is not None and train.offload_train_target not in TARGETS:
-        raise ConfigError(
-            f"train.offload_train_target: expected one of {', '.join(TARGETS)}, got {train.offload_train_target!r}"
-        )
-    if train.stream_optimizer_state_moment_dtype not in MOMENT_DTYPES:
-        raise ConfigError(
-            f"train.stream_optimizer_state_moment_dtype: expected one of {', '.join(MOMENT_DTYPES)}, "
-            f"got {train.stream_optimizer_state_moment_dtype!r}"
-        )
-    if train.stream_optimizer_state_master_layout not in MASTER_LAYOUTS:
-        raise ConfigError(
-            f"train.stream_optimizer_state_master_layout: expected one of {', '.join(MASTER_LAYOUTS)}, "
-            f"got {train.stream_optimizer_state_master_layout!r}"
-        )
-    _positive_int("train.offload_train_disk_chunk_mb", train.offload_train_disk_chunk_mb)
-    if train.offload_train_disk_compression not in COMPRESSIONS:
-        raise ConfigError(
-            f"train.offload_train_disk_compression: expected one of {', '.join(COMPRESSIONS)}, "
-            f"got {train.offload_train_disk_compression!r}"
-        )
-    cache = train.stream_optimizer_state_host_cache_gb
-    if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= MAX_GB:
-        raise ConfigError(
-            f"train.stream_optimizer_state_host_cache_gb must be a finite number of GB >= 0 and at most "
-            f"{MAX_GB:g} (an exabyte), got {cache!r}"
-        )
+    # OffloadFlags' own rules, each naming the train.* key.
+    if train.offload_train_target is not None:
+        check_one_of("train.offload_train_target", train.offload_train_target, TARGETS)
+    check_one_of("train.stream_optimizer_state_moment_dtype", train.stream_optimizer_state_moment_dtype, MOMENT_DTYPES)
+    check_one_of(
+        "train.stream_optimizer_state_master_layout", train.stream_optimizer_state_master_layout, MASTER_LAYOUTS
+    )
+    positive_int("train.offload_train_disk_chunk_mb", train.offload_train_disk_chunk_mb)
+    check_codec_name(train.offload_train_disk_compression, name="train.offload_train_disk_compression")
+    check_host_cache_gb(train.stream_optimizer_state_host_cache_gb, name="train.stream_optimizer_state_host_cache_gb")
     if train.iterations is not None:
-        _positive_int("train.iterations", train.iterations)
+        positive_int("train.iterations", train.iterations)
     if train.resume not in RESUME_MODES:
         raise ConfigError(f"train.resume: expected one of {', '.join(RESUME_MODES)}, got {train.resume!r}")
-    # The trainer's own rule (greenroom.dirs.rankdir), so a bad role fails here, not after queueing.
+    # The trainer's own rule (greenroom.dirs.names), so a bad role fails here, not after queueing.
     if not is_dir_name(train.role):
         raise ConfigError(
             f"train.role: {train.role!r} is not a valid directory name; "
@@ -470,39 +437,6 @@ def _check_train(train: TrainArgs) -> None:
         train.offload_flags()
     except ValueError as e:
         raise ConfigError(f"train: {e}") from None
-
-
-def time_minutes(value: str) -> int:
-    """Minutes in a Slurm ``--time`` value (rounded up), validating it."""
-    m = _TIME.match(str(value))
-    if not m:
-        raise ConfigError(f"time: expected a Slurm time like 04:00:00 or 1-12:00:00, got {value!r}")
-    if m["d"] is not None:
-        seconds = ((int(m["d"]) * 24 + int(m["dh"])) * 60 + int(m["dm"] or 0)) * 60 + int(m["ds"] or 0)
-    elif m["c"] is not None:
-        seconds = (int(m["a"]) * 60 + int(m["b"])) * 60 + int(m["c"])
-    else:
-        seconds = int(m["a"]) * 60 + int(m["b"] or 0)
-    if seconds <= 0:
-        raise ConfigError(f"time: must be longer than zero, got {value!r}")
-    return -(-seconds // 60)
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _non_negative_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-
-
-def _sbatch_word(name: str, value) -> None:
-    if not isinstance(value, str) or not _SBATCH_WORD.match(value):
-        raise ConfigError(
-            f"{name}: {value!r} must be one word of letters, digits and _.,:=%@/+-[] (it goes on an #SBATCH line)"
-        )
 
 
 def _build(cls, data, where: str):
@@ -532,62 +466,6 @@ def _build(cls, data, where: str):
         raise ConfigError(f"{where or 'the config'}: {e}") from None
 
 
-# YAML 1.1 (PyYAML's) reads an unquoted 4:00:00 as the base-60 int 14400, 0022 as the
-# octal 18, 2.10 as the float 2.1 and 2024-01-01T10:00:00 as a datetime: a value's str()
-# is then not what the user wrote. Where a key takes text, such a plain scalar is read as
-# the text it is in the file; true, false and null keep their YAML meaning.
-_STR_TAG = "tag:yaml.org,2002:str"
-_NOT_TEXT_TAGS = {f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "timestamp")}
-
-
-def _alternatives(hint) -> tuple:
-    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-
-
-def _keep_text(loader: yaml.SafeLoader, node: yaml.Node, hint) -> yaml.Node:
-    """``node`` with its plain number and date scalars retagged as strings wherever
-    ``hint``, the type of the field it fills, takes ``str`` (also as a list's items or a
-    dict's values). A retagged scalar is a copy: an alias may use the original where a
-    number belongs (``nodes: &n 2`` and ``env: {N: *n}``)."""
-    options = _alternatives(hint)
-    if isinstance(node, yaml.ScalarNode):
-        if str in options and node.style is None and node.tag in _NOT_TEXT_TAGS:
-            return yaml.ScalarNode(_STR_TAG, node.value, node.start_mark, node.end_mark, style=node.style)
-        return node
-    origins = {typing.get_origin(option): option for option in options}
-    if isinstance(node, yaml.SequenceNode) and list in origins:
-        item = typing.get_args(origins[list])[0]
-        node.value = [_keep_text(loader, child, item) for child in node.value]
-    elif isinstance(node, yaml.MappingNode):
-        loader.flatten_mapping(node)  # what a << merge brings in is checked here too
-        classes = [option for option in options if dataclasses.is_dataclass(option)]
-        if classes:
-            fields = typing.get_type_hints(classes[0])
-            node.value = [
-                (
-                    key,
-                    _keep_text(loader, value, fields[key.value])
-                    if isinstance(key, yaml.ScalarNode) and key.value in fields
-                    else value,
-                )
-                for key, value in node.value
-            ]
-        elif dict in origins:
-            item = typing.get_args(origins[dict])[1]
-            node.value = [(key, _keep_text(loader, value, item)) for key, value in node.value]
-    return node
-
-
-def _read_yaml(stream):
-    """``yaml.safe_load``, but a text key's plain scalar is read as written (``_keep_text``)."""
-    loader = yaml.SafeLoader(stream)
-    try:
-        node = loader.get_single_node()
-        return None if node is None else loader.construct_document(_keep_text(loader, node, SlurmJobConfig))
-    finally:
-        loader.dispose()
-
-
 def config_from_dict(data: dict) -> SlurmJobConfig:
     return _build(SlurmJobConfig, data, "")
 
@@ -596,7 +474,7 @@ def load_config(path: str) -> SlurmJobConfig:
     """Read and validate a job YAML; errors name the file."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = _read_yaml(f)
+            data = read_yaml(f, SlurmJobConfig)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except UnicodeDecodeError:

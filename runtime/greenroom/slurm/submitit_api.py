@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import submitit
 
 from greenroom.errors import ConfigError, GreenroomError
-from greenroom.slurm.config import SlurmJobConfig, time_minutes
+from greenroom.slurm.config import SlurmJobConfig
 from greenroom.slurm.render import program, resource_options, seed_flags, setup_lines
 from greenroom.slurm.sbatch import job_state
+from greenroom.slurm.values import time_minutes
 
 __all__ = ["TrainTask", "executor_for", "submit_train", "job_state"]
 

@@ -13,9 +13,8 @@ import json
 import os
 import tempfile
 
-from greenroom.config import OffloadConfig
 from greenroom.devices import check_device_bytes
-from greenroom.dirs.rankdir import is_dir_name
+from greenroom.dirs.names import is_dir_name
 from greenroom.errors import ConfigError
 from greenroom.io import fs, publish
 from greenroom.log import get_logger
@@ -49,10 +48,9 @@ def _check_creatable_dir(flag: str, path: str) -> None:
     _probe_writable(flag, existing)
 
 
-def check_paths(config, offload: OffloadConfig) -> None:
-    """Kinds and writability of ``--save``, ``--load``, ``--metrics`` and the disk dir."""
-    if offload.uses_disk:
-        _check_creatable_dir("--offload-train-disk-dir", offload.offload_train_disk_dir)
+def check_paths(config) -> None:
+    """Kinds and writability of ``--save``, ``--load`` and ``--metrics`` (the disk dir's
+    root is checked where ``OffloadConfig`` resolves it, ``greenroom.dirs.roots.check_root``)."""
     if config.save:
         save = os.path.abspath(config.save)
         _check_creatable_dir("--save", os.path.dirname(save))

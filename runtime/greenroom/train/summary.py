@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from greenroom.config import OffloadConfig
-from greenroom.io.compression import resolve as resolve_compression
+from greenroom.io.compression import ResolvedCodec
 from greenroom.tensors import local_tensor
 from greenroom.units import GB, rate_text, size_text
 
@@ -22,9 +22,11 @@ def header(
     optimizer,
     rank_dir_path: str | None,
     start: int,
+    compression: ResolvedCodec | None,
 ) -> str:
     """The run's first line: model, ranks, offload, streaming, codec, staging, host cache,
-    rank dir and where a resumed run starts."""
+    rank dir and where a resumed run starts. ``compression``: the codec the run's
+    mechanisms were handed (None where nothing goes to disk)."""
     offload = f"{o.offload_train_target} ({backend})" if o.offload_train else "off"
     streaming = "off"
     if o.stream_optimizer_state_to_disk:
@@ -38,12 +40,8 @@ def header(
         f"offload {offload}",
         f"streaming {streaming}",
     ]
-    if o.uses_disk:
-        parts.append(
-            resolve_compression(
-                o.offload_train_disk_compression, cuda=device.type == "cuda", chunk_bytes=o.chunk_bytes
-            )[1]
-        )
+    if compression is not None:
+        parts.append(compression.line)
     if o.staging_bytes_per_rank:
         count = o.staging_bytes_per_rank // o.chunk_bytes
         parts.append(

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from greenroom import actor
 from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.config import OffloadConfig
-from greenroom.devices import resolve_device
+from greenroom.devices import resolve_codec, resolve_device
 from greenroom.dirs.rankdir import RankDir
 from greenroom.dirs.signals import signals_held
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError, one_line
@@ -103,7 +103,7 @@ class Trainer:
     def _open(self) -> None:
         c, offload = self.config, self.offload
         if self.rank == 0:
-            preflight.check_paths(c, offload)
+            preflight.check_paths(c)
             if c.save:  # held for the run: a second trainer saving here is refused now, not at its end
                 self._stack.enter_context(publish.locked(c.save))
         if self.device.type == "cuda" and offload.offload_train and c.offload_backend != "portable":
@@ -121,8 +121,16 @@ class Trainer:
             self._stack.callback(self.rank_dir.close)
         self.memory = RssSampler()
         self._stack.callback(self.memory.close)
+        # Once, after CUDA is set up: the offloader and the optimizer write with this codec
+        # and the header names it.
+        self.compression = resolve_codec(offload, self.device)
         self.offloader = actor.build_offloader(
-            offload, self.rank_dir, device=self.device, backend=c.offload_backend, mover=c.offload_mover
+            offload,
+            self.rank_dir,
+            device=self.device,
+            backend=c.offload_backend,
+            mover=c.offload_mover,
+            compression=self.compression,
         )
         self._stack.callback(self.offloader.close)
         torch.manual_seed(c.seed)
@@ -261,7 +269,13 @@ class Trainer:
                 if saved is not None:
                     layout["bucket_numel"] = saved
             optimizer = StreamingAdam.from_config(
-                params, self.offload, self.rank_dir, lr=self.config.lr, weight_decay=self.config.weight_decay, **layout
+                params,
+                self.offload,
+                self.rank_dir,
+                lr=self.config.lr,
+                weight_decay=self.config.weight_decay,
+                compression=self.compression,
+                **layout,
             )
             if hasattr(optimizer, "close"):
                 self._stack.callback(self._close_optimizer, optimizer)
@@ -482,6 +496,7 @@ class Trainer:
             optimizer=self.optimizer,
             start=start,
             rank_dir_path=self.rank_dir.path if self.rank_dir is not None else None,
+            compression=self.compression,
         )
 
     def _log(self, record: dict) -> None:

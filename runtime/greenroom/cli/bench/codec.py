@@ -20,7 +20,8 @@ from greenroom.cli import flags as cliflags
 from greenroom.cli.bench.disk import MAX_DEPTH, RAW_BLOCK, raw_bandwidth
 from greenroom.config import check_disk_bytes
 from greenroom.devices import check_device_bytes
-from greenroom.dirs.rankdir import RankDir, check_existing_root
+from greenroom.dirs.rankdir import RankDir
+from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.codec_names import CODECS as COMPRESSIONS
@@ -66,7 +67,7 @@ def measure(args: argparse.Namespace) -> dict:
     from greenroom.io import compression
 
     cuda = torch.cuda.is_available()
-    codec, _ = compression.resolve(args.compression, cuda=cuda, chunk_bytes=4 * CHUNK)
+    codec = compression.resolve(args.compression, cuda=cuda, chunk_bytes=4 * CHUNK).codec
     device = torch.device("cuda" if codec.on_device else "cpu")
     n = args.size // CHUNK * CHUNK or CHUNK
     # The state, its stored chunks (at most as large: a frame that does not shrink is kept

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from greenroom.cli import flags as cliflags
 from greenroom.config import check_disk_bytes, check_host_bytes
 from greenroom.devices import check_device_bytes, resolve_device
-from greenroom.dirs.rankdir import RankDir, check_existing_root
+from greenroom.dirs.rankdir import RankDir
+from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.compression import resolve as resolve_compression
@@ -120,7 +121,7 @@ def engine_bandwidth(
     measures what the codec costs where it does not pay."""
     import torch
 
-    codec, _ = resolve_compression(compression, cuda=torch.device(device).type == "cuda", chunk_bytes=chunk_bytes)
+    codec = resolve_compression(compression, cuda=torch.device(device).type == "cuda", chunk_bytes=chunk_bytes).codec
     tensor = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
     back = torch.zeros_like(tensor)  # touched up front: page faults are not disk time
     path = os.path.join(directory, f".greenroom-engine-{os.getpid()}")
@@ -227,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compression == "auto":
         from greenroom.io.compression import resolve
 
-        codec, _ = resolve("auto", cuda=device == "cuda", chunk_bytes=args.chunk_mb * MIB)
+        codec = resolve("auto", cuda=device == "cuda", chunk_bytes=args.chunk_mb * MIB).codec
         args.compression = codec.name if codec is not None else "none"
     # Each buffer holds whole frames of a codec (one MiB), or one aligned block at least.
     smallest, what = (MIB, "a compressed frame, 1 MiB,") if args.compression != "none" else (ALIGNMENT, "4 KiB")

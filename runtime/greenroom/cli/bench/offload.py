@@ -30,7 +30,7 @@ import time
 from greenroom.cli import flags as cliflags
 from greenroom.config import OffloadConfig, check_disk_bytes, check_host_bytes
 from greenroom.devices import check_device_bytes, resolve_device
-from greenroom.dirs.rankdir import check_existing_root
+from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.compression import resolve as resolve_compression
@@ -252,7 +252,7 @@ def measure(args: argparse.Namespace) -> dict:
             backend = offloader.backend
             compression_line = resolve_compression(
                 args.compression, cuda=device.type == "cuda", chunk_bytes=config.chunk_bytes
-            )[1]
+            ).line
             mover = getattr(offloader, "mover", "greenroom")
     finally:
         sampler.close()

@@ -6,7 +6,7 @@ The init container's script. It runs as root (chown needs it) with env
 GREENROOM_NODE_ROOT (the whole node root), GREENROOM_POD_UID and the trainer's uid/gid.
 reclaim exits 1 when some dir could not be removed (reported above): that must not keep
 this pod from starting; any other failure (a root that is not a dir, exit 2) does.
-The pod's dir, made here, gets greenroom's marker (runtime/greenroom/dirs/rankdir.py, Note
+The pod's dir, made here, gets greenroom's marker (runtime/greenroom/dirs/tree.py, Note
 [made parents]): only a marked dir is ever removed, by reclaim or the janitor. One that
 is there already (made by an earlier run of this init container, for the same pod) gets
 no second one.
