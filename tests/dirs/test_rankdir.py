@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from greenroom.dirs.rankdir import RankDir, rank_dir_path
+from greenroom.dirs.names import rank_dir_path
+from greenroom.dirs.rankdir import RankDir
 from greenroom.errors import StorageError
 
 HOLDER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "rank_holder.py")
@@ -137,7 +138,7 @@ def test_a_rank_starting_in_the_parent_a_closing_rank_removes_keeps_it_and_the_l
     the dir's marker away and not yet removed it: the ``rmdir`` fails on the new rank dir,
     the marker goes back, and the new rank's close removes both parents (``greenroom.dirs.tree``
     Note [made parents])."""
-    from greenroom.dirs import rankdir
+    from greenroom.dirs import names
 
     first = RankDir(disk_dir, job="job", rank=0).open()
     role = os.path.dirname(first.path)
@@ -145,7 +146,7 @@ def test_a_rank_starting_in_the_parent_a_closing_rank_removes_keeps_it_and_the_l
 
     def rmdir_opening_a_sibling(target, *args, **kwargs):
         if target == role and not opened:
-            assert rankdir.MADE_NAME not in os.listdir(role)
+            assert names.MADE_NAME not in os.listdir(role)
             opened.append(RankDir(disk_dir, job="job", rank=1).open())
         return real_rmdir(target, *args, **kwargs)
 
@@ -153,6 +154,6 @@ def test_a_rank_starting_in_the_parent_a_closing_rank_removes_keeps_it_and_the_l
     first.close()
     monkeypatch.setattr(os, "rmdir", real_rmdir)
     [sibling] = opened
-    assert sorted(os.listdir(role)) == [rankdir.MADE_NAME, "rank00001"]
+    assert sorted(os.listdir(role)) == [names.MADE_NAME, "rank00001"]
     sibling.close()
     assert os.listdir(disk_dir) == []

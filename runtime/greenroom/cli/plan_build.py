@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from greenroom.cli.budget import SHARDINGS, Layout, asleep_device_bytes, rank_budget, seconds
 from greenroom.config import FLAG_FIELDS, OffloadFlags
-from greenroom.dirs.rankdir import rank_dir_path
+from greenroom.dirs.names import rank_dir_path
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB

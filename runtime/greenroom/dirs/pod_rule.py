@@ -19,7 +19,7 @@ The per-pod dirs themselves (``<root>/<pod uid>/``, made by the chart's init con
 go too once they are empty and their pod is gone or finished: a pod that never wrote a
 rank dir (cpu target, an early failure) or whose ranks cleaned up after themselves would
 otherwise leave one empty dir per pod on the node forever. Only trees greenroom made
-(each dir holding its marker, ``greenroom.dirs.rankdir`` Note [made parents]): a dir named
+(each dir holding its marker, ``greenroom.dirs.tree`` Note [made parents]): a dir named
 like a pod UID that the init container did not make (the kubelet's, with the init
 container turned off; one of an older chart; a user's) stays.
 
@@ -32,7 +32,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from greenroom.dirs.rankdir import MADE_NAME, OWNER_NAME, remove_made_dir
+from greenroom.dirs.names import MADE_NAME, OWNER_NAME
+from greenroom.dirs.tree import remove_made_dir
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 

@@ -84,7 +84,6 @@ from greenroom.dirs import signals
 from greenroom.dirs.names import (
     DIR_MODE,
     LOCK_NAME,
-    MADE_NAME,
     OWNER_NAME,
     TRASH_PREFIX,
     boot_id,
@@ -92,7 +91,7 @@ from greenroom.dirs.names import (
     job_id,
     rank_dir_path,
 )
-from greenroom.dirs.roots import check_existing_root, check_root, memory_problem
+from greenroom.dirs.roots import check_root, memory_problem
 from greenroom.dirs.tree import make_rank_path, mkdir_own, remove_made_dir, wipe_contents, write_json_atomic
 from greenroom.errors import ConfigError, StorageError
 from greenroom.faults import kill_point
@@ -101,19 +100,6 @@ LOCK_WAIT_SECONDS = 3.0
 PARENT_RETRIES = 100  # Note [vanishing parents]: each retry needs another rmdir to land in the gap
 
 _OPEN: "set[RankDir]" = set()  # the rank dirs this process holds
-
-# The rank dir's API also answers here for the names its tree's modules hold.
-__all__ = [
-    "MADE_NAME",
-    "OWNER_NAME",
-    "RankDir",
-    "check_existing_root",
-    "check_root",
-    "held_rank_dir",
-    "rank_dir_path",
-    "remove_made_dir",
-    "write_json_atomic",
-]
 
 
 def held_rank_dir(path: str) -> "RankDir | None":

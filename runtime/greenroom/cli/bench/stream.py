@@ -64,7 +64,7 @@ from greenroom.cli.bench.stream_measure import measure
 from greenroom.cli.bench.stream_report import print_text
 from greenroom.config import check_disk_bytes, check_host_bytes
 from greenroom.devices import check_device_bytes, resolve_device
-from greenroom.dirs.rankdir import check_existing_root
+from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.io import fs
 from greenroom.optim.footprint import streamed_bytes_per_param

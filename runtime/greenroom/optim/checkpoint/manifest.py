@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from greenroom.dirs.rankdir import write_json_atomic
+from greenroom.dirs.tree import write_json_atomic
 from greenroom.errors import CheckpointError
 from greenroom.io import publish
 from greenroom.optim.checkpoint.filecopy import file_crc32
