@@ -22,6 +22,7 @@ from greenroom.actor.fingerprint import fingerprint
 from greenroom.actor.tracking import Tracked
 from greenroom.io import frames
 from greenroom.io.engine import StateFile, TransferEngine, align_up
+from greenroom.io.timeline import DISK, Timeline, span
 
 STATE_FILE = "actor.state"
 
@@ -96,6 +97,10 @@ class HostMover:
 
     def disk_bytes(self, way: str) -> int:
         return 0
+
+    def record(self, timeline: Timeline | None) -> bool:
+        """Host copies are not recorded (``greenroom.io.timeline``): False."""
+        return False
 
     def close(self) -> None:
         self._copies = {}
@@ -195,7 +200,8 @@ class DiskMover:
         # Flush even with O_DIRECT: an O_DIRECT write can still sit in the drive's (or a
         # virtual disk host's) write cache, and flushing it then would land on the wake's
         # reads. The raw disk bound fdatasyncs too, so sleep is measured like for like.
-        f.sync()
+        with span(self._engine.timeline, DISK):
+            f.sync()
         for slot, mark, _ in writes:
             slot.fingerprint = mark
         return moved
@@ -228,6 +234,11 @@ class DiskMover:
     def disk_bytes(self, way: str) -> int:
         """Bytes ``written`` to or ``read`` from the offload file since it was opened."""
         return getattr(self._file, f"disk_bytes_{way}", 0)
+
+    def record(self, timeline: Timeline | None) -> bool:
+        """Record where the engine's time goes into ``timeline`` (``greenroom.io.timeline``): True."""
+        self._engine.record(timeline)
+        return True
 
     def _drop_file(self) -> None:
         if self._file is not None:

@@ -27,6 +27,7 @@ from greenroom.actor import discovery, tracking
 from greenroom.actor.liveness import Liveness
 from greenroom.actor.movers import DiskMover, HostMover, Moved
 from greenroom.errors import ConfigError, GreenroomError
+from greenroom.io.timeline import Timeline
 from greenroom.log import get_logger
 
 SCOPES = ("all", "tracked")
@@ -228,6 +229,12 @@ class Offloader:
         the bytes moved where frames were compressed)."""
         return 0
 
+    def record(self, timeline: Timeline | None) -> bool:
+        """Record where the disk mover's time goes into ``timeline`` (``greenroom.io.timeline``;
+        None stops it). False where nothing is recorded: a host target, torch_memory_saver's
+        own mover."""
+        return False
+
     def close(self) -> None:
         """Release files and host copies. Closing while asleep discards the sleeping
         state (the process is going away: reading it back would only cost time)."""
@@ -376,6 +383,9 @@ class PortableOffloader(Offloader):
 
     def disk_bytes(self, way: str) -> int:
         return self._mover.disk_bytes(way)
+
+    def record(self, timeline) -> bool:
+        return self._mover.record(timeline)
 
     def close(self) -> None:
         try:

@@ -216,6 +216,9 @@ class TmsOffloader(Offloader):
     def disk_bytes(self, way: str) -> int:
         return self._mover.disk_bytes(way) if self._mover is not None else 0
 
+    def record(self, timeline) -> bool:
+        return self._mover.record(timeline) if self._mover is not None else False
+
     def close(self) -> None:
         try:
             super().close()

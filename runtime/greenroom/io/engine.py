@@ -58,6 +58,7 @@ from greenroom.io.frames import STORE_RAW, FrameIO, Placement, frame_chunks
 from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, extent_sums, page_sums, verify_default
 from greenroom.io.staging import DEFAULT_DEPTH, StagingBuffers
 from greenroom.io.statefile import StateFile, aligned_host, check_sums, pread_all, pwrite_all, verify_mapped
+from greenroom.io.timeline import DEVICE_COPY, DISK, HOST, Timeline, span
 from greenroom.io.transfer import Transfer
 
 
@@ -109,6 +110,7 @@ class TransferEngine:
         self._driver = threading.Thread(target=self._drive, name="greenroom-io-driver", daemon=True)
         self._driver.start()
         self._closed = False
+        self.timeline: Timeline | None = None
 
     # -- public API ---------------------------------------------------------------
     def write(
@@ -137,13 +139,18 @@ class TransferEngine:
         """Fill ``dst`` from ``file`` at ``offset`` (4 KiB aligned)."""
         return self._submit("read", dst, file, offset, None)
 
+    def record(self, timeline: Timeline | None) -> None:
+        """Record where this engine's time goes into ``timeline`` (``greenroom.io.timeline``),
+        from the next transfer on; None stops it."""
+        self.timeline = self.frame_io.timeline = timeline
+
     def drain(self) -> None:
         """Wait for every transfer submitted so far, then raise the first error: when it
         raises, no I/O of this engine is in flight any more (an interruption too, Note
         [interrupted waits])."""
         pending, self._inflight = self._inflight, []
         first = None
-        for t in pending:
+        for t in pending:  # each records its own wait (sync) when the engine records
             try:
                 t.wait_unreported()
             except BaseException as e:
@@ -245,6 +252,7 @@ class TransferEngine:
             expected=expected,
             finish=finish,
             placement=placement,
+            timeline=self.timeline,
         )
         ready = None
         if data.is_cuda:
@@ -304,7 +312,8 @@ class TransferEngine:
     def _stage_out(self, piece: torch.Tensor, slot: int, stream) -> torch.cuda.Event | None:
         buf = self.staging.buffers[slot]
         if stream is None:
-            buf[: piece.numel()].copy_(piece)
+            with span(self.timeline, HOST):
+                buf[: piece.numel()].copy_(piece)
             return None
         with torch.cuda.stream(stream):
             buf[: piece.numel()].copy_(piece, non_blocking=True)
@@ -315,7 +324,8 @@ class TransferEngine:
     def _sums_of(self, staged: torch.Tensor, file_offset: int, transfer: Transfer) -> tuple:
         if transfer.sums is None:
             return None, 0
-        return extent_sums(staged, file_offset), file_offset // EXTENT - transfer.offset // EXTENT
+        with span(self.timeline, HOST):
+            return extent_sums(staged, file_offset), file_offset // EXTENT - transfer.offset // EXTENT
 
     @staticmethod
     def _seal(transfer: Transfer) -> None:
@@ -332,7 +342,8 @@ class TransferEngine:
         first = 0
         try:
             if done_copy is not None:
-                done_copy.synchronize()
+                with span(self.timeline, DEVICE_COPY):
+                    done_copy.synchronize()
             buf = self.staging.buffers[slot]
             n = piece.numel()
             if n % ALIGNMENT:
@@ -340,9 +351,10 @@ class TransferEngine:
             staged = buf[: align_up(n)]
             pending = self._hashers.submit(self._sums_of, staged, file_offset, transfer)
             try:
-                file.write(memoryview(staged.numpy()), file_offset)
-                if transfer.mirror is not None:
-                    transfer.mirror.write(memoryview(staged.numpy()), file_offset)
+                with span(self.timeline, DISK):
+                    file.write(memoryview(staged.numpy()), file_offset)
+                    if transfer.mirror is not None:
+                        transfer.mirror.write(memoryview(staged.numpy()), file_offset)
             finally:
                 sums, first = pending.result()  # before the buffer is released
         except BaseException as e:  # reported through Transfer.wait()
@@ -358,9 +370,11 @@ class TransferEngine:
             buf = self.staging.buffers[slot]
             n = piece.numel()
             staged = buf[: align_up(n)]
-            file.read(memoryview(staged.numpy()), file_offset)
+            with span(self.timeline, DISK):
+                file.read(memoryview(staged.numpy()), file_offset)
             if stream is None:
-                piece.copy_(buf[:n])
+                with span(self.timeline, HOST):
+                    piece.copy_(buf[:n])
                 sums, first = self._sums_of(staged, file_offset, transfer)
             else:
                 with torch.cuda.stream(stream):
@@ -370,7 +384,8 @@ class TransferEngine:
                 # Hash while the DMA reads the same buffer; the caller learns of a
                 # mismatch from wait() before it may touch ``piece``.
                 sums, first = self._sums_of(staged, file_offset, transfer)
-                event.synchronize()  # the staging buffer is reused once released
+                with span(self.timeline, DEVICE_COPY):
+                    event.synchronize()  # the staging buffer is reused once released
         except BaseException as e:
             error = e
         finally:

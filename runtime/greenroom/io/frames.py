@@ -72,10 +72,12 @@ import torch
 from greenroom.errors import ConfigError, IntegrityError
 from greenroom.io import compression
 from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, page_sums
+from greenroom.io.timeline import CODEC, DEVICE_COPY, DISK, HOST, SYNC, span
 
 if TYPE_CHECKING:
     from greenroom.io.staging import StagingBuffers
     from greenroom.io.statefile import StateFile
+    from greenroom.io.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,15 @@ class FrameIO:
         )
         self.kept_decoders = KeptDecoders()
         self._thread = threading.local()  # each I/O thread's CUDA streams
+        self.timeline: Timeline | None = None  # set by the engine's ``record``
+
+    def _read_piece(self, file: StateFile, buf: memoryview, offset: int) -> int:
+        with span(self.timeline, DISK):
+            return file.read(buf, offset)
+
+    def _sums(self, buf: torch.Tensor, runs: list, lengths: list[int]) -> torch.Tensor:
+        with span(self.timeline, HOST):
+            return _frame_sums(buf, runs, lengths)
 
     def close(self) -> None:
         """Shut the pool of piece reads down, waiting for its threads."""
@@ -201,7 +212,7 @@ class FrameIO:
         header and the payload, or the raw bytes where compression does not pay."""
         error = sums = base = None
         first = frames[0][3]
-        span = align_up(piece.numel())
+        raw_span = align_up(piece.numel())
         try:
             codec = file.compression
             buf = self.staging.buffers[slot]
@@ -215,60 +226,68 @@ class FrameIO:
                 coded = [k for k, (_, _, size, _) in enumerate(frames) if size != STORE_RAW]
                 payloads = [(None, None)] * len(frames)
                 if coded:
-                    for k, payload in zip(
-                        coded, codec.encode([views[k] for k in coded], [frames[k][2] for k in coded], io_stream)
-                    ):
+                    with span(self.timeline, CODEC):
+                        encoded = codec.encode([views[k] for k in coded], [frames[k][2] for k in coded], io_stream)
+                    for k, payload in zip(coded, encoded):
                         payloads[k] = payload
-                with torch.cuda.stream(io_stream):
-                    for (pos, raw, size, _), view, (codec_id, payload) in zip(frames, views, payloads):
-                        if payload is not None and compression.pays(raw, payload.numel()):
-                            _put_header(arr, at, codec_id, size, raw, payload.numel())
-                            buf[at + header : at + header + payload.numel()].copy_(payload, non_blocking=True)
-                            lengths.append(header + payload.numel())
-                        else:
-                            buf[at : at + raw].copy_(view, non_blocking=True)
-                            lengths.append(raw)
-                        places.append(at)
-                        at += align_up(lengths[-1])
-                io_stream.synchronize()
+                    del encoded
+                with span(self.timeline, DEVICE_COPY):
+                    with torch.cuda.stream(io_stream):
+                        for (pos, raw, size, _), view, (codec_id, payload) in zip(frames, views, payloads):
+                            if payload is not None and compression.pays(raw, payload.numel()):
+                                _put_header(arr, at, codec_id, size, raw, payload.numel())
+                                buf[at + header : at + header + payload.numel()].copy_(payload, non_blocking=True)
+                                lengths.append(header + payload.numel())
+                            else:
+                                buf[at : at + raw].copy_(view, non_blocking=True)
+                                lengths.append(raw)
+                            places.append(at)
+                            at += align_up(lengths[-1])
+                    io_stream.synchronize()
                 del payloads
             else:
                 if done_copy is not None:
-                    done_copy.synchronize()
-                # In place, front to back: a frame's stored bytes end before the next
-                # frame's raw bytes begin, so no frame is overwritten before it is encoded.
-                for pos, raw, size, _ in frames:
-                    # A host tensor in a file of a device codec is stored as it is.
-                    payload = None if codec.on_device or size == STORE_RAW else codec.encode(arr[pos : pos + raw], size)
-                    if payload is not None and compression.pays(raw, len(payload)):
-                        _put_header(arr, at, codec.id, size, raw, len(payload))
-                        arr[at + header : at + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-                        lengths.append(header + len(payload))
-                    else:
-                        if at != pos:
-                            arr[at : at + raw] = arr[pos : pos + raw]  # numpy copies overlapping ranges safely
-                        lengths.append(raw)
-                    places.append(at)
-                    at += align_up(lengths[-1])
+                    with span(self.timeline, DEVICE_COPY):
+                        done_copy.synchronize()
+                with span(self.timeline, CODEC):
+                    # In place, front to back: a frame's stored bytes end before the next
+                    # frame's raw bytes begin, so no frame is overwritten before it is encoded.
+                    for pos, raw, size, _ in frames:
+                        # A host tensor in a file of a device codec is stored as it is.
+                        payload = (
+                            None if codec.on_device or size == STORE_RAW else codec.encode(arr[pos : pos + raw], size)
+                        )
+                        if payload is not None and compression.pays(raw, len(payload)):
+                            _put_header(arr, at, codec.id, size, raw, len(payload))
+                            arr[at + header : at + header + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                            lengths.append(header + len(payload))
+                        else:
+                            if at != pos:
+                                arr[at : at + raw] = arr[pos : pos + raw]  # numpy copies overlapping ranges safely
+                            lengths.append(raw)
+                        places.append(at)
+                        at += align_up(lengths[-1])
             for place, n in zip(places, lengths):
                 buf[place + n : place + align_up(n)].zero_()  # deterministic padding in the frame's own pages
-            base = transfer.placement.place(first, len(frames), chunk_offset, at, span)
+            with span(self.timeline, SYNC):  # the chunk before it places first
+                base = transfer.placement.place(first, len(frames), chunk_offset, at, raw_span)
             transfer.stored[first : first + len(frames)] = torch.tensor(
                 [[n, chunk_offset + pos - base - place] for (pos, _, _, _), n, place in zip(frames, lengths, places)],
                 dtype=torch.int32,
             )
             runs = [(0, at, base)]  # the frames' stored bytes, back to back
-            pending = None if transfer.sums is None else self._hashers.submit(_frame_sums, buf, runs, lengths)
+            pending = None if transfer.sums is None else self._hashers.submit(self._sums, buf, runs, lengths)
             try:
-                for target in (file, transfer.mirror):
-                    if target is not None:
-                        target.write(memoryview(arr[:at]), base)
+                with span(self.timeline, DISK):
+                    for target in (file, transfer.mirror):
+                        if target is not None:
+                            target.write(memoryview(arr[:at]), base)
             finally:
                 sums = None if pending is None else pending.result()  # before the buffer is released
         except BaseException as e:  # reported through Transfer.wait()
             error = e
             if base is None:  # the chunks after this one are placed after its raw bytes
-                transfer.placement.place(first, len(frames), chunk_offset, span, span)
+                transfer.placement.place(first, len(frames), chunk_offset, raw_span, raw_span)
         finally:
             self.staging.release(slot)
             transfer.chunk_finished(error, sums, first)
@@ -332,7 +351,7 @@ class FrameIO:
                 reads = []
                 try:
                     for a, b, at in pieces:
-                        reads.append(self._piece_reads.submit(file.read, memoryview(arr[a:b]), at))
+                        reads.append(self._piece_reads.submit(self._read_piece, file, memoryview(arr[a:b]), at))
                     for (a, b, _), read in zip(pieces, reads):
                         read.result()
                         with torch.cuda.stream(io_stream):
@@ -342,8 +361,9 @@ class FrameIO:
                 copied = torch.cuda.Event()
                 copied.record(io_stream)
             else:
-                for start, stop, stored_at in runs:
-                    file.read(memoryview(arr[start:stop]), stored_at)
+                with span(self.timeline, DISK):
+                    for start, stop, stored_at in runs:
+                        file.read(memoryview(arr[start:stop]), stored_at)
             on_device, on_host, device_layouts = [], [], []
             for (pos, raw, _, _), n, place in zip(frames, lengths, places):
                 if n == raw:
@@ -364,30 +384,34 @@ class FrameIO:
                 if codec.on_device:
                     device_layouts.append((codec_id, size))
             if packed is not None:
-                copied.synchronize()  # before the buffer may be released
+                with span(self.timeline, DEVICE_COPY):
+                    copied.synchronize()  # before the buffer may be released
             elif transfer.sums is not None:  # of the stored bytes, before unpacking overwrites them
-                sums = _frame_sums(buf, runs, lengths)
+                sums = self._sums(buf, runs, lengths)
             if packed is None:
                 # Back to front, in place: a frame unpacks over the stored bytes of itself and
                 # of the frames after it (already unpacked), never of the frames before it.
-                for pos, raw, place, n, codec, size, where in reversed(on_host):
-                    if codec is not None:
-                        codec.decode(memoryview(arr[place + header : place + n]), arr[pos : pos + raw], size, where)
-                    elif place != pos:
-                        arr[pos : pos + raw] = arr[place : place + raw]
+                with span(self.timeline, CODEC):
+                    for pos, raw, place, n, codec, size, where in reversed(on_host):
+                        if codec is not None:
+                            codec.decode(memoryview(arr[place + header : place + n]), arr[pos : pos + raw], size, where)
+                        elif place != pos:
+                            arr[pos : pos + raw] = arr[place : place + raw]
                 copies = _merge([(pos, pos + raw, pos) for pos, raw, _, _, _, _, _ in on_host])
             else:
                 # A device codec's chunk holds stored bytes only (``frame_chunks``): its raw
                 # frames go to ``piece`` from where they were read.
                 copies = _merge([(pos, pos + raw, place) for pos, raw, place, _, _, _, _ in on_host])
             if io_stream is not None:
-                with torch.cuda.stream(io_stream):
-                    for start, stop, source in copies:
-                        piece[start:stop].copy_(buf[source : source + stop - start], non_blocking=True)
-                io_stream.synchronize()  # the staging buffer is reused once released
+                with span(self.timeline, DEVICE_COPY):
+                    with torch.cuda.stream(io_stream):
+                        for start, stop, source in copies:
+                            piece[start:stop].copy_(buf[source : source + stop - start], non_blocking=True)
+                    io_stream.synchronize()  # the staging buffer is reused once released
             else:
-                for start, stop, source in copies:
-                    piece[start:stop].copy_(buf[source : source + stop - start])
+                with span(self.timeline, HOST):
+                    for start, stop, source in copies:
+                        piece[start:stop].copy_(buf[source : source + stop - start])
             self.staging.release(slot)
             held = False
             if packed is not None:
@@ -405,21 +429,24 @@ class FrameIO:
                 if on_device:
                     decode_stream, decoders = self.kept_decoders.on(io_stream.device)  # Note [kept decoders]
                     decode_stream.wait_stream(io_stream)  # ``packed`` and ``outs`` were made there
-                    on_device[0][4].decode(
-                        packed,
-                        [(place + header, n - header) for _, _, place, n, _, _, _ in on_device],
-                        outs,
-                        device_layouts,
-                        decode_stream,
-                        [job[6] for job in on_device],
-                        decoders=decoders,
-                    )
-                if device_sums is not None:
-                    with torch.cuda.stream(io_stream):  # not the legacy default stream: it waits for the whole device
-                        sums = device_sums.cpu()
-                if not piece.is_cuda:
-                    for (pos, raw, _, _, _, _, _), out in zip(on_device, outs):
-                        piece[pos : pos + raw].copy_(out)
+                    with span(self.timeline, CODEC):
+                        on_device[0][4].decode(
+                            packed,
+                            [(place + header, n - header) for _, _, place, n, _, _, _ in on_device],
+                            outs,
+                            device_layouts,
+                            decode_stream,
+                            [job[6] for job in on_device],
+                            decoders=decoders,
+                        )
+                with span(self.timeline, DEVICE_COPY):
+                    if device_sums is not None:
+                        # Not the legacy default stream: it waits for the whole device.
+                        with torch.cuda.stream(io_stream):
+                            sums = device_sums.cpu()
+                    if not piece.is_cuda:
+                        for (pos, raw, _, _, _, _, _), out in zip(on_device, outs):
+                            piece[pos : pos + raw].copy_(out)
         except BaseException as e:
             error = e
         finally:

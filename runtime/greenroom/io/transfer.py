@@ -8,14 +8,18 @@ caller's ``wait()`` returns, so a read that fails its check raises instead of re
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from greenroom.io.timeline import SYNC
+
 if TYPE_CHECKING:
     from greenroom.io.frames import Placement
     from greenroom.io.statefile import StateFile
+    from greenroom.io.timeline import Timeline
 
 
 @dataclass(eq=False)
@@ -44,6 +48,8 @@ class Transfer:
     placement: "Placement | None" = None
     """Of a compressed write: where each chunk's stored bytes go (Note [compact transfers]
     of ``greenroom.io.frames``)."""
+    timeline: "Timeline | None" = None
+    """Where a caller's wait for it is recorded (``sync``), when the engine records."""
     _remaining: int = 0
     _error: BaseException | None = None
     _reported: bool = False
@@ -103,6 +109,16 @@ class Transfer:
     def _wait_done(self) -> None:
         """Until every chunk is over, even when a signal's exception interrupts the wait:
         it is raised then (Note [interrupted waits] of ``greenroom.io.engine``)."""
+        if self.timeline is not None and not self._done.is_set():
+            start = time.perf_counter()
+            try:
+                self._wait_through()
+            finally:
+                self.timeline.add(SYNC, start, time.perf_counter())
+        else:
+            self._wait_through()
+
+    def _wait_through(self) -> None:
         interrupted = None
         while not self._done.is_set():
             try:

@@ -15,7 +15,11 @@ that is greenroom's path and not the codec's. One more probe runs after the last
 so each cycle has a probe on either side (the next cycle's is its after) and is also
 judged against the mean of the raw seconds at both (``sleep_time_ratio_bracketed``,
 ``wake_time_ratio_bracketed``): this disk drifts from one probe to the next, and the
-bracketed ratio tells a cycle's spread from the probe's. After the last wake every
+bracketed ratio tells a cycle's spread from the probe's. Each sleep and wake carries where
+its time went (``sleep_breakdown``, ``wake_breakdown``: ``greenroom.io.timeline``, the disk
+mover's engine) and, where it took more than 1.05x the raw disk's seconds for its stored
+bytes (``*_stored_time_ratio``), the line that names the largest share of the disk's idle
+time (``*_explanation``, ``greenroom.cli.bench.explain``). After the last wake every
 tensor is compared with ``torch.equal`` against a copy kept in memory the offloader
 never touches (the rollout region), so a fast but wrong backend cannot pass.
 """
@@ -28,12 +32,14 @@ import os
 import time
 
 from greenroom.cli import flags as cliflags
+from greenroom.cli.bench import explain
 from greenroom.config import OffloadConfig, check_disk_bytes, check_host_bytes
 from greenroom.devices import check_device_bytes, resolve_device
 from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError
 from greenroom.io import fs
 from greenroom.io.compression import resolve as resolve_compression
+from greenroom.io.timeline import Timeline
 from greenroom.units import GIB, MIB, bytes_or_zero, parse_bytes, positive_int, rate_text, size_text
 
 
@@ -193,6 +199,9 @@ def measure(args: argparse.Namespace) -> dict:
             with offloader.rollout_region():
                 reference = [t.clone() for t in tensors]
             rss_before = sampler.rss()
+            # Where each sleep's and wake's time goes (greenroom.io.timeline): the disk mover's.
+            timeline = Timeline()
+            recorded = config.offload_to_disk and offloader.record(timeline)
             cycles = []
             for _ in range(args.cycles):
                 # The bound is probed again right before each cycle: this disk's speed
@@ -203,12 +212,17 @@ def measure(args: argparse.Namespace) -> dict:
                     r[0] += 1
                 written_before, read_before = offloader.disk_bytes("written"), offloader.disk_bytes("read")
                 sampler.reset_peak()
-                cpu_start = time.process_time()
+                timeline.clear()
+                cpu_start, sleep_start = time.process_time(), time.perf_counter()
                 slept = offloader.sleep()
-                cpu_slept = time.process_time()
+                cpu_slept, sleep_end = time.process_time(), time.perf_counter()
+                sleep_breakdown = timeline.summary(sleep_start, sleep_end) if recorded else None
                 asleep_rss = sampler.rss()
+                timeline.clear()
+                wake_start = time.perf_counter()
                 woke = offloader.wake()
-                cpu_woke = time.process_time()
+                cpu_woke, wake_end = time.process_time(), time.perf_counter()
+                wake_breakdown = timeline.summary(wake_start, wake_end) if recorded else None
                 sleep_rate, wake_rate = slept.copied / slept.seconds, woke.copied / woke.seconds
                 disk_written = offloader.disk_bytes("written") - written_before
                 disk_read = offloader.disk_bytes("read") - read_before
@@ -236,6 +250,19 @@ def measure(args: argparse.Namespace) -> dict:
                         "stored_read_ratio": (
                             disk_read / woke.seconds / cycle_bound[in_key] if config.offload_to_disk else None
                         ),
+                        # Seconds over the raw disk's seconds for the stored bytes: the bound a
+                        # sleep or wake more than 5 % above explains (``*_explanation``).
+                        "sleep_stored_time_ratio": _seconds_over(
+                            slept.seconds, disk_written, cycle_bound.get("write_bytes_per_s")
+                        ),
+                        "wake_stored_time_ratio": _seconds_over(
+                            woke.seconds, disk_read, cycle_bound.get("read_bytes_per_s")
+                        ),
+                        # Each phase's seconds as the disk, the codec, device copies, the host
+                        # CPU and waits shared them (greenroom.io.timeline); None where the
+                        # mover records none (a host target, torch_memory_saver's own mover).
+                        "sleep_breakdown": sleep_breakdown,
+                        "wake_breakdown": wake_breakdown,
                         "bound": cycle_bound,
                         "sleep_ratio": sleep_rate / cycle_bound[out_key],
                         "wake_ratio": wake_rate / cycle_bound[in_key],
@@ -247,7 +274,13 @@ def measure(args: argparse.Namespace) -> dict:
                 )
             # One more probe after the last cycle: each cycle then has one on either side
             # (the next cycle's is its after), and is also judged against their mean.
+            offloader.record(None)
             _bracket(cycles, bound(), (out_key, in_key))
+            for i, c in enumerate(cycles, 1):
+                for phase in ("sleep", "wake"):
+                    c[f"{phase}_explanation"] = explain.explanation(
+                        f"{phase} {i}", c[f"{phase}_breakdown"], c[f"{phase}_stored_time_ratio"], _STORED_BOUND
+                    )
             bit_exact = all(torch.equal(t, r) for t, r in zip(tensors, reference))
             backend = offloader.backend
             compression_line = resolve_compression(
@@ -304,6 +337,15 @@ def _bracket(cycles: list[dict], last_after: dict, keys: tuple[str, str]) -> Non
             # The rate over the harmonic mean of the two probes' rates.
             rate_ratio = c[f"{phase}_bytes_per_s"] * (1 / c["bound"][key] + 1 / after[key]) / 2
             c[f"{phase}_time_ratio_bracketed"] = _time_ratio(rate_ratio)
+
+
+_STORED_BOUND = "the raw disk's seconds for its stored bytes"
+
+
+def _seconds_over(seconds: float, stored: int, raw_bytes_per_s: float | None) -> float | None:
+    """``seconds`` over the raw disk's seconds for ``stored`` bytes; None without a disk
+    bound or stored bytes."""
+    return seconds / (stored / raw_bytes_per_s) if raw_bytes_per_s and stored else None
 
 
 def _worst(time_ratios) -> float | None:
@@ -363,6 +405,12 @@ def run(args: argparse.Namespace) -> int:
             f"CPU: sleep {c['sleep_cpu_s']:.2f}s, wake {c['wake_cpu_s']:.2f}s  "
             f"peak host RSS {size_text(c['peak_host_rss'])}"
         )
+        for phase in ("sleep", "wake"):
+            where = explain.line(
+                f"    {phase} {i}", c[f"{phase}_breakdown"], c[f"{phase}_stored_time_ratio"], _STORED_BOUND
+            )
+            if where is not None:
+                print(where)
     which = "cycles 2.." if len(r["cycles"]) > 1 else "the cycle"
     print(
         f"  worst of {which} vs its bound: sleep {r['sleep_ratio']:.2f}, wake {r['wake_ratio']:.2f}; "

@@ -15,6 +15,10 @@ threads (``greenroom.cli.bench.disk.raw_bandwidth``):
   drifts between probes, and a bracketed bound tells the step's spread from the probe's;
 - peak device memory during the step above what the params and grads hold (flat in N:
   the store's three bucket slots, the scratch, the kernel's temporaries), and during init;
+- per step, where its time went (``breakdown``, ``greenroom.io.timeline``): the disk's busy
+  fraction and the disk's idle time split between the codec, device copies, host work,
+  waits on transfers and the rest; its own ``overlapped_ratio``, and, where that is over
+  1.05, the ``explanation`` that names the largest share (``greenroom.cli.bench.explain``);
 - peak host RSS (sampled) and page-cache growth (``Cached`` in /proc/meminfo);
 - the bytes that really went to and came from the disk per step (below the state's
   bytes with ``--compression``), and what 1000 steps write (the SSD's wear);

@@ -15,7 +15,9 @@ import warnings
 import psutil
 
 from greenroom.actor.memory import RssSampler
+from greenroom.cli.bench import explain
 from greenroom.io import fs
+from greenroom.io.timeline import Timeline
 from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.units import GB, MIB
 
@@ -88,6 +90,8 @@ def measure(args: argparse.Namespace) -> dict:
         if args.io_only:
             opt._step_bucket = lambda bucket_state: None  # the stream reads, verifies and writes back as always
         init_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+        timeline = Timeline()  # where each step's time goes (greenroom.io.timeline)
+        opt.store.engine.record(timeline)
         try:
             steps = []
             rss_before = psutil.Process().memory_info().rss
@@ -98,6 +102,7 @@ def measure(args: argparse.Namespace) -> dict:
                     before = allocated()
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(device)
+                    timeline.clear()
                     start, cpu_start = time.perf_counter(), time.process_time()
                     opt.step()
                     allocated()
@@ -105,6 +110,7 @@ def measure(args: argparse.Namespace) -> dict:
                     steps.append(
                         {
                             "seconds": seconds,
+                            "breakdown": timeline.summary(start, start + seconds),
                             # The process's CPU seconds (every thread's, spinning waits on the
                             # device included): over ``seconds``, the cores the step kept busy.
                             "cpu_seconds": time.process_time() - cpu_start,
@@ -124,6 +130,7 @@ def measure(args: argparse.Namespace) -> dict:
                         }
                     )
             rss_phases["steps"] = _rss_now()
+            opt.store.engine.record(None)  # the steps only
             kept_bytes = opt.store.kept_bytes  # before a checkpoint or state dict writes it back
             # This disk's speed drifts from one probe to the next: a second probe right
             # after the steps brackets them (reported beside the headline, which keeps the first).
@@ -162,6 +169,7 @@ def measure(args: argparse.Namespace) -> dict:
         if raw.mixed_read_bytes_per_s
         else None
     )
+    explain.judge_steps(steps, raw.mixed_read_bytes_per_s, raw.mixed_write_bytes_per_s)
     full_bytes = n * streamed_bytes_per_param(args.moment_dtype, master_on_disk=args.param_dtype == "bf16")
     full_bound = full_bytes / raw.read_bytes_per_s + full_bytes / raw.write_bytes_per_s
     full_bound_after = full_bytes / raw_after.read_bytes_per_s + full_bytes / raw_after.write_bytes_per_s

@@ -5,6 +5,7 @@ nothing where it did not.
 
 from __future__ import annotations
 
+from greenroom.cli.bench import explain
 from greenroom.units import GB, rate_text, size_text
 
 
@@ -42,6 +43,11 @@ def print_text(r: dict) -> None:
             f"{size_text(s['bytes_written'])}, {moved}, CPU {s['cpu_seconds']:.2f} s"
             + (f", peak device +{size_text(s['peak_device_bytes'])}" if s["peak_device_bytes"] is not None else "")
         )
+        where = explain.line(
+            f"  step {i}", s["breakdown"], s["overlapped_ratio"], "the overlapped bound of its stored bytes"
+        )
+        if where is not None:
+            print(where)
     if r["kept_bucket_bytes"]:
         print(
             f"between steps one bucket ({size_text(r['kept_bucket_bytes'])}) stays on the device: a step after "
