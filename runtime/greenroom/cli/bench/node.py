@@ -38,6 +38,9 @@ counted, the first ones too. Each rank's own measurements still probe the disk (
 one with 1 MiB, the offload one with ``--size`` before each cycle and after the last); those
 probes run outside the timed phases and no figure here uses them. Every rank's files are
 removed when it ends.
+
+This module holds the flags, their checks, the ranks and their figures; the text report is
+``node_report``.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.io import fs
 from greenroom.optim.footprint import streamed_bytes_per_param
-from greenroom.units import parse_bytes, parse_count, positive_int, rate_text, size_text
+from greenroom.units import parse_bytes, parse_count, positive_int
 
 PHASES = ("step", "sleep", "wake")
 # The issue's targets: the aggregate against one rank's, a rank's seconds against the
@@ -420,45 +423,6 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def _met(value: bool | None) -> str:
-    return "-" if value is None else "met" if value else "MISSED"
-
-
-def print_text(r: dict) -> None:
-    print(
-        f"bench node {r['dir']} ({r['filesystem']}): ranks {','.join(map(str, r['ranks']))} at once on "
-        f"{r['device']}; each {r['params_per_rank']:,} {r['param_dtype']} params ({r['moment_dtype']} moments, "
-        f"{r['steps']} steps{', I/O only' if r['io_only'] else ''}) and a {size_text(r['actor_bytes_per_rank'])} "
-        f"actor ({r['cycles']} sleep/wake cycles); {r['compression']}"
-    )
-    raw = r["raw"]
-    print(
-        f"raw disk, probed once before the ranks ({size_text(raw['bytes'])} each way): read "
-        f"{rate_text(raw['read_bytes_per_s'])}, write {rate_text(raw['write_bytes_per_s'])}"
-    )
-    t = r["targets"]
-    print(
-        f"targets: aggregate >= {t['vs_one_rank_at_least']:.2f} of one rank's, no rank over "
-        f"{t['spread_at_most']:.2f}x the mean, plan within {t['plan_within']:.0%} of the measured seconds"
-    )
-    print(
-        f"{'ranks':>5} {'phase':<6}{'aggregate':>12}{'of raw':>8}{'vs 1 rank':>10}{'spread':>8}"
-        f"{'plan s':>9}{'measured s':>11}{'plan/meas':>10}   vs 1 rank / spread / plan"
-    )
-    for run_n in r["runs"]:
-        for name, p in run_n["phases"].items():
-            m = p["targets_met"]
-            ratio = "-" if p["plan_ratio"] is None else f"{p['plan_ratio']:.2f}"
-            print(
-                f"{run_n['ranks']:>5} {name:<6}{rate_text(p['aggregate_bytes_per_s']):>12}"
-                f"{p['of_disk_bound']:>8.2f}{p['vs_one_rank']:>10.2f}{p['spread']:>8.3f}"
-                f"{p['plan_seconds']:>9.2f}{p['measured_seconds']:>11.2f}{ratio:>10}   "
-                f"{_met(m['vs_one_rank'])} / {_met(m['spread'])} / {_met(m['plan'])}"
-            )
-    exact = all(run_n["bit_exact"] for run_n in r["runs"])
-    print(f"every rank's actor bit-exact after its last wake: {exact}")
-
-
 def run(args: argparse.Namespace) -> int:
     _validate(args)
     if args.device == "cuda" and args.backend != "portable":
@@ -479,5 +443,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, sort_keys=True), flush=True)
     else:
+        from greenroom.cli.bench.node_report import print_text
+
         print_text(result)
     return 0 if all(run_n["bit_exact"] for run_n in result["runs"]) else 1
