@@ -1,4 +1,4 @@
-"""``greenroom bench disk|stream|offload|codec``: one module per benchmark.
+"""``greenroom bench disk|stream|offload|codec|node``: one module per benchmark.
 
 Benchmarks report what they measure beside the raw figure from the same run (plain
 O_DIRECT threads for the disk, a plain pinned copy for host memory) and the ratio, so a
@@ -17,6 +17,7 @@ BENCHMARKS = {
     "stream": ("greenroom.cli.bench.stream", "streamed optimizer step time vs the disk bound"),
     "offload": ("greenroom.cli.bench.offload", "actor sleep/wake bandwidth vs raw disk or pinned copy"),
     "codec": ("greenroom.cli.bench.codec", "frame codec encode/decode GB/s vs the raw disk it has to beat"),
+    "node": ("greenroom.cli.bench.node", "N ranks streaming and sleeping on one disk at once: aggregate, spread, plan"),
 }
 
 

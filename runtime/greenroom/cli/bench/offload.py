@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 
 from greenroom.cli import flags as cliflags
 from greenroom.cli.bench import explain
@@ -130,7 +131,11 @@ def _check_fits(args: argparse.Namespace, config: OffloadConfig, device) -> None
         )
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace, *, rank: int = 0, barrier: Callable[[], None] | None = None) -> dict:
+    """The run of ``args`` in the rank dir of ``rank``; ``barrier``, where given, is
+    called before each cycle's sleep, between its sleep and wake, and after its wake
+    (``greenroom bench node``: ranks sharing one disk time each phase together, and no
+    rank's probe lands in another's phase)."""
     import torch
 
     from greenroom import actor
@@ -152,8 +157,11 @@ def measure(args: argparse.Namespace) -> dict:
     size, untracked_size = args.size, args.untracked_size
     _check_fits(args, config, device)
     rank_dir = None
+    sync = barrier or (lambda: None)
     if config.uses_disk:
-        rank_dir = RankDir(config.offload_train_disk_dir, role="bench", allow_tmpfs=config.allow_tmpfs).open()
+        rank_dir = RankDir(
+            config.offload_train_disk_dir, role="bench", rank=rank, allow_tmpfs=config.allow_tmpfs
+        ).open()
     if config.offload_to_disk:
         out_key, in_key = "write_bytes_per_s", "read_bytes_per_s"
     else:
@@ -212,17 +220,20 @@ def measure(args: argparse.Namespace) -> dict:
                     r[0] += 1
                 written_before, read_before = offloader.disk_bytes("written"), offloader.disk_bytes("read")
                 sampler.reset_peak()
+                sync()
                 timeline.clear()
                 cpu_start, sleep_start = time.process_time(), time.perf_counter()
                 slept = offloader.sleep()
                 cpu_slept, sleep_end = time.process_time(), time.perf_counter()
                 sleep_breakdown = timeline.summary(sleep_start, sleep_end) if recorded else None
                 asleep_rss = sampler.rss()
+                sync()  # blocks on a semaphore: no CPU seconds of its own in wake_cpu_s
                 timeline.clear()
                 wake_start = time.perf_counter()
                 woke = offloader.wake()
                 cpu_woke, wake_end = time.process_time(), time.perf_counter()
                 wake_breakdown = timeline.summary(wake_start, wake_end) if recorded else None
+                sync()
                 sleep_rate, wake_rate = slept.copied / slept.seconds, woke.copied / woke.seconds
                 disk_written = offloader.disk_bytes("written") - written_before
                 disk_read = offloader.disk_bytes("read") - read_before

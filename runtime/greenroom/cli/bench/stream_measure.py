@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 
 import psutil
 
@@ -22,7 +23,10 @@ from greenroom.optim.footprint import streamed_bytes_per_param
 from greenroom.units import GB, MIB
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace, *, rank: int = 0, barrier: Callable[[], None] | None = None) -> dict:
+    """The run of ``args`` in the rank dir of ``rank``; ``barrier``, where given, is
+    called before each timed step and after the last (``greenroom bench node``: ranks
+    sharing one disk time their steps together, and no rank's probe lands in another's step)."""
     import torch
 
     from greenroom.cli.bench.disk import raw_bandwidth
@@ -62,7 +66,8 @@ def measure(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device)
 
-    with RankDir(args.dir, role="bench-stream", allow_tmpfs=args.allow_tmpfs) as rank_dir:
+    sync = barrier or (lambda: None)
+    with RankDir(args.dir, role="bench-stream", rank=rank, allow_tmpfs=args.allow_tmpfs) as rank_dir:
         raw = raw_bandwidth(rank_dir.subdir("raw"), max(args.raw_size, 1 << 20), mixed=True)
         base = allocated()
         if cuda:
@@ -102,6 +107,7 @@ def measure(args: argparse.Namespace) -> dict:
                     before = allocated()
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(device)
+                    sync()
                     timeline.clear()
                     start, cpu_start = time.perf_counter(), time.process_time()
                     opt.step()
@@ -129,6 +135,7 @@ def measure(args: argparse.Namespace) -> dict:
                             "peak_device_total_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
                         }
                     )
+                sync()
             rss_phases["steps"] = _rss_now()
             opt.store.engine.record(None)  # the steps only
             kept_bytes = opt.store.kept_bytes  # before a checkpoint or state dict writes it back
