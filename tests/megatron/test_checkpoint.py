@@ -20,8 +20,9 @@ from greenroom.dirs.tree import write_json_atomic
 from greenroom.errors import CheckpointError
 from greenroom.megatron import load_checkpoint, save_checkpoint
 from greenroom.megatron.checkpoint import SUBDIR, locate, sidecar_record, state_dir, verify_sidecar
+from greenroom.megatron.inner_optimizer import resident_adam
 from greenroom.megatron.layout import ShardEntry, Topology
-from greenroom.megatron.optimizer import StreamingDistributedOptimizer, _resident_adam
+from greenroom.megatron.optimizer import StreamingDistributedOptimizer
 from greenroom.optim.store.bucket_store import BucketStore, Entry
 
 ENTRIES = [
@@ -145,7 +146,7 @@ def _optimizer(directory, entries, *, lr, moment_dtype="fp32"):
     )
     opt.optimizer.param_groups[0].update(weight_decay=0.01, default_config=object())
     opt.optimizer.param_groups[1].update(weight_decay=0.0)
-    opt.resident_optimizer = _resident_adam(opt.optimizer, opt.shard_fp32_groups)
+    opt.resident_optimizer = resident_adam(opt.optimizer, opt.shard_fp32_groups)
     opt.streamed_steps = 0
     opt.topology = Topology()
     return opt

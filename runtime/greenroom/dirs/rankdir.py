@@ -56,7 +56,7 @@ handler, and the open dir is closed on the way out. That hold lasts at most ``LO
 wait for a reclaimer's lock) beyond the mkdirs. Off the main thread no handler can be
 set, and an open or close there runs without the hold. The holding is ``greenroom.dirs.signals``'s, whose
 ``signals_held`` lends the same hold to the trainer's waits for an ``--async-save``
-publish (``Trainer._wait_for_publish``).
+publish (``greenroom.train.saving.Checkpointer.wait_for_publish``).
 
 Note [vanishing parents]: ``greenroom reclaim`` (and a sibling rank's ``close``) removes
 a ``<job>/<role>`` parent that holds only its marker, which can land between a starting

@@ -221,7 +221,7 @@ def locked(path: str, *, reading: bool = False):
 
     The last holder in the process lets go, whichever block it is: the trainer holds the
     lock for the run and an ``--async-save`` publish inside it on its own thread, and a
-    publish that a second signal gave up on (``Trainer._wait_for_publish``) outlives
+    publish that a second signal gave up on (``train.saving.Checkpointer.wait_for_publish``) outlives
     the run's block until the process exits. Released by the outer block, the lock left
     that publish writing the checkpoint unguarded."""
     path = os.path.realpath(path)

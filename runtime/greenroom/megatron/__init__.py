@@ -10,10 +10,10 @@ The state lives in the bucket files of greenroom.optim's engine. See docs/megatr
 """
 
 from greenroom.megatron.checkpoint import load_checkpoint, save_checkpoint
+from greenroom.megatron.class_swap import StreamingSettings
 from greenroom.megatron.optimizer import (
     DEFAULT_BUCKET_NUMEL,
     StreamingDistributedOptimizer,
-    StreamingSettings,
     close,
     streaming,
     streaming_members,

@@ -34,78 +34,40 @@ import contextlib
 import contextvars
 import inspect
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from torch.optim.optimizer import _default_to_fused_or_foreach  # noqa: PLC2701 (torch.optim's own choice of kernel, as AdamW makes it)
 
 from greenroom.config import OffloadConfig
-from greenroom.dirs.rankdir import RankDir, held_rank_dir
+from greenroom.dirs.rankdir import RankDir
 from greenroom.dirs.roots import check_root
-from greenroom.dirs.statedir import StateDir, claim_state_dir, open_rank_dir
+from greenroom.dirs.statedir import StateDir
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError
-from greenroom.io.compression import ResolvedCodec, resolved
+from greenroom.io.compression import ResolvedCodec
 from greenroom.megatron import checks
+from greenroom.megatron.class_swap import (
+    WHAT,
+    StreamingSettings,
+    current_settings,
+    swapped,
+    swapping_in_another_thread,
+)
+from greenroom.megatron.inner_optimizer import (
+    AlreadyStepped,
+    implementation,
+    jsonable,
+    one_at_a_time,
+    resident_adam,
+    sync_hyperparams,
+)
 from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
 from greenroom.optim import kernel
 from greenroom.optim.poison import FailedStepPoison
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
 
-WHAT = "greenroom.megatron.streaming"  # how refusals name the caller
 # sharded_state_dict's marker for "param state lives in greenroom's files".
 SHARDING_TYPE = "greenroom_streamed"
-
-
-@dataclass(kw_only=True, slots=True)
-class StreamingSettings:
-    """How one DistributedOptimizer streams its state."""
-
-    config: OffloadConfig
-    """The validated flags (moment dtype, chunk size, disk dir)."""
-
-    rank_dir: RankDir | str | os.PathLike | None
-    """This rank's open ``greenroom.dirs.rankdir.RankDir``, or a plain path (None: the config's
-    disk dir) under which the block's first optimizer makes this rank's own rank dir; each
-    optimizer of the block claims a subdir of it (``optim/``, ``optim-2/``, ...)."""
-
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL
-    """Elements per bucket, independent of DDP's buckets; a larger shard is its own."""
-
-    opened: RankDir | None = None
-    """The rank dir the block made under a plain path, if it made one."""
-
-    compression: str | ResolvedCodec | None = None
-    """The codec the run resolved for the config (None: the config's choice), resolved
-    once for the block by its first optimizer (``codec``)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.bucket_numel, bool) or not isinstance(self.bucket_numel, int) or self.bucket_numel <= 0:
-            raise ConfigError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
-
-    def codec(self) -> ResolvedCodec:
-        """The block's codec, resolved once (on CUDA): every optimizer of a chain writes with it."""
-        self.compression = resolved(
-            self.compression or self.config.offload_train_disk_compression,
-            cuda=True,
-            chunk_bytes=self.config.chunk_bytes,
-            what=WHAT,
-        )
-        return self.compression
-
-    def claim(self) -> StateDir:
-        """A dir for one more optimizer of the block (made when the first needs it, so a
-        block that builds none makes nothing)."""
-        given = self.config.offload_train_disk_dir if self.rank_dir is None else self.rank_dir
-        if isinstance(given, RankDir):
-            return claim_state_dir(given, name="optim", what=WHAT)
-        if given is None:
-            raise ConfigError(f"{WHAT}: no dir for the state: pass rank_dir, or set --offload-train-disk-dir")
-        holder = held_rank_dir(os.fspath(given)) or self.opened
-        if holder is None:
-            self.opened = holder = open_rank_dir(given, role="optim", what=WHAT)
-        return claim_state_dir(holder, name="optim", what=WHAT)
 
 
 # The settings for the DistributedOptimizer being constructed in this context; its
@@ -137,9 +99,9 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     _state_dir: StateDir | None = None  # the dir this member claimed; released by close()
 
     def __init__(self, *args, **kwargs) -> None:
-        settings = _SETTINGS.get()
+        settings = current_settings()
         if settings is None:
-            elsewhere = _swapping_thread not in (None, threading.get_ident())
+            elsewhere = swapping_in_another_thread()
             raise GreenroomError(
                 "construct StreamingDistributedOptimizer through greenroom.megatron.streaming()"
                 + (
@@ -181,7 +143,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         self.streamed_steps = 0
         self.settings = settings
         self.topology: Topology = current_topology(self.data_parallel_group)
-        self.resident_optimizer = _resident_adam(self.optimizer, self.shard_fp32_groups)
+        self.resident_optimizer = resident_adam(self.optimizer, self.shard_fp32_groups)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -207,7 +169,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
             host_cache_bytes=settings.config.host_cache_bytes,
         )
         result = tuple([[] for _ in opt_group_ranges] for _ in range(5))
-        mains = _one_at_a_time(
+        mains = one_at_a_time(
             super()._build_model_and_main_param_groups, gbuf_ranges, param_gbuf_map, opt_group_ranges, config, result
         )
         previous = []
@@ -240,7 +202,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         # megatron's own.
         self._refuse_if_failed("step()")
         checks.check_step_decay(self.optimizer)
-        inner, self.optimizer = self.optimizer, _AlreadyStepped(self.optimizer)
+        inner, self.optimizer = self.optimizer, AlreadyStepped(self.optimizer)
         try:
             with self._poisoned_if_it_fails():
                 self._stream_step(inner)
@@ -249,11 +211,11 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
             self.optimizer = inner
 
     def _stream_step(self, inner) -> None:
-        _sync_hyperparams(inner, self.resident_optimizer)
+        sync_hyperparams(inner, self.resident_optimizer)
         if self.resident_optimizer is not None:
             self.resident_optimizer.step()
         mains = [main for group in self.shard_fp32_from_float16_groups for main in group]
-        fused, foreach = _implementation(inner, mains)
+        fused, foreach = implementation(inner, mains)
         count = self.streamed_steps
         for state in self._store.stream():
             members = state.bucket.entries
@@ -391,7 +353,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         sharded["param_state_sharding_type"] = SHARDING_TYPE
         return sharded
 
-    # -- the streamed state's checkpoint (greenroom.optim.checkpoint.save_load.StreamedState) --
+    # -- the streamed state's checkpoint (greenroom.optim.checkpoint.manifest.StreamedState) --
     # Keys: "main.<group>.<index>" for the streamed fp32 mains of 16-bit params,
     # "fp32.<group>.<index>" for the native-fp32 shards under the resident Adam.
     @property
@@ -444,7 +406,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     def hyperparameters(self) -> list[dict]:
         # megatron's groups also carry config objects, which stay out of the manifest.
         return [
-            {k: v for k, v in group.items() if k != "params" and _jsonable(v)} for group in self.optimizer.param_groups
+            {k: v for k, v in group.items() if k != "params" and jsonable(v)} for group in self.optimizer.param_groups
         ]
 
     def load_hyperparameters(self, groups: list[dict]) -> None:
@@ -473,104 +435,6 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
                 state_dir.release()
 
 
-class _AlreadyStepped:
-    """Stands in for the inner optimizer during megatron's step_with_ready_grads, whose
-    ``optimizer.step()`` already ran in the bucket loop."""
-
-    __slots__ = ("_inner",)
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-
-    def step(self, closure=None) -> None:
-        return None
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-_JSON_SCALARS = (bool, int, float, str, type(None))
-
-
-def _jsonable(value) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(isinstance(v, _JSON_SCALARS) for v in value)
-    return isinstance(value, _JSON_SCALARS)
-
-
-def _one_at_a_time(build, gbuf_ranges, param_gbuf_map, opt_group_ranges, config, result):
-    """Run megatron's builder on one param at a time, collecting its five group lists into
-    ``result``; yields each 16-bit param's new fp32 main shard as soon as it exists."""
-    for g, group_range in enumerate(opt_group_ranges):
-        for model_param in group_range["params"]:
-            one = [
-                {
-                    "params": [model_param],
-                    "orig_group": {"params": []},
-                    "orig_group_idx": group_range.get("orig_group_idx"),
-                }
-            ]
-            built = build(gbuf_ranges, param_gbuf_map, one, config)
-            for acc, lists in zip(result, built):
-                acc[g].extend(lists[0])
-            yield from built[4][0]
-
-
-def _implementation(inner, params) -> tuple[bool, bool]:
-    """(fused, foreach) as the inner torch optimizer resolves them for these params."""
-    fused, foreach = inner.defaults.get("fused"), inner.defaults.get("foreach")
-    if fused is None and foreach is None:
-        # torch's own default: foreach on CUDA; fused only when asked for.
-        fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
-    return bool(fused), bool(foreach)
-
-
-def _resident_adam(inner, shard_fp32_groups):
-    """A torch Adam of the inner optimizer's kind over the native-fp32 shards, or None."""
-    groups = [
-        {"params": list(shards), **{k: v for k, v in group.items() if k != "params"}}
-        for shards, group in zip(shard_fp32_groups, inner.param_groups)
-    ]
-    if not any(g["params"] for g in groups):
-        return None
-    accepted = inspect.signature(type(inner).__init__).parameters
-    placeholder = torch.empty(0, device=groups[0]["params"][0].device if groups[0]["params"] else "cpu")
-    resident = type(inner)([placeholder], **{k: v for k, v in inner.defaults.items() if k in accepted})
-    # The shards are views of the model params (not leaves), which torch's constructor
-    # refuses; megatron hands them to its inner optimizer the same way.
-    resident.param_groups = groups
-    return resident
-
-
-def _sync_hyperparams(inner, resident) -> None:
-    # LR schedulers write lr and weight_decay into megatron's (the inner) groups.
-    if resident is None:
-        return
-    for source, target in zip(inner.param_groups, resident.param_groups):
-        for key, value in source.items():
-            if key != "params":
-                target[key] = value
-
-
-_SETTINGS: contextvars.ContextVar = contextvars.ContextVar("greenroom_megatron_settings", default=None)
-
-# Note [the class swap]: megatron-core (0.16.1, and its main branch as of 2026-12) builds
-# its DistributedOptimizer by calling the name ``DistributedOptimizer`` of
-# ``megatron.core.optimizer`` inside a private helper of ``get_megatron_optimizer``, and
-# offers no setting or hook for the class. The other ways in are worse: building the optimizer ourselves means copying
-# get_megatron_optimizer (its process groups, dense/expert split and chaining) and calling
-# its private helpers, whose signatures change between releases; converting a stock
-# optimizer afterwards means all its fp32 mains were on the GPU at once, the peak the
-# bounded initialization exists to avoid. So ``streaming()`` rebinds that one name for
-# the length of the block and restores it in a ``finally``, whatever construction
-# raised. The name is process-wide: blocks in several threads take a lock and run one
-# after another (a nested block in one thread restores what it found), and a thread that
-# builds a megatron optimizer outside any block while another is inside one gets the
-# streaming class, which refuses in one line because that thread has no settings.
-_SWAP_LOCK = threading.RLock()
-_swapping_thread: int | None = None  # the thread inside a streaming() block, if any
-
-
 @contextlib.contextmanager
 def streaming(
     config: OffloadConfig,
@@ -585,8 +449,9 @@ def streaming(
             optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
 
     While the block lasts megatron's ``DistributedOptimizer`` name means the streaming
-    subclass (see Note [the class swap]); the optimizer objects it returns are ordinary
-    DistributedOptimizers (and ChainedOptimizers of them) to the rest of megatron.
+    subclass (``greenroom.megatron.class_swap`` Note [the class swap]); the optimizer
+    objects it returns are ordinary DistributedOptimizers (and ChainedOptimizers of them)
+    to the rest of megatron.
 
     ``rank_dir`` is this rank's open ``RankDir``, or a plain path: then this rank's own
     rank dir is made under it (``greenroom.dirs.statedir``) and removed when the last of the
@@ -606,28 +471,11 @@ def streaming(
     import megatron.core.optimizer as mcore_optimizer
 
     try:
-        with _swapped(settings, mcore_optimizer):
+        with swapped(settings, mcore_optimizer, StreamingDistributedOptimizer):
             yield settings
     finally:
         if settings.opened is not None:
             settings.opened.close_if_unclaimed()  # every optimizer built failed: nothing keeps it
-
-
-@contextlib.contextmanager
-def _swapped(settings: StreamingSettings, mcore_optimizer):
-    global _swapping_thread
-    with _SWAP_LOCK:
-        outer = _swapping_thread
-        _swapping_thread = threading.get_ident()
-        token = _SETTINGS.set(settings)
-        saved = mcore_optimizer.DistributedOptimizer
-        mcore_optimizer.DistributedOptimizer = StreamingDistributedOptimizer
-        try:
-            yield settings
-        finally:
-            mcore_optimizer.DistributedOptimizer = saved
-            _SETTINGS.reset(token)
-            _swapping_thread = outer
 
 
 def streaming_members(optimizer) -> list[StreamingDistributedOptimizer]:
@@ -652,7 +500,6 @@ def close(optimizer) -> None:
 __all__ = [
     "DEFAULT_BUCKET_NUMEL",
     "StreamingDistributedOptimizer",
-    "StreamingSettings",
     "Topology",
     "close",
     "streaming",

@@ -22,24 +22,21 @@ from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.config import OffloadConfig
 from greenroom.devices import resolve_codec, resolve_device
 from greenroom.dirs.rankdir import RankDir
-from greenroom.dirs.signals import signals_held
-from greenroom.errors import CheckpointError, ConfigError, GreenroomError, one_line
+from greenroom.errors import ConfigError, GreenroomError
 from greenroom.faults import kill_point
 from greenroom.io import publish
 from greenroom.io.fs import stored_bytes
-from greenroom.log import get_logger
 from greenroom.ranks import launcher_number
-from greenroom.tensors import local_tensor
-from greenroom.train import checkpoint, preflight, rotation, summary
+from greenroom.train import preflight, summary
 from greenroom.train.config import TrainConfig
 from greenroom.train.loss import policy_loss
 from greenroom.train.model import ModelConfig, Transformer, set_precision
 from greenroom.train.rollout import RolloutEngine
+from greenroom.train.saving import Checkpointer, SaveSettings, saved_bucket_numel
 from greenroom.train.task import TaskConfig, reward, sample_prompts
 from greenroom.units import GB, size_text
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
-log = get_logger(__name__)
 
 
 class Trainer:
@@ -61,13 +58,8 @@ class Trainer:
         self.device = self._resolve_device()
         self._stack = contextlib.ExitStack()
         self.rank_dir: RankDir | None = None
-        self._save_thread: threading.Thread | None = None  # an --async-save publish in flight
-        self._save_error: BaseException | None = None
-        self._saved_iteration = 0
-        self._next_save = 0  # the iteration the save begun in the current step is of
-        # The last save's iteration and its background read (rotation Note [a checkpoint
-        # is verified before it counts]), until ``_promote`` settles it.
-        self._unverified: tuple[int, rotation.Verification] | None = None
+        self.save_settings = SaveSettings.of(config, offload)
+        self.checkpoints: Checkpointer | None = None  # once the model and optimizer are built
 
     def _resolve_device(self) -> torch.device:
         if resolve_device(self.config.device) == "cuda":
@@ -91,8 +83,8 @@ class Trainer:
         cleanup error is added to it as a note, never put in its place."""
         try:
             try:
-                if self._save_thread is not None:
-                    self._wait_for_publish()  # before the files it writes close
+                if self.checkpoints is not None:
+                    self.checkpoints.wait_for_publish()  # before the files a publish writes close
             finally:  # also after a signal that the wait held, raised at its end
                 self._stack.close()
         except BaseException as cleanup:
@@ -144,8 +136,18 @@ class Trainer:
         self.policy = self._parallelize(self.model)
         self.optimizer = self._build_optimizer()
         self.offloader.track(self.model, self.optimizer)
+        self.checkpoints = Checkpointer(
+            self.save_settings,
+            model=self.model,
+            optimizer=self.optimizer,
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier=self._barrier,
+            reduce=self._reduce_over_ranks,
+            say=self._say,
+        )
         # Loaded before the metrics file is opened: a refused checkpoint leaves no file behind.
-        self.start_iteration = self._load() if c.load else 0
+        self.start_iteration = self.checkpoints.load() if c.load else 0
         if self.start_iteration > c.iterations:
             raise ConfigError(
                 f"--iterations {c.iterations} is below the iteration of --load {c.load} "
@@ -153,77 +155,13 @@ class Trainer:
                 f"give --iterations {self.start_iteration} or more"
             )
         if self.rank == 0 and c.save:
-            preflight.check_save_space(c.save, self._checkpoint_bytes() * self.world_size)
+            preflight.check_save_space(c.save, self.checkpoints.bytes_per_rank() * self.world_size)
         self.metrics_path, self.metrics_file = None, None
         if self.rank == 0 and c.metrics != "":
             self.metrics_path, self.metrics_file = self._stack.enter_context(
                 preflight.open_metrics(c.metrics, append=bool(c.load), resume_at=self.start_iteration)
             )
         self.start_time = time.perf_counter()
-
-    def _load(self) -> int:
-        # Under the checkpoint's lock (rank 0's) until every rank has read it: no save
-        # swaps it meanwhile (Note [one writer per checkpoint dir]).
-        lock = rotation.lock_path(self.config.load)
-        with publish.locked(lock, reading=True) if self.rank == 0 else contextlib.nullcontext():
-            if self.rank == 0:
-                checkpoint.settle(self.config.load)
-            self._barrier()
-            try:
-                start = self._load_newest_good(dropping=lock == self.config.save)
-            finally:
-                self._barrier()
-        checkpoint.apply_run_hyperparameters(
-            self.optimizer, self.config.load, lr=self.config.lr, weight_decay=self.config.weight_decay
-        )
-        return start
-
-    def _load_newest_good(self, *, dropping: bool) -> int:
-        """Load the first of ``--load``'s checkpoints (``rotation.candidates``) that every
-        rank verifies; one damaged is skipped with one line (and dropped where this run
-        saves there, holding the root's lock), the last one's error raised."""
-        c = self.config
-        kwargs = dict(
-            model=self.model,
-            optimizer=self.optimizer,
-            streaming=self.offload.stream_optimizer_state_to_disk,
-            no_load_optim=self.offload.no_load_optim,
-            rank=self.rank,
-            world_size=self.world_size,
-        )
-        candidates = rotation.candidates(c.load)
-        for k, path in enumerate(candidates):
-            error = None
-            try:
-                meta = checkpoint.verify_for(path, **kwargs)
-            except CheckpointError as e:
-                error = e
-            [good] = self._reduce_over_ranks([0.0 if error else 1.0], dist.ReduceOp.MIN)
-            if good:
-                return checkpoint.load(path, meta=meta, **kwargs)
-            last = k + 1 == len(candidates)
-            if last:
-                raise error or CheckpointError(
-                    f"--load {c.load}: another rank found {path} damaged (its line says "
-                    "why), and no older checkpoint is there"
-                )
-            if error is not None:
-                log.warning(f"--load {c.load}: {os.path.basename(path)} is damaged, skipped: {one_line(error)}")
-            if self.rank == 0:
-                if dropping:
-                    publish.discard(path)
-                log.warning(
-                    f"--load {c.load}: {'dropped' if dropping else 'skipped'} {os.path.basename(path)}, "
-                    f"loading the newest good one before it, {os.path.basename(candidates[k + 1])}"
-                )
-        raise AssertionError("unreachable: the last candidate returns or raises")
-
-    def _checkpoint_bytes(self) -> int:
-        """What this rank's part of a ``--save`` takes: its weights plus the optimizer
-        state (the streamed files, or AdamW's two moments of every param)."""
-        weights = sum(local_tensor(t).numel() * t.element_size() for t in self.model.state_dict().values())
-        store = getattr(self.optimizer, "store", None)
-        return weights + (store.state_bytes if store is not None else 2 * weights)
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.world_size == 1:
@@ -258,16 +196,9 @@ class Trainer:
                     "--stream-optimizer-state-to-disk needs greenroom.optim.StreamingAdam, which this install lacks"
                 ) from None
             layout = {}
-            if self.config.load and not self.offload.no_load_optim:
-                try:
-                    found = rotation.candidates(self.config.load)
-                except CheckpointError:
-                    found = []  # the load says what is wrong
-                saved = next(
-                    (n for n in (checkpoint.saved_bucket_numel(p, self.rank) for p in found) if n is not None), None
-                )
-                if saved is not None:
-                    layout["bucket_numel"] = saved
+            saved = saved_bucket_numel(self.save_settings, self.rank)
+            if saved is not None:
+                layout["bucket_numel"] = saved
             optimizer = StreamingAdam.from_config(
                 params,
                 self.offload,
@@ -295,23 +226,22 @@ class Trainer:
         with self._preemption_deferred() as preempted:
             for it in range(start, c.iterations):
                 saves = self._saves_after(it + 1)
-                self._next_save = it + 1
                 self._log(self.iteration(it, save=saves))
                 if saves:
-                    self._finish_save(it + 1)
+                    self.checkpoints.finish(it + 1)
                 if preempted() and it + 1 < c.iterations:
                     # Save where every rank agrees to stop, then exit as SIGTERM would:
                     # the scheduler requeues and the next run resumes with --load.
                     if not saves:
-                        self._save(it + 1)
-                    self._join_save()
-                    self._promote(final=True)
+                        self.checkpoints.save(it + 1)
+                    self.checkpoints.join()
+                    self.checkpoints.promote(final=True)
                     self._say(f"preempted: saved iteration {it + 1}, exiting")
                     raise SystemExit(PREEMPTED_EXIT)
             if c.save and start >= c.iterations:
-                self._save(c.iterations)  # nothing left to train: the checkpoint as loaded
-            self._join_save()
-            self._promote(final=True)
+                self.checkpoints.save(c.iterations)  # nothing left to train: the checkpoint as loaded
+            self.checkpoints.join()
+            self.checkpoints.promote(final=True)
         if self.metrics_file is not None:
             path = self.metrics_path
             self._say(f"metrics: {os.path.abspath(path)} (plot with: greenroom report {shlex.quote(path)})")
@@ -376,7 +306,9 @@ class Trainer:
         mark("wake", t)
         t = time.perf_counter()
         streamed_before = self._stream_counters()
-        loss_sum, step_s = self._train_step(prompts, completions, old_logp, rewards, gen, save=save)
+        loss_sum, step_s = self._train_step(
+            prompts, completions, old_logp, rewards, gen, save_at=it + 1 if save else None
+        )
         mark("train", t)
         stream_end = self._stream_counters()
         stepped = {k: stream_end[k] - streamed_before[k] for k in stream_end}
@@ -423,7 +355,11 @@ class Trainer:
             "events": events,
         }
 
-    def _train_step(self, prompts, completions, old_logp, rewards, gen, *, save: bool = False) -> tuple[float, float]:
+    def _train_step(
+        self, prompts, completions, old_logp, rewards, gen, *, save_at: int | None = None
+    ) -> tuple[float, float]:
+        """The iteration's optimizer steps; ``save_at``: the iteration whose save the last
+        step writes its state into."""
         c = self.config
         grouped = rewards.view(c.prompts, c.group_size)
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
@@ -446,8 +382,8 @@ class Trainer:
                 kl_coef=c.kl_coef,
             )
             loss.backward()
-            if save and i == c.minibatches - 1:
-                self._begin_save()
+            if save_at is not None and i == c.minibatches - 1:
+                self.checkpoints.begin(save_at)
             began = time.perf_counter()
             self.optimizer.step()
             step_s += time.perf_counter() - began
@@ -538,166 +474,6 @@ class Trainer:
         t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
         dist.all_reduce(t, op=op)
         return t.tolist()
-
-    def _save(self, iteration: int) -> None:
-        """A save between steps (preemption, or a run with nothing left to train)."""
-        self._join_save()
-        self._promote()
-        self._check_room()
-        path = rotation.iteration_dir(self.config.save, iteration)
-        # Replacing that iteration's dir (a resume with nothing left to train) discards the
-        # one there at the publish: so what it links is read back before, not after.
-        replacing = os.path.isdir(path)
-        checkpoint.save(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            streaming=self.offload.stream_optimizer_state_to_disk,
-            iteration=iteration,
-            rank=self.rank,
-            world_size=self.world_size,
-            barrier=self._barrier,
-            verify=replacing,
-        )
-        self._say(f"saved iteration {iteration} to {path}")
-        self._verify_in_background(iteration, linked=not replacing)
-
-    def _check_room(self) -> None:
-        """Rank 0, before a save stages: room for this checkpoint beside the kept ones."""
-        if self.rank == 0:
-            rotation.check_room(self.config.save, self._checkpoint_bytes() * self.world_size)
-
-    def _verify_in_background(self, iteration: int, *, linked: bool) -> None:
-        """Start reading back what the save of ``iteration`` linked (rotation Note [a
-        checkpoint is verified before it counts]); ``linked`` False: nothing to read."""
-        work = None
-        if linked and self.offload.stream_optimizer_state_to_disk:
-            optim_dir = os.path.join(
-                checkpoint.rank_path(rotation.iteration_dir(self.config.save, iteration), self.rank), "optim"
-            )
-            work = lambda: self.optimizer.verify_linked(optim_dir)  # noqa: E731
-        self._unverified = (iteration, rotation.Verification(work))
-
-    def _promote(self, *, final: bool = False) -> None:
-        """Settle the last save's verification on every rank: passed everywhere, rank 0
-        points the root at it and removes what ``--keep-last`` no longer keeps; failed
-        anywhere, it is dropped with one line (and a run's last save failing ends it with
-        an error, since the checkpoint it reported is gone)."""
-        if self._unverified is None:
-            return
-        (iteration, verification), self._unverified = self._unverified, None
-        why = verification.wait()
-        if why is not None:
-            log.warning(f"--save {self.config.save}: iteration {iteration} failed its verification: {why}")
-        [good] = self._reduce_over_ranks([0.0 if why else 1.0], dist.ReduceOp.MIN)
-        if self.rank == 0:
-            if good:
-                rotation.promote(self.config.save, iteration, self.config.keep_last)
-            else:
-                rotation.drop(self.config.save, iteration, "its bytes did not verify (see the line above)")
-        self._barrier()
-        if not good and final:
-            left = rotation.iterations(self.config.save)
-            raise CheckpointError(
-                f"--save {self.config.save}: the checkpoint of iteration {iteration} failed its "
-                "verification and was dropped; "
-                + (
-                    f"resume from iteration {left[0]} (--load {self.config.save})"
-                    if left
-                    else "no checkpoint is left there"
-                )
-            )
-
-    def _begin_save(self) -> None:
-        """Before the iteration's last optimizer step: stage the save, and have a
-        streaming optimizer write its state into it from that step's own pass."""
-        self._join_save()  # the previous save is published before this one stages
-        self._promote()  # and verified (read back beside this iteration), so retention frees its room first
-        self._check_room()
-        path = rotation.iteration_dir(self.config.save, self._next_save)
-        mine = checkpoint.begin(path, rank=self.rank, barrier=self._barrier)
-        if self.offload.stream_optimizer_state_to_disk:
-            self.optimizer.checkpoint_next_step(os.path.join(mine, "optim"))
-
-    def _finish_save(self, iteration: int) -> None:
-        """After the step: the weights, manifests, meta and the publish; with
-        ``--async-save`` on a thread, from host copies taken now."""
-        c = self.config
-        streaming = self.offload.stream_optimizer_state_to_disk
-        path = rotation.iteration_dir(c.save, iteration)
-        # Written twice from the step's buffers (no links) or by a resident optimizer: nothing shared to read back.
-        linked = streaming and getattr(self.optimizer.last_checkpoint, "mode", "link") == "link"
-        kwargs = dict(
-            model_state=checkpoint.model_state(self.model),
-            model_config=checkpoint.model_config(self.model),
-            optimizer=self.optimizer,
-            # A resident optimizer's state, copied only for a publish beside the next step.
-            optim_state=checkpoint.optimizer_state(self.optimizer) if c.async_save and not streaming else None,
-            streaming=streaming,
-            optim_written=streaming,
-            iteration=iteration,
-            rank=self.rank,
-            world_size=self.world_size,
-        )
-        if not c.async_save:
-            checkpoint.finish(path, barrier=self._barrier, **kwargs)
-            self._say(f"saved iteration {iteration} to {path}")
-            self._verify_in_background(iteration, linked=linked)
-            return
-
-        def publish() -> None:
-            try:
-                checkpoint.finish(path, **kwargs)
-            except BaseException as e:  # raised by the next _join_save, on the main thread
-                self._save_error = e
-                return
-            self._verify_in_background(iteration, linked=linked)
-
-        self._save_error = None
-        # A daemon: a publish that a second signal gave up on (``_wait_for_publish``) must not
-        # keep the process from exiting; every other way out joins it first.
-        self._save_thread = threading.Thread(target=publish, name="greenroom-async-save", daemon=True)
-        self._save_thread.start()
-        self._saved_iteration = iteration
-
-    def _join_save(self) -> None:
-        """Wait for an ``--async-save`` publish in flight; raise what it raised."""
-        if self._save_thread is None:
-            return
-        self._wait_for_publish()
-        self._save_thread = None
-        if self._save_error is not None:
-            raise self._save_error
-        self._say(
-            f"saved iteration {self._saved_iteration} to "
-            f"{rotation.iteration_dir(self.config.save, self._saved_iteration)} (published in the background)"
-        )
-
-    def _wait_for_publish(self) -> None:
-        """Until the publish ends (it finishes or fails), or a second SIGTERM or SIGINT
-        comes. One such signal meanwhile has its effect then (Note [an interrupted close]
-        of greenroom.dirs.rankdir). Raised in the join, its exception would make Python 3.11's
-        ``Thread.join`` take the thread, still writing the checkpoint, for stopped: no later
-        join would wait for it, so the close would go on to close the files under it and the
-        process would exit mid-publish; raised in the close's own join, it would also leave
-        the close's cleanups to atexit and the garbage collector.
-
-        A second signal is the way out of a publish that never ends (rank 0's waits
-        without a deadline for the manifest of a rank killed mid-save): both then have
-        their effect at once, the close runs under the publish, which is given up (a
-        daemon thread, it dies with the process), and the staged ``DIR.new`` stays for the
-        next run's settle to discard, as after a forced exit. Signals whose handlers do
-        not raise (SIGTERM in the loop, recorded for the preemption save; an ignored one)
-        leave the wait going on."""
-        thread = self._save_thread
-        try:
-            while thread.is_alive():
-                with signals_held() as received:
-                    while thread.is_alive() and len(received) < 2:
-                        thread.join(1.0)  # its end ends this at once; a second signal, within a second
-        finally:
-            if thread.is_alive():  # given up: the close must not wait for it again
-                self._save_thread = None
 
     @contextlib.contextmanager
     def _preemption_deferred(self):
