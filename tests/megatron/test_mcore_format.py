@@ -173,6 +173,7 @@ def _expected(s, state, moment_dtype):
 
 def _store(slices, directory, moment_dtype, bucket_numel):
     entries = [Entry(name=s.model.key, shape=(s.numel,)) for s in slices]
+    os.makedirs(directory)
     return BucketStore(entries, directory, bucket_numel=bucket_numel, moment_dtype=moment_dtype, chunk_bytes=1 << 20)
 
 
