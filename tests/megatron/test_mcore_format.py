@@ -180,7 +180,9 @@ def _store(slices, directory, moment_dtype, bucket_numel):
 def _template(slices, views, moment_dtype):
     where = {s.param_index: i for i, s in enumerate(slices)}
     common = fmt.common_state([{"lr": 1e-3, "params": [0]}], 7, moment_dtype=moment_dtype)
-    return fmt.sharded_optimizer_state(common, fmt.param_state(slices, lambda s, st: views.entry(where[s.param_index], st)))
+    return fmt.sharded_optimizer_state(
+        common, fmt.param_state(slices, lambda s, st: views.entry(where[s.param_index], st))
+    )
 
 
 def _save(rank, world, tp, pp, ckpt, work, moment_dtype, bucket_numel):
@@ -262,3 +264,115 @@ def test_saved_at_tp2_dp2_resumes_at_tp1(disk_dir, cpu_save):
     os.makedirs(ckpt)
     spawn(_save, 4, 2, 1, ckpt, work, "fp32", 500)
     spawn(_load, 2, 1, 1, ckpt, os.path.join(work, "w2"), "fp32", 500)
+
+
+# -- (iii) bad input, and the host memory a save and a load take -------------------------
+def _filled_store(directory, n=5000, moment_dtype="fp32"):
+    os.makedirs(directory)
+    store = BucketStore([Entry(name=f"w{i}", shape=(n,)) for i in range(3)], directory, bucket_numel=2 * n)
+    store.overwrite(lambda state: [t.fill_(1.5) for t in (state.master, state.exp_avg, state.exp_avg_sq)])
+    return store
+
+
+def test_a_flipped_bit_in_a_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
+    store = _filled_store(os.path.join(disk_dir, "s"))
+    fd = os.open(store.path(0), os.O_WRONLY)
+    os.pwrite(fd, b"\x7f", 4100)
+    os.close(fd)
+    with pytest.raises(CheckpointError, match="checksum mismatch") as e:
+        SaveViews(store, os.path.join(disk_dir, "stage"))
+    assert "\n" not in str(e.value)
+    assert os.listdir(os.path.join(disk_dir, "stage")) == []  # nothing left behind
+    store.close()
+
+
+def test_a_missing_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
+    store = _filled_store(os.path.join(disk_dir, "s"))
+    os.unlink(store.path(1))
+    with pytest.raises(CheckpointError, match=r"bucket-00001.bin: bucket file missing") as e:
+        SaveViews(store, os.path.join(disk_dir, "stage"))
+    assert "\n" not in str(e.value)
+    store.close(write_back=False)
+
+
+def _other_model(rank, world, ckpt, work):
+    slices = _rank_state(1, 1, hidden=32)
+    store = _store(slices, os.path.join(work, "other"), "fp32", 300)
+    views = LoadViews(store, os.path.join(work, "ostage"))
+    template = _template(slices, views, "fp32")
+    try:
+        fmt.check_saved(
+            template,
+            dist_checkpointing.load_tensors_metadata(ckpt),
+            dist_checkpointing.load_common_state_dict(ckpt)["optimizer"],
+            ckpt,
+        )
+    except CheckpointError as e:
+        assert "\n" not in str(e) and "a checkpoint of another model" in str(e), e
+    else:
+        raise AssertionError("a checkpoint of another model was not refused")
+    views.close()
+    store.close()
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_the_load(disk_dir, cpu_save):
+    ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
+    os.makedirs(ckpt)
+    spawn(_save, 1, 1, 1, ckpt, work, "fp32", 300)
+    spawn(_other_model, 1, ckpt, os.path.join(work, "o"))
+
+
+def _anon_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+def _memory(rank, world, ckpt, work, out):
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    slices = _rank_state(1, 1, hidden=128)
+    store = _store(slices, os.path.join(work, "mem"), "fp32", 50_000)
+    store.overwrite(lambda state: [t.fill_(0.25) for t in (state.master, state.exp_avg, state.exp_avg_sq)])
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    strategy.thread_count = 1  # the write in this process, so that its memory is measured here
+    before = _anon_kib()
+    views = SaveViews(store, os.path.join(work, "stage"))
+    dist_checkpointing.save({"optimizer": _template(slices, views, "fp32")}, ckpt, sharded_strategy=strategy)
+    saved = _anon_kib() - before
+    views.close()
+    load = _store(slices, os.path.join(work, "mem2"), "fp32", 50_000)
+    before = _anon_kib()
+    lviews = LoadViews(load, os.path.join(work, "lstage"))
+    dist_checkpointing.load({"optimizer": _template(slices, lviews, "fp32")}, ckpt)
+    lviews.apply()
+    loaded = _anon_kib() - before
+    with open(out, "w") as f:
+        f.write(f"{store.state_bytes} {max(b.file_bytes for b in store.buckets)} {saved} {loaded}")
+
+
+def _measure(disk_dir):
+    ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
+    os.makedirs(ckpt)
+    out = os.path.join(disk_dir, "mem.txt")
+    spawn(_memory, 1, ckpt, work, out)
+    state, bucket, saved_kib, loaded_kib = map(int, open(out).read().split())
+    print(f"state {state} B, bucket {bucket} B, anon growth: save {saved_kib} KiB, load {loaded_kib} KiB")
+    return state, saved_kib * 1024, loaded_kib * 1024
+
+
+def test_a_load_holds_about_one_bucket_of_anonymous_memory(disk_dir, cpu_save):
+    """The staging files are shared file maps (page cache); the store's overwrite holds
+    one bucket: well under a quarter of the state (measured: 888 KiB for 4.9 MB)."""
+    state, _, loaded = _measure(disk_dir)
+    assert loaded < state / 4
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured: a save through dist_checkpointing (torch_dist, one writer thread) grows anonymous "
+    "memory by about the state's size (5056 KiB for a 4.9 MB state) although every tensor is a file-backed "
+    "view: the writer copies them; where is not found yet",
+)
+def test_a_save_holds_far_less_anonymous_memory_than_the_state(disk_dir, cpu_save):
+    state, saved, _ = _measure(disk_dir)
+    assert saved < state / 4

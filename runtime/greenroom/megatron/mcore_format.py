@@ -203,7 +203,9 @@ def param_state(slices: Iterable[OwnedSlice], data: Callable[[OwnedSlice, str], 
     ``data(slice, state)`` giving its flat fp32 elements (views, never copies, for a
     bounded save; the tensors a load fills in place)."""
     return {
-        s.param_index: {state: slice_tensors(s, f"{KEY_PREFIX}.{state}.{s.model.key}", data(s, state)) for state in STATES}
+        s.param_index: {
+            state: slice_tensors(s, f"{KEY_PREFIX}.{state}.{s.model.key}", data(s, state)) for state in STATES
+        }
         for s in slices
     }
 

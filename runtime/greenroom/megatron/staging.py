@@ -205,7 +205,11 @@ class LoadViews(_Views):
 
             def fill(state, index=index) -> None:
                 flat = self.maps[index]
-                for name, target in (("param", state.master), ("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)):
+                for name, target in (
+                    ("param", state.master),
+                    ("exp_avg", state.exp_avg),
+                    ("exp_avg_sq", state.exp_avg_sq),
+                ):
                     if target is not None:
                         start = self.starts[index][name]
                         target[: state.bucket.numel].copy_(flat[start : start + state.bucket.numel])
