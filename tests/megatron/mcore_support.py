@@ -11,6 +11,7 @@ multiple of the DP size as DDP pads, and each DP rank's ranges come from stock's
 """
 
 import os
+import socket
 import traceback
 import zlib
 from types import SimpleNamespace
@@ -25,7 +26,9 @@ PAD = 64  # DDP pads each buffer to a multiple of this times the DP size
 
 def spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks; a rank's failure fails the call."""
-    port = str(20000 + (os.getpid() * 7 + world) % 20000)
+    with socket.socket() as probe:  # a port free now: each spawn gets its own rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
     mp.start_processes(_entry, args=(fn, world, port, args), nprocs=world, start_method="fork", join=True)
 
 
