@@ -274,7 +274,7 @@ def _filled_store(directory, n=5000, moment_dtype="fp32"):
     return store
 
 
-def test_a_flipped_bit_in_a_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
+def _flipped(rank, world, disk_dir):
     store = _filled_store(os.path.join(disk_dir, "s"))
     fd = os.open(store.path(0), os.O_WRONLY)
     os.pwrite(fd, b"\x7f", 4100)
@@ -286,13 +286,23 @@ def test_a_flipped_bit_in_a_bucket_file_is_refused_at_the_save_in_one_line(disk_
     store.close()
 
 
-def test_a_missing_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
+def _missing(rank, world, disk_dir):
     store = _filled_store(os.path.join(disk_dir, "s"))
     os.unlink(store.path(1))
     with pytest.raises(CheckpointError, match=r"bucket-00001.bin: bucket file missing") as e:
         SaveViews(store, os.path.join(disk_dir, "stage"))
     assert "\n" not in str(e.value)
     store.close(write_back=False)
+
+
+# In a forked rank of their own, as every test here: the store's I/O threads must not
+# exist in the pytest process when a later test forks its ranks from it.
+def test_a_flipped_bit_in_a_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
+    spawn(_flipped, 1, disk_dir)
+
+
+def test_a_missing_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
+    spawn(_missing, 1, disk_dir)
 
 
 def _other_model(rank, world, ckpt, work):
