@@ -24,15 +24,29 @@ STATES = ("param", "exp_avg", "exp_avg_sq")
 PAD = 64  # DDP pads each buffer to a multiple of this times the DP size
 
 
-def spawn(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks; a rank's failure fails the call."""
+def spawn(fn, world: int, *args, cpu_save: bool = False) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; a rank's failure fails the call.
+    The ranks fork from a fresh forkserver, not from pytest, whose other tests' I/O threads
+    a fork would copy mid-lock. ``cpu_save``: ``stub_cuda_for_save`` in each rank."""
     with socket.socket() as probe:  # a port free now: each spawn gets its own rendezvous
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    mp.start_processes(_entry, args=(fn, world, port, args), nprocs=world, start_method="fork", join=True)
+    mp.start_processes(_entry, args=(fn, world, port, args, cpu_save), nprocs=world, start_method="forkserver")
 
 
-def _entry(rank, fn, world, port, args):
+def stub_cuda_for_save() -> None:
+    """megatron-core 0.16.1's torch_dist save calls ``torch.cuda.synchronize()``
+    (strategies/filesystem_async.py) and ``torch.cuda.current_device()``
+    (strategies/state_dict_saver.py) even for CPU tensors; without CUDA both become
+    no-ops on the CPU in this test rank. Nothing is changed where CUDA is present."""
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.current_device = lambda: "cpu"
+
+
+def _entry(rank, fn, world, port, args, cpu_save):
+    if cpu_save:
+        stub_cuda_for_save()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

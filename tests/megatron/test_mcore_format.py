@@ -39,20 +39,9 @@ from tests.megatron.mcore_support import (  # noqa: E402
 
 @pytest.fixture
 def cpu_save():
-    """megatron-core 0.16.1's torch_dist save calls ``torch.cuda.synchronize()``
-    (strategies/filesystem_async.py) and ``torch.cuda.current_device()``
-    (strategies/state_dict_saver.py) even for CPU tensors; on a machine without CUDA both
-    become no-ops on the CPU, only for the test, and only when CUDA is absent."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.synchronize, torch.cuda.current_device
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize, torch.cuda.current_device = saved
+    """Whether the ranks stub the two CUDA-only calls of megatron-core 0.16.1's torch_dist save
+    (``mcore_support.stub_cuda_for_save``, there only when CUDA is absent)."""
+    return not torch.cuda.is_available()
 
 
 # -- pure parts ---------------------------------------------------------------------------
@@ -251,19 +240,21 @@ def _stock_load(rank, world, tp, pp, ckpt):
 def test_saved_at_tp1_dp2_resumes_at_other_layouts_bit_exact(disk_dir, cpu_save, moment_dtype):
     ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
     os.makedirs(ckpt)
-    spawn(_save, 2, 1, 1, ckpt, work, moment_dtype, 300)
+    spawn(_save, 2, 1, 1, ckpt, work, moment_dtype, 300, cpu_save=cpu_save)
     layouts = [(1, 1, 1), (4, 1, 1), (2, 2, 1), (4, 2, 2)] if moment_dtype == "fp32" else [(1, 1, 1), (2, 2, 1)]
     for world, tp, pp in layouts:
-        spawn(_load, world, tp, pp, ckpt, os.path.join(work, f"w{world}t{tp}p{pp}"), moment_dtype, 300)
+        spawn(
+            _load, world, tp, pp, ckpt, os.path.join(work, f"w{world}t{tp}p{pp}"), moment_dtype, 300, cpu_save=cpu_save
+        )
     if moment_dtype == "fp32":
-        spawn(_stock_load, 2, 2, 1, ckpt)
+        spawn(_stock_load, 2, 2, 1, ckpt, cpu_save=cpu_save)
 
 
 def test_saved_at_tp2_dp2_resumes_at_tp1(disk_dir, cpu_save):
     ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
     os.makedirs(ckpt)
-    spawn(_save, 4, 2, 1, ckpt, work, "fp32", 500)
-    spawn(_load, 2, 1, 1, ckpt, os.path.join(work, "w2"), "fp32", 500)
+    spawn(_save, 4, 2, 1, ckpt, work, "fp32", 500, cpu_save=cpu_save)
+    spawn(_load, 2, 1, 1, ckpt, os.path.join(work, "w2"), "fp32", 500, cpu_save=cpu_save)
 
 
 # -- (iii) bad input, and the host memory a save and a load take -------------------------
@@ -295,8 +286,7 @@ def _missing(rank, world, disk_dir):
     store.close(write_back=False)
 
 
-# In a forked rank of their own, as every test here: the store's I/O threads must not
-# exist in the pytest process when a later test forks its ranks from it.
+# In a rank of their own, as every test here: no store of theirs lives in the pytest process.
 def test_a_flipped_bit_in_a_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
     spawn(_flipped, 1, disk_dir)
 
@@ -328,8 +318,8 @@ def _other_model(rank, world, ckpt, work):
 def test_a_checkpoint_of_another_model_is_refused_before_the_load(disk_dir, cpu_save):
     ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
     os.makedirs(ckpt)
-    spawn(_save, 1, 1, 1, ckpt, work, "fp32", 300)
-    spawn(_other_model, 1, ckpt, os.path.join(work, "o"))
+    spawn(_save, 1, 1, 1, ckpt, work, "fp32", 300, cpu_save=cpu_save)
+    spawn(_other_model, 1, ckpt, os.path.join(work, "o"), cpu_save=cpu_save)
 
 
 def _anon_kib() -> int:
@@ -340,7 +330,7 @@ def _anon_kib() -> int:
 def _memory(rank, world, ckpt, work, out):
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
-    slices = _rank_state(1, 1, hidden=128)
+    slices = _rank_state(1, 1, hidden=256)
     store = _store(slices, os.path.join(work, "mem"), "fp32", 50_000)
     store.overwrite(lambda state: [t.fill_(0.25) for t in (state.master, state.exp_avg, state.exp_avg_sq)])
     strategy = get_default_save_sharded_strategy("torch_dist")
@@ -360,29 +350,23 @@ def _memory(rank, world, ckpt, work, out):
         f.write(f"{store.state_bytes} {max(b.file_bytes for b in store.buckets)} {saved} {loaded}")
 
 
-def _measure(disk_dir):
+def _measure(disk_dir, cpu_save):
     ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
     os.makedirs(ckpt)
     out = os.path.join(disk_dir, "mem.txt")
-    spawn(_memory, 1, ckpt, work, out)
+    spawn(_memory, 1, ckpt, work, out, cpu_save=cpu_save)
     state, bucket, saved_kib, loaded_kib = map(int, open(out).read().split())
     print(f"state {state} B, bucket {bucket} B, anon growth: save {saved_kib} KiB, load {loaded_kib} KiB")
-    return state, saved_kib * 1024, loaded_kib * 1024
+    return state, bucket, saved_kib * 1024, loaded_kib * 1024
 
 
-def test_a_load_holds_about_one_bucket_of_anonymous_memory(disk_dir, cpu_save):
-    """The staging files are shared file maps (page cache); the store's overwrite holds
-    one bucket: well under a quarter of the state (measured: 888 KiB for 4.9 MB)."""
-    state, _, loaded = _measure(disk_dir)
-    assert loaded < state / 4
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: a save through dist_checkpointing (torch_dist, one writer thread) grows anonymous "
-    "memory by about the state's size (5056 KiB for a 4.9 MB state) although every tensor is a file-backed "
-    "view: the writer copies them; where is not found yet",
-)
-def test_a_save_holds_far_less_anonymous_memory_than_the_state(disk_dir, cpu_save):
-    state, saved, _ = _measure(disk_dir)
-    assert saved < state / 4
+def test_save_and_load_hold_about_a_bucket_of_anonymous_memory(disk_dir, cpu_save):
+    """Every tensor dist_checkpointing reads or fills is a file-backed map (page cache,
+    which the kernel reclaims); what remains anonymous is the store's own: on this CPU
+    run its device buffers are host memory (a bucket each as it is used) and the engine's
+    1 MiB staging chunk. Bound: two of the largest bucket files plus 2 MiB, which is
+    under half this rank's 19.5 MB state (measured: save 3.2 MB, load 4.3 MB, bucket 3.1 MB)."""
+    state, bucket, saved, loaded = _measure(disk_dir, cpu_save)
+    bound = 2 * bucket + (2 << 20)
+    assert bound < state / 2
+    assert saved < bound and loaded < bound
