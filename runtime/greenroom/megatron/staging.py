@@ -1,0 +1,219 @@
+"""The streamed state as file-backed fp32 tensors, for ``dist_checkpointing`` to save and load.
+
+``mcore_format`` says which elements of which key each DP rank writes; this module gives
+them data without holding the rank's state in host memory.
+
+Save (``SaveViews``): between steps, each bucket file is frozen into a staging dir, by a
+hard link where the filesystem takes one (the store never writes a shared inode in
+place, ``optim.store.files`` Note [new inodes], so the next step cannot change what the
+save is still reading, async save included), else by a copy; and its fp32 segments are
+memory-mapped privately (``torch.from_file``, copy-on-write, never written). Each entry's
+master and moments are views of those maps at the entry's offset: reading them reads the
+file through the page cache, which the kernel reclaims; no anonymous copy exists.
+Before a view is handed out its bytes are checked against the bucket's checksums (a
+link is read once for it, a copy is checked as it is made), so a flipped bit is refused
+in one line and never written into the checkpoint. A bucket whose bytes are not fp32
+tensors (16-bit or fp8 moments, compressed frames, masters stored as a remainder) is
+decoded through the store, one bucket at a time, into a temporary fp32 file of its own,
+which is then mapped the same way: the checkpoint holds the fp32 values the stored bytes
+denote, and the host holds one bucket at a time.
+
+Load (``LoadViews``): one staging file per bucket, ``[master | exp_avg | exp_avg_sq]``
+fp32, mapped shared; the template's tensors are views of it, and ``dist_checkpointing.load``
+fills them in place (the file, not the heap). ``apply`` then writes the store's buckets
+one at a time through ``BucketStore.overwrite`` (encoded to the store's moment dtype,
+written with checksums by the engine, synced); nothing of the live state changes before
+``apply``, so a load that fails in ``dist_checkpointing`` leaves the run's state as it was.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from greenroom.errors import CheckpointError, IntegrityError, StorageError
+from greenroom.io.engine import verify_mapped
+from greenroom.optim.checkpoint.filecopy import FileSums, copy_file
+from greenroom.optim.store.bucket_store import BucketStore
+from greenroom.optim.store.hardlink import link_new
+
+SEGMENTS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+F32 = torch.float32.itemsize
+
+
+def _raw_fp32(store: BucketStore, index: int) -> bool:
+    """Whether bucket ``index``'s file holds its master and moments as plain fp32 tensors."""
+    bucket = store.buckets[index]
+    return (
+        store.compression is None
+        and bucket.master is not None
+        and not bucket.remainder
+        and store.avg_codec.identity
+        and store.sq_codec.identity
+        and store.avg_codec.dtype == torch.float32
+        and store.sq_codec.dtype == torch.float32
+    )
+
+
+def _map(path: str, numel: int, *, shared: bool) -> torch.Tensor:
+    return torch.from_file(path, shared=shared, size=numel, dtype=torch.float32)
+
+
+def _place(directory: str) -> str:
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    return directory
+
+
+def _fresh(path: str) -> str:
+    if os.path.lexists(path):
+        os.unlink(path)  # our own name, left by a save or load that was killed
+    return path
+
+
+class _Views:
+    """Per bucket: a flat fp32 map and each state's element offset in it."""
+
+    def __init__(self, store: BucketStore, directory: str) -> None:
+        self.store = store
+        self.directory = _place(directory)
+        self.made: list[str] = []
+        self.maps: dict[int, torch.Tensor] = {}
+        self.starts: dict[int, dict[str, int]] = {}
+        self.where = {i: (b.index, k) for b in store.buckets for k, i in enumerate(b.entries)}
+
+    def entry(self, i: int, state: str) -> torch.Tensor:
+        """Store entry ``i``'s ``state`` (``param``, ``exp_avg``, ``exp_avg_sq``) as a flat fp32 view."""
+        index, k = self.where[i]
+        start = self.starts[index].get(state)
+        if start is None:
+            raise CheckpointError(f"{self.store.path(index)}: bucket {index} stores no {SEGMENTS[state]}")
+        bucket = self.store.buckets[index]
+        first = start + bucket.offsets[k]
+        return self.maps[index][first : first + self.store.entries[i].numel]
+
+    def close(self) -> None:
+        """Drop the maps and remove the files this object made (the dir stays)."""
+        self.maps.clear()
+        for path in self.made:
+            if os.path.lexists(path):
+                os.unlink(path)
+        self.made.clear()
+
+
+class SaveViews(_Views):
+    """The store's state, frozen and mapped for one save (see the module docstring).
+    Keep it open until the save (an async one: its writer) is over, then ``close``."""
+
+    def __init__(self, store: BucketStore, directory: str, *, verify: bool = True) -> None:
+        super().__init__(store, directory)
+        self.ways: dict[str, int] = {"link": 0, "copy": 0, "decode": 0}
+        store.flush()  # the cached buckets' files are stale until written out (Note [host cache])
+        try:
+            for bucket in store.buckets:
+                if _raw_fp32(store, bucket.index):
+                    self._freeze(bucket, verify)
+                else:
+                    self._decode(bucket)
+        except BaseException:
+            self.close()
+            raise
+
+    def _freeze(self, bucket, verify: bool) -> None:
+        store, index = self.store, bucket.index
+        src = store.path(index)
+        dst = _fresh(os.path.join(self.directory, os.path.basename(src) + ".frozen"))
+        try:
+            linked = link_new(src, dst)
+            if linked:
+                self.made.append(dst)
+            else:
+                self.made.append(dst)
+                sums = FileSums(store.files[index], expect=True) if verify and store.engine.verify else None
+                copy_file(src, dst, bucket.file_bytes, check=sums.add if sums else None)
+                if sums is not None:
+                    sums.verify()
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{src}: bucket file missing: it was deleted since the step wrote it; nothing was saved"
+            ) from None
+        except (IntegrityError, StorageError) as e:
+            raise CheckpointError(f"{e}") from None
+        mapped = _map(dst, bucket.data_bytes // F32, shared=False)
+        if linked and verify and store.engine.verify:
+            try:  # the link shares the live inode: read it once against the checksums the step recorded
+                verify_mapped(store.files[index], mapped.view(torch.uint8))
+            except IntegrityError as e:
+                raise CheckpointError(f"{e}") from None
+        self.ways["link" if linked else "copy"] += 1
+        self.maps[index] = mapped
+        self.starts[index] = {
+            state: getattr(bucket, seg).offset // F32
+            for state, seg in SEGMENTS.items()
+            if getattr(bucket, seg) is not None
+        }
+
+    def _decode(self, bucket) -> None:
+        store, index = self.store, bucket.index
+        path = _fresh(os.path.join(self.directory, os.path.basename(store.path(index)) + ".f32"))
+        self.made.append(path)
+        states = store.stream([index])
+        try:
+            state = next(states)
+            parts = {"param": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+            starts, cursor = {}, 0
+            with open(path, "wb") as f:
+                for name, tensor in parts.items():
+                    if tensor is None:
+                        continue
+                    host = tensor[: bucket.numel].detach().to("cpu", torch.float32).contiguous()
+                    f.write(memoryview(host.numpy()))
+                    starts[name], cursor = cursor, cursor + bucket.numel
+        except (IntegrityError, StorageError) as e:
+            raise CheckpointError(f"{e}") from None
+        finally:
+            states.close()  # nothing changed: closing before the write-back skips it
+        self.ways["decode"] += 1
+        self.maps[index] = _map(path, cursor, shared=False)
+        self.starts[index] = starts
+
+
+class LoadViews(_Views):
+    """Staging for one load: ``entry`` gives the tensors the template hands
+    ``dist_checkpointing.load``; ``apply`` writes what it filled into the store."""
+
+    def __init__(self, store: BucketStore, directory: str) -> None:
+        super().__init__(store, directory)
+        try:
+            for bucket in store.buckets:
+                names = [s for s, seg in SEGMENTS.items() if getattr(bucket, seg) is not None]
+                path = _fresh(os.path.join(self.directory, f"load-{bucket.index:05d}.f32"))
+                self.made.append(path)
+                with open(path, "wb") as f:
+                    f.truncate(len(names) * bucket.numel * F32)  # sparse: pages only where the load writes
+                self.maps[bucket.index] = _map(path, len(names) * bucket.numel, shared=True)
+                self.starts[bucket.index] = {name: n * bucket.numel for n, name in enumerate(names)}
+        except BaseException:
+            self.close()
+            raise
+
+    def apply(self) -> None:
+        """Write the loaded state into the store, bucket by bucket, then drop the staging."""
+        store = self.store
+        for bucket in store.buckets:
+            index = bucket.index
+
+            def fill(state, index=index) -> None:
+                flat = self.maps[index]
+                for name, target in (
+                    ("param", state.master),
+                    ("exp_avg", state.exp_avg),
+                    ("exp_avg_sq", state.exp_avg_sq),
+                ):
+                    if target is not None:
+                        start = self.starts[index][name]
+                        target[: state.bucket.numel].copy_(flat[start : start + state.bucket.numel])
+
+            store.overwrite(fill, [index])
+            del self.maps[index]
+        self.close()

@@ -1,0 +1,155 @@
+"""What the CPU tests of the megatron-core checkpoint format share: gloo ranks, a small
+real GPTModel, stock megatron-core's own DP range math over a stand-in DDP buffer, and
+the analytic values every state element is saved with.
+
+Stand-ins, and why: stock megatron-core's DistributedOptimizer (and so the streaming
+one) cannot be built without CUDA (its DDP buffer and optimizer allocate on
+``torch.cuda.current_device()`` and check ``torch.cuda.*Tensor`` types), so the DDP
+buffer's layout is laid out here, one bucket, params in reverse order and padded to a
+multiple of the DP size as DDP pads, and each DP rank's ranges come from stock's own
+``DistributedOptimizer._build_model_gbuf_param_range_map`` over it.
+"""
+
+import os
+import socket
+import traceback
+import zlib
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+STATES = ("param", "exp_avg", "exp_avg_sq")
+PAD = 64  # DDP pads each buffer to a multiple of this times the DP size
+
+
+def spawn(fn, world: int, *args, cpu_save: bool = False) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; a rank's failure fails the call.
+    The ranks fork from a fresh forkserver, not from pytest, whose other tests' I/O threads
+    a fork would copy mid-lock. ``cpu_save``: ``stub_cuda_for_save`` in each rank."""
+    with socket.socket() as probe:  # a port free now: each spawn gets its own rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    mp.start_processes(_entry, args=(fn, world, port, args, cpu_save), nprocs=world, start_method="forkserver")
+
+
+def stub_cuda_for_save() -> None:
+    """megatron-core 0.16.1's torch_dist save calls ``torch.cuda.synchronize()``
+    (strategies/filesystem_async.py) and ``torch.cuda.current_device()``
+    (strategies/state_dict_saver.py) even for CPU tensors; without CUDA both become
+    no-ops on the CPU in this test rank. Nothing is changed where CUDA is present."""
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.current_device = lambda: "cpu"
+
+
+def _entry(rank, fn, world, port, args, cpu_save):
+    if cpu_save:
+        stub_cuda_for_save()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        print(f"[rank {rank}]\n{traceback.format_exc()}", flush=True)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def gpt(tp: int, pp: int, hidden: int = 16):
+    """A small real GPTModel at this rank's TP/PP coordinates (megatron's local layer spec)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(1234)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+    )
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=64,
+        max_sequence_length=8,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
+
+
+def buffer_layout(model, model_sd, dp: int):
+    """The stand-in DDP buffer: ``{param: (world start, world end, bucket 0)}`` in reverse
+    param order (as DDP fills it), and the padded size."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    in_sd = {id(sh.data) for sh in nested_values(model_sd) if getattr(sh, "data", None) is not None}
+    params = [p for p in model.parameters() if id(p) in in_sd][::-1]
+    index_map, cursor = {}, 0
+    for p in params:
+        index_map[p] = (cursor, cursor + p.numel(), 0)
+        cursor += p.numel()
+    padded = -(-cursor // (PAD * dp)) * PAD * dp
+    return index_map, padded
+
+
+def dp_ranges(index_map, padded: int, dp: int, dp_rank: int):
+    """``(param, start, stop)`` of DP rank ``dp_rank``, by stock megatron-core's range math."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    size = padded // dp
+    param_map = DistributedOptimizer._build_model_gbuf_param_range_map(
+        index_map, Range(dp_rank * size, (dp_rank + 1) * size), 0
+    )
+    out = []
+    for p in index_map:
+        got = param_map.get(p)
+        out.append((p, got["param"].start, got["param"].end) if got else (p, 0, 0))
+    return out
+
+
+def full_value(key: str, state: str, global_shape) -> torch.Tensor:
+    """The whole global tensor of ``state`` of ``key``: its flat index plus a per-(key,
+    state) base, exact in fp32 for these sizes."""
+    base = (zlib.crc32(f"{key}|{state}".encode()) % 1000) * 10000.0
+    n = 1
+    for d in global_shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float64) + base).to(torch.float32).reshape(global_shape)
+
+
+def local_value(sh, state: str) -> torch.Tensor:
+    """This rank's TP-local tensor of ``state`` for the model tensor ``sh``, flat."""
+    return full_value(sh.key, state, tuple(sh.global_shape))[sh.global_slice()].reshape(-1)
+
+
+def stock_stub(index_map, padded: int, world_tensors):
+    """Stand-in for what stock's ``sharded_param_state_fully_reshardable`` reads of its
+    optimizer: the buffers' ``param_index_map`` and the DP group's gathered state (stock
+    gathers it from GPU buffers with NCCL; here it is given)."""
+    dtype = torch.float32
+    return SimpleNamespace(
+        gbuf_ranges=[{dtype: [None]}],
+        buffers=[SimpleNamespace(param_index_map=index_map, numel_unpadded=padded)],
+        get_parameter_state_dp_zero=lambda **kw: {0: {dtype: world_tensors}},
+    )
+
+
+def stock_world(index_map, padded: int, model_sd) -> dict:
+    """The gathered state stock would hold, filled with ``local_value`` at each param's place."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    by_param = {id(sh.data): sh for sh in nested_values(model_sd) if getattr(sh, "data", None) is not None}
+    world = {s: torch.zeros(padded, dtype=torch.float32) for s in STATES}
+    for p, (a, b, _) in index_map.items():
+        for s in STATES:
+            world[s][a:b] = local_value(by_param[id(p)], s)
+    return world
