@@ -39,7 +39,9 @@ def test_snippet_compiles_imports_and_runs_where_it_can(where, tmp_path):
         "CUDA_VISIBLE_DEVICES": "",
     }
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tests", "snippet_check.py"), path, line],
+        # -P: the checker's own dir (tests/, whose tests/megatron package would shadow
+        # megatron-core) stays off sys.path, so a snippet imports what a user's script would.
+        [sys.executable, "-P", os.path.join(REPO, "tests", "snippet_check.py"), path, line],
         capture_output=True,
         text=True,
         cwd=REPO,
