@@ -18,9 +18,9 @@ from greenroom.config import FLAG_FIELDS, OffloadFlags
 from greenroom.dirs.names import rank_dir_path
 from greenroom.errors import ConfigError
 from greenroom.io import fs
-from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB
+from greenroom.io.codec_names import MIN_COMPRESSED_CHUNK_MB, frames_fit
 from greenroom.optim.footprint import muon_bytes_per_param, streamed_bytes_per_param
-from greenroom.units import GB, MIB, size_text
+from greenroom.units import GB, size_text
 
 
 def _ints(d: dict) -> dict:
@@ -265,7 +265,7 @@ def planned_codec(config: OffloadFlags) -> tuple[str | None, str]:
     choice = config.offload_train_disk_compression
     if choice != "auto":
         return (None if choice == "none" else choice), f"compression: {choice} (--offload-train-disk-compression)"
-    if config.chunk_bytes < MIN_COMPRESSED_CHUNK_MB * MIB:
+    if not frames_fit(config.offload_train_disk_chunk_mb):
         return None, (
             f"compression: none (auto: --offload-train-disk-chunk-mb is under {MIN_COMPRESSED_CHUNK_MB}, "
             "too small for one-MiB frames)"

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from greenroom.cli import flags as cliflags
 from greenroom.cli.bench import explain
 from greenroom.config import OffloadConfig, check_disk_bytes, check_host_bytes
-from greenroom.devices import check_device_bytes, resolve_device
+from greenroom.devices import check_device_bytes, resolve_codec, resolve_device
 from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError
 from greenroom.io import fs
@@ -168,7 +168,10 @@ def measure(args: argparse.Namespace, *, rank: int = 0, barrier: Callable[[], No
         out_key, in_key = "out_bytes_per_s", "in_bytes_per_s"
     sampler = RssSampler()
     try:
-        offloader = actor.build_offloader(config, rank_dir, device=device, backend=args.backend, mover=args.mover)
+        codec = resolve_codec(config, device)  # once: the offloader's codec and the line printed
+        offloader = actor.build_offloader(
+            config, rank_dir, device=device, backend=args.backend, mover=args.mover, compression=codec
+        )
         with offloader:
             trained = None
             if args.state == "trained":
@@ -294,9 +297,13 @@ def measure(args: argparse.Namespace, *, rank: int = 0, barrier: Callable[[], No
                     )
             bit_exact = all(torch.equal(t, r) for t, r in zip(tensors, reference))
             backend = offloader.backend
-            compression_line = resolve_compression(
-                args.compression, cuda=device.type == "cuda", chunk_bytes=config.chunk_bytes
-            ).line
+            compression_line = (
+                codec.line
+                if codec is not None
+                else resolve_compression(
+                    args.compression, cuda=device.type == "cuda", chunk_bytes=config.chunk_bytes
+                ).line
+            )
             mover = getattr(offloader, "mover", "greenroom")
     finally:
         sampler.close()
