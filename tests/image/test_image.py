@@ -100,8 +100,6 @@ def test_reclaim_dry_run_in_the_image_sees_a_dead_ranks_dir_and_keeps_it(image, 
 
 
 def test_one_iteration_of_greenroom_train_with_disk_offload_into_a_host_dir(image, disk_dir):
-    if not os.path.exists(os.path.join(REPO, "runtime", "greenroom", "train", "main.py")):
-        pytest.skip("greenroom train is not implemented yet (runtime/greenroom/cli/train.py)")
     os.chmod(disk_dir, 0o777)  # the image's user is uid 1000
     out = _run(
         image,
