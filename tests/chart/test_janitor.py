@@ -69,7 +69,7 @@ def test_janitor_has_least_privilege_and_a_metrics_service():
 
 def test_janitor_rbac_grants_only_the_two_calls_it_makes():
     """It lists pods (every namespace, its node) and creates Events in "default"
-    (k8s_janitor.EVENT_NAMESPACE): no get or watch on pods, which it never calls, and no
+    (greenroom.dirs.janitor.EVENT_NAMESPACE): no get or watch on pods, which it never calls, and no
     create on events in every namespace of the cluster."""
     from greenroom.dirs.janitor import EVENT_NAMESPACE
 
