@@ -33,6 +33,8 @@ SIZE = demo.ModelSize(hidden=256, layers=2, heads=4, vocab=1024, seq=64, batch=2
 # Smaller than the word embedding's shard (1024 x 256): that one is a bucket of its own,
 # the rest group into several buckets.
 BUCKET_NUMEL = 150_000
+# The sidecar format: megatron's checkpoint carries the small state, the bucket files go beside it.
+SIDECAR = {"distrib_optim_sharding_type": "greenroom_streamed"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -146,7 +148,8 @@ def test_megatrons_checkpoint_flow_carries_the_small_state_and_resume_stays_bit_
         # megatron's training loop checkpoints the model inside its DDP wrapper (its keys
         # carry no ``module.`` prefix), and loads it back the same way.
         model_sd = model.module.sharded_state_dict()
-        dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, checkpoint)
+        small = optimizer.sharded_state_dict(model_sd, metadata=SIDECAR)
+        dist_checkpointing.save({"model": model_sd, "optimizer": small}, checkpoint)
         save_checkpoint(optimizer, checkpoint)
         close(optimizer)
     del model, optimizer
@@ -154,7 +157,8 @@ def test_megatrons_checkpoint_flow_carries_the_small_state_and_resume_stays_bit_
         model, optimizer = _streamed(config, second)
         model_sd = model.module.sharded_state_dict()
         loaded = dist_checkpointing.load(
-            {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}, checkpoint
+            {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=SIDECAR)},
+            checkpoint,
         )
         model.module.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])

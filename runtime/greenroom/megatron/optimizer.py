@@ -22,10 +22,10 @@ scaling, grad clipping, the param all-gather) is megatron's, unchanged:
     The first copies only the resident fp32 shards (the streamed ones were cast into
     the param buffer in the bucket loop); the second is refused with a message.
 
-``state_dict`` / ``load_state_dict`` / ``sharded_state_dict``
-    Carry the non-streamed parts (param groups, the step, the grad scaler) through
-    megatron's checkpoint flow; the streamed state is written beside the checkpoint by
-    ``greenroom.megatron.save_checkpoint`` (see docs/megatron.md).
+``sharded_state_dict`` / ``load_state_dict``
+    Put the streamed state into megatron's checkpoint under stock megatron-core's
+    ``fully_reshardable`` keys, or carry only the small state for the sidecar format
+    (``greenroom.megatron.dist_ckpt``; docs/megatron.md). ``state_dict`` is the small state.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from greenroom.dirs.roots import check_root
 from greenroom.dirs.statedir import StateDir
 from greenroom.errors import CheckpointError, ConfigError, GreenroomError
 from greenroom.io.compression import ResolvedCodec
-from greenroom.megatron import checks
+from greenroom.megatron import checks, dist_ckpt
 from greenroom.megatron.class_swap import (
     WHAT,
     StreamingSettings,
@@ -65,10 +65,6 @@ from greenroom.megatron.layout import ShardEntry, Topology, current_topology, pl
 from greenroom.optim import kernel
 from greenroom.optim.poison import FailedStepPoison
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
-
-# sharded_state_dict's marker for "param state lives in greenroom's files".
-SHARDING_TYPE = "greenroom_streamed"
-
 
 # The settings for the DistributedOptimizer being constructed in this context; its
 # classmethod builder has no instance to read them from.
@@ -97,6 +93,8 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     reload_with = "greenroom.megatron.load_checkpoint"
 
     _state_dir: StateDir | None = None  # the dir this member claimed; released by close()
+    _mcore_save = None  # the frozen maps of the last dist_checkpointing save (dist_ckpt)
+    _mcore_load = None  # the load template dist_checkpointing fills (dist_ckpt)
 
     def __init__(self, *args, **kwargs) -> None:
         settings = current_settings()
@@ -202,6 +200,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         # megatron's own.
         self._refuse_if_failed("step()")
         checks.check_step_decay(self.optimizer)
+        dist_ckpt.release(self)  # a save's writer holds its maps; the staging names go
         inner, self.optimizer = self.optimizer, AlreadyStepped(self.optimizer)
         try:
             with self._poisoned_if_it_fails():
@@ -316,11 +315,16 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         return state
 
     def load_state_dict(self, state_dict) -> None:
+        if state_dict.get("param_state_sharding_type") == dist_ckpt.SHARDING_TYPE:
+            dist_ckpt.load_state_dict(self, state_dict)
+            return
         marker = state_dict.get("greenroom")
         if not marker or not marker.get("streamed"):
             raise CheckpointError(
                 "this optimizer checkpoint was written without greenroom streaming: its Adam state cannot "
-                "be read into the streamed optimizer; resume with no_load_optim (fresh optimizer state), "
+                "be read into the streamed optimizer from a state_dict; load megatron's checkpoint through "
+                "sharded_state_dict(model_sd, is_loading=True, metadata={'distrib_optim_sharding_type': "
+                "'fully_reshardable'}), resume with no_load_optim (fresh optimizer state), "
                 "or turn --stream-optimizer-state-to-disk off"
             )
         for group, saved in zip(self.optimizer.param_groups, state_dict["optimizer"]["param_groups"]):
@@ -333,25 +337,12 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     def sharded_state_dict(
         self, model_sharded_state_dict=None, is_loading: bool = False, sharding_type=None, metadata=None
     ):
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
         if not is_loading:  # a load's template is how the poison is cured: never refused
             self._refuse_if_failed("sharded_state_dict()")
-        state = self._small_state()
-        # Like megatron's own dp-dependent formats: one object per DP group, saved by
-        # DP rank 0. The streamed tensors are not in it (see save_checkpoint).
-        sharded = {
-            key: ShardedObject(
-                f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx}.{key}",
-                value,
-                (1,),
-                (0,),
-                replica_id=(self.distributed_optimizer_instance_id, 0, self.data_parallel_group.rank()),
-            )
-            for key, value in state.items()
-        }
-        sharded["param_state_sharding_type"] = SHARDING_TYPE
-        return sharded
+        chosen = dist_ckpt.resolve_sharding_type(sharding_type, metadata)
+        if chosen == dist_ckpt.SIDECAR_SHARDING_TYPE:
+            return dist_ckpt.sidecar_state(self)
+        return dist_ckpt.sharded_state_dict(self, model_sharded_state_dict, is_loading)
 
     # -- the streamed state's checkpoint (greenroom.optim.checkpoint.manifest.StreamedState) --
     # Keys: "main.<group>.<index>" for the streamed fp32 mains of 16-bit params,
@@ -427,6 +418,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         """Release the bucket files' handles and the staging memory, then this member's
         dir (removed at once when ``streaming()`` was given a plain path)."""
         try:
+            dist_ckpt.release(self)
             if self._store is not None:
                 self._store.close()
         finally:

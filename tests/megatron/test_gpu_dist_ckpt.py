@@ -1,0 +1,199 @@
+"""Megatron-core's ``fully_reshardable`` checkpoint between the stock and the streaming
+DistributedOptimizer, on one GPU (``pytest -m gpu tests/megatron/test_gpu_dist_ckpt.py``).
+
+The setup is ``test_gpu.py``'s (one NCCL rank, TP=PP=DP=1, a small bf16 GPTModel with
+one native-fp32 param). Checkpoints go through ``dist_checkpointing.save``/``load`` with
+``metadata={'distrib_optim_sharding_type': 'fully_reshardable'}``, the model inside its
+DDP wrapper as megatron's training loop checkpoints it. Each resume is compared with
+``torch.equal`` (params, fp32 mains, both moments, the native-fp32 shard and its Adam
+state) right after the load and after each of three more steps:
+
+- a stock checkpoint resumed under streaming against stock's own resume of it;
+- a streamed checkpoint resumed under stock against stock's resume of a stock
+  checkpoint saved at the same step (and against streaming's resume of its own);
+- moments streamed as bf16: stock reads the fp32 values the bf16 bytes denote, a run
+  streaming fp32 moments refuses the checkpoint in one line and stays as it was, and a
+  run streaming bf16 resumes it.
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA: megatron-core's DDP and GPT forward run only on the GPU machine", allow_module_level=True)
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core import dist_checkpointing
+
+from greenroom.dirs.rankdir import RankDir  # noqa: E402 (after the skips: megatron-core may be missing)
+from greenroom.errors import CheckpointError  # noqa: E402 (after the skips: megatron-core may be missing)
+from greenroom.megatron import close, demo, streaming_members  # noqa: E402 (after the skips: megatron-core may be missing)
+from tests.megatron.test_gpu import SIZE, _assert_same, _offload, _stock, _streamed  # noqa: E402 (after the skips)
+
+FULLY = {"distrib_optim_sharding_type": "fully_reshardable"}
+MORE_STEPS = range(3, 6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_gpu_world():
+    demo.init_single_gpu()
+
+
+def _train(model, optimizer, steps) -> list[float]:
+    return [demo.train_step(model, optimizer, SIZE, step) for step in steps]
+
+
+def _save(model, optimizer, checkpoint: str) -> None:
+    os.makedirs(checkpoint)
+    model_sd = model.module.sharded_state_dict()
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=dict(FULLY))}
+    dist_checkpointing.save(state, checkpoint)
+
+
+def _load(model, optimizer, checkpoint: str) -> None:
+    model_sd = model.module.sharded_state_dict()
+    template = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(FULLY)),
+    }
+    loaded = dist_checkpointing.load(template, checkpoint)
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _stock_resumed(checkpoint: str):
+    """A fresh stock model and optimizer loaded from ``checkpoint``. Stock's
+    ``sharded_state_dict`` begins with ``state_dict()``, which (megatron-core 0.16.1 and
+    0.19.2, distrib_optimizer.py) asserts one step value among its inner Adam's
+    per-param states, and a torch Adam that never stepped has none; so it takes one
+    step first, whose every effect (weights, mains, moments, step) the load replaces."""
+    model, optimizer = _stock()
+    demo.train_step(model, optimizer, SIZE, 0)
+    _load(model, optimizer, checkpoint)
+    return model, optimizer
+
+
+def _assert_stock_same(a_model, a_opt, b_model, b_opt) -> None:
+    """Two stock runs hold the same params, mains, moments and steps."""
+    for (name, a), (_, b) in zip(a_model.named_parameters(), b_model.named_parameters()):
+        assert torch.equal(a, b), f"param {name} differs"
+    for a, b in zip(a_opt.chained_optimizers, b_opt.chained_optimizers):
+        for groups in ("shard_fp32_from_float16_groups", "shard_fp32_groups"):
+            for ga, gb in zip(getattr(a, groups), getattr(b, groups)):
+                for pa, pb in zip(ga, gb):
+                    assert torch.equal(pa, pb), f"{groups} differs"
+                    sa, sb = a.optimizer.state[pa], b.optimizer.state[pb]
+                    for key in ("exp_avg", "exp_avg_sq", "step"):
+                        assert torch.equal(sa[key].cpu(), sb[key].cpu()), f"{groups} {key} differs"
+
+
+def test_a_stock_checkpoint_resumes_under_streaming_as_under_stock(disk_dir):
+    checkpoint = f"{disk_dir}/stock-ckpt"
+    model, optimizer = _stock()
+    _train(model, optimizer, range(3))
+    _save(model, optimizer, checkpoint)
+    del model, optimizer
+    stock_model, stock_opt = _stock_resumed(checkpoint)
+    with RankDir(disk_dir, role="from-stock") as rank_dir:
+        model, optimizer = _streamed(_offload(disk_dir), rank_dir)
+        _load(model, optimizer, checkpoint)
+        _assert_same(stock_model, stock_opt, model, optimizer)
+        for step in MORE_STEPS:
+            assert _train(stock_model, stock_opt, [step]) == _train(model, optimizer, [step])
+            _assert_same(stock_model, stock_opt, model, optimizer)
+        close(optimizer)
+
+
+def test_a_streamed_checkpoint_resumes_under_stock_as_stocks_own_checkpoint_does(disk_dir):
+    stock_ckpt, streamed_ckpt = f"{disk_dir}/stock-ckpt", f"{disk_dir}/streamed-ckpt"
+    stock_model, stock_opt = _stock()
+    with RankDir(disk_dir, role="saver") as rank_dir:
+        model, optimizer = _streamed(_offload(disk_dir), rank_dir)
+        assert _train(stock_model, stock_opt, range(3)) == _train(model, optimizer, range(3))
+        _assert_same(stock_model, stock_opt, model, optimizer)
+        _save(stock_model, stock_opt, stock_ckpt)
+        _save(model, optimizer, streamed_ckpt)
+        close(optimizer)
+    del stock_model, stock_opt, model, optimizer
+    common = dist_checkpointing.load_common_state_dict(streamed_ckpt)["optimizer"]
+    assert common["param_state_sharding_type"] == "fully_reshardable"
+    assert common["greenroom"]["moment_dtype"] == "fp32"
+    own_model, own_opt = _stock_resumed(stock_ckpt)
+    from_streamed_model, from_streamed_opt = _stock_resumed(streamed_ckpt)
+    with RankDir(disk_dir, role="resumer") as rank_dir:
+        model, optimizer = _streamed(_offload(disk_dir), rank_dir)
+        _load(model, optimizer, streamed_ckpt)
+        _assert_stock_same(own_model, own_opt, from_streamed_model, from_streamed_opt)
+        _assert_same(own_model, own_opt, model, optimizer)
+        for step in MORE_STEPS:
+            loss = _train(own_model, own_opt, [step])
+            assert _train(from_streamed_model, from_streamed_opt, [step]) == loss
+            assert _train(model, optimizer, [step]) == loss
+            _assert_stock_same(own_model, own_opt, from_streamed_model, from_streamed_opt)
+            _assert_same(own_model, own_opt, model, optimizer)
+        close(optimizer)
+
+
+def _entry_states(optimizer) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    member = streaming_members(optimizer)[0]
+    return [member.streamed_state(i) for i in range(len(member.shard_entries))]
+
+
+def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_refused_by_an_fp32_run(disk_dir):
+    checkpoint = f"{disk_dir}/bf16-ckpt"
+    bf16 = _offload(disk_dir, stream_optimizer_state_moment_dtype="bf16")
+    with RankDir(disk_dir, role="bf16-saver") as rank_dir:
+        model, optimizer = _streamed(bf16, rank_dir)
+        _train(model, optimizer, range(3))
+        saved = _entry_states(optimizer)
+        member = streaming_members(optimizer)[0]
+        entries = member.shard_entries
+        saved_resident = {
+            k: v.clone() for k, v in member.resident_optimizer.state[member.shard_fp32_groups[0][0]].items()
+        }
+        _save(model, optimizer, checkpoint)
+        close(optimizer)
+    assert dist_checkpointing.load_common_state_dict(checkpoint)["optimizer"]["greenroom"]["moment_dtype"] == "bf16"
+    for _, exp_avg, exp_avg_sq in saved:  # the decoded values are bf16 values, and not all zero
+        assert torch.equal(exp_avg, exp_avg.bfloat16().float()) and bool(exp_avg.any())
+        assert torch.equal(exp_avg_sq, exp_avg_sq.bfloat16().float()) and bool(exp_avg_sq.any())
+
+    # stock reads the fp32 values the bf16 bytes denote
+    stock_model, stock_opt = _stock_resumed(checkpoint)
+    ref = stock_opt.chained_optimizers[0]
+    for entry, (master, exp_avg, exp_avg_sq) in zip(entries, saved):
+        main = ref.shard_fp32_from_float16_groups[entry.group][entry.index]
+        assert torch.equal(main.cpu(), master), entry.name
+        assert torch.equal(ref.optimizer.state[main]["exp_avg"].cpu(), exp_avg), entry.name
+        assert torch.equal(ref.optimizer.state[main]["exp_avg_sq"].cpu(), exp_avg_sq), entry.name
+    fp32_state = ref.optimizer.state[ref.shard_fp32_groups[0][0]]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(fp32_state[key], saved_resident[key]), key
+
+    # a run streaming fp32 moments refuses it, in one line naming the flag, and is unchanged
+    with RankDir(disk_dir, role="fp32-run") as rank_dir:
+        model, optimizer = _streamed(_offload(disk_dir), rank_dir)
+        before = _entry_states(optimizer)
+        with pytest.raises(CheckpointError) as e:
+            _load(model, optimizer, checkpoint)
+        message = str(e.value)
+        assert "\n" not in message and message.endswith("--stream-optimizer-state-moment-dtype bf16"), message
+        for a, b in zip(before, _entry_states(optimizer)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        _train(model, optimizer, [0])  # not poisoned: a refused load changed nothing
+        close(optimizer)
+
+    # a run streaming bf16 moments resumes it as saved
+    with RankDir(disk_dir, role="bf16-run") as rank_dir:
+        model, optimizer = _streamed(bf16, rank_dir)
+        _load(model, optimizer, checkpoint)
+        for a, b in zip(saved, _entry_states(optimizer)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        close(optimizer)
