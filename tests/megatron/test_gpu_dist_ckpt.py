@@ -141,6 +141,12 @@ def test_a_streamed_checkpoint_resumes_under_stock_as_stocks_own_checkpoint_does
         close(optimizer)
 
 
+def _first_fp32(member) -> tuple[int, int]:
+    """(group, index) of the first native-fp32 shard (the model's ``aux_fp32``, in
+    whichever group megatron's param grouping puts it)."""
+    return next((g, j) for g, shards in enumerate(member.shard_fp32_groups) for j in range(len(shards)))
+
+
 def _entry_states(optimizer) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     member = streaming_members(optimizer)[0]
     return [member.streamed_state(i) for i in range(len(member.shard_entries))]
@@ -155,8 +161,9 @@ def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_r
         saved = _entry_states(optimizer)
         member = streaming_members(optimizer)[0]
         entries = member.shard_entries
+        g, j = _first_fp32(member)
         saved_resident = {
-            k: v.clone() for k, v in member.resident_optimizer.state[member.shard_fp32_groups[0][0]].items()
+            k: v.clone() for k, v in member.resident_optimizer.state[member.shard_fp32_groups[g][j]].items()
         }
         _save(model, optimizer, checkpoint)
         close(optimizer)
@@ -173,7 +180,8 @@ def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_r
         assert torch.equal(main.cpu(), master), entry.name
         assert torch.equal(ref.optimizer.state[main]["exp_avg"].cpu(), exp_avg), entry.name
         assert torch.equal(ref.optimizer.state[main]["exp_avg_sq"].cpu(), exp_avg_sq), entry.name
-    fp32_state = ref.optimizer.state[ref.shard_fp32_groups[0][0]]
+    assert _first_fp32(ref) == (g, j)
+    fp32_state = ref.optimizer.state[ref.shard_fp32_groups[g][j]]
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(fp32_state[key], saved_resident[key]), key
 
