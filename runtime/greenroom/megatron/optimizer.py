@@ -86,11 +86,13 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     Built by megatron itself inside ``greenroom.megatron.streaming(...)``; see there. A
     step whose stream fails poisons it as it does ``StreamingAdam`` (``optim.poison``
     Note [a failed step poisons]): its later steps, ``state_dict()`` and
-    ``greenroom.megatron.save_checkpoint`` refuse until ``greenroom.megatron.load_checkpoint``.
+    ``greenroom.megatron.save_checkpoint`` refuse until a whole state is loaded
+    (``greenroom.megatron.load_checkpoint``, or ``load_state_dict`` of a ``fully_reshardable``
+    checkpoint, ``dist_ckpt``).
     """
 
     what = "StreamingDistributedOptimizer"
-    reload_with = "greenroom.megatron.load_checkpoint"
+    reload_with = "greenroom.megatron.load_checkpoint, or a fully_reshardable load_state_dict"
 
     _state_dir: StateDir | None = None  # the dir this member claimed; released by close()
     _mcore_save = None  # the frozen maps of the last dist_checkpointing save (dist_ckpt)
