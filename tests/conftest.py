@@ -15,6 +15,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
 
 
+def pytest_collection_modifyitems(config, items):
+    """``multigpu`` tests run only where ``-m`` asks for them: elsewhere they are
+    deselected (counted as such, never as passed or skipped), and where asked for on a
+    machine with too few GPUs they fail."""
+    if "multigpu" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("multigpu") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
 @pytest.fixture
 def disk_dir(tmp_path):
     """A fresh dir on a disk-backed filesystem (tmp_path, unless /tmp is tmpfs)."""

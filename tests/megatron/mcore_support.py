@@ -34,6 +34,28 @@ def spawn(fn, world: int, *args, cpu_save: bool = False) -> None:
     mp.start_processes(_entry, args=(fn, world, port, args, cpu_save), nprocs=world, start_method="forkserver")
 
 
+def spawn_nccl(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` NCCL ranks, rank r on GPU r; a rank's
+    failure fails the call."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    mp.start_processes(_nccl_entry, args=(fn, world, port, args), nprocs=world, start_method="spawn")
+
+
+def _nccl_entry(rank, fn, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        print(f"[rank {rank}]\n{traceback.format_exc()}", flush=True)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
 def stub_cuda_for_save() -> None:
     """megatron-core 0.16.1's torch_dist save calls ``torch.cuda.synchronize()``
     (strategies/filesystem_async.py) and ``torch.cuda.current_device()``

@@ -1,6 +1,7 @@
-"""A small megatron-core GPT training setup on one GPU, for the GPU tests and the bench.
+"""A small megatron-core GPT training setup, for the GPU tests and the bench.
 
-TP=PP=DP=1 on an NCCL process group of one rank, a ``GPTModel`` from the local layer
+TP=PP=DP=1 on an NCCL process group of one rank (or the TP/DP layout the caller's
+parallel state was set up with: the multi-GPU tests), a ``GPTModel`` from the local layer
 spec (no Transformer Engine), bf16 params under DDP with the distributed optimizer, and
 one extra native-fp32 parameter (like an SSM's ``A_log``) so that the resident path runs.
 The batches are a fixed function of the seed and the step, so two runs see the same data.
@@ -53,6 +54,7 @@ def init_single_gpu(port: int = 29533) -> None:
 
 def build_model(size: ModelSize, *, seed: int = 1234):
     """A bf16 GPTModel wrapped in megatron's DDP with the distributed optimizer's buffers."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -71,6 +73,8 @@ def build_model(size: ModelSize, *, seed: int = 1234):
         pipeline_dtype=torch.bfloat16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        # The layers split across the TP group megatron's parallel state was set up with.
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
     )
     with torch.device("cuda"):
         gpt = GPTModel(
