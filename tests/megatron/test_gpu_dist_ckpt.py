@@ -76,8 +76,32 @@ def _stock_resumed(checkpoint: str):
     step first, whose every effect (weights, mains, moments, step) the load replaces."""
     model, optimizer = _stock()
     demo.train_step(model, optimizer, SIZE, 0)
+    _keep_torch_adams_step(optimizer)
     _load(model, optimizer, checkpoint)
     return model, optimizer
+
+
+def _keep_torch_adams_step(optimizer) -> None:
+    """Stock megatron-core (0.16.1 and 0.19.2) cannot load a ``fully_reshardable``
+    checkpoint into torch's Adam, the inner optimizer it uses where neither Transformer
+    Engine nor Apex is installed (as on the GPU machine): its
+    ``_set_main_param_and_optimizer_states`` copies a checkpoint tensor into every
+    tensor of the inner state, torch's Adam keeps ``step`` there as a tensor, and the
+    format never saves one (``load_parameter_state_from_fully_reshardable`` skips it),
+    so the lookup raises ``KeyError: 'step'``. The step itself is restored from the
+    param groups by ``load_state_dict`` before that call, so the stock reference here
+    hands that call the step it already holds: the one change to stock in these tests."""
+    for member in optimizer.chained_optimizers:
+        set_states = member._set_main_param_and_optimizer_states
+
+        def with_step(model_param, tensors, _member=member, _set=set_states):
+            group, order = _member.model_param_group_index_map[model_param]
+            state = _member.optimizer.state[_member.optimizer.param_groups[group]["params"][order]]
+            if isinstance(state.get("step"), torch.Tensor) and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"].clone()}
+            return _set(model_param, tensors)
+
+        member._set_main_param_and_optimizer_states = with_step
 
 
 def _assert_stock_same(a_model, a_opt, b_model, b_opt) -> None:

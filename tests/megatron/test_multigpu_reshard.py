@@ -51,7 +51,7 @@ def _resharded_resume(rank: int, world: int, disk_dir: str, save_tp: int, load_t
     from greenroom.dirs.rankdir import RankDir
     from greenroom.megatron import close, demo
     from tests.megatron.test_gpu import SIZE, _assert_same, _offload, _stock, _streamed
-    from tests.megatron.test_gpu_dist_ckpt import _assert_stock_same
+    from tests.megatron.test_gpu_dist_ckpt import _assert_stock_same, _keep_torch_adams_step
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -77,6 +77,7 @@ def _resharded_resume(rank: int, world: int, disk_dir: str, save_tp: int, load_t
         # has only after a step (test_gpu_dist_ckpt._stock_resumed says more).
         model, optimizer = _stock()
         demo.train_step(model, optimizer, SIZE, 0)
+        _keep_torch_adams_step(optimizer)
         load(model, optimizer, checkpoint)
         return model, optimizer
 
