@@ -41,6 +41,35 @@ def _check_breakdown(b: dict) -> None:
     assert abs(sum(p["idle_s"] for p in b["parts"].values()) - b["disk_idle_s"]) < 1e-9
     assert abs(b["disk_busy_s"] + b["disk_idle_s"] - b["wall_s"]) < 1e-9
     assert b["largest"] is None or b["largest"] in PARTS
+    assert b["disk_depth"] >= 1
+
+
+def _breakdown(wall: float, busy: float, depth: float, idle_parts: dict) -> dict:
+    parts = {k: {"idle_s": idle_parts.get(k, 0.0), "idle_fraction": idle_parts.get(k, 0.0) / wall} for k in PARTS}
+    largest = max(parts, key=lambda k: parts[k]["idle_s"]) if wall > busy else None
+    return {
+        "wall_s": wall,
+        "disk_busy_fraction": busy / wall,
+        "disk_idle_fraction": (wall - busy) / wall,
+        "disk_depth": depth,
+        "parts": parts,
+        "largest": largest,
+    }
+
+
+def test_a_phase_the_disk_filled_but_slowly_says_the_disk_itself_was_slow_with_its_depth():
+    from greenroom.cli.bench.explain import explanation
+
+    # 1.25x over: the bound is 80% of the time, the disk was busy 99% (19% beyond it) and idled 1%.
+    line = explanation("step 1", _breakdown(4.0, 3.96, 1.7, {"other": 0.04}), 1.25, "the bound")
+    assert line.startswith("step 1 took 1.25x the bound: the disk was busy 99% of it with 1.7 requests in flight")
+    assert "(the raw probe keeps 4): the disk itself ran below the probe's rate, busy 19% of the time beyond" in line
+    # Never busy an instant less: still a line, no largest share to name.
+    full = explanation("wake 2", _breakdown(4.0, 4.0, 2.0, {}), 1.10, "the bound")
+    assert "the disk itself ran below the probe's rate" in full
+    # Idle longer than busy beyond the bound: the largest share of the idle time is named.
+    idle = explanation("step 2", _breakdown(4.0, 2.0, 1.0, {"codec": 1.5, "other": 0.5}), 1.25, "the bound")
+    assert "the largest share of the rest was the codec, 38% of the time" in idle
 
 
 def test_bench_stream_json_carries_each_steps_breakdown(disk_dir):

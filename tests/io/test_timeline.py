@@ -43,6 +43,18 @@ def test_summary_splits_the_disks_idle_time_by_the_first_active_kind():
     }
     assert sum(p["idle_s"] for p in parts.values()) == s["disk_idle_s"]
     assert s["largest"] == "codec"
+    # In flight while busy: 2 + 2 + 1 s of requests (clipped to the window) over 4 s busy.
+    assert s["disk_depth"] == 1.25
+
+
+def test_disk_depth_is_the_mean_number_of_requests_in_flight_while_busy():
+    t = Timeline()
+    for _ in range(3):
+        t.add("disk", 0.0, 2.0)  # three at once, then one alone
+    t.add("disk", 2.0, 4.0)
+    assert t.summary(0.0, 4.0)["disk_depth"] == 2.0
+    t.clear()
+    assert t.summary(0.0, 4.0)["disk_depth"] is None  # never busy
 
 
 def test_a_window_the_disk_filled_names_no_largest_share_and_an_empty_one_names_other():

@@ -15,6 +15,10 @@ own work before ``sync``: a caller blocked on a transfer while the codec runs wa
 codec; ``sync`` keeps only the waits with neither disk I/O nor recorded work under them
 (thread hand-offs, a chunk waiting its turn). Each kind's own busy time (the union of its
 intervals in the window, overlapping the disk or not) is reported beside it.
+
+A disk busy all the time can still be slower than the raw probe: ``disk_depth`` is the
+mean number of reads and writes in flight while it was busy (the disk intervals' summed
+length over their union), the figure to hold against the probe's requests in flight.
 """
 
 from __future__ import annotations
@@ -125,6 +129,7 @@ def summarize(spans, t0: float, t1: float) -> dict:
         else:
             idle[next((k for k in IDLE_ORDER if k in active), OTHER)] += b - a
     idle_total = sum(idle.values())
+    disk_spans = sum(min(e, t1) - max(s, t0) for k, s, e in spans if k == DISK and min(e, t1) > max(s, t0))
 
     def fraction(seconds: float) -> float:
         return min(max(seconds / wall, 0.0), 1.0) if wall else 0.0
@@ -142,6 +147,7 @@ def summarize(spans, t0: float, t1: float) -> dict:
         "wall_s": wall,
         "disk_busy_s": busy,
         "disk_busy_fraction": fraction(busy),
+        "disk_depth": disk_spans / busy if busy else None,
         "disk_idle_s": idle_total,
         "disk_idle_fraction": fraction(idle_total),
         "parts": parts,
