@@ -20,7 +20,11 @@ Who moves the bytes is the ``mover``:
     The driver's free memory is the whole device's, so memory freed elsewhere during
     the pause (another process on the GPU, a library's thread) reads the same way; a
     foreign allocation shows at every pause and a coincidence does not, so the pause is
-    measured again before a refusal (``released_by_pause``).
+    measured again before a refusal (``released_by_pause``). greenroom processes of one
+    user that share a GPU (``bench node``'s ranks, several actors on one device) take
+    their pause measurements one at a time, under a lock file per device
+    (``pause_lock``): ranks sleeping at once would otherwise read each other's pauses
+    as foreign memory in every sample.
 ``tms``
     torch_memory_saver's own backup (pinned host, or files in the rank's ``offload/``
     dir): everything in the region comes back, at its speed.
@@ -30,7 +34,10 @@ The rollout allocates under a separate tag (``rollout_region``), which is never 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 import time
 
 import torch
@@ -67,6 +74,29 @@ def released_by_pause(pause, resume, free_bytes, expected: int, samples: int = R
         if released - expected <= FOREIGN_SLACK:
             break
     return released
+
+
+@contextlib.contextmanager
+def pause_lock(device):
+    """Hold this user's lock for ``device`` (a file per device UUID, in a 0700 dir of
+    the user's under the temp dir) while the block runs; where the dir is not this
+    user's or cannot be made, run unlocked (the lock only spares a false refusal)."""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    directory = os.path.join(tempfile.gettempdir(), f"greenroom-{os.getuid()}")
+    fd = -1
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if os.lstat(directory).st_uid == os.getuid():
+            fd = os.open(os.path.join(directory, f"pause-{uuid}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        fd = -1
+    try:
+        if fd >= 0:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the lock
 
 
 def check_release(released: int, expected: int) -> None:
@@ -169,9 +199,10 @@ class TmsOffloader(Offloader):
         # The mover holds every byte already, so a pause taken again loses nothing more.
         self._given_back = False
         try:
-            released = released_by_pause(
-                self._pause, self._resume, lambda: torch.cuda.mem_get_info(self.device)[0], expected
-            )
+            with pause_lock(self.device):
+                released = released_by_pause(
+                    self._pause, self._resume, lambda: torch.cuda.mem_get_info(self.device)[0], expected
+                )
             self.pause_seconds = time.perf_counter() - start
             self.last_release = (released, expected)
             check_release(released, expected)
