@@ -13,7 +13,9 @@ state) right after the load and after each of three more steps:
   checkpoint saved at the same step (and against streaming's resume of its own);
 - moments streamed as bf16: stock reads the fp32 values the bf16 bytes denote, a run
   streaming fp32 moments refuses the checkpoint in one line and stays as it was, and a
-  run streaming bf16 resumes it.
+  run streaming bf16 resumes it;
+- an async save through megatron's ``AsyncCallsQueue``, with three steps run before it is
+  finalized, holds the state it was scheduled with.
 """
 
 import os
@@ -228,4 +230,34 @@ def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_r
         _load(model, optimizer, checkpoint)
         for a, b in zip(saved, _entry_states(optimizer)):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+        close(optimizer)
+
+
+def test_an_async_save_holds_the_state_it_was_scheduled_with_while_the_next_steps_run(disk_dir):
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    checkpoint = f"{disk_dir}/async-ckpt"
+    os.makedirs(checkpoint)
+    queue = AsyncCallsQueue()
+    with RankDir(disk_dir, role="async-saver") as rank_dir:
+        model, optimizer = _streamed(_offload(disk_dir), rank_dir)
+        _train(model, optimizer, range(3))
+        saved = _entry_states(optimizer)
+        saved_params = [p.detach().clone() for p in model.parameters()]
+        model_sd = model.module.sharded_state_dict()
+        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=dict(FULLY))}
+        # As megatron's training loop does: the tensors are staged when the request is
+        # scheduled, and a forked writer writes them while training goes on.
+        queue.schedule_async_request(dist_checkpointing.save(state, checkpoint, async_sharded_save=True))
+        _train(model, optimizer, MORE_STEPS)
+        assert not all(torch.equal(a[1], b[1]) for a, b in zip(saved, _entry_states(optimizer)))
+        queue.maybe_finalize_async_calls(blocking=True)
+        close(optimizer)
+    with RankDir(disk_dir, role="async-loader") as rank_dir:
+        model, optimizer = _streamed(_offload(disk_dir), rank_dir)
+        _load(model, optimizer, checkpoint)
+        for a, b in zip(saved, _entry_states(optimizer)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        for a, b in zip(saved_params, model.parameters()):
+            assert torch.equal(a, b)
         close(optimizer)

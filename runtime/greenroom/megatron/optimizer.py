@@ -202,11 +202,18 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         # megatron's own.
         self._refuse_if_failed("step()")
         checks.check_step_decay(self.optimizer)
-        dist_ckpt.release(self)  # a save's writer holds its maps; the staging names go
         inner, self.optimizer = self.optimizer, AlreadyStepped(self.optimizer)
         try:
             with self._poisoned_if_it_fails():
-                self._stream_step(inner)
+                try:
+                    self._stream_step(inner)
+                finally:
+                    # Only now: while a save's frozen names link the live inodes, this
+                    # step writes every bucket to a new inode (optim.store.files Note [new
+                    # inodes]), so an async save's writer, still reading its maps, reads
+                    # the state it was scheduled with; released first, the step would write
+                    # the mapped inodes in place under it.
+                    dist_ckpt.release(self)
             return super().step_with_ready_grads()
         finally:
             self.optimizer = inner
