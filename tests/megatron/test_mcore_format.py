@@ -18,7 +18,6 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
 
 from greenroom.errors import CheckpointError  # noqa: E402
 from greenroom.megatron import mcore_format as fmt  # noqa: E402

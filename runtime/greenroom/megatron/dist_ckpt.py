@@ -159,9 +159,7 @@ class _PendingLoad:
                     target.copy_(piece.reshape(-1))
                 at += n
             if at != flat.numel():
-                raise CheckpointError(
-                    f"{WHERE}: {'/'.join(map(str, path))}: {at} elements loaded for {flat.numel()}"
-                )
+                raise CheckpointError(f"{WHERE}: {'/'.join(map(str, path))}: {at} elements loaded for {flat.numel()}")
 
 
 def _sources(opt) -> dict[int, tuple]:
