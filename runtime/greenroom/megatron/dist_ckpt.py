@@ -255,7 +255,7 @@ def sharded_state_dict(opt, model_sharded_state_dict, is_loading: bool, sharding
     if sharding_type == DP:  # stock's DP-dependent formats carry the common part per DP group
         record = common.pop("greenroom")  # stays plain: common.pt, which stock's template does not ask for
         common = {**_dp_objects(opt, common), "greenroom": record}
-    return {**common, "param_state": param_state, "param_state_sharding_type": sharding_type}
+    return fmt.sharded_optimizer_state(common, param_state, sharding_type)
 
 
 def _fully_param_state(opt, model_sharded_state_dict, slices: _Slices) -> dict:

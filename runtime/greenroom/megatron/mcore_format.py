@@ -197,9 +197,9 @@ def common_state(param_groups: list[dict], step: int, *, moment_dtype: str, grad
     return state
 
 
-def sharded_optimizer_state(common: dict, param_state_dict: dict) -> dict:
-    """The optimizer's sharded state dict, laid out as stock's ``fully_reshardable`` one."""
-    return {**common, "param_state": param_state_dict, "param_state_sharding_type": SHARDING_TYPE}
+def sharded_optimizer_state(common: dict, param_state_dict: dict, sharding_type: str = SHARDING_TYPE) -> dict:
+    """The optimizer's sharded state dict, laid out as stock's (for either format)."""
+    return {**common, "param_state": param_state_dict, "param_state_sharding_type": sharding_type}
 
 
 def check_saved(template: dict, saved_tensors: Mapping[str, Any], saved_common: Mapping | None, where: str) -> None:
