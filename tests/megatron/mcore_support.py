@@ -175,3 +175,104 @@ def stock_world(index_map, padded: int, model_sd) -> dict:
         for s in STATES:
             world[s][a:b] = local_value(by_param[id(p)], s)
     return world
+
+
+def ddp_buffer(model, model_sd, dp: int, dp_rank: int, *, bucket_numel: int | None = None, align: int = 1):
+    """A stand-in DDP buffer of the model's params (those in its sharded state dict),
+    laid out as megatron's DDP lays out a distributed optimizer's buffer: params in
+    reverse order, each starting at a multiple of ``align`` (the gaps are DDP's
+    intra-param padding), cut into buckets of at least ``bucket_numel`` elements at param
+    boundaries (one bucket if None), each padded at its end to a multiple of ``PAD * dp``;
+    ``numel_unpadded`` is a bucket's size before that end padding (so DP does not change it)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    assert PAD % align == 0  # bucket starts stay aligned, so the gaps do not depend on DP
+    in_sd = {id(sh.data) for sh in nested_values(model_sd) if getattr(sh, "data", None) is not None}
+    params = [p for p in model.parameters() if id(p) in in_sd][::-1]
+    index_map, buckets, cursor, bucket_start = {}, [], 0, 0
+    for k, p in enumerate(params):
+        cursor = -(-cursor // align) * align
+        index_map[p] = (cursor, cursor + p.numel(), len(buckets))
+        cursor += p.numel()
+        if k == len(params) - 1 or (bucket_numel is not None and cursor - bucket_start >= bucket_numel):
+            unpadded = cursor - bucket_start
+            size = -(-unpadded // (PAD * dp)) * PAD * dp
+            buckets.append(SimpleNamespace(grad_data=torch.empty(size), offset=bucket_start, numel_unpadded=unpadded))
+            cursor = bucket_start = bucket_start + size
+    group = SimpleNamespace(rank=lambda: dp_rank, size=lambda: dp)
+    return SimpleNamespace(
+        param_index_map=index_map,
+        buckets=buckets,
+        data_parallel_group=group,
+        param_dtype=torch.bfloat16,
+        grad_dtype=torch.float32,
+    )
+
+
+def gbuf_ranges(buffer):
+    """megatron's own ``gbuf_ranges`` entry for the buffer (``_build_gbuf_range_map``)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return DistributedOptimizer._build_gbuf_range_map(buffer)
+
+
+def bucket_numels(buffers):
+    """``(per_bucket_numel, per_bucket_numel_unpadded)`` as megatron's DistributedOptimizer
+    computes them from its buffers in its constructor."""
+    key = lambda b: (b.param_dtype, b.grad_dtype)  # noqa: E731
+    return (
+        [{key(b): [bucket.grad_data.numel() for bucket in b.buckets]} for b in buffers],
+        [{key(b): [bucket.numel_unpadded for bucket in b.buckets]} for b in buffers],
+    )
+
+
+def member(directory, msd, model, moment_dtype, *, bucket_numel=None, align=1):
+    """A real StreamingDistributedOptimizer for its checkpoint methods (its constructor
+    needs CUDA and megatron's DDP): a real BucketStore on real files, megatron's own
+    ``gbuf_ranges`` over a stand-in DDP buffer of a real GPTModel's params
+    (``ddp_buffer``), each owned param a streamed entry except the first in buffer order,
+    which is a resident fp32 shard under the resident Adam, and an inner AdamW over
+    [fp32 shard, mains]. Returns it, the streamed and the resident ``(param, start, stop)``."""
+    from megatron.core import parallel_state as ps
+
+    from greenroom.megatron import dist_ckpt
+    from greenroom.megatron.inner_optimizer import resident_adam
+    from greenroom.megatron.layout import ShardEntry
+    from greenroom.megatron.optimizer import StreamingDistributedOptimizer
+    from greenroom.optim.store.bucket_store import BucketStore, Entry
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    buffer = ddp_buffer(model, msd, dp, dp_rank, bucket_numel=bucket_numel, align=align)
+    opt = object.__new__(StreamingDistributedOptimizer)
+    opt.buffers = [buffer]
+    opt.gbuf_ranges = [gbuf_ranges(buffer)]
+    opt.per_bucket_numel, opt.per_bucket_numel_unpadded = bucket_numels(opt.buffers)
+    opt.data_parallel_group = buffer.data_parallel_group
+    opt.data_parallel_group_idx = dist.get_rank(ps.get_model_parallel_group())  # as get_megatron_optimizer sets it
+    opt.distributed_optimizer_instance_id = 0
+    owned = [(p, a, b) for p, a, b in dist_ckpt.param_ranges(opt.gbuf_ranges, opt.buffers) if b > a]
+    first = next(iter(buffer.param_index_map))
+    resident = [(p, a, b) for p, a, b in owned if p is first]
+    streamed = [(p, a, b) for p, a, b in owned if p is not first]
+    opt.shard_entries = [
+        ShardEntry(name=f"p{k}", group=0, index=k, shape=tuple(p.shape), start=a, numel=b - a)
+        for k, (p, a, b) in enumerate(streamed)
+    ]
+    opt.model_float16_groups = [[p for p, _, _ in streamed]]
+    opt.model_fp32_groups = [[p for p, _, _ in resident]]
+    opt.shard_fp32_groups = [[torch.zeros(b - a) for _, a, b in resident]]
+    mains = [torch.zeros(b - a) for _, a, b in streamed]
+    opt.optimizer = torch.optim.AdamW([{"params": [*opt.shard_fp32_groups[0], *mains]}], lr=1e-3)
+    opt.resident_optimizer = resident_adam(opt.optimizer, opt.shard_fp32_groups)
+    opt.grad_scaler = None
+    opt.streamed_steps = 0
+    os.makedirs(directory)
+    opt._state_dir = SimpleNamespace(path=directory, release=lambda: None)  # the test owns the dir
+    opt._store = BucketStore(
+        [Entry(name=e.name, shape=(e.numel,)) for e in opt.shard_entries],
+        directory,
+        bucket_numel=300,
+        moment_dtype=moment_dtype,
+        chunk_bytes=1 << 20,
+    )
+    return opt, streamed, resident

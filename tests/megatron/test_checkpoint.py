@@ -233,8 +233,9 @@ def test_after_a_failed_step_the_streaming_distributed_optimizer_refuses_until_l
         assert str(err.value).startswith(
             f"StreamingDistributedOptimizer: {what} refused: an earlier step() failed (StorageError: "
         )
-        assert "load a checkpoint (greenroom.megatron.load_checkpoint, or a fully_reshardable load_state_dict)" in str(
-            err.value
+        assert (
+            "load a checkpoint (greenroom.megatron.load_checkpoint, "
+            "or a fully_reshardable or dp_reshardable load_state_dict)" in str(err.value)
         )
 
     load_checkpoint(opt, ckpt)

@@ -105,28 +105,47 @@ def test_a_buffer_of_two_dtypes_is_refused_in_one_line():
 
 
 # -- which format a call asks for ---------------------------------------------------------
-def test_the_sidecar_format_is_chosen_by_its_name():
-    assert dist_ckpt.resolve_sharding_type(None, {"distrib_optim_sharding_type": "greenroom_streamed"}) == (
-        "greenroom_streamed"
-    )
-    assert dist_ckpt.resolve_sharding_type("greenroom_streamed", None) == "greenroom_streamed"
-    assert dist_ckpt.resolve_sharding_type(None, {"distrib_optim_sharding_type": "fully_reshardable"}) == (
-        "fully_reshardable"
-    )
+@pytest.mark.parametrize("kind", ["greenroom_streamed", "fully_reshardable", "dp_reshardable"])
+def test_each_written_format_is_chosen_by_its_name(kind):
+    assert dist_ckpt.resolve_sharding_type(None, {"distrib_optim_sharding_type": kind}) == kind
+    assert dist_ckpt.resolve_sharding_type(kind, None) == kind
 
 
 def test_no_sharding_type_is_refused_naming_the_formats_including_the_sidecar_one():
     with pytest.raises(CheckpointError) as e:
         dist_ckpt.resolve_sharding_type(None, None)
     msg = str(e.value)
-    assert "\n" not in msg
-    assert "'fully_reshardable'" in msg and "'greenroom_streamed'" in msg and "greenroom_optim/" in msg
+    assert "\n" not in msg and "raises in stock megatron-core" in msg
+    assert "'dp_reshardable'" in msg and "'fully_reshardable'" in msg
+    assert "'greenroom_streamed'" in msg and "greenroom_optim/" in msg
 
 
-def test_dp_reshardable_is_refused_in_one_line():
-    with pytest.raises(CheckpointError, match="writes 'fully_reshardable' only") as e:
-        dist_ckpt.resolve_sharding_type(None, {"distrib_optim_sharding_type": "dp_reshardable"})
-    assert "\n" not in str(e.value)
+@pytest.mark.parametrize("kind", ["fully_sharded_model_space", "dp_zero_gather_scatter", "fsdp_dtensor"])
+def test_other_sharding_types_are_refused_in_one_line_naming_the_usable_ones(kind):
+    with pytest.raises(CheckpointError) as e:
+        dist_ckpt.resolve_sharding_type(None, {"distrib_optim_sharding_type": kind})
+    msg = str(e.value)
+    assert "\n" not in msg and repr(kind) in msg
+    assert "'dp_reshardable'" in msg and "'fully_reshardable'" in msg
+
+
+def test_stock_megatron_core_refuses_the_default_formats_tensors_itself():
+    """Pins the claim of the refusal above: fully_sharded_model_space's tensors carry a
+    flattened_range, which megatron-core's ShardedTensor refuses."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    with pytest.raises(CheckpointingException, match="flattened_range is not supported"):
+        ShardedTensor(
+            key="w",
+            data=torch.zeros(4),
+            dtype=torch.float32,
+            local_shape=(4, 4),
+            global_shape=(4, 4),
+            global_offset=(0, 0),
+            axis_fragmentations=None,
+            flattened_range=slice(0, 4),
+        )
 
 
 # -- the moment dtype policy ----------------------------------------------------------
@@ -159,12 +178,13 @@ def test_param_groups_of_several_steps_or_another_count_are_refused():
     assert dist_ckpt._one_step([{"step": 3.0}, {"step": 3.0}], 2) == 3
 
 
-def test_a_fully_reshardable_state_without_this_optimizers_template_is_refused():
+@pytest.mark.parametrize("kind", ["fully_reshardable", "dp_reshardable"])
+def test_a_state_without_this_optimizers_template_is_refused(kind):
     """The stand-in optimizer carries only what the refusal reads: no pending template."""
     opt = SimpleNamespace(_mcore_load=None)
     with pytest.raises(CheckpointError, match="needs this optimizer's own template") as e:
-        dist_ckpt.load_state_dict(opt, {"param_state_sharding_type": "fully_reshardable"})
-    assert "\n" not in str(e.value)
+        dist_ckpt.load_state_dict(opt, {"param_state_sharding_type": kind})
+    assert "\n" not in str(e.value) and f"'distrib_optim_sharding_type': '{kind}'" in str(e.value)
 
 
 # -- the wired methods on a real StreamingDistributedOptimizer, through dist_checkpointing --
@@ -173,57 +193,10 @@ SAVED_STEP, SAVED_LR = 7, 5e-4
 
 
 def _member(directory, msd, model, moment_dtype):
-    """A real StreamingDistributedOptimizer for its checkpoint methods, as test_checkpoint's
-    ``_optimizer`` makes one (its constructor needs CUDA and megatron's DDP): a real
-    BucketStore on real files, megatron's own ``gbuf_ranges`` over a stand-in one-bucket
-    DDP buffer of a real GPTModel's params (``mcore_support.buffer_layout``), each owned
-    param a streamed entry except the first in buffer order, which is a resident fp32
-    shard under the resident Adam, and an inner AdamW over [fp32 shard, mains]."""
-    from megatron.core import parallel_state as ps
+    """``mcore_support.member`` over a one-bucket stand-in DDP buffer."""
+    from tests.megatron.mcore_support import member
 
-    from greenroom.megatron.inner_optimizer import resident_adam
-    from greenroom.megatron.layout import ShardEntry
-    from greenroom.megatron.optimizer import StreamingDistributedOptimizer
-    from greenroom.optim.store.bucket_store import BucketStore, Entry
-    from tests.megatron.mcore_support import buffer_layout
-
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    index_map, padded = buffer_layout(model, msd, dp)
-    group = SimpleNamespace(rank=lambda: dp_rank, size=lambda: dp)
-    buffer = SimpleNamespace(
-        param_index_map=index_map,
-        buckets=[SimpleNamespace(grad_data=torch.empty(padded), offset=0)],
-        data_parallel_group=group,
-    )
-    opt = object.__new__(StreamingDistributedOptimizer)
-    opt.buffers = [buffer]
-    opt.gbuf_ranges = [{(torch.bfloat16, torch.float32): [DistributedOptimizer._build_model_gbuf_range(buffer, 0)]}]
-    owned = [(p, a, b) for p, a, b in dist_ckpt.param_ranges(opt.gbuf_ranges, opt.buffers) if b > a]
-    first = next(iter(index_map))
-    resident = [(p, a, b) for p, a, b in owned if p is first]
-    streamed = [(p, a, b) for p, a, b in owned if p is not first]
-    opt.shard_entries = [
-        ShardEntry(name=f"p{k}", group=0, index=k, shape=tuple(p.shape), start=a, numel=b - a)
-        for k, (p, a, b) in enumerate(streamed)
-    ]
-    opt.model_float16_groups = [[p for p, _, _ in streamed]]
-    opt.model_fp32_groups = [[p for p, _, _ in resident]]
-    opt.shard_fp32_groups = [[torch.zeros(b - a) for _, a, b in resident]]
-    mains = [torch.zeros(b - a) for _, a, b in streamed]
-    opt.optimizer = torch.optim.AdamW([{"params": [*opt.shard_fp32_groups[0], *mains]}], lr=1e-3)
-    opt.resident_optimizer = resident_adam(opt.optimizer, opt.shard_fp32_groups)
-    opt.grad_scaler = None
-    opt.streamed_steps = 0
-    os.makedirs(directory)
-    opt._state_dir = SimpleNamespace(path=directory, release=lambda: None)  # the test owns the dir
-    opt._store = BucketStore(
-        [Entry(name=e.name, shape=(e.numel,)) for e in opt.shard_entries],
-        directory,
-        bucket_numel=300,
-        moment_dtype=moment_dtype,
-        chunk_bytes=1 << 20,
-    )
-    return opt, streamed, resident
+    return member(directory, msd, model, moment_dtype)
 
 
 def _value(param, a, b, state, by_param, moment_dtype="fp32"):

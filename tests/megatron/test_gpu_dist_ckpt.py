@@ -1,9 +1,10 @@
-"""Megatron-core's ``fully_reshardable`` checkpoint between the stock and the streaming
-DistributedOptimizer, on one GPU (``pytest -m gpu tests/megatron/test_gpu_dist_ckpt.py``).
+"""Megatron-core's ``fully_reshardable`` and ``dp_reshardable`` checkpoints between the
+stock and the streaming DistributedOptimizer, on one GPU
+(``pytest -m gpu tests/megatron/test_gpu_dist_ckpt.py``).
 
 The setup is ``test_gpu.py``'s (one NCCL rank, TP=PP=DP=1, a small bf16 GPTModel with
 one native-fp32 param). Checkpoints go through ``dist_checkpointing.save``/``load`` with
-``metadata={'distrib_optim_sharding_type': 'fully_reshardable'}``, the model inside its
+``metadata={'distrib_optim_sharding_type': <each of the two>}``, the model inside its
 DDP wrapper as megatron's training loop checkpoints it. Each resume is compared with
 ``torch.equal`` (params, fp32 mains, both moments, the native-fp32 shard and its Adam
 state) right after the load and after each of three more steps:
@@ -39,7 +40,7 @@ from greenroom.errors import CheckpointError  # noqa: E402 (after the skips: meg
 from greenroom.megatron import close, demo, streaming_members  # noqa: E402 (after the skips: megatron-core may be missing)
 from tests.megatron.test_gpu import SIZE, _assert_same, _offload, _stock, _streamed  # noqa: E402 (after the skips)
 
-FULLY = {"distrib_optim_sharding_type": "fully_reshardable"}
+KINDS = ["fully_reshardable", "dp_reshardable"]
 MORE_STEPS = range(3, 6)
 
 
@@ -52,25 +53,29 @@ def _train(model, optimizer, steps) -> list[float]:
     return [demo.train_step(model, optimizer, SIZE, step) for step in steps]
 
 
-def _save(model, optimizer, checkpoint: str) -> None:
+def _metadata(kind: str) -> dict:
+    return {"distrib_optim_sharding_type": kind}
+
+
+def _save(model, optimizer, checkpoint: str, kind: str) -> None:
     os.makedirs(checkpoint)
     model_sd = model.module.sharded_state_dict()
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=dict(FULLY))}
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=_metadata(kind))}
     dist_checkpointing.save(state, checkpoint)
 
 
-def _load(model, optimizer, checkpoint: str) -> None:
+def _load(model, optimizer, checkpoint: str, kind: str) -> None:
     model_sd = model.module.sharded_state_dict()
     template = {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(FULLY)),
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_metadata(kind)),
     }
     loaded = dist_checkpointing.load(template, checkpoint)
     model.module.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
 
 
-def _stock_resumed(checkpoint: str):
+def _stock_resumed(checkpoint: str, kind: str):
     """A fresh stock model and optimizer loaded from ``checkpoint``. Stock's
     ``sharded_state_dict`` begins with ``state_dict()``, which (megatron-core 0.16.1 and
     0.19.2, distrib_optimizer.py) asserts one step value among its inner Adam's
@@ -78,8 +83,9 @@ def _stock_resumed(checkpoint: str):
     step first, whose every effect (weights, mains, moments, step) the load replaces."""
     model, optimizer = _stock()
     demo.train_step(model, optimizer, SIZE, 0)
-    _keep_torch_adams_step(optimizer)
-    _load(model, optimizer, checkpoint)
+    if kind == "fully_reshardable":
+        _keep_torch_adams_step(optimizer)
+    _load(model, optimizer, checkpoint, kind)
     return model, optimizer
 
 
@@ -120,16 +126,17 @@ def _assert_stock_same(a_model, a_opt, b_model, b_opt) -> None:
                         assert torch.equal(sa[key].cpu(), sb[key].cpu()), f"{groups} {key} differs"
 
 
-def test_a_stock_checkpoint_resumes_under_streaming_as_under_stock(disk_dir):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stock_checkpoint_resumes_under_streaming_as_under_stock(disk_dir, kind):
     checkpoint = f"{disk_dir}/stock-ckpt"
     model, optimizer = _stock()
     _train(model, optimizer, range(3))
-    _save(model, optimizer, checkpoint)
+    _save(model, optimizer, checkpoint, kind)
     del model, optimizer
-    stock_model, stock_opt = _stock_resumed(checkpoint)
+    stock_model, stock_opt = _stock_resumed(checkpoint, kind)
     with RankDir(disk_dir, role="from-stock") as rank_dir:
         model, optimizer = _streamed(_offload(disk_dir), rank_dir)
-        _load(model, optimizer, checkpoint)
+        _load(model, optimizer, checkpoint, kind)
         _assert_same(stock_model, stock_opt, model, optimizer)
         for step in MORE_STEPS:
             assert _train(stock_model, stock_opt, [step]) == _train(model, optimizer, [step])
@@ -137,25 +144,26 @@ def test_a_stock_checkpoint_resumes_under_streaming_as_under_stock(disk_dir):
         close(optimizer)
 
 
-def test_a_streamed_checkpoint_resumes_under_stock_as_stocks_own_checkpoint_does(disk_dir):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_streamed_checkpoint_resumes_under_stock_as_stocks_own_checkpoint_does(disk_dir, kind):
     stock_ckpt, streamed_ckpt = f"{disk_dir}/stock-ckpt", f"{disk_dir}/streamed-ckpt"
     stock_model, stock_opt = _stock()
     with RankDir(disk_dir, role="saver") as rank_dir:
         model, optimizer = _streamed(_offload(disk_dir), rank_dir)
         assert _train(stock_model, stock_opt, range(3)) == _train(model, optimizer, range(3))
         _assert_same(stock_model, stock_opt, model, optimizer)
-        _save(stock_model, stock_opt, stock_ckpt)
-        _save(model, optimizer, streamed_ckpt)
+        _save(stock_model, stock_opt, stock_ckpt, kind)
+        _save(model, optimizer, streamed_ckpt, kind)
         close(optimizer)
     del stock_model, stock_opt, model, optimizer
     common = dist_checkpointing.load_common_state_dict(streamed_ckpt)["optimizer"]
-    assert common["param_state_sharding_type"] == "fully_reshardable"
+    assert common["param_state_sharding_type"] == kind
     assert common["greenroom"]["moment_dtype"] == "fp32"
-    own_model, own_opt = _stock_resumed(stock_ckpt)
-    from_streamed_model, from_streamed_opt = _stock_resumed(streamed_ckpt)
+    own_model, own_opt = _stock_resumed(stock_ckpt, kind)
+    from_streamed_model, from_streamed_opt = _stock_resumed(streamed_ckpt, kind)
     with RankDir(disk_dir, role="resumer") as rank_dir:
         model, optimizer = _streamed(_offload(disk_dir), rank_dir)
-        _load(model, optimizer, streamed_ckpt)
+        _load(model, optimizer, streamed_ckpt, kind)
         _assert_stock_same(own_model, own_opt, from_streamed_model, from_streamed_opt)
         _assert_same(own_model, own_opt, model, optimizer)
         for step in MORE_STEPS:
@@ -178,7 +186,8 @@ def _entry_states(optimizer) -> list[tuple[torch.Tensor, torch.Tensor, torch.Ten
     return [member.streamed_state(i) for i in range(len(member.shard_entries))]
 
 
-def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_refused_by_an_fp32_run(disk_dir):
+@pytest.mark.parametrize("kind", KINDS)
+def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_refused_by_an_fp32_run(disk_dir, kind):
     checkpoint = f"{disk_dir}/bf16-ckpt"
     bf16 = _offload(disk_dir, stream_optimizer_state_moment_dtype="bf16")
     with RankDir(disk_dir, role="bf16-saver") as rank_dir:
@@ -191,7 +200,7 @@ def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_r
         saved_resident = {
             k: v.clone() for k, v in member.resident_optimizer.state[member.shard_fp32_groups[g][j]].items()
         }
-        _save(model, optimizer, checkpoint)
+        _save(model, optimizer, checkpoint, kind)
         close(optimizer)
     assert dist_checkpointing.load_common_state_dict(checkpoint)["optimizer"]["greenroom"]["moment_dtype"] == "bf16"
     for _, exp_avg, exp_avg_sq in saved:  # the decoded values are bf16 values, and not all zero
@@ -199,7 +208,7 @@ def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_r
         assert torch.equal(exp_avg_sq, exp_avg_sq.bfloat16().float()) and bool(exp_avg_sq.any())
 
     # stock reads the fp32 values the bf16 bytes denote
-    stock_model, stock_opt = _stock_resumed(checkpoint)
+    stock_model, stock_opt = _stock_resumed(checkpoint, kind)
     ref = stock_opt.chained_optimizers[0]
     for entry, (master, exp_avg, exp_avg_sq) in zip(entries, saved):
         main = ref.shard_fp32_from_float16_groups[entry.group][entry.index]
@@ -216,7 +225,7 @@ def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_r
         model, optimizer = _streamed(_offload(disk_dir), rank_dir)
         before = _entry_states(optimizer)
         with pytest.raises(CheckpointError) as e:
-            _load(model, optimizer, checkpoint)
+            _load(model, optimizer, checkpoint, kind)
         message = str(e.value)
         assert "\n" not in message and message.endswith("--stream-optimizer-state-moment-dtype bf16"), message
         for a, b in zip(before, _entry_states(optimizer)):
@@ -227,7 +236,7 @@ def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_r
     # a run streaming bf16 moments resumes it as saved
     with RankDir(disk_dir, role="bf16-run") as rank_dir:
         model, optimizer = _streamed(bf16, rank_dir)
-        _load(model, optimizer, checkpoint)
+        _load(model, optimizer, checkpoint, kind)
         for a, b in zip(saved, _entry_states(optimizer)):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
         close(optimizer)
@@ -245,7 +254,8 @@ def test_an_async_save_holds_the_state_it_was_scheduled_with_while_the_next_step
         saved = _entry_states(optimizer)
         saved_params = [p.detach().clone() for p in model.parameters()]
         model_sd = model.module.sharded_state_dict()
-        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=dict(FULLY))}
+        metadata = _metadata("fully_reshardable")
+        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
         # As megatron's training loop does: the tensors are staged when the request is
         # scheduled, and a forked writer writes them while training goes on.
         queue.schedule_async_request(dist_checkpointing.save(state, checkpoint, async_sharded_save=True))
@@ -255,7 +265,7 @@ def test_an_async_save_holds_the_state_it_was_scheduled_with_while_the_next_step
         close(optimizer)
     with RankDir(disk_dir, role="async-loader") as rank_dir:
         model, optimizer = _streamed(_offload(disk_dir), rank_dir)
-        _load(model, optimizer, checkpoint)
+        _load(model, optimizer, checkpoint, "fully_reshardable")
         for a, b in zip(saved, _entry_states(optimizer)):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
         for a, b in zip(saved_params, model.parameters()):

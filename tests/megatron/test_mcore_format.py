@@ -18,7 +18,6 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
 
 from greenroom.errors import CheckpointError  # noqa: E402
 from greenroom.megatron import mcore_format as fmt  # noqa: E402
@@ -62,35 +61,6 @@ def test_boxes_cover_any_flat_range_exactly_once(shape):
             expect[start:stop] = 1
             assert torch.equal(seen.reshape(-1), expect), (start, stop)
             assert flat == stop - start
-
-
-def test_stock_default_sharding_type_is_refused_in_one_line_naming_the_usable_ones():
-    with pytest.raises(CheckpointError) as e:
-        fmt.resolve_sharding_type(None, None)
-    msg = str(e.value)
-    assert "\n" not in msg and "'fully_reshardable'" in msg and "'dp_reshardable'" in msg
-    assert "raises in stock megatron-core" in msg
-    with pytest.raises(CheckpointError, match="writes 'fully_reshardable' only"):
-        fmt.resolve_sharding_type(None, {"distrib_optim_sharding_type": "dp_reshardable"})
-    assert fmt.resolve_sharding_type(None, {"distrib_optim_sharding_type": "fully_reshardable"}) == "fully_reshardable"
-
-
-def test_stock_megatron_core_refuses_the_default_formats_tensors_itself():
-    """Pins the claim of the refusal above: fully_sharded_model_space's tensors carry a
-    flattened_range, which megatron-core's ShardedTensor refuses."""
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-
-    with pytest.raises(CheckpointingException, match="flattened_range is not supported"):
-        ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4)).__class__(
-            key="w",
-            data=torch.zeros(4),
-            dtype=torch.float32,
-            local_shape=(4, 4),
-            global_shape=(4, 4),
-            global_offset=(0, 0),
-            axis_fragmentations=None,
-            flattened_range=slice(0, 4),
-        )
 
 
 # -- (i) the keys, shapes, offsets and values stock emits --------------------------------

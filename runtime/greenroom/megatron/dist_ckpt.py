@@ -1,22 +1,25 @@
 """The streaming DistributedOptimizer's state in megatron-core's own checkpoint.
 
 ``StreamingDistributedOptimizer.sharded_state_dict`` and ``load_state_dict`` call here.
-Two formats, chosen as stock chooses (``metadata['distrib_optim_sharding_type']``):
+Three formats, chosen as stock chooses (``metadata['distrib_optim_sharding_type']``,
+resolved once by ``resolve_sharding_type``):
 
-``fully_reshardable`` (``mcore_format``)
-    The streamed fp32 masters and Adam moments under stock megatron-core's own keys,
-    this DP rank's slice of each param in boxes. The slices come from megatron's range
-    structures, walked in stock's order (``param_ranges``); each is one store entry
-    (a 16-bit param's streamed shard) or one resident native-fp32 shard (its value the
-    shard, its moments the resident Adam's). Save: the store's buckets frozen and
+``fully_reshardable`` (``mcore_format``) and ``dp_reshardable`` (``dp_format``)
+    The streamed fp32 masters and Adam moments under stock megatron-core's own keys for
+    that format: this DP rank's slice of each param, as boxes of the model tensor
+    (``fully_reshardable``) or as pieces of its DDP bucket (``dp_reshardable``). The
+    slices come from megatron's range structures (``gbuf_ranges``); each is one store
+    entry (a 16-bit param's streamed shard) or one resident native-fp32 shard (its value
+    the shard, its moments the resident Adam's). Save: the store's buckets frozen and
     mapped (``staging.SaveViews``), held until the next step, save, load or ``close``,
     so that an async save's writer still reads them. Load: the template's tensors map
     staging files (``staging.LoadViews``) that ``dist_checkpointing.load`` fills;
-    ``load_state_dict`` then checks the checkpoint's common part and the moment dtype,
-    and only then writes the buckets one at a time through the engine (checksummed),
-    the resident Adam, the step and the param groups. A load that fails before that
-    leaves the run's state as it was; one that fails while writing poisons
-    (``optim.poison`` Note [a failed step poisons]); a whole load cures the poison.
+    ``load_state_dict`` then checks the checkpoint's common part, the moment dtype and
+    (``dp_reshardable``) the DDP buckets' sizes, and only then writes the buckets one at
+    a time through the engine (checksummed), the resident Adam, the step and the param
+    groups. A load that fails before that leaves the run's state as it was; one that
+    fails while writing poisons (``optim.poison`` Note [a failed step poisons]); a whole
+    load cures the poison.
 
 ``greenroom_streamed`` (the sidecar format, ``greenroom.megatron.checkpoint``)
     Only the small state (param groups, the step, the grad scaler, the resident Adam)
@@ -24,11 +27,13 @@ Two formats, chosen as stock chooses (``metadata['distrib_optim_sharding_type']`
     written that way load with this type.
 
 Moment dtypes: the checkpoint always holds fp32 values; a streamed checkpoint's
-``greenroom`` record names the dtype the moments were streamed as. Those values are
-only what the narrow bytes denote, so a run streaming another dtype (fp32 included)
-refuses them in one line naming the flag; stock megatron-core, which does not read the
-record, takes them as the fp32 values they are. fp32 moments (stock's, or streamed as
-fp32) load into any run, encoded to its moment dtype as every step encodes them.
+``greenroom`` record (in the common part, which ``dist_checkpointing`` writes to
+``common.pt`` for both stock formats) names the dtype the moments were streamed as.
+Those values are only what the narrow bytes denote, so a run streaming another dtype
+(fp32 included) refuses them in one line naming the flag; stock megatron-core, which
+does not read the record, takes them as the fp32 values they are. fp32 moments (stock's,
+or streamed as fp32) load into any run, encoded to its moment dtype as every step
+encodes them.
 """
 
 from __future__ import annotations
@@ -40,32 +45,47 @@ from dataclasses import dataclass, field
 import torch
 
 from greenroom.errors import CheckpointError
+from greenroom.megatron import dp_format
 from greenroom.megatron import mcore_format as fmt
 from greenroom.megatron.staging import LoadViews, SaveViews
 from greenroom.optim import kernel
 
-SHARDING_TYPE = fmt.SHARDING_TYPE
+FULLY = fmt.SHARDING_TYPE
+DP = dp_format.SHARDING_TYPE
 SIDECAR_SHARDING_TYPE = "greenroom_streamed"
+STOCK_DEFAULT = "fully_sharded_model_space"
+MCORE_TYPES = (FULLY, DP)
 MOMENT_FLAG = "--stream-optimizer-state-moment-dtype"
 WHERE = "StreamingDistributedOptimizer.load_state_dict"
 
 
 def resolve_sharding_type(sharding_type: str | None, metadata) -> str:
-    """The format a ``sharded_state_dict`` call asks for: the sidecar format by its name,
-    else ``mcore_format``'s resolution (its refusals, one line each, name the sidecar
-    format where no type was given)."""
+    """The format a ``sharded_state_dict`` call asks for, as stock resolves it
+    (``sharding_type``, else ``metadata['distrib_optim_sharding_type']``), refused in one
+    line unless it is one of ``MCORE_TYPES`` or the sidecar format. Stock's own default
+    when neither names one, ``fully_sharded_model_space``, raises inside megatron-core
+    0.16.1 and 0.19.2 (its ShardedTensors carry a ``flattened_range``, which
+    ``ShardedTensor`` refuses), so it is refused here too."""
     chosen = sharding_type or (metadata or {}).get(fmt.METADATA_KEY)
-    if chosen == SIDECAR_SHARDING_TYPE:
+    if chosen in (*MCORE_TYPES, SIDECAR_SHARDING_TYPE):
         return chosen
-    try:
-        return fmt.resolve_sharding_type(sharding_type, metadata)
-    except CheckpointError as e:
-        if chosen is not None:
-            raise
+    pass_it = f"pass metadata={{'{fmt.METADATA_KEY}': '{DP}'}}"
+    if chosen in (None, STOCK_DEFAULT):
         raise CheckpointError(
-            f"{e}; a checkpoint with greenroom_optim/ beside it loads with "
-            f"metadata={{'{fmt.METADATA_KEY}': '{SIDECAR_SHARDING_TYPE}'}}"
-        ) from None
+            f"optimizer sharding type {STOCK_DEFAULT!r} (megatron-core's default when metadata names none) "
+            "raises in stock megatron-core 0.16.1 and 0.19.2 too (ShardedTensor.flattened_range is not supported); "
+            f"{pass_it} (Megatron-LM's default) or '{FULLY}' (--dist-ckpt-optim-fully-reshardable)"
+            + (
+                f"; a checkpoint with greenroom_optim/ beside it loads with "
+                f"metadata={{'{fmt.METADATA_KEY}': '{SIDECAR_SHARDING_TYPE}'}}"
+                if chosen is None
+                else ""
+            )
+        )
+    raise CheckpointError(
+        f"optimizer sharding type {chosen!r}: the streamed DistributedOptimizer writes '{DP}', '{FULLY}' "
+        f"and '{SIDECAR_SHARDING_TYPE}' only; {pass_it} (Megatron-LM's default) or '{FULLY}'"
+    )
 
 
 def param_ranges(gbuf_ranges, buffers) -> list[tuple]:
@@ -117,26 +137,29 @@ class _PendingLoad:
     """What a load template handed ``dist_checkpointing.load``, kept for ``load_state_dict``."""
 
     views: LoadViews
+    sharding_type: str
     flats: dict = field(default_factory=dict)
-    """``(param index, state)`` -> the flat tensor the template's boxes of it view."""
+    """The path of a state's tensors in the loaded ``param_state`` -> the flat tensor they view."""
     resident: dict = field(default_factory=dict)
-    """param index -> the resident fp32 shard it loads into."""
+    """id(resident fp32 shard) -> (the shard, {state: the flat tensor it loads from})."""
 
     def fill_from(self, param_state: dict) -> None:
         """Copy what ``dist_checkpointing`` returned into the flats, unless it loaded in place."""
-        for (index, state), flat in self.flats.items():
-            pieces = (param_state.get(index) or {}).get(state)
-            if pieces is None:
-                raise CheckpointError(f"{WHERE}: the loaded param_state lacks {state} of param {index}")
+        for path, flat in self.flats.items():
+            got = param_state
+            for step in path:
+                got = got.get(step) if isinstance(got, dict) else (got[step] if step < len(got) else None)
+                if got is None:
+                    raise CheckpointError(f"{WHERE}: the loaded param_state lacks {'/'.join(map(str, path))}")
             at = 0
-            for piece in pieces:
+            for piece in got if isinstance(got, list) else [got]:
                 n = piece.numel()
                 target = flat[at : at + n]
                 if piece.data_ptr() != target.data_ptr():
                     target.copy_(piece.reshape(-1))
                 at += n
             if at != flat.numel():
-                raise CheckpointError(f"{WHERE}: {state} of param {index}: {at} elements loaded for {flat.numel()}")
+                raise CheckpointError(f"{WHERE}: {'/'.join(map(str, path))}: {at} elements loaded for {flat.numel()}")
 
 
 def _sources(opt) -> dict[int, tuple]:
@@ -171,39 +194,51 @@ def release(opt) -> None:
             load.views.close()
 
 
-def sharded_state_dict(opt, model_sharded_state_dict, is_loading: bool) -> dict:
-    """The ``fully_reshardable`` sharded state dict of a streaming member (see the module doc)."""
-    release(opt)
-    slices = fmt.owned_slices(model_sharded_state_dict, param_ranges(opt.gbuf_ranges, opt.buffers))
-    sources = _sources(opt)
-    staging = os.path.join(opt._state_dir.path, "mcore-load" if is_loading else "mcore-save")
-    views = LoadViews(opt.store, staging) if is_loading else SaveViews(opt.store, staging)
-    pending = _PendingLoad(views) if is_loading else None
+class _Slices:
+    """The flat fp32 tensor of each state of each param slice a format's pieces name:
+    a view of the frozen (save) or staging (load) bucket maps for a streamed shard, the
+    resident shard and its Adam's moments (save) or a tensor to load them into."""
 
-    def data(s: fmt.OwnedSlice, state: str) -> torch.Tensor:
-        source = sources.get(id(s.model.data))
+    def __init__(self, opt, views, pending: _PendingLoad | None) -> None:
+        self.opt, self.views, self.pending = opt, views, pending
+        self.sources = _sources(opt)
+
+    def __call__(self, name: str, param, start: int, numel: int, state: str, path: tuple) -> torch.Tensor:
+        source = self.sources.get(id(param))
         if source is None:
-            raise CheckpointError(f"{s.model.key}: in a DDP buffer of this optimizer but in none of its param groups")
+            raise CheckpointError(f"{name}: in a DDP buffer of this optimizer but in none of its param groups")
         i, shard = source
         if i is not None:
-            entry = opt.shard_entries[i]
-            if (entry.start, entry.numel) != (s.start, s.numel):
+            entry = self.opt.shard_entries[i]
+            if (entry.start, entry.numel) != (start, numel):
                 raise CheckpointError(
-                    f"{s.model.key}: megatron's range [{s.start}, {s.stop}) differs from the streamed shard "
+                    f"{name}: megatron's range [{start}, {start + numel}) differs from the streamed shard "
                     f"[{entry.start}, {entry.start + entry.numel})"
                 )
-            flat = views.entry(i, state)
-        elif is_loading:
-            flat = torch.empty(s.numel, dtype=torch.float32)
-            pending.resident[s.param_index] = shard
+            flat = self.views.entry(i, state)
+        elif self.pending is not None:
+            flat = torch.empty(numel, dtype=torch.float32)
+            self.pending.resident.setdefault(id(shard), (shard, {}))[1][state] = flat
         else:
-            flat = _resident_value(opt, shard, state)
-        if pending is not None:
-            pending.flats[(s.param_index, state)] = flat
+            flat = _resident_value(self.opt, shard, state)
+        if self.pending is not None:
+            self.pending.flats[path] = flat
         return flat
 
+
+def sharded_state_dict(opt, model_sharded_state_dict, is_loading: bool, sharding_type: str) -> dict:
+    """The ``fully_reshardable`` or ``dp_reshardable`` sharded state dict of a streaming
+    member (see the module doc)."""
+    release(opt)
+    staging = os.path.join(opt._state_dir.path, "mcore-load" if is_loading else "mcore-save")
+    views = LoadViews(opt.store, staging) if is_loading else SaveViews(opt.store, staging)
+    pending = _PendingLoad(views, sharding_type) if is_loading else None
     try:
-        param_state = fmt.param_state(slices, data)
+        slices = _Slices(opt, views, pending)
+        if sharding_type == DP:
+            param_state = _dp_param_state(opt, slices, is_loading)
+        else:
+            param_state = _fully_param_state(opt, model_sharded_state_dict, slices)
     except BaseException:
         views.close()
         raise
@@ -217,16 +252,65 @@ def sharded_state_dict(opt, model_sharded_state_dict, is_loading: bool) -> dict:
         moment_dtype=opt.store.moment_dtype,
         grad_scaler=opt.grad_scaler.state_dict() if opt.grad_scaler else None,
     )
-    return fmt.sharded_optimizer_state(common, param_state)
+    if sharding_type == DP:  # stock's DP-dependent formats carry the common part per DP group
+        record = common.pop("greenroom")  # stays plain: common.pt, which stock's template does not ask for
+        common = {**_dp_objects(opt, common), "greenroom": record}
+    return fmt.sharded_optimizer_state(common, param_state, sharding_type)
+
+
+def _fully_param_state(opt, model_sharded_state_dict, slices: _Slices) -> dict:
+    owned = fmt.owned_slices(model_sharded_state_dict, param_ranges(opt.gbuf_ranges, opt.buffers))
+    return fmt.param_state(
+        owned,
+        lambda s, state: slices(s.model.key, s.model.data, s.start, s.numel, state, (s.param_index, state)),
+    )
+
+
+def _dp_param_state(opt, slices: _Slices, is_loading: bool) -> dict:
+    group = opt.data_parallel_group
+    pieces = dp_format.layout(opt.gbuf_ranges, opt.buffers, group.rank(), group.size())
+    zeros = torch.zeros(max((p.numel for b in _all(pieces) for p in b if p.padding), default=0))
+
+    def data(p: dp_format.Piece, state: str) -> torch.Tensor:
+        if p.padding:  # no state: stock writes what its buffer holds there
+            return torch.zeros(p.numel) if is_loading else zeros[: p.numel]
+        path = (p.gbuf_index, p.dtype, p.bucket_index, p.position, state)
+        name = f"{dp_format.bucket_key(opt.data_parallel_group_idx, *path[:3])} at {p.global_offset}"
+        return slices(name, p.param, p.param_start, p.numel, state, path)
+
+    return dp_format.param_state(
+        pieces,
+        data,
+        dp_group_idx=opt.data_parallel_group_idx,
+        instance_id=opt.distributed_optimizer_instance_id,
+        dp_rank=group.rank(),
+        numels=(opt.per_bucket_numel, opt.per_bucket_numel_unpadded),
+        step=torch.tensor(float(opt.streamed_steps)),
+    )
+
+
+def _all(pieces: dict):
+    for by_dtype in pieces.values():
+        for buckets in by_dtype.values():
+            yield from buckets
+
+
+def _dp_objects(opt, values: dict) -> dict:
+    return dp_format.sharded_objects(
+        values, opt.data_parallel_group_idx, opt.distributed_optimizer_instance_id, opt.data_parallel_group.rank()
+    )
 
 
 def load_state_dict(opt, state_dict: dict) -> None:
-    """Load what ``dist_checkpointing.load`` returned for this member's ``fully_reshardable`` template."""
+    """Load what ``dist_checkpointing.load`` returned for this member's own template."""
     pending, opt._mcore_load = opt._mcore_load, None
-    if pending is None:
+    kind = state_dict.get("param_state_sharding_type")
+    if pending is None or pending.sharding_type != kind:
+        if pending is not None:
+            pending.views.close()
         raise CheckpointError(
-            f"{WHERE}: a fully_reshardable state needs this optimizer's own template: pass "
-            f"sharded_state_dict(model_sd, is_loading=True, metadata={{'{fmt.METADATA_KEY}': 'fully_reshardable'}}) "
+            f"{WHERE}: a {kind} state needs this optimizer's own template of that type: pass "
+            f"sharded_state_dict(model_sd, is_loading=True, metadata={{'{fmt.METADATA_KEY}': '{kind}'}}) "
             "to dist_checkpointing.load and load what it returns"
         )
     try:
@@ -234,6 +318,9 @@ def load_state_dict(opt, state_dict: dict) -> None:
         check_moment_dtype(state_dict.get("greenroom"), opt.store.moment_dtype)
         groups = state_dict["optimizer"]["param_groups"]
         step = _one_step(groups, len(opt.optimizer.param_groups))
+        if kind == DP:
+            saved = state_dict["param_state"].get(dp_format.NUMEL_KEYS[1])
+            dp_format.check_buckets(opt.per_bucket_numel_unpadded, saved, WHERE)
         pending.fill_from(state_dict["param_state"])
     except BaseException:
         pending.views.close()
@@ -257,12 +344,12 @@ def _load_resident(opt, pending: _PendingLoad, step: int) -> None:
     if resident is None:
         return
     resident.state.clear()
-    for index, shard in pending.resident.items():
-        shard.copy_(pending.flats[(index, "param")].view_as(shard))
+    for shard, flats in pending.resident.values():
+        shard.copy_(flats["param"].view_as(shard))
         resident.state[shard] = {
             "step": kernel.new_step(torch.device("cpu"), fused=False).fill_(float(step)),
-            "exp_avg": pending.flats[(index, "exp_avg")].to(shard.device).view_as(shard),
-            "exp_avg_sq": pending.flats[(index, "exp_avg_sq")].to(shard.device).view_as(shard),
+            "exp_avg": flats["exp_avg"].to(shard.device).view_as(shard),
+            "exp_avg_sq": flats["exp_avg_sq"].to(shard.device).view_as(shard),
         }
 
 
@@ -270,17 +357,4 @@ def sidecar_state(opt) -> dict:
     """The sidecar format's part in megatron's checkpoint: the small state as one
     ``ShardedObject`` per key per DP group (saved by DP rank 0, as megatron's own
     DP-dependent formats do), and no param state."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    sharded = {
-        key: ShardedObject(
-            f"optimizer.distributed.dp_group_idx_{opt.data_parallel_group_idx}.{key}",
-            value,
-            (1,),
-            (0,),
-            replica_id=(opt.distributed_optimizer_instance_id, 0, opt.data_parallel_group.rank()),
-        )
-        for key, value in opt._small_state().items()
-    }
-    sharded["param_state_sharding_type"] = SIDECAR_SHARDING_TYPE
-    return sharded
+    return {**_dp_objects(opt, opt._small_state()), "param_state_sharding_type": SIDECAR_SHARDING_TYPE}

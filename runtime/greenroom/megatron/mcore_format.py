@@ -26,10 +26,6 @@ The rest of the optimizer's state dict is stock's common part (param groups with
 ``step``, the grad scaler, ``param_state_sharding_type``), which ``dist_checkpointing``
 writes to ``common.pt``, plus a ``greenroom`` record (format version, the moment dtype
 the bytes were streamed as) that stock's ``load_state_dict`` does not read.
-
-Stock's own default, ``fully_sharded_model_space`` (when ``metadata`` names no sharding
-type), raises inside megatron-core 0.16.1 and 0.19.2 (its ShardedTensors carry a
-``flattened_range``, which ``ShardedTensor`` refuses); it is refused here in one line.
 """
 
 from __future__ import annotations
@@ -41,39 +37,14 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from greenroom.errors import CheckpointError
+from greenroom.megatron import dp_format
 
 SHARDING_TYPE = "fully_reshardable"
-STOCK_DEFAULT = "fully_sharded_model_space"
 FORMAT = "greenroom-mcore"
 FORMAT_VERSION = 1
 STATES = ("param", "exp_avg", "exp_avg_sq")
 KEY_PREFIX = "optimizer.state"
 METADATA_KEY = "distrib_optim_sharding_type"
-
-
-def resolve_sharding_type(sharding_type: str | None, metadata: Mapping | None) -> str:
-    """The sharding type a ``sharded_state_dict`` call asks for, as stock resolves it
-    (``sharding_type``, else ``metadata['distrib_optim_sharding_type']``, else stock's
-    default), refused in one line unless it is the one streamed here."""
-    chosen = sharding_type or (metadata or {}).get(METADATA_KEY, STOCK_DEFAULT)
-    if chosen == SHARDING_TYPE:
-        return chosen
-    if chosen == STOCK_DEFAULT:
-        raise CheckpointError(
-            f"optimizer sharding type {STOCK_DEFAULT!r} (megatron-core's default when metadata names none) "
-            "raises in stock megatron-core 0.16.1 and 0.19.2 too (ShardedTensor.flattened_range is not supported); "
-            f"pass metadata={{'{METADATA_KEY}': 'fully_reshardable'}} (Megatron-LM: "
-            "--dist-ckpt-optim-fully-reshardable) or 'dp_reshardable'"
-        )
-    if chosen == "dp_reshardable":
-        raise CheckpointError(
-            "optimizer sharding type 'dp_reshardable': the streamed DistributedOptimizer writes "
-            f"'fully_reshardable' only; pass metadata={{'{METADATA_KEY}': 'fully_reshardable'}} "
-            "(Megatron-LM: --dist-ckpt-optim-fully-reshardable)"
-        )
-    raise CheckpointError(
-        f"optimizer sharding type {chosen!r}: the streamed DistributedOptimizer writes 'fully_reshardable' only"
-    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -226,17 +197,19 @@ def common_state(param_groups: list[dict], step: int, *, moment_dtype: str, grad
     return state
 
 
-def sharded_optimizer_state(common: dict, param_state_dict: dict) -> dict:
-    """The optimizer's sharded state dict, laid out as stock's ``fully_reshardable`` one."""
-    return {**common, "param_state": param_state_dict, "param_state_sharding_type": SHARDING_TYPE}
+def sharded_optimizer_state(common: dict, param_state_dict: dict, sharding_type: str = SHARDING_TYPE) -> dict:
+    """The optimizer's sharded state dict, laid out as stock's (for either format)."""
+    return {**common, "param_state": param_state_dict, "param_state_sharding_type": sharding_type}
 
 
 def check_saved(template: dict, saved_tensors: Mapping[str, Any], saved_common: Mapping | None, where: str) -> None:
     """Before a load: every key the template asks for is in the checkpoint with the same
     global shape (a checkpoint of another model, or without an optimizer, is refused
     naming the first key that differs), and a greenroom record, if any, is one this
-    greenroom reads. ``saved_tensors``: ``dist_checkpointing.load_tensors_metadata``;
-    ``saved_common``: the checkpoint's common state's optimizer part."""
+    greenroom reads. A ``dp_reshardable`` bucket tensor missing or of another length is
+    refused by ``dp_format``'s rule (its DDP buckets differ). ``saved_tensors``:
+    ``dist_checkpointing.load_tensors_metadata``; ``saved_common``: the checkpoint's
+    common state's optimizer part."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -250,10 +223,13 @@ def check_saved(template: dict, saved_tensors: Mapping[str, Any], saved_common: 
         if not isinstance(sh, ShardedTensor):
             continue
         saved = saved_tensors.get(sh.key)
+        if dp_format.is_bucket_key(sh.key) and (saved is None or tuple(saved.global_shape) != tuple(sh.global_shape)):
+            found = "none" if saved is None else f"{tuple(saved.global_shape)} elements"
+            dp_format.refuse(where, f"{sh.key}: {found} in the checkpoint, {tuple(sh.global_shape)} in this run")
         if saved is None:
             raise CheckpointError(
                 f"{where}: no {sh.key} in the checkpoint: it was written for another model, or without "
-                "the optimizer's fully_reshardable state; pass no_load_optim to start a fresh optimizer state"
+                "the optimizer's state in this sharding type; pass no_load_optim to start a fresh optimizer state"
             )
         if tuple(saved.global_shape) != tuple(sh.global_shape):
             raise CheckpointError(

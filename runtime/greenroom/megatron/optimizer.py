@@ -24,7 +24,7 @@ scaling, grad clipping, the param all-gather) is megatron's, unchanged:
 
 ``sharded_state_dict`` / ``load_state_dict``
     Put the streamed state into megatron's checkpoint under stock megatron-core's
-    ``fully_reshardable`` keys, or carry only the small state for the sidecar format
+    ``fully_reshardable`` or ``dp_reshardable`` keys, or carry only the small state for the sidecar format
     (``greenroom.megatron.dist_ckpt``; docs/megatron.md). ``state_dict`` is the small state.
 """
 
@@ -88,11 +88,11 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     Note [a failed step poisons]): its later steps, ``state_dict()`` and
     ``greenroom.megatron.save_checkpoint`` refuse until a whole state is loaded
     (``greenroom.megatron.load_checkpoint``, or ``load_state_dict`` of a ``fully_reshardable``
-    checkpoint, ``dist_ckpt``).
+    or ``dp_reshardable`` checkpoint, ``dist_ckpt``).
     """
 
     what = "StreamingDistributedOptimizer"
-    reload_with = "greenroom.megatron.load_checkpoint, or a fully_reshardable load_state_dict"
+    reload_with = "greenroom.megatron.load_checkpoint, or a fully_reshardable or dp_reshardable load_state_dict"
 
     _state_dir: StateDir | None = None  # the dir this member claimed; released by close()
     _mcore_save = None  # the frozen maps of the last dist_checkpointing save (dist_ckpt)
@@ -324,7 +324,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         return state
 
     def load_state_dict(self, state_dict) -> None:
-        if state_dict.get("param_state_sharding_type") == dist_ckpt.SHARDING_TYPE:
+        if state_dict.get("param_state_sharding_type") in dist_ckpt.MCORE_TYPES:
             dist_ckpt.load_state_dict(self, state_dict)
             return
         marker = state_dict.get("greenroom")
@@ -333,7 +333,8 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
                 "this optimizer checkpoint was written without greenroom streaming: its Adam state cannot "
                 "be read into the streamed optimizer from a state_dict; load megatron's checkpoint through "
                 "sharded_state_dict(model_sd, is_loading=True, metadata={'distrib_optim_sharding_type': "
-                "'fully_reshardable'}), resume with no_load_optim (fresh optimizer state), "
+                "'dp_reshardable'}) or 'fully_reshardable' (the type it was saved with), resume with no_load_optim "
+                "(fresh optimizer state), "
                 "or turn --stream-optimizer-state-to-disk off"
             )
         for group, saved in zip(self.optimizer.param_groups, state_dict["optimizer"]["param_groups"]):
@@ -351,7 +352,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         chosen = dist_ckpt.resolve_sharding_type(sharding_type, metadata)
         if chosen == dist_ckpt.SIDECAR_SHARDING_TYPE:
             return dist_ckpt.sidecar_state(self)
-        return dist_ckpt.sharded_state_dict(self, model_sharded_state_dict, is_loading)
+        return dist_ckpt.sharded_state_dict(self, model_sharded_state_dict, is_loading, chosen)
 
     # -- the streamed state's checkpoint (greenroom.optim.checkpoint.manifest.StreamedState) --
     # Keys: "main.<group>.<index>" for the streamed fp32 mains of 16-bit params,

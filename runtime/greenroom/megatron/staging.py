@@ -1,7 +1,7 @@
 """The streamed state as file-backed fp32 tensors, for ``dist_checkpointing`` to save and load.
 
-``mcore_format`` says which elements of which key each DP rank writes; this module gives
-them data without holding the rank's state in host memory.
+``mcore_format`` and ``dp_format`` say which elements of which key each DP rank writes;
+this module gives them data without holding the rank's state in host memory.
 
 Save (``SaveViews``): between steps, each bucket file is frozen into a staging dir, by a
 hard link where the filesystem takes one (the store never writes a shared inode in
