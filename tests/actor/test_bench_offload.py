@@ -86,7 +86,9 @@ def test_the_text_report_says_what_ran_before_the_first_cycle_and_which_cycles_t
     out = capsys.readouterr().out
     if target == "disk":
         # 16.8 MB: the actor (more where the scan finds other live storages of this process).
-        assert re.search(r"before cycle 1 \(untimed\): the offload file made and [\d.]+ MB of zeros written once in ", out)
+        assert re.search(
+            r"before cycle 1 \(untimed\): the offload file made and [\d.]+ MB of zeros written once in ", out
+        )
         assert "worst of every cycle vs its bound" in out
     else:
         assert "before cycle 1" not in out

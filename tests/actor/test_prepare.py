@@ -1,6 +1,6 @@
 """``Offloader.prepare``: the disk target's file is made, preallocated and written once
 before the first sleep, so no sleep pays the disk's first write to its blocks
-(``greenroom.io.statefile`` Note [backed blocks]).
+(``greenroom.io.statefile`` Note [backed blocks]), and the staging buffers are faulted in.
 
 What is pinned: after ``prepare()`` the file holds the whole actor and no extent of it is
 unwritten (FIEMAP, the kernel's own map of the file); the first sleep then neither
@@ -61,11 +61,13 @@ def extents(path: str) -> list[tuple[int, int, int]]:
 
 def config(disk_dir, **kw):
     return OffloadConfig(
-        offload_train=True,
-        offload_train_target="disk",
-        offload_train_disk_dir=disk_dir,
-        offload_train_disk_chunk_mb=4,
-        **kw,
+        **{
+            "offload_train": True,
+            "offload_train_target": "disk",
+            "offload_train_disk_dir": disk_dir,
+            "offload_train_disk_chunk_mb": 4,
+            **kw,
+        }
     )
 
 
@@ -90,7 +92,10 @@ def test_prepare_makes_the_whole_file_written_before_the_first_sleep(disk_dir, m
     tensors = actor_tensors()
     expected = [t.clone() for t in tensors]
     need = sum(align_up(t.nbytes) for t in tensors)
-    with RankDir(disk_dir, job="t") as rank_dir, actor.build_offloader(config(disk_dir), rank_dir, scope="tracked") as off:
+    with (
+        RankDir(disk_dir, job="t") as rank_dir,
+        actor.build_offloader(config(disk_dir), rank_dir, scope="tracked") as off,
+    ):
         off.track(tensors)
         path = os.path.join(rank_dir.path, "offload", STATE_FILE)
         assert not os.path.exists(path)
@@ -211,3 +216,22 @@ def test_a_failed_fill_removes_the_file_it_made_and_a_sleep_still_works(disk_dir
         with off.asleep():
             assert os.path.exists(path)
         assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+
+
+def test_prepare_faults_the_staging_buffers_in(disk_dir):
+    """Unpinned staging memory is mapped on its first write; prepare() takes those page
+    faults, so the first sleep's copies into staging do not (64 MiB of staging here)."""
+    from greenroom.actor.memory import RssSampler
+
+    tensors = actor_tensors()
+    sampler = RssSampler()
+    try:
+        with RankDir(disk_dir, job="t") as rank_dir:
+            with actor.build_offloader(config(disk_dir, offload_train_disk_chunk_mb=64), rank_dir) as off:
+                off.track(tensors)
+                before = sampler.rss()
+                off.prepare()
+                # 64 MiB resident more; the fill's own zero buffer (16 MiB) is freed again.
+                assert sampler.rss() - before >= 56 * MIB
+    finally:
+        sampler.close()

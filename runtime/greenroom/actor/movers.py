@@ -181,11 +181,13 @@ class DiskMover:
     def prepare(self, units: list[Tracked]) -> int:
         """Place ``units`` as the next sleep will and write zeros once over the part of
         the file this adds (Note [backed blocks] of ``greenroom.io.statefile``), so that
-        sleep only overwrites blocks the disk already backs; returns the bytes written.
+        sleep only overwrites blocks the disk already backs, and fault the staging buffers
+        in (``StagingBuffers.touch``); returns the bytes written.
         Only the file's new tail is written: every slot an earlier sleep wrote lies before
         it, so no byte a clean slot holds is touched. Running out of space is refused here,
         before anything is written; a file this call made is removed when it fails."""
         live = [u for u in units if not u.dead]
+        self._engine.staging.touch()
         fresh = self._file is None
         before = 0 if fresh else self._file.allocated
         f = self._place(live)
