@@ -155,7 +155,7 @@ class TmsOffloader(Offloader):
         self._paused = False
 
     def _prepare(self, units: list[Tracked]) -> int:
-        # torch_memory_saver's own mover makes its files at each pause: nothing to ready.
+        # torch_memory_saver's own mover keeps its own files: greenroom has none to ready.
         return self._mover.prepare(units) if self._mover is not None else 0
 
     def _sleep(self, units: list[Tracked]) -> Moved | None:

@@ -8,7 +8,8 @@ each cycle, so every cycle writes everything (an unchanged block would be skippe
 Before the first cycle, untimed, the offloader is readied as ``greenroom train`` readies it
 (``Offloader.prepare``: on the disk target the offload file is made and written once with
 zeros), so every cycle of the disk target counts in the headline; on the cpu target the
-first sleep also pins the host copies, and the headline is the cycles after it.
+first sleep also pins the host copies, and with ``--mover tms`` torch_memory_saver makes its
+own files, so there the headline is the cycles after the first.
 Each cycle sleeps and wakes it through the offloader ``greenroom train`` uses, and is
 set beside a bound probed in the same process right before it: the raw disk (plain
 O_DIRECT threads writing and reading random bytes, ``greenroom.cli.bench.disk.raw_bandwidth``)
@@ -316,10 +317,11 @@ def measure(args: argparse.Namespace, *, rank: int = 0, barrier: Callable[[], No
         sampler.close()
         if rank_dir is not None:
             rank_dir.close()
-    # On the cpu target the first cycle also pins the host copies, once per run, and the
-    # headline is the worst of the cycles after it; the disk target's file was made before
-    # the first (``prepared``), and every cycle counts.
-    steady = cycles if config.offload_to_disk else (cycles[1:] or cycles)
+    # Where the offload file was made and written before the first cycle (``prepared``: the
+    # disk target, greenroom's mover) every cycle counts; otherwise the first cycle also did
+    # what is done once per run (pinned the host copies on the cpu target; made
+    # torch_memory_saver's own files), and the headline is the worst of the cycles after it.
+    steady = cycles if prepared.written else (cycles[1:] or cycles)
     return {
         "tracked_bytes": size,
         "untracked_bytes": untracked_size,
