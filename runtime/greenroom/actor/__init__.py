@@ -21,7 +21,7 @@ from greenroom.actor.launch import (
     launch_env,
     relaunch_with,
 )
-from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOffloader
+from greenroom.actor.offloader import SCOPES, Offloader, PhaseStats, PortableOffloader, Prepared
 from greenroom.config import OffloadConfig
 from greenroom.dirs.statedir import claim_state_dir
 from greenroom.errors import ConfigError
@@ -147,6 +147,7 @@ __all__ = [
     "Offloader",
     "PhaseStats",
     "PortableOffloader",
+    "Prepared",
     "build_offloader",
     "check_disk_support",
     "hook_library",

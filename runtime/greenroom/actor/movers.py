@@ -86,6 +86,10 @@ class HostMover:
             self._copies = {}
         return Moved(copied=copied, dead=dead)
 
+    def prepare(self, units: list[Tracked]) -> int:
+        """Nothing to ready ahead of a sleep (``DiskMover.prepare``): 0 bytes written."""
+        return 0
+
     def owned(self) -> list[torch.Tensor]:
         """The host copies: not the actor's memory, though on the CPU they share a device
         (the portable backend's scan skips every host mover's copies)."""
@@ -173,6 +177,26 @@ class DiskMover:
             # In place: kept slots keep their bytes and their recorded checksums.
             self._file.grow(size)
         return self._file
+
+    def prepare(self, units: list[Tracked]) -> int:
+        """Place ``units`` as the next sleep will and write zeros once over the part of
+        the file this adds (Note [backed blocks] of ``greenroom.io.statefile``), so that
+        sleep only overwrites blocks the disk already backs, and fault the staging buffers
+        in (``StagingBuffers.touch``); returns the bytes written.
+        Only the file's new tail is written: every slot an earlier sleep wrote lies before
+        it, so no byte a clean slot holds is touched. Running out of space is refused here,
+        before anything is written; a file this call made is removed when it fails."""
+        live = [u for u in units if not u.dead]
+        self._engine.staging.touch()
+        fresh = self._file is None
+        before = 0 if fresh else self._file.allocated
+        f = self._place(live)
+        try:
+            return f.write_zeros(before, f.allocated, buffer_bytes=self._engine.staging.buffer_bytes)
+        except BaseException:
+            if fresh:
+                self._drop_file()
+            raise
 
     def save(self, units: list[Tracked]) -> Moved:
         live = [u for u in units if not u.dead]

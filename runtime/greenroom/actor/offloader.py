@@ -71,6 +71,20 @@ class PhaseStats:
         return self.nbytes / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass(kw_only=True, slots=True)
+class Prepared:
+    """What ``Offloader.prepare`` did."""
+
+    seconds: float
+    """Wall time of the call, device synchronised."""
+
+    nbytes: int
+    """Bytes of the actor's live memory the next sleep would move as it stands now."""
+
+    written: int = 0
+    """Bytes written to ready the target (zeros over the offload file's new part)."""
+
+
 def drop_zeros(units: list[tracking.Tracked]) -> None:
     """Mark units whose bytes are all zero as dead: zero-filling them at wake gives the
     same bytes, so nothing needs to move (grads zeroed in place after the step, fresh
@@ -136,6 +150,24 @@ class Offloader:
     def resident_bytes(self) -> int:
         """Device bytes the actor's tracked state occupies now (0 while asleep)."""
         return 0 if self.is_asleep else sum(t.nbytes for t in self.tracked())
+
+    def prepare(self) -> Prepared:
+        """Ready the target for the next sleep outside it: on the disk target the offload
+        file is made (or grown) for what the actor holds now, space refused in one line if
+        the disk lacks it, and its new part written once with zeros, so the sleep does not
+        pay the disk's first touch of its blocks (Note [backed blocks] of
+        ``greenroom.io.statefile``). Optional: a sleep without it makes the file itself.
+        What the actor allocates after this call (an optimizer's state at its first step)
+        grows the file at the sleep that first finds it. Awake only."""
+        if self.is_asleep:
+            raise GreenroomError("actor offload: prepare() while asleep: call wake() first")
+        start = time.perf_counter()
+        self._synchronize()
+        units = self._units() if self.backend != "none" else []
+        written = self._prepare(units)
+        self._synchronize()
+        live = sum(u.nbytes for u in units if not u.dead)
+        return Prepared(seconds=time.perf_counter() - start, nbytes=live, written=written)
 
     def sleep(self) -> PhaseStats:
         if self.is_asleep:  # an error, not an assert: misuse must fail under python -O too
@@ -261,6 +293,9 @@ class Offloader:
     def _units(self) -> list[tracking.Tracked]:
         return []
 
+    def _prepare(self, units: list[tracking.Tracked]) -> int:
+        return 0
+
     def _sleep(self, units: list[tracking.Tracked]) -> Moved | None:
         return None
 
@@ -315,6 +350,9 @@ class PortableOffloader(Offloader):
             u.dead = self.liveness.dead(u.storage)
         drop_zeros(units)
         return units
+
+    def _prepare(self, units: list[tracking.Tracked]) -> int:
+        return self._mover.prepare(units)
 
     def _sleep(self, units: list[tracking.Tracked]) -> Moved:
         moved = self._mover.save(units)

@@ -184,6 +184,10 @@ class TmsOffloader(Offloader):
         self._tms.resume(ACTOR_TAG)
         self._paused = False
 
+    def _prepare(self, units: list[Tracked]) -> int:
+        # torch_memory_saver's own mover keeps its own files: greenroom has none to ready.
+        return self._mover.prepare(units) if self._mover is not None else 0
+
     def _sleep(self, units: list[Tracked]) -> Moved | None:
         moved = self._mover.save(units) if self._mover is not None else None
         torch.cuda.synchronize(self.device)

@@ -38,6 +38,7 @@ same way, without a mark (they never outlive the process).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
 import os
 import threading
@@ -225,6 +226,39 @@ class StateFile:
         self.size, self.data_bytes = size, align_up(size)
         self.allocated = self.data_bytes
         self._preallocate(existed=True)
+
+    def write_zeros(self, start: int, end: int, *, buffer_bytes: int, threads: int = 4) -> int:
+        """Write zeros over bytes [start, end) (4 KiB aligned) from ``threads`` threads
+        sharing one zeroed buffer of at most ``buffer_bytes``, then make them durable;
+        returns the bytes written.
+
+        Note [backed blocks]: the first write to a block the file was just given costs
+        more than every later write to it (on the CPU machine's ext4 virtio disk, 2 GiB
+        of O_DIRECT writes took 0.99-1.27 s into a fresh ``posix_fallocate`` and 0.63-0.76
+        s over the same blocks once written; the same blocks made unwritten again with
+        ``FALLOC_FL_ZERO_RANGE`` took the overwrite's time, so the cost is below the
+        filesystem, the disk backing the block on first touch, not ext4's conversion of
+        unwritten extents). Zeros written once outside a timed phase take that cost
+        there (``DiskMover.prepare``)."""
+        if start % ALIGNMENT or end % ALIGNMENT:
+            raise ConfigError(f"{self.path}: zeros need {ALIGNMENT}-byte aligned bounds, got [{start}, {end})")
+        if end <= start:
+            return 0
+        each = min(max(ALIGNMENT, buffer_bytes // ALIGNMENT * ALIGNMENT), end - start)
+        zeros = aligned_host(each)
+        zeros.zero_()
+        view = memoryview(zeros.numpy())
+        offsets = range(start, end, each)
+
+        def fill(first: int) -> None:
+            for offset in offsets[first::threads]:
+                self.write(view[: min(each, end - offset)], offset)
+
+        with cf.ThreadPoolExecutor(threads, thread_name_prefix="greenroom-zeros") as pool:
+            for done in [pool.submit(fill, i) for i in range(min(threads, len(offsets)))]:
+                done.result()
+        self.sync()
+        return end - start
 
     # -- blocking I/O -------------------------------------------------------------
     def write(self, buf: memoryview, file_offset: int) -> int:

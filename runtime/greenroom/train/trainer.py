@@ -156,6 +156,10 @@ class Trainer:
             )
         if self.rank == 0 and c.save:
             preflight.check_save_space(c.save, self.checkpoints.bytes_per_rank() * self.world_size)
+        # The offload file made and written once for the actor as it stands (a loaded
+        # optimizer's state included), before the first sleep and before the metrics file:
+        # no room is refused here and leaves nothing behind (Offloader.prepare).
+        self.offloader.prepare()
         self.metrics_path, self.metrics_file = None, None
         if self.rank == 0 and c.metrics != "":
             self.metrics_path, self.metrics_file = self._stack.enter_context(

@@ -33,8 +33,9 @@ each way) the parent takes before any rank starts. For each N and each phase (``
   ``plan_ratio`` (target within 15 %);
 - ``targets_met``: per target, true or false (null where it has no figure).
 
-The first cycle's sleep also creates each rank's offload file and every step and cycle is
-counted, the first ones too. Each rank's own measurements still probe the disk (the stream
+Each rank's offload file is made and written once before its first cycle, outside the
+timed phases (``Offloader.prepare``, as ``bench offload`` does), and every step and cycle
+is counted, the first ones too. Each rank's own measurements still probe the disk (the stream
 one with 1 MiB, the offload one with ``--size`` before each cycle and after the last); those
 probes run outside the timed phases and no figure here uses them. Every rank's files are
 removed when it ends.
