@@ -4,10 +4,13 @@
 Two NCCL ranks. At the saving layout, a stock and a streaming DistributedOptimizer train
 three steps side by side (``torch.equal`` after each) and each saves through
 ``dist_checkpointing`` with ``metadata={'distrib_optim_sharding_type': 'fully_reshardable'}``.
-At the loading layout (TP 2 <-> TP 1 x DP 2), stock megatron-core's own resharded resume of
-its own checkpoint is the reference, and three other resumes must equal it bit for bit,
-right after the load and after each of three more steps: stock from the streamed
-checkpoint, streaming from the stock checkpoint, streaming from its own.
+At the loading layout (TP 2 <-> TP 1 x DP 2), stock megatron-core's own resharded load of
+its own checkpoint is the reference: three other resumes must hold what it holds, bit
+for bit, right after the load (stock from the streamed checkpoint, streaming from the
+stock checkpoint, streaming from its own). Over three more steps stock from the
+streamed checkpoint must step as stock from its own, and streaming from either
+checkpoint alike (stock's resume steps with one step tensor shared by its params,
+``test_gpu_dist_ckpt._shared_step``, so the two optimizers part there).
 
 A PP change needs megatron's pipeline schedule in the training step, which the small
 demo step does not run; the format's PP resharding is checked on gloo ranks by
@@ -49,7 +52,7 @@ def _resharded_resume(rank: int, world: int, disk_dir: str, save_tp: int, load_t
     from megatron.core import parallel_state
 
     from greenroom.dirs.rankdir import RankDir
-    from greenroom.megatron import close, demo
+    from greenroom.megatron import close, demo, streaming_members
     from tests.megatron.test_gpu import SIZE, _assert_same, _offload, _stock, _streamed
     from tests.megatron.test_gpu_dist_ckpt import _assert_stock_same, _keep_torch_adams_step
 
@@ -70,7 +73,15 @@ def _resharded_resume(rank: int, world: int, disk_dir: str, save_tp: int, load_t
         }
         loaded = dist_checkpointing.load(template, checkpoint)
         model.module.load_state_dict(loaded["model"])
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # test_gpu_dist_ckpt._load says why
+            optimizer.load_state_dict(loaded["optimizer"])
+
+    def _assert_streaming_same(a_model, a_opt, b_model, b_opt):
+        for (name, a), (_, b) in zip(a_model.named_parameters(), b_model.named_parameters()):
+            assert torch.equal(a, b), f"param {name} differs"
+        for a, b in zip(streaming_members(a_opt), streaming_members(b_opt)):
+            for i in range(len(a.shard_entries)):
+                assert all(torch.equal(x, y) for x, y in zip(a.streamed_state(i), b.streamed_state(i)))
 
     def stock_resumed(checkpoint):
         # One step first: stock's sharded_state_dict asserts a step value its inner Adam
@@ -112,15 +123,20 @@ def _resharded_resume(rank: int, world: int, disk_dir: str, save_tp: int, load_t
         from_own = _streamed(_offload(disk_dir), b_dir)
         load(*from_stock, stock_ckpt)
         load(*from_own, streamed_ckpt)
-        for step in [None, 3, 4, 5]:
-            if step is not None:
-                loss = demo.train_step(ref_model, ref_opt, SIZE, step)
-                assert demo.train_step(from_streamed_model, from_streamed_opt, SIZE, step) == loss
-                assert demo.train_step(*from_stock, SIZE, step) == loss
-                assert demo.train_step(*from_own, SIZE, step) == loss
+        # Right after the load all four hold what stock's resharded load of its own
+        # checkpoint holds.
+        _assert_stock_same(ref_model, ref_opt, from_streamed_model, from_streamed_opt)
+        _assert_same(ref_model, ref_opt, *from_stock)
+        _assert_same(ref_model, ref_opt, *from_own)
+        # Then stock steps on with one step tensor shared by its params
+        # (test_gpu_dist_ckpt._shared_step), streaming with the saved step: each pair
+        # steps on alike, stock from either checkpoint, streaming from either.
+        for step in (3, 4, 5):
+            loss = demo.train_step(ref_model, ref_opt, SIZE, step)
+            assert demo.train_step(from_streamed_model, from_streamed_opt, SIZE, step) == loss
             _assert_stock_same(ref_model, ref_opt, from_streamed_model, from_streamed_opt)
-            _assert_same(ref_model, ref_opt, *from_stock)
-            _assert_same(ref_model, ref_opt, *from_own)
+            assert demo.train_step(*from_stock, SIZE, step) == demo.train_step(*from_own, SIZE, step)
+            _assert_streaming_same(*from_stock, *from_own)
         close(from_stock[1])
         close(from_own[1])
     parallel_state.destroy_model_parallel()

@@ -301,6 +301,7 @@ def _dp_objects(opt, values: dict) -> dict:
     )
 
 
+@torch.no_grad()  # the resident shards are views of params that require grad
 def load_state_dict(opt, state_dict: dict) -> None:
     """Load what ``dist_checkpointing.load`` returned for this member's own template."""
     pending, opt._mcore_load = opt._mcore_load, None
