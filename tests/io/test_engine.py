@@ -166,3 +166,21 @@ def test_a_range_outside_the_file_or_unaligned_under_o_direct_is_a_value_error(d
         if f.direct:
             with pytest.raises(ValueError, match="aligned offsets and lengths"):
                 f.write(memoryview(bytearray(100)), 0)
+
+
+def test_the_stream_splits_its_chunk_into_up_to_eight_buffers_of_at_least_32_mib(disk_dir):
+    """The optimizer-state stream's staging depth (``staging.stream_depth``): 8 buffers of
+    32 MiB for the default 256 MiB chunk, 4 where a chunk is too small for more of that
+    size (their buffers still hold whole frames down to the smallest compressed chunk);
+    the bucket store's engine is built with it and its staging adds up to the chunk."""
+    from greenroom.io.staging import stream_depth
+    from greenroom.optim.store.bucket_store import BucketStore, Entry
+
+    mib = 1 << 20
+    assert [stream_depth(n * mib) for n in (4, 64, 128, 160, 256, 1024)] == [4, 4, 4, 5, 8, 8]
+    store = BucketStore([Entry(name="w", shape=(1000,))], disk_dir, bucket_numel=1000, chunk_bytes=256 * mib)
+    try:
+        assert len(store.engine.staging.buffers) == 8
+        assert store.engine.staging.buffer_bytes == 32 * mib
+    finally:
+        store.close()

@@ -11,6 +11,22 @@ from greenroom.io.integrity import ALIGNMENT
 
 DEFAULT_DEPTH = 4
 
+STREAM_BUFFER_BYTES = 32 << 20
+"""The smallest staging buffer ``stream_depth`` splits a chunk into."""
+
+STREAM_MAX_DEPTH = 8
+
+
+def stream_depth(chunk_bytes: int) -> int:
+    """The staging depth of the optimizer-state stream: as many buffers as keep each at
+    least ``STREAM_BUFFER_BYTES``, from ``DEFAULT_DEPTH`` up to ``STREAM_MAX_DEPTH`` (the
+    default 256 MiB chunk: 8 of 32 MiB). A step reads ahead and writes behind through
+    one engine, so its reads and writes share the buffers; with 8 the disk kept 8.3
+    requests in flight against 6.1 with 4 and the step ran 3-6 % faster (docs/benchmarks.md,
+    'Design measurements'). Smaller chunks keep 4, whose buffers hold whole frames down to
+    ``codec_names.MIN_COMPRESSED_CHUNK_MB``."""
+    return max(DEFAULT_DEPTH, min(STREAM_MAX_DEPTH, chunk_bytes // STREAM_BUFFER_BYTES))
+
 
 def _aligned_backing(nbytes: int, pin: bool) -> torch.Tensor:
     """``nbytes`` of host memory with room to start at an ``ALIGNMENT`` boundary.

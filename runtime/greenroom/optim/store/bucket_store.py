@@ -53,6 +53,7 @@ import torch
 
 from greenroom.errors import ConfigError
 from greenroom.io.engine import STORE_RAW, StateFile, TransferEngine
+from greenroom.io.staging import stream_depth
 from greenroom.optim.moments import moment_codecs
 from greenroom.optim.store.buffers import DeviceBuffer, DeviceBuffers
 from greenroom.optim.store.files import BucketFiles, Replacement, remove_created
@@ -144,7 +145,7 @@ class BucketStore:
         self._bytes_read = 0  # the stream's; the held buckets' write-backs count their own
         self._bytes_written = 0
         self.cache = HostCache(host_cache_bytes, self.device)  # optim.store.held Note [host cache]
-        self.engine = TransferEngine(chunk_bytes)
+        self.engine = TransferEngine(chunk_bytes, depth=stream_depth(chunk_bytes))
         self.bucket_files = BucketFiles(self.buckets, directory, compression)
         self.held = HeldBuckets(self.buckets, self.bucket_files, self.engine, self.cache, self._write)
         codecs = (self.avg_codec, self.sq_codec)
