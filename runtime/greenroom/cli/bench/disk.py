@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import json
 import mmap
 import os
@@ -110,7 +111,9 @@ def raw_bandwidth(
         return result
     finally:
         os.close(fd)
-        os.unlink(path)
+        # Gone already where a SIGTERM's exit wiped the rank dir the probe ran in.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def engine_bandwidth(
