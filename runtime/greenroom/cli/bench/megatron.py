@@ -8,12 +8,22 @@ while the optimizer is built (above what the model and its DDP buffers hold), th
 HBM during ``optimizer.step()`` (absolute, and above what was allocated when it began),
 step seconds, and with ``--offload`` the actor's sleep/wake seconds to disk through
 ``greenroom.actor`` (portable backend) with the optimizer's resident state tracked.
+
+``--checkpoint KINDS`` then saves the model and optimizer once per sharding type named
+(comma-separated: ``fully_reshardable``, ``dp_reshardable``, ``greenroom_streamed``, the
+sidecar format, whose bucket files ``greenroom.megatron.save_checkpoint`` writes beside
+it; stream mode only) through ``dist_checkpointing.save``, synchronously, into a dir of
+its own under ``--dir`` that it removes after: each save's seconds, the bytes the process
+read from and wrote to storage meanwhile (``/proc/self/io``, every thread) and the
+checkpoint's size.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 
@@ -36,7 +46,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cliflags.disk_dir(parser, required=True, help="disk dir for the bucket files and the offload files")
     cliflags.moment_dtype(parser)
     parser.add_argument("--offload", action="store_true", help="also time a sleep/wake cycle to disk")
+    parser.add_argument(
+        "--checkpoint",
+        type=_kinds,
+        default=(),
+        metavar="KINDS",
+        help=f"after the steps, time one save per sharding type ({', '.join(CHECKPOINT_KINDS)}; comma-separated)",
+    )
     cliflags.json_flag(parser)
+
+
+CHECKPOINT_KINDS = ("fully_reshardable", "dp_reshardable", "greenroom_streamed")
+
+
+def _kinds(value: str) -> tuple[str, ...]:
+    kinds = tuple(k for k in value.split(",") if k)
+    bad = [k for k in kinds if k not in CHECKPOINT_KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(CHECKPOINT_KINDS)}, got {value!r}")
+    return kinds
 
 
 def _gib(n: int) -> float:
@@ -95,6 +123,8 @@ def run(args) -> int:
         result["step_peak_gib"] = max(s["peak"] for s in steps)
         result["step_peak_above_start_gib"] = max(s["above"] for s in steps)
         result["allocated_at_step_start_gib"] = steps[-1]["start"]
+        if args.checkpoint:
+            result["checkpoints"] = [_timed_save(args.dir, kind, model, optimizer) for kind in args.checkpoint]
         if args.offload:
             result.update(_sleep_wake(offload, rank_dir, model, optimizer, args.mode))
         if args.mode == "stream":
@@ -126,6 +156,44 @@ def _timed_step(model, optimizer, size, step) -> dict:
     finally:
         del optimizer.step
     return record
+
+
+def _storage_io() -> tuple[int, int]:
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def _timed_save(root: str, kind: str, model, optimizer) -> dict:
+    from megatron.core import dist_checkpointing
+
+    from greenroom.megatron import save_checkpoint
+
+    path = os.path.join(root, f"bench-checkpoint-{kind}-{os.getpid()}")
+    os.makedirs(path)
+    try:
+        torch.cuda.synchronize()
+        read0, written0 = _storage_io()
+        t0 = time.perf_counter()
+        model_sd = model.module.sharded_state_dict()
+        metadata = {"distrib_optim_sharding_type": kind}
+        dist_checkpointing.save(
+            {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}, path
+        )
+        if kind == "greenroom_streamed":
+            save_checkpoint(optimizer, path)
+        seconds = time.perf_counter() - t0
+        read1, written1 = _storage_io()
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+        return {
+            "kind": kind,
+            "seconds": round(seconds, 3),
+            "bytes_read": read1 - read0,
+            "bytes_written": written1 - written0,
+            "checkpoint_bytes": size,
+        }
+    finally:
+        shutil.rmtree(path)
 
 
 def _sleep_wake(offload, rank_dir, model, optimizer, mode) -> dict:
@@ -160,7 +228,10 @@ def _sleep_wake(offload, rank_dir, model, optimizer, mode) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m greenroom.cli.bench.megatron", description=__doc__.splitlines()[0])
     configure_parser(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if args.mode == "stock" and "greenroom_streamed" in args.checkpoint:
+        parser.error("--checkpoint greenroom_streamed: the sidecar format is the streaming optimizer's (--mode stream)")
+    return run(args)
 
 
 if __name__ == "__main__":
