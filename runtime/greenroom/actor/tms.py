@@ -80,15 +80,16 @@ def released_by_pause(pause, resume, free_bytes, expected: int, samples: int = R
 def pause_lock(device):
     """Hold this user's lock for ``device`` (a file per device UUID, in a 0700 dir of
     the user's under the temp dir) while the block runs; where the dir is not this
-    user's or cannot be made, run unlocked (the lock only spares a false refusal)."""
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    user's or cannot be made, or the device has no properties to name it by, run unlocked
+    (the lock only spares a false refusal)."""
     directory = os.path.join(tempfile.gettempdir(), f"greenroom-{os.getuid()}")
     fd = -1
     try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         if os.lstat(directory).st_uid == os.getuid():
             fd = os.open(os.path.join(directory, f"pause-{uuid}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError:
+    except (OSError, RuntimeError, AssertionError):  # no such dir of ours, or no CUDA device
         fd = -1
     try:
         if fd >= 0:
