@@ -16,15 +16,15 @@ HOLDER = os.path.join(REPO, "tests", "rank_holder.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """``multigpu`` tests run only where ``-m`` asks for them: elsewhere they are
-    deselected (counted as such, never as passed or skipped), and where asked for on a
-    machine with too few GPUs they fail."""
+    """``multigpu`` tests run only where ``-m`` asks for them, and there fail on a machine
+    with too few GPUs. Elsewhere each is skipped with the reason in the summary (a skip,
+    not a deselection: under xdist the summary does not count deselected tests)."""
     if "multigpu" in (config.getoption("markexpr") or ""):
         return
-    kept = [item for item in items if item.get_closest_marker("multigpu") is None]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-        items[:] = kept
+    elsewhere = pytest.mark.skip(reason="needs a multi-GPU machine: run it there with pytest -m multigpu")
+    for item in items:
+        if item.get_closest_marker("multigpu") is not None:
+            item.add_marker(elsewhere)
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ A PP change needs megatron's pipeline schedule in the training step, which the s
 demo step does not run; the format's PP resharding is checked on gloo ranks by
 ``tests/megatron/test_mcore_format.py``.
 
-These tests are deselected unless ``-m`` names ``multigpu`` (tests/conftest.py), and
-then fail, not skip, on a machine with fewer than two GPUs.
+These tests are skipped, saying they need a multi-GPU machine, unless ``-m`` names
+``multigpu`` (tests/conftest.py), and then fail, not skip, on a machine with fewer than
+two GPUs.
 """
 
 import os
