@@ -25,6 +25,9 @@ def test_bench_node_reports_aggregate_spread_and_plan_per_rank_count(disk_dir, c
     )
     r = json.loads(proc.stdout)
     assert r["ranks"] == [1, 2] and [run["ranks"] for run in r["runs"]] == [1, 2]
+    # each N's aggregates reach stderr as it ends, so a run cut short keeps its figures so far
+    done = [line for line in proc.stderr.splitlines() if "bench node: " in line and " done, aggregate step " in line]
+    assert [line.split("bench node: ")[1].split(" rank")[0] for line in done] == ["1", "2"], proc.stderr
     raw = r["raw"]
     assert raw["bytes"] == SIZE and raw["read_bytes_per_s"] > 0 and raw["write_bytes_per_s"] > 0
     assert r["targets"] == {"vs_one_rank_at_least": 0.9, "spread_at_most": 1.1, "plan_within": 0.15}

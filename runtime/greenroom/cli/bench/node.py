@@ -60,8 +60,11 @@ from greenroom.devices import check_device_bytes, resolve_device
 from greenroom.dirs.roots import check_existing_root
 from greenroom.errors import ConfigError, GreenroomError
 from greenroom.io import fs
+from greenroom.log import get_logger
 from greenroom.optim.footprint import streamed_bytes_per_param
-from greenroom.units import parse_bytes, parse_count, positive_int
+from greenroom.units import parse_bytes, parse_count, positive_int, rate_text
+
+_log = get_logger(__name__)
 
 PHASES = ("step", "sleep", "wake")
 # The targets: the aggregate against one rank's, a rank's seconds against the
@@ -382,14 +385,22 @@ def measure(args: argparse.Namespace) -> dict:
     runs = []
     for n in args.ranks:
         ranks = _run_ranks(n, job, stream_args, offload_args)
+        phases = {name: _phase(ranks, name, raw, n) for name in PHASES}
         runs.append(
             {
                 "ranks": n,
-                "phases": {name: _phase(ranks, name, raw, n) for name in PHASES},
+                "phases": phases,
                 "bit_exact": all(r["bit_exact"] for r in ranks),
                 "o_direct": all(r["o_direct"] for r in ranks),
                 "rank_figures": ranks,
             }
+        )
+        # As each N ends: a run cut short (a time limit) still leaves its figures so far.
+        _log.info(
+            "bench node: %d rank%s done, aggregate %s",
+            n,
+            "" if n == 1 else "s",
+            ", ".join(f"{name} {rate_text(p['aggregate_bytes_per_s'])}" for name, p in phases.items()),
         )
     one = next(r for r in runs if r["ranks"] == 1)
     for run_n in runs:
