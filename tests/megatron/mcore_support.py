@@ -28,32 +28,25 @@ def spawn(fn, world: int, *args, cpu_save: bool = False) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; a rank's failure fails the call.
     The ranks fork from a fresh forkserver, not from pytest, whose other tests' I/O threads
     a fork would copy mid-lock. ``cpu_save``: ``stub_cuda_for_save`` in each rank."""
-    with socket.socket() as probe:  # a port free now: each spawn gets its own rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    mp.start_processes(_entry, args=(fn, world, port, args, cpu_save), nprocs=world, start_method="forkserver")
+    mp.start_processes(_entry, args=(fn, world, _free_port(), args, cpu_save), nprocs=world, start_method="forkserver")
 
 
 def spawn_nccl(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` NCCL ranks, rank r on GPU r; a rank's
     failure fails the call."""
+    mp.start_processes(_nccl_entry, args=(fn, world, _free_port(), args), nprocs=world, start_method="spawn")
+
+
+def _free_port() -> str:
+    """A port free now: each spawn gets its own rendezvous."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    mp.start_processes(_nccl_entry, args=(fn, world, port, args), nprocs=world, start_method="spawn")
+        return str(probe.getsockname()[1])
 
 
 def _nccl_entry(rank, fn, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    try:
-        fn(rank, world, *args)
-    except BaseException:
-        print(f"[rank {rank}]\n{traceback.format_exc()}", flush=True)
-        raise
-    finally:
-        dist.destroy_process_group()
+    _run_rank(rank, fn, world, port, args, "nccl", device_id=torch.device("cuda", rank))
 
 
 def stub_cuda_for_save() -> None:
@@ -69,8 +62,14 @@ def stub_cuda_for_save() -> None:
 def _entry(rank, fn, world, port, args, cpu_save):
     if cpu_save:
         stub_cuda_for_save()
+    _run_rank(rank, fn, world, port, args, "gloo")
+
+
+def _run_rank(rank, fn, world, port, args, backend, **init) -> None:
+    """Join the process group, run ``fn``, print its traceback (the parent only sees the
+    exit code) and leave the group whatever happened."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world, **init)
     try:
         fn(rank, world, *args)
     except BaseException:

@@ -55,7 +55,7 @@ def _resharded_resume(rank: int, world: int, disk_dir: str, save_tp: int, load_t
     from greenroom.dirs.rankdir import RankDir
     from greenroom.megatron import close, demo, streaming_members
     from tests.megatron.test_gpu import SIZE, _assert_same, _offload, _stock, _streamed
-    from tests.megatron.test_gpu_dist_ckpt import _assert_stock_same, _keep_torch_adams_step
+    from tests.megatron.test_gpu_dist_ckpt import _assert_stock_same, _load, _stock_resumed
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -67,15 +67,10 @@ def _resharded_resume(rank: int, world: int, disk_dir: str, save_tp: int, load_t
         dist_checkpointing.save(state, checkpoint)
 
     def load(model, optimizer, checkpoint):
-        model_sd = model.module.sharded_state_dict()
-        template = {
-            "model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(FULLY)),
-        }
-        loaded = dist_checkpointing.load(template, checkpoint)
-        model.module.load_state_dict(loaded["model"])
-        with torch.no_grad():  # test_gpu_dist_ckpt._load says why
-            optimizer.load_state_dict(loaded["optimizer"])
+        _load(model, optimizer, checkpoint, "fully_reshardable")
+
+    def stock_resumed(checkpoint):
+        return _stock_resumed(checkpoint, "fully_reshardable")
 
     def _assert_streaming_same(a_model, a_opt, b_model, b_opt):
         for (name, a), (_, b) in zip(a_model.named_parameters(), b_model.named_parameters()):
@@ -83,15 +78,6 @@ def _resharded_resume(rank: int, world: int, disk_dir: str, save_tp: int, load_t
         for a, b in zip(streaming_members(a_opt), streaming_members(b_opt)):
             for i in range(len(a.shard_entries)):
                 assert all(torch.equal(x, y) for x, y in zip(a.streamed_state(i), b.streamed_state(i)))
-
-    def stock_resumed(checkpoint):
-        # One step first: stock's sharded_state_dict asserts a step value its inner Adam
-        # has only after a step (test_gpu_dist_ckpt._stock_resumed says more).
-        model, optimizer = _stock()
-        demo.train_step(model, optimizer, SIZE, 0)
-        _keep_torch_adams_step(optimizer)
-        load(model, optimizer, checkpoint)
-        return model, optimizer
 
     stock_ckpt, streamed_ckpt = f"{disk_dir}/stock-ckpt", f"{disk_dir}/streamed-ckpt"
     if rank == 0:
