@@ -275,3 +275,39 @@ def member(directory, msd, model, moment_dtype, *, bucket_numel=None, align=1):
         chunk_bytes=1 << 20,
     )
     return opt, streamed, resident
+
+
+def by_param_of(model_sd) -> dict:
+    """The model's ShardedTensors by the id of the param they hold."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return {id(sh.data): sh for sh in nested_values(model_sd) if getattr(sh, "data", None) is not None}
+
+
+def saved_value(sharded, param, a: int, b: int, state: str, moment_dtype: str = "fp32") -> torch.Tensor:
+    """Elements ``[a, b)`` of ``param``'s saved ``state`` (``local_value``), as a run with
+    ``moment_dtype`` moments stores them: bf16 moments hold the bf16 values."""
+    value = local_value(sharded[id(param)], state)[a:b]
+    return value.bfloat16().float() if state != "param" and moment_dtype == "bf16" else value
+
+
+def assert_loaded(opt, streamed, resident, sharded, moment_dtype: str, step: int, lr: float) -> None:
+    """A whole load of the saved state into a ``member``: its step, its param group's lr
+    (and no ``step`` there), every streamed entry's master and moments (the checkpoint's
+    fp32 values, stored as this run's moment dtype stores them) and every resident shard
+    with its Adam state, each ``torch.equal`` to ``saved_value``."""
+    assert opt._failed is None and opt.streamed_steps == step
+    assert opt.optimizer.param_groups[0]["lr"] == lr and "step" not in opt.optimizer.param_groups[0]
+    for state in opt.store.stream():
+        for k, m, e, s in zip(
+            state.bucket.entries, state.views(state.master), state.views(state.exp_avg), state.views(state.exp_avg_sq)
+        ):
+            p, a, b = streamed[k]
+            for name, got in (("param", m), ("exp_avg", e), ("exp_avg_sq", s)):
+                assert torch.equal(got.float(), saved_value(sharded, p, a, b, name, moment_dtype)), (p.shape, name)
+    for shard, (p, a, b) in zip(opt.shard_fp32_groups[0], resident):
+        assert torch.equal(shard, saved_value(sharded, p, a, b, "param"))
+        saved = opt.resident_optimizer.state[shard]
+        assert float(saved["step"]) == step
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved[name], saved_value(sharded, p, a, b, name)), name

@@ -23,6 +23,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # no
 
 from greenroom.errors import CheckpointError  # noqa: E402
 from greenroom.megatron import dist_ckpt  # noqa: E402
+from tests.megatron.mcore_support import assert_loaded, by_param_of, saved_value  # noqa: E402
 
 PAD = 8  # each stand-in bucket is padded to a multiple of this times the DP size
 
@@ -199,19 +200,6 @@ def _member(directory, msd, model, moment_dtype):
     return member(directory, msd, model, moment_dtype)
 
 
-def _value(param, a, b, state, by_param, moment_dtype="fp32"):
-    from tests.megatron.mcore_support import local_value
-
-    value = local_value(by_param[id(param)], state)[a:b]
-    return value.bfloat16().float() if state != "param" and moment_dtype == "bf16" else value
-
-
-def _by_param(msd):
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    return {id(sh.data): sh for sh in nested_values(msd) if getattr(sh, "data", None) is not None}
-
-
 def _wired_save(rank, world, ckpt, work, moment_dtype):
     from megatron.core import dist_checkpointing
 
@@ -219,7 +207,7 @@ def _wired_save(rank, world, ckpt, work, moment_dtype):
 
     model = gpt(1, 1)
     msd = model.sharded_state_dict()
-    by_param = _by_param(msd)
+    by_param = by_param_of(msd)
     opt, streamed, resident = _member(os.path.join(work, f"save{rank}"), msd, model, moment_dtype)
 
     def fill(state):
@@ -228,15 +216,15 @@ def _wired_save(rank, world, ckpt, work, moment_dtype):
         ):
             p, a, b = streamed[k]
             for name, view in (("param", m), ("exp_avg", e), ("exp_avg_sq", s)):
-                view.copy_(_value(p, a, b, name, by_param))  # the store encodes the moments
+                view.copy_(saved_value(by_param, p, a, b, name))  # the store encodes the moments
 
     opt.store.overwrite(fill)
     for shard, (p, a, b) in zip(opt.shard_fp32_groups[0], resident):
-        shard.copy_(_value(p, a, b, "param", by_param))
+        shard.copy_(saved_value(by_param, p, a, b, "param"))
         opt.resident_optimizer.state[shard] = {
             "step": torch.tensor(float(SAVED_STEP)),
-            "exp_avg": _value(p, a, b, "exp_avg", by_param),
-            "exp_avg_sq": _value(p, a, b, "exp_avg_sq", by_param),
+            "exp_avg": saved_value(by_param, p, a, b, "exp_avg"),
+            "exp_avg_sq": saved_value(by_param, p, a, b, "exp_avg_sq"),
         }
     opt.streamed_steps = SAVED_STEP
     opt.optimizer.param_groups[0]["lr"] = SAVED_LR
@@ -251,7 +239,7 @@ def _wired_load(rank, world, ckpt, work, moment_dtype, saved_dtype):
 
     model = gpt(1, 1)
     msd = model.sharded_state_dict()
-    by_param = _by_param(msd)
+    by_param = by_param_of(msd)
     opt, streamed, resident = _member(os.path.join(work, f"load{rank}"), msd, model, moment_dtype)
     opt.store.initialize(lambda i: torch.zeros(opt.shard_entries[i].numel))
     opt._failed = "an earlier step() failed"  # a whole load cures the poison
@@ -269,22 +257,7 @@ def _wired_load(rank, world, ckpt, work, moment_dtype, saved_dtype):
         return
     opt.load_state_dict(loaded)
     assert os.listdir(staging) == []
-    assert opt._failed is None and opt.streamed_steps == SAVED_STEP
-    assert opt.optimizer.param_groups[0]["lr"] == SAVED_LR and "step" not in opt.optimizer.param_groups[0]
-    for state in opt.store.stream():
-        for k, m, e, s in zip(
-            state.bucket.entries, state.views(state.master), state.views(state.exp_avg), state.views(state.exp_avg_sq)
-        ):
-            p, a, b = streamed[k]
-            for name, got in (("param", m), ("exp_avg", e), ("exp_avg_sq", s)):
-                # the checkpoint's fp32 values, stored as this run's moment dtype stores them
-                assert torch.equal(got.float(), _value(p, a, b, name, by_param, moment_dtype)), (p.shape, name)
-    for shard, (p, a, b) in zip(opt.shard_fp32_groups[0], resident):
-        assert torch.equal(shard, _value(p, a, b, "param", by_param))
-        state = opt.resident_optimizer.state[shard]
-        assert float(state["step"]) == SAVED_STEP
-        for name in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(state[name], _value(p, a, b, name, by_param)), name
+    assert_loaded(opt, streamed, resident, by_param, moment_dtype, SAVED_STEP, SAVED_LR)
     opt.close()
 
 

@@ -34,7 +34,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # no
 
 from greenroom.errors import CheckpointError  # noqa: E402
 from greenroom.megatron import dp_format, mcore_format  # noqa: E402
-from tests.megatron.mcore_support import STATES, gpt, local_value, member, spawn  # noqa: E402
+from tests.megatron.mcore_support import STATES, assert_loaded, by_param_of, gpt, member, saved_value, spawn  # noqa: E402
 
 DP = {"distrib_optim_sharding_type": "dp_reshardable"}
 SAVED_STEP, SAVED_LR = 7, 5e-4
@@ -45,17 +45,6 @@ BUCKET_NUMEL, ALIGN = 1500, 32  # several buckets; 16-element params leave 16-el
 def cpu_save():
     """Whether the ranks stub the two CUDA-only calls of megatron-core 0.16.1's torch_dist save."""
     return not torch.cuda.is_available()
-
-
-def _by_param(msd):
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    return {id(sh.data): sh for sh in nested_values(msd) if getattr(sh, "data", None) is not None}
-
-
-def _value(by_param, param, a, b, state, moment_dtype="fp32"):
-    value = local_value(by_param[id(param)], state)[a:b]
-    return value.bfloat16().float() if state != "param" and moment_dtype == "bf16" else value
 
 
 def _streaming(rank, work, moment_dtype, bucket_numel=BUCKET_NUMEL, tp=1):
@@ -76,15 +65,15 @@ def _fill(opt, streamed, resident, by_param):
         ):
             p, a, b = streamed[k]
             for name, view in (("param", m), ("exp_avg", e), ("exp_avg_sq", s)):
-                view.copy_(_value(by_param, p, a, b, name))  # the store encodes the moments
+                view.copy_(saved_value(by_param, p, a, b, name))  # the store encodes the moments
 
     opt.store.overwrite(fill)
     for shard, (p, a, b) in zip(opt.shard_fp32_groups[0], resident):
-        shard.copy_(_value(by_param, p, a, b, "param"))
+        shard.copy_(saved_value(by_param, p, a, b, "param"))
         opt.resident_optimizer.state[shard] = {
             "step": torch.tensor(float(SAVED_STEP)),
-            "exp_avg": _value(by_param, p, a, b, "exp_avg"),
-            "exp_avg_sq": _value(by_param, p, a, b, "exp_avg_sq"),
+            "exp_avg": saved_value(by_param, p, a, b, "exp_avg"),
+            "exp_avg_sq": saved_value(by_param, p, a, b, "exp_avg_sq"),
         }
     opt.streamed_steps = SAVED_STEP
     opt.optimizer.param_groups[0]["lr"] = SAVED_LR
@@ -101,10 +90,10 @@ def _stock(opt, by_param, *, empty=False):
             for bucket in per_bucket:
                 for p, r in bucket["param_map"].items():
                     a, b = r["param"].start, r["param"].end
-                    owned[p] = {"param": torch.zeros(b - a) if empty else _value(by_param, p, a, b, "param")}
+                    owned[p] = {"param": torch.zeros(b - a) if empty else saved_value(by_param, p, a, b, "param")}
                     owned[p]["step"] = torch.tensor(float(SAVED_STEP))
                     for s in ("exp_avg", "exp_avg_sq"):
-                        owned[p][s] = torch.zeros(b - a) if empty else _value(by_param, p, a, b, s)
+                        owned[p][s] = torch.zeros(b - a) if empty else saved_value(by_param, p, a, b, s)
     inner = torch.optim.AdamW([torch.zeros(1)], lr=SAVED_LR)
     inner.state[inner.param_groups[0]["params"][0]] = {"step": torch.tensor(float(SAVED_STEP))}
     loaded = []
@@ -183,7 +172,7 @@ def _assert_like_stock(ours, stock, path="", padding=False):
 
 def _parity(rank, world, tp, work):
     _, msd, opt, streamed, resident = _streaming(rank, work, "fp32", tp=tp)
-    by_param = _by_param(msd)
+    by_param = by_param_of(msd)
     _fill(opt, streamed, resident, by_param)
     stock = _stock_sharded(_stock(opt, by_param)[0], msd)
     ours = opt.sharded_state_dict(msd, metadata=dict(DP))
@@ -215,21 +204,21 @@ def test_the_sharded_state_dict_is_stocks_dp_reshardable_one(disk_dir, world, tp
 # -- (ii) checkpoints across DP, between stock and streaming ----------------------------
 def _save_streamed(rank, world, ckpt, work, moment_dtype):
     _, msd, opt, streamed, resident = _streaming(rank, work, moment_dtype)
-    _fill(opt, streamed, resident, _by_param(msd))
+    _fill(opt, streamed, resident, by_param_of(msd))
     dist_checkpointing.save({"optimizer": opt.sharded_state_dict(msd, metadata=dict(DP))}, ckpt)
     opt.close()
 
 
 def _save_stock(rank, world, ckpt, work):
     _, msd, opt, _, _ = _streaming(rank, work, "fp32")
-    dist_checkpointing.save({"optimizer": _stock_sharded(_stock(opt, _by_param(msd))[0], msd)}, ckpt)
+    dist_checkpointing.save({"optimizer": _stock_sharded(_stock(opt, by_param_of(msd))[0], msd)}, ckpt)
     opt.close()
 
 
 def _load_stock(rank, world, ckpt, work, moment_dtype):
     """Stock's own template and load walk read the checkpoint."""
     _, msd, opt, _, _ = _streaming(rank, work, "fp32")
-    by_param = _by_param(msd)
+    by_param = by_param_of(msd)
     stub, loaded = _stock(opt, by_param, empty=True)
     state = dist_checkpointing.load({"optimizer": _stock_sharded(stub, msd, is_loading=True)}, ckpt)["optimizer"]
     assert state["param_state_sharding_type"] == "dp_reshardable"
@@ -242,14 +231,14 @@ def _load_stock(rank, world, ckpt, work, moment_dtype):
     for p, tensors in loaded:
         a, b = ranges[p]["param"].start, ranges[p]["param"].end
         for name in STATES:
-            want = _value(by_param, p, a, b, name, "fp32" if p is first else moment_dtype)
+            want = saved_value(by_param, p, a, b, name, "fp32" if p is first else moment_dtype)
             assert torch.equal(tensors[name], want), (p.shape, name)
     opt.close()
 
 
 def _load_streamed(rank, world, ckpt, work, moment_dtype, saved_dtype):
     _, msd, opt, streamed, resident = _streaming(rank, work, moment_dtype)
-    by_param = _by_param(msd)
+    by_param = by_param_of(msd)
     opt.store.initialize(lambda i: torch.zeros(opt.shard_entries[i].numel))
     opt._failed = "an earlier step() failed"  # a whole load cures the poison
     template = {"optimizer": opt.sharded_state_dict(msd, is_loading=True, metadata=dict(DP))}
@@ -270,21 +259,7 @@ def _load_streamed(rank, world, ckpt, work, moment_dtype, saved_dtype):
         return
     opt.load_state_dict(loaded)
     assert os.listdir(staging) == []
-    assert opt._failed is None and opt.streamed_steps == SAVED_STEP
-    assert opt.optimizer.param_groups[0]["lr"] == SAVED_LR and "step" not in opt.optimizer.param_groups[0]
-    for state in opt.store.stream():
-        for k, m, e, s in zip(
-            state.bucket.entries, state.views(state.master), state.views(state.exp_avg), state.views(state.exp_avg_sq)
-        ):
-            p, a, b = streamed[k]
-            for name, got in (("param", m), ("exp_avg", e), ("exp_avg_sq", s)):
-                assert torch.equal(got.float(), _value(by_param, p, a, b, name, moment_dtype)), (p.shape, name)
-    for shard, (p, a, b) in zip(opt.shard_fp32_groups[0], resident):
-        assert torch.equal(shard, _value(by_param, p, a, b, "param"))
-        state = opt.resident_optimizer.state[shard]
-        assert float(state["step"]) == SAVED_STEP
-        for name in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(state[name], _value(by_param, p, a, b, name)), name
+    assert_loaded(opt, streamed, resident, by_param, moment_dtype, SAVED_STEP, SAVED_LR)
     opt.close()
 
 
@@ -347,7 +322,7 @@ def _altered_buckets(rank, world, ckpt, work):
     assert os.listdir(os.path.join(opt._state_dir.path, "mcore-load")) == [] and opt.streamed_steps == 0
     for state in opt.store.stream():  # the live state is as it was
         assert not state.master.any() and not state.exp_avg.any()
-    stub, _ = _stock(opt, _by_param(msd), empty=True)
+    stub, _ = _stock(opt, by_param_of(msd), empty=True)
     with pytest.raises(AssertionError, match="Number of unpadded elements in each bucket"):
         DistributedOptimizer.load_parameter_state_from_dp_reshardable(stub, loaded["param_state"])
     opt.close()
