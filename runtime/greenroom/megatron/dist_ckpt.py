@@ -194,6 +194,12 @@ def release(opt) -> None:
             load.views.close()
 
 
+def save_ways(opt) -> dict[str, int] | None:
+    """How the last stock-format save froze the buckets: counts of ``link``, ``copy`` and
+    ``decode`` (``staging.SaveViews``); None when no save holds frozen maps."""
+    return None if opt._mcore_save is None else dict(opt._mcore_save.ways)
+
+
 class _Slices:
     """The flat fp32 tensor of each state of each param slice a format's pieces name:
     a view of the frozen (save) or staging (load) bucket maps for a streamed shard, the

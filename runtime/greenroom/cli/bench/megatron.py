@@ -15,7 +15,10 @@ sidecar format, whose bucket files ``greenroom.megatron.save_checkpoint`` writes
 it; stream mode only) through ``dist_checkpointing.save``, synchronously, into a dir of
 its own under ``--dir`` that it removes after: each save's seconds, the bytes the process
 read from and wrote to storage meanwhile (``/proc/self/io``, every thread) and the
-checkpoint's size.
+checkpoint's size; the seconds split into the state dict's build (where a stock format
+freezes each bucket: a link and a read against its checksums, or, for a bucket stored in
+frames or narrow moments, a decode into an fp32 file of its own, ``megatron.staging``) and
+megatron's write, with the count of buckets each way.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2)
     cliflags.disk_dir(parser, required=True, help="disk dir for the bucket files and the offload files")
     cliflags.moment_dtype(parser)
+    cliflags.compression(parser, help="lossless codec of the bucket files and the offload files")
     parser.add_argument("--offload", action="store_true", help="also time a sleep/wake cycle to disk")
     parser.add_argument(
         "--checkpoint",
@@ -87,6 +91,7 @@ def run(args) -> int:
         offload_train_disk_dir=args.dir,
         stream_optimizer_state_to_disk=args.mode == "stream",
         stream_optimizer_state_moment_dtype=args.moment_dtype,
+        offload_train_disk_compression=args.compression,
     )
     with RankDir(args.dir, role=f"bench-{args.mode}") as rank_dir:
         model = demo.build_model(size)
@@ -106,6 +111,7 @@ def run(args) -> int:
             "mode": args.mode,
             "params": params,
             "moment_dtype": args.moment_dtype,
+            "compression": args.compression,
             "init_seconds": round(init_seconds, 3),
             "init_peak_above_model_gib": _gib(torch.cuda.max_memory_allocated() - before_init),
             "after_init_above_model_gib": _gib(torch.cuda.memory_allocated() - before_init),
@@ -124,7 +130,9 @@ def run(args) -> int:
         result["step_peak_above_start_gib"] = max(s["above"] for s in steps)
         result["allocated_at_step_start_gib"] = steps[-1]["start"]
         if args.checkpoint:
-            result["checkpoints"] = [_timed_save(args.dir, kind, model, optimizer) for kind in args.checkpoint]
+            streamed = args.mode == "stream"
+            saves = [_timed_save(args.dir, k, model, optimizer, streamed=streamed) for k in args.checkpoint]
+            result["checkpoints"] = saves
         if args.offload:
             result.update(_sleep_wake(offload, rank_dir, model, optimizer, args.mode))
         if args.mode == "stream":
@@ -164,10 +172,10 @@ def _storage_io() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def _timed_save(root: str, kind: str, model, optimizer) -> dict:
+def _timed_save(root: str, kind: str, model, optimizer, *, streamed: bool) -> dict:
     from megatron.core import dist_checkpointing
 
-    from greenroom.megatron import save_checkpoint
+    from greenroom.megatron import dist_ckpt, save_checkpoint, streaming_members
 
     path = os.path.join(root, f"bench-checkpoint-{kind}-{os.getpid()}")
     os.makedirs(path)
@@ -177,21 +185,28 @@ def _timed_save(root: str, kind: str, model, optimizer) -> dict:
         t0 = time.perf_counter()
         model_sd = model.module.sharded_state_dict()
         metadata = {"distrib_optim_sharding_type": kind}
-        dist_checkpointing.save(
-            {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}, path
-        )
+        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
+        t1 = time.perf_counter()
+        dist_checkpointing.save(state, path)
         if kind == "greenroom_streamed":
             save_checkpoint(optimizer, path)
-        seconds = time.perf_counter() - t0
+        t2 = time.perf_counter()
         read1, written1 = _storage_io()
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-        return {
+        record = {
             "kind": kind,
-            "seconds": round(seconds, 3),
+            "seconds": round(t2 - t0, 3),
+            "state_dict_seconds": round(t1 - t0, 3),
+            "write_seconds": round(t2 - t1, 3),
             "bytes_read": read1 - read0,
             "bytes_written": written1 - written0,
             "checkpoint_bytes": size,
         }
+        members = streaming_members(optimizer) if streamed else []
+        ways = [w for w in map(dist_ckpt.save_ways, members) if w is not None]
+        if ways:  # how a stock format's state dict froze each bucket (``megatron.staging``)
+            record["buckets_by"] = {w: sum(d[w] for d in ways) for w in ways[0]}
+        return record
     finally:
         shutil.rmtree(path)
 
