@@ -26,21 +26,28 @@ def test_bench_node_reports_aggregate_spread_and_plan_per_rank_count(disk_dir, c
     r = json.loads(proc.stdout)
     assert r["ranks"] == [1, 2] and [run["ranks"] for run in r["runs"]] == [1, 2]
     # each N's aggregates reach stderr as it ends, so a run cut short keeps its figures so far
-    done = [line for line in proc.stderr.splitlines() if "bench node: " in line and " done, aggregate step " in line]
+    done = [line for line in proc.stderr.splitlines() if "bench node: " in line and " done, raw read " in line]
     assert [line.split("bench node: ")[1].split(" rank")[0] for line in done] == ["1", "2"], proc.stderr
-    raw = r["raw"]
-    assert raw["bytes"] == SIZE and raw["read_bytes_per_s"] > 0 and raw["write_bytes_per_s"] > 0
+    assert all("; step " in line and ", plan/measured " in line for line in done), proc.stderr
+    # One probe per rank count, at its concurrency: --raw-size per rank, reads beside writes.
+    for run in r["runs"]:
+        raw = run["raw"]
+        assert raw["bytes"] == SIZE * run["ranks"] and raw["read_bytes_per_s"] > 0 and raw["write_bytes_per_s"] > 0
+        assert raw["mixed_read_bytes_per_s"] > 0 and raw["mixed_write_bytes_per_s"] > 0
+    assert r["raw"] == r["runs"][0]["raw"]
     assert r["targets"] == {"vs_one_rank_at_least": 0.9, "spread_at_most": 1.1, "plan_within": 0.15}
     aggregate_one = {}
     for run in r["runs"]:
-        n = run["ranks"]
+        n, raw = run["ranks"], run["raw"]
         ranks = run["rank_figures"]
         assert len(ranks) == n and run["bit_exact"]
         for rank in ranks:
             assert [len(rank[p]) for p in ("step", "sleep", "wake")] == [2, 2, 2]  # --steps 2, --cycles 2
-            # The first step reads every bucket; every sleep writes the whole actor (no codec)
-            # and every wake reads it back.
+            # The first step reads every bucket; the second moves the 3 of 4 buckets it does
+            # not keep each way. Every sleep writes the whole actor (no codec) and every wake
+            # reads it back.
             assert rank["step"][0]["read"] == rank["state_bytes"] > 0
+            assert rank["step"][1]["read"] == rank["step"][1]["written"] == rank["state_bytes"] * 3 // 4
             assert all(c["written"] == SIZE and c["read"] == 0 for c in rank["sleep"])
             assert all(c["read"] == SIZE and c["written"] == 0 for c in rank["wake"])
         for name in ("step", "sleep", "wake"):
@@ -60,14 +67,16 @@ def test_bench_node_reports_aggregate_spread_and_plan_per_rank_count(disk_dir, c
             assert close(p["spread"], max(rank_seconds) / mean)
             bound = read / raw["read_bytes_per_s"] + written / raw["write_bytes_per_s"]
             assert close(p["disk_bound_seconds"], bound) and close(p["of_disk_bound"], bound / wall)
-            # What `greenroom plan` says of N ranks on this disk: each rank gets 1/N of
-            # the probe's rates; a step reads and writes back its streamed bytes, a sleep
-            # writes the actor's stored bytes and a wake reads them.
+            # What `greenroom plan --measure-disk` says of N ranks on this disk: each rank
+            # gets 1/N of N's probe's rates; a step reads and writes back its streamed bytes
+            # at once, at the mixed rates; a sleep writes the actor's stored bytes and a wake
+            # reads them.
             per_rank = (read + written) / 2 / (2 * n) if name == "step" else (read + written) / (2 * n)
             assert close(p["plan_bytes_per_rank"], per_rank)
             rate_read, rate_write = raw["read_bytes_per_s"] / n, raw["write_bytes_per_s"] / n
+            mixed_read, mixed_write = raw["mixed_read_bytes_per_s"] / n, raw["mixed_write_bytes_per_s"] / n
             expected = {
-                "step": per_rank / rate_read + per_rank / rate_write,
+                "step": max(per_rank / mixed_read, per_rank / mixed_write),
                 "sleep": per_rank / rate_write,
                 "wake": per_rank / rate_read,
             }[name]

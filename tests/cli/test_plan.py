@@ -234,11 +234,14 @@ def test_a_plan_of_fewer_params_than_model_parallel_ranks_reports_instead_of_div
 
 
 def test_plan_measures_the_disk_when_asked(disk_dir):
-    """``--measure-disk`` runs doctor's probe on the disk dir; the seconds follow from it."""
+    """``--measure-disk`` runs doctor's probe on the disk dir at the node's rank count; the
+    seconds follow from it, the step from the rates of reads and writes at once."""
     proc = greenroom(
         "plan",
         "--params",
         "1e6",
+        "--world-size",
+        "2",
         "--offload-train",
         "--offload-train-target",
         "disk",
@@ -252,12 +255,16 @@ def test_plan_measures_the_disk_when_asked(disk_dir):
         check_rc=0,
     )
     p = json.loads(proc.stdout)
-    assert p["disk_gbps"]["source"] == "measured" and p["disk_gbps"]["read"] > 0
+    d = p["disk_gbps"]
+    assert d["source"] == "measured" and d["read"] > 0 and d["mixed_read"] > 0 and d["mixed_write"] > 0
     read, write = p["seconds"]["read_bytes_per_s_per_rank"], p["seconds"]["write_bytes_per_s_per_rank"]
-    # 1e6 bf16 params: 10.014 MB streamed per step each way (masters as remainders); 4 MB
-    # of weights and grads per sleep.
+    # Two ranks on the node share its rates.
+    assert read == pytest.approx(d["read"] * 1e9 / 2) and write == pytest.approx(d["write"] * 1e9 / 2)
+    # 1e6 bf16 params on each of the 2 data-parallel ranks: 10.014 MB streamed per step each
+    # way (masters as remainders), read and written at once; 4 MB of weights and grads per sleep.
     step = int(1e6 * REMAINDER_12)
-    assert p["seconds"]["streamed_step"] == pytest.approx(step / read + step / write)
+    mixed_read, mixed_write = d["mixed_read"] * 1e9 / 2, d["mixed_write"] * 1e9 / 2
+    assert p["seconds"]["streamed_step"] == pytest.approx(max(step / mixed_read, step / mixed_write))
     assert p["seconds"]["sleep"] == pytest.approx(4e6 / write) and p["seconds"]["wake"] == pytest.approx(4e6 / read)
 
 

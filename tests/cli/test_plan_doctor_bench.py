@@ -166,6 +166,18 @@ def test_doctor_on_a_real_disk_and_on_a_missing_dir(disk_dir):
     assert "is not a directory" in one_line_error(greenroom("doctor", os.path.join(disk_dir, "nope")))
 
 
+def test_doctor_probes_at_the_concurrency_of_the_ranks_that_will_share_the_disk(disk_dir):
+    """``--ranks N``: the node's rates for ``plan --nproc-per-node N``, mixed ones included,
+    and the advice names that rank count; the probe leaves nothing in DIR."""
+    result = json.loads(greenroom("doctor", disk_dir, "--ranks", "3", "--json", check_rc=0).stdout)
+    assert result["ranks"] == 3 and result["read_gbps"] > 0 and result["write_gbps"] > 0
+    assert result["mixed_read_gbps"] > 0 and result["mixed_write_gbps"] > 0
+    out = greenroom("doctor", disk_dir, "--ranks", "3", check_rc=0).stdout
+    assert "(quick probe, 3 ranks at once; greenroom plan --nproc-per-node 3 --disk-read-gbps " in out
+    assert os.listdir(disk_dir) == []
+    assert "--ranks" in one_line_error(greenroom("doctor", disk_dir, "--ranks", "0"))
+
+
 def test_doctor_flags_tmpfs():
     from greenroom.io import fs
 

@@ -185,6 +185,21 @@ def asleep_device_bytes(rank: dict, config: OffloadFlags) -> float:
     return rank["gpu"]["with_streaming" if config.stream_optimizer_state_to_disk else "without_streaming"]
 
 
+# Note [node probe]
+# ~~~~~~~~~~~~~~~~~
+# A node's ranks share its disk, so plan gives each rank 1/N of the node's rates. Those rates
+# must be the node's at N ranks' concurrency: a single-rank probe keeps 4 requests in flight,
+# and a disk that serves more at once gives N ranks more than that probe shows (an H100's
+# virtual disk: 1.74 GB/s written by one probe, 2.81 GB/s by 8 ranks sleeping at once,
+# docs/benchmarks.md "Several ranks on one disk"). ``plan --measure-disk`` and
+# ``bench node`` probe with ``bench.disk.node_bandwidth`` at the node's rank count, mixed
+# reads and writes included; a streamed step reads its next buckets while it writes back the
+# last ones, so where those mixed rates are known the step is the larger of its reads at the
+# mixed read rate and its writes at the mixed write rate (``bench stream``'s overlapped
+# bound). Rates given by hand have no mixed figure: the step is then its reads and writes one
+# after the other, an upper end.
+
+
 def seconds(
     rank: dict,
     *,
@@ -193,10 +208,12 @@ def seconds(
     write_gbps: float | None,
     offload_to_disk: bool,
     streaming: bool,
+    mixed_gbps: tuple[float, float] | None = None,
 ) -> dict:
     """Expected seconds from the node's disk figures, shared by the node's ranks: a
-    streamed step reads and writes back its buckets (through the one disk, so the two
-    add up; with ``streaming``), a sleep writes the paused actor, a wake reads it."""
+    streamed step reads and writes back its buckets (with ``streaming``; at once at the
+    ``mixed_gbps`` read and write rates where given, else one after the other), a sleep
+    writes the paused actor, a wake reads it (Note [node probe])."""
     if read_gbps is None or write_gbps is None:
         return {}
     read = read_gbps * 1e9 / nproc_per_node
@@ -204,7 +221,13 @@ def seconds(
     step = rank["streamed_per_step"]
     out = {"read_bytes_per_s_per_rank": read, "write_bytes_per_s_per_rank": write}
     if streaming:  # without it no step streams: no "streamed step 0.0 s"
-        out["streamed_step"] = step / read + step / write if step else 0.0
+        if not step:
+            out["streamed_step"] = 0.0
+        elif mixed_gbps is not None:
+            mixed_read, mixed_write = (g * 1e9 / nproc_per_node for g in mixed_gbps)
+            out["streamed_step"] = max(step / mixed_read, step / mixed_write)
+        else:
+            out["streamed_step"] = step / read + step / write
     if offload_to_disk:
         out.update(sleep=rank["paused_actor_stored"] / write, wake=rank["paused_actor_stored"] / read)
     return out

@@ -110,7 +110,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
-def _disk_figures(args: argparse.Namespace, config: OffloadFlags) -> tuple[tuple[float, float] | None, str]:
+def _disk_figures(
+    args: argparse.Namespace, config: OffloadFlags, nproc_per_node: int
+) -> tuple[tuple[float, float] | None, tuple[float, float] | None, str]:
+    """The node's read and write GB/s, its mixed ones (measured only) and their source."""
     given = (args.disk_read_gbps, args.disk_write_gbps)
     if args.measure_disk:
         if any(given):
@@ -121,11 +124,15 @@ def _disk_figures(args: argparse.Namespace, config: OffloadFlags) -> tuple[tuple
             raise ValueError("--measure-disk needs an existing --offload-train-disk-dir (and a mechanism that uses it)")
         from greenroom.cli.doctor import probe
 
-        bandwidth = probe(config.offload_train_disk_dir)
-        return (bandwidth.read_bytes_per_s / GB, bandwidth.write_bytes_per_s / GB), "measured"
+        # At the node's concurrency: its ranks share the disk (budget Note [node probe]).
+        b = probe(config.offload_train_disk_dir, ranks=nproc_per_node)
+        mixed = None
+        if b.mixed_read_bytes_per_s and b.mixed_write_bytes_per_s:
+            mixed = (b.mixed_read_bytes_per_s / GB, b.mixed_write_bytes_per_s / GB)
+        return (b.read_bytes_per_s / GB, b.write_bytes_per_s / GB), mixed, "measured"
     if (given[0] is None) != (given[1] is None):
         raise ValueError("--disk-read-gbps and --disk-write-gbps go together: give both")
-    return (given if given[0] is not None else None), "given"
+    return (given if given[0] is not None else None), None, "given"
 
 
 def _config(args: argparse.Namespace) -> OffloadFlags:
@@ -147,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         sharding=args.sharding,
         param_dtype=args.param_dtype,
     )
-    disk_gbps, source = _disk_figures(args, config)
+    disk_gbps, mixed_gbps, source = _disk_figures(args, config, layout.nproc_per_node)
     plan = build_plan(
         config,
         layout,
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_gb=args.gpu_memory_gb,
         host_memory_gb=args.host_memory_gb,
         disk_gbps=disk_gbps,
+        mixed_gbps=mixed_gbps,
         disk_source=source,
         cuda_context_gb=args.cuda_context_gb,
         nccl_gb=args.nccl_gb,

@@ -44,6 +44,7 @@ def build_plan(
     gpu_memory_gb: float | None = None,
     host_memory_gb: float | None = None,
     disk_gbps: tuple[float, float] | None = None,
+    mixed_gbps: tuple[float, float] | None = None,
     disk_source: str = "given",
     cuda_context_gb: float = DEFAULT_CUDA_CONTEXT_GB,
     nccl_gb: float = DEFAULT_NCCL_GB,
@@ -94,7 +95,17 @@ def build_plan(
         plan["fits_gpu"] = {way: need <= gpu_memory_gb * GB for way, need in rank["gpu"].items()}
     plan["rollout"] = _rollout(rank, config, plan["gpu_memory"], cuda_context_gb, nccl_gb)
     plan["disk_gbps"] = (
-        None if disk_gbps is None else {"read": disk_gbps[0], "write": disk_gbps[1], "source": disk_source}
+        None
+        if disk_gbps is None
+        else {
+            "read": disk_gbps[0],
+            "write": disk_gbps[1],
+            # Reads and writes at once (a streamed step's), probed at the node's concurrency:
+            # measured only (budget Note [node probe]).
+            "mixed_read": mixed_gbps and mixed_gbps[0],
+            "mixed_write": mixed_gbps and mixed_gbps[1],
+            "source": disk_source,
+        }
     )
     plan["seconds"] = seconds(
         rank,
@@ -103,6 +114,7 @@ def build_plan(
         write_gbps=disk_gbps and disk_gbps[1],
         offload_to_disk=config.offload_to_disk,
         streaming=config.stream_optimizer_state_to_disk,
+        mixed_gbps=mixed_gbps,
     )
     if config.stream_optimizer_state_to_disk:
         moments = config.stream_optimizer_state_moment_dtype

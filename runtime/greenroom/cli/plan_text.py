@@ -72,11 +72,18 @@ def print_plan(plan: dict) -> None:
     s = plan["seconds"]
     if s:
         d = plan["disk_gbps"]
-        parts = ([f"streamed step {s['streamed_step']:.1f} s"] if "streamed_step" in s else []) + (
+        overlap = "its reads and writes at once" if d["mixed_read"] else "its reads, then its writes"
+        parts = ([f"streamed step {s['streamed_step']:.1f} s ({overlap})"] if "streamed_step" in s else []) + (
             [f"sleep {s['sleep']:.1f} s, wake {s['wake']:.1f} s"] if "sleep" in s else []
         )
+        how = d["source"]
+        if d["mixed_read"]:
+            how = (
+                f"{d['mixed_read']:.2f}/{d['mixed_write']:.2f} at once; {d['source']} at "
+                f"{plan['nproc_per_node']} rank(s)' concurrency"
+            )
         print(
-            f"time:       disk {d['read']:g}/{d['write']:g} GB/s read/write per node ({d['source']}): "
+            f"time:       disk {d['read']:g}/{d['write']:g} GB/s read/write per node ({how}): "
             + (", ".join(parts) or "nothing of this plan moves through the disk")
         )
     d = plan["disk_bytes_per_rank"]

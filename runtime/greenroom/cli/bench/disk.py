@@ -36,6 +36,8 @@ RAW_BLOCK = 64 * MIB
 # --depth past this measures thread scheduling more than the disk (2 I/O threads per buffer).
 MAX_DEPTH = 64
 RAW_THREADS = 4
+# The node probe's ceiling: 16 ranks' worth of threads, past what a node's ranks keep in flight.
+MAX_RAW_THREADS = 64
 
 
 @dataclass
@@ -114,6 +116,20 @@ def raw_bandwidth(
         # Gone already where a SIGTERM's exit wiped the rank dir the probe ran in.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def node_bandwidth(directory: str, size_per_rank: int, ranks: int) -> Bandwidth:
+    """The disk as ``ranks`` ranks of one node see it together: ``raw_bandwidth`` of
+    ``ranks`` times the bytes with ``RAW_THREADS`` requests in flight per rank, mixed
+    included (a streamed step reads and writes at once). One rank's engines keep 4-8
+    requests in flight, and a disk that serves more at once (NVMe, a virtual disk) gives the
+    node more than one rank's probe shows, so a node's figures come from a probe at its
+    own concurrency (Note [node probe] in ``greenroom.cli.budget``)."""
+    threads = min(RAW_THREADS * ranks, MAX_RAW_THREADS)
+    # A rank's share in RAW_THREADS requests or more, so every thread has one and half
+    # of them read while the others write.
+    block = raw_block(max(size_per_rank // RAW_THREADS, ALIGNMENT))
+    return raw_bandwidth(directory, align_up(size_per_rank, block) * ranks, threads=threads, block=block, mixed=True)
 
 
 def engine_bandwidth(

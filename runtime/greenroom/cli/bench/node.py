@@ -11,22 +11,27 @@ measurements as their ``barrier`` hook) starts every timed step, sleep and wake 
 rank together and ends it before any rank goes on, so the ranks really share the disk in
 each timed phase and no rank's own probe or setup lands in another's phase.
 
-The disk's bound is one raw probe (``greenroom.cli.bench.disk.raw_bandwidth``, ``--raw-size``
-each way) the parent takes before any rank starts. For each N and each phase (``step``,
-``sleep``, ``wake``) the bench reports:
+Each rank's state is cut into ``STEP_BUCKETS`` buckets, so that every step after the first
+moves all but the one it keeps on the device each way (with one bucket, kept, a later step
+would move nothing). The disk's bound for N is a raw probe at N ranks' concurrency
+(``greenroom.cli.bench.disk.node_bandwidth``: ``--raw-size`` per rank each way, 4 requests
+in flight per rank, and reads beside writes) the parent takes before that run's ranks start
+(``greenroom.cli.budget`` Note [node probe]). For each N and each phase (``step``, ``sleep``,
+``wake``) the bench reports:
 
 - ``aggregate_bytes_per_s``: the bytes every rank moved through the disk in the phase
   (stored bytes: a step's reads and writes, a sleep's writes, a wake's reads), over
   ``wall_seconds``, the sum over the phase's instances (each step, each cycle's sleep or
   wake) of the slowest rank's seconds in it (the barrier starts them together, so the
   slowest rank's seconds are the node's);
-- ``of_disk_bound``: the raw seconds of the same bytes (reads at the probe's read rate,
+- ``of_disk_bound``: the raw seconds of the same bytes (reads at N's probe's read rate,
   writes at its write rate) over ``wall_seconds``, 1 = the disk's own speed;
 - ``vs_one_rank``: the aggregate over the N=1 aggregate of the same run (target >= 0.9);
 - ``rank_seconds`` (each rank's seconds summed over the instances), ``rank_over_mean``
   (each over their mean) and ``spread``, the largest of those (target <= 1.10);
-- ``plan_seconds``: what ``greenroom plan`` predicts for one instance with N ranks on the
-  node (``greenroom.cli.budget.seconds``, ``nproc_per_node=N``, the probe's rates), given
+- ``plan_seconds``: what ``greenroom plan --measure-disk`` predicts for one instance with N
+  ranks on the node (``greenroom.cli.budget.seconds``, ``nproc_per_node=N``, N's probe's
+  rates, the step at its mixed ones), given
   the per-rank bytes measured (``plan_bytes_per_rank``: the mean of a step's read and
   written bytes, plan's streamed bytes per step; the stored bytes of a sleep, plan's paused
   actor), beside ``measured_seconds`` (``wall_seconds`` over the instances) and their ratio
@@ -76,6 +81,9 @@ PLAN_WITHIN = 0.15
 MAX_RANKS = 64
 # What the ranks' own stream measurement probes (its figures are not used here).
 RANK_RAW_SIZE = "1MiB"
+# Buckets (and param tensors) per rank's state: a step keeps one on the device, so a later
+# step moves 3 of 4.
+STEP_BUCKETS = 4
 
 
 def rank_counts(text: str) -> list[int]:
@@ -125,8 +133,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--raw-size",
         type=parse_bytes,
-        default=2 << 30,
-        help="bytes the parent's raw disk probe moves each way, once before the ranks (default 2GiB)",
+        default=1 << 30,
+        help="bytes per rank the parent's raw disk probe moves each way before each rank count's run (default 1GiB)",
     )
     parser.add_argument(
         "--io-only",
@@ -145,6 +153,10 @@ def _rank_argv(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         args.dir,
         "--params",
         str(args.params),
+        "--bucket-numel",
+        str(-(-args.params // STEP_BUCKETS)),
+        "--param-numel",  # a param fills a bucket of its own: no param is larger than one
+        str(-(-args.params // STEP_BUCKETS)),
         "--steps",
         str(args.steps),
         "--moment-dtype",
@@ -207,9 +219,9 @@ def _validate(args: argparse.Namespace) -> None:
     check_disk_bytes(
         "bench node --ranks",
         f"{most} (each {args.params} params, a {fs.human_bytes(args.size)} actor)",
-        max(most * per_rank, align_up(args.raw_size, raw_block(args.raw_size))),
+        most * max(per_rank, align_up(args.raw_size, raw_block(args.raw_size))),
         args.dir,
-        counted=f"{most} ranks' bucket files, or their offload files and probes",
+        counted=f"{most} ranks' bucket files, their offload files and probes, or the parent's probe for {most}",
     )
     if args.device == "cuda":  # on the CPU each rank checks its own host memory as it starts
         check_device_bytes(
@@ -341,6 +353,7 @@ def _phase(ranks: list[dict], name: str, raw, n: int) -> dict:
         write_gbps=raw.write_bytes_per_s / 1e9,
         offload_to_disk=True,
         streaming=True,
+        mixed_gbps=(raw.mixed_read_bytes_per_s / 1e9, raw.mixed_write_bytes_per_s / 1e9),
     )["streamed_step" if name == "step" else name]
     measured = wall / instances
     plan_ratio = predicted / measured if plan_bytes else None
@@ -370,25 +383,37 @@ def _phase(ranks: list[dict], name: str, raw, n: int) -> dict:
     }
 
 
+def _raw(b) -> dict:
+    return {
+        "read_bytes_per_s": b.read_bytes_per_s,
+        "write_bytes_per_s": b.write_bytes_per_s,
+        "mixed_read_bytes_per_s": b.mixed_read_bytes_per_s,
+        "mixed_write_bytes_per_s": b.mixed_write_bytes_per_s,
+        "o_direct": b.o_direct,
+        "bytes": b.nbytes,
+    }
+
+
 def measure(args: argparse.Namespace) -> dict:
     from greenroom.cli.bench import offload, stream
-    from greenroom.cli.bench.disk import raw_bandwidth
+    from greenroom.cli.bench.disk import node_bandwidth
     from greenroom.dirs.names import job_id
     from greenroom.dirs.rankdir import RankDir
 
     stream_argv, offload_argv = _rank_argv(args)
     stream_args, offload_args = _parsed(stream, stream_argv), _parsed(offload, offload_argv)
     cliflags.resolve_master_layout(stream_args, "bench node")
-    with RankDir(args.dir, role="bench-node") as probe_dir:
-        raw = raw_bandwidth(probe_dir.path, args.raw_size)
     job = job_id()
     runs = []
     for n in args.ranks:
+        with RankDir(args.dir, role="bench-node") as probe_dir:
+            raw = node_bandwidth(probe_dir.path, args.raw_size, n)
         ranks = _run_ranks(n, job, stream_args, offload_args)
         phases = {name: _phase(ranks, name, raw, n) for name in PHASES}
         runs.append(
             {
                 "ranks": n,
+                "raw": _raw(raw),
                 "phases": phases,
                 "bit_exact": all(r["bit_exact"] for r in ranks),
                 "o_direct": all(r["o_direct"] for r in ranks),
@@ -397,10 +422,16 @@ def measure(args: argparse.Namespace) -> dict:
         )
         # As each N ends: a run cut short (a time limit) still leaves its figures so far.
         _log.info(
-            "bench node: %d rank%s done, aggregate %s",
+            "bench node: %d rank%s done, raw read %s, write %s; %s",
             n,
             "" if n == 1 else "s",
-            ", ".join(f"{name} {rate_text(p['aggregate_bytes_per_s'])}" for name, p in phases.items()),
+            rate_text(raw.read_bytes_per_s),
+            rate_text(raw.write_bytes_per_s),
+            "; ".join(
+                f"{name} {rate_text(p['aggregate_bytes_per_s'])}, spread {p['spread']:.3f}, "
+                f"plan/measured {p['plan_ratio'] or 0:.2f}"
+                for name, p in phases.items()
+            ),
         )
     one = next(r for r in runs if r["ranks"] == 1)
     for run_n in runs:
@@ -420,12 +451,7 @@ def measure(args: argparse.Namespace) -> dict:
         "cycles": args.cycles,
         "io_only": args.io_only,
         "compression": runs[0]["rank_figures"][0]["compression"],
-        "raw": {
-            "read_bytes_per_s": raw.read_bytes_per_s,
-            "write_bytes_per_s": raw.write_bytes_per_s,
-            "o_direct": raw.o_direct,
-            "bytes": raw.nbytes,
-        },
+        "raw": one["raw"],  # one rank's probe; each run holds its own
         "targets": {
             "vs_one_rank_at_least": AT_LEAST_VS_ONE_RANK,
             "spread_at_most": AT_MOST_SPREAD,

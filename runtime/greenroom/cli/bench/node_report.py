@@ -1,5 +1,5 @@
-"""The text report of ``greenroom bench node`` (``greenroom.cli.bench.node``): the raw
-probe, the targets, and one line per rank count and phase with a verdict per target.
+"""The text report of ``greenroom bench node`` (``greenroom.cli.bench.node``): each rank
+count's raw probe, the targets, and one line per rank count and phase with a verdict per target.
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ def print_text(r: dict) -> None:
         f"{r['steps']} steps{', I/O only' if r['io_only'] else ''}) and a {size_text(r['actor_bytes_per_rank'])} "
         f"actor ({r['cycles']} sleep/wake cycles); {r['compression']}"
     )
-    raw = r["raw"]
-    print(
-        f"raw disk, probed once before the ranks ({size_text(raw['bytes'])} each way): read "
-        f"{rate_text(raw['read_bytes_per_s'])}, write {rate_text(raw['write_bytes_per_s'])}"
-    )
+    for run_n in r["runs"]:
+        raw = run_n["raw"]
+        print(
+            f"raw disk for {run_n['ranks']} rank(s), probed at their concurrency before they start "
+            f"({size_text(raw['bytes'])} each way): read {rate_text(raw['read_bytes_per_s'])}, write "
+            f"{rate_text(raw['write_bytes_per_s'])}; at once {rate_text(raw['mixed_read_bytes_per_s'])} and "
+            f"{rate_text(raw['mixed_write_bytes_per_s'])}"
+        )
     t = r["targets"]
     print(
         f"targets: aggregate >= {t['vs_one_rank_at_least']:.2f} of one rank's, no rank over "
