@@ -202,7 +202,8 @@ def _timed_save(root: str, kind: str, model, optimizer, *, streamed: bool) -> di
             "bytes_written": written1 - written0,
             "checkpoint_bytes": size,
         }
-        members = streaming_members(optimizer) if streamed else []
+        # The sidecar format freezes nothing: a stock save's maps may still be held from before.
+        members = streaming_members(optimizer) if streamed and kind != "greenroom_streamed" else []
         ways = [w for w in map(dist_ckpt.save_ways, members) if w is not None]
         if ways:  # how a stock format's state dict froze each bucket (``megatron.staging``)
             record["buckets_by"] = {w: sum(d[w] for d in ways) for w in ways[0]}
