@@ -428,8 +428,8 @@ def measure(args: argparse.Namespace) -> dict:
             rate_text(raw.read_bytes_per_s),
             rate_text(raw.write_bytes_per_s),
             "; ".join(
-                f"{name} {rate_text(p['aggregate_bytes_per_s'])}, spread {p['spread']:.3f}, "
-                f"plan/measured {p['plan_ratio'] or 0:.2f}"
+                f"{name} {rate_text(p['aggregate_bytes_per_s'])}, spread {p['spread']:.3f}, plan/measured "
+                + ("-" if p["plan_ratio"] is None else f"{p['plan_ratio']:.2f}")
                 for name, p in phases.items()
             ),
         )
