@@ -138,9 +138,10 @@ def _chunk_starts(record: list, step: int) -> list:
 
 
 def test_a_file_of_chunks_stored_at_their_own_places_still_reads(tmp_path, zstd, monkeypatch):
-    # The layout before compact transfers (Note [compact transfers]): every chunk's frames
-    # from the chunk's own place, a gap after each. MAX_SHIFT 0 writes exactly that; a
-    # reader of any staging size reads it back (files and checkpoints of earlier runs).
+    # The layout before compact transfers (Note [compact transfers] of
+    # greenroom.io.frame_layout): every chunk's frames from the chunk's own place, a gap
+    # after each. MAX_SHIFT 0 writes exactly that; a reader of any staging size reads it
+    # back (files and checkpoints of earlier runs).
     t = compressible(torch.bfloat16, 7 * EXTENT // 2 + 1234)
     monkeypatch.setattr(frame_layout, "MAX_SHIFT", 0)
     with StateFile(str(tmp_path / "state"), t.numel() * 2, compression=zstd, checksums="file") as f:
@@ -200,10 +201,10 @@ def test_a_failed_chunk_fails_the_transfer_and_the_chunks_after_it_are_still_pla
 
 
 def test_a_unit_rewritten_with_a_new_stored_size_leaves_its_neighbours_bytes(tmp_path, zstd):
-    # Note [compact transfers]: each unit's stored bytes start at its slot and stay inside
-    # it, so the middle unit going from compressible to incompressible (its stored bytes
-    # grow by half) and back, rewritten alone while its clean neighbours are skipped,
-    # never touches theirs.
+    # Note [compact transfers] of greenroom.io.frame_layout: each unit's stored bytes start
+    # at its slot and stay inside it, so the middle unit going from compressible to
+    # incompressible (its stored bytes grow by half) and back, rewritten alone while its
+    # clean neighbours are skipped, never touches theirs.
     from greenroom.actor.movers import DiskMover
     from greenroom.actor.tracking import Tracked
 

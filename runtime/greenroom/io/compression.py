@@ -157,10 +157,11 @@ class ZstdPlanes:
 
 # Stored bytes per raw byte expected on a trained model's state, per kind of tensor: what
 # ``greenroom plan`` reports. nvcomp-ans: a 207M-param Llama after 5 AdamW steps (byte
-# planes, nvCOMP's default chunks; Note [ANS chunks] stores a little less), except bf16
-# weights: the offload bench's trained actor (Note [16-bit frames], Note [ANS chunks];
-# docs/benchmarks.md, 'Actor offload'); zstd: a 2-layer MLP after 20 AdamW steps. Kinds
-# not measured count as incompressible.
+# planes, nvCOMP's default chunks; Note [ANS chunks] of greenroom.io.nvcomp_codec stores a
+# little less), except bf16 weights: the offload bench's trained actor (Notes [16-bit
+# frames] and [ANS chunks] of greenroom.io.nvcomp_codec; docs/benchmarks.md, 'Actor
+# offload'); zstd: a 2-layer MLP after 20 AdamW steps. Kinds not measured count as
+# incompressible.
 EXPECTED_RATIO = {
     "nvcomp-ans": {
         "fp32 master": 1.16,
