@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from greenroom.errors import CheckpointError, ConfigError, IntegrityError
-from greenroom.io import compression, frames
+from greenroom.io import compression, frames, nvcomp_codec
 from greenroom.io.engine import EXTENT, StateFile, TransferEngine, align_up
 from tests.io.codec_support import CHUNK, as_bytes, compressible, zstd
 
@@ -392,9 +392,10 @@ def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp
 
 @pytest.mark.gpu
 def test_nvcomp_keeps_the_smaller_coding_of_a_16_bit_frame_and_reads_both(tmp_path):
-    # Note [16-bit frames]: a bf16 frame is coded as byte planes and in nvCOMP's 16-bit
-    # mode and stores the smaller, under that mode's codec id; a chunk that mixes them
-    # with 4-byte frames round-trips; a frame of either coding decodes.
+    # Note [16-bit frames] of greenroom.io.nvcomp_codec: a bf16 frame is coded as byte
+    # planes and in nvCOMP's 16-bit mode and stores the smaller, under that mode's codec id;
+    # a chunk that mixes them with 4-byte frames round-trips; a frame of either coding
+    # decodes.
     codec = _nvcomp_or_skip()
     half = compressible(torch.bfloat16, 3 * EXTENT // 2).cuda()
     full = compressible(torch.float32, 3 * EXTENT // 4 + 11).cuda()
@@ -409,13 +410,13 @@ def test_nvcomp_keeps_the_smaller_coding_of_a_16_bit_frame_and_reads_both(tmp_pa
     frame = as_bytes(half)[:EXTENT]
     sizes = {
         codec.id: codec._encode([frame], [2], stream, half=False)[0].numel(),
-        compression.NVCOMP_F16_ID: codec._encode([frame], [2], stream, half=True)[0].numel(),
+        nvcomp_codec.NVCOMP_F16_ID: codec._encode([frame], [2], stream, half=True)[0].numel(),
     }
     magic, codec_id, itemsize, raw, payload = compression._HEADER.unpack_from(_first_stored_frame(path))
     assert (magic, itemsize, raw) == (compression.MAGIC, 2, EXTENT)
     assert payload == sizes[codec_id] == min(sizes.values())
     for codec_id in sizes:
-        (payload,) = codec._encode([frame], [2], stream, half=codec_id == compression.NVCOMP_F16_ID)
+        (payload,) = codec._encode([frame], [2], stream, half=codec_id == nvcomp_codec.NVCOMP_F16_ID)
         with torch.cuda.stream(stream):
             packed = torch.zeros(payload.numel() + 256, dtype=torch.uint8, device="cuda")
             packed[256:].copy_(payload)
@@ -426,19 +427,19 @@ def test_nvcomp_keeps_the_smaller_coding_of_a_16_bit_frame_and_reads_both(tmp_pa
 
 @pytest.mark.gpu
 def test_the_engine_keeps_decoders_while_it_reads_and_drops_them_after(tmp_path, monkeypatch):
-    # Note [kept decoders]: chunks of both codings decode bit-exact on decoders kept on one
-    # decode stream per device; once the reads are waited for, none is kept (a sleeping
-    # actor gives their scratch back).
+    # Note [kept decoders] of greenroom.io.kept_decoders: chunks of both codings decode
+    # bit-exact on decoders kept on one decode stream per device; once the reads are waited
+    # for, none is kept (a sleeping actor gives their scratch back).
     codec = _nvcomp_or_skip()
     made = []
-    real_codec = compression.NvcompPlanes._codec
+    real_codec = nvcomp_codec.NvcompPlanes._codec
 
     def counting_codec(self, stream, half, *, encoding):
         if not encoding:
             made.append(stream)
         return real_codec(self, stream, half, encoding=encoding)
 
-    monkeypatch.setattr(compression.NvcompPlanes, "_codec", counting_codec)
+    monkeypatch.setattr(nvcomp_codec.NvcompPlanes, "_codec", counting_codec)
     half = compressible(torch.bfloat16, 12 * EXTENT // 2).cuda()
     full = compressible(torch.float32, 12 * EXTENT // 4 + 11, seed=1).cuda()
     state = torch.cat([as_bytes(half), as_bytes(full)])
@@ -460,15 +461,16 @@ def test_the_engine_keeps_decoders_while_it_reads_and_drops_them_after(tmp_path,
 
 @pytest.mark.gpu
 def test_nvcomp_decodes_frames_coded_with_nvcomps_default_chunks(tmp_path):
-    # Note [ANS chunks]: files written before the chunk options (nvCOMP's 64 KiB chunks
-    # of 8 sub-chunks) still read: the bitstream records how it was cut.
+    # Note [ANS chunks] of greenroom.io.nvcomp_codec: files written before the chunk options
+    # (nvCOMP's 64 KiB chunks of 8 sub-chunks) still read: the bitstream records how it was
+    # cut.
     codec = _nvcomp_or_skip()
     from nvidia import nvcomp
 
     stream = torch.cuda.Stream()
     frame = as_bytes(compressible(torch.bfloat16, EXTENT // 2).cuda())
-    for codec_id, options in ((codec.id, {}), (compression.NVCOMP_F16_ID, {"data_type": "<f2"})):
-        coded = codec._encode([frame], [2], stream, half=codec_id == compression.NVCOMP_F16_ID)[0]
+    for codec_id, options in ((codec.id, {}), (nvcomp_codec.NVCOMP_F16_ID, {"data_type": "<f2"})):
+        coded = codec._encode([frame], [2], stream, half=codec_id == nvcomp_codec.NVCOMP_F16_ID)[0]
         planes = frame if options else frame.view(-1, 2).t().contiguous().view(-1)
         with torch.cuda.stream(stream):
             old = nvcomp.Codec(
@@ -648,20 +650,20 @@ def test_bench_codec_times_the_codec_and_refuses_bad_input():
 
 
 def test_runs_join_only_frames_back_to_back_in_one_storage_of_one_length_and_element_size():
-    # Note [batched decode]: a run's planes move in one kernel through one strided view, so
-    # a run must never reach past its first frame's storage, even where the allocator put
-    # a second tensor right behind it.
+    # Note [batched decode] of greenroom.io.nvcomp_codec: a run's planes move in one kernel
+    # through one strided view, so a run must never reach past its first frame's storage,
+    # even where the allocator put a second tensor right behind it.
     n = 4 * 256
     chunk = torch.zeros(8 * n, dtype=torch.uint8)
     frames_in = list(chunk.view(8, n))
-    assert list(compression._runs(frames_in, [4] * 8)) == [(0, 8)]
-    assert list(compression._runs(frames_in, [4, 4, 2, 2, 2, 4, 4, 4])) == [(0, 2), (2, 5), (5, 8)]
+    assert list(nvcomp_codec._runs(frames_in, [4] * 8)) == [(0, 8)]
+    assert list(nvcomp_codec._runs(frames_in, [4, 4, 2, 2, 2, 4, 4, 4])) == [(0, 2), (2, 5), (5, 8)]
     skipping = [frames_in[0], frames_in[1], frames_in[3], frames_in[4]]
-    assert list(compression._runs(skipping, [4] * 4)) == [(0, 2), (2, 4)]
+    assert list(nvcomp_codec._runs(skipping, [4] * 4)) == [(0, 2), (2, 4)]
     odd = [chunk[: n + 16], chunk[n + 16 : 2 * n + 32]]  # not a multiple of the batch alignment
-    assert list(compression._runs(odd, [4, 4])) == [(0, 1), (1, 2)]
+    assert list(nvcomp_codec._runs(odd, [4, 4])) == [(0, 1), (1, 2)]
     short_last = [frames_in[0], frames_in[1], chunk[2 * n : 2 * n + 512]]
-    assert list(compression._runs(short_last, [4] * 3)) == [(0, 2), (2, 3)]
+    assert list(nvcomp_codec._runs(short_last, [4] * 3)) == [(0, 2), (2, 3)]
 
     class AdjacentStorage:  # a tensor of another storage that starts where the run ends
         def __init__(self, tensor, ptr):
@@ -677,13 +679,14 @@ def test_runs_join_only_frames_back_to_back_in_one_storage_of_one_length_and_ele
             return torch.zeros(1, dtype=torch.uint8).untyped_storage()
 
     other = AdjacentStorage(torch.zeros(n, dtype=torch.uint8), frames_in[1].data_ptr() + n)
-    assert list(compression._runs([frames_in[0], frames_in[1], other], [4] * 3)) == [(0, 2), (2, 3)]
+    assert list(nvcomp_codec._runs([frames_in[0], frames_in[1], other], [4] * 3)) == [(0, 2), (2, 3)]
 
 
 @pytest.mark.gpu
 def test_nvcomp_decode_refuses_a_payload_of_another_length_or_cut_short_in_one_line():
-    # Note [batched decode]: decoded into a fixed buffer per frame, a payload that decodes
-    # shorter than its frame, or noise that does not decode, is an IntegrityError naming it.
+    # Note [batched decode] of greenroom.io.nvcomp_codec: decoded into a fixed buffer per
+    # frame, a payload that decodes shorter than its frame, or noise that does not decode,
+    # is an IntegrityError naming it.
     codec = _nvcomp_or_skip()
     stream = torch.cuda.Stream()
     frame = as_bytes(compressible(torch.float32, EXTENT // 4).cuda())

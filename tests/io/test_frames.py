@@ -1,7 +1,8 @@
-"""The on-disk layout of compressed transfers (greenroom.io.frames, Note [compact transfers]),
-on the host codec: damaged records refused, frames packed from a transfer's start, readers
-of any staging size, files of the earlier layout, ``MAX_SHIFT``, failed chunks, and a unit
-rewritten alone. Every round trip is compared with ``torch.equal`` on the bytes.
+"""The on-disk layout of compressed transfers (greenroom.io.frames, and Note [compact
+transfers] of greenroom.io.frame_layout), on the host codec: damaged records refused, frames
+packed from a transfer's start, readers of any staging size, files of the earlier layout,
+``MAX_SHIFT``, failed chunks, and a unit rewritten alone. Every round trip is compared
+with ``torch.equal`` on the bytes.
 """
 
 import os
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from greenroom.errors import ConfigError, IntegrityError
-from greenroom.io import compression, frames
+from greenroom.io import compression, frame_layout
 from greenroom.io.engine import EXTENT, StateFile, TransferEngine, align_up
 from tests.io.codec_support import CHUNK, as_bytes, compressible, zstd
 
@@ -137,11 +138,12 @@ def _chunk_starts(record: list, step: int) -> list:
 
 
 def test_a_file_of_chunks_stored_at_their_own_places_still_reads(tmp_path, zstd, monkeypatch):
-    # The layout before compact transfers (Note [compact transfers]): every chunk's frames
-    # from the chunk's own place, a gap after each. MAX_SHIFT 0 writes exactly that; a
-    # reader of any staging size reads it back (files and checkpoints of earlier runs).
+    # The layout before compact transfers (Note [compact transfers] of
+    # greenroom.io.frame_layout): every chunk's frames from the chunk's own place, a gap
+    # after each. MAX_SHIFT 0 writes exactly that; a reader of any staging size reads it
+    # back (files and checkpoints of earlier runs).
     t = compressible(torch.bfloat16, 7 * EXTENT // 2 + 1234)
-    monkeypatch.setattr(frames, "MAX_SHIFT", 0)
+    monkeypatch.setattr(frame_layout, "MAX_SHIFT", 0)
     with StateFile(str(tmp_path / "state"), t.numel() * 2, compression=zstd, checksums="file") as f:
         with TransferEngine(CHUNK) as engine:
             engine.write(t, f, 0).wait()
@@ -157,7 +159,7 @@ def test_a_file_of_chunks_stored_at_their_own_places_still_reads(tmp_path, zstd,
 
 def test_a_chunk_is_stored_at_its_own_place_where_its_shift_would_pass_max_shift(tmp_path, zstd, monkeypatch):
     t = compressible(torch.float32, 12 * EXTENT // 4)
-    monkeypatch.setattr(frames, "MAX_SHIFT", 3 * EXTENT)
+    monkeypatch.setattr(frame_layout, "MAX_SHIFT", 3 * EXTENT)
     with StateFile(str(tmp_path / "state"), t.numel() * 4, compression=zstd) as f, TransferEngine(CHUNK) as engine:
         engine.write(t, f, 0).wait()
         record = f.recorded(0, t.numel() * 4)[1].tolist()
@@ -173,9 +175,9 @@ def test_a_chunk_is_stored_at_its_own_place_where_its_shift_would_pass_max_shift
 def test_a_failed_chunk_fails_the_transfer_and_the_chunks_after_it_are_still_placed(
     tmp_path, zstd, monkeypatch, failing
 ):
-    # Each chunk is placed after the one before it (frames.Placement); a chunk that fails
-    # before it is placed (its encode) or after (its write) still hands the place on, so
-    # the transfer fails with its error instead of hanging, and the engine writes and
+    # Each chunk is placed after the one before it (frame_layout.Placement); a chunk that
+    # fails before it is placed (its encode) or after (its write) still hands the place on,
+    # so the transfer fails with its error instead of hanging, and the engine writes and
     # reads on.
     t = compressible(torch.float32, 8 * EXTENT // 4)
     owner = StateFile if failing == "write" else type(zstd)
@@ -199,10 +201,10 @@ def test_a_failed_chunk_fails_the_transfer_and_the_chunks_after_it_are_still_pla
 
 
 def test_a_unit_rewritten_with_a_new_stored_size_leaves_its_neighbours_bytes(tmp_path, zstd):
-    # Note [compact transfers]: each unit's stored bytes start at its slot and stay inside
-    # it, so the middle unit going from compressible to incompressible (its stored bytes
-    # grow by half) and back, rewritten alone while its clean neighbours are skipped,
-    # never touches theirs.
+    # Note [compact transfers] of greenroom.io.frame_layout: each unit's stored bytes start
+    # at its slot and stay inside it, so the middle unit going from compressible to
+    # incompressible (its stored bytes grow by half) and back, rewritten alone while its
+    # clean neighbours are skipped, never touches theirs.
     from greenroom.actor.movers import DiskMover
     from greenroom.actor.tracking import Tracked
 

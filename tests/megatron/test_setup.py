@@ -25,8 +25,9 @@ with warnings.catch_warnings():
 from greenroom.config import OffloadConfig
 from greenroom.errors import GreenroomError
 from greenroom.megatron import checks
+from greenroom.megatron.block import streaming
 from greenroom.megatron.class_swap import StreamingSettings
-from greenroom.megatron.optimizer import StreamingDistributedOptimizer, streaming
+from greenroom.megatron.optimizer import StreamingDistributedOptimizer
 from greenroom.optim import DEFAULT_BUCKET_NUMEL
 
 

@@ -178,7 +178,8 @@ def test_a_step_holds_three_buffers_and_reads_ahead_past_the_last_write_back(dis
     store = opt.store
     assert DEVICE_BUFFERS == 3 and len(store.buckets) == 5
     events = []
-    submit_read, submit_write = store._submit_read, store._submit_write
+    stream = store.bucket_stream
+    submit_read, submit_write = stream._submit_read, stream._submit_write
 
     def read(index, buffer):
         events.append(("read", index))
@@ -195,7 +196,7 @@ def test_a_step_holds_three_buffers_and_reads_ahead_past_the_last_write_back(dis
 
         buffer.write = Waited()
 
-    store._submit_read, store._submit_write = read, write
+    stream._submit_read, stream._submit_write = read, write
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()

@@ -15,7 +15,7 @@ Two layers, in the spirit of kvikio's ``CuFile``:
     up). A driver thread splits each transfer into chunks, one per free buffer; worker
     threads do the disk I/O, so reads run ahead and writes run behind while the caller
     computes. A compressed file's chunks run on them through the engine's ``FrameIO``
-    (``greenroom.io.frames``).
+    (``greenroom.io.frames``), cut and placed by ``greenroom.io.frame_layout``.
 
 Every transfer is checksummed on its way through the staging buffers and verified
 when read back (``greenroom.io.integrity`` Note [integrity]); a compressed file's chunks
@@ -54,7 +54,8 @@ import torch
 
 from greenroom.errors import IntegrityError
 from greenroom.io import frames
-from greenroom.io.frames import STORE_RAW, FrameIO, Placement, frame_chunks
+from greenroom.io.frame_layout import STORE_RAW, Placement, frame_chunks
+from greenroom.io.frames import FrameIO
 from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, extent_sums, page_sums, verify_default
 from greenroom.io.staging import DEFAULT_DEPTH, StagingBuffers
 from greenroom.io.statefile import StateFile, aligned_host, check_sums, pread_all, pwrite_all, verify_mapped
@@ -103,7 +104,8 @@ class TransferEngine:
         # out: both only read it, and the worker's next chunk starts a hash sooner.
         self._hashers = cf.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="greenroom-hash")
         # The chunks of compressed files, with the pool of their reads bound for the device
-        # (Note [copy while reading] of greenroom.io.frames) and their kept decoders.
+        # (Note [copy while reading] of greenroom.io.frames) and their kept decoders
+        # (Note [kept decoders] of greenroom.io.kept_decoders).
         self.frame_io = FrameIO(self.staging, self._hashers, device_reads)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: list[Transfer] = []

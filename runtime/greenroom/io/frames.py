@@ -1,5 +1,8 @@
 """Compressed transfers (``greenroom.io.compression``): frames packed per chunk, and their records.
 
+Where a transfer's chunks and their stored bytes go is ``greenroom.io.frame_layout``; the
+decoders kept between a read's chunks are ``greenroom.io.kept_decoders``.
+
 Note [packed frames]: a compressed file (``greenroom.io.compression``) is cut into frames,
 one per ``EXTENT``; a chunk's frames are stored back to back, each at a page boundary,
 and move in one I/O of their stored size (stored at their own places, 1 MiB frames would
@@ -11,20 +14,6 @@ codec unpacks them in place, back to front; a device codec's chunk is cut by its
 bytes (its raw bytes never enter the buffer), so a reader takes any staging size, the
 writer's or not. Every frame's checksum covers its stored bytes at the offsets they
 were stored at, and its record (Note [summed records] of ``greenroom.io.statefile``).
-
-Note [compact transfers]: a write stores each chunk's frames right after the previous
-chunk's (``Placement``), not at the chunk's own place, so a transfer's stored
-bytes are one run from its start: an 8 GiB bf16 actor that stores 5.7 GB reads back as
-5.7 GB of contiguous file, where stored at each chunk's own place it left a 20 MiB gap
-after every 44 MB. Every chunk's stored bytes still lie inside the transfer's own raw
-range (no frame stores more than its raw bytes), so a transfer never touches the bytes
-of another, and a unit or bucket rewritten whole fits where it was. A chunk is placed
-once the one before it is (chunks take their buffers in order, so the one before is
-already running); the first chunk, and one whose frames' shifts could pass
-``MAX_SHIFT`` (the record is an int32), start at their own place. The raw disk reads a
-contiguous file faster in 4 requests of 64 MiB at a time than in 8 of 16 MiB
-(docs/benchmarks.md, 'Design measurements'), and only a contiguous run gives a reader
-requests that large (Note [copy while reading]).
 
 Note [decode after the slot]: a read's device frames decode from their one device copy,
 after the chunk's staging buffer has gone back to the engine, so the next read into that
@@ -43,19 +32,10 @@ on what else the disk does. An engine that reads beside its own writes (a stream
 default ``BESIDE_WRITES``) reads 16 MiB pieces, 8 in flight: all 8 are in flight nearly all
 of a wake, and the step keeps its share of the disk against the write-backs. An engine whose
 reads have the disk alone (the actor's, whose wake only reads: ``READS_ALONE``) reads each
-chunk's stored bytes, contiguous by Note [compact transfers], in one request of up to
-64 MiB, 4 in flight: the raw disk reads 4 x 64 MiB requests faster than 8 x 16 MiB, and so does
-a wake. A streamed step with 64 MiB pieces ran slower than with 16 MiB x 8, so the step
+chunk's stored bytes, contiguous by Note [compact transfers] of ``greenroom.io.frame_layout``,
+in one request of up to 64 MiB, 4 in flight: the raw disk reads 4 x 64 MiB requests faster
+than 8 x 16 MiB, and so does a wake. A streamed step with 64 MiB pieces ran slower than with 16 MiB x 8, so the step
 keeps the default (docs/benchmarks.md, 'Design measurements').
-
-Note [kept decoders]: nvCOMP's decoders are kept from chunk to chunk while the engine has
-reads that decode on the device in flight, one set per device on one decode stream, and
-dropped when the last of those reads ends. A decoder made per call cost the decode most of
-its time, and a wake about twice the CPU time (docs/benchmarks.md, 'Design measurements').
-One stream and one set per device bound the kept scratch to two decoders (one per coding:
-Note [16-bit frames] of ``greenroom.io.compression``) whatever the number of I/O threads, and
-lose nothing, since nvCOMP calls run one at a time anyway. Dropped when no read needs them,
-their scratch is back in torch's cache before a step ends or an actor sleeps.
 """
 
 from __future__ import annotations
@@ -69,9 +49,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from greenroom.errors import ConfigError, IntegrityError
+from greenroom.errors import IntegrityError
 from greenroom.io import compression
-from greenroom.io.integrity import ALIGNMENT, EXTENT, align_up, page_sums
+from greenroom.io.frame_layout import STORE_RAW
+from greenroom.io.integrity import ALIGNMENT, align_up, page_sums
+from greenroom.io.kept_decoders import KeptDecoders
 from greenroom.io.timeline import CODEC, DEVICE_COPY, DISK, HOST, SYNC, span
 
 if TYPE_CHECKING:
@@ -97,70 +79,6 @@ BESIDE_WRITES = DeviceReads(piece=16 << 20, in_flight=8)
 READS_ALONE = DeviceReads(piece=64 << 20, in_flight=4)
 """For an engine whose reads have the disk to themselves (an actor's wake)."""
 
-MAX_SHIFT = 1 << 30
-"""The furthest before its own place a write stores a frame (Note [compact transfers])."""
-
-STORE_RAW = 0  # the element size of a region a codec need not try (incompressible: stored as it is)
-
-
-class KeptDecoders:
-    """Each device's decode stream and nvCOMP decoders, kept while any read that decodes
-    there is in flight (Note [kept decoders])."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reads = 0
-        self._by_device: dict[torch.device, tuple[torch.cuda.Stream, dict]] = {}
-
-    @contextlib.contextmanager
-    def reading(self):
-        """Around one chunk's read and decode: the last to leave drops every decoder."""
-        with self._lock:
-            self._reads += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._reads -= 1
-                if not self._reads:
-                    self._by_device.clear()
-
-    def on(self, device: torch.device) -> tuple[torch.cuda.Stream, dict]:
-        """The decode stream of ``device`` and the decoders bound to it (inside ``reading``)."""
-        with self._lock:
-            if device not in self._by_device:
-                self._by_device[device] = (torch.cuda.Stream(device), {})
-            return self._by_device[device]
-
-    def held(self) -> int:
-        """Devices with decoders kept now (0 whenever no read is in flight)."""
-        with self._lock:
-            return len(self._by_device)
-
-
-class Placement:
-    """Where the chunks of one compressed write store their frames (Note [compact transfers])."""
-
-    def __init__(self) -> None:
-        self._placing = threading.Condition()
-        self._next_frame = 0  # the first frame of the chunk to be placed next
-        self._cursor: int | None = None  # where the next chunk's stored bytes may start
-
-    def place(self, first_frame: int, count: int, own_place: int, stored_bytes: int, span: int) -> int:
-        """The file offset of the stored bytes of a written chunk of ``count`` frames from
-        ``first_frame``: right after those of the chunk before it, once that one is placed;
-        at ``own_place`` for the first chunk, or where a frame's shift could pass
-        ``MAX_SHIFT``. ``span`` is the chunk's raw bytes, aligned."""
-        with self._placing:
-            self._placing.wait_for(lambda: self._next_frame == first_frame)
-            base = self._cursor
-            if base is None or own_place + span - base > MAX_SHIFT:
-                base = own_place
-            self._cursor = base + stored_bytes
-            self._next_frame = first_frame + count
-            self._placing.notify_all()
-        return base
-
 
 class FrameIO:
     """The chunks of a compressed file's transfers, run on the engine's I/O threads: frames
@@ -171,7 +89,7 @@ class FrameIO:
     ``hashers`` is the engine's pool that takes a write's sums while its buffer is written
     out; ``device_reads`` says how a chunk bound for the device is read, on a pool of readers
     this object owns (Note [copy while reading]), as it owns each I/O thread's CUDA streams
-    and the kept decoders (Note [kept decoders]).
+    and the kept decoders (Note [kept decoders] of ``greenroom.io.kept_decoders``).
     """
 
     def __init__(self, staging: StagingBuffers, hashers: cf.Executor, device_reads: DeviceReads) -> None:
@@ -399,8 +317,8 @@ class FrameIO:
                             arr[pos : pos + raw] = arr[place : place + raw]
                 copies = _merge([(pos, pos + raw, pos) for pos, raw, _, _, _, _, _ in on_host])
             else:
-                # A device codec's chunk holds stored bytes only (``frame_chunks``): its raw
-                # frames go to ``piece`` from where they were read.
+                # A device codec's chunk holds stored bytes only (``frame_layout.frame_chunks``):
+                # its raw frames go to ``piece`` from where they were read.
                 copies = _merge([(pos, pos + raw, place) for pos, raw, place, _, _, _, _ in on_host])
             if io_stream is not None:
                 with span(self.timeline, DEVICE_COPY):
@@ -427,7 +345,8 @@ class FrameIO:
                         for pos, raw, _, _, _, _, _ in on_device
                     ]
                 if on_device:
-                    decode_stream, decoders = self.kept_decoders.on(io_stream.device)  # Note [kept decoders]
+                    # Note [kept decoders] of greenroom.io.kept_decoders
+                    decode_stream, decoders = self.kept_decoders.on(io_stream.device)
                     decode_stream.wait_stream(io_stream)  # ``packed`` and ``outs`` were made there
                     with span(self.timeline, CODEC):
                         on_device[0][4].decode(
@@ -485,49 +404,3 @@ def _merge(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         else:
             merged.append([start, stop, source])
     return [(start, stop, source) for start, stop, source in merged]
-
-
-def frame_chunks(
-    offset: int, nbytes: int, step: int, element_sizes, file: StateFile, *, buffers: int, stored=None
-) -> list:
-    """The chunks of a transfer of a compressed file: whole frames (one per ``EXTENT`` of
-    the file that the transfer touches) that fit a ``step``-byte staging buffer. Each chunk
-    is ``(start in the transfer, bytes, [(start in the chunk, bytes, element size, frame
-    index)])``; a frame's element size is that of the region it starts in, or 1 where it
-    does not divide the frame. A write's chunk holds at most ``step`` raw bytes. A read
-    passes the frames' ``stored`` bytes: its chunk holds at most ``step`` of them where
-    the codec decodes on the device (the raw bytes never enter the buffer), else at most
-    ``step`` raw bytes, which a host codec unpacks in place (Note [packed frames])."""
-    if step < EXTENT:
-        raise ConfigError(
-            f"{file.path}: compression needs staging buffers of at least {EXTENT >> 20} MiB, got "
-            f"{step} bytes: raise --offload-train-disk-chunk-mb to {buffers * EXTENT >> 20} or more"
-        )
-    frames, position, end = [], offset, offset + nbytes
-    while position < end:
-        stop = min(end, (position // EXTENT + 1) * EXTENT)
-        start, raw = position - offset, stop - position
-        size = next(s for at, s in reversed(element_sizes) if at <= start)
-        frames.append((start, raw, size if size == STORE_RAW else 1 if raw % size else size))
-        position = stop
-    if stored is not None and file.compression.on_device:
-        room = [align_up(n) for n in stored]
-    else:
-        room = [raw for _, raw, _ in frames]
-    chunks, i = [], 0
-    while i < len(frames):
-        j, need = i + 1, room[i]
-        while j < len(frames) and need + room[j] <= step:
-            need += room[j]
-            j += 1
-        chunk_start = frames[i][0]
-        chunk_end = frames[j - 1][0] + frames[j - 1][1]
-        chunks.append(
-            (
-                chunk_start,
-                chunk_end - chunk_start,
-                [(start - chunk_start, raw, size, k) for k, (start, raw, size) in enumerate(frames[i:j], i)],
-            )
-        )
-        i = j
-    return chunks

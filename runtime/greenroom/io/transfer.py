@@ -17,7 +17,7 @@ import torch
 from greenroom.io.timeline import SYNC
 
 if TYPE_CHECKING:
-    from greenroom.io.frames import Placement
+    from greenroom.io.frame_layout import Placement
     from greenroom.io.statefile import StateFile
     from greenroom.io.timeline import Timeline
 
@@ -47,7 +47,7 @@ class Transfer:
     the sums."""
     placement: "Placement | None" = None
     """Of a compressed write: where each chunk's stored bytes go (Note [compact transfers]
-    of ``greenroom.io.frames``)."""
+    of ``greenroom.io.frame_layout``)."""
     timeline: "Timeline | None" = None
     """Where a caller's wait for it is recorded (``sync``), when the engine records."""
     _remaining: int = 0

@@ -9,15 +9,11 @@
 The state lives in the bucket files of greenroom.optim's engine. See docs/megatron.md.
 """
 
+from greenroom.megatron.block import close, streaming, streaming_members
 from greenroom.megatron.checkpoint import load_checkpoint, save_checkpoint
 from greenroom.megatron.class_swap import StreamingSettings
-from greenroom.megatron.optimizer import (
-    DEFAULT_BUCKET_NUMEL,
-    StreamingDistributedOptimizer,
-    close,
-    streaming,
-    streaming_members,
-)
+from greenroom.megatron.optimizer import StreamingDistributedOptimizer
+from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL
 
 __all__ = [
     "DEFAULT_BUCKET_NUMEL",

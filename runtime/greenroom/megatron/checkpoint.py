@@ -120,7 +120,7 @@ def save_checkpoint(optimizer, checkpoint_dir: str, *, verify: bool = False) -> 
     """Write the streamed state of every streaming DistributedOptimizer in ``optimizer``
     (a ChainedOptimizer or one) beside megatron's checkpoint in ``checkpoint_dir``;
     ``verify``: read linked files back first (``greenroom.optim.save_checkpoint``)."""
-    from greenroom.megatron.optimizer import streaming_members
+    from greenroom.megatron.block import streaming_members
 
     rank = _global_rank()
     members = streaming_members(optimizer)
@@ -141,7 +141,7 @@ def load_checkpoint(optimizer, checkpoint_dir: str, *, no_load_optim: bool = Fal
     Call it after megatron has loaded the model weights and the optimizer's state dict.
     With ``no_load_optim`` the streamed state starts fresh from the current weights.
     """
-    from greenroom.megatron.optimizer import streaming_members
+    from greenroom.megatron.block import streaming_members
 
     rank = _global_rank()
     for index, member in enumerate(streaming_members(optimizer)):

@@ -5,11 +5,9 @@ so everything around the update (grad reduce-scatter, copying grads into main gr
 scaling, grad clipping, the param all-gather) is megatron's, unchanged:
 
 ``_build_model_and_main_param_groups`` (construction)
-    Megatron builds one fp32 main shard per 16-bit param, all at once. Here its own
-    builder runs on one param at a time and each new main shard goes straight into the
-    bucket files, after which its device storage is freed (``resize_(0)``). The peak is
-    the largest single shard; the tensor objects stay (megatron and its grad clipping
-    attach ``.grad`` to them and read their tensor-parallel attributes).
+    Megatron's own builder runs on one param at a time and each new fp32 main shard goes
+    straight into the bucket files, its device storage freed: the peak is the largest
+    single shard (``greenroom.megatron.construction``).
 
 ``step_with_ready_grads``
     Replaces the inner ``optimizer.step()`` plus ``_copy_main_params_to_model_params``
@@ -26,58 +24,34 @@ scaling, grad clipping, the param all-gather) is megatron's, unchanged:
     Put the streamed state into megatron's checkpoint under stock megatron-core's
     ``fully_reshardable`` or ``dp_reshardable`` keys, or carry only the small state for the sidecar format
     (``greenroom.megatron.dist_ckpt``; docs/megatron.md). ``state_dict`` is the small state.
+
+The ``streaming()`` block megatron builds it in, and the lookup of a chain's streaming
+members, are ``greenroom.megatron.block``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import inspect
-import os
-from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from greenroom.config import OffloadConfig
-from greenroom.dirs.rankdir import RankDir
-from greenroom.dirs.roots import check_root
 from greenroom.dirs.statedir import StateDir
-from greenroom.errors import CheckpointError, ConfigError, GreenroomError
-from greenroom.io.compression import ResolvedCodec
+from greenroom.errors import CheckpointError, GreenroomError
 from greenroom.megatron import checks, dist_ckpt
-from greenroom.megatron.class_swap import (
-    WHAT,
-    StreamingSettings,
-    current_settings,
-    swapped,
-    swapping_in_another_thread,
-)
+from greenroom.megatron.class_swap import current_settings, swapping_in_another_thread
+from greenroom.megatron.construction import BUILDING, Building, build_main_param_groups
 from greenroom.megatron.inner_optimizer import (
     AlreadyStepped,
     implementation,
     jsonable,
-    one_at_a_time,
     resident_adam,
     sync_hyperparams,
 )
-from greenroom.megatron.layout import ShardEntry, Topology, current_topology, plan_entries
+from greenroom.megatron.layout import ShardEntry, Topology, current_topology
 from greenroom.optim import kernel
 from greenroom.optim.poison import FailedStepPoison
-from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL, BucketStore, Entry
-
-# The settings for the DistributedOptimizer being constructed in this context; its
-# classmethod builder has no instance to read them from.
-_BUILDING: contextvars.ContextVar = contextvars.ContextVar("greenroom_megatron_building", default=None)
-
-
-@dataclass(kw_only=True, slots=True)
-class _Building:
-    settings: StreamingSettings
-    model_chunks: list
-    entries: list | None = None
-    store: BucketStore | None = None
-    state_dir: StateDir | None = None
+from greenroom.optim.store.bucket_store import BucketStore
 
 
 class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
@@ -120,8 +94,8 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         if getattr(model_chunks[0], "config", None) is not None:  # the chunk's TransformerConfig
             checks.check_transformer_config(model_chunks[0].config)
         checks.check_inner_optimizer(given["optimizer"])
-        building = _Building(settings=settings, model_chunks=model_chunks)
-        token = _BUILDING.set(building)
+        building = Building(settings=settings, model_chunks=model_chunks)
+        token = BUILDING.set(building)
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
@@ -133,7 +107,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
                     building.state_dir.release()
             raise
         finally:
-            _BUILDING.reset(token)
+            BUILDING.reset(token)
         self._state_dir = building.state_dir
         if self.is_stub_optimizer:
             self._store = None
@@ -148,49 +122,12 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
     # -- construction -------------------------------------------------------------
     @classmethod
     def _build_model_and_main_param_groups(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
-        building = _BUILDING.get()
+        building = BUILDING.get()
         if building is None:
             return super()._build_model_and_main_param_groups(gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
-        entries = plan_entries(gbuf_ranges, param_gbuf_map, opt_group_ranges, building.model_chunks)
-        settings = building.settings
-        device = torch.device("cuda", torch.cuda.current_device())
-        building.entries = entries
-        codec = settings.codec().codec
-        # Each member of a chain (dense, expert) claims a dir of its own: optim/, optim-2/.
-        building.state_dir = settings.claim()
-        building.store = BucketStore(
-            [Entry(name=e.name, shape=(e.numel,), group=e.group) for e in entries],
-            building.state_dir.path,
-            bucket_numel=settings.bucket_numel,
-            moment_dtype=settings.config.stream_optimizer_state_moment_dtype,
-            device=device,
-            chunk_bytes=settings.config.chunk_bytes,
-            compression=codec,
-            host_cache_bytes=settings.config.host_cache_bytes,
+        return build_main_param_groups(
+            building, super()._build_model_and_main_param_groups, gbuf_ranges, param_gbuf_map, opt_group_ranges, config
         )
-        result = tuple([[] for _ in opt_group_ranges] for _ in range(5))
-        mains = one_at_a_time(
-            super()._build_model_and_main_param_groups, gbuf_ranges, param_gbuf_map, opt_group_ranges, config, result
-        )
-        previous = []
-
-        def next_main(i: int) -> torch.Tensor:
-            # The engine copies main i into its bucket before asking for i + 1, on the
-            # same stream, so main i - 1's memory can go back to the allocator now.
-            for main in previous:
-                main.untyped_storage().resize_(0)
-            previous[:] = [next(mains)]
-            return previous[0]
-
-        building.store.initialize(next_main)
-        for main in previous:
-            main.untyped_storage().resize_(0)
-        for _ in mains:  # native-fp32 params after the last 16-bit one
-            raise AssertionError("a 16-bit param was not planned as an entry")
-        for group_range, fp32_shards, mains_of_group in zip(opt_group_ranges, result[3], result[4]):
-            # The order megatron gives the inner optimizer: fp32 shards, then the mains.
-            group_range["orig_group"]["params"] = [*fp32_shards, *mains_of_group]
-        return result
 
     # -- the step -----------------------------------------------------------------
     @torch.no_grad()
@@ -437,73 +374,4 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
                 state_dir.release()
 
 
-@contextlib.contextmanager
-def streaming(
-    config: OffloadConfig,
-    rank_dir,
-    *,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    compression: ResolvedCodec | None = None,
-):
-    """Every DistributedOptimizer megatron-core builds inside this block streams its state.
-
-        with greenroom.megatron.streaming(config, rank_dir):
-            optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
-
-    While the block lasts megatron's ``DistributedOptimizer`` name means the streaming
-    subclass (``greenroom.megatron.class_swap`` Note [the class swap]); the optimizer
-    objects it returns are ordinary DistributedOptimizers (and ChainedOptimizers of them)
-    to the rest of megatron.
-
-    ``rank_dir`` is this rank's open ``RankDir``, or a plain path: then this rank's own
-    rank dir is made under it (``greenroom.dirs.statedir``) and removed when the last of the
-    block's optimizers is ``close()``d (or at exit).
-
-    ``compression``: the codec the run resolved for ``config`` on CUDA
-    (``greenroom.io.compression.resolve``); None: the block resolves the config's choice once.
-    """
-    settings = StreamingSettings(config=config, rank_dir=rank_dir, bucket_numel=bucket_numel, compression=compression)
-    if not config.stream_optimizer_state_to_disk:
-        raise ConfigError(
-            "greenroom.megatron.streaming needs --stream-optimizer-state-to-disk "
-            "(OffloadConfig.stream_optimizer_state_to_disk=True)"
-        )
-    if rank_dir is not None and not isinstance(rank_dir, RankDir):
-        check_root(os.fspath(rank_dir), name=f"{WHAT}: state_dir")  # refused at once, made when needed
-    import megatron.core.optimizer as mcore_optimizer
-
-    try:
-        with swapped(settings, mcore_optimizer, StreamingDistributedOptimizer):
-            yield settings
-    finally:
-        if settings.opened is not None:
-            settings.opened.close_if_unclaimed()  # every optimizer built failed: nothing keeps it
-
-
-def streaming_members(optimizer) -> list[StreamingDistributedOptimizer]:
-    """The streaming DistributedOptimizers inside ``optimizer`` (a chain or a single one)."""
-    members = [
-        m
-        for m in getattr(optimizer, "chained_optimizers", [optimizer])
-        if isinstance(m, StreamingDistributedOptimizer) and m._store is not None
-    ]
-    if not members:
-        raise ConfigError("this optimizer does not stream: build it inside greenroom.megatron.streaming(...)")
-    return members
-
-
-def close(optimizer) -> None:
-    """Drain and release the bucket stores of every streaming member of ``optimizer``
-    (their files stay until the rank dir goes)."""
-    for member in streaming_members(optimizer):
-        member.close()
-
-
-__all__ = [
-    "DEFAULT_BUCKET_NUMEL",
-    "StreamingDistributedOptimizer",
-    "Topology",
-    "close",
-    "streaming",
-    "streaming_members",
-]
+__all__ = ["StreamingDistributedOptimizer", "Topology"]

@@ -8,9 +8,7 @@ import dataclasses
 import json
 import os
 import shlex
-import signal
 import sys
-import threading
 import time
 
 import torch
@@ -22,21 +20,22 @@ from greenroom.actor.memory import RssSampler, device_used_bytes
 from greenroom.config import OffloadConfig
 from greenroom.devices import resolve_codec, resolve_device
 from greenroom.dirs.rankdir import RankDir
-from greenroom.errors import ConfigError, GreenroomError
+from greenroom.errors import ConfigError
 from greenroom.faults import kill_point
 from greenroom.io import publish
 from greenroom.io.fs import stored_bytes
 from greenroom.ranks import launcher_number
 from greenroom.train import preflight, summary
 from greenroom.train.config import TrainConfig
+from greenroom.train.distributed import RankGroup, parallelize
 from greenroom.train.loss import policy_loss
 from greenroom.train.model import ModelConfig, Transformer, set_precision
+from greenroom.train.optimizer import build_optimizer, stream_counters
+from greenroom.train.preemption import PREEMPTED_EXIT, preemption_deferred
 from greenroom.train.rollout import RolloutEngine
-from greenroom.train.saving import Checkpointer, SaveSettings, saved_bucket_numel
+from greenroom.train.saving import Checkpointer, SaveSettings
 from greenroom.train.task import TaskConfig, reward, sample_prompts
 from greenroom.units import GB, size_text
-
-PREEMPTED_EXIT = 128 + signal.SIGTERM
 
 
 class Trainer:
@@ -56,6 +55,7 @@ class Trainer:
         self.rank = rank
         self.world_size = launcher_number("WORLD_SIZE", 1, minimum=1)
         self.device = self._resolve_device()
+        self.ranks = RankGroup(self.world_size, self.device)
         self._stack = contextlib.ExitStack()
         self.rank_dir: RankDir | None = None
         self.save_settings = SaveSettings.of(config, offload)
@@ -133,7 +133,7 @@ class Trainer:
         # Frozen: never tracked, never stepped; complete offload finds it, and clean-skip
         # writes it once.
         self.reference = copy.deepcopy(self.model).requires_grad_(False) if c.reference_policy else None
-        self.policy = self._parallelize(self.model)
+        self.policy = parallelize(self.model, parallel=c.parallel, world_size=self.world_size, device=self.device)
         self.optimizer = self._build_optimizer()
         self.offloader.track(self.model, self.optimizer)
         self.checkpoints = Checkpointer(
@@ -142,8 +142,8 @@ class Trainer:
             optimizer=self.optimizer,
             rank=self.rank,
             world_size=self.world_size,
-            barrier=self._barrier,
-            reduce=self._reduce_over_ranks,
+            barrier=self.ranks.barrier,
+            reduce=self.ranks.reduce,
             say=self._say,
         )
         # Loaded before the metrics file is opened: a refused checkpoint leaves no file behind.
@@ -167,67 +167,27 @@ class Trainer:
             )
         self.start_time = time.perf_counter()
 
-    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.world_size == 1:
-            return model
-        kill_point("parallelize")  # the first collective: the other ranks wait in it for this one
-        if self.config.parallel == "fsdp":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
-            # FSDP2 shards one dtype per group: under ``mixed`` the fp32 norms get their own.
-            for norm in (m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)):
-                fully_shard(norm, mesh=mesh)
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            return model
-        from torch.nn.parallel import DistributedDataParallel
-
-        # Bucket views: the grads the offloader moves are the DDP buckets themselves.
-        return DistributedDataParallel(
-            model, device_ids=[self.device.index] if self.device.type == "cuda" else None, gradient_as_bucket_view=True
-        )
-
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        params = list(self.model.parameters())
-        if self.offload.stream_optimizer_state_to_disk:
-            try:
-                from greenroom.optim import StreamingAdam
-            except ImportError:
-                raise GreenroomError(
-                    "--stream-optimizer-state-to-disk needs greenroom.optim.StreamingAdam, which this install lacks"
-                ) from None
-            layout = {}
-            saved = saved_bucket_numel(self.save_settings, self.rank)
-            if saved is not None:
-                layout["bucket_numel"] = saved
-            optimizer = StreamingAdam.from_config(
-                params,
-                self.offload,
-                self.rank_dir,
-                lr=self.config.lr,
-                weight_decay=self.config.weight_decay,
-                compression=self.compression,
-                **layout,
-            )
-            if hasattr(optimizer, "close"):
-                self._stack.callback(self._close_optimizer, optimizer)
-            return optimizer
-        # The same implementation StreamingAdam uses (fused on CUDA, foreach elsewhere), so
-        # fp32 streaming on or off trains bit-identically.
-        cuda = self.device.type == "cuda"
-        return torch.optim.AdamW(
-            params, lr=self.config.lr, weight_decay=self.config.weight_decay, fused=cuda, foreach=not cuda
+        optimizer = build_optimizer(
+            list(self.model.parameters()),
+            self.config,
+            self.offload,
+            self.rank_dir,
+            save_settings=self.save_settings,
+            rank=self.rank,
+            compression=self.compression,
+            device=self.device,
         )
+        if self.offload.stream_optimizer_state_to_disk and hasattr(optimizer, "close"):
+            self._stack.callback(self._close_optimizer, optimizer)
+        return optimizer
 
     # -- the loop -------------------------------------------------------------------
     def train(self) -> None:
         c = self.config
         start = self.start_iteration
         self._say(self._header(start))
-        with self._preemption_deferred() as preempted:
+        with preemption_deferred(c.save, self.ranks.reduce) as preempted:
             for it in range(start, c.iterations):
                 saves = self._saves_after(it + 1)
                 self._log(self.iteration(it, save=saves))
@@ -282,19 +242,19 @@ class Trainer:
         # The streamed state's bytes over the whole iteration: the sleep writes back the
         # bucket the previous step kept on the device (optim.store.held Note [the last
         # bucket stays]), the steps read and write the rest.
-        stream_start = self._stream_counters()
+        stream_start = stream_counters(self.optimizer)
         t = time.perf_counter()
         kill_point("sync")
         self.engine.sync_from(self.model)
         mark("sync", t)
         t = time.perf_counter()
-        before_sleep = self._stream_counters()
+        before_sleep = stream_counters(self.optimizer)
         with self._bar(1, "sleep") as bar:
             kill_point("sleep")
             slept = self.offloader.sleep()
             bar.update()
         mark("sleep", t)
-        sleep_written = self._stream_counters()["stream_written_bytes"] - before_sleep["stream_written_bytes"]
+        sleep_written = stream_counters(self.optimizer)["stream_written_bytes"] - before_sleep["stream_written_bytes"]
         t = time.perf_counter()
         with self.offloader.rollout_region(), self._bar(self.task.digits, "rollout") as bar:
             prompts = sample_prompts(self.task, c.prompts, gen).repeat_interleave(c.group_size, dim=0)
@@ -309,15 +269,15 @@ class Trainer:
             bar.update()
         mark("wake", t)
         t = time.perf_counter()
-        streamed_before = self._stream_counters()
+        streamed_before = stream_counters(self.optimizer)
         loss_sum, step_s = self._train_step(
             prompts, completions, old_logp, rewards, gen, save_at=it + 1 if save else None
         )
         mark("train", t)
-        stream_end = self._stream_counters()
+        stream_end = stream_counters(self.optimizer)
         stepped = {k: stream_end[k] - streamed_before[k] for k in stream_end}
         streamed = {k: stream_end[k] - stream_start[k] for k in stream_end}
-        reward_mean, loss_mean = self._mean_over_ranks(rewards.mean().item(), loss_sum / c.minibatches)
+        reward_mean, loss_mean = self.ranks.mean(rewards.mean().item(), loss_sum / c.minibatches)
         phase = {e["phase"]: e["end"] - e["start"] for e in events}
         return {
             "iteration": it + 1,
@@ -397,21 +357,6 @@ class Trainer:
         bar.close()
         return loss_sum, step_s
 
-    def _stream_counters(self) -> dict[str, int]:
-        """The streamed state's bytes moved so far: the state's (``read``/``written``) and
-        the disk's (less what compression saved)."""
-        store = getattr(self.optimizer, "store", None)
-        if store is None:
-            return dict.fromkeys(
-                ("stream_read_bytes", "stream_written_bytes", "stream_disk_read_bytes", "stream_disk_written_bytes"), 0
-            )
-        return {
-            "stream_read_bytes": store.bytes_read,
-            "stream_written_bytes": store.bytes_written,
-            "stream_disk_read_bytes": store.disk_bytes("read"),
-            "stream_disk_written_bytes": store.disk_bytes("written"),
-        }
-
     # -- reporting ------------------------------------------------------------------
     def _bar(self, total: int, desc: str):
         # Bars only on a terminal: piped to a file (CI, kubectl logs, a Slurm .out) they
@@ -468,40 +413,3 @@ class Trainer:
         if self.rank == 0:
             tqdm.write(line, file=sys.stdout)
             sys.stdout.flush()
-
-    def _mean_over_ranks(self, *values: float) -> list[float]:
-        return [v / self.world_size for v in self._reduce_over_ranks(values, dist.ReduceOp.SUM)]
-
-    def _reduce_over_ranks(self, values, op) -> list[float]:
-        if self.world_size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=op)
-        return t.tolist()
-
-    @contextlib.contextmanager
-    def _preemption_deferred(self):
-        """With ``--save``, SIGTERM (Slurm's preemption signal, forwarded by our sbatch
-        template) is held until the end of the iteration, so a checkpoint is written
-        first. Ranks see the signal at different moments, so they agree through an
-        all-reduce at each boundary; without ``--save`` SIGTERM keeps its meaning."""
-        received = []
-        if not self.config.save or threading.current_thread() is not threading.main_thread():
-            yield lambda: False
-            return
-
-        def agreed() -> bool:
-            [flag] = self._reduce_over_ranks([float(bool(received))], dist.ReduceOp.MAX)
-            return flag > 0
-
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
-        try:
-            yield agreed
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        if received:  # arrived during the last iteration: the final save ran, now exit
-            raise SystemExit(PREEMPTED_EXIT)
-
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()

@@ -182,7 +182,7 @@ def measure(args: argparse.Namespace) -> dict:
     }
     if codec.on_device:
         # The same chunks with each thread's nvCOMP decoders kept from chunk to chunk, as the
-        # engine keeps them (Note [kept decoders] of greenroom.io.frames), made in a warm-up
+        # engine keeps them (Note [kept decoders] of greenroom.io.kept_decoders), made in a warm-up
         # first: a decoder's construction timed in the pass would cost the one-thread
         # figure half its rate.
         kept = [new_state(True) for _ in range(args.threads)]

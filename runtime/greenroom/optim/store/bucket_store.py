@@ -47,7 +47,7 @@ This is the engine that ``StreamingAdam`` and the Megatron integration share. Pu
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -55,13 +55,12 @@ from greenroom.errors import ConfigError
 from greenroom.io.engine import STORE_RAW, StateFile, TransferEngine
 from greenroom.io.staging import stream_depth
 from greenroom.optim.moments import moment_codecs
-from greenroom.optim.store.buffers import DeviceBuffer, DeviceBuffers
-from greenroom.optim.store.files import BucketFiles, Replacement, remove_created
-from greenroom.optim.store.held import HeldBuckets, Kept
-from greenroom.optim.store.hostcache import HostCache, HostCopy
+from greenroom.optim.store.buffers import DeviceBuffers
+from greenroom.optim.store.files import BucketFiles, remove_created
+from greenroom.optim.store.held import HeldBuckets
+from greenroom.optim.store.hostcache import HostCache
 from greenroom.optim.store.layout import (
     DEFAULT_BUCKET_NUMEL,
-    DEVICE_BUFFERS,
     FILE_PATTERN,
     Bucket,
     BucketState,
@@ -71,23 +70,8 @@ from greenroom.optim.store.layout import (
     describe,
     master_layout,
 )
+from greenroom.optim.store.stream import BucketStream, StepCheckpoint
 from greenroom.optim.store.views import StateViews
-
-
-class StepCheckpoint(Protocol):
-    """What ``BucketStore.stream`` asks of the checkpoint a step writes (``optim.checkpoint.instep``)."""
-
-    links: bool
-    """True: the checkpoint takes each bucket's file by a link (the live file once written
-    in place, or, where the live inode is shared, the checkpoint's own new file, which
-    the live name then links); False: each bucket is written to the checkpoint's file
-    too, a second write from the same staging."""
-
-    def bucket_file(self, index: int) -> StateFile | None:
-        """The checkpoint's file of bucket ``index`` (None: not through the stream)."""
-
-    def link_live(self, index: int) -> None:
-        """Bucket ``index``'s live file now holds the step's result: link it in."""
 
 
 class BucketStore:
@@ -142,14 +126,15 @@ class BucketStore:
             self.entries, bucket_numel, moment_dtype, compressed=compression is not None, moments=moments
         )
         self.buffers = DeviceBuffers(lambda: self.max_bucket_bytes, self.device)
-        self._bytes_read = 0  # the stream's; the held buckets' write-backs count their own
-        self._bytes_written = 0
         self.cache = HostCache(host_cache_bytes, self.device)  # optim.store.held Note [host cache]
         self.engine = TransferEngine(chunk_bytes, depth=stream_depth(chunk_bytes))
         self.bucket_files = BucketFiles(self.buckets, directory, compression)
         self.held = HeldBuckets(self.buckets, self.bucket_files, self.engine, self.cache, self._write)
         codecs = (self.avg_codec, self.sq_codec)
         self.views = StateViews(self.entries, self.buckets, params, codecs, self.device, self.bucket_files.path)
+        self.bucket_stream = BucketStream(
+            self.buckets, self.bucket_files, self.buffers, self.cache, self.held, self.views, self.engine, self._write
+        )
         try:
             for bucket in self.buckets:
                 self.files.append(self.bucket_files.open_file(bucket))
@@ -217,12 +202,12 @@ class BucketStore:
     @property
     def bytes_read(self) -> int:
         """Bytes of bucket files read (``file_bytes`` each; ``disk_bytes``: what reached the disk)."""
-        return self._bytes_read + self.held.bytes_read
+        return self.bucket_stream.bytes_read + self.held.bytes_read
 
     @property
     def bytes_written(self) -> int:
         """Bytes of bucket files written (``file_bytes`` each; ``disk_bytes``: what reached the disk)."""
-        return self._bytes_written + self.held.bytes_written
+        return self.bucket_stream.bytes_written + self.held.bytes_written
 
     def write_cached(self, index: int, file: StateFile):
         return self.held.write_cached(index, file)
@@ -356,117 +341,8 @@ class BucketStore:
         ``checkpoint``: an in-step checkpoint (``optim.checkpoint.instep``) that each written-back
         bucket also goes to: by a link (to the live file once written in place, or, for
         a shared one, to the new file the checkpoint hands out), or by a second write
-        from the same staging."""
-        order = list(range(len(self.buckets))) if indices is None else list(indices)
-        if not order:
-            return
-        linked = checkpoint is not None and checkpoint.links
-        if self.held.kept is not None and self.held.kept.index not in order:
-            self.held.write_back_kept()
-        kept = self.held.take_kept()
-        if kept is not None and linked and kept.new_file is not None:  # the checkpoint brings a new file
-            self.bucket_files.drop(Replacement(kept.index, kept.new_file, False))
-            kept.new_file = None
-        order = self.held.order(order, kept.index if kept is not None else None)
-        try:
-            unkept = [i for i in order if i not in self.cache and (kept is None or i != kept.index)]
-            fresh = {} if linked else self.bucket_files.new_files(unkept)
-        except BaseException:
-            self.held.keep(kept)
-            raise
-        if kept is not None and kept.new_file is not None:
-            fresh[kept.index] = kept.new_file
-        buffers = self.buffers.ring(min(DEVICE_BUFFERS, len(order)), kept.buffer if kept is not None else None)
-        pending = HostCopy() if kept is not None else self._submit_read(order[0], buffers[0])
-        last = None  # the bucket to keep on the device when the stream ends
-        failed = True
-        try:
-            for k, index in enumerate(order):
-                buffer = buffers[k % len(buffers)]
-                pending.wait()
-                if k + 1 < len(order):
-                    ahead = buffers[(k + 1) % len(buffers)]
-                    self._finish_write(ahead, checkpoint)  # its last bucket leaves that buffer before k+1 comes in
-                    pending = self._submit_read(order[k + 1], ahead)
-                state = self.views.decode(index, buffer.raw)
-                yield state
-                self.views.encode(state, buffer.raw)
-                if k + 1 == len(order) and checkpoint is None and index not in self.cache:
-                    last = Kept(index, buffer, fresh.pop(index, None))
-                else:
-                    self._submit_write(index, buffer, checkpoint, fresh)
-                kept = None  # its bytes are this stream's now: written back, or kept again as ``last``
-            failed = False
-        finally:
-            if kept is not None:  # failed or closed before its write-back began: its file never had them
-                self.held.keep(kept)
-                fresh.pop(kept.index, None)
-            try:
-                self.engine.drain()
-            except BaseException:
-                failed = True
-                raise
-            finally:
-                self.cache.sync()
-                for buffer in buffers:
-                    buffer.write = None
-                    if failed:
-                        replacing, buffer.replacing, buffer.link_out = buffer.replacing, None, None
-                        if replacing is not None:
-                            self.bucket_files.drop(replacing)
-                    else:
-                        self._finish_write(buffer, checkpoint)
-                for index, f in fresh.items():  # made for a bucket the stream never wrote
-                    self.bucket_files.drop(Replacement(index, f, False))
-                if last is not None:  # updated, even where another bucket's write-back failed
-                    self.held.keep(last)
-
-    def _finish_write(self, buffer: DeviceBuffer, checkpoint: StepCheckpoint | None) -> None:
-        """Wait for the write still reading ``buffer``; give its new file the live name, or
-        have the checkpoint link the live file it wrote in place."""
-        if buffer.write is not None:
-            write, buffer.write = buffer.write, None
-            write.wait()
-        replacing, buffer.replacing = buffer.replacing, None
-        if replacing is not None:
-            self.bucket_files.install(replacing)
-        link_out, buffer.link_out = buffer.link_out, None
-        if link_out is not None:
-            checkpoint.link_live(link_out)
-
-    def _submit_read(self, index: int, buffer: DeviceBuffer):
-        bucket = self.buckets[index]
-        raw = buffer.raw[: bucket.data_bytes]
-        if index in self.cache:
-            return self.cache.read(index, raw)
-        self._bytes_read += bucket.file_bytes
-        return self.engine.read(raw, self.files[index], 0)
-
-    def _submit_write(
-        self, index: int, buffer: DeviceBuffer, checkpoint: StepCheckpoint | None, fresh: dict[int, StateFile]
-    ) -> None:
-        """Start the write-back of bucket ``index`` from ``buffer``: to its cache, to a new
-        file (the checkpoint's, or ``fresh``'s for a shared file), or in place; with a
-        mirror file of the checkpoint's too where it writes twice."""
-        bucket = self.buckets[index]
-        raw = buffer.raw[: bucket.data_bytes]
-        target = checkpoint.bucket_file(index) if checkpoint is not None else None
-        if index in self.cache:
-            buffer.write = self.cache.write(index, raw)
-            return
-        self._bytes_written += bucket.file_bytes
-        mirror = None
-        if target is not None and checkpoint.links and self.shared(index):
-            buffer.replacing = Replacement(index, target, True)
-        elif target is not None and checkpoint.links:
-            buffer.link_out = index  # in place (no other name shares it), then linked into the checkpoint
-        elif index in fresh:
-            buffer.replacing = Replacement(index, fresh.pop(index), False)
-            mirror = target
-        else:
-            mirror = target
-        file = buffer.replacing.file if buffer.replacing is not None else None
-        buffer.write = self._write(raw, bucket, file=file, mirror=mirror)
+        from the same staging. Run by the store's ``optim.store.stream.BucketStream``."""
+        return self.bucket_stream.run(indices, checkpoint=checkpoint)
 
     # -- buffers --------------------------------------------------------------------
     def device_bytes(self) -> int:
