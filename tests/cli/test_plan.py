@@ -8,6 +8,7 @@ own test in tests/io/test_compression.py.
 
 import json
 import os
+import re
 
 import pytest
 
@@ -266,6 +267,15 @@ def test_plan_measures_the_disk_when_asked(disk_dir):
     mixed_read, mixed_write = d["mixed_read"] * 1e9 / 2, d["mixed_write"] * 1e9 / 2
     assert p["seconds"]["streamed_step"] == pytest.approx(max(step / mixed_read, step / mixed_write))
     assert p["seconds"]["sleep"] == pytest.approx(4e6 / write) and p["seconds"]["wake"] == pytest.approx(4e6 / read)
+    # The text says where the rates come from and how the step is planned.
+    args = [a for a in proc.args[proc.args.index("plan") :] if a != "--json"]
+    out = greenroom(*args, check_rc=0).stdout
+    assert re.search(
+        r"^time:       disk \d+\.\d\d/\d+\.\d\d GB/s read/write per node \(\d+\.\d\d/\d+\.\d\d at once; measured at "
+        r"2 rank\(s\)' concurrency\): streamed step \d+\.\d s \(its reads and writes at once\), sleep ",
+        out,
+        re.M,
+    ), out
 
 
 def test_a_plan_without_streaming_gives_no_streamed_step_time():

@@ -82,8 +82,9 @@ def print_plan(plan: dict) -> None:
                 f"{d['mixed_read']:.2f}/{d['mixed_write']:.2f} at once; {d['source']} at "
                 f"{plan['nproc_per_node']} rank(s)' concurrency"
             )
+        rate = "{:g}" if d["source"] == "given" else "{:.2f}"  # as given, or a probe's to 10 MB/s
         print(
-            f"time:       disk {d['read']:g}/{d['write']:g} GB/s read/write per node ({how}): "
+            f"time:       disk {rate.format(d['read'])}/{rate.format(d['write'])} GB/s read/write per node ({how}): "
             + (", ".join(parts) or "nothing of this plan moves through the disk")
         )
     d = plan["disk_bytes_per_rank"]
