@@ -170,6 +170,17 @@ def _assert_like_stock(ours, stock, path="", padding=False):
         assert ours == stock, where
 
 
+def _mapped_file(address: int) -> str | None:
+    """The file this process maps at ``address`` (/proc/self/maps), if any."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
 def _parity(rank, world, tp, work):
     _, msd, opt, streamed, resident = _streaming(rank, work, "fp32", tp=tp)
     by_param = by_param_of(msd)
@@ -183,8 +194,9 @@ def _parity(rank, world, tp, work):
     assert int(gaps) > 0  # the layout has gaps to cover, on some rank
     assert len(opt.buffers[0].buckets) >= 3
     _assert_like_stock(ours, stock)
-    # the streamed slices' data are views of the frozen bucket maps, not copies
-    frozen = {t.untyped_storage().data_ptr() for t in opt._mcore_save.maps.values()}
+    # the streamed slices' data are maps of the frozen bucket files, not copies, each
+    # storage exactly its bytes (staging Note [a save's own maps])
+    frozen = set(opt._mcore_save.paths.values())
     first = next(iter(opt.buffers[0].param_index_map))  # the resident one
     group = opt.data_parallel_group
     ((dtype, buckets),) = dp_format.layout(opt.gbuf_ranges, opt.buffers, group.rank(), group.size())[0].items()
@@ -192,7 +204,9 @@ def _parity(rank, world, tp, work):
         for piece, tensors in zip(pieces, saved):
             if not piece.padding and piece.param is not first:
                 for name in STATES:
-                    assert tensors[name].data.untyped_storage().data_ptr() in frozen, (piece, name)
+                    data = tensors[name].data
+                    assert _mapped_file(data.data_ptr()) in frozen, (piece, name)
+                    assert data.untyped_storage().nbytes() == data.nbytes, (piece, name)
     opt.close()
 
 

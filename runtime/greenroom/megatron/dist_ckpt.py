@@ -252,6 +252,7 @@ def sharded_state_dict(opt, model_sharded_state_dict, is_loading: bool, sharding
         opt._mcore_load = pending
     else:
         opt._mcore_save = views
+        views.own_maps(param_state)
     common = fmt.common_state(
         opt.optimizer.param_groups,
         float(opt.streamed_steps),  # torch's Adam counts in float; stock saves that value

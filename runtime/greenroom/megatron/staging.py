@@ -9,7 +9,9 @@ place, ``optim.store.files`` Note [new inodes], so the next step cannot change w
 save is still reading, async save included), else by a copy; and its fp32 segments are
 memory-mapped privately (``torch.from_file``, copy-on-write, never written). Each entry's
 master and moments are views of those maps at the entry's offset: reading them reads the
-file through the page cache, which the kernel reclaims; no anonymous copy exists.
+file through the page cache, which the kernel reclaims; no anonymous copy exists. The
+tensors finally handed to ``dist_checkpointing`` are re-mapped by ``own`` so that each
+one's storage is exactly its own bytes (Note [a save's own maps]).
 Before a view is handed out its bytes are checked against the bucket's checksums (a
 link is read once for it, a copy is checked as it is made), so a flipped bit is refused
 in one line and never written into the checkpoint. A bucket whose bytes are not fp32
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import os
 
+import numpy
 import torch
 
 from greenroom.errors import CheckpointError, IntegrityError, StorageError
@@ -79,6 +82,7 @@ class _Views:
         self.directory = _place(directory)
         self.made: list[str] = []
         self.maps: dict[int, torch.Tensor] = {}
+        self.paths: dict[int, str] = {}
         self.starts: dict[int, dict[str, int]] = {}
         self.where = {i: (b.index, k) for b in store.buckets for k, i in enumerate(b.entries)}
 
@@ -95,6 +99,7 @@ class _Views:
     def close(self) -> None:
         """Drop the maps and remove the files this object made (the dir stays)."""
         self.maps.clear()
+        self.paths.clear()
         for path in self.made:
             if os.path.lexists(path):
                 os.unlink(path)
@@ -146,7 +151,7 @@ class SaveViews(_Views):
             except IntegrityError as e:
                 raise CheckpointError(f"{e}") from None
         self.ways["link" if linked else "copy"] += 1
-        self.maps[index] = mapped
+        self.maps[index], self.paths[index] = mapped, dst
         self.starts[index] = {
             state: getattr(bucket, seg).offset // F32
             for state, seg in SEGMENTS.items()
@@ -174,8 +179,46 @@ class SaveViews(_Views):
         finally:
             states.close()  # nothing changed: closing before the write-back skips it
         self.ways["decode"] += 1
-        self.maps[index] = _map(path, cursor, shared=False)
+        self.maps[index], self.paths[index] = _map(path, cursor, shared=False), path
         self.starts[index] = starts
+
+    # Note [a save's own maps]
+    # megatron-core's torch_dist writer (FileSystemWriterAsync.prepare_write_data) clones
+    # every CPU tensor whose storage is larger than the tensor, before any byte is written,
+    # because torch.save writes a tensor's whole storage. A view of a bucket's map is such
+    # a tensor: handed over as it is, the save would copy the rank's whole state into
+    # anonymous memory at once. So each tensor the save gets is a map of its own: the same
+    # file bytes, mapped copy-on-write at the tensor's offset, its storage exactly its
+    # bytes. The writer then neither clones it nor writes more than it.
+    def own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, a contiguous view of one of this save's maps, as a map of only its
+        own bytes of the same file; any other tensor as it is."""
+        path = self._map_paths().get(tensor.untyped_storage().data_ptr())
+        if path is None or tensor.numel() == 0:
+            return tensor
+        if not tensor.is_contiguous():
+            raise CheckpointError(f"{path}: a save asked for a non-contiguous view of the bucket map")
+        flat = numpy.memmap(
+            path,
+            dtype=numpy.float32,
+            mode="c",
+            offset=tensor.storage_offset() * F32,
+            shape=(tensor.numel(),),
+        )
+        return torch.from_numpy(flat).view(tensor.shape)
+
+    def _map_paths(self) -> dict[int, str]:
+        return {m.untyped_storage().data_ptr(): self.paths[i] for i, m in self.maps.items()}
+
+    def own_maps(self, sharded_state_dict) -> None:
+        """Every ShardedTensor of ``sharded_state_dict`` whose data views this save's maps
+        re-backed by ``own``: call it on what goes to ``dist_checkpointing.save``."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        for sh in nested_values(sharded_state_dict):
+            if isinstance(sh, ShardedTensor):
+                sh.data = self.own(sh.data)
 
 
 class LoadViews(_Views):
