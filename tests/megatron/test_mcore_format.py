@@ -10,7 +10,6 @@ comparison with stock is of the metadata and values it emits, not of its optimiz
 """
 
 import os
-import threading
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
 
+from greenroom.cli.bench.host_memory import PeakAnon  # noqa: E402
 from greenroom.errors import CheckpointError  # noqa: E402
 from greenroom.megatron import mcore_format as fmt  # noqa: E402
 from greenroom.megatron.staging import LoadViews, SaveViews  # noqa: E402
@@ -297,31 +297,6 @@ def test_a_checkpoint_of_another_model_is_refused_before_the_load(disk_dir, cpu_
     spawn(_other_model, 1, ckpt, os.path.join(work, "o"), cpu_save=cpu_save)
 
 
-def _anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
-
-
-class _PeakAnon:
-    """The largest growth of this process's anonymous memory while the block runs,
-    sampled every half millisecond (a copy of the state would live until the save ends)."""
-
-    def __enter__(self):
-        self.base, self.peak, self.done = _anon_kib(), 0, threading.Event()
-        self.thread = threading.Thread(target=self._sample)
-        self.thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self.done.wait(0.0005):
-            self.peak = max(self.peak, _anon_kib() - self.base)
-
-    def __exit__(self, *exc) -> None:
-        self.done.set()
-        self.thread.join()
-        self.peak = max(self.peak, _anon_kib() - self.base)
-
-
 def _memory(rank, world, ckpt, work, out):
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
@@ -330,7 +305,7 @@ def _memory(rank, world, ckpt, work, out):
     store.overwrite(lambda state: [t.fill_(0.25) for t in (state.master, state.exp_avg, state.exp_avg_sq)])
     strategy = get_default_save_sharded_strategy("torch_dist")
     strategy.thread_count = 1  # the write in this process, so that its memory is measured here
-    with _PeakAnon() as saved:
+    with PeakAnon() as saved:
         views = SaveViews(store, os.path.join(work, "stage"))
         template = _template(slices, views, "fp32")
         for sh in nested_values(template):  # nothing megatron's writer would clone (staging Note [a save's own maps])
@@ -339,7 +314,7 @@ def _memory(rank, world, ckpt, work, out):
         dist_checkpointing.save({"optimizer": template}, ckpt, sharded_strategy=strategy)
     views.close()
     load = _store(slices, os.path.join(work, "mem2"), "fp32", 50_000)
-    with _PeakAnon() as loaded:
+    with PeakAnon() as loaded:
         lviews = LoadViews(load, os.path.join(work, "lstage"))
         dist_checkpointing.load({"optimizer": _template(slices, lviews, "fp32")}, ckpt)
         lviews.apply()
@@ -353,9 +328,9 @@ def _measure(disk_dir, cpu_save):
     os.makedirs(ckpt)
     out = os.path.join(disk_dir, "mem.txt")
     spawn(_memory, 1, ckpt, work, out, cpu_save=cpu_save)
-    state, bucket, saved_kib, loaded_kib = map(int, open(out).read().split())
-    print(f"state {state} B, bucket {bucket} B, peak anon growth: save {saved_kib} KiB, load {loaded_kib} KiB")
-    return state, bucket, saved_kib * 1024, loaded_kib * 1024
+    state, bucket, saved, loaded = map(int, open(out).read().split())
+    print(f"state {state} B, bucket {bucket} B, peak anon growth: save {saved} B, load {loaded} B")
+    return state, bucket, saved, loaded
 
 
 def test_save_and_load_hold_about_a_bucket_of_anonymous_memory(disk_dir, cpu_save):

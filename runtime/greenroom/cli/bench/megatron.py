@@ -14,8 +14,10 @@ step seconds, and with ``--offload`` the actor's sleep/wake seconds to disk thro
 sidecar format, whose bucket files ``greenroom.megatron.save_checkpoint`` writes beside
 it; stream mode only) through ``dist_checkpointing.save``, synchronously, into a dir of
 its own under ``--dir`` that it removes after: each save's seconds, the bytes the process
-read from and wrote to storage meanwhile (``/proc/self/io``, every thread) and the
-checkpoint's size; the seconds split into the state dict's build (where a stock format
+read from and wrote to storage meanwhile (``/proc/self/io``, every thread), the
+largest growth of its anonymous host memory meanwhile (``host_memory.PeakAnon``: a copy
+of the state would show here; the maps' page cache does not) and the checkpoint's size;
+the seconds split into the state dict's build (where a stock format
 freezes each bucket: a link and a read against its checksums, or, for a bucket stored in
 frames or narrow moments, a decode into an fp32 file of its own, ``megatron.staging``) and
 megatron's write, with the count of buckets each way.
@@ -34,6 +36,7 @@ import torch
 
 from greenroom import config as gconfig
 from greenroom.cli import flags as cliflags
+from greenroom.cli.bench.host_memory import PeakAnon
 from greenroom.megatron import demo
 from greenroom.units import GIB
 
@@ -182,15 +185,16 @@ def _timed_save(root: str, kind: str, model, optimizer, *, streamed: bool) -> di
     try:
         torch.cuda.synchronize()
         read0, written0 = _storage_io()
-        t0 = time.perf_counter()
-        model_sd = model.module.sharded_state_dict()
-        metadata = {"distrib_optim_sharding_type": kind}
-        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
-        t1 = time.perf_counter()
-        dist_checkpointing.save(state, path)
-        if kind == "greenroom_streamed":
-            save_checkpoint(optimizer, path)
-        t2 = time.perf_counter()
+        with PeakAnon() as memory:
+            t0 = time.perf_counter()
+            model_sd = model.module.sharded_state_dict()
+            metadata = {"distrib_optim_sharding_type": kind}
+            state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
+            t1 = time.perf_counter()
+            dist_checkpointing.save(state, path)
+            if kind == "greenroom_streamed":
+                save_checkpoint(optimizer, path)
+            t2 = time.perf_counter()
         read1, written1 = _storage_io()
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
         record = {
@@ -200,6 +204,7 @@ def _timed_save(root: str, kind: str, model, optimizer, *, streamed: bool) -> di
             "write_seconds": round(t2 - t1, 3),
             "bytes_read": read1 - read0,
             "bytes_written": written1 - written0,
+            "peak_anon_bytes": memory.peak,
             "checkpoint_bytes": size,
         }
         # The sidecar format freezes nothing: a stock save's maps may still be held from before.
