@@ -261,6 +261,23 @@ def _missing(rank, world, disk_dir):
     store.close(write_back=False)
 
 
+def _own(rank, world, disk_dir):
+    store = _filled_store(os.path.join(disk_dir, "s"))
+    store.overwrite(lambda state: state.master.copy_(torch.arange(state.master.numel(), dtype=torch.float32)))
+    views = SaveViews(store, os.path.join(disk_dir, "stage"))
+    flat = views.entry(1, "param")
+    own = views.own(flat[7:107].view(10, 10))
+    assert torch.equal(own, flat[7:107].view(10, 10))
+    assert own.untyped_storage().nbytes() == own.nbytes == 400
+    other = torch.ones(3)
+    assert views.own(other) is other  # not of this save's maps: as it is
+    with pytest.raises(CheckpointError, match=r"bucket-00000.bin.frozen: a save asked for a non-contiguous view") as e:
+        views.own(flat[0:10:2])
+    assert "\n" not in str(e.value)
+    views.close()
+    store.close()
+
+
 # In a rank of their own, as every test here: no store of theirs lives in the pytest process.
 def test_a_flipped_bit_in_a_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
     spawn(_flipped, 1, disk_dir)
@@ -268,6 +285,12 @@ def test_a_flipped_bit_in_a_bucket_file_is_refused_at_the_save_in_one_line(disk_
 
 def test_a_missing_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
     spawn(_missing, 1, disk_dir)
+
+
+def test_a_saved_tensor_maps_only_its_own_bytes_and_a_strided_one_is_refused(disk_dir):
+    """staging Note [a save's own maps]: the same values, a storage of exactly the tensor's
+    bytes; a strided view, which no format cuts, in one line."""
+    spawn(_own, 1, disk_dir)
 
 
 def _other_model(rank, world, ckpt, work):
