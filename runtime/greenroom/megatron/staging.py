@@ -82,7 +82,6 @@ class _Views:
         self.directory = _place(directory)
         self.made: list[str] = []
         self.maps: dict[int, torch.Tensor] = {}
-        self.paths: dict[int, str] = {}
         self.starts: dict[int, dict[str, int]] = {}
         self.where = {i: (b.index, k) for b in store.buckets for k, i in enumerate(b.entries)}
 
@@ -99,7 +98,6 @@ class _Views:
     def close(self) -> None:
         """Drop the maps and remove the files this object made (the dir stays)."""
         self.maps.clear()
-        self.paths.clear()
         for path in self.made:
             if os.path.lexists(path):
                 os.unlink(path)
@@ -113,6 +111,7 @@ class SaveViews(_Views):
     def __init__(self, store: BucketStore, directory: str, *, verify: bool = True) -> None:
         super().__init__(store, directory)
         self.ways: dict[str, int] = {"link": 0, "copy": 0, "decode": 0}
+        self.paths: dict[int, str] = {}  # each bucket's mapped file
         store.flush()  # the cached buckets' files are stale until written out (Note [host cache])
         try:
             for bucket in store.buckets:
@@ -123,6 +122,7 @@ class SaveViews(_Views):
         except BaseException:
             self.close()
             raise
+        self._files = {m.untyped_storage().data_ptr(): self.paths[i] for i, m in self.maps.items()}
 
     def _freeze(self, bucket, verify: bool) -> None:
         store, index = self.store, bucket.index
@@ -193,7 +193,7 @@ class SaveViews(_Views):
     def own(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, a contiguous view of one of this save's maps, as a map of only its
         own bytes of the same file; any other tensor as it is."""
-        path = self._map_paths().get(tensor.untyped_storage().data_ptr())
+        path = self._files.get(tensor.untyped_storage().data_ptr())
         if path is None or tensor.numel() == 0:
             return tensor
         if not tensor.is_contiguous():
@@ -207,8 +207,9 @@ class SaveViews(_Views):
         )
         return torch.from_numpy(flat).view(tensor.shape)
 
-    def _map_paths(self) -> dict[int, str]:
-        return {m.untyped_storage().data_ptr(): self.paths[i] for i, m in self.maps.items()}
+    def close(self) -> None:
+        self._files = {}
+        super().close()
 
     def own_maps(self, sharded_state_dict) -> None:
         """Every ShardedTensor of ``sharded_state_dict`` whose data views this save's maps
