@@ -58,6 +58,7 @@ import queue
 import statistics
 import threading
 import traceback
+from dataclasses import asdict
 
 from greenroom.cli import flags as cliflags
 from greenroom.config import check_disk_bytes
@@ -384,14 +385,10 @@ def _phase(ranks: list[dict], name: str, raw, n: int) -> dict:
 
 
 def _raw(b) -> dict:
-    return {
-        "read_bytes_per_s": b.read_bytes_per_s,
-        "write_bytes_per_s": b.write_bytes_per_s,
-        "mixed_read_bytes_per_s": b.mixed_read_bytes_per_s,
-        "mixed_write_bytes_per_s": b.mixed_write_bytes_per_s,
-        "o_direct": b.o_direct,
-        "bytes": b.nbytes,
-    }
+    """A probe's ``Bandwidth`` as the JSON's ``raw`` (its bytes under ``bytes``)."""
+    out = asdict(b)
+    out["bytes"] = out.pop("nbytes")
+    return out
 
 
 def measure(args: argparse.Namespace) -> dict:
