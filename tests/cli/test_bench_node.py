@@ -34,6 +34,7 @@ def test_bench_node_reports_aggregate_spread_and_plan_per_rank_count(disk_dir, c
         raw = run["raw"]
         assert raw["bytes"] == SIZE * run["ranks"] and raw["read_bytes_per_s"] > 0 and raw["write_bytes_per_s"] > 0
         assert raw["mixed_read_bytes_per_s"] > 0 and raw["mixed_write_bytes_per_s"] > 0
+        assert raw["first_write_bytes_per_s"] > 0
     assert r["raw"] == r["runs"][0]["raw"]
     assert r["targets"] == {"vs_one_rank_at_least": 0.9, "spread_at_most": 1.1, "plan_within": 0.15}
     aggregate_one = {}

@@ -244,6 +244,8 @@ def test_the_raw_probe_reads_and_writes_at_once_when_asked(disk_dir):
 
     both = raw_bandwidth(disk_dir, 8 << 20, block=1 << 20, mixed=True)
     assert both.mixed_read_bytes_per_s > 0 and both.mixed_write_bytes_per_s > 0 and both.read_bytes_per_s > 0
+    # The write rate is over written blocks; the write into fresh ones is kept beside it.
+    assert both.write_bytes_per_s > 0 and both.first_write_bytes_per_s > 0
     assert raw_bandwidth(disk_dir, 8 << 20, block=1 << 20).mixed_read_bytes_per_s is None
     assert os.listdir(disk_dir) == []  # the scratch file is gone
 

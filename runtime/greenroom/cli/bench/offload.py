@@ -206,6 +206,7 @@ def measure(args: argparse.Namespace, *, rank: int = 0, barrier: Callable[[], No
                 raw = raw_bandwidth(rank_dir.subdir("raw"), size + untracked_size)
                 return {
                     "write_bytes_per_s": raw.write_bytes_per_s,
+                    "first_write_bytes_per_s": raw.first_write_bytes_per_s,
                     "read_bytes_per_s": raw.read_bytes_per_s,
                     "o_direct": raw.o_direct,
                 }

@@ -204,6 +204,7 @@ def measure(args: argparse.Namespace, *, rank: int = 0, barrier: Callable[[], No
         "cached_buckets": cached_buckets,
         "raw_read_bytes_per_s": raw.read_bytes_per_s,
         "raw_write_bytes_per_s": raw.write_bytes_per_s,
+        "raw_first_write_bytes_per_s": raw.first_write_bytes_per_s,
         "init_seconds": init_seconds,
         "init_peak_device_bytes": init_peak,
         "step_seconds": last["seconds"],
