@@ -23,7 +23,8 @@ def print_text(r: dict) -> None:
         print(
             f"raw disk for {run_n['ranks']} rank(s), probed at their concurrency before they start "
             f"({size_text(raw['bytes'])} each way): read {rate_text(raw['read_bytes_per_s'])}, write "
-            f"{rate_text(raw['write_bytes_per_s'])} (into fresh blocks {rate_text(raw['first_write_bytes_per_s'])}); at once {rate_text(raw['mixed_read_bytes_per_s'])} and "
+            f"{rate_text(raw['write_bytes_per_s'])} (into fresh blocks {rate_text(raw['first_write_bytes_per_s'])}); "
+            f"at once {rate_text(raw['mixed_read_bytes_per_s'])} and "
             f"{rate_text(raw['mixed_write_bytes_per_s'])}"
         )
     t = r["targets"]
