@@ -1,9 +1,11 @@
 """Run the real ``greenroom`` command in a subprocess, as a user would."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -27,6 +29,63 @@ def greenroom(
     if check_rc is not None:
         assert proc.returncode == check_rc, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
+
+
+# What a Python reads as it starts (so a forkserver's children share it) or torch as it
+# is imported: a command whose environment differs in one of these gets a forkserver of
+# its own.
+_STARTUP_ENV = ("PYTHON", "OMP_", "MKL_", "LD_", "TORCH", "CUDA", "MALLOC")
+_forkservers: dict[tuple, subprocess.Popen] = {}
+
+
+def _forkserver(env: dict) -> subprocess.Popen:
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_STARTUP_ENV)))
+    server = _forkservers.get(key)
+    if server is None or server.poll() is not None:
+        server = subprocess.Popen(
+            [sys.executable, os.path.join(REPO, "tests", "cli_forkserver.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        assert server.stdout.readline() == "ready\n", "the greenroom forkserver did not start"
+        _forkservers[key] = server
+    return server
+
+
+def greenroom_forked(
+    *args: str,
+    env: dict | None = None,
+    timeout: float = 300,
+    cwd: str | None = None,
+    module: str = "greenroom.cli.main",
+) -> subprocess.CompletedProcess:
+    """``greenroom(*args)``, as a process forked from a Python that has already imported
+    torch and ``greenroom train`` (tests/cli_forkserver.py): the same command in its own
+    process, environment and cwd, with its own exit, without importing torch again. For
+    commands that run to their end; a test that signals or stops one uses a subprocess.
+    ``module``: ``python -m module args`` instead (``torch.distributed.run``)."""
+    full_env = {**os.environ, **(env or {})}
+    server = _forkserver(full_env)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        request = {"module": module, "argv": list(args), "env": full_env, "cwd": os.path.abspath(cwd or os.getcwd())}
+        request.update(stdout=out, stderr=err, timeout=timeout)
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
+        assert reply, "the greenroom forkserver ended"
+        reply = json.loads(reply)
+        with open(out, encoding="utf-8", errors="replace") as f:
+            stdout = f.read()
+        with open(err, encoding="utf-8", errors="replace") as f:
+            stderr = f.read()
+    argv = [sys.executable, "-m", module, *args]
+    if reply.get("timeout"):
+        raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(reply["status"]), stdout, stderr)
 
 
 def greenroom_stopped_at(
