@@ -30,6 +30,7 @@ PRELOAD = [
     "torch.distributed.run",
     "greenroom.cli.main",
     "greenroom.cli.train",
+    "matplotlib.pyplot",  # greenroom report's (it picks its backend before the first figure)
 ]
 
 
