@@ -2,14 +2,14 @@
 process per ``greenroom`` command it is sent (``tests/cli_support.greenroom_forked``).
 
 Each child is a real process running ``python -m greenroom.cli.main ARGS`` (or another
-module: ``torch.distributed.run``) as that command would: its own environment, cwd,
+module: ``torch.distributed.run``, or a script) as that command would: its own environment, cwd,
 argv, stdin from /dev/null and stdout/stderr in files, and the interpreter's own exit
 (atexit handlers, threads joined, streams flushed, an uncaught exception's traceback and
 exit code 1, a signal's death). It only skips the imports: about 3 s of CPU per command,
 the larger part of a short run's.
 
-Protocol, one JSON line each way per command: the request (module, argv, env, cwd,
-stdout, stderr, timeout) on stdin; the child's wait status on stdout once it ended, or
+Protocol, one JSON line each way per command: the request (module or script, argv, env,
+cwd, stdout, stderr, timeout) on stdin; the child's wait status on stdout once it ended, or
 ``{"timeout": true}`` when it was still running after ``timeout`` seconds (then it is
 SIGKILLed and reaped first). Nothing here runs a torch op before a fork: the intra-op
 thread pool does not exist yet, so each child starts its own.
@@ -48,6 +48,13 @@ def child(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.path[0] = os.getcwd()  # as under `python -m`: the cwd first
+    if "script" in request:  # `python SCRIPT ARGS`: the script's dir first
+        script = request["script"]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        sys.argv = [script, *request["argv"]]
+        sys.orig_argv = [sys.executable, script, *request["argv"]]
+        runpy.run_path(script, run_name="__main__")
+        sys.exit(0)
     module = request["module"]
     sys.argv = [module, *request["argv"]]  # runpy puts the module's path first
     sys.orig_argv = [sys.executable, "-m", module, *request["argv"]]  # what a re-exec runs
@@ -71,9 +78,13 @@ def wait(pid: int, timeout: float) -> dict:
 
 
 def serve() -> None:
-    for name in PRELOAD:
-        __import__(name)
     requests, replies = sys.stdin, sys.stdout
+    try:
+        for name in PRELOAD:
+            __import__(name)
+    except ImportError as e:  # the client runs its commands as subprocesses then
+        replies.write(f"cannot preload: {e}\n")
+        return
     replies.write("ready\n")
     replies.flush()
     for line in requests:

@@ -1,4 +1,4 @@
-"""Run the real ``greenroom`` command in a subprocess, as a user would."""
+"""Run the real ``greenroom`` command in a process of its own, as a user would."""
 
 import json
 import os
@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -13,19 +14,27 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The subcommands that import torch: greenroom() runs them as processes forked from a
+# Python that has imported it once (greenroom_forked), the others in a subprocess.
+TORCH_COMMANDS = ("train", "plan", "bench", "doctor")
+
+
 def greenroom(
     *args: str, env: dict | None = None, timeout: float = 300, check_rc: int | None = None, cwd: str | None = None
 ) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-m", "greenroom.cli.main", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=cwd,
-    )
+    """``greenroom args`` in a process of its own, to its end (``check_rc``: its exit code
+    must be this one)."""
+    if args and args[0] in TORCH_COMMANDS:
+        proc = greenroom_forked(*args, env=env, timeout=timeout, cwd=cwd)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-m", "greenroom.cli.main", *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
+            timeout=timeout,
+            cwd=cwd,
+        )
     if check_rc is not None:
         assert proc.returncode == check_rc, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
@@ -35,23 +44,28 @@ def greenroom(
 # is imported: a command whose environment differs in one of these gets a forkserver of
 # its own.
 _STARTUP_ENV = ("PYTHON", "OMP_", "MKL_", "LD_", "TORCH", "CUDA", "MALLOC")
-_forkservers: dict[tuple, subprocess.Popen] = {}
+_forkservers: dict[tuple, subprocess.Popen | None] = {}
+_forkserver_lock = threading.Lock()
 
 
-def _forkserver(env: dict) -> subprocess.Popen:
+def _forkserver(env: dict) -> subprocess.Popen | None:
+    """The forkserver for ``env``'s startup variables; None where one cannot start there
+    (its imports fail: a test's environment hides torch)."""
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_STARTUP_ENV)))
-    server = _forkservers.get(key)
-    if server is None or server.poll() is not None:
-        server = subprocess.Popen(
-            [sys.executable, os.path.join(REPO, "tests", "cli_forkserver.py")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=REPO,
-        )
-        assert server.stdout.readline() == "ready\n", "the greenroom forkserver did not start"
-        _forkservers[key] = server
+    if key in _forkservers and (_forkservers[key] is None or _forkservers[key].poll() is None):
+        return _forkservers[key]
+    server = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "tests", "cli_forkserver.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+    if server.stdout.readline() != "ready\n":
+        server.wait()
+        server = None
+    _forkservers[key] = server
     return server
 
 
@@ -62,27 +76,42 @@ def greenroom_forked(
     cwd: str | None = None,
     module: str = "greenroom.cli.main",
 ) -> subprocess.CompletedProcess:
-    """``greenroom(*args)``, as a process forked from a Python that has already imported
-    torch and ``greenroom train`` (tests/cli_forkserver.py): the same command in its own
-    process, environment and cwd, with its own exit, without importing torch again. For
-    commands that run to their end; a test that signals or stops one uses a subprocess.
+    """``python -m greenroom.cli.main args`` to its end, as a process forked from a Python
+    that has already imported torch and ``greenroom train`` (tests/cli_forkserver.py): the
+    same command in its own process, environment and cwd, with its own exit, without
+    importing torch again (a subprocess where that Python cannot start). For commands
+    that run to their end; a test that signals or stops one uses a subprocess.
     ``module``: ``python -m module args`` instead (``torch.distributed.run``)."""
+    return _forked({"module": module}, [sys.executable, "-m", module], args, env, timeout, cwd)
+
+
+def python_forked(
+    script: str, *args: str, env: dict | None = None, timeout: float = 300, cwd: str | None = None
+) -> subprocess.CompletedProcess:
+    """``python script args`` to its end, forked as ``greenroom_forked`` forks a command."""
+    return _forked({"script": script}, [sys.executable, script], args, env, timeout, cwd)
+
+
+def _forked(what: dict, command: list, args, env, timeout, cwd) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
-    server = _forkserver(full_env)
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        request = {"module": module, "argv": list(args), "env": full_env, "cwd": os.path.abspath(cwd or os.getcwd())}
-        request.update(stdout=out, stderr=err, timeout=timeout)
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
-        reply = server.stdout.readline()
-        assert reply, "the greenroom forkserver ended"
-        reply = json.loads(reply)
-        with open(out, encoding="utf-8", errors="replace") as f:
-            stdout = f.read()
-        with open(err, encoding="utf-8", errors="replace") as f:
-            stderr = f.read()
-    argv = [sys.executable, "-m", module, *args]
+    argv = [*command, *args]
+    with _forkserver_lock:
+        server = _forkserver(full_env)
+        if server is None:
+            return subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            request = {**what, "argv": list(args), "env": full_env, "cwd": os.path.abspath(cwd or os.getcwd())}
+            request.update(stdout=out, stderr=err, timeout=timeout)
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            reply = server.stdout.readline()
+            assert reply, "the greenroom forkserver ended"
+            reply = json.loads(reply)
+            with open(out, encoding="utf-8", errors="replace") as f:
+                stdout = f.read()
+            with open(err, encoding="utf-8", errors="replace") as f:
+                stderr = f.read()
     if reply.get("timeout"):
         raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
     return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(reply["status"]), stdout, stderr)
