@@ -23,7 +23,7 @@ import yaml
 from greenroom.slurm import sbatch
 from greenroom.slurm.config import config_from_dict
 from tests.cli_support import REPO, greenroom
-from tests.slurm.support import SLURM_CONF, SUBMITTED, cancel_leftover_jobs, local_cluster
+from tests.slurm.support import SLURM_CONF, SUBMITTED, cancel_leftover_jobs, local_cluster, set_ranks_nice
 
 pytestmark = pytest.mark.slurm
 
@@ -281,6 +281,7 @@ def test_killed_jobs_files_go_at_the_next_jobs_reclaim_while_a_running_jobs_stay
     # B: running on the same node and the same scratch root all along.
     running = submit(tmp_path, job_data(tmp_path, disk_dir, "running", iterations=FOREVER, streaming=False))
     live = wait_ranks_running(tmp_path, disk_dir, "running", running)
+    set_ranks_nice(live, 19)  # alive and training, at the lowest CPU priority until its cancel
 
     # A: killed outright (as by a node crash or the OOM killer): no trap, no cleanup runs.
     killed = submit(tmp_path, job_data(tmp_path, disk_dir, "killed", iterations=FOREVER, streaming=False))
@@ -305,6 +306,7 @@ def test_killed_jobs_files_go_at_the_next_jobs_reclaim_while_a_running_jobs_stay
     assert not os.path.exists(os.path.join(offload_root(disk_dir), nxt))
 
     # B cancelled the ordinary way (SIGTERM): its ranks and its exit trap clean up.
+    set_ranks_nice(live, 0)
     sbatch.cancel(running)
     assert wait_done(tmp_path, "running", running)["JobState"] == "CANCELLED"
     assert not os.path.exists(os.path.join(offload_root(disk_dir), running))
