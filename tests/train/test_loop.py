@@ -51,14 +51,23 @@ def env():
 
 
 def train(args, *, ranks=1, check=True):
-    """``greenroom train args`` to its end: one rank, or ``ranks`` under torchrun, in a
-    process of its own forked from a Python that has imported torch already (torchrun's
-    ranks are Pythons of their own)."""
+    """``greenroom train args`` to its end: one rank in a process of its own, forked from a
+    Python that has imported torch already; ``ranks`` under torchrun in a subprocess."""
     if ranks == 1:
         result = greenroom_forked("train", *args, env=env(), timeout=300, cwd=REPO)
     else:
-        torchrun = ["--nproc-per-node", str(ranks), "-m", "greenroom.cli.main", "train", *args]
-        result = greenroom_forked(*torchrun, env=env(), timeout=300, cwd=REPO, module="torch.distributed.run")
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(ranks),
+            "-m",
+            "greenroom.cli.main",
+            "train",
+            *args,
+        ]
+        result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     if check:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
