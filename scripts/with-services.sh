@@ -13,10 +13,16 @@ if ! flock -n 9; then
   echo "with-services: another run in this checkout has the services; waiting for it to end" >&2
   flock 9
 fi
-started=()
+# The services start side by side (Kubernetes waits on its pods for tens of seconds,
+# Slurm on its nodes); each one that started is stopped at the end.
+svcs=() pids=() started=()
 for svc in scripts/services.d/*.sh; do
   [ -e "$svc" ] || continue
-  if bash "$svc" start 9>&-; then started+=("$svc"); fi
+  bash "$svc" start 9>&- &
+  svcs+=("$svc") pids+=("$!")
+done
+for i in "${!svcs[@]}"; do
+  if wait "${pids[$i]}"; then started+=("${svcs[$i]}"); fi
 done
 stop_all() { for svc in "${started[@]}"; do bash "$svc" stop 9>&- || true; done; }
 trap stop_all EXIT

@@ -1,9 +1,12 @@
-"""Run the real ``greenroom`` command in a subprocess, as a user would."""
+"""Run the real ``greenroom`` command in a process of its own, as a user would."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
@@ -11,22 +14,107 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The subcommands that import torch: greenroom() runs them as processes forked from a
+# Python that has imported it once (greenroom_forked), the others in a subprocess.
+TORCH_COMMANDS = ("train", "plan", "bench", "doctor")
+
+
 def greenroom(
     *args: str, env: dict | None = None, timeout: float = 300, check_rc: int | None = None, cwd: str | None = None
 ) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-m", "greenroom.cli.main", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=cwd,
-    )
+    """``greenroom args`` in a process of its own, to its end (``check_rc``: its exit code
+    must be this one)."""
+    if args and args[0] in TORCH_COMMANDS:
+        proc = greenroom_forked(*args, env=env, timeout=timeout, cwd=cwd)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-m", "greenroom.cli.main", *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
+            timeout=timeout,
+            cwd=cwd,
+        )
     if check_rc is not None:
         assert proc.returncode == check_rc, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
+
+
+# What a Python reads as it starts (so a forkserver's children share it) or torch as it
+# is imported: a command whose environment differs in one of these gets a forkserver of
+# its own.
+_STARTUP_ENV = ("PYTHON", "OMP_", "MKL_", "LD_", "TORCH", "CUDA", "MALLOC")
+_forkservers: dict[tuple, subprocess.Popen | None] = {}
+_forkserver_lock = threading.Lock()
+
+
+def _forkserver(env: dict) -> subprocess.Popen | None:
+    """The forkserver for ``env``'s startup variables; None where one cannot start there
+    (its imports fail: a test's environment hides torch)."""
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_STARTUP_ENV)))
+    if key in _forkservers and (_forkservers[key] is None or _forkservers[key].poll() is None):
+        return _forkservers[key]
+    server = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "tests", "cli_forkserver.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+    if server.stdout.readline() != "ready\n":
+        server.wait()
+        server = None
+    _forkservers[key] = server
+    return server
+
+
+def greenroom_forked(
+    *args: str,
+    env: dict | None = None,
+    timeout: float = 300,
+    cwd: str | None = None,
+    module: str = "greenroom.cli.main",
+) -> subprocess.CompletedProcess:
+    """``python -m greenroom.cli.main args`` to its end, as a process forked from a Python
+    that has already imported torch and ``greenroom train`` (tests/cli_forkserver.py): the
+    same command in its own process, environment and cwd, with its own exit, without
+    importing torch again (a subprocess where that Python cannot start). For commands
+    that run to their end; a test that signals or stops one uses a subprocess.
+    ``module``: ``python -m module args`` instead (``torch.distributed.run``)."""
+    return _forked({"module": module}, [sys.executable, "-m", module], args, env, timeout, cwd)
+
+
+def python_forked(
+    script: str, *args: str, env: dict | None = None, timeout: float = 300, cwd: str | None = None
+) -> subprocess.CompletedProcess:
+    """``python script args`` to its end, forked as ``greenroom_forked`` forks a command."""
+    return _forked({"script": script}, [sys.executable, script], args, env, timeout, cwd)
+
+
+def _forked(what: dict, command: list, args, env, timeout, cwd) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    argv = [*command, *args]
+    with _forkserver_lock:
+        server = _forkserver(full_env)
+        if server is None:
+            return subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            request = {**what, "argv": list(args), "env": full_env, "cwd": os.path.abspath(cwd or os.getcwd())}
+            request.update(stdout=out, stderr=err, timeout=timeout)
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            reply = server.stdout.readline()
+            assert reply, "the greenroom forkserver ended"
+            reply = json.loads(reply)
+            with open(out, encoding="utf-8", errors="replace") as f:
+                stdout = f.read()
+            with open(err, encoding="utf-8", errors="replace") as f:
+                stderr = f.read()
+    if reply.get("timeout"):
+        raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(reply["status"]), stdout, stderr)
 
 
 def greenroom_stopped_at(

@@ -1,5 +1,5 @@
 """The container image: built by `make image`'s script with podman on a real Debian base,
-then run with podman (runc) to execute greenroom inside it.
+then one container of it run with podman (runc), greenroom executed inside it.
 
 No registry is reachable in CI, so the NGC base cannot be pulled: the base is a Debian
 bookworm made with debootstrap (images/ci-base.sh, cached under .tools/), and PyPI's torch
@@ -16,11 +16,14 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import uuid
 
 import pytest
 
+from greenroom.io import fs
 from tests.conftest import REPO, require_tool
 
 pytestmark = pytest.mark.image
@@ -29,12 +32,14 @@ BASE = "localhost/greenroom-ci-base:bookworm-2"
 # This machine: vfs storage and chroot isolation (overlay and the default isolation fail
 # on its hybrid cgroups); runc, because crun fails on rlimits here.
 ENV = dict(os.environ, STORAGE_DRIVER="vfs", BUILDAH_ISOLATION="chroot")
-RUN = [
+# One container of the image for the module: with vfs storage each container is a full
+# copy of the image's GBs (tens of seconds), so the tests run their commands in this one
+# with `podman exec`, each as the user it names (the image's own by default).
+CREATE = [
     "podman",
     "--runtime",
     "runc",
-    "run",
-    "--rm",
+    "create",
     "--network",
     "none",
     "--ulimit",
@@ -56,13 +61,38 @@ def image():
     return build.stdout.strip().splitlines()[-1]
 
 
-def _run(image, *argv, volume=None, user=None):
-    cmd = list(RUN)
+@pytest.fixture(scope="module")
+def container(image, tmp_path_factory):
+    """A running container of the image (as its own user, idle), with a host dir mounted
+    at /data: ``(name, host dir)``. Removed after the module."""
+    data = tmp_path_factory.mktemp("data")
+    if fs.is_memory_backed(str(data)):  # a real disk, as disk_dir gives
+        data = os.path.join(REPO, ".run", "test-tmp", f"image-{uuid.uuid4().hex[:12]}")
+        os.makedirs(data)
+    os.chmod(data, 0o755)  # the image's user (uid 1000) reaches the dirs the tests make in it
+    name = f"greenroom-test-{uuid.uuid4().hex[:12]}"
+    create = subprocess.run(
+        [*CREATE, "--name", name, "-v", f"{data}:/data", image, "sleep", "infinity"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert create.returncode == 0, create.stderr
+    try:
+        start = subprocess.run(["podman", "start", name], env=ENV, capture_output=True, text=True)
+        assert start.returncode == 0, start.stderr
+        yield name, str(data)
+    finally:
+        subprocess.run(["podman", "rm", "-f", "-t", "0", name], env=ENV, capture_output=True)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _run(container, *argv, user=None):
+    """``argv`` run in the module's container, as ``user`` where given."""
+    cmd = ["podman", "exec"]
     if user:
         cmd += ["--user", user]
-    if volume:
-        cmd += ["-v", f"{volume}:/data"]
-    return subprocess.run(cmd + [image, *argv], env=ENV, capture_output=True, text=True)
+    return subprocess.run([*cmd, container[0], *argv], env=ENV, capture_output=True, text=True)
 
 
 def test_image_has_oci_labels_and_a_non_root_user(image):
@@ -78,20 +108,23 @@ def test_image_has_oci_labels_and_a_non_root_user(image):
     assert info["Config"]["User"] == "1000:1000"
 
 
-def test_greenroom_version_runs_in_the_image(image):
-    out = _run(image, "greenroom", "--version")
+def test_greenroom_version_runs_in_the_image(container):
+    out = _run(container, "greenroom", "--version")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "greenroom 0.1.0"
+    # The container runs as the image's user: the one the train test below writes as.
+    assert _run(container, "id", "-u").stdout.strip() == "1000"
 
 
-def test_reclaim_dry_run_in_the_image_sees_a_dead_ranks_dir_and_keeps_it(image, disk_dir):
-    dead = os.path.join(disk_dir, "job1", "actor", "rank00000")
+def test_reclaim_dry_run_in_the_image_sees_a_dead_ranks_dir_and_keeps_it(container):
+    root = os.path.join(container[1], "reclaim")
+    dead = os.path.join(root, "job1", "actor", "rank00000")
     os.makedirs(dead)
     with open(os.path.join(dead, "owner.json"), "w") as f:
         json.dump({"pid": 999999, "host": "gone", "job": "job1", "role": "actor", "rank": 0}, f)
     open(os.path.join(dead, ".lock"), "w").close()
     # As root, like the chart's init container that runs reclaim on a node root.
-    out = _run(image, "greenroom", "reclaim", "--dry-run", "--json", "/data", volume=disk_dir, user="0:0")
+    out = _run(container, "greenroom", "reclaim", "--dry-run", "--json", "/data/reclaim", user="0:0")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["dry_run"] is True
@@ -99,10 +132,12 @@ def test_reclaim_dry_run_in_the_image_sees_a_dead_ranks_dir_and_keeps_it(image, 
     assert os.path.isdir(dead)
 
 
-def test_one_iteration_of_greenroom_train_with_disk_offload_into_a_host_dir(image, disk_dir):
-    os.chmod(disk_dir, 0o777)  # the image's user is uid 1000
+def test_one_iteration_of_greenroom_train_with_disk_offload_into_a_host_dir(container):
+    host = os.path.join(container[1], "train")
+    os.makedirs(host)
+    os.chmod(host, 0o777)  # the image's user is uid 1000
     out = _run(
-        image,
+        container,
         "greenroom",
         "train",
         "--iterations",
@@ -111,16 +146,15 @@ def test_one_iteration_of_greenroom_train_with_disk_offload_into_a_host_dir(imag
         "--offload-train-target",
         "disk",
         "--offload-train-disk-dir",
-        "/data/offload",
+        "/data/train/offload",
         "--stream-optimizer-state-to-disk",
         "--no-progress",
-        volume=disk_dir,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "offload disk" in out.stdout
     # The rank wrote its files under the mounted dir and removed them at exit.
-    assert os.path.isdir(os.path.join(disk_dir, "offload"))
-    assert glob.glob(os.path.join(disk_dir, "offload", "*", "actor", "rank*")) == []
+    assert os.path.isdir(os.path.join(host, "offload"))
+    assert glob.glob(os.path.join(host, "offload", "*", "actor", "rank*")) == []
 
 
 def test_image_scripts_pass_shellcheck():

@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -30,6 +29,7 @@ import torch
 
 from greenroom.errors import CheckpointError, ConfigError, IntegrityError, StorageError
 from greenroom.optim import StreamingAdam
+from tests.cli_support import python_forked
 from tests.optim.support import ODD_SHAPES, assert_state_equal, set_grads, twins
 
 SHAPES = ODD_SHAPES + [(100,)]
@@ -233,13 +233,8 @@ def _run_worker(base, point, previous="saved", last="checkpoint", where=None):
     script = os.path.join(base, "worker.py")
     with open(script, "w") as f:
         f.write(WORKER.format(repo=REPO))
-    return subprocess.run(
-        [sys.executable, script, base, point, previous, last, where or base],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    # A process of its own, forked from a Python that has imported torch already.
+    return python_forked(script, base, point, previous, last, where or base, timeout=120, cwd=REPO)
 
 
 @pytest.fixture(scope="module")

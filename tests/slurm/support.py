@@ -6,6 +6,7 @@ A test module takes the fixtures by importing them (pytest uses the fixtures a m
 namespace holds) and records every job it submits in ``SUBMITTED``.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -48,3 +49,19 @@ def local_cluster(marker: str, missing: str, *sinfo: str):
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old
+
+
+def set_ranks_nice(rank_dirs: list[str], nice: int) -> None:
+    """Every thread of the ranks holding ``rank_dirs`` (the pids their owner records name)
+    at CPU priority ``nice``. A test that only needs a job's ranks alive (a live job's
+    dirs kept) lowers them to 19, so that their training does not compete with the rest
+    of the suite for the CPUs, and puts them back at 0 before they must answer a signal
+    within the cluster's KillWait."""
+    for d in rank_dirs:
+        with open(os.path.join(d, "owner.json"), encoding="utf-8") as f:
+            pid = json.load(f)["pid"]
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            except ProcessLookupError:
+                pass  # a thread that has just ended

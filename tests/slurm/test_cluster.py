@@ -23,12 +23,13 @@ import yaml
 from greenroom.slurm import sbatch
 from greenroom.slurm.config import config_from_dict
 from tests.cli_support import REPO, greenroom
-from tests.slurm.support import SLURM_CONF, SUBMITTED, cancel_leftover_jobs, local_cluster
+from tests.slurm.support import SLURM_CONF, SUBMITTED, cancel_leftover_jobs, local_cluster, set_ranks_nice
 
 pytestmark = pytest.mark.slurm
 
 DEADLINE_S = 180
 FOREVER = 1_000_000  # iterations of a job that runs until it is cancelled
+RUNNING = 12  # iterations of a job its test sees mid-run (its ranks' dirs, a signal) before its end
 __all__ = ["cancel_leftover_jobs"]  # the autouse fixture, imported for the tests below
 
 
@@ -245,7 +246,7 @@ def test_trainer_step_gets_the_cpus_per_task_the_config_asks(tmp_path, disk_dir,
 def test_two_task_job_with_disk_offload_and_streaming_succeeds_and_leaves_no_files(tmp_path, disk_dir):
     # Two fake GPUs: the GPU-shaped script (--gpus-per-node, its steps) runs for real; the
     # trainer itself falls back to the CPU, which has no CUDA here.
-    job = submit(tmp_path, job_data(tmp_path, disk_dir, "ok", iterations=40, gpus_per_node=2))
+    job = submit(tmp_path, job_data(tmp_path, disk_dir, "ok", iterations=RUNNING, gpus_per_node=2))
     dirs = wait_ranks_running(tmp_path, disk_dir, "ok", job, subdirs=("offload", "optim"))
     assert [os.path.basename(d) for d in dirs] == ["rank00000", "rank00001"]
     for d in dirs:
@@ -255,7 +256,7 @@ def test_two_task_job_with_disk_offload_and_streaming_succeeds_and_leaves_no_fil
     text = logs(tmp_path, "ok", job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
     assert "2 rank(s), offload disk" in text and "streaming on" in text
-    assert "iter  40/40" in text
+    assert f"iter {RUNNING:>3}/{RUNNING}" in text
     assert not os.path.exists(os.path.join(offload_root(disk_dir), job)), "per-rank dirs left after the job"
 
 
@@ -280,6 +281,7 @@ def test_killed_jobs_files_go_at_the_next_jobs_reclaim_while_a_running_jobs_stay
     # B: running on the same node and the same scratch root all along.
     running = submit(tmp_path, job_data(tmp_path, disk_dir, "running", iterations=FOREVER, streaming=False))
     live = wait_ranks_running(tmp_path, disk_dir, "running", running)
+    set_ranks_nice(live, 19)  # alive and training, at the lowest CPU priority until its cancel
 
     # A: killed outright (as by a node crash or the OOM killer): no trap, no cleanup runs.
     killed = submit(tmp_path, job_data(tmp_path, disk_dir, "killed", iterations=FOREVER, streaming=False))
@@ -304,13 +306,14 @@ def test_killed_jobs_files_go_at_the_next_jobs_reclaim_while_a_running_jobs_stay
     assert not os.path.exists(os.path.join(offload_root(disk_dir), nxt))
 
     # B cancelled the ordinary way (SIGTERM): its ranks and its exit trap clean up.
+    set_ranks_nice(live, 0)
     sbatch.cancel(running)
     assert wait_done(tmp_path, "running", running)["JobState"] == "CANCELLED"
     assert not os.path.exists(os.path.join(offload_root(disk_dir), running))
 
 
 def test_preemption_signal_stops_the_trainer_requeues_and_the_job_finishes(tmp_path, disk_dir):
-    data = job_data(tmp_path, disk_dir, "preempt", iterations=20, streaming=True, max_restarts=1)
+    data = job_data(tmp_path, disk_dir, "preempt", iterations=RUNNING, streaming=True, max_restarts=1)
     job = submit(tmp_path, data)
     wait_ranks_running(tmp_path, disk_dir, "preempt", job)
     # What Slurm sends the batch shell before a preemption or the time limit (--signal=B:USR1).
@@ -332,21 +335,21 @@ def test_preemption_signal_stops_the_trainer_requeues_and_the_job_finishes(tmp_p
     step_logs = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "logs" / f"preempt-{job}-r*")))
     assert step_logs == [f"preempt-{job}-r{r}-{t}.out" for r in (0, 1) for t in (0, 1)]
     with open(tmp_path / "logs" / f"preempt-{job}-r1-0.out", encoding="utf-8") as f:
-        assert "iter  20/20" in f.read()
+        assert f"iter {RUNNING:>3}/{RUNNING}" in f.read()
     assert not os.path.exists(os.path.join(offload_root(disk_dir), job))
 
 
 def test_submitit_job_runs_two_ranks_with_the_templates_setup_and_cleans_up(tmp_path, disk_dir):
     from greenroom.slurm.submitit_api import submit_train
 
-    config = config_from_dict(job_data(tmp_path, disk_dir, "submitit", iterations=40))
+    config = config_from_dict(job_data(tmp_path, disk_dir, "submitit", iterations=RUNNING))
     job = submit_train(config, str(tmp_path / "submitit"))
     SUBMITTED.append(job.job_id)
     wait_ranks_running(tmp_path, disk_dir, "submitit", job.job_id, subdirs=("offload", "optim"))
     assert job.results() == [0, 0]
     wait_done(tmp_path, "submitit", job.job_id)
     assert sbatch.job_state(job.job_id) == "COMPLETED"
-    assert "2 rank(s), offload disk" in job.stdout() and "iter  40/40" in job.stdout()
+    assert "2 rank(s), offload disk" in job.stdout() and f"iter {RUNNING:>3}/{RUNNING}" in job.stdout()
     # The setup lines ran: the pre-trainer reclaim step printed its summary.
     assert f"reclaim {os.path.realpath(offload_root(disk_dir))}" in job.stdout()
     assert not os.path.exists(os.path.join(offload_root(disk_dir), job.job_id))

@@ -25,7 +25,7 @@ from greenroom.slurm import sbatch
 from greenroom.slurm.config import config_from_dict
 from greenroom.train import rotation
 from tests.cli_support import REPO, greenroom
-from tests.slurm.support import CLUSTER, SUBMITTED, cancel_leftover_jobs, local_cluster
+from tests.slurm.support import CLUSTER, SUBMITTED, cancel_leftover_jobs, local_cluster, set_ranks_nice
 from tests.slurm.test_cluster import job_data, logs, wait_done, wait_for
 from tests.train.test_loop import assert_same_state, load_state
 
@@ -233,6 +233,7 @@ def test_setup_step_reclaims_a_dead_rank_dir_on_node2_and_keeps_node1s_live_dirs
         explain=lambda: logs(tmp_path, "live", live),
     )
     live_dirs = node_rank_dirs(scratch, "node1", live)
+    set_ranks_nice(live_dirs, 19)  # alive and training, at the lowest CPU priority until its cancel
 
     # Dead: rank 1 of an earlier job, killed on node2.
     dead = plant_dead_rank_dir(scratch, "node2", "4242", 1)
@@ -254,6 +255,7 @@ def test_setup_step_reclaims_a_dead_rank_dir_on_node2_and_keeps_node1s_live_dirs
     for node in NODES:
         assert not os.path.exists(job_root(scratch, node, job)), f"{node}: the job's files left after it"
 
+    set_ranks_nice(live_dirs, 0)
     sbatch.cancel(live)
     assert wait_done(tmp_path, "live", live)["JobState"] == "CANCELLED"
     assert not os.path.exists(job_root(scratch, "node1", live))

@@ -19,6 +19,7 @@ import torch
 from greenroom.cli import main as cli
 from greenroom.dirs.reclaim import reclaim
 from greenroom.train import rotation
+from tests.cli_support import greenroom_forked
 from tests.conftest import require_tool
 from tests.train.test_loop import REPO, env, streaming_available
 
@@ -48,19 +49,10 @@ def run(args, *, root, metrics, kill_at=None, prefix=()):
     e = env()
     if kill_at:
         e["GREENROOM_TEST_KILL_AT"] = kill_at
-    cmd = [
-        *prefix,
-        sys.executable,
-        "-m",
-        "greenroom.cli.main",
-        "train",
-        *FLAGS,
-        "--offload-train-disk-dir",
-        root,
-        "--metrics",
-        metrics,
-        *args,
-    ]
+    argv = ["train", *FLAGS, "--offload-train-disk-dir", root, "--metrics", metrics, *args]
+    if not prefix:  # a process of its own, forked from a Python that has imported torch already
+        return greenroom_forked(*argv, env=e, timeout=300, cwd=REPO)
+    cmd = [*prefix, sys.executable, "-m", "greenroom.cli.main", *argv]
     return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300, cwd=REPO)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from greenroom.train import rotation
+from tests.cli_support import greenroom_forked
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = [
@@ -50,8 +51,10 @@ def env():
 
 
 def train(args, *, ranks=1, check=True):
+    """``greenroom train args`` to its end: one rank in a process of its own, forked from a
+    Python that has imported torch already; ``ranks`` under torchrun in a subprocess."""
     if ranks == 1:
-        cmd = [sys.executable, "-m", "greenroom.cli.main", "train", *args]
+        result = greenroom_forked("train", *args, env=env(), timeout=300, cwd=REPO)
     else:
         cmd = [
             sys.executable,
@@ -64,7 +67,7 @@ def train(args, *, ranks=1, check=True):
             "train",
             *args,
         ]
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+        result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     if check:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result

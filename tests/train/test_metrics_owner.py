@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from tests.cli_support import greenroom, greenroom_stopped_at, one_line_error
+from tests.cli_support import greenroom_forked, greenroom_stopped_at, one_line_error
 
 SMALL = ["--prompts", "8", "--group-size", "4", "--minibatches", "2", "--d-model", "32", "--no-progress"]
 
@@ -29,7 +29,8 @@ def outside_a_scheduler(monkeypatch):
 
 
 def train(*args, cwd, env=None):
-    return greenroom("train", *SMALL, *args, cwd=cwd, env=env)
+    """A run to its end, in a process forked from a Python that has imported torch already."""
+    return greenroom_forked("train", *SMALL, *args, cwd=cwd, env=env)
 
 
 def stopped(*args, cwd, env=None):

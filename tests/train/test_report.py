@@ -2,17 +2,15 @@
 
 import json
 import os
-import subprocess
-import sys
+
+from tests.cli_support import greenroom_forked
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cli(*args):
-    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "runtime")}
-    return subprocess.run(
-        [sys.executable, "-m", "greenroom.cli.main", *args], env=env, capture_output=True, text=True, timeout=300
-    )
+    """``greenroom args`` in a process forked from a Python that has imported torch already."""
+    return greenroom_forked(*args, env={"PYTHONPATH": os.path.join(REPO, "runtime")}, timeout=300)
 
 
 def test_report_draws_a_png_from_a_train_run(disk_dir):
