@@ -1,8 +1,8 @@
 """A Python that has imported torch and ``greenroom train`` once, and forks a fresh
 process per ``greenroom`` command it is sent (``tests/cli_support.greenroom_forked``).
 
-Each child is a real process running ``python -m greenroom.cli.main ARGS`` (or another
-module: ``torch.distributed.run``, or a script) as that command would: its own environment, cwd,
+Each child is a real process running ``python -m greenroom.cli.main ARGS`` (or a script)
+as that command would: its own environment, cwd,
 argv, stdin from /dev/null and stdout/stderr in files, and the interpreter's own exit
 (atexit handlers, threads joined, streams flushed, an uncaught exception's traceback and
 exit code 1, a signal's death). It only skips the imports: about 3 s of CPU per command,
@@ -27,7 +27,6 @@ import time
 PRELOAD = [
     "torch",
     "torch._dynamo",
-    "torch.distributed.run",
     "greenroom.cli.main",
     "greenroom.cli.train",
     "matplotlib.pyplot",  # greenroom report's (it picks its backend before the first figure)

@@ -74,14 +74,13 @@ def greenroom_forked(
     env: dict | None = None,
     timeout: float = 300,
     cwd: str | None = None,
-    module: str = "greenroom.cli.main",
 ) -> subprocess.CompletedProcess:
     """``python -m greenroom.cli.main args`` to its end, as a process forked from a Python
     that has already imported torch and ``greenroom train`` (tests/cli_forkserver.py): the
     same command in its own process, environment and cwd, with its own exit, without
     importing torch again (a subprocess where that Python cannot start). For commands
-    that run to their end; a test that signals or stops one uses a subprocess.
-    ``module``: ``python -m module args`` instead (``torch.distributed.run``)."""
+    that run to their end; a test that signals or stops one uses a subprocess."""
+    module = "greenroom.cli.main"
     return _forked({"module": module}, [sys.executable, "-m", module], args, env, timeout, cwd)
 
 
