@@ -264,8 +264,9 @@ def test_moments_streamed_as_bf16_load_into_stock_as_their_fp32_values_and_are_r
         close(optimizer)
 
 
-# megatron-core 0.19's async default is NVIDIA Resiliency Extension's writer, not installed
-# on the GPU machine; megatron-core's own (the only one in 0.16) is what runs here.
+# megatron-core 0.19's async default is the NVIDIA Resiliency Extension's writer, which needs
+# nvidia-resiliency-ext 0.6.0 or later: no package index our machines reach serves it.
+# megatron-core's own writer (the only one in 0.16) is what runs here.
 _MCORE_ASYNC = (
     {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters else {}
 )
