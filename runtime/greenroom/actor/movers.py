@@ -140,6 +140,9 @@ class DiskMover:
         self.path = os.path.join(directory, STATE_FILE)
         self.compression = compression
         # A sleep only writes and a wake only reads: the wake's reads have the disk alone.
+        # The engine's default 4 staging buffers, not the stream's 8 (``staging.stream_depth``):
+        # with 8 of 32 MiB a compressed sleep kept more writes in flight but left the disk
+        # idler and ran slower (docs/benchmarks.md, 'Design measurements').
         self._engine = TransferEngine(chunk_bytes, device_reads=frames.READS_ALONE)
         self._file: StateFile | None = None
         self._slots: dict[tuple, _Slot] = {}

@@ -190,8 +190,8 @@ def asleep_device_bytes(rank: dict, config: OffloadFlags) -> float:
 # A node's ranks share its disk, so plan gives each rank 1/N of the node's rates. Those rates
 # must be the node's at N ranks' concurrency: a single-rank probe keeps 4 requests in flight,
 # and a disk that serves more at once gives N ranks more than that probe shows (an H100's
-# virtual disk: 1.94 GB/s moved by one rank's streamed steps, 2.30 GB/s by 8 ranks' at once,
-# docs/benchmarks.md "Several ranks on one disk"). ``plan --measure-disk`` and
+# virtual disk read 0.94 GB/s beside its writes with one rank's requests in flight, 1.28 GB/s
+# with 8 ranks', docs/benchmarks.md "Several ranks on one disk"). ``plan --measure-disk`` and
 # ``bench node`` probe with ``bench.disk.node_bandwidth`` at the node's rank count, mixed
 # reads and writes included; a streamed step reads its next buckets while it writes back the
 # last ones, so where those mixed rates are known the step is the larger of its reads at the
