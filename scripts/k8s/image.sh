@@ -19,17 +19,32 @@ image=$(images/ci-image.sh | tail -1)
 if ! "${ctr[@]}" images ls -q "name==$image" | grep -q .; then
   # Room first: the import writes the layers' blobs, then unpacks them into the snapshotter,
   # about the image's size each. A disk filled here fails every pod of the cluster, and
-  # whatever else shares the disk, so refuse in one line instead, leaving a margin.
+  # whatever else shares the disk, so refuse in one line instead, leaving a margin. The two
+  # nodes' imports run at once (scripts/services.d/k8s.sh), so each import's need is held in
+  # a file under $store/.imports/ while it runs, and the others in flight count against the
+  # free space too.
   store="${GREENROOM_K8S_CACHE:-$HOME/.cache/greenroom-k8s}"
   size=$(STORAGE_DRIVER=vfs podman image inspect --format '{{.Size}}' "$image")
-  free=$(df -B1 --output=avail "$store" | tail -1)
   need=$((2 * size + ${GREENROOM_K8S_FREE_MARGIN_GB:-4} * 1024 ** 3))
-  if ((free < need)); then
+  mkdir -p "$store/.imports"
+  exec 8>"$store/.imports/.lock"
+  flock 8
+  others=0
+  for held in "$store/.imports"/*; do
+    [ -f "$held" ] || continue
+    if kill -0 "${held##*/}" 2>/dev/null; then others=$((others + $(cat "$held"))); else rm -f "$held"; fi
+  done
+  free=$(df -B1 --output=avail "$store" | tail -1)
+  if ((free < need + others)); then
     echo "not imported: $((free >> 30)) GiB free under $store, and importing $image needs" \
-      "$((need >> 30)) GiB with a margin (GREENROOM_K8S_FREE_MARGIN_GB); free space there or point" \
+      "$((need >> 30)) GiB with a margin (GREENROOM_K8S_FREE_MARGIN_GB)$( ((others == 0)) ||
+      echo ", $((others >> 30)) GiB more for the imports in flight"); free space there or point" \
       "GREENROOM_K8S_CACHE at a larger disk"
     exit 1
   fi
+  echo "$need" >"$store/.imports/$$"
+  trap 'rm -f "$store/.imports/$$"' EXIT
+  exec 8>&-
   STORAGE_DRIVER=vfs podman save --format docker-archive "$image" | "${ctr[@]}" images import - >/dev/null
   # Then the layers' blobs go: they are unpacked in the snapshotter, which is all a pod
   # uses, and containerd keeps them only to export or push the image, which the cluster

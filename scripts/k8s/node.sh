@@ -141,6 +141,11 @@ start_node() {
   fi
   start_proxy "$bin" "$ip" || return 0
   status node "up ($node_name Ready, kube-proxy running)"
+}
+
+# import_node_image: the greenroom image into the first node's containerd (built first
+# where podman lacks its tag; scripts/k8s/image.sh).
+import_node_image() {
   local image
   if image=$(scripts/k8s/image.sh "$dir/containerd/containerd.sock" | tail -1); then
     echo "$image" >"$dir/image"

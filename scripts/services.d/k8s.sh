@@ -156,13 +156,21 @@ start() {
   start_control_plane "$bin" "$ip" || { status control-plane "failed to start (logs: $dir/log)"; return 0; }
   start_node "$bin" "$ip" || status node "failed to start (logs: $dir/log)"
   if grep -q "^node: up" "$dir/status"; then
-    start_node2 "$bin" "$ip" || status node2 "failed to start (logs: $dir/log)"
-    # The JobSet controller starts while CoreDNS does (each waits seconds for its probes).
-    local jobset_applied=0
+    # Side by side: the greenroom image's import into each node's containerd (a build and
+    # an import of GBs each after a change under runtime/, minutes on a 2-core machine),
+    # the second node's start, and the JobSet controller and CoreDNS on the first node
+    # (each waits seconds for its probes); none needs another. The two imports share one
+    # build (scripts/k8s/image.sh holds a lock around it).
+    local image_pid node2_pid jobset_applied=0
+    import_node_image &
+    image_pid=$!
+    { start_node2 "$bin" "$ip" || status node2 "failed to start (logs: $dir/log)"; } &
+    node2_pid=$!
     apply_jobset "$bin" && jobset_applied=1
     start_dns "$bin" || status dns "failed to start (kubectl -n kube-system logs deployment/coredns)"
     [ "$jobset_applied" = 0 ] || wait_jobset ||
       status jobset "failed to start (kubectl -n jobset-system logs deployment/jobset-controller-manager)"
+    wait "$image_pid" "$node2_pid" || true
     # Last: it tells whether a pod can start with everything else imported and running.
     probe_pods
   else

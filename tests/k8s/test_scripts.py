@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import tempfile
 
+import pytest
+
 from tests.conftest import REPO, require_tool
 from tests.k8s.support import require_cluster, wait_until
 
@@ -65,13 +67,18 @@ def test_prune_images_refuses_a_call_without_a_prefix_in_one_line():
     assert out.stderr == "usage: scripts/k8s/prune-images.sh CONTAINERD_SOCKET KEEP_IMAGE PREFIX...\n"
 
 
-def test_image_import_without_room_is_refused_in_one_line_and_imports_nothing():
+@pytest.mark.parametrize("short_by", ["margin", "imports in flight"])
+def test_image_import_without_room_is_refused_in_one_line_and_imports_nothing(short_by):
     # The image the cluster's start built (podman has it), imported into a containerd of
-    # this test's own, never the cluster's store; a margin no disk has stands for a full one.
+    # this test's own, never the cluster's store. A margin no disk has stands for a full
+    # disk; so does another import in flight (this test's own pid, alive) that holds more
+    # than any disk has.
     require_cluster("image")
     containerd, ctr = require_tool("containerd"), require_tool("ctr")
     work = tempfile.mkdtemp(prefix="grc-", dir="/tmp")  # a socket path must stay short
     sock = os.path.join(work, "containerd.sock")
+    store = os.environ.get("GREENROOM_K8S_CACHE", os.path.expanduser("~/.cache/greenroom-k8s"))
+    held = os.path.join(store, ".imports", str(os.getpid()))
     with open(os.path.join(work, "config.toml"), "w") as f:
         f.write(
             f'version = 2\nroot = "{work}/root"\nstate = "{work}/state"\n'
@@ -92,19 +99,26 @@ def test_image_import_without_room_is_refused_in_one_line_and_imports_nothing():
             timeout=30,
         )
         assert daemon.poll() is None, "the test's own containerd exited at its start"
-        out = subprocess.run(
-            ["bash", "scripts/k8s/image.sh", sock],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, GREENROOM_K8S_FREE_MARGIN_GB="1000000000"),
-        )
+        env = dict(os.environ)
+        if short_by == "margin":
+            env["GREENROOM_K8S_FREE_MARGIN_GB"] = "1000000000"
+        else:
+            os.makedirs(os.path.dirname(held), exist_ok=True)
+            with open(held, "w") as f:
+                f.write(f"{10**18}\n")
+        out = subprocess.run(["bash", "scripts/k8s/image.sh", sock], cwd=REPO, capture_output=True, text=True, env=env)
         assert out.returncode == 1, out.stderr
         (line,) = out.stdout.splitlines()
         assert line.startswith("not imported: ") and "GREENROOM_K8S_FREE_MARGIN_GB" in line, line
+        assert ("more for the imports in flight" in line) == (short_by != "margin"), line
+        # The refused import holds no room of its own (the lock file aside).
+        holders = [n for n in os.listdir(os.path.dirname(held)) if not n.startswith(".")]
+        assert holders == ([os.path.basename(held)] if short_by != "margin" else [])
         assert subprocess.run([*listing, "images", "ls", "-q"], capture_output=True, text=True).stdout == ""
         assert subprocess.run([*listing, "content", "ls", "-q"], capture_output=True, text=True).stdout == ""
     finally:
+        if os.path.exists(held):
+            os.unlink(held)
         daemon.terminate()
         daemon.wait()
         shutil.rmtree(work)
