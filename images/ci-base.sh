@@ -8,6 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 image=${1:-localhost/greenroom-ci-base:bookworm-2}
 cache=.tools/ci-base-bookworm-2.tar
+# One maker at a time: the test cluster's start builds its images side by side.
+mkdir -p .tools
+exec 7>.tools/ci-base.lock
+flock 7
 if podman image exists "$image" 2>/dev/null; then
   echo "ci-base: $image already present"
   exit 0
@@ -15,7 +19,7 @@ fi
 if [ ! -s "$cache" ]; then
   mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
   mirror=${mirror:-http://deb.debian.org/debian}
-  rootfs=$(mktemp -d .tools/ci-base-rootfs.XXXXXX 2>/dev/null || { mkdir -p .tools; mktemp -d .tools/ci-base-rootfs.XXXXXX; })
+  rootfs=$(mktemp -d .tools/ci-base-rootfs.XXXXXX)
   # --one-file-system: a debootstrap cut short can leave the host's /proc or /sys mounted
   # in the rootfs; the removal must stop at them, not descend into the host's.
   trap 'rm -rf --one-file-system "$rootfs"' EXIT

@@ -160,8 +160,8 @@ start() {
     # an import of GBs each after a change under runtime/, minutes on a 2-core machine),
     # the second node's start, and the JobSet controller and CoreDNS on the first node
     # (each waits seconds for its probes); none needs another. The two imports share one
-    # build (images/ci-image.sh holds a lock around it), and the CI base every image here
-    # builds on was made for kube-proxy's, before (images/ci-base.sh takes no lock).
+    # build (images/ci-image.sh holds a lock around it; images/ci-base.sh one around the
+    # base every image here is built on).
     local image_pid node2_pid jobset_applied=0
     import_node_image &
     image_pid=$!
