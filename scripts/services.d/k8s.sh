@@ -156,8 +156,8 @@ start() {
   start_control_plane "$bin" "$ip" || { status control-plane "failed to start (logs: $dir/log)"; return 0; }
   start_node "$bin" "$ip" || status node "failed to start (logs: $dir/log)"
   if grep -q "^node: up" "$dir/status"; then
-    # Side by side: the greenroom image's import into each node's containerd (a build and
-    # an import of GBs each after a change under runtime/, minutes on a 2-core machine),
+    # Side by side: the greenroom image's import into each node's containerd (after a change
+    # to the image's sources, one build and then GBs into each: minutes on a 2-core machine),
     # the second node's start, and the JobSet controller and CoreDNS on the first node
     # (each waits seconds for its probes); none needs another. The two imports share one
     # build (images/ci-image.sh holds a lock around it; images/ci-base.sh one around the
