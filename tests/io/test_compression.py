@@ -6,6 +6,7 @@ cover). Every round trip is compared with ``torch.equal`` on the bytes.
 """
 
 import os
+import threading
 
 import pytest
 import torch
@@ -388,6 +389,37 @@ def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp
         monkeypatch.setattr(StateFile, "read", real_read)
         engine.read(back, f, 0).wait()
         assert torch.equal(as_bytes(back), as_bytes(t))
+
+
+@pytest.mark.gpu
+def test_device_chunks_encode_before_their_buffer_and_a_failed_encode_fails_only_its_write(tmp_path, monkeypatch):
+    # Note [encode before the slot]: every encode of a device chunk runs on the engine's
+    # encoder, not under a staging buffer; one that fails fails its transfer, the encodes
+    # still ahead end before the wait returns, and the engine writes on.
+    codec = _nvcomp_or_skip()
+    t = compressible(torch.bfloat16, 12 * EXTENT).cuda()
+    real_encode, threads = type(codec).encode, []
+
+    def encode(self, views, itemsizes, stream):
+        threads.append(threading.current_thread().name)
+        if len(threads) == 3 and failing:
+            raise RuntimeError("encode failed")
+        return real_encode(self, views, itemsizes, stream)
+
+    monkeypatch.setattr(type(codec), "encode", encode)
+    failing = True
+    with (
+        StateFile(str(tmp_path / "state"), t.numel() * 2, compression=codec) as f,
+        TransferEngine(4 * EXTENT, depth=2) as engine,
+    ):
+        with pytest.raises(RuntimeError, match="encode failed"):
+            engine.write(t, f, 0).wait()
+        failing = False
+        engine.write(t, f, 0).wait()
+        back = torch.empty_like(t)
+        engine.read(back, f, 0).wait()
+    assert torch.equal(as_bytes(back), as_bytes(t))
+    assert len(threads) > 6 and set(threads) == {"greenroom-encode_0"}
 
 
 @pytest.mark.gpu

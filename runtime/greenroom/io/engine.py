@@ -291,25 +291,41 @@ class TransferEngine:
             stream = copy_streams.setdefault(data.device, torch.cuda.Stream(data.device))
             stream.wait_event(ready)
         on_device = file.compression is not None and file.compression.on_device and data.is_cuda
-        for start, n, chunk_frames in chunks:
-            slot = self.staging.acquire()
-            try:
-                piece = data[start : start + n]
-                done_copy = None
-                if kind == "write" and not on_device:
-                    done_copy = self._stage_out(piece, slot, stream)  # a device codec reads the device bytes
-                if chunk_frames is None:
-                    task = self._write_chunk if kind == "write" else self._read_chunk
-                    self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
-                else:
-                    task = self.frame_io.write if kind == "write" else self.frame_io.read
-                    self._workers.submit(
-                        task, piece, slot, file, offset + start, chunk_frames, transfer, done_copy, stream
-                    )
-            except BaseException:
-                self.staging.release(slot)
-                raise
-            handed_out[0] += 1
+        # Note [encode before the slot] of greenroom.io.frames: a device codec's chunks are
+        # encoded up to ENCODE_AHEAD chunks ahead of the one waiting for a buffer.
+        encodes: dict[int, cf.Future] = {}
+        ahead = frames.ENCODE_AHEAD if on_device and kind == "write" else -1
+        try:
+            for index, (start, n, chunk_frames) in enumerate(chunks):
+                for later in range(index, min(len(chunks), index + 1 + ahead)):
+                    if later not in encodes:
+                        at, size, later_frames = chunks[later]
+                        encodes[later] = self.frame_io.encode_ahead(data[at : at + size], later_frames, file, stream)
+                slot = self.staging.acquire()
+                try:
+                    piece = data[start : start + n]
+                    done_copy = None
+                    if kind == "write" and not on_device:
+                        done_copy = self._stage_out(piece, slot, stream)  # a device codec reads the device bytes
+                    if chunk_frames is None:
+                        task = self._write_chunk if kind == "write" else self._read_chunk
+                        self._workers.submit(task, piece, slot, file, offset + start, transfer, done_copy, stream)
+                    else:
+                        args = (piece, slot, file, offset + start, chunk_frames, transfer, done_copy, stream)
+                        if kind == "write":
+                            self._workers.submit(self.frame_io.write, *args, encodes.pop(index, None))
+                        else:
+                            self._workers.submit(self.frame_io.read, *args)
+                except BaseException:
+                    self.staging.release(slot)
+                    raise
+                handed_out[0] += 1
+        finally:
+            # Chunks never handed out: their encodes end before the transfer fails, so none
+            # still reads the caller's tensor once its wait returns.
+            for pending in encodes.values():
+                pending.cancel()
+            cf.wait(list(encodes.values()))
 
     def _stage_out(self, piece: torch.Tensor, slot: int, stream) -> torch.cuda.Event | None:
         buf = self.staging.buffers[slot]

@@ -36,6 +36,15 @@ chunk's stored bytes, contiguous by Note [compact transfers] of ``greenroom.io.f
 in one request of up to 64 MiB, 4 in flight: the raw disk reads 4 x 64 MiB requests faster
 than 8 x 16 MiB, and so does a wake. A streamed step with 64 MiB pieces ran slower than with 16 MiB x 8, so the step
 keeps the default (docs/benchmarks.md, 'Design measurements').
+
+Note [encode before the slot]: a chunk bound for a device codec is encoded before it takes
+a staging buffer. The engine's driver hands each such chunk to ``encode_ahead``, up to
+``ENCODE_AHEAD`` chunks beyond the one it waits a buffer for, and the chunk's I/O thread
+only copies the encoded frames into its buffer and writes them. The codec runs one call at
+a time; encoded under its buffer, a chunk held the buffer while it queued for the codec,
+and in a compressed sleep the codec was the largest share of the disk's idle time
+(docs/benchmarks.md, 'Design measurements'). The price is device memory: at most
+``ENCODE_AHEAD + 1`` chunks' encoded frames beyond those the buffers' threads hold.
 """
 
 from __future__ import annotations
@@ -79,6 +88,10 @@ BESIDE_WRITES = DeviceReads(piece=16 << 20, in_flight=8)
 READS_ALONE = DeviceReads(piece=64 << 20, in_flight=4)
 """For an engine whose reads have the disk to themselves (an actor's wake)."""
 
+ENCODE_AHEAD = 2
+"""Chunks a driver's encodes run ahead of the chunk waiting for a staging buffer (Note
+[encode before the slot])."""
+
 
 class FrameIO:
     """The chunks of a compressed file's transfers, run on the engine's I/O threads: frames
@@ -101,6 +114,9 @@ class FrameIO:
         )
         self.kept_decoders = KeptDecoders()
         self._thread = threading.local()  # each I/O thread's CUDA streams
+        # Note [encode before the slot]: one thread, as the codec runs one call at a time.
+        self._encoder = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="greenroom-encode")
+        self._encode_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.timeline: Timeline | None = None  # set by the engine's ``record``
 
     def _read_piece(self, file: StateFile, buf: memoryview, offset: int) -> int:
@@ -112,8 +128,33 @@ class FrameIO:
             return _frame_sums(buf, runs, lengths)
 
     def close(self) -> None:
-        """Shut the pool of piece reads down, waiting for its threads."""
+        """Shut the pools of piece reads and encodes down, waiting for their threads."""
         self._piece_reads.shutdown(wait=True)
+        self._encoder.shutdown(wait=True)
+
+    def encode_ahead(self, piece: torch.Tensor, frames, file: StateFile, stream: torch.cuda.Stream) -> cf.Future:
+        """Start encoding the frames of a device chunk that has no staging buffer yet (Note
+        [encode before the slot]); called by the engine's driver, after ``stream`` has
+        queued the wait for the caller's work on ``piece``. The future's result goes to
+        ``write`` as its ``encoded``."""
+        encode_stream = self._encode_streams.get(piece.device)
+        if encode_stream is None:
+            encode_stream = self._encode_streams[piece.device] = torch.cuda.Stream(piece.device)
+        encode_stream.wait_stream(stream)  # now, in the driver's thread: what the caller queued
+        return self._encoder.submit(self._encode, piece, frames, file.compression, encode_stream)
+
+    def _encode(self, piece: torch.Tensor, frames, codec, stream: torch.cuda.Stream) -> list:
+        """Each frame's ``(codec id, payload)`` on the device, ``(None, None)`` for one stored
+        raw; the payloads are complete when it returns (the codec synchronizes ``stream``)."""
+        coded = [k for k, (_, _, size, _) in enumerate(frames) if size != STORE_RAW]
+        payloads = [(None, None)] * len(frames)
+        if coded:
+            views = [piece[frames[k][0] : frames[k][0] + frames[k][1]] for k in coded]
+            with span(self.timeline, CODEC):
+                encoded = codec.encode(views, [frames[k][2] for k in coded], stream)
+            for k, payload in zip(coded, encoded):
+                payloads[k] = payload
+        return payloads
 
     def _io_stream(self, device: torch.device) -> torch.cuda.Stream:
         """This I/O thread's own stream on ``device``: codec kernels of concurrent chunks
@@ -125,9 +166,11 @@ class FrameIO:
             streams[device] = torch.cuda.Stream(device)
         return streams[device]
 
-    def write(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream) -> None:
+    def write(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream, encoded=None) -> None:
         """Compress the chunk's frames and write them packed (Note [packed frames]): each a
-        header and the payload, or the raw bytes where compression does not pay."""
+        header and the payload, or the raw bytes where compression does not pay. A device
+        chunk's ``encoded`` is the future of ``encode_ahead``; without it, the chunk is
+        encoded here."""
         error = sums = base = None
         first = frames[0][3]
         raw_span = align_up(piece.numel())
@@ -141,14 +184,11 @@ class FrameIO:
                 io_stream = self._io_stream(piece.device)
                 io_stream.wait_stream(stream)
                 views = [piece[pos : pos + raw] for pos, raw, _, _ in frames]
-                coded = [k for k, (_, _, size, _) in enumerate(frames) if size != STORE_RAW]
-                payloads = [(None, None)] * len(frames)
-                if coded:
-                    with span(self.timeline, CODEC):
-                        encoded = codec.encode([views[k] for k in coded], [frames[k][2] for k in coded], io_stream)
-                    for k, payload in zip(coded, encoded):
-                        payloads[k] = payload
-                    del encoded
+                if encoded is None:
+                    payloads = self._encode(piece, frames, codec, io_stream)
+                else:
+                    with span(self.timeline, SYNC):
+                        payloads = encoded.result()
                 with span(self.timeline, DEVICE_COPY):
                     with torch.cuda.stream(io_stream):
                         for (pos, raw, size, _), view, (codec_id, payload) in zip(frames, views, payloads):
@@ -162,7 +202,7 @@ class FrameIO:
                             places.append(at)
                             at += align_up(lengths[-1])
                     io_stream.synchronize()
-                del payloads
+                payloads.clear()  # the device memory goes back now: ``encoded`` holds this list too
             else:
                 if done_copy is not None:
                     with span(self.timeline, DEVICE_COPY):
