@@ -294,10 +294,10 @@ class TransferEngine:
         # Note [encode before the slot] of greenroom.io.frames: a device codec's chunks are
         # encoded up to ENCODE_AHEAD chunks ahead of the one waiting for a buffer.
         encodes: dict[int, cf.Future] = {}
-        ahead = frames.ENCODE_AHEAD if on_device and kind == "write" else -1
+        encoding = on_device and kind == "write"
         try:
             for index, (start, n, chunk_frames) in enumerate(chunks):
-                for later in range(index, min(len(chunks), index + 1 + ahead)):
+                for later in range(index, min(len(chunks), index + 1 + frames.ENCODE_AHEAD) if encoding else index):
                     if later not in encodes:
                         at, size, later_frames = chunks[later]
                         encodes[later] = self.frame_io.encode_ahead(data[at : at + size], later_frames, file, stream)

@@ -172,8 +172,7 @@ class FrameIO:
     def write(self, piece, slot, file, chunk_offset, frames, transfer, done_copy, stream, encoded=None) -> None:
         """Compress the chunk's frames and write them packed (Note [packed frames]): each a
         header and the payload, or the raw bytes where compression does not pay. A device
-        chunk's ``encoded`` is the future of ``encode_ahead``; without it, the chunk is
-        encoded here."""
+        chunk's frames were encoded by ``encode_ahead``: ``encoded`` is its future."""
         error = sums = base = None
         first = frames[0][3]
         raw_span = align_up(piece.numel())
@@ -187,11 +186,8 @@ class FrameIO:
                 io_stream = self._io_stream(piece.device)
                 io_stream.wait_stream(stream)
                 views = [piece[pos : pos + raw] for pos, raw, _, _ in frames]
-                if encoded is None:
-                    payloads = self._encode(piece, frames, codec, io_stream)
-                else:
-                    with span(self.timeline, SYNC):
-                        payloads = encoded.result()
+                with span(self.timeline, SYNC):
+                    payloads = encoded.result()
                 with span(self.timeline, DEVICE_COPY):
                     with torch.cuda.stream(io_stream):
                         for (pos, raw, size, _), view, (codec_id, payload) in zip(frames, views, payloads):
