@@ -394,8 +394,8 @@ def test_a_failed_piece_of_a_device_read_is_reported_and_the_engine_reads_on(tmp
 @pytest.mark.gpu
 def test_device_chunks_encode_before_their_buffer_and_a_failed_encode_fails_only_its_write(tmp_path, monkeypatch):
     # Note [encode before the slot]: every encode of a device chunk runs on the engine's
-    # encoder, not under a staging buffer; one that fails fails its transfer, the encodes
-    # still ahead end before the wait returns, and the engine writes on.
+    # encoder, not under a staging buffer; one that fails fails its transfer, and the
+    # engine writes on.
     codec = _nvcomp_or_skip()
     t = compressible(torch.bfloat16, 12 * EXTENT).cuda()
     real_encode, threads = type(codec).encode, []
