@@ -102,7 +102,9 @@ if [ "$preempted" = 1 ]; then
     reclaim || true
     echo "greenroom: requeueing job $SLURM_JOB_ID (restart $((GREENROOM_RESTART + 1)) of 3)"
     # The exit reclaim would only repeat the one above, and a requeued job starts no step.
-    scontrol requeue "$SLURM_JOB_ID" && trap - EXIT
+    # Off before the requeue: Slurm's SIGTERM to this shell can come before scontrol returns.
+    trap - EXIT
+    scontrol requeue "$SLURM_JOB_ID" || trap on_exit EXIT
   else
     echo "greenroom: preempted after 3 restart(s); not requeueing"
   fi
