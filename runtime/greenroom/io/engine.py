@@ -294,10 +294,10 @@ class TransferEngine:
         # Note [encode before the slot] of greenroom.io.frames: a device codec's chunks are
         # encoded up to ENCODE_AHEAD chunks ahead of the one waiting for a buffer.
         encodes: dict[int, cf.Future] = {}
-        encoding = on_device and kind == "write"
+        encoded_ahead = frames.ENCODE_AHEAD + 1 if on_device and kind == "write" else 0  # with the chunk itself
         try:
             for index, (start, n, chunk_frames) in enumerate(chunks):
-                for later in range(index, min(len(chunks), index + 1 + frames.ENCODE_AHEAD) if encoding else index):
+                for later in range(index, min(len(chunks), index + encoded_ahead)):
                     if later not in encodes:
                         at, size, later_frames = chunks[later]
                         encodes[later] = self.frame_io.encode_ahead(data[at : at + size], later_frames, file, stream)
