@@ -6,12 +6,9 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 # Where `make run` puts its per-rank files: the repo's own disk, never tmpfs.
 RUN_DIR ?= $(CURDIR)/.run/offload
-# One worker per core and one more, each test file on one worker: a file's module fixtures
-# (the image build, the Slurm jobs) run once and its tests never race each other. The extra
-# worker runs while others wait on Slurm's and Kubernetes' daemons: on 2 cores the suite took
-# 15 min 51 s with 3 workers against 16 min 40 s and 16 min 45 s with 2 (docs/benchmarks.md).
-PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
-PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile -rsfE
+# One worker per core, each test file on one worker: a file's module fixtures (the image
+# build, the Slurm jobs) run once and its tests never race each other.
+PYTEST_ARGS ?= -n auto --dist loadfile -rsfE
 IMAGE ?= greenroom
 TAG ?= $(shell $(PYTHON) -c "import tomllib;print(tomllib.load(open('pyproject.toml','rb'))['project']['version'])" 2>/dev/null || echo dev)
 BASE_IMAGE ?= nvcr.io/nvidia/pytorch:25.09-py3
