@@ -9,6 +9,7 @@ state stock would gather from it are laid out by ``mcore_support`` (see there), 
 comparison with stock is of the metadata and values it emits, not of its optimizer.
 """
 
+import logging
 import os
 
 import pytest
@@ -22,6 +23,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
 
 from greenroom.cli.bench.host_memory import PeakAnon  # noqa: E402
 from greenroom.errors import CheckpointError  # noqa: E402
+from greenroom.io import compression  # noqa: E402
 from greenroom.megatron import mcore_format as fmt  # noqa: E402
 from greenroom.megatron.staging import LoadViews, SaveViews  # noqa: E402
 from greenroom.optim.store.bucket_store import BucketStore, Entry  # noqa: E402
@@ -233,9 +235,16 @@ def test_saved_at_tp2_dp2_resumes_at_tp1(disk_dir, cpu_save):
 
 
 # -- (iii) bad input, and the host memory a save and a load take -------------------------
-def _filled_store(directory, n=5000, moment_dtype="fp32"):
+def _filled_store(directory, n=5000, moment_dtype="fp32", compression=None, chunk_bytes=1 << 20):
     os.makedirs(directory)
-    store = BucketStore([Entry(name=f"w{i}", shape=(n,)) for i in range(3)], directory, bucket_numel=2 * n)
+    store = BucketStore(
+        [Entry(name=f"w{i}", shape=(n,)) for i in range(3)],
+        directory,
+        bucket_numel=2 * n,
+        moment_dtype=moment_dtype,
+        compression=compression,
+        chunk_bytes=chunk_bytes,
+    )
     store.overwrite(lambda state: [t.fill_(1.5) for t in (state.master, state.exp_avg, state.exp_avg_sq)])
     return store
 
@@ -278,6 +287,34 @@ def _own(rank, world, disk_dir):
     store.close()
 
 
+def _said(rank, world, disk_dir):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("greenroom.megatron.staging")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    zstd = {"compression": compression.resolve("zstd", cuda=False, chunk_bytes=4 << 20).codec, "chunk_bytes": 4 << 20}
+    for name, kwargs in (("fp32", {}), ("bf16", {"moment_dtype": "bf16"}), ("zstd", zstd)):
+        store = _filled_store(os.path.join(disk_dir, name), **kwargs)
+        views = SaveViews(store, os.path.join(disk_dir, f"stage-{name}"))
+        said = [r.getMessage() for r in records]
+        records.clear()
+        if name == "fp32":
+            assert views.ways == {"link": 2, "copy": 0, "decode": 0} and said == []
+        else:
+            held = "bf16 moments" if name == "bf16" else "zstd frames"
+            # 2 buckets of [master | exp_avg | exp_avg_sq] fp32: 10000 + 5000 elements each
+            assert said == [
+                f"{os.path.join(disk_dir, f'stage-{name}')}: 2 of 2 bucket files hold {held}, so this save "
+                "decoded them into 180.0 KB of fp32 files that megatron's writer then writes again into the "
+                "checkpoint; the sidecar format (metadata {'distrib_optim_sharding_type': 'greenroom_streamed'}) "
+                "saves the bucket files as they are"
+            ], said
+        views.close()
+        store.close()
+
+
 # In a rank of their own, as every test here: no store of theirs lives in the pytest process.
 def test_a_flipped_bit_in_a_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
     spawn(_flipped, 1, disk_dir)
@@ -285,6 +322,13 @@ def test_a_flipped_bit_in_a_bucket_file_is_refused_at_the_save_in_one_line(disk_
 
 def test_a_missing_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
     spawn(_missing, 1, disk_dir)
+
+
+def test_a_save_that_decodes_says_what_it_writes_twice_and_the_format_that_does_not(disk_dir):
+    """A save of bucket files that are not fp32 tensors (narrow moments, compressed frames)
+    writes the state's fp32 values twice; it says so in one line, with the sidecar format's
+    metadata. A save of fp32 files links them and says nothing."""
+    spawn(_said, 1, disk_dir)
 
 
 def test_a_saved_tensor_maps_only_its_own_bytes_and_a_strided_one_is_refused(disk_dir):

@@ -18,7 +18,8 @@ in one line and never written into the checkpoint. A bucket whose bytes are not 
 tensors (16-bit or fp8 moments, compressed frames, masters stored as a remainder) is
 decoded through the store, one bucket at a time, into a temporary fp32 file of its own,
 which is then mapped the same way: the checkpoint holds the fp32 values the stored bytes
-denote, and the host holds one bucket at a time.
+denote, and the host holds one bucket at a time. Those fp32 bytes are written twice (the
+file, then megatron's writer), which a save that decodes says in one log line.
 
 Load (``LoadViews``): one staging file per bucket, ``[master | exp_avg | exp_avg_sq]``
 fp32, mapped shared; the template's tensors are views of it, and ``dist_checkpointing.load``
@@ -37,12 +38,17 @@ import torch
 
 from greenroom.errors import CheckpointError, IntegrityError, StorageError
 from greenroom.io.engine import verify_mapped
+from greenroom.log import get_logger
 from greenroom.optim.checkpoint.filecopy import FileSums, copy_file
 from greenroom.optim.store.bucket_store import BucketStore
 from greenroom.optim.store.hardlink import link_new
+from greenroom.units import size_text
 
 SEGMENTS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 F32 = torch.float32.itemsize
+SIDECAR_METADATA = "{'distrib_optim_sharding_type': 'greenroom_streamed'}"
+
+log = get_logger(__name__)
 
 
 def _raw_fp32(store: BucketStore, index: int) -> bool:
@@ -123,6 +129,8 @@ class SaveViews(_Views):
             self.close()
             raise
         self._files = {m.untyped_storage().data_ptr(): self.paths[i] for i, m in self.maps.items()}
+        if self.ways["decode"]:
+            self._say_decoded()
 
     def _freeze(self, bucket, verify: bool) -> None:
         store, index = self.store, bucket.index
@@ -157,6 +165,23 @@ class SaveViews(_Views):
             for state, seg in SEGMENTS.items()
             if getattr(bucket, seg) is not None
         }
+
+    def _say_decoded(self) -> None:
+        """One line per save that decoded: the second write it costs and the format without it."""
+        store = self.store
+        held = [f"{store.compression.name} frames"] if store.compression is not None else []
+        if store.moment_dtype != "fp32":
+            held.append(f"{store.moment_dtype} moments")
+        if any(b.remainder for b in store.buckets):
+            held.append("masters as remainders")
+        held = held or ["bytes other than fp32 tensors"]
+        decoded = sum(self.maps[b.index].numel() * F32 for b in store.buckets if not _raw_fp32(store, b.index))
+        log.info(
+            f"{self.directory}: {self.ways['decode']} of {len(store.buckets)} bucket files hold "
+            f"{' and '.join(held)}, so this save decoded them into {size_text(decoded)} of fp32 files "
+            "that megatron's writer then writes again into the checkpoint; the sidecar format "
+            f"(metadata {SIDECAR_METADATA}) saves the bucket files as they are"
+        )
 
     def _decode(self, bucket) -> None:
         store, index = self.store, bucket.index
