@@ -200,9 +200,10 @@ def _member(directory, msd, model, moment_dtype):
     return member(directory, msd, model, moment_dtype)
 
 
-def _wired_save(rank, world, ckpt, work, moment_dtype):
+def _wired_save(rank, world, ckpt, work, moment_dtype, decode_in_save=False):
     from megatron.core import dist_checkpointing
 
+    from greenroom.megatron import DECODE_IN_SAVE, StreamedSaveStrategy, dist_ckpt
     from tests.megatron.mcore_support import gpt
 
     model = gpt(1, 1)
@@ -228,7 +229,11 @@ def _wired_save(rank, world, ckpt, work, moment_dtype):
         }
     opt.streamed_steps = SAVED_STEP
     opt.optimizer.param_groups[0]["lr"] = SAVED_LR
-    dist_checkpointing.save({"optimizer": opt.sharded_state_dict(msd, metadata=dict(FULLY))}, ckpt)
+    state = opt.sharded_state_dict(msd, metadata={**FULLY, DECODE_IN_SAVE: decode_in_save})
+    if decode_in_save:  # bf16 moments: each bucket left to the strategy, which writes it once
+        assert dist_ckpt.save_ways(opt)["defer"] == len(opt.store.buckets)
+    strategy = StreamedSaveStrategy() if decode_in_save else None
+    dist_checkpointing.save({"optimizer": state}, ckpt, sharded_strategy=strategy)
     opt.close()
 
 
@@ -262,14 +267,22 @@ def _wired_load(rank, world, ckpt, work, moment_dtype, saved_dtype):
 
 
 @pytest.mark.parametrize(
-    ("saved_dtype", "run_dtype", "load_world"),
-    [("fp32", "fp32", 3), ("fp32", "bf16", 1), ("bf16", "bf16", 1), ("bf16", "fp32", 1)],
+    ("saved_dtype", "run_dtype", "load_world", "decode_in_save"),
+    [
+        ("fp32", "fp32", 3, False),
+        ("fp32", "bf16", 1, False),
+        ("bf16", "bf16", 1, False),
+        ("bf16", "fp32", 1, False),
+        ("bf16", "bf16", 3, True),
+    ],
 )
-def test_the_wired_optimizer_saves_at_dp2_and_loads_at_another_dp(disk_dir, saved_dtype, run_dtype, load_world):
+def test_the_wired_optimizer_saves_at_dp2_and_loads_at_another_dp(
+    disk_dir, saved_dtype, run_dtype, load_world, decode_in_save
+):
     from tests.megatron.mcore_support import spawn
 
     ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
     os.makedirs(ckpt)
     cpu_save = not torch.cuda.is_available()
-    spawn(_wired_save, 2, ckpt, work, saved_dtype, cpu_save=cpu_save)
+    spawn(_wired_save, 2, ckpt, work, saved_dtype, decode_in_save, cpu_save=cpu_save)
     spawn(_wired_load, load_world, ckpt, work, run_dtype, saved_dtype, cpu_save=cpu_save)

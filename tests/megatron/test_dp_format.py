@@ -216,10 +216,14 @@ def test_the_sharded_state_dict_is_stocks_dp_reshardable_one(disk_dir, world, tp
 
 
 # -- (ii) checkpoints across DP, between stock and streaming ----------------------------
-def _save_streamed(rank, world, ckpt, work, moment_dtype):
+def _save_streamed(rank, world, ckpt, work, moment_dtype, decode_in_save=False):
+    from greenroom.megatron import DECODE_IN_SAVE, StreamedSaveStrategy
+
     _, msd, opt, streamed, resident = _streaming(rank, work, moment_dtype)
     _fill(opt, streamed, resident, by_param_of(msd))
-    dist_checkpointing.save({"optimizer": opt.sharded_state_dict(msd, metadata=dict(DP))}, ckpt)
+    state = opt.sharded_state_dict(msd, metadata={**DP, DECODE_IN_SAVE: decode_in_save})
+    strategy = StreamedSaveStrategy() if decode_in_save else None
+    dist_checkpointing.save({"optimizer": state}, ckpt, sharded_strategy=strategy)
     opt.close()
 
 
@@ -295,10 +299,15 @@ def test_a_stock_checkpoint_at_dp1_resumes_under_streaming_at_dp2_and_dp1(disk_d
         spawn(_load_streamed, world, ckpt, os.path.join(work, f"l{world}"), run_dtype, "fp32", cpu_save=cpu_save)
 
 
-def test_moments_streamed_as_bf16_load_into_stock_as_their_values_and_only_into_a_bf16_run(disk_dir, cpu_save):
+@pytest.mark.parametrize("decode_in_save", [False, True])
+def test_moments_streamed_as_bf16_load_into_stock_as_their_values_and_only_into_a_bf16_run(
+    disk_dir, cpu_save, decode_in_save
+):
+    """bf16 moments, decoded into fp32 files for megatron's writer or, through
+    StreamedSaveStrategy, by the save itself (``decode_in_save``): the same checkpoint."""
     ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
     os.makedirs(ckpt)
-    spawn(_save_streamed, 1, ckpt, os.path.join(work, "save"), "bf16", cpu_save=cpu_save)
+    spawn(_save_streamed, 1, ckpt, os.path.join(work, "save"), "bf16", decode_in_save, cpu_save=cpu_save)
     spawn(_load_stock, 2, ckpt, os.path.join(work, "stock"), "bf16", cpu_save=cpu_save)
     for run in ("fp32", "bf16"):
         spawn(_load_streamed, 1, ckpt, os.path.join(work, run), run, "bf16", cpu_save=cpu_save)

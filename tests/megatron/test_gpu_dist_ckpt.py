@@ -20,6 +20,10 @@ state) right after the load and after each of three more steps:
   run streaming bf16 resumes it;
 - an async save through megatron's ``AsyncCallsQueue``, with three steps run before it is
   finalized, holds the state it was scheduled with.
+
+The streamed runs' bucket files are compressed (``auto``: nvCOMP), so a save decodes them;
+the streamed save and the async one also run through ``StreamedSaveStrategy``, which
+writes the decoded state once (``decode_in_save``).
 """
 
 import inspect
@@ -41,7 +45,13 @@ with warnings.catch_warnings():
 
 from greenroom.dirs.rankdir import RankDir  # noqa: E402 (after the skips: megatron-core may be missing)
 from greenroom.errors import CheckpointError  # noqa: E402 (after the skips: megatron-core may be missing)
-from greenroom.megatron import close, demo, streaming_members  # noqa: E402 (after the skips: megatron-core may be missing)
+from greenroom.megatron import (  # noqa: E402 (after the skips: megatron-core may be missing)
+    DECODE_IN_SAVE,
+    StreamedSaveStrategy,
+    close,
+    demo,
+    streaming_members,
+)
 from tests.megatron.test_gpu import SIZE, _assert_same, _offload, _stock, _streamed  # noqa: E402 (after the skips)
 
 KINDS = ["fully_reshardable", "dp_reshardable"]
@@ -57,15 +67,18 @@ def _train(model, optimizer, steps) -> list[float]:
     return [demo.train_step(model, optimizer, SIZE, step) for step in steps]
 
 
-def _metadata(kind: str) -> dict:
-    return {"distrib_optim_sharding_type": kind}
+def _metadata(kind: str, decode_in_save: bool = False) -> dict:
+    return {"distrib_optim_sharding_type": kind, DECODE_IN_SAVE: decode_in_save}
 
 
-def _save(model, optimizer, checkpoint: str, kind: str) -> None:
+def _save(model, optimizer, checkpoint: str, kind: str, decode_in_save: bool = False) -> None:
     os.makedirs(checkpoint)
     model_sd = model.module.sharded_state_dict()
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=_metadata(kind))}
-    dist_checkpointing.save(state, checkpoint)
+    metadata = _metadata(kind, decode_in_save)
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
+    dist_checkpointing.save(state, checkpoint, sharded_strategy=StreamedSaveStrategy() if decode_in_save else None)
+    if decode_in_save:  # the streamed state went to greenroom's files of the checkpoint
+        assert any("_greenroom" in name for name in os.listdir(checkpoint)), os.listdir(checkpoint)
 
 
 def _load(model, optimizer, checkpoint: str, kind: str) -> None:
@@ -165,8 +178,9 @@ def test_a_stock_checkpoint_resumes_under_streaming_as_the_stock_run_goes_on(dis
         close(optimizer)
 
 
+@pytest.mark.parametrize("decode_in_save", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_streamed_checkpoint_resumes_under_stock_as_stocks_own_checkpoint_does(disk_dir, kind):
+def test_a_streamed_checkpoint_resumes_under_stock_as_stocks_own_checkpoint_does(disk_dir, kind, decode_in_save):
     stock_ckpt, streamed_ckpt = f"{disk_dir}/stock-ckpt", f"{disk_dir}/streamed-ckpt"
     saver_model, saver_opt = _stock()
     with RankDir(disk_dir, role="saver") as rank_dir:
@@ -174,7 +188,7 @@ def test_a_streamed_checkpoint_resumes_under_stock_as_stocks_own_checkpoint_does
         assert _train(saver_model, saver_opt, range(3)) == _train(model, optimizer, range(3))
         _assert_same(saver_model, saver_opt, model, optimizer)
         _save(saver_model, saver_opt, stock_ckpt, kind)
-        _save(model, optimizer, streamed_ckpt, kind)
+        _save(model, optimizer, streamed_ckpt, kind, decode_in_save)
         close(optimizer)
     del model, optimizer
     common = dist_checkpointing.load_common_state_dict(streamed_ckpt)["optimizer"]
@@ -272,7 +286,8 @@ _MCORE_ASYNC = (
 )
 
 
-def test_an_async_save_holds_the_state_it_was_scheduled_with_while_the_next_steps_run(disk_dir):
+@pytest.mark.parametrize("decode_in_save", [False, True])
+def test_an_async_save_holds_the_state_it_was_scheduled_with_while_the_next_steps_run(disk_dir, decode_in_save):
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     checkpoint = f"{disk_dir}/async-ckpt"
@@ -284,12 +299,13 @@ def test_an_async_save_holds_the_state_it_was_scheduled_with_while_the_next_step
         saved = _entry_states(optimizer)
         saved_params = [p.detach().clone() for p in model.parameters()]
         model_sd = model.module.sharded_state_dict()
-        metadata = _metadata("fully_reshardable")
+        metadata = _metadata("fully_reshardable", decode_in_save)
         state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
         # As megatron's training loop does: the tensors are staged when the request is
         # scheduled, and a forked writer writes them while training goes on.
+        strategy = {"sharded_strategy": StreamedSaveStrategy()} if decode_in_save else {}
         queue.schedule_async_request(
-            dist_checkpointing.save(state, checkpoint, async_sharded_save=True, **_MCORE_ASYNC)
+            dist_checkpointing.save(state, checkpoint, async_sharded_save=True, **_MCORE_ASYNC, **strategy)
         )
         _train(model, optimizer, MORE_STEPS)
         assert not all(torch.equal(a[1], b[1]) for a, b in zip(saved, _entry_states(optimizer)))

@@ -25,6 +25,7 @@ from greenroom.cli.bench.host_memory import PeakAnon  # noqa: E402
 from greenroom.errors import CheckpointError  # noqa: E402
 from greenroom.io import compression  # noqa: E402
 from greenroom.megatron import mcore_format as fmt  # noqa: E402
+from greenroom.megatron.save_strategy import StreamedSaveStrategy  # noqa: E402
 from greenroom.megatron.staging import LoadViews, SaveViews  # noqa: E402
 from greenroom.optim.store.bucket_store import BucketStore, Entry  # noqa: E402
 from tests.megatron.mcore_support import (  # noqa: E402
@@ -134,10 +135,15 @@ def _expected(s, state, moment_dtype):
     return value
 
 
-def _store(slices, directory, moment_dtype, bucket_numel):
+def _zstd():
+    return {"compression": compression.resolve("zstd", cuda=False, chunk_bytes=4 << 20).codec, "chunk_bytes": 4 << 20}
+
+
+def _store(slices, directory, moment_dtype, bucket_numel, compressed=False):
     entries = [Entry(name=s.model.key, shape=(s.numel,)) for s in slices]
     os.makedirs(directory)
-    return BucketStore(entries, directory, bucket_numel=bucket_numel, moment_dtype=moment_dtype, chunk_bytes=1 << 20)
+    codec = _zstd() if compressed else {"chunk_bytes": 1 << 20}
+    return BucketStore(entries, directory, bucket_numel=bucket_numel, moment_dtype=moment_dtype, **codec)
 
 
 def _template(slices, views, moment_dtype):
@@ -148,12 +154,13 @@ def _template(slices, views, moment_dtype):
     )
     if isinstance(views, SaveViews):
         views.own_maps(state)  # as dist_ckpt.sharded_state_dict hands its save over
+        views.note_deferred(state)
     return state
 
 
-def _save(rank, world, tp, pp, ckpt, work, moment_dtype, bucket_numel):
+def _save(rank, world, tp, pp, ckpt, work, moment_dtype, bucket_numel, decode_in_save=False):
     slices = _rank_state(tp, pp)
-    store = _store(slices, os.path.join(work, f"save{rank}"), moment_dtype, bucket_numel)
+    store = _store(slices, os.path.join(work, f"save{rank}"), moment_dtype, bucket_numel, compressed=decode_in_save)
     states = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
     def fill(state):
@@ -162,9 +169,15 @@ def _save(rank, world, tp, pp, ckpt, work, moment_dtype, bucket_numel):
                 view.copy_(_expected(slices[k], name, moment_dtype))
 
     store.overwrite(fill)
-    views = SaveViews(store, os.path.join(work, f"stage{rank}"))
-    assert views.ways["decode" if moment_dtype != "fp32" else "link"] == len(store.buckets)
-    dist_checkpointing.save({"optimizer": _template(slices, views, moment_dtype)}, ckpt)
+    stage = os.path.join(work, f"stage{rank}")
+    views = SaveViews(store, stage, defer=decode_in_save)
+    way = "defer" if decode_in_save else "decode" if moment_dtype != "fp32" else "link"
+    assert views.ways[way] == len(store.buckets)
+    strategy = StreamedSaveStrategy() if decode_in_save else None
+    dist_checkpointing.save({"optimizer": _template(slices, views, moment_dtype)}, ckpt, sharded_strategy=strategy)
+    if decode_in_save:  # written once: no fp32 file beside the frozen links, the items in greenroom's files
+        assert all(name.endswith(".frozen") for name in os.listdir(stage)), os.listdir(stage)
+        assert any(name.startswith(f"__{rank}_greenroom") for name in os.listdir(ckpt)), os.listdir(ckpt)
     views.close()
     store.close()
 
@@ -225,6 +238,18 @@ def test_saved_at_tp1_dp2_resumes_at_other_layouts_bit_exact(disk_dir, cpu_save,
         )
     if moment_dtype == "fp32":
         spawn(_stock_load, 2, 2, 1, ckpt, cpu_save=cpu_save)
+
+
+def test_compressed_buckets_saved_through_the_streamed_strategy_resume_under_both_at_other_layouts(disk_dir, cpu_save):
+    """staging Note [decode in the save]: zstd-compressed bucket files saved at TP 1 x DP 2
+    through StreamedSaveStrategy, written once, resume bit-exact under streaming at DP 1
+    and TP 2 x DP 2 and under stock's own template at TP 2."""
+    ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
+    os.makedirs(ckpt)
+    spawn(_save, 2, 1, 1, ckpt, work, "fp32", 300, True, cpu_save=cpu_save)
+    for world, tp, pp in [(1, 1, 1), (4, 2, 1)]:
+        spawn(_load, world, tp, pp, ckpt, os.path.join(work, f"w{world}t{tp}p{pp}"), "fp32", 300, cpu_save=cpu_save)
+    spawn(_stock_load, 2, 2, 1, ckpt, cpu_save=cpu_save)
 
 
 def test_saved_at_tp2_dp2_resumes_at_tp1(disk_dir, cpu_save):
@@ -294,14 +319,13 @@ def _said(rank, world, disk_dir):
     logger = logging.getLogger("greenroom.megatron.staging")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    zstd = {"compression": compression.resolve("zstd", cuda=False, chunk_bytes=4 << 20).codec, "chunk_bytes": 4 << 20}
-    for name, kwargs in (("fp32", {}), ("bf16", {"moment_dtype": "bf16"}), ("zstd", zstd)):
+    for name, kwargs in (("fp32", {}), ("bf16", {"moment_dtype": "bf16"}), ("zstd", _zstd())):
         store = _filled_store(os.path.join(disk_dir, name), **kwargs)
         views = SaveViews(store, os.path.join(disk_dir, f"stage-{name}"))
         said = [r.getMessage() for r in records]
         records.clear()
         if name == "fp32":
-            assert views.ways == {"link": 2, "copy": 0, "decode": 0} and said == []
+            assert views.ways == {"link": 2, "copy": 0, "decode": 0, "defer": 0} and said == []
         else:
             held = "bf16 moments" if name == "bf16" else "zstd frames"
             # 2 buckets of [master | exp_avg | exp_avg_sq] fp32: 10000 + 5000 elements each
@@ -313,6 +337,42 @@ def _said(rank, world, disk_dir):
             ], said
         views.close()
         store.close()
+
+
+def _deferred_save(rank, world, disk_dir, case):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    store = _filled_store(os.path.join(disk_dir, "s"), **_zstd())
+    views = SaveViews(store, os.path.join(disk_dir, "stage"), defer=True)
+    state = {
+        f"w{i}": ShardedTensor.from_rank_offsets(f"opt.w{i}", views.entry(i, "param"), replica_id=0)
+        for i in range(len(store.entries))
+    }
+    views.note_deferred(state)
+    ckpt = os.path.join(disk_dir, "ckpt")
+    os.makedirs(ckpt)
+    if case == "stepped":  # the store writes a new inode while the frozen name holds the old one
+        store.overwrite(lambda s: s.master.add_(1.0))
+        with pytest.raises(CheckpointError, match=r"bucket-00000.bin: bucket 0 changed since sharded_state_dict\(\)"):
+            dist_checkpointing.save(state, ckpt, sharded_strategy=StreamedSaveStrategy())
+    elif case == "released":
+        views.close()
+        with pytest.raises(CheckpointError, match=r"opt.w0 at \[0\]: a meta tensor in the save that no open"):
+            dist_checkpointing.save(state, ckpt, sharded_strategy=StreamedSaveStrategy())
+    else:  # stock's strategy cannot copy what it was not given: it fails, and writes no tensor file
+        with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+            dist_checkpointing.save(state, ckpt)
+    assert not [name for name in os.listdir(ckpt) if name.endswith(".distcp")], os.listdir(ckpt)
+    views.close()
+    store.close()
+
+
+@pytest.mark.parametrize("case", ["stepped", "released", "stock"])
+def test_a_deferred_save_is_refused_after_a_step_after_a_release_and_by_stock(disk_dir, cpu_save, case):
+    """A deferred bucket is decoded from the live file at the save: a step between
+    sharded_state_dict() and the save, or a release of it, is refused in one line; stock's
+    strategy, handed the meta tensors, fails rather than write what it could not read."""
+    spawn(_deferred_save, 1, disk_dir, case, cpu_save=cpu_save)
 
 
 # In a rank of their own, as every test here: no store of theirs lives in the pytest process.

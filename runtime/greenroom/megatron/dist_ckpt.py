@@ -54,6 +54,8 @@ FULLY = fmt.SHARDING_TYPE
 DP = dp_format.SHARDING_TYPE
 SIDECAR_SHARDING_TYPE = "greenroom_streamed"
 STOCK_DEFAULT = "fully_sharded_model_space"
+DECODE_IN_SAVE = "greenroom_decode_in_save"
+"""The metadata key of a save through ``save_strategy.StreamedSaveStrategy``."""
 MCORE_TYPES = (FULLY, DP)
 MOMENT_FLAG = "--stream-optimizer-state-moment-dtype"
 WHERE = "StreamingDistributedOptimizer.load_state_dict"
@@ -232,12 +234,15 @@ class _Slices:
         return flat
 
 
-def sharded_state_dict(opt, model_sharded_state_dict, is_loading: bool, sharding_type: str) -> dict:
+def sharded_state_dict(
+    opt, model_sharded_state_dict, is_loading: bool, sharding_type: str, decode_in_save: bool = False
+) -> dict:
     """The ``fully_reshardable`` or ``dp_reshardable`` sharded state dict of a streaming
-    member (see the module doc)."""
+    member (see the module doc); ``decode_in_save``: for ``StreamedSaveStrategy``, which
+    decodes the buckets that are not fp32 tensors itself (staging Note [decode in the save])."""
     release(opt)
     staging = os.path.join(opt._state_dir.path, "mcore-load" if is_loading else "mcore-save")
-    views = LoadViews(opt.store, staging) if is_loading else SaveViews(opt.store, staging)
+    views = LoadViews(opt.store, staging) if is_loading else SaveViews(opt.store, staging, defer=decode_in_save)
     pending = _PendingLoad(views, sharding_type) if is_loading else None
     try:
         slices = _Slices(opt, views, pending)
@@ -253,6 +258,7 @@ def sharded_state_dict(opt, model_sharded_state_dict, is_loading: bool, sharding
     else:
         opt._mcore_save = views
         views.own_maps(param_state)
+        views.note_deferred(param_state)
     common = fmt.common_state(
         opt.optimizer.param_groups,
         float(opt.streamed_steps),  # torch's Adam counts in float; stock saves that value

@@ -289,7 +289,8 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         chosen = dist_ckpt.resolve_sharding_type(sharding_type, metadata)
         if chosen == dist_ckpt.SIDECAR_SHARDING_TYPE:
             return dist_ckpt.sidecar_state(self)
-        return dist_ckpt.sharded_state_dict(self, model_sharded_state_dict, is_loading, chosen)
+        decode_in_save = bool((metadata or {}).get(dist_ckpt.DECODE_IN_SAVE))
+        return dist_ckpt.sharded_state_dict(self, model_sharded_state_dict, is_loading, chosen, decode_in_save)
 
     # -- the streamed state's checkpoint (greenroom.optim.checkpoint.manifest.StreamedState) --
     # Keys: "main.<group>.<index>" for the streamed fp32 mains of 16-bit params,

@@ -19,7 +19,10 @@ tensors (16-bit or fp8 moments, compressed frames, masters stored as a remainder
 decoded through the store, one bucket at a time, into a temporary fp32 file of its own,
 which is then mapped the same way: the checkpoint holds the fp32 values the stored bytes
 denote, and the host holds one bucket at a time. Those fp32 bytes are written twice (the
-file, then megatron's writer), which a save that decodes says in one log line.
+file, then megatron's writer), which a save that decodes says in one log line. Unless the
+save is ``save_strategy.StreamedSaveStrategy``'s: then such a bucket is frozen by a link
+and handed out as a meta tensor, which that strategy decodes and writes into the
+checkpoint itself (Note [decode in the save]).
 
 Load (``LoadViews``): one staging file per bucket, ``[master | exp_avg | exp_avg_sq]``
 fp32, mapped shared; the template's tensors are views of it, and ``dist_checkpointing.load``
@@ -31,7 +34,9 @@ written with checksums by the engine, synced); nothing of the live state changes
 
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 
 import numpy
 import torch
@@ -49,6 +54,23 @@ F32 = torch.float32.itemsize
 SIDECAR_METADATA = "{'distrib_optim_sharding_type': 'greenroom_streamed'}"
 
 log = get_logger(__name__)
+
+_DEFERRED: weakref.WeakSet[SaveViews] = weakref.WeakSet()
+"""The open saves with buckets left to ``StreamedSaveStrategy`` (Note [decode in the save])."""
+
+
+def deferred_source(key: tuple) -> tuple[SaveViews, int, int, int]:
+    """``(views, bucket index, start, numel)`` of the ShardedTensor saved under ``key``,
+    ``(key, global offset)``, in an open save's deferred buckets; one line if none has it."""
+    for views in list(_DEFERRED):
+        got = views.items.get(key)
+        if got is not None:
+            return (views, *got)
+    raise CheckpointError(
+        f"{key[0]} at {list(key[1])}: a meta tensor in the save that no open streamed save handed out; "
+        "its sharded_state_dict() was released by a step, save, load or close since: call it again and save "
+        "what it returns"
+    )
 
 
 def _raw_fp32(store: BucketStore, index: int) -> bool:
@@ -72,6 +94,10 @@ def _map(path: str, numel: int, *, shared: bool) -> torch.Tensor:
 def _place(directory: str) -> str:
     os.makedirs(directory, mode=0o700, exist_ok=True)
     return directory
+
+
+def _missing(src: str) -> CheckpointError:
+    return CheckpointError(f"{src}: bucket file missing: it was deleted since the step wrote it; nothing was saved")
 
 
 def _fresh(path: str) -> str:
@@ -114,21 +140,25 @@ class SaveViews(_Views):
     """The store's state, frozen and mapped for one save (see the module docstring).
     Keep it open until the save (an async one: its writer) is over, then ``close``."""
 
-    def __init__(self, store: BucketStore, directory: str, *, verify: bool = True) -> None:
+    def __init__(self, store: BucketStore, directory: str, *, verify: bool = True, defer: bool = False) -> None:
         super().__init__(store, directory)
-        self.ways: dict[str, int] = {"link": 0, "copy": 0, "decode": 0}
+        self.ways: dict[str, int] = {"link": 0, "copy": 0, "decode": 0, "defer": 0}
         self.paths: dict[int, str] = {}  # each bucket's mapped file
+        self.deferred: dict[int, str] = {}  # bucket index -> its frozen link, decoded by the save itself
+        self.items: dict[tuple, tuple[int, int, int]] = {}  # (key, global offset) -> (bucket, start, numel)
         store.flush()  # the cached buckets' files are stale until written out (Note [host cache])
         try:
             for bucket in store.buckets:
                 if _raw_fp32(store, bucket.index):
                     self._freeze(bucket, verify)
-                else:
+                elif not (defer and self._defer(bucket)):
                     self._decode(bucket)
         except BaseException:
             self.close()
             raise
-        self._files = {m.untyped_storage().data_ptr(): self.paths[i] for i, m in self.maps.items()}
+        self._files = {
+            m.untyped_storage().data_ptr(): self.paths[i] for i, m in self.maps.items() if i not in self.deferred
+        }
         if self.ways["decode"]:
             self._say_decoded()
 
@@ -147,9 +177,7 @@ class SaveViews(_Views):
                 if sums is not None:
                     sums.verify()
         except FileNotFoundError:
-            raise CheckpointError(
-                f"{src}: bucket file missing: it was deleted since the step wrote it; nothing was saved"
-            ) from None
+            raise _missing(src) from None
         except (IntegrityError, StorageError) as e:
             raise CheckpointError(f"{e}") from None
         mapped = _map(dst, bucket.data_bytes // F32, shared=False)
@@ -165,6 +193,93 @@ class SaveViews(_Views):
             for state, seg in SEGMENTS.items()
             if getattr(bucket, seg) is not None
         }
+
+    # Note [decode in the save]
+    # A bucket file that is not fp32 tensors (compressed frames, narrow moments) has no
+    # bytes a save could map. Decoded into an fp32 file first, its state is written twice:
+    # that file, then megatron's writer copies it into the checkpoint. With
+    # StreamedSaveStrategy (save_strategy.py) the save writes it once: here the bucket is
+    # only frozen, by a link (the step after it writes a new inode, Note [new inodes]), and
+    # each state is a meta tensor of its fp32 layout, which carries the shape and dtype
+    # megatron plans with and no data. The strategy finds each planned item of a meta
+    # tensor by its key and global offset (``note_deferred``), decodes one bucket at a
+    # time through the store, checksums verified, and writes its items into a file of the
+    # checkpoint with megatron's own item writer. A bucket is decoded from the live file,
+    # so the strategy first checks that it is still the frozen inode: a step in between is
+    # refused in one line. Any other save strategy meets the meta tensors when it copies
+    # them to the host, and fails there (torch: "Cannot copy out of meta tensor") rather
+    # than writing what it could not read.
+    def _defer(self, bucket) -> bool:
+        """Freeze ``bucket`` by a link and map its fp32 layout as a meta tensor (Note
+        [decode in the save]); False where it must be decoded now instead: a master stored
+        as a remainder, or a file that takes no link."""
+        store, index = self.store, bucket.index
+        if bucket.remainder or bucket.master is None:
+            return False
+        src = store.path(index)
+        dst = _fresh(os.path.join(self.directory, os.path.basename(src) + ".frozen"))
+        try:
+            if not link_new(src, dst):
+                return False
+        except FileNotFoundError:
+            raise _missing(src) from None
+        self.made.append(dst)
+        names = [state for state, seg in SEGMENTS.items() if getattr(bucket, seg) is not None]
+        self.maps[index] = torch.empty(len(names) * bucket.numel, dtype=torch.float32, device="meta")
+        self.starts[index] = {name: n * bucket.numel for n, name in enumerate(names)}
+        self.paths[index] = self.deferred[index] = dst
+        self.ways["defer"] += 1
+        return True
+
+    def note_deferred(self, sharded_state_dict) -> None:
+        """Note which deferred bucket elements each ShardedTensor of ``sharded_state_dict``
+        on a deferred bucket reads, by its key and global offset, for the save strategy;
+        call it on what goes to ``dist_checkpointing.save``."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        bases = {id(m): i for i, m in self.maps.items() if i in self.deferred}
+        for sh in nested_values(sharded_state_dict):
+            if not isinstance(sh, ShardedTensor) or sh.data.device.type != "meta":
+                continue
+            index = bases.get(id(sh.data if sh.data._base is None else sh.data._base))
+            if index is None or not sh.data.is_contiguous():
+                raise CheckpointError(f"{sh.key}: a meta tensor that is not a contiguous view of a deferred bucket")
+            self.items[(sh.key, tuple(sh.global_offset))] = (index, sh.data.storage_offset(), sh.data.numel())
+        if self.items:
+            _DEFERRED.add(self)
+
+    @contextlib.contextmanager
+    def decoded(self, index: int):
+        """Deferred bucket ``index`` decoded through the store while the block runs; it
+        yields ``get(start, numel)``, which copies elements ``[start, start + numel)`` of
+        the bucket's fp32 layout into a host tensor of their own."""
+        store, frozen, live = self.store, self.deferred[index], self.store.path(index)
+        try:
+            same = os.stat(frozen).st_ino == os.stat(live).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise CheckpointError(
+                f"{live}: bucket {index} changed since sharded_state_dict() (a step ran before the save); "
+                "call sharded_state_dict() again and save what it returns"
+            )
+        numel, starts = store.buckets[index].numel, self.starts[index]
+        states = store.stream([index])
+        try:
+            state = next(states)
+            parts = {"param": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+
+            def get(start: int, count: int) -> torch.Tensor:
+                name, first = max(((n, f) for n, f in starts.items() if f <= start), key=lambda nf: nf[1])
+                assert start + count <= first + numel, (index, start, count)  # one state of one entry
+                return parts[name][start - first : start - first + count].detach().to("cpu", torch.float32, copy=True)
+
+            yield get
+        except (IntegrityError, StorageError) as e:
+            raise CheckpointError(f"{e}") from None
+        finally:
+            states.close()  # nothing changed: closing before the write-back skips it
 
     def _say_decoded(self) -> None:
         """One line per save that decoded: the second write it costs and the format without it."""
@@ -233,6 +348,9 @@ class SaveViews(_Views):
         return torch.from_numpy(flat).view(tensor.shape)
 
     def close(self) -> None:
+        _DEFERRED.discard(self)
+        self.items.clear()
+        self.deferred.clear()
         self._files = {}
         super().close()
 

@@ -20,7 +20,9 @@ of the state would show here; the maps' page cache does not) and the checkpoint'
 the seconds split into the state dict's build (where a stock format
 freezes each bucket: a link and a read against its checksums, or, for a bucket stored in
 frames or narrow moments, a decode into an fp32 file of its own, ``megatron.staging``) and
-megatron's write, with the count of buckets each way.
+megatron's write, with the count of buckets each way. ``--decode-in-save`` saves the
+stock formats through ``greenroom.megatron.StreamedSaveStrategy``, which leaves such a
+bucket to the write, decoded once into the checkpoint (staging Note [decode in the save]).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=(),
         metavar="KINDS",
         help=f"after the steps, time one save per sharding type ({', '.join(CHECKPOINT_KINDS)}; comma-separated)",
+    )
+    parser.add_argument(
+        "--decode-in-save",
+        action="store_true",
+        help="save the stock formats through greenroom.megatron.StreamedSaveStrategy (stream mode)",
     )
     cliflags.json_flag(parser)
 
@@ -134,7 +141,10 @@ def run(args) -> int:
         result["allocated_at_step_start_gib"] = steps[-1]["start"]
         if args.checkpoint:
             streamed = args.mode == "stream"
-            saves = [_timed_save(args.dir, k, model, optimizer, streamed=streamed) for k in args.checkpoint]
+            saves = [
+                _timed_save(args.dir, k, model, optimizer, streamed=streamed, decode_in_save=args.decode_in_save)
+                for k in args.checkpoint
+            ]
             result["checkpoints"] = saves
         if args.offload:
             result.update(_sleep_wake(offload, rank_dir, model, optimizer, args.mode))
@@ -175,10 +185,12 @@ def _storage_io() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def _timed_save(root: str, kind: str, model, optimizer, *, streamed: bool) -> dict:
+def _timed_save(root: str, kind: str, model, optimizer, *, streamed: bool, decode_in_save: bool = False) -> dict:
     from megatron.core import dist_checkpointing
 
-    from greenroom.megatron import dist_ckpt, save_checkpoint, streaming_members
+    from greenroom.megatron import DECODE_IN_SAVE, StreamedSaveStrategy, dist_ckpt, save_checkpoint, streaming_members
+
+    decode_in_save = decode_in_save and kind != "greenroom_streamed"
 
     path = os.path.join(root, f"bench-checkpoint-{kind}-{os.getpid()}")
     os.makedirs(path)
@@ -188,10 +200,10 @@ def _timed_save(root: str, kind: str, model, optimizer, *, streamed: bool) -> di
         with PeakAnon() as memory:
             t0 = time.perf_counter()
             model_sd = model.module.sharded_state_dict()
-            metadata = {"distrib_optim_sharding_type": kind}
+            metadata = {"distrib_optim_sharding_type": kind, DECODE_IN_SAVE: decode_in_save}
             state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}
             t1 = time.perf_counter()
-            dist_checkpointing.save(state, path)
+            dist_checkpointing.save(state, path, sharded_strategy=StreamedSaveStrategy() if decode_in_save else None)
             if kind == "greenroom_streamed":
                 save_checkpoint(optimizer, path)
             t2 = time.perf_counter()
@@ -199,6 +211,7 @@ def _timed_save(root: str, kind: str, model, optimizer, *, streamed: bool) -> di
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
         record = {
             "kind": kind,
+            "decode_in_save": decode_in_save,
             "seconds": round(t2 - t0, 3),
             "state_dict_seconds": round(t1 - t0, 3),
             "write_seconds": round(t2 - t1, 3),
@@ -252,6 +265,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.mode == "stock" and "greenroom_streamed" in args.checkpoint:
         parser.error("--checkpoint greenroom_streamed: the sidecar format is the streaming optimizer's (--mode stream)")
+    if args.decode_in_save and args.mode == "stock":
+        parser.error("--decode-in-save: the streaming optimizer's (--mode stream)")
     return run(args)
 
 
