@@ -332,8 +332,9 @@ def _said(rank, world, disk_dir):
             assert said == [
                 f"{os.path.join(disk_dir, f'stage-{name}')}: 2 of 2 bucket files hold {held}, so this save "
                 "decoded them into 180.0 KB of fp32 files that megatron's writer then writes again into the "
-                "checkpoint; the sidecar format (metadata {'distrib_optim_sharding_type': 'greenroom_streamed'}) "
-                "saves the bucket files as they are"
+                "checkpoint; saved with sharded_strategy=greenroom.megatron.StreamedSaveStrategy() and metadata "
+                "{'greenroom_decode_in_save': True} they are written once, and the sidecar format "
+                "(metadata {'distrib_optim_sharding_type': 'greenroom_streamed'}) saves the bucket files as they are"
             ], said
         views.close()
         store.close()

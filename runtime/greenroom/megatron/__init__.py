@@ -12,9 +12,9 @@ The state lives in the bucket files of greenroom.optim's engine. See docs/megatr
 from greenroom.megatron.block import close, streaming, streaming_members
 from greenroom.megatron.checkpoint import load_checkpoint, save_checkpoint
 from greenroom.megatron.class_swap import StreamingSettings
-from greenroom.megatron.dist_ckpt import DECODE_IN_SAVE
 from greenroom.megatron.optimizer import StreamingDistributedOptimizer
 from greenroom.megatron.save_strategy import StreamedSaveStrategy
+from greenroom.megatron.staging import DECODE_IN_SAVE
 from greenroom.optim.store.bucket_store import DEFAULT_BUCKET_NUMEL
 
 __all__ = [

@@ -54,8 +54,7 @@ FULLY = fmt.SHARDING_TYPE
 DP = dp_format.SHARDING_TYPE
 SIDECAR_SHARDING_TYPE = "greenroom_streamed"
 STOCK_DEFAULT = "fully_sharded_model_space"
-DECODE_IN_SAVE = "greenroom_decode_in_save"
-"""The metadata key of a save through ``save_strategy.StreamedSaveStrategy``."""
+
 MCORE_TYPES = (FULLY, DP)
 MOMENT_FLAG = "--stream-optimizer-state-moment-dtype"
 WHERE = "StreamingDistributedOptimizer.load_state_dict"

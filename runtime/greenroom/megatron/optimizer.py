@@ -49,6 +49,7 @@ from greenroom.megatron.inner_optimizer import (
     sync_hyperparams,
 )
 from greenroom.megatron.layout import ShardEntry, Topology, current_topology
+from greenroom.megatron.staging import DECODE_IN_SAVE
 from greenroom.optim import kernel
 from greenroom.optim.poison import FailedStepPoison
 from greenroom.optim.store.bucket_store import BucketStore
@@ -289,7 +290,7 @@ class StreamingDistributedOptimizer(FailedStepPoison, DistributedOptimizer):
         chosen = dist_ckpt.resolve_sharding_type(sharding_type, metadata)
         if chosen == dist_ckpt.SIDECAR_SHARDING_TYPE:
             return dist_ckpt.sidecar_state(self)
-        decode_in_save = bool((metadata or {}).get(dist_ckpt.DECODE_IN_SAVE))
+        decode_in_save = bool((metadata or {}).get(DECODE_IN_SAVE))
         return dist_ckpt.sharded_state_dict(self, model_sharded_state_dict, is_loading, chosen, decode_in_save)
 
     # -- the streamed state's checkpoint (greenroom.optim.checkpoint.manifest.StreamedState) --

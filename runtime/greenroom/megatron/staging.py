@@ -52,6 +52,8 @@ from greenroom.units import size_text
 SEGMENTS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 F32 = torch.float32.itemsize
 SIDECAR_METADATA = "{'distrib_optim_sharding_type': 'greenroom_streamed'}"
+DECODE_IN_SAVE = "greenroom_decode_in_save"
+"""The metadata key of a save through ``save_strategy.StreamedSaveStrategy``."""
 
 log = get_logger(__name__)
 
@@ -294,7 +296,9 @@ class SaveViews(_Views):
         log.info(
             f"{self.directory}: {self.ways['decode']} of {len(store.buckets)} bucket files hold "
             f"{' and '.join(held)}, so this save decoded them into {size_text(decoded)} of fp32 files "
-            "that megatron's writer then writes again into the checkpoint; the sidecar format "
+            "that megatron's writer then writes again into the checkpoint; saved with "
+            "sharded_strategy=greenroom.megatron.StreamedSaveStrategy() and metadata "
+            f"{{'{DECODE_IN_SAVE}': True}} they are written once, and the sidecar format "
             f"(metadata {SIDECAR_METADATA}) saves the bucket files as they are"
         )
 
