@@ -304,12 +304,13 @@ def test_moments_streamed_as_bf16_load_into_stock_as_their_values_and_only_into_
     disk_dir, cpu_save, decode_in_save
 ):
     """bf16 moments, decoded into fp32 files for megatron's writer or, through
-    StreamedSaveStrategy, by the save itself (``decode_in_save``): the same checkpoint."""
+    StreamedSaveStrategy, by the save itself (``decode_in_save``): stock reads the same
+    values (the refusal and the resume under streaming do not depend on the save's way)."""
     ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
     os.makedirs(ckpt)
     spawn(_save_streamed, 1, ckpt, os.path.join(work, "save"), "bf16", decode_in_save, cpu_save=cpu_save)
     spawn(_load_stock, 2, ckpt, os.path.join(work, "stock"), "bf16", cpu_save=cpu_save)
-    for run in ("fp32", "bf16"):
+    for run in ("fp32", "bf16") if not decode_in_save else ():
         spawn(_load_streamed, 1, ckpt, os.path.join(work, run), run, "bf16", cpu_save=cpu_save)
 
 

@@ -240,15 +240,14 @@ def test_saved_at_tp1_dp2_resumes_at_other_layouts_bit_exact(disk_dir, cpu_save,
         spawn(_stock_load, 2, 2, 1, ckpt, cpu_save=cpu_save)
 
 
-def test_compressed_buckets_saved_through_the_streamed_strategy_resume_under_both_at_other_layouts(disk_dir, cpu_save):
+def test_compressed_buckets_saved_through_the_streamed_strategy_resume_under_both_at_another_layout(disk_dir, cpu_save):
     """staging Note [decode in the save]: zstd-compressed bucket files saved at TP 1 x DP 2
     through StreamedSaveStrategy, written once, resume bit-exact under streaming at DP 1
-    and TP 2 x DP 2 and under stock's own template at TP 2."""
+    and under stock's own template at TP 2."""
     ckpt, work = os.path.join(disk_dir, "ckpt"), os.path.join(disk_dir, "work")
     os.makedirs(ckpt)
     spawn(_save, 2, 1, 1, ckpt, work, "fp32", 300, True, cpu_save=cpu_save)
-    for world, tp, pp in [(1, 1, 1), (4, 2, 1)]:
-        spawn(_load, world, tp, pp, ckpt, os.path.join(work, f"w{world}t{tp}p{pp}"), "fp32", 300, cpu_save=cpu_save)
+    spawn(_load, 1, 1, 1, ckpt, os.path.join(work, "w1t1p1"), "fp32", 300, cpu_save=cpu_save)
     spawn(_stock_load, 2, 2, 1, ckpt, cpu_save=cpu_save)
 
 
