@@ -54,7 +54,6 @@ FULLY = fmt.SHARDING_TYPE
 DP = dp_format.SHARDING_TYPE
 SIDECAR_SHARDING_TYPE = "greenroom_streamed"
 STOCK_DEFAULT = "fully_sharded_model_space"
-
 MCORE_TYPES = (FULLY, DP)
 MOMENT_FLAG = "--stream-optimizer-state-moment-dtype"
 WHERE = "StreamingDistributedOptimizer.load_state_dict"
