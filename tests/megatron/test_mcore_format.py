@@ -25,6 +25,7 @@ from greenroom.cli.bench.host_memory import PeakAnon  # noqa: E402
 from greenroom.errors import CheckpointError  # noqa: E402
 from greenroom.io import compression  # noqa: E402
 from greenroom.megatron import mcore_format as fmt  # noqa: E402
+from greenroom.megatron import staging  # noqa: E402
 from greenroom.megatron.save_strategy import StreamedSaveStrategy  # noqa: E402
 from greenroom.megatron.staging import LoadViews, SaveViews  # noqa: E402
 from greenroom.optim.store.bucket_store import BucketStore, Entry  # noqa: E402
@@ -337,6 +338,19 @@ def _said(rank, world, disk_dir):
             ], said
         views.close()
         store.close()
+    # Asked to defer where the filesystem refuses the link: decoded, and said why not deferred.
+    staging.link_new = lambda src, dst: False
+    store = _filled_store(os.path.join(disk_dir, "nolink"), **_zstd())
+    views = SaveViews(store, os.path.join(disk_dir, "stage-nolink"), defer=True)
+    assert views.ways["decode"] == 2 and views.ways["defer"] == 0
+    assert [r.getMessage() for r in records] == [
+        f"{os.path.join(disk_dir, 'stage-nolink')}: 2 of 2 bucket files hold zstd frames, so this save decoded "
+        "them into 180.0 KB of fp32 files that megatron's writer then writes again into the checkpoint, since "
+        "they could not be left to StreamedSaveStrategy (a master stored as a remainder, or a bucket file that "
+        "takes no hard link here)"
+    ]
+    views.close()
+    store.close()
 
 
 def _deferred_save(rank, world, disk_dir, case):
@@ -386,8 +400,9 @@ def test_a_missing_bucket_file_is_refused_at_the_save_in_one_line(disk_dir):
 
 def test_a_save_that_decodes_says_what_it_writes_twice_and_the_format_that_does_not(disk_dir):
     """A save of bucket files that are not fp32 tensors (narrow moments, compressed frames)
-    writes the state's fp32 values twice; it says so in one line, with the sidecar format's
-    metadata. A save of fp32 files links them and says nothing."""
+    writes the state's fp32 values twice; it says so in one line, with the two ways to
+    write them once, or, asked to defer where links are refused, why it could not. A save
+    of fp32 files links them and says nothing."""
     spawn(_said, 1, disk_dir)
 
 

@@ -162,7 +162,7 @@ class SaveViews(_Views):
             m.untyped_storage().data_ptr(): self.paths[i] for i, m in self.maps.items() if i not in self.deferred
         }
         if self.ways["decode"]:
-            self._say_decoded()
+            self._say_decoded(defer)
 
     def _freeze(self, bucket, verify: bool) -> None:
         store, index = self.store, bucket.index
@@ -283,8 +283,8 @@ class SaveViews(_Views):
         finally:
             states.close()  # nothing changed: closing before the write-back skips it
 
-    def _say_decoded(self) -> None:
-        """One line per save that decoded: the second write it costs and the format without it."""
+    def _say_decoded(self, deferring: bool) -> None:
+        """One line per save that decoded: the second write it costs and the ways without it."""
         store = self.store
         held = [f"{store.compression.name} frames"] if store.compression is not None else []
         if store.moment_dtype != "fp32":
@@ -292,11 +292,24 @@ class SaveViews(_Views):
         if any(b.remainder for b in store.buckets):
             held.append("masters as remainders")
         held = held or ["bytes other than fp32 tensors"]
-        decoded = sum(self.maps[b.index].numel() * F32 for b in store.buckets if not _raw_fp32(store, b.index))
-        log.info(
+        decoded = sum(
+            self.maps[b.index].numel() * F32
+            for b in store.buckets
+            if not _raw_fp32(store, b.index) and b.index not in self.deferred
+        )
+        said = (
             f"{self.directory}: {self.ways['decode']} of {len(store.buckets)} bucket files hold "
             f"{' and '.join(held)}, so this save decoded them into {size_text(decoded)} of fp32 files "
-            "that megatron's writer then writes again into the checkpoint; saved with "
+            "that megatron's writer then writes again into the checkpoint"
+        )
+        if deferring:  # asked to leave them to StreamedSaveStrategy, which these could not be
+            log.info(
+                f"{said}, since they could not be left to StreamedSaveStrategy (a master stored as a "
+                "remainder, or a bucket file that takes no hard link here)"
+            )
+            return
+        log.info(
+            f"{said}; saved with "
             "sharded_strategy=greenroom.megatron.StreamedSaveStrategy() and metadata "
             f"{{'{DECODE_IN_SAVE}': True}} they are written once, and the sidecar format "
             f"(metadata {SIDECAR_METADATA}) saves the bucket files as they are"
