@@ -89,6 +89,13 @@ def _raw_fp32(store: BucketStore, index: int) -> bool:
     )
 
 
+def _fp32_starts(bucket) -> dict[str, int]:
+    """Each state the bucket stores -> its element offset in the bucket's fp32 layout,
+    ``[master | exp_avg | exp_avg_sq]``, a state of ``bucket.numel`` elements each."""
+    names = [state for state, seg in SEGMENTS.items() if getattr(bucket, seg) is not None]
+    return {name: n * bucket.numel for n, name in enumerate(names)}
+
+
 def _map(path: str, numel: int, *, shared: bool) -> torch.Tensor:
     return torch.from_file(path, shared=shared, size=numel, dtype=torch.float32)
 
@@ -164,10 +171,13 @@ class SaveViews(_Views):
         if self.ways["decode"]:
             self._say_decoded(defer)
 
+    def _frozen_name(self, src: str) -> str:
+        return _fresh(os.path.join(self.directory, os.path.basename(src) + ".frozen"))
+
     def _freeze(self, bucket, verify: bool) -> None:
         store, index = self.store, bucket.index
         src = store.path(index)
-        dst = _fresh(os.path.join(self.directory, os.path.basename(src) + ".frozen"))
+        dst = self._frozen_name(src)
         try:
             linked = link_new(src, dst)
             if linked:
@@ -219,16 +229,15 @@ class SaveViews(_Views):
         if bucket.remainder or bucket.master is None:
             return False
         src = store.path(index)
-        dst = _fresh(os.path.join(self.directory, os.path.basename(src) + ".frozen"))
+        dst = self._frozen_name(src)
         try:
             if not link_new(src, dst):
                 return False
         except FileNotFoundError:
             raise _missing(src) from None
         self.made.append(dst)
-        names = [state for state, seg in SEGMENTS.items() if getattr(bucket, seg) is not None]
-        self.maps[index] = torch.empty(len(names) * bucket.numel, dtype=torch.float32, device="meta")
-        self.starts[index] = {name: n * bucket.numel for n, name in enumerate(names)}
+        self.starts[index] = _fp32_starts(bucket)
+        self.maps[index] = torch.empty(len(self.starts[index]) * bucket.numel, dtype=torch.float32, device="meta")
         self.paths[index] = self.deferred[index] = dst
         self.ways["defer"] += 1
         return True
@@ -390,13 +399,13 @@ class LoadViews(_Views):
         super().__init__(store, directory)
         try:
             for bucket in store.buckets:
-                names = [s for s, seg in SEGMENTS.items() if getattr(bucket, seg) is not None]
+                starts = _fp32_starts(bucket)
                 path = _fresh(os.path.join(self.directory, f"load-{bucket.index:05d}.f32"))
                 self.made.append(path)
                 with open(path, "wb") as f:
-                    f.truncate(len(names) * bucket.numel * F32)  # sparse: pages only where the load writes
-                self.maps[bucket.index] = _map(path, len(names) * bucket.numel, shared=True)
-                self.starts[bucket.index] = {name: n * bucket.numel for n, name in enumerate(names)}
+                    f.truncate(len(starts) * bucket.numel * F32)  # sparse: pages only where the load writes
+                self.maps[bucket.index] = _map(path, len(starts) * bucket.numel, shared=True)
+                self.starts[bucket.index] = starts
         except BaseException:
             self.close()
             raise
